@@ -1,0 +1,36 @@
+"""The number formats of DESIGN.md §1 in pure torch: the specification every backend meets.
+
+Device-agnostic (CPU or CUDA tensors), no Python loops over blocks; imports neither vLLM
+nor Triton.
+"""
+
+from vllm_mxplus.formats.mbs import mbs_dynamic_bruteforce, mbs_static
+from vllm_mxplus.formats.mbs_search import mbs_dynamic
+from vllm_mxplus.formats.qsnr import qsnr
+from vllm_mxplus.formats.qtensor import QuantizedTensor, fake_quantize, quantize
+from vllm_mxplus.formats.schemes import (
+    FORMATS,
+    MACRO_BLOCK,
+    SCHEMES,
+    FormatSpec,
+    Scheme,
+    get_format,
+    get_scheme,
+)
+
+__all__ = [
+    "FORMATS",
+    "MACRO_BLOCK",
+    "SCHEMES",
+    "FormatSpec",
+    "QuantizedTensor",
+    "Scheme",
+    "fake_quantize",
+    "get_format",
+    "get_scheme",
+    "mbs_dynamic",
+    "mbs_dynamic_bruteforce",
+    "mbs_static",
+    "qsnr",
+    "quantize",
+]

@@ -1,0 +1,55 @@
+"""NVFP4 baseline: E2M1 elements, E4M3 block-16 scales and an fp32 global scale.
+
+g = amax / (6 * 448); s = e4m3(amax_b / 6 / g) (round to nearest even, saturating, fn);
+codes = e2m1(x / (s * g)); x_hat = value * s * g; s = 0 is a zero block (DESIGN.md §1).
+amax is over the tensor given, or over each row (the last dim) with per_row=True, which is
+what the activation path uses so that results never depend on batching.
+
+NaN/Inf (our rule; the spec is silent): the global amax ignores non-finite elements and a
+block holding NaN or Inf gets the e4m3 NaN scale, so it dequantizes to NaN like the MX formats.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_magnitude_code, sign_bit
+
+F8E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+NVFP4_BLOCK = 16
+
+
+def nvfp4_global_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """g = amax / (6 * 448) in fp32 over finite |x|: shape [] or [..., 1] with per_row."""
+    ax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+    amax = ax.amax(-1, keepdim=True) if per_row else ax.amax()
+    return amax / (E2M1_MAX * F8E4M3_MAX)
+
+
+def quantize_nvfp4_blocks(
+    x: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x [..., nB*16], global g -> (unpacked codes, float8_e4m3fn scales [..., nB])."""
+    xb = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    g_b = g if g.dim() == 0 else g  # [..., 1] broadcasts over the block dim
+    absmax = xb.abs().amax(-1)
+    s32 = absmax / E2M1_MAX / g_b
+    s32 = torch.where(g_b > 0, s32, torch.zeros_like(s32))
+    s = s32.clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = s.to(torch.float32)
+    zero = (sf == 0) | ~torch.isfinite(sf)
+    denom = torch.where(zero, torch.ones_like(sf), sf * g_b)
+    v = xb.abs() / denom[..., None]
+    codes = e2m1_magnitude_code(v) | (sign_bit(xb).to(torch.uint8) << 3)
+    codes = torch.where(zero[..., None], torch.zeros_like(codes), codes)
+    return codes.reshape(x.shape), s
+
+
+def dequantize_nvfp4_blocks(
+    codes: torch.Tensor, s: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """x_hat = value * s * g in fp32 (left to right)."""
+    vals = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
+    sg = s.to(torch.float32)[..., None]
+    g_b = g[..., None] if g.dim() else g
+    return ((vals * sg) * g_b).reshape(codes.shape)

@@ -1,0 +1,156 @@
+"""`quantize` / `fake_quantize` and the QuantizedTensor container for every named format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mxplus.formats.e2m1 import pack_fp4, unpack_fp4
+from vllm_mxplus.formats.mbs import mbs_static
+from vllm_mxplus.formats.mbs_search import mbs_dynamic
+from vllm_mxplus.formats.mx import (
+    dequantize_e8m0_blocks,
+    dequantize_mbs,
+    quantize_e8m0_blocks,
+    quantize_mbs,
+)
+from vllm_mxplus.formats.mxplus import dequantize_mxplus_blocks, quantize_mxplus_blocks
+from vllm_mxplus.formats.nvfp4 import (
+    dequantize_nvfp4_blocks,
+    nvfp4_global_scale,
+    quantize_nvfp4_blocks,
+)
+from vllm_mxplus.formats.schemes import MACRO_BLOCK, FormatSpec, get_format
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class QuantizedTensor:
+    """A tensor quantized along its last dim K.
+
+    codes: uint8 [..., ceil(K/2)], two E2M1 codes per byte (element 2i in the low nibble).
+    scales: uint8 E8M0 [..., ceil(K/block)], or float8_e4m3fn for nvfp4.
+    mbs: uint8 [..., ceil(K/macro_block)] MBS bytes (MBS formats only).
+    global_scale: fp32 (nvfp4 only): shape [] per tensor or [..., 1] per row.
+    block_max_index: uint8 [..., ceil(K/32)] (mxplus only; 255 = no block max).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    shape: torch.Size
+    mbs: Optional[torch.Tensor] = None
+    global_scale: Optional[torch.Tensor] = None
+    block_max_index: Optional[torch.Tensor] = None
+    macro_block: int = MACRO_BLOCK
+
+    @property
+    def spec(self) -> FormatSpec:
+        return get_format(self.fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized tensor in fp32 (then cast to dtype), original shape."""
+        spec = self.spec
+        k = self.shape[-1]
+        kp = _padded_k(spec, k, self.macro_block)
+        codes = F.pad(unpack_fp4(self.codes, k), (0, kp - k))
+        nb = kp // spec.block_size
+        scales = _pad_last(self.scales, nb)
+        if spec.scale_rule == "e4m3":
+            g = self.global_scale
+            out = dequantize_nvfp4_blocks(codes, scales, g)
+        elif spec.block_max_mantissa:
+            bm = _pad_last(self.block_max_index, nb, value=255)
+            out = dequantize_mxplus_blocks(codes, scales, bm)
+        elif spec.mbs:
+            m = _pad_last(self.mbs, kp // self.macro_block)
+            out = dequantize_mbs(codes, scales, m, spec.block_size)
+        else:
+            out = dequantize_e8m0_blocks(codes, scales, spec.block_size)
+        return out[..., :k].to(dtype)
+
+
+def _padded_k(spec: FormatSpec, k: int, macro_block: int) -> int:
+    unit = macro_block if spec.mbs else spec.block_size
+    return _ceil_div(k, unit) * unit
+
+
+def _pad_last(t: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:
+    if t.shape[-1] == n:
+        return t
+    pad = torch.full((*t.shape[:-1], n - t.shape[-1]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=-1)
+
+
+def _check_input(x: torch.Tensor, macro_block: int, spec: FormatSpec) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"unsupported dtype {x.dtype}: quantize takes float32, bfloat16 or float16"
+        )
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}: empty last dim")
+    if spec.mbs and (macro_block <= 0 or macro_block % spec.block_size):
+        raise ValueError(
+            f"macro_block must be a positive multiple of {spec.block_size}, got {macro_block}"
+        )
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    macro_block: int = MACRO_BLOCK,
+    per_row: bool = False,
+) -> QuantizedTensor:
+    """Quantize x along its last dim with a named format (DESIGN.md §1).
+
+    x: bf16/fp16/fp32, any leading shape, any K >= 1 (partial blocks and macro blocks are
+    shorter blocks; callers never pad). macro_block: MBS macro-block size (the paper's
+    ablation, Appendix A). per_row: nvfp4 only, one global scale per row (activations).
+    """
+    spec = get_format(fmt)
+    _check_input(x, macro_block, spec)
+    k = x.shape[-1]
+    kp = _padded_k(spec, k, macro_block)
+    xp = F.pad(x.to(torch.float32), (0, kp - k)).contiguous()
+    nb = _ceil_div(k, spec.block_size)
+    extra: dict = {}
+    if spec.scale_rule == "e4m3":
+        g = nvfp4_global_scale(xp, per_row)
+        codes, scales = quantize_nvfp4_blocks(xp, g)
+        extra["global_scale"] = g
+    elif spec.block_max_mantissa:
+        codes, scales, bm = quantize_mxplus_blocks(xp)
+        extra["block_max_index"] = bm[..., :nb].contiguous()
+    elif spec.mbs:
+        search = mbs_static if spec.mbs == "static" else mbs_dynamic
+        m = search(xp, macro_block)
+        codes, scales = quantize_mbs(xp, m, spec.block_size)
+        extra["mbs"] = m[..., : _ceil_div(k, macro_block)].contiguous()
+    else:
+        codes, scales = quantize_e8m0_blocks(xp, spec.block_size, spec.scale_rule)
+    return QuantizedTensor(
+        codes=pack_fp4(codes[..., :k]),
+        scales=scales[..., :nb].contiguous(),
+        fmt=spec.name,
+        shape=torch.Size(x.shape),
+        macro_block=macro_block,
+        **extra,
+    )
+
+
+def fake_quantize(
+    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK, per_row: bool = False
+) -> torch.Tensor:
+    """quantize(x, fmt).dequantize(): fp32, same shape as x."""
+    return quantize(x, fmt, macro_block=macro_block, per_row=per_row).dequantize()
