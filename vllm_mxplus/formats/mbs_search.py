@@ -24,12 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.formats.e2m1 import (
-    E2M1_THRESHOLDS,
-    E2M1_TIE_ROUNDS_UP,
-    E2M1_VALUES,
-    e2m1_magnitude_code,
-)
+from vllm_mxplus.formats.e2m1 import E2M1_THRESHOLDS, E2M1_TIE_ROUNDS_UP, E2M1_VALUES
 from vllm_mxplus.formats.e8m0 import float_exponent_mantissa, pow2_f32
 from vllm_mxplus.formats.mbs import mbs_dynamic_bruteforce, mbs_sse
 
@@ -41,27 +36,50 @@ CHUNK_ELEMS = 1 << 19
 OAS_MANTISSA = 0x600000
 
 
-def _first_true(u: torch.Tensor, t: torch.Tensor, strict: torch.Tensor) -> torch.Tensor:
-    """Smallest m in [0, 256] with fp32(u * F_m) > t (strict) or >= t, for u, t fp32.
+def _strict_thresholds(device: torch.device) -> torch.Tensor:
+    """E2M1 thresholds as strict ones: v >= t equals v > prev_float(t) for the tie-up ones."""
+    t = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32)
+    up = torch.tensor(E2M1_TIE_ROUNDS_UP)
+    t = torch.where(up, torch.nextafter(t, torch.tensor(0.0)), t)
+    return torch.cat([t, torch.tensor([3.0e38])]).to(device)  # sentinel: never crossed
+
+
+def _code(u: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude code (int64) as the count of strict thresholds exceeded."""
+    c = (u > thr[0].item()).to(torch.uint8)
+    for t in thr[1:7].tolist():
+        c += u > t
+    return c.long()
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] for 1-D t: index_select is several times faster than advanced indexing."""
+    return t.index_select(0, idx)
+
+
+def _first_true(u: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Smallest m in [0, 256] with fp32(u * F_m) > t, for fp32 u > 0 and t (int64).
 
     The real crossing is estimated in fp32 (error << 1 in m); the predicate is then
     checked exactly at the two integers around it. The predicate is monotone in m and
-    is false two steps below / true one step above the estimate, because F_m changes by
-    1/256 per step, far more than one fp32 rounding.
+    is false one step below / true two steps above floor(estimate), because F_m changes
+    by 1/256 per step, far more than one fp32 rounding.
     """
-    r = ((t / u - 1.0) * 256.0).nan_to_num(nan=1e4, posinf=1e4).clamp(-8.0, 1e4)
-    mt = torch.where(strict, torch.floor(r) + 1.0, torch.ceil(r))
-
-    def pred(m: torch.Tensor) -> torch.Tensor:
-        y = u * ((m + 256.0) / 256.0)
-        return torch.where(strict, y > t, y >= t)
-
-    first = mt - 1.0 + (~pred(mt - 1.0)).float() + (~pred(mt)).float()
+    mt = torch.floor(((t / u - 1.0) * 256.0).clamp(-8.0, 1e4))
+    # first = mt + [not P(mt)] + [not P(mt + 1)], with F_m = (m + 256) / 256 exact in fp32
+    first = mt + (u * ((mt + 256.0) * 0.00390625) <= t) + (u * ((mt + 257.0) * 0.00390625) <= t)
     return first.clamp(0.0, float(N_CAND)).to(torch.int64)
 
 
 def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SSE, error bound), each float64 [n, 256], for macro blocks xm fp32 [n, L]."""
+    """(SSE, error bound), each float64 [n, 256], for macro blocks xm fp32 [n, L].
+
+    Per block and scale option k (X_k = 2^(s0 + k), used for m in [0, m*) when k = 0
+    and [m*, 256) when k = 1), A(m) = sum |x| value X and B(m) = sum (value X)^2 are built
+    from difference arrays: the m = 0 sums, plus one step per element where its E2M1 code
+    rises (at most two per option, found by _first_true on the few elements that can
+    reach the next threshold).
+    """
     n, length = xm.shape
     dev = xm.device
     nb = length // block
@@ -71,57 +89,64 @@ def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     e, man = float_exponent_mantissa(a_safe)
     d = (man > OAS_MANTISSA).to(torch.int32)
     s0 = e - 2 + d
-    big_t = pow2_f32(e + d) * 1.75
-    m_star = _first_true(a_safe, big_t, torch.ones_like(a, dtype=torch.bool))  # [n, nb]
+    m_star = _first_true(a_safe, pow2_f32(e + d) * 1.75).flatten()  # scale rises by one here
 
-    thr = torch.tensor(E2M1_THRESHOLDS + (1e30,), device=dev)
-    tie_up = torch.tensor(E2M1_TIE_ROUNDS_UP + (True,), device=dev)
+    thr = _strict_thresholds(dev)
     vals = torch.tensor(E2M1_VALUES + (6.0, 6.0), dtype=torch.float64, device=dev)
-
-    diff = torch.zeros(n * (N_CAND + 1), 2, dtype=torch.float64, device=dev)
-    row = torch.arange(n, device=dev)[:, None]  # [n, 1]
-    ax64 = ax.double()
+    vals2 = (vals * vals).float()  # multiples of 1/4 up to 36: exact in fp32
+    dvals = vals[1:] - vals[:-1]  # value step when the code rises from c to c + 1
+    dvals2 = vals2[1:] - vals2[:-1]
+    width = N_CAND + 1
+    diff_a = torch.zeros(n * width, dtype=torch.float64, device=dev)
+    diff_b = torch.zeros(n * width, dtype=torch.float64, device=dev)
+    macro_of_block = torch.arange(n, device=dev).repeat_interleave(nb) * width
+    pos_star = macro_of_block + m_star  # [n*nb] flat position of m* per block
+    pos_end = macro_of_block + N_CAND  # the unused slot 256 of each macro block
+    axf = ax.flatten()
+    ax64 = axf.double()
 
     for k in (0, 1):
-        xk = pow2_f32(s0 + k)  # [n, nb] block scale X for this option
-        u = ax * pow2_f32(-(s0 + k))[..., None]  # exact scaled magnitudes at m = 0
-        c0 = e2m1_magnitude_code(u).long()
-        b1 = _first_true(u, thr[c0], ~tie_up[c0])
-        b2 = _first_true(u, thr[(c0 + 1).clamp(max=7)], ~tie_up[(c0 + 1).clamp(max=7)])
-        b1 = torch.where(c0 < 7, b1, N_CAND)
-        b2 = torch.where(c0 < 6, b2, N_CAND)
-        if k == 0:
-            lo, hi = torch.zeros_like(m_star), m_star
-        else:
-            lo, hi = m_star, torch.full_like(m_star, N_CAND)
-        active = lo < hi  # [n, nb]
-        lo_e, hi_e = lo[..., None], hi[..., None]
-
-        def code_at(m: torch.Tensor) -> torch.Tensor:
-            return c0 + (m >= b1).long() + (m >= b2).long()
-
-        xk64 = xk.double()[..., None]
-
-        def weights(c: torch.Tensor) -> torch.Tensor:
-            q = vals[c] * xk64
-            return torch.stack([ax64 * q, q * q], dim=-1)  # A and B terms
-
-        w_start = weights(code_at(lo_e)).sum(2)  # [n, nb, 2]
-        w_end = weights(code_at(hi_e - 1)).sum(2)
-        act = active[..., None].double()
-        diff.index_add_(0, (row * (N_CAND + 1) + lo).flatten(), (w_start * act).reshape(-1, 2))
-        diff.index_add_(0, (row * (N_CAND + 1) + hi).flatten(), (-w_end * act).reshape(-1, 2))
-        for b, c_before in ((b1, c0), (b2, c0 + 1)):
-            inside = (b > lo_e) & (b < hi_e)
-            if not bool(inside.any()):
+        xk = pow2_f32(s0 + k).double().flatten()  # [n*nb] block scale X of this option
+        u = (ax * pow2_f32(-(s0 + k))[..., None]).flatten()  # exact scaled magnitudes, m = 0
+        c0 = _code(u, thr)  # E2M1 code at m = 0
+        # sums at m = 0 per block
+        s_a = (ax64 * _take(vals, c0)).view(-1, block).sum(-1) * xk
+        s_b = _take(vals2, c0).view(-1, block).sum(-1).double() * (xk * xk)
+        step_a = torch.zeros_like(s_a)
+        step_b = torch.zeros_like(s_b)
+        for level in (0, 1):
+            c = (c0 + level).clamp(max=7)
+            t = _take(thr, c)
+            sel = (u * 2.0 > t).nonzero().squeeze(1)  # only these can cross t for F < 2
+            if sel.numel() == 0:
                 continue
-            c_before = c_before.clamp(max=7)
-            step = weights(c_before + 1) - weights(c_before)
-            pos = (row[..., None] * (N_CAND + 1) + b)[inside]
-            diff.index_add_(0, pos, step[inside])
+            b = _first_true(_take(u, sel), _take(t, sel))
+            blk = sel // block
+            cs = _take(c, sel)
+            xb = _take(xk, blk)
+            w_a = _take(ax64, sel) * _take(dvals, cs) * xb
+            w_b = _take(dvals2, cs).double() * (xb * xb)
+            ms = _take(m_star, blk)
+            if k == 0:  # steps before m* only, each undone at m*; others go to slot 256
+                before = b < ms
+                pos = torch.where(before, _take(macro_of_block, blk) + b, _take(pos_end, blk))
+                step_a.index_add_(0, blk, w_a * before)
+                step_b.index_add_(0, blk, w_b * before)
+            else:  # a step at or before m* is already in effect at m*
+                pos = _take(macro_of_block, blk) + torch.maximum(b, ms)
+            diff_a.index_add_(0, pos, w_a)
+            diff_b.index_add_(0, pos, w_b)
+        if k == 0:  # option 0 holds on [0, m*)
+            diff_a.index_add_(0, macro_of_block, s_a)
+            diff_b.index_add_(0, macro_of_block, s_b)
+            diff_a.index_add_(0, pos_star, -(s_a + step_a))
+            diff_b.index_add_(0, pos_star, -(s_b + step_b))
+        else:  # option 1 holds on [m*, 256)
+            diff_a.index_add_(0, pos_star, s_a)
+            diff_b.index_add_(0, pos_star, s_b)
 
-    cum = diff.view(n, N_CAND + 1, 2).cumsum(1)[:, :N_CAND]
-    big_a, big_b = cum[..., 0], cum[..., 1]
+    big_a = diff_a.view(n, width).cumsum(1)[:, :N_CAND]
+    big_b = diff_b.view(n, width).cumsum(1)[:, :N_CAND]
     f = 1.0 + torch.arange(N_CAND, dtype=torch.float64, device=dev) / 256.0
     energy = xm.double().square().sum(-1, keepdim=True)
     xhat_energy = big_b / (f * f)

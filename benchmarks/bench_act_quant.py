@@ -1,0 +1,75 @@
+"""Activation quantizer throughput as a ratio to torch.clone of the same input (same GPU).
+
+Bytes moved: the kernel reads x once and writes codes, scales, MBS (and, for nvfp4, the
+global scale); clone reads and writes x. GB/s of each and quantizer/clone bandwidth ratio.
+
+  python benchmarks/bench_act_quant.py [--formats mxfp4-mbs-s,nvfp4] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Callable
+
+import torch
+
+SHAPES = [(1, 4096), (16, 4096), (1024, 4096), (8192, 4096), (4096, 14336), (8192, 576)]
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def require_cuda(name: str) -> None:
+    """Exit cleanly (status 0) with a message when there is no CUDA device."""
+    if not torch.cuda.is_available():
+        print(f"{name}: no CUDA device on this machine; nothing to measure (skipped).")
+        sys.exit(0)
+
+
+def banner(name: str) -> None:
+    import triton
+
+    dev = torch.cuda.get_device_properties(0)
+    print(f"# {name}")
+    print(f"# machine: {platform.node()} | {dev.name} ({dev.multi_processor_count} SMs, "
+          f"{dev.total_memory / 2**30:.0f} GiB) | cc {dev.major}.{dev.minor}")
+    print(f"# versions: python {platform.python_version()} | torch {torch.__version__} | "
+          f"cuda {torch.version.cuda} | triton {triton.__version__}")
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> float:
+    """Median milliseconds per call via triton.testing.do_bench (L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--formats", default="mxfp4-mbs-s,mxfp4-16-oas,mxfp4-ocp,nvfp4")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    args = ap.parse_args()
+    require_cuda("bench_act_quant")
+    from vllm_mxplus.ops.triton_act_quant import act_quant
+
+    banner("act_quant vs torch.clone (baseline), GB/s and ratio")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print(f"{'format':14s} {'M':>6s} {'K':>6s} {'quant us':>9s} {'GB/s':>7s} "
+          f"{'clone us':>9s} {'GB/s':>7s} {'ratio':>6s}")
+    for fmt in args.formats.split(","):
+        for m, k in SHAPES:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            outs = act_quant(x, fmt)
+            t_q = bench_ms(lambda: act_quant(x, fmt))
+            t_c = bench_ms(lambda: x.clone())
+            gb_q = (nbytes(x) + nbytes(*outs)) / t_q / 1e6
+            gb_c = 2 * nbytes(x) / t_c / 1e6
+            print(f"{fmt:14s} {m:6d} {k:6d} {t_q * 1e3:9.1f} {gb_q:7.0f} "
+                  f"{t_c * 1e3:9.1f} {gb_c:7.0f} {gb_q / gb_c:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Run a list of vLLM generation jobs in ONE process and write their results as JSON.
+
+    python vllm_driver.py JOBS.json OUT.json
+
+Engine start-up (imports, spawn) dominates on a 2-core CI box, so the tests batch every
+engine they need into one driver run: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the engines are
+built one after another in this process (a few seconds each). Tensor-parallel jobs need the
+multiprocess executor and run in a separate driver invocation.
+
+A job: {"id", "model", "quantization" (or null), "dtype", "prompts", "max_tokens",
+"tp" (default 1), "logprobs" (default 1)}. A result: {"tokens": [[int]], "logprobs":
+[[float]] (of the chosen tokens), "error": str or null, "load_s", "gen_s"}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def run_job(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    try:
+        llm = LLM(
+            model=job["model"], quantization=job.get("quantization"), dtype=job["dtype"],
+            enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+            tensor_parallel_size=job.get("tp", 1),
+        )
+    except Exception as e:  # load failures are results too (bad-checkpoint tests)
+        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
+    t1 = time.time()
+    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                        logprobs=job.get("logprobs", 1))
+    outs = llm.generate(job["prompts"], sp, use_tqdm=False)
+    res = {"tokens": [], "logprobs": [], "error": None, "load_s": t1 - t0,
+           "gen_s": time.time() - t1}
+    for o in outs:
+        c = o.outputs[0]
+        res["tokens"].append(list(c.token_ids))
+        res["logprobs"].append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    del llm
+    return res
+
+
+def main() -> None:
+    jobs = json.loads(open(sys.argv[1]).read())
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    results = {}
+    for job in jobs:
+        results[job["id"]] = run_job(job)
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        with open(sys.argv[2], "w") as f:  # partial results survive a crash at shutdown
+            json.dump(results, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (SIGABRT seen at vLLM shutdown, DESIGN.md §5)
+
+
+if __name__ == "__main__":
+    main()

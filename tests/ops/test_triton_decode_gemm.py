@@ -1,0 +1,198 @@
+"""Triton decode GEMM vs. the float64 product of the reference dequantizations.
+
+y_ref = x_hat @ W_hat^T (+ bias) in float64, x_hat and W_hat from `formats` dequantize. The
+kernel forms exact products (value * 2^e is exact in bf16/fp32) and accumulates in fp32, so
+the only error is fp32 rounding in the sums and in the per-macro-block division by
+Fx * Fw. Stated bound, fp32 output:
+    |y - y_ref| <= 2^-16 * (|x_hat| @ |W_hat|^T + |bias|)
+which allows ~K/128 + 8 fp32 roundings of a sum of absolute terms (K <= 4096: < 2^-17.5);
+measured errors are ~2^-25. bf16 / fp16 output adds the half-ulp of the cast (2^-9 / 2^-12
+relative, plus fp16's subnormal step).
+
+Runs on CPU under TRITON_INTERPRET=1 (tests/ops/conftest.py) or on CUDA when compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mxplus.formats import quantize
+from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
+
+# (weight format, activation format): the paper's schemes with an E8M0 layout.
+PAIRS = {
+    "mbs-h": ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+    "mbs-s": ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+    "oas16": ("mxfp4-16-oas", "mxfp4-16-oas"),
+    "ocp32": ("mxfp4-ocp", "mxfp4-ocp"),
+}
+ACC_BOUND = 2.0**-16  # relative to |x_hat| @ |W_hat|^T; see the module docstring
+OUT_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 0.0),
+                torch.float16: (2.0**-10, 2.0**-24)}
+
+# Every listed M, K and N appears; the largest products only for the cheaper formats
+# (MBS-D's exact search on a 1536 x 4096 weight takes ~40 s on this CPU).
+SHAPES = [  # (M, K, N)
+    (1, 100, 64),
+    (33, 576, 64),
+    (100, 1536, 64),
+    (1, 4096, 64),
+    (33, 100, 1536),
+    (1, 576, 1536),
+    (16, 4096, 1536),
+]
+CASES = [(p, *s) for s in SHAPES for p in PAIRS if not (p == "mbs-h" and s[2] * s[1] > 1 << 20)]
+
+
+def operands(m: int, k: int, n: int, pair: str, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=gen))
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, :: max(1, k // 7)] *= 20.0  # outlier columns, as LLM weights have
+    wf, xf = PAIRS[pair]
+    qx = quantize(x.to(torch.bfloat16).to(device), xf)
+    qw = quantize(w.to(torch.bfloat16).to(device), wf)
+    return qx, qw
+
+
+def reference(qx, qw, bias=None):
+    xh, wh = qx.dequantize().double(), qw.dequantize().double()
+    y = xh @ wh.T
+    scale = xh.abs() @ wh.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        scale = scale + bias.double().abs()
+    return y, scale
+
+
+def run(qx, qw, k, **kw):
+    return decode_gemm(qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, k, **kw)
+
+
+def assert_within_bound(y, y_ref, scale, out_dtype):
+    rel, absolute = OUT_ROUNDING[out_dtype]
+    y = y.double().cpu()
+    y_ref, scale = y_ref.cpu(), scale.cpu()
+    bound = ACC_BOUND * scale + rel * y_ref.abs() + absolute
+    err = (y - y_ref).abs()
+    nan_ref = y_ref.isnan()
+    assert torch.equal(y.isnan(), nan_ref), "NaN pattern differs from the reference"
+    bad = (err > bound) & ~nan_ref
+    assert not bad.any(), (
+        f"{int(bad.sum())} outputs out of bound, first at {tuple(bad.nonzero()[0].tolist())}: "
+        f"err {err[bad].max().item():.3g}, bound there {bound[bad].min().item():.3g}"
+    )
+
+
+@pytest.mark.parametrize("pair,m,k,n", CASES, ids=[f"{p}-M{m}-K{k}-N{n}" for p, m, k, n in CASES])
+def test_matches_float64_reference(pair, m, k, n, triton_device):
+    qx, qw = operands(m, k, n, pair, triton_device, seed=m + k + n)
+    y = run(qx, qw, k, out_dtype=torch.float32)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_bias_and_output_dtype(pair, out_dtype, triton_device):
+    qx, qw = operands(5, 576, 96, pair, triton_device, seed=1)
+    bias = (torch.randn(96) * 0.5).to(out_dtype).to(triton_device)
+    y = run(qx, qw, 576, bias=bias, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    assert_within_bound(y, *reference(qx, qw, bias), out_dtype)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("pair", ["mbs-s", "oas16"])
+def test_split_k_and_odd_k(pair, split_k, triton_device):
+    """Split-K slices (partial sums reduced in fp32) and K odd (half-filled last byte),
+    not a multiple of 16 (partial block) nor of 128 (partial macro block)."""
+    k = 1201
+    qx, qw = operands(3, k, 80, pair, triton_device, seed=split_k)
+    bias = torch.randn(80).to(triton_device)
+    y = run(qx, qw, k, bias=bias, out_dtype=torch.float32, split_k=split_k)
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_nan_and_zero_rows(triton_device):
+    """A NaN block in x makes its output row NaN (E8M0 255 dequantizes to NaN); a zero row
+    gives exactly bias."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=gen)
+    x[1] = 0.0
+    x[2, 40] = float("nan")
+    w = torch.randn(48, 300, generator=gen) * 0.1
+    qx = quantize(x.to(triton_device), "mxfp4-mbs-s")
+    qw = quantize(w.to(triton_device), "mxfp4-mbs-s")
+    bias = torch.randn(48).to(triton_device)
+    y = run(qx, qw, 300, bias=bias, out_dtype=torch.float32)
+    assert y[2].isnan().all() and not y[[0, 1, 3]].isnan().any()
+    assert torch.equal(y[1].cpu(), bias.cpu())
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_block_size_inference_and_errors(triton_device):
+    qx, qw = operands(2, 256, 32, "ocp32", triton_device)
+    y = run(qx, qw, 256, out_dtype=torch.float32)  # 8 scales for K=256: block 32
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+    with pytest.raises(ValueError, match="w_codes"):
+        decode_gemm(qx.codes, qx.scales, None, qw.codes[:, :-1], qw.scales, None, 256)
+    with pytest.raises(ValueError, match="fit no block size"):
+        decode_gemm(qx.codes, qx.scales[:, :5], None, qw.codes, qw.scales, None, 256)
+    with pytest.raises(ValueError, match="bias"):
+        decode_gemm(qx.codes, qx.scales, None, qw.codes, qw.scales, None, 256,
+                    bias=torch.zeros(7, device=triton_device))
+
+
+def test_custom_op_matches_and_traces(triton_device):
+    from vllm_mxplus.ops.custom_ops import decode_gemm_op
+
+    qx, qw = operands(3, 256, 32, "mbs-h", triton_device, seed=4)
+    bias = torch.randn(32).to(triton_device)
+    args = (qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, 256)
+    want = decode_gemm(*args, bias=bias, out_dtype=torch.float32)
+    got = decode_gemm_op(*args, bias=bias, out_dtype=torch.float32)
+    assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.vllm_mxplus.triton_decode_gemm.default,
+                          (*args, bias, torch.bfloat16, 16))
+    compiled = torch.compile(lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32),
+                             backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(*args), want)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+GPU_SHAPES = [(1, 4096, 4096), (4, 4096, 14336), (16, 14336, 4096), (7, 5120 + 64, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", ["mbs-s", "oas16", "ocp32"])
+@pytest.mark.parametrize("m,k,n", GPU_SHAPES, ids=[f"M{m}-K{k}-N{n}" for m, k, n in GPU_SHAPES])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_real_sizes(pair, m, k, n, out_dtype, cuda_device):
+    # MBS-D weights share MBS-S's layout; its exact search is slow, so -s weights stand in.
+    qx, qw = operands(m, k, n, pair, cuda_device, seed=m)
+    bias = torch.randn(n, device=cuda_device)
+    y = run(qx, qw, k, bias=bias, out_dtype=out_dtype)
+    assert_within_bound(y, *reference(qx, qw, bias), out_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(cuda_device):
+    from vllm_mxplus.ops.custom_ops import act_quant_op, decode_gemm_op
+
+    x = torch.randn(4, 4096, device=cuda_device, dtype=torch.bfloat16)
+    qw = quantize(torch.randn(4096, 4096, device=cuda_device) * 0.02, "mxfp4-mbs-s")
+
+    def step(t):
+        codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s")
+        return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096)
+
+    step(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    qx = quantize(x, "mxfp4-mbs-s")
+    assert_within_bound(out, *reference(qx, qw), torch.bfloat16)

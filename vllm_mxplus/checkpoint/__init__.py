@@ -1,0 +1,28 @@
+"""Offline quantizer and reader for the vllm-mxplus checkpoint layout (DESIGN.md §2).
+
+    quantize_checkpoint(src, dst, "mxfp4-mbs")  # HF dir -> quantized dir (mxplus quantize)
+    load(dst)               # {module: formats.QuantizedTensor}
+    load_unquantized(dst)   # {tensor name: tensor} kept in high precision
+    open_checkpoint(dst)    # validated layout, config, per-module shapes, no data read
+"""
+
+from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
+from vllm_mxplus.checkpoint.reader import (
+    QuantizedCheckpoint,
+    load,
+    load_unquantized,
+    open_checkpoint,
+)
+from vllm_mxplus.checkpoint.report import QuantizeReport
+
+__all__ = [
+    "CheckpointError",
+    "QuantizeReport",
+    "QuantizedCheckpoint",
+    "UsageError",
+    "load",
+    "load_unquantized",
+    "open_checkpoint",
+    "quantize_checkpoint",
+]

@@ -1,0 +1,119 @@
+"""`mxplus quantize SRC DST --scheme NAME`: the offline quantizer's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+
+from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
+from vllm_mxplus.formats import SCHEMES
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+DESCRIPTION = """\
+Quantize a local Hugging Face model directory (safetensors, single file or sharded) into the
+vllm-mxplus checkpoint layout: packed FP4 weights, E8M0 (or E4M3) block scales, MBS bytes, and
+a quantization_config in config.json that vLLM detects with no flag.
+
+Linear weights (attention, MLP, MoE experts) are quantized with the scheme's weight format;
+lm_head, embeddings and MoE routers stay in their original dtype, as do modules matched by
+--ignore. Tokenizer and other non-weight files are copied. The run streams tensor by tensor
+(memory ~ the largest tensor) and writes into a temporary directory renamed to DST at the end.
+"""
+
+EPILOG = """\
+examples:
+  mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs --scheme mxfp4-mbs
+  mxplus quantize ./llama ./llama-nvfp4 --scheme nvfp4 --ignore 're:layers\\.0\\.' --force
+"""
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '123' -> bytes (argparse type)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 500MiB)")
+    n = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()]
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return int(n)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `quantize` subcommand to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "quantize", help="quantize a Hugging Face checkpoint offline",
+        description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="local Hugging Face model directory (safetensors)")
+    p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
+    p.add_argument("--scheme", default="mxfp4-mbs", choices=list(SCHEMES), metavar="NAME",
+                   help="quantization scheme: " + ", ".join(SCHEMES) + " (default: %(default)s)")
+    p.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                   help="keep modules matching PATTERN in high precision (repeatable): an "
+                        "fnmatch glob on the module name or a dotted suffix of it "
+                        "(e.g. 'down_proj', 'model.layers.0.*'), or 're:REGEX' (re.search)")
+    p.add_argument("--device", default=None,
+                   help="device that quantizes: cpu, cuda, cuda:N "
+                        "(default: cuda if available, else cpu)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+                   metavar="SIZE", help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `quantize` for parsed args; print a summary; return the exit code."""
+    logging.basicConfig(level=logging.WARNING, format="mxplus quantize: warning: %(message)s")
+    try:  # SIGTERM unwinds like Ctrl-C, so the temp dir is removed (main thread only)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:
+        previous = None
+    try:
+        report = quantize_checkpoint(
+            args.src, args.dst, args.scheme, ignore=args.ignore, device=args.device,
+            force=args.force, max_shard_bytes=args.max_shard_size,
+            progress=not args.no_progress,
+        )
+    except UsageError as e:
+        print(f"mxplus quantize: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CheckpointError, OSError) as e:
+        print(f"mxplus quantize: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (KeyboardInterrupt, _Terminated):
+        print(f"mxplus quantize: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(report.summary())
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m vllm_mxplus.checkpoint.cli_quantize ...`)."""
+    parser = argparse.ArgumentParser(prog="mxplus")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["quantize", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

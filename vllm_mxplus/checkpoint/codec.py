@@ -1,0 +1,146 @@
+"""QuantizedTensor <-> the stored tensors of DESIGN.md §2 (layout.py), and the weight quantizer.
+
+Stored per quantized weight of logical shape [..., N, K] (leading dims: stacked experts):
+  weight_packed uint8 [..., N, ceil(K/2)], weight_scale uint8 (F8_E4M3 for nvfp4)
+  [..., N, ceil(K/block)], weight_mbs uint8 [..., N, ceil(K/128)], weight_bm_index uint8
+  [..., N, ceil(K/32)], weight_global_scale fp32 [1] (2-D) or [E, 1] (3-D: one per expert,
+  since each expert is its own logical weight, DESIGN.md §1 NVFP4).
+K itself cannot be recovered from the packed shape when it is odd, so the writer also records
+each weight's logical shape and dtype in the shard's __metadata__ (WEIGHTS_METADATA_KEY).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from vllm_mxplus.checkpoint.layout import (
+    SUFFIX_BM_INDEX,
+    SUFFIX_GLOBAL,
+    SUFFIX_MBS,
+    SUFFIX_PACKED,
+    SUFFIX_SCALE,
+    weight_suffixes,
+)
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, quantize
+
+WEIGHTS_METADATA_KEY = "mxplus_weights"  # JSON {module: {"shape": [...], "dtype": "BF16"}}
+MXPLUS_BLOCK = 32  # MX+ stores one block-max index per 32-element block
+CHUNK_ELEMS = 1 << 22  # rows per quantize() call ~ 4M elements: bounds the temporaries
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stored_layout(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """suffix -> (safetensors dtype, shape) of every stored tensor for a weight of `shape`."""
+    spec = get_format(fmt)
+    *lead, k = shape
+    lead = tuple(lead)
+    dims = {
+        SUFFIX_PACKED: ("U8", lead + (_ceil_div(k, 2),)),
+        SUFFIX_SCALE: ("F8_E4M3" if spec.scale_rule == "e4m3" else "U8",
+                       lead + (_ceil_div(k, spec.block_size),)),
+        SUFFIX_MBS: ("U8", lead + (_ceil_div(k, MACRO_BLOCK),)),
+        SUFFIX_GLOBAL: ("F32", tuple(shape[:-2]) + (1,)),
+        SUFFIX_BM_INDEX: ("U8", lead + (_ceil_div(k, MXPLUS_BLOCK),)),
+    }
+    return {s: dims[s] for s in weight_suffixes(fmt)}
+
+
+def encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    """suffix -> CPU tensor to store, in layout.weight_suffixes order."""
+    out = {SUFFIX_PACKED: q.codes, SUFFIX_SCALE: q.scales}
+    if q.mbs is not None:
+        out[SUFFIX_MBS] = q.mbs
+    if q.global_scale is not None:
+        # In memory [] (2-D) or [E, 1, 1] (3-D); stored [1] or [E, 1].
+        out[SUFFIX_GLOBAL] = q.global_scale.reshape(*q.shape[:-2], 1)
+    if q.block_max_index is not None:
+        out[SUFFIX_BM_INDEX] = q.block_max_index
+    return {s: out[s].to("cpu").contiguous() for s in weight_suffixes(q.fmt)}
+
+
+def decode(stored: dict[str, torch.Tensor], fmt: str, shape: tuple[int, ...]) -> QuantizedTensor:
+    """The QuantizedTensor for stored tensors already checked against stored_layout."""
+    g = stored.get(SUFFIX_GLOBAL)
+    if g is not None:
+        # [] for one weight; [E, 1, 1] so that it broadcasts over each expert's blocks.
+        g = g.reshape(()) if len(shape) == 2 else g.reshape(*shape[:-2], 1, 1)
+    return QuantizedTensor(
+        codes=stored[SUFFIX_PACKED],
+        scales=stored[SUFFIX_SCALE],
+        fmt=fmt,
+        shape=torch.Size(shape),
+        mbs=stored.get(SUFFIX_MBS),
+        global_scale=g,
+        block_max_index=stored.get(SUFFIX_BM_INDEX),
+        macro_block=MACRO_BLOCK,
+    )
+
+
+def quantize_weight(
+    w: torch.Tensor,
+    fmt: str,
+    device: torch.device | str = "cpu",
+    on_progress: Optional[Callable[[float], None]] = None,
+) -> tuple[QuantizedTensor, float, float]:
+    """Quantize one (possibly expert-stacked) weight: (QuantizedTensor on CPU, ‖w‖², ‖w − ŵ‖²).
+
+    Equals quantize(w, fmt) for 2-D weights and quantize(w[e], fmt) per expert for 3-D ones,
+    bit for bit: rows are independent, so the work is split into row chunks to bound the
+    temporaries (nvfp4 needs its per-weight global amax, so its unit is one whole weight).
+    on_progress(fraction) is called after each chunk. The squared norms are fp64 sums.
+    """
+    spec = get_format(fmt)
+    k = w.shape[-1]
+    if spec.scale_rule == "e4m3":
+        units = [w] if w.dim() == 2 else list(w.unbind(0))
+    else:
+        rows = w.reshape(-1, k)
+        units = list(rows.split(max(1, CHUNK_ELEMS // k)))
+    parts: list[QuantizedTensor] = []
+    sig = err = 0.0
+    for i, unit in enumerate(units):
+        x = unit.to(device)
+        q = quantize(x, fmt)
+        xh = q.dequantize()
+        x64 = x.double()
+        sig += float((x64 * x64).sum())
+        err += float(((x64 - xh.double()) ** 2).sum())
+        parts.append(_to_cpu(q))
+        del x, xh, x64
+        if on_progress is not None:
+            on_progress((i + 1) / len(units))
+    return _merge(parts, fmt, tuple(w.shape)), sig, err
+
+
+def _to_cpu(q: QuantizedTensor) -> QuantizedTensor:
+    move = lambda t: None if t is None else t.to("cpu")  # noqa: E731
+    return QuantizedTensor(move(q.codes), move(q.scales), q.fmt, q.shape, move(q.mbs),
+                           move(q.global_scale), move(q.block_max_index), q.macro_block)
+
+
+def _merge(parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...]) -> QuantizedTensor:
+    spec = get_format(fmt)
+    lead = shape[:-1]
+
+    def cat(field: str) -> Optional[torch.Tensor]:
+        ts = [getattr(p, field) for p in parts]
+        if ts[0] is None:
+            return None
+        if spec.scale_rule == "e4m3" and len(shape) == 3:
+            return torch.stack(ts)  # one whole weight per expert
+        t = torch.cat([x.reshape(-1, x.shape[-1]) for x in ts]) if ts[0].dim() else ts[0]
+        return t.reshape(*lead, t.shape[-1]) if t.dim() else t
+
+    g = cat("global_scale")
+    if g is not None and g.dim():
+        g = g.reshape(*shape[:-2], 1, 1)  # [E] per-expert scalars -> broadcastable
+    return QuantizedTensor(
+        codes=cat("codes"), scales=cat("scales"), fmt=fmt, shape=torch.Size(shape),
+        mbs=cat("mbs"), global_scale=g, block_max_index=cat("block_max_index"),
+        macro_block=MACRO_BLOCK,
+    )

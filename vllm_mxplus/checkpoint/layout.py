@@ -1,0 +1,73 @@
+"""The MXFP4-MBS checkpoint layout (DESIGN.md §2): tensor names and `quantization_config`.
+
+Per quantized linear NAME (its HF weight is NAME.weight [N, K]):
+  NAME.weight_packed        uint8 [N, ceil(K/2)]   two E2M1 codes per byte
+  NAME.weight_scale         uint8 [N, ceil(K/bs)]  E8M0 (float8_e4m3fn for nvfp4)
+  NAME.weight_mbs           uint8 [N, ceil(K/128)] MBS formats only
+  NAME.weight_global_scale  float32 [1]            nvfp4 only
+  NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
+A bias stays NAME.bias in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the
+leading expert dim on every tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+
+FORMAT_VERSION = 1
+SUFFIX_PACKED = "weight_packed"
+SUFFIX_SCALE = "weight_scale"
+SUFFIX_MBS = "weight_mbs"
+SUFFIX_GLOBAL = "weight_global_scale"
+SUFFIX_BM_INDEX = "weight_bm_index"
+ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "wte", "wpe", "embed_positions")
+
+
+def weight_suffixes(fmt: str) -> tuple[str, ...]:
+    """The tensor suffixes stored for one quantized weight of format fmt."""
+    spec = get_format(fmt)
+    out = [SUFFIX_PACKED, SUFFIX_SCALE]
+    if spec.mbs:
+        out.append(SUFFIX_MBS)
+    if spec.scale_rule == "e4m3":
+        out.append(SUFFIX_GLOBAL)
+    if spec.block_max_mantissa:
+        out.append(SUFFIX_BM_INDEX)
+    return tuple(out)
+
+
+def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dict[str, Any]:
+    """The `quantization_config` block written into config.json."""
+    s = get_scheme(scheme)
+    w = get_format(s.weight_format)
+    a = get_format(s.activation_format)
+    return {
+        "quant_method": s.name,
+        "format_version": FORMAT_VERSION,
+        "weight_format": w.name,
+        "activation_format": a.name,
+        "weight_block_size": w.block_size,
+        "activation_block_size": a.block_size,
+        "macro_block_size": MACRO_BLOCK if (w.mbs or a.mbs) else None,
+        "modules_to_not_convert": sorted(set(unquantized_modules)),
+        "producer": "vllm-mxplus",
+    }
+
+
+def check_quantization_config(cfg: dict[str, Any], where: str = "config.json") -> None:
+    """Raise ValueError naming the field at fault when a quantization_config is not ours."""
+    version = cfg.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{where}: quantization_config.format_version {version!r} is not supported "
+            f"(this vllm-mxplus reads version {FORMAT_VERSION})"
+        )
+    s = get_scheme(cfg.get("quant_method"))
+    for key, expected in (("weight_format", s.weight_format), ("activation_format", s.activation_format)):
+        if cfg.get(key) != expected:
+            raise ValueError(
+                f"{where}: quantization_config.{key} is {cfg.get(key)!r}, "
+                f"scheme {s.name!r} expects {expected!r}"
+            )

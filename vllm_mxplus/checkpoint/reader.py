@@ -1,0 +1,210 @@
+"""Read and validate a quantized checkpoint (DESIGN.md §2): the reverse of the quantizer.
+
+`open_checkpoint(path)` parses config.json and every shard header and checks the layout
+without reading tensor data: each quantized module has every tensor its format stores, with
+the right dtype and shape, and nothing else. Errors name the file and the tensor at fault.
+`load(path)` returns {module: QuantizedTensor}; `load_unquantized(path)` the other tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+from vllm_mxplus.checkpoint.codec import WEIGHTS_METADATA_KEY, decode, stored_layout
+from vllm_mxplus.checkpoint.errors import CheckpointError
+from vllm_mxplus.checkpoint.layout import (
+    SUFFIX_BM_INDEX,
+    SUFFIX_GLOBAL,
+    SUFFIX_MBS,
+    SUFFIX_PACKED,
+    SUFFIX_SCALE,
+    check_quantization_config,
+)
+from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_header
+from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME
+from vllm_mxplus.formats import QuantizedTensor
+
+ALL_SUFFIXES = (SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL, SUFFIX_BM_INDEX)
+
+
+@dataclass
+class QuantizedModule:
+    """One quantized weight: its logical shape and dtype and its stored tensors."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Optional[str]  # the source dtype ("BF16", ...) when recorded
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # suffix -> stored tensor
+
+
+@dataclass
+class QuantizedCheckpoint:
+    path: Path
+    config: dict[str, Any]
+    weight_format: str
+    modules: dict[str, QuantizedModule]
+    other: dict[str, TensorInfo]  # unquantized tensors by name
+
+    @property
+    def quantization_config(self) -> dict[str, Any]:
+        return self.config["quantization_config"]
+
+    def quantized(self, device: str | torch.device = "cpu") -> dict[str, QuantizedTensor]:
+        """{module name: QuantizedTensor} for every quantized weight."""
+        data = _get_all([t for m in self.modules.values() for t in m.tensors.values()], device)
+        return {
+            name: decode({sfx: data[t.name] for sfx, t in m.tensors.items()},
+                         self.weight_format, m.shape)
+            for name, m in self.modules.items()
+        }
+
+    def unquantized(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """{tensor name: tensor} for every tensor kept in high precision (norms, embeddings)."""
+        return _get_all(list(self.other.values()), device)
+
+    def original_dtype(self, module: str) -> Optional[torch.dtype]:
+        d = self.modules[module].dtype
+        return DTYPES[d][0] if d in DTYPES else None
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> dict[str, QuantizedTensor]:
+    """{module name: formats.QuantizedTensor} of the quantized checkpoint at path (validated)."""
+    return open_checkpoint(path).quantized(device)
+
+
+def load_unquantized(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors stored in high precision (embeddings, lm_head, norms, ignored modules)."""
+    return open_checkpoint(path).unquantized(device)
+
+
+def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
+    """Parse and validate the checkpoint layout at path without reading tensor data."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: not found")
+    config = _read_json(config_path)
+    qcfg = config.get("quantization_config")
+    if not isinstance(qcfg, dict) or qcfg.get("producer") != "vllm-mxplus":
+        raise CheckpointError(f"{config_path}: no vllm-mxplus quantization_config")
+    try:
+        check_quantization_config(qcfg, str(config_path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    fmt = qcfg["weight_format"]
+    infos, shapes = _read_shards(path)
+    modules, other = _group(infos, shapes)
+    for m in modules.values():
+        _validate_module(m, fmt)
+    return QuantizedCheckpoint(path, config, fmt, modules, other)
+
+
+def _read_shards(path: Path) -> tuple[dict[str, TensorInfo], dict[str, dict]]:
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_NAME).is_file():
+        weight_map, files = {}, [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"{path}: no {SINGLE_NAME} and no {INDEX_NAME}")
+    infos: dict[str, TensorInfo] = {}
+    recorded: dict[str, dict] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise CheckpointError(f"{index}: shard {f} is listed but not found")
+        tensors, meta = read_header(path / f)
+        for t in tensors:
+            infos[t.name] = t
+        try:
+            recorded.update(json.loads(meta.get(WEIGHTS_METADATA_KEY, "{}")))
+        except ValueError:
+            raise CheckpointError(f"{path / f}: corrupted __metadata__ {WEIGHTS_METADATA_KEY}") from None
+    for name, f in weight_map.items():
+        if name not in infos or infos[name].path.name != f:
+            raise CheckpointError(f"{index}: tensor {name!r} is not in its listed shard {f}")
+    return infos, recorded
+
+
+def _group(infos: dict[str, TensorInfo], recorded: dict[str, dict]):
+    modules: dict[str, QuantizedModule] = {}
+    for name, t in infos.items():
+        if name.endswith("." + SUFFIX_PACKED):
+            mod = name[: -len(SUFFIX_PACKED) - 1]
+            rec = recorded.get(mod)
+            if rec is not None:
+                shape, dtype = tuple(rec["shape"]), rec.get("dtype")
+            else:  # not recorded: assume even K (the only ambiguity of the packed shape)
+                shape, dtype = t.shape[:-1] + (2 * t.shape[-1],), None
+            modules[mod] = QuantizedModule(mod, shape, dtype)
+    for mod in recorded:
+        if mod not in modules:
+            raise CheckpointError(f"quantized weight {mod!r} is missing {mod}.{SUFFIX_PACKED}")
+    other = {}
+    for name, t in infos.items():
+        mod, _, sfx = name.rpartition(".")
+        if sfx in ALL_SUFFIXES:
+            if mod not in modules:
+                raise CheckpointError(f"{t.path}: tensor {name!r} has no {mod}.{SUFFIX_PACKED}")
+            modules[mod].tensors[sfx] = t
+        elif name.endswith(".weight") and name[: -len(".weight")] in modules:
+            raise CheckpointError(f"{t.path}: tensor {name!r} is stored both quantized and not")
+        else:
+            other[name] = t
+    return modules, other
+
+
+def _validate_module(m: QuantizedModule, fmt: str) -> None:
+    expected = stored_layout(fmt, m.shape)
+    for sfx, t in m.tensors.items():
+        if sfx not in expected:
+            raise CheckpointError(
+                f"{t.path}: unexpected tensor {t.name!r}: format {fmt} does not store {sfx}"
+            )
+    for sfx, (dtype, shape) in expected.items():
+        t = m.tensors.get(sfx)
+        if t is None:
+            where = m.tensors[SUFFIX_PACKED].path
+            raise CheckpointError(
+                f"{where}: missing tensor {m.name}.{sfx} (format {fmt} stores "
+                f"{', '.join(expected)})"
+            )
+        if t.dtype != dtype:
+            raise CheckpointError(f"{t.path}: tensor {t.name!r} has dtype {t.dtype}, expected {dtype}")
+        if t.shape != shape:
+            raise CheckpointError(
+                f"{t.path}: tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)} "
+                f"for a weight of shape {list(m.shape)}"
+            )
+
+
+def _get_all(infos: list[TensorInfo], device: str | torch.device) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for t in infos:
+        by_file.setdefault(t.path, []).append(t.name)
+    out: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        name = None
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in names:
+                    out[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,235 @@
+"""A streaming safetensors reader and writer: one tensor in memory at a time.
+
+`safetensors.torch.save_file` needs every tensor of a file in memory at once. The quantizer
+knows the dtype and shape of every output tensor before it quantizes anything (they follow
+from the source header), so it writes the header first and then streams the data, tensor by
+tensor: peak memory is bounded by the largest tensor, not by the shard or the model.
+
+The reader parses the header itself (8-byte little-endian length, JSON, data) so that a
+corrupted or truncated file fails with a message naming the file and the tensor at fault,
+and so that kept tensors are copied byte for byte whatever their dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Optional
+
+import torch
+
+from vllm_mxplus.checkpoint.errors import CheckpointError
+
+HEADER_LEN_BYTES = 8
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit (100 MB)
+ALIGN = 8  # data section starts 8-byte aligned, as safetensors writes it
+COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying a kept tensor
+
+# safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[Optional[torch.dtype], int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I16": (torch.int16, 2),
+    "U16": (torch.uint16, 2),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I32": (torch.int32, 4),
+    "U32": (torch.uint32, 4),
+    "F32": (torch.float32, 4),
+    "I64": (torch.int64, 8),
+    "U64": (torch.uint64, 8),
+    "F64": (torch.float64, 8),
+}
+TORCH_TO_ST = {dt: name for name, (dt, _) in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file: where its bytes are and what they hold."""
+
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+    path: Path
+    begin: int  # absolute file offsets of the data
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        return DTYPES[self.dtype][0]
+
+
+def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
+    """The tensors of a safetensors file in data order, and its __metadata__.
+
+    Validates everything the data section depends on (dtypes, sizes, contiguous offsets,
+    file length), so later reads cannot run past the end of a truncated file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(HEADER_LEN_BYTES)
+            if len(raw_len) < HEADER_LEN_BYTES:
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > MAX_HEADER_BYTES or HEADER_LEN_BYTES + n > size:
+                raise CheckpointError(
+                    f"{path}: corrupted or truncated safetensors file "
+                    f"(header length {n} does not fit in {size} bytes)"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupted safetensors header ({e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = HEADER_LEN_BYTES + n
+    infos = [_tensor_info(path, name, entry, data_start) for name, entry in header.items()]
+    infos.sort(key=lambda t: t.begin)
+    expected = data_start
+    for t in infos:
+        if t.begin != expected:
+            raise CheckpointError(
+                f"{path}: corrupted safetensors file: tensor {t.name!r} data offsets are "
+                "not contiguous"
+            )
+        expected = t.end
+    if expected > size:
+        last = infos[-1].name if infos else "?"
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: tensor {last!r} ends at byte {expected}, "
+            f"the file has {size} bytes"
+        )
+    return infos, metadata
+
+
+def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    try:
+        dtype = entry["dtype"]  # type: ignore[index]
+        shape = tuple(int(d) for d in entry["shape"])  # type: ignore[index]
+        begin, end = (int(o) for o in entry["data_offsets"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: corrupted safetensors header entry for tensor {name!r}") from None
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if any(d < 0 for d in shape) or end - begin != math.prod(shape) * DTYPES[dtype][1]:
+        raise CheckpointError(
+            f"{path}: corrupted safetensors header: tensor {name!r} {dtype}{list(shape)} "
+            f"does not match its {end - begin} data bytes"
+        )
+    return TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
+
+
+def read_tensor(info: TensorInfo, f: Optional[BinaryIO] = None) -> torch.Tensor:
+    """Load one tensor into CPU memory (one copy, no mmap)."""
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    own = f is None
+    try:
+        if own:
+            f = open(info.path, "rb")
+        f.seek(info.begin)
+        got = f.readinto(buf.numpy()) if info.nbytes else 0
+    except OSError as e:
+        raise CheckpointError(f"{info.path}: cannot read tensor {info.name!r} ({e})") from None
+    finally:
+        if own and f is not None:
+            f.close()
+    if got != info.nbytes:
+        raise CheckpointError(f"{info.path}: truncated data for tensor {info.name!r}")
+    return buf.view(info.torch_dtype).reshape(info.shape)
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """An output tensor announced in a header before its data is written."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+class StreamingWriter:
+    """Writes one safetensors file whose tensors are known in advance, in that order.
+
+    `write(name, tensor)` must be called once per planned tensor, in plan order; the dtype and
+    shape are checked against the plan. `close()` checks that every tensor was written.
+    """
+
+    def __init__(self, path: Path, plan: Iterable[PlannedTensor], metadata: dict[str, str]):
+        self.path = Path(path)
+        self.plan = list(plan)
+        self._next = 0
+        header: dict[str, object] = {"__metadata__": dict(metadata)}
+        offset = 0
+        for t in self.plan:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-(HEADER_LEN_BYTES + len(raw)) % ALIGN)
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self.plan) or self.plan[self._next].name != name:
+            want = self.plan[self._next].name if self._next < len(self.plan) else None
+            raise CheckpointError(f"{self.path}: wrote {name!r}, the plan expects {want!r}")
+        p = self.plan[self._next]
+        got = (TORCH_TO_ST.get(tensor.dtype), tuple(tensor.shape))
+        if got != (p.dtype, p.shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is {got[0]}{list(got[1])}, "
+                f"planned {p.dtype}{list(p.shape)}"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._f.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def copy_from(self, info: TensorInfo, src: BinaryIO) -> None:
+        """Copy a kept tensor's bytes straight from the source file (any dtype, no torch)."""
+        p = self.plan[self._next] if self._next < len(self.plan) else None
+        if p is None or (p.name, p.dtype, p.shape) != (info.name, info.dtype, info.shape):
+            raise CheckpointError(f"{self.path}: copy of {info.name!r} does not match the plan")
+        src.seek(info.begin)
+        left = info.nbytes
+        while left:
+            chunk = src.read(min(left, COPY_CHUNK))
+            if not chunk:
+                raise CheckpointError(f"{info.path}: truncated data for tensor {info.name!r}")
+            self._f.write(chunk)
+            left -= len(chunk)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.plan):
+            self._f.close()
+            raise CheckpointError(
+                f"{self.path}: {len(self.plan) - self._next} planned tensors were not written"
+            )
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()

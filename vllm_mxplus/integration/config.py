@@ -1,0 +1,124 @@
+"""vLLM QuantizationConfig: one registered class per scheme (the vLLM name = the scheme name).
+
+How vLLM 0.32 reaches us:
+- `--quantization NAME` on a bf16/fp16 checkpoint: `get_config_filenames()` is empty, so
+  vLLM calls `cls()` -> online mode, weights quantized after loading.
+- a checkpoint whose config.json has `quantization_config.quant_method == NAME`: vLLM picks
+  NAME with no flag and calls `cls.from_config(that dict)` -> pre-quantized mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Optional
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED, check_quantization_config
+from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES, Scheme, get_scheme
+
+logger = logging.getLogger(__name__)
+
+
+class MxplusConfig(QuantizationConfig):
+    """Base of the per-scheme configs; subclasses only set `scheme_name`."""
+
+    scheme_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        is_checkpoint_quantized: bool = False,
+        modules_to_not_convert: Optional[list[str]] = None,
+        macro_block: int = MACRO_BLOCK,
+    ) -> None:
+        super().__init__()
+        if not self.scheme_name:
+            raise TypeError("use a per-scheme subclass (get_quantization_config(NAME))")
+        self.scheme: Scheme = get_scheme(self.scheme_name)
+        self.is_checkpoint_quantized = is_checkpoint_quantized
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.macro_block = macro_block
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(scheme={self.scheme.name}, "
+                f"checkpoint_quantized={self.is_checkpoint_quantized}, "
+                f"modules_to_not_convert={self.modules_to_not_convert})")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.scheme_name
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # the reference backend runs anywhere; kernels gate themselves (ops.dispatch)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # no side file: config.json's quantization_config is the whole story
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MxplusConfig":
+        """A pre-quantized checkpoint's `quantization_config` (checkpoint/layout.py)."""
+        method = config.get("quant_method")
+        if method != cls.scheme_name:
+            raise ValueError(
+                f"config.json: quantization_config.quant_method is {method!r}, but the "
+                f"{cls.scheme_name!r} loader was selected")
+        check_quantization_config(config)
+        macro = config.get("macro_block_size") or MACRO_BLOCK
+        return cls(
+            is_checkpoint_quantized=True,
+            modules_to_not_convert=config.get("modules_to_not_convert") or [],
+            macro_block=int(macro),
+        )
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.modules_to_not_convert:
+            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(
+                self.modules_to_not_convert)
+
+    def is_skipped(self, prefix: str) -> bool:
+        skip = self.modules_to_not_convert + list(ALWAYS_UNQUANTIZED)
+        return is_layer_skipped(prefix, skip, self.packed_modules_mapping, match_mode="suffix")
+
+    def get_quant_method(
+        self, layer: torch.nn.Module, prefix: str
+    ) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, LinearBase):
+            if self.is_skipped(prefix):
+                return UnquantizedLinearMethod()
+            from vllm_mxplus.integration.linear import MxplusLinearMethod
+
+            return MxplusLinearMethod(self)
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            logger.warning("%s: MoE experts stay unquantized (no FusedMoE method yet)", prefix)
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+                UnquantizedFusedMoEMethod,
+            )
+
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        return None  # embeddings, lm_head, norms, attention: unquantized (paper §5.1)
+
+
+def _class_name(scheme: str) -> str:
+    return "Mxplus" + "".join(p.capitalize() for p in scheme.replace("-", "_").split("_")) + "Config"
+
+
+CONFIG_CLASSES: dict[str, type[MxplusConfig]] = {
+    name: type(_class_name(name), (MxplusConfig,), {"scheme_name": name, "__module__": __name__})
+    for name in SCHEMES
+}
+# Module attributes too: vLLM pickles the config class into its engine processes.
+globals().update({cls.__name__: cls for cls in CONFIG_CLASSES.values()})

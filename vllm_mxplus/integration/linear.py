@@ -1,0 +1,170 @@
+"""The vLLM LinearMethod: create weights, quantize or assemble them once, apply via ops.
+
+Two load paths:
+- bf16/fp16 checkpoint + `--quantization NAME`: a plain `weight` parameter is loaded, then
+  quantized with the scheme's weight format on the device it lives on (MBS-D for mxfp4-mbs).
+  NVFP4 takes one global scale per logical weight (q, k, v apart), reduced over TP ranks.
+- pre-quantized checkpoint (quant_method in config.json): the packed codes and scales are
+  loaded as they are (params.py) and never re-quantized.
+Either way the result is one `QuantizedTensor` per layer, handed to the selected backends
+(`vllm_mxplus.ops.dispatch`); the checkpoint-format parameters are then released.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.parameter import ModelWeightParameter
+
+from vllm_mxplus.checkpoint.layout import (
+    SUFFIX_BM_INDEX,
+    SUFFIX_GLOBAL,
+    SUFFIX_MBS,
+    SUFFIX_PACKED,
+    SUFFIX_SCALE,
+    weight_suffixes,
+)
+from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
+from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
+from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, NVFP4_BLOCK, quantize_nvfp4_blocks
+from vllm_mxplus.integration.params import (
+    check_all_loaded,
+    create_quantized_params,
+    row_parallel_unit,
+)
+from vllm_mxplus.ops import LinearDispatch, LinearSpec, current_platform_of, select
+
+if TYPE_CHECKING:
+    from vllm_mxplus.integration.config import MxplusConfig
+
+
+def _tp_amax_max(amax: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """Max of per-rank amax over the TP group: every shard sees the whole-weight amax."""
+    if getattr(layer, "tp_size", 1) > 1:
+        from vllm.distributed import get_tp_group
+
+        torch.distributed.all_reduce(
+            amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+    return amax
+
+
+def quantize_nvfp4_logical(
+    w: torch.Tensor, widths: list[int], layer: torch.nn.Module
+) -> QuantizedTensor:
+    """NVFP4 of a fused weight with one global scale per logical weight (per-row g [N, 1])."""
+    n, k = w.shape
+    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
+    x = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))
+    parts = torch.split(x, widths, dim=0)
+    amax = torch.stack([
+        torch.where(torch.isfinite(p), p.abs(), torch.zeros_like(p)).amax() for p in parts])
+    g = _tp_amax_max(amax, layer) / (E2M1_MAX * F8E4M3_MAX)
+    g_rows = torch.repeat_interleave(g, torch.tensor(widths, device=g.device))[:, None]
+    codes, scales = quantize_nvfp4_blocks(x, g_rows)
+    return QuantizedTensor(
+        codes=pack_fp4(codes[..., :k]), scales=scales[..., : -(-k // NVFP4_BLOCK)].contiguous(),
+        fmt="nvfp4", shape=torch.Size((n, k)), global_scale=g_rows)
+
+
+@register_weight_loader_v2_supported_method
+class MxplusLinearMethod(LinearMethodBase):
+    """W4A4 linear of one vllm-mxplus scheme (weights and activations in block FP4)."""
+
+    def __init__(self, quant_config: "MxplusConfig"):
+        self.quant_config = quant_config
+        self.scheme = quant_config.scheme
+        self.macro_block = quant_config.macro_block
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        s = self.scheme
+        unit = row_parallel_unit(s.weight_format, s.activation_format, self.macro_block)
+        if input_size_per_partition != input_size and input_size_per_partition % unit:
+            raise ValueError(
+                f"{getattr(layer, 'prefix', 'linear')}: row-parallel K per partition "
+                f"{input_size_per_partition} (K={input_size}) is not a multiple of {unit}; "
+                f"scheme {s.name} needs whole {'macro ' if unit == self.macro_block else ''}"
+                f"blocks on every rank. Use a tensor_parallel_size that divides "
+                f"K/{unit} = {input_size / unit:g}.")
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = sum(output_partition_sizes)
+        layer.orig_dtype = params_dtype
+        if self.quant_config.is_checkpoint_quantized:
+            create_quantized_params(
+                layer, s.weight_format, list(output_partition_sizes), input_size_per_partition,
+                input_size, weight_loader, self.quant_config.packed_modules_mapping,
+                self.macro_block)
+        else:
+            weight = ModelWeightParameter(
+                data=torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                 dtype=params_dtype),
+                input_dim=1, output_dim=0, weight_loader=weight_loader)
+            layer.register_parameter("weight", weight)
+
+    def _loaded_qweight(self, layer: torch.nn.Module) -> QuantizedTensor:
+        fmt = self.scheme.weight_format
+        check_all_loaded(layer, fmt, self.quant_config.packed_modules_mapping)
+        n, k = layer.output_size_per_partition, layer.input_size_per_partition
+        g = None
+        if get_format(fmt).scale_rule == "e4m3":
+            per_shard = layer.weight_global_scale.data.to(torch.float32)
+            g = torch.repeat_interleave(
+                per_shard, torch.tensor(layer.logical_widths, device=per_shard.device))[:, None]
+        opt = {SUFFIX_MBS: "mbs", SUFFIX_BM_INDEX: "block_max_index"}
+        extra = {
+            field: getattr(layer, suffix).data
+            for suffix, field in opt.items() if suffix in weight_suffixes(fmt)
+        }
+        return QuantizedTensor(
+            codes=layer.weight_packed.data, scales=layer.weight_scale.data, fmt=fmt,
+            shape=torch.Size((n, k)), global_scale=g, macro_block=self.macro_block, **extra)
+
+    def _quantize_loaded(self, layer: torch.nn.Module) -> QuantizedTensor:
+        w = layer.weight.data
+        fmt = self.scheme.weight_format
+        if get_format(fmt).scale_rule == "e4m3":
+            return quantize_nvfp4_logical(w, layer.logical_widths, layer)
+        # Every other format is per row: fused shards quantize exactly as separate weights.
+        return quantize(w, fmt, macro_block=self.macro_block)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.quant_config.is_checkpoint_quantized:
+            qweight = self._loaded_qweight(layer)
+            device = layer.weight_packed.device
+        else:
+            qweight = self._quantize_loaded(layer)
+            device = layer.weight.device
+        spec = LinearSpec(
+            scheme=self.scheme.name, n=layer.output_size_per_partition,
+            k=layer.input_size_per_partition, out_dtype=layer.orig_dtype,
+            device_type=device.type, macro_block=self.macro_block)
+        platform, capability = current_platform_of(device)
+        layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability))
+        layer.mxplus_dispatch.process_weights_after_loading(layer, qweight)
+        for name in ("weight", SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL,
+                     SUFFIX_BM_INDEX):
+            if name in layer._parameters:
+                delattr(layer, name)
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return layer.mxplus_dispatch.apply(layer, x, bias)

@@ -1,0 +1,181 @@
+"""vLLM parameters for pre-quantized MXFP4-MBS checkpoints (DESIGN.md §2) and their loaders.
+
+Every 2-D tensor (weight_packed, weight_scale, weight_mbs, weight_bm_index) is a
+`GroupQuantScaleParameter`/`ModelWeightParameter` with output_dim 0 and input_dim 1: fused
+shards (qkv_proj, gate_up_proj) concatenate along N and TP narrows N (column-parallel) or the
+K-derived dim (row-parallel) with vLLM's own v2 loaders. That narrowing is exact because a
+row-parallel partition always holds whole blocks and whole macro blocks (see
+`row_parallel_unit`). The nvfp4 global scale is a `PerTensorScaleParameter`: one fp32 value
+per logical weight (q, k, v kept apart).
+
+Our loader wraps the layer's v2 loader to check dtype and shape against the full checkpoint
+tensor and to record which shards arrived, so that a missing or misshapen tensor fails at load
+with its checkpoint name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from vllm.model_executor.parameter import (
+    GroupQuantScaleParameter,
+    ModelWeightParameter,
+    PerTensorScaleParameter,
+)
+
+from vllm_mxplus.checkpoint.layout import (
+    SUFFIX_BM_INDEX,
+    SUFFIX_GLOBAL,
+    SUFFIX_MBS,
+    SUFFIX_PACKED,
+    SUFFIX_SCALE,
+    weight_suffixes,
+)
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
+
+MXPLUS_BLOCK = 32  # MX+ stores one block-max index per 32-element block
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor of a quantized linear: its dtype and elements per column."""
+
+    suffix: str
+    dtype: torch.dtype
+    k_per_col: int  # how many K elements one column covers (0: per logical weight, 1-D)
+
+    def cols(self, k: int) -> int:
+        return _ceil_div(k, self.k_per_col)
+
+
+def tensor_specs(fmt: str, macro_block: int = MACRO_BLOCK) -> list[TensorSpec]:
+    """The checkpoint tensors of one quantized weight of format fmt, in layout order."""
+    spec = get_format(fmt)
+    table = {
+        SUFFIX_PACKED: TensorSpec(SUFFIX_PACKED, torch.uint8, 2),
+        SUFFIX_SCALE: TensorSpec(
+            SUFFIX_SCALE, torch.uint8 if spec.scale_is_e8m0 else torch.float8_e4m3fn,
+            spec.block_size),
+        SUFFIX_MBS: TensorSpec(SUFFIX_MBS, torch.uint8, macro_block),
+        SUFFIX_GLOBAL: TensorSpec(SUFFIX_GLOBAL, torch.float32, 0),
+        SUFFIX_BM_INDEX: TensorSpec(SUFFIX_BM_INDEX, torch.uint8, MXPLUS_BLOCK),
+    }
+    return [table[s] for s in weight_suffixes(fmt)]
+
+
+def row_parallel_unit(weight_format: str, activation_format: str,
+                      macro_block: int = MACRO_BLOCK) -> int:
+    """K per TP partition of a row-parallel layer must be a multiple of this.
+
+    The rule: a partition holds whole quantization groups of both operands, so sharding
+    changes no number: the macro block (128) when either format uses MBS, else the larger
+    block size (16, or 32 for mxfp4-ocp / mxplus).
+    """
+    w, a = get_format(weight_format), get_format(activation_format)
+    if w.mbs or a.mbs:
+        return macro_block
+    return max(w.block_size, a.block_size, MXPLUS_BLOCK if w.block_max_mantissa else 1)
+
+
+def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) -> list[str]:
+    """Checkpoint module names of the logical weights of a (possibly fused) layer."""
+    prefix = getattr(layer, "prefix", "") or "<linear>"
+    parent, _, proj = prefix.rpartition(".")
+    subs = packed_mapping.get(proj)
+    if subs and len(subs) == len(layer.logical_widths):
+        return [f"{parent}.{s}" if parent else s for s in subs]
+    return [prefix]
+
+
+def _shard_index(shard_id: Any) -> Optional[int]:
+    if shard_id is None:
+        return None
+    if isinstance(shard_id, str):
+        return {"q": 0, "k": 1, "v": 2}[shard_id]
+    if isinstance(shard_id, tuple):
+        return None
+    return int(shard_id)
+
+
+def _make_loader(
+    layer: torch.nn.Module, tspec: TensorSpec, inner: Callable, names: list[str], k_full: int
+) -> Callable:
+    """Wrap the layer's v2 loader: check dtype and the K-derived width, record the shard."""
+
+    def loader(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> Any:
+        shard_id = args[0] if args else kwargs.get("loaded_shard_id")
+        idx = _shard_index(shard_id)
+        name = f"{names[idx] if idx is not None and idx < len(names) else names[0]}.{tspec.suffix}"
+        if loaded.dtype != tspec.dtype:
+            raise ValueError(
+                f"checkpoint tensor {name} has dtype {loaded.dtype}, expected {tspec.dtype}")
+        if tspec.k_per_col:
+            want = tspec.cols(k_full)
+            if loaded.dim() != 2 or loaded.shape[1] != want:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected "
+                    f"[N, {want}] (K={k_full}, {tspec.k_per_col} elements per column)")
+        elif loaded.numel() != 1:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected one "
+                "fp32 value per logical weight")
+        try:
+            out = inner(param, loaded, *args, **kwargs)
+        except (AssertionError, RuntimeError) as e:
+            raise ValueError(
+                f"checkpoint tensor {name} of shape {tuple(loaded.shape)} does not fit "
+                f"parameter {getattr(layer, 'prefix', '')}.{tspec.suffix} of shape "
+                f"{tuple(param.shape)}: {e}") from None
+        layer.mxplus_loaded.setdefault(tspec.suffix, set()).add(idx)
+        return out
+
+    return loader
+
+
+def create_quantized_params(
+    layer: torch.nn.Module,
+    weight_format: str,
+    n_per_partition: list[int],
+    k_per_partition: int,
+    k_full: int,
+    weight_loader: Callable,
+    packed_mapping: dict[str, list[str]],
+    macro_block: int = MACRO_BLOCK,
+) -> None:
+    """Register the checkpoint tensors of one quantized linear as vLLM v2 parameters."""
+    names = shard_names(layer, packed_mapping)
+    layer.mxplus_loaded = {}
+    n = sum(n_per_partition)
+    for tspec in tensor_specs(weight_format, macro_block):
+        loader = _make_loader(layer, tspec, weight_loader, names, k_full)
+        if tspec.k_per_col == 0:
+            param = PerTensorScaleParameter(
+                data=torch.zeros(len(n_per_partition), dtype=tspec.dtype), weight_loader=loader)
+        else:
+            cls = ModelWeightParameter if tspec.suffix == SUFFIX_PACKED else GroupQuantScaleParameter
+            data = torch.zeros(n, tspec.cols(k_per_partition), dtype=tspec.dtype)
+            param = cls(data=data, input_dim=1, output_dim=0, weight_loader=loader)
+        layer.register_parameter(tspec.suffix, param)
+
+
+def check_all_loaded(layer: torch.nn.Module, weight_format: str,
+                     packed_mapping: dict[str, list[str]]) -> None:
+    """Raise ValueError naming the first checkpoint tensor that never arrived."""
+    names = shard_names(layer, packed_mapping)
+    n_logical = len(layer.logical_widths)
+    for tspec in tensor_specs(weight_format):
+        got = layer.mxplus_loaded.get(tspec.suffix, set())
+        if None in got:
+            continue  # fused on disk: one tensor carried every shard
+        for i in range(n_logical):
+            if i not in got:
+                shard = names[i] if len(names) == n_logical else names[0]
+                raise ValueError(
+                    f"checkpoint tensor {shard}.{tspec.suffix} is missing "
+                    f"(format {weight_format} stores {', '.join(weight_suffixes(weight_format))})")

@@ -1,0 +1,82 @@
+"""The linear-backend interface: one backend per file behind this small base class.
+
+Modelled on vLLM's `model_executor/kernels/linear/mxfp4/` kernels: a backend says whether it
+runs on a platform / capability (`is_supported`), whether it can implement one layer
+(`can_implement`), which token counts M it serves (`supports_m`), turns the loaded checkpoint
+tensors into its runtime layout once (`process_weights_after_loading`), and computes
+y = x W^T + b (`apply`). The selector in `dispatch.py` keeps a priority list per platform.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a backend needs to know about one quantized linear (per TP partition)."""
+
+    scheme: str
+    n: int  # output features on this rank (sum of the logical widths)
+    k: int  # input features on this rank
+    out_dtype: torch.dtype
+    device_type: str = "cpu"
+    macro_block: int = MACRO_BLOCK
+
+    @property
+    def weight_format(self) -> str:
+        return get_scheme(self.scheme).weight_format
+
+    @property
+    def activation_format(self) -> str:
+        return get_scheme(self.scheme).activation_format
+
+    @property
+    def activation_per_row(self) -> bool:
+        """NVFP4 activations take one global scale per token (DESIGN.md §1)."""
+        return get_format(self.activation_format).scale_rule == "e4m3"
+
+
+class LinearBackend(ABC):
+    """One way to run a quantized linear. Subclasses are stateless apart from their name."""
+
+    name: str = "base"
+
+    @classmethod
+    @abstractmethod
+    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+        """(True, "") when the backend can run on this platform / device capability
+        (e.g. 90 for sm_90); otherwise (False, the reason)."""
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        """(True, "") when the backend handles this layer's scheme and shape."""
+        return True, ""
+
+    @classmethod
+    def supports_m(cls, m: int) -> bool:
+        """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
+        return True
+
+    @abstractmethod
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
+    ) -> None:
+        """Turn the loaded (or just quantized) weight into this backend's runtime tensors,
+        stored on `layer`. Called once per layer after loading."""
+
+    @abstractmethod
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        spec: LinearSpec,
+    ) -> torch.Tensor:
+        """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n]."""

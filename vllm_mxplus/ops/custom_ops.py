@@ -1,0 +1,105 @@
+"""The Triton kernels as torch custom ops, so torch.compile and CUDA graphs can trace them.
+
+  torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
+  torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
+                                           K, bias, out_dtype, block_size) -> y
+
+A custom op returns tensors only, so absent outputs (mbs without MBS, global_scale outside
+nvfp4) come back as empty tensors with a last dim of 0; the Python wrappers below map them
+to None. The fake (meta) implementations give every output's shape and dtype from the
+inputs alone, which is what torch.compile needs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.ops.triton_act_quant import act_quant
+from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
+from vllm_mxplus.ops.triton_utils import ceil_div
+
+LIB = "vllm_mxplus"
+
+
+def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
+    spec = get_format(fmt)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    scale_dtype = torch.float8_e4m3fn if spec.scale_rule == "e4m3" else torch.uint8
+    return (
+        ((*lead, ceil_div(k, 2)), torch.uint8),
+        ((*lead, ceil_div(k, spec.block_size)), scale_dtype),
+        ((*lead, ceil_div(k, macro_block) if spec.mbs else 0), torch.uint8),
+        ((*lead, 1 if spec.scale_rule == "e4m3" else 0), torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{LIB}::triton_act_quant", mutates_args=())
+def _act_quant_op(
+    x: torch.Tensor, fmt: str, macro_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scales, mbs, gs = act_quant(x, fmt, macro_block=macro_block)
+    (_, _, (mbs_shape, _), (gs_shape, _)) = _act_quant_shapes(x, fmt, macro_block)
+    if mbs is None:
+        mbs = torch.empty(mbs_shape, dtype=torch.uint8, device=x.device)
+    if gs is None:
+        gs = torch.empty(gs_shape, dtype=torch.float32, device=x.device)
+    return codes, scales, mbs, gs
+
+
+@_act_quant_op.register_fake
+def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in
+                 _act_quant_shapes(x, fmt, macro_block))
+
+
+@torch.library.custom_op(f"{LIB}::triton_decode_gemm", mutates_args=())
+def _decode_gemm_op(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: Optional[torch.Tensor],
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: Optional[torch.Tensor],
+    K: int,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    block_size: int,
+) -> torch.Tensor:
+    return decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype,
+                       block_size=block_size or None)
+
+
+@_decode_gemm_op.register_fake
+def _decode_gemm_fake(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype,
+                      block_size):
+    return x_codes.new_empty((x_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
+
+
+def act_quant_op(
+    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`triton_act_quant.act_quant` through the custom op (traceable); same return values."""
+    spec = get_format(fmt)
+    codes, scales, mbs, gs = torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block)
+    return codes, scales, mbs if spec.mbs else None, gs if spec.scale_rule == "e4m3" else None
+
+
+def decode_gemm_op(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: Optional[torch.Tensor],
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: Optional[torch.Tensor],
+    K: int,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
+    """`triton_decode_gemm.decode_gemm` through the custom op (traceable)."""
+    return torch.ops.vllm_mxplus.triton_decode_gemm(
+        x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size or 0)

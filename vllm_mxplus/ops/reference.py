@@ -1,0 +1,88 @@
+"""The reference backend: dequantize the weight once, fake-quantize activations, torch GEMM.
+
+Numerics (DESIGN.md §3, CPU path): the weight is dequantized ONCE after loading into an fp32
+tensor W_hat (MBS-dequantized values v·X/F are not representable in bf16, fp32 keeps them
+exact); each call fake-quantizes the activation rows with the scheme's activation format
+(exact fp32 values) and computes F.linear in fp32, adds the bias in fp32, then casts to the
+model dtype. `vllm_mxplus.ops.fake_quant.FakeQuantLinear` does exactly the same, so vLLM and
+the transformers reference differ only by GEMM accumulation order.
+
+The activation fake-quant is a torch custom op (`mxplus::fake_quant_activation`) so that
+vLLM's torch.compile treats it as one opaque node instead of tracing the bit tricks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
+from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+
+WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
+
+
+@torch.library.custom_op("mxplus::fake_quant_activation", mutates_args=())
+def fake_quant_activation(
+    x: torch.Tensor, fmt: str, per_row: bool, macro_block: int
+) -> torch.Tensor:
+    """fake_quantize(x, fmt) along the last dim, fp32 result (one row = one token)."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return fake_quantize(x, fmt, per_row=per_row, macro_block=macro_block)
+
+
+@fake_quant_activation.register_fake
+def _(x: torch.Tensor, fmt: str, per_row: bool, macro_block: int) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def reference_linear(
+    x: torch.Tensor,
+    weight_fp32: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_format: str,
+    *,
+    per_row: bool,
+    out_dtype: torch.dtype,
+    macro_block: int = MACRO_BLOCK,
+) -> torch.Tensor:
+    """Q_act(x) @ W_hat^T (+ bias) in fp32, cast to out_dtype. Shared with FakeQuantLinear."""
+    xq = fake_quant_activation(x, act_format, per_row, macro_block)
+    b = None if bias is None else bias.to(torch.float32)
+    return F.linear(xq, weight_fp32, b).to(out_dtype)
+
+
+class ReferenceBackend(LinearBackend):
+    """Pure torch, any device: the contract every faster backend is checked against."""
+
+    name = "reference"
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+        return True, ""
+
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
+    ) -> None:
+        w = qweight.dequantize(torch.float32).contiguous()
+        layer.register_parameter(WEIGHT_ATTR, torch.nn.Parameter(w, requires_grad=False))
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        spec: LinearSpec,
+    ) -> torch.Tensor:
+        return reference_linear(
+            x,
+            getattr(layer, WEIGHT_ATTR),
+            bias,
+            spec.activation_format,
+            per_row=spec.activation_per_row,
+            out_dtype=spec.out_dtype,
+            macro_block=spec.macro_block,
+        )

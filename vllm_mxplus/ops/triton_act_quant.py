@@ -1,0 +1,336 @@
+"""Fused Triton activation quantizer: bf16/fp16/fp32 [M, K] -> packed E2M1 codes, scales, MBS.
+
+Bit-exact to `vllm_mxplus.formats.quantize(x, fmt)` (DESIGN.md §1 and §3), with the nvfp4
+global scale taken per row (`per_row=True`), as the activation path requires.
+
+- E8M0 formats (`mxfp4-mbs-s`, `mxfp4-16-oas`, `mxfp4-16`, `mxfp4-ocp`): one program per
+  (row tile, K tile), one read of x and one write of each output. The K tile is a whole
+  number of macro blocks, so MBS-S (paper eq. 3) never crosses programs.
+- `nvfp4` (baseline): one program per row tile; the per-row amax needs a first sweep over the
+  row, so x is read twice (the second read mostly hits L2).
+
+Numerics that the GPU could get wrong and how they are avoided:
+- fp32 `/` in Triton lowers to an approximate division; 6/a and the nvfp4 divisions use
+  `tl.math.div_rn` (IEEE round to nearest), as the reference does.
+- `max` reductions on the GPU drop NaN; NaN is first mapped to +inf, so a block holding NaN
+  or Inf has absmax +inf, which every rule below treats as "non-finite".
+- Scale exponents and 2^k factors come from integer bit manipulation, never libdevice (whose
+  FTZ reflection would flush fp32 subnormals).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.ops.triton_utils import (
+    ceil_div,
+    check_available,
+    INTERPRET,
+    tl,
+    triton,
+)
+
+# Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
+E8M0_NAN = tl.constexpr(255)
+OAS_MANTISSA = 0x600000  # mantissa bits of 1.75: d = 1 above it (oas)
+FLOOR_MANTISSA = 0x400000  # mantissa bits of 1.5 (floor)
+NO_THRESHOLD = -1  # ocp: d is always 0
+MBS_STATIC_MASK = tl.constexpr(0x007F8000)  # the 8 leading mantissa bits of fp32(6/a)
+NVFP4_GLOBAL_DIV = tl.constexpr(2688.0)  # E2M1_MAX * F8E4M3_MAX = 6 * 448
+F8E4M3_MAX = tl.constexpr(448.0)
+F8E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+F8E4M3_SUB_ROUNDER = tl.constexpr(16384.0)  # 2^14: fp32 ulp 2^-9, the e4m3 subnormal step
+
+_MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
+SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
+
+
+# ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def e2m1_magnitude_code(v):
+    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0."""
+    c = (v > 0.25).to(tl.int32)
+    c += (v >= 0.75).to(tl.int32)
+    c += (v > 1.25).to(tl.int32)
+    c += (v >= 1.75).to(tl.int32)
+    c += (v > 2.5).to(tl.int32)
+    c += (v >= 3.5).to(tl.int32)
+    c += (v > 5.0).to(tl.int32)
+    return c
+
+
+@triton.jit
+def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load x as fp32 at once (the interpreter's bf16 arithmetic is wrong, DESIGN §5).
+
+    bf16 arrives as int16 bits and widens by a shift: exact for every value, including
+    subnormals, which the interpreter's own bf16 -> fp32 conversion gets wrong.
+    """
+    if BF16_BITS:
+        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        return ((raw & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def abs_nan_to_inf(x):
+    """|x| with NaN replaced by +inf, so max reductions see non-finite blocks on any backend."""
+    ax = tl.abs(x)
+    return tl.where(ax == ax, ax, float("inf"))
+
+
+@triton.jit
+def e8m0_code(absmax, MANT_THRESHOLD: tl.constexpr):
+    """E8M0 code (int32) of a block absmax >= 0 (+inf for a non-finite block).
+
+    code = biased_exp(a) - 2 + d, clamped to [0, 254]; 255 for +inf. A subnormal or zero
+    absmax has biased exponent 0, so it lands on code 0, as the reference's clamp does.
+    """
+    bits = absmax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    if MANT_THRESHOLD >= 0:
+        e += ((bits & 0x7FFFFF) > MANT_THRESHOLD).to(tl.int32)
+    code = tl.minimum(tl.maximum(e - 2, 0), 254)
+    return tl.where(absmax == float("inf"), E8M0_NAN, code)
+
+
+@triton.jit
+def e8m0_reciprocal(code):
+    """fp32 2^(127 - code): exact and normal for finite-block codes 0..253 (never 254)."""
+    c = tl.minimum(code, 253)
+    return ((254 - c) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] int32 codes -> [BLOCK_M, BLOCK_K // 2] bytes, element 2i low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+# ----------------------------------------------------------------------------- E8M0 kernel
+@triton.jit
+def _mx_act_quant_kernel(
+    x_ptr, codes_ptr, scales_ptr, mbs_ptr,
+    M, K,
+    stride_xm, stride_cm, stride_sm, stride_mm,
+    BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
+    MACRO: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    # Zero padding past K is invisible: zeros change no absmax, and pack_fp4 pads with code 0.
+    x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                 mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+
+    if HAS_MBS:
+        NM: tl.constexpr = BLOCK_K // MACRO
+        xm = tl.reshape(x, (BLOCK_M, NM, MACRO))
+        a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
+        # MBS-S (paper eq. 3): m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a
+        # non-finite macro block -> m = 0.
+        finite = (a > 0.0) & (a < float("inf"))
+        r = tl.math.div_rn(tl.full(a.shape, 6.0, tl.float32), tl.where(finite, a, 1.0))
+        m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> 15
+        m = tl.where(finite, m, 0)
+        f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
+        y = tl.reshape(xm * f[:, :, None], (BLOCK_M, BLOCK_K))  # one fp32 multiply (RNE)
+        offs_mb = pid_k * NM + tl.arange(0, NM)
+        tl.store(
+            mbs_ptr + offs_m[:, None] * stride_mm + offs_mb[None, :],
+            m.to(tl.uint8),
+            mask=mask_m[:, None] & (offs_mb[None, :] < tl.cdiv(K, MACRO)),
+        )
+    else:
+        y = x
+
+    NB: tl.constexpr = BLOCK_K // BLOCK
+    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK))
+    code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
+    v = ay * e8m0_reciprocal(code)[:, :, None]  # exact: a power of two
+    mag = e2m1_magnitude_code(v)
+    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
+    c = tl.where((code == E8M0_NAN)[:, :, None], 0, mag | (neg << 3))
+    packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+
+    offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(
+        codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
+        packed,
+        mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
+    )
+    offs_s = pid_k * NB + tl.arange(0, NB)
+    tl.store(
+        scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
+        code.to(tl.uint8),
+        mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
+    )
+
+
+# ----------------------------------------------------------------------------- NVFP4 kernel
+@triton.jit
+def e4m3_round(s):
+    """Round fp32 s in [0, 448] or NaN to float8_e4m3fn (RNE): (byte int32, value fp32)."""
+    is_nan = s != s
+    s = tl.where(is_nan, 0.0, s)  # keeps NaN out of the float -> int conversion below
+    bits = s.to(tl.int32, bitcast=True)
+    # normal range: round the 23-bit mantissa to 3 bits, ties to even, carry into the exponent
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    normal_byte = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
+    normal_val = rb.to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2^-9; q = 8 is 2^-6, whose byte 0x08 is the smallest normal
+    sub_val = (s + F8E4M3_SUB_ROUNDER) - F8E4M3_SUB_ROUNDER
+    sub_byte = (sub_val * 512.0).to(tl.int32)
+    is_normal = s >= F8E4M3_MIN_NORMAL
+    byte = tl.where(is_normal, normal_byte, sub_byte)
+    val = tl.where(is_normal, normal_val, sub_val)
+    return tl.where(is_nan, 0x7F, byte), tl.where(is_nan, float("nan"), val)
+
+
+@triton.jit
+def _nvfp4_act_quant_kernel(
+    x_ptr, codes_ptr, scales_ptr, gs_ptr,
+    M, K,
+    stride_xm, stride_cm, stride_sm,
+    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    BLOCK: tl.constexpr = 16
+    NB: tl.constexpr = BLOCK_K // BLOCK
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    row = x_ptr + offs_m[:, None] * stride_xm
+
+    # sweep 1: per-row amax over finite |x| (nvfp4_global_scale with per_row=True)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(row + offs_k[None, :], mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+        ax = tl.abs(x)
+        ax = tl.where(ax < float("inf"), ax, 0.0)  # drops NaN and Inf
+        amax = tl.maximum(amax, tl.max(ax, axis=1))
+    g = tl.math.div_rn(amax, tl.full(amax.shape, NVFP4_GLOBAL_DIV, tl.float32))
+    tl.store(gs_ptr + offs_m, g, mask=mask_m)
+
+    # sweep 2: block scales and codes
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(row + offs_k[None, :], mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+        xb = tl.reshape(x, (BLOCK_M, NB, BLOCK))
+        ax = tl.abs(xb)
+        # block absmax with torch.amax semantics: NaN wins, else the max (Inf included)
+        has_nan = tl.max((ax != ax).to(tl.int32), axis=2) > 0
+        bmax = tl.max(tl.where(ax == ax, ax, 0.0), axis=2)
+        bmax = tl.where(has_nan, float("nan"), bmax)
+        gb = tl.broadcast_to(g[:, None], bmax.shape)
+        s32 = tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, 6.0, tl.float32)),
+                             tl.where(gb > 0.0, gb, 1.0))
+        s32 = tl.where(gb > 0.0, s32, 0.0)
+        s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
+        sbyte, sf = e4m3_round(s32)
+        zero = (sf == 0.0) | (sf != sf)
+        denom = tl.where(zero, 1.0, sf * gb)
+        v = tl.math.div_rn(ax, tl.broadcast_to(denom[:, :, None], ax.shape))
+        neg = (xb.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+        c = tl.where(zero[:, :, None], 0, e2m1_magnitude_code(v) | (neg << 3))
+        packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+
+        offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :], packed,
+                 mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)))
+        offs_s = k0 // BLOCK + tl.arange(0, NB)
+        tl.store(scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :], sbyte.to(tl.uint8),
+                 mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)))
+
+
+# ----------------------------------------------------------------------------- launcher
+def _tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit. The interpreter pays per program,
+    so it gets large tiles; the GPU gets ~2K elements per program (memory-bound)."""
+    kp2 = max(unit, triton.next_power_of_2(k))
+    if INTERPRET:
+        return min(64, triton.next_power_of_2(m)), min(kp2, 4096)
+    return min(4, triton.next_power_of_2(m)), min(kp2, 512)
+
+
+def act_quant(
+    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Quantize activations x [..., K] (bf16/fp16/fp32) along K in one fused kernel.
+
+    Returns (codes uint8 [..., ceil(K/2)], scales [..., ceil(K/block)] (uint8 E8M0, or
+    float8_e4m3fn for nvfp4), mbs uint8 [..., ceil(K/macro_block)] or None, global_scale fp32
+    [..., 1] (nvfp4, per row) or None) -- the fields of `formats.quantize(x, fmt,
+    per_row=True)`, bit for bit.
+    """
+    spec = get_format(fmt)
+    if fmt not in SUPPORTED_FORMATS:
+        raise ValueError(f"act_quant: format {fmt!r} has no Triton kernel; "
+                         f"supported: {', '.join(SUPPORTED_FORMATS)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"act_quant: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"act_quant: cannot quantize shape {tuple(x.shape)}: empty last dim")
+    if spec.mbs and (macro_block < 128 or macro_block & (macro_block - 1)):
+        # the kernel reshapes tiles into macro blocks, which needs a power of two
+        raise ValueError(f"act_quant: macro_block must be a power of two >= 128, got {macro_block}")
+    check_available(x)
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    bf16_bits = x2.dtype == torch.bfloat16
+    x_arg = x2.view(torch.int16) if bf16_bits else x2
+    codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
+    nb = ceil_div(k, spec.block_size)
+    mbs = gs = None
+
+    if spec.scale_rule == "e4m3":
+        scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
+        gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        if m:
+            block_m, block_k = _tile_sizes(m, k, 16)
+            _nvfp4_act_quant_kernel[(triton.cdiv(m, block_m),)](
+                x_arg, codes, scales.view(torch.uint8), gs,
+                m, k,
+                x2.stride(0), codes.stride(0), scales.stride(0),
+                BF16_BITS=bf16_bits, BLOCK_M=block_m, BLOCK_K=block_k,
+            )
+        gs = gs.reshape(*lead, 1)
+    else:
+        scales = torch.empty((m, nb), dtype=torch.uint8, device=x.device)
+        unit = macro_block if spec.mbs else spec.block_size
+        if spec.mbs:
+            mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
+        mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
+        if m:
+            block_m, block_k = _tile_sizes(m, k, max(unit, 32))
+            grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+            _mx_act_quant_kernel[grid](
+                x_arg, codes, scales, mbs_arg,
+                m, k,
+                x2.stride(0), codes.stride(0), scales.stride(0), mbs_arg.stride(0),
+                BLOCK=spec.block_size,
+                MANT_THRESHOLD=_MANTISSA_THRESHOLD[spec.scale_rule],
+                HAS_MBS=bool(spec.mbs),
+                MACRO=macro_block,
+                BF16_BITS=bf16_bits,
+                BLOCK_M=block_m, BLOCK_K=block_k,
+            )
+        if mbs is not None:
+            mbs = mbs.reshape(*lead, mbs.shape[-1])
+    return (
+        codes.reshape(*lead, codes.shape[-1]),
+        scales.reshape(*lead, nb),
+        mbs,
+        gs,
+    )

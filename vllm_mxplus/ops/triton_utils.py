@@ -1,0 +1,84 @@
+"""Optional Triton import and the helpers the Triton kernels share.
+
+Triton is optional: without it this module still imports, `triton.jit` becomes a stub that
+raises when a kernel is launched, and `is_available()` says why the kernels cannot run.
+Under `TRITON_INTERPRET=1` the kernels run on CPU tensors (slowly), which is how the tests
+check them on machines without a GPU (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+    _IMPORT_ERROR = ""
+except ImportError as exc:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+    _IMPORT_ERROR = f"triton is not installed ({exc})"
+
+    def _missing(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {_IMPORT_ERROR}")
+
+    class _StubKernel:
+        """Stands in for a @triton.jit function: defining it works, launching it raises."""
+
+        def __init__(self, fn: Callable) -> None:
+            self.fn = fn
+
+        def __getitem__(self, _grid: Any) -> Callable:
+            return _missing
+
+        __call__ = _missing
+
+    def _jit(fn: Callable | None = None, **_kwargs: Any) -> Any:
+        return _StubKernel(fn) if fn is not None else _StubKernel
+
+    triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b))
+    # Kernel signatures use `tl.constexpr` as an annotation, evaluated at definition time.
+    tl = types.SimpleNamespace(constexpr=int)
+
+
+def interpreter_enabled() -> bool:
+    """True when TRITON_INTERPRET=1 is set now (Triton reads it when a kernel is defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton decides interpreter vs. compiler when `@triton.jit` runs, i.e. when the kernel
+# modules import, right after this one: record that choice so that launches stay consistent.
+INTERPRET = HAS_TRITON and interpreter_enabled()
+
+
+def is_available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on `device` (default: CUDA), and why not."""
+    if not HAS_TRITON:
+        return False, _IMPORT_ERROR
+    if INTERPRET:
+        return True, "triton interpreter (TRITON_INTERPRET=1)"
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False, (
+            f"tensors on {dev}: the kernels were compiled for CUDA; CPU needs TRITON_INTERPRET=1 "
+            "set before vllm_mxplus.ops imports triton"
+        )
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run on CPU, slowly)"
+    return True, f"triton {triton.__version__} on {torch.cuda.get_device_name(dev)}"
+
+
+def check_available(tensor: torch.Tensor) -> None:
+    """Raise a RuntimeError naming the reason when a kernel cannot run on tensor's device."""
+    ok, reason = is_available(tensor.device)
+    if not ok:
+        raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {reason}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
