@@ -116,6 +116,12 @@ def is_quantized_linear(name: str, skip: Iterable[str] = ()) -> bool:
         s in parts or module == s or module.endswith("." + s) for s in skipped)
 
 
+def _version() -> str:
+    from vllm_mxplus import __version__
+
+    return __version__
+
+
 def write_prequantized(
     src: str | Path,
     dst: str | Path,
@@ -159,6 +165,10 @@ def write_prequantized(
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
             shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = make_quantization_config(scheme, ["lm_head", *skip])
+    qcfg = make_quantization_config(scheme, ["lm_head", *skip])
+    # vLLM 0.32 reads quantization_config["producer"].get("name") (ModelOpt detection) and
+    # crashes on a plain string: the producer must be a dict.
+    qcfg["producer"] = {"name": "vllm-mxplus", "version": _version()}
+    cfg["quantization_config"] = qcfg
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
