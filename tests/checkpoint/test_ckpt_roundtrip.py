@@ -148,3 +148,14 @@ def test_split_fused_group_warns(llama_dir: Path, tmp_path: Path,
     """vLLM fuses q/k/v (and gate/up) into one layer: ignoring only q_proj gets a warning."""
     quantize_checkpoint(llama_dir, tmp_path / "q", "mxfp4-ocp", ignore=["q_proj"], progress=False)
     assert "self_attn.{q_proj,k_proj,v_proj}: some quantized, some kept" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4", "mxplus"])
+def test_cuda_quantizes_like_cpu(llama_dir: Path, tmp_path: Path, scheme: str) -> None:
+    """--device cuda writes the same bytes as the CPU reference (formats/ is device-agnostic)."""
+    quantize_checkpoint(llama_dir, tmp_path / "cpu", scheme, device="cpu", progress=False)
+    quantize_checkpoint(llama_dir, tmp_path / "gpu", scheme, device="cuda", progress=False)
+    assert (tmp_path / "cpu" / "model.safetensors").read_bytes() == (
+        tmp_path / "gpu" / "model.safetensors").read_bytes()

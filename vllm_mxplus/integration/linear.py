@@ -38,6 +38,7 @@ from vllm_mxplus.integration.params import (
     row_parallel_unit,
 )
 from vllm_mxplus.ops import LinearDispatch, LinearSpec, current_platform_of, select
+from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
 if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig
@@ -155,6 +156,9 @@ class MxplusLinearMethod(LinearMethodBase):
             device_type=device.type, macro_block=self.macro_block)
         platform, capability = current_platform_of(device)
         layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability))
+        layer.mxplus_row_amax_reduce = (
+            spec.activation_per_row and getattr(layer, "tp_size", 1) > 1
+            and layer.input_size_per_partition != getattr(layer, "input_size", spec.k))
         layer.mxplus_dispatch.process_weights_after_loading(layer, qweight)
         for name in ("weight", SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL,
                      SUFFIX_BM_INDEX):
@@ -167,4 +171,9 @@ class MxplusLinearMethod(LinearMethodBase):
         x: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return layer.mxplus_dispatch.apply(layer, x, bias)
+        g = None
+        if layer.mxplus_row_amax_reduce:
+            # NVFP4 activations on a row-parallel shard: the per-token global scale must come
+            # from the whole row (all ranks), as without TP (DESIGN.md §1).
+            g = _tp_amax_max(nvfp4_row_global_scale(x), layer)
+        return layer.mxplus_dispatch.apply(layer, x, bias, g)

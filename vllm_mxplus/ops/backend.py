@@ -78,5 +78,9 @@ class LinearBackend(ABC):
         x: torch.Tensor,
         bias: Optional[torch.Tensor],
         spec: LinearSpec,
+        act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n]."""
+        """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n].
+
+        act_global_scale: NVFP4 activations only, per-row global scales [..., 1] to use
+        instead of x's own (row-parallel TP shards pass the whole row's)."""

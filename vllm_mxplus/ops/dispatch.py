@@ -117,11 +117,15 @@ class LinearDispatch:
         return self.candidates[-1]
 
     def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         # With one candidate, do not touch x.shape: keeps torch.compile free of shape guards.
         if len(self.candidates) == 1:
             backend = self.candidates[0]
         else:
             backend = self.pick(x.numel() // max(x.shape[-1], 1))
-        return backend.apply(layer, x, bias, self.spec)
+        return backend.apply(layer, x, bias, self.spec, act_global_scale)

@@ -19,6 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
+from vllm_mxplus.formats.nvfp4 import (
+    NVFP4_BLOCK,
+    dequantize_nvfp4_blocks,
+    nvfp4_global_scale,
+    quantize_nvfp4_blocks,
+)
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
 
 WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
@@ -39,6 +45,30 @@ def _(x: torch.Tensor, fmt: str, per_row: bool, macro_block: int) -> torch.Tenso
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
+@torch.library.custom_op("mxplus::fake_quant_nvfp4_rows", mutates_args=())
+def fake_quant_nvfp4_rows(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 fake quant of x's rows with GIVEN per-row global scales g [..., 1] (fp32).
+
+    Used for row-parallel shards under TP: g comes from the whole row's amax (reduced over
+    ranks), so each shard quantizes exactly as the unsharded row would.
+    """
+    k = x.shape[-1]
+    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
+    xp = F.pad(x.to(torch.float32), (0, kp - k))
+    codes, scales = quantize_nvfp4_blocks(xp, global_scale)
+    return dequantize_nvfp4_blocks(codes, scales, global_scale)[..., :k].contiguous()
+
+
+@fake_quant_nvfp4_rows.register_fake
+def _(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def nvfp4_row_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-row g = amax / (6 * 448) over finite |x| (formats.nvfp4, per_row=True)."""
+    return nvfp4_global_scale(x.to(torch.float32), per_row=True)
+
+
 def reference_linear(
     x: torch.Tensor,
     weight_fp32: torch.Tensor,
@@ -48,9 +78,16 @@ def reference_linear(
     per_row: bool,
     out_dtype: torch.dtype,
     macro_block: int = MACRO_BLOCK,
+    act_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Q_act(x) @ W_hat^T (+ bias) in fp32, cast to out_dtype. Shared with FakeQuantLinear."""
-    xq = fake_quant_activation(x, act_format, per_row, macro_block)
+    """Q_act(x) @ W_hat^T (+ bias) in fp32, cast to out_dtype. Shared with FakeQuantLinear.
+
+    act_global_scale: NVFP4 only, per-row global scales to use instead of x's own.
+    """
+    if act_global_scale is not None:
+        xq = fake_quant_nvfp4_rows(x, act_global_scale)
+    else:
+        xq = fake_quant_activation(x, act_format, per_row, macro_block)
     b = None if bias is None else bias.to(torch.float32)
     return F.linear(xq, weight_fp32, b).to(out_dtype)
 
@@ -76,6 +113,7 @@ class ReferenceBackend(LinearBackend):
         x: torch.Tensor,
         bias: Optional[torch.Tensor],
         spec: LinearSpec,
+        act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return reference_linear(
             x,
@@ -85,4 +123,5 @@ class ReferenceBackend(LinearBackend):
             per_row=spec.activation_per_row,
             out_dtype=spec.out_dtype,
             macro_block=spec.macro_block,
+            act_global_scale=act_global_scale,
         )

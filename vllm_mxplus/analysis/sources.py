@@ -1,0 +1,106 @@
+"""Where the analysed tensors come from: a checkpoint's linear weights, the inputs of every
+linear layer captured while a transformers model reads a text, or synthetic tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """A 2-D `*.weight` that is not an embedding, lm_head or norm (those stay unquantized)."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    module = name[: -len(".weight")]
+    parts = module.split(".")
+    return not any(p in ALWAYS_UNQUANTIZED for p in parts) and "norm" not in parts[-1]
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are read)")
+    return files
+
+
+def checkpoint_linear_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every linear weight of a local safetensors checkpoint, one at a time."""
+    from safetensors import safe_open
+
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                if is_linear_weight(name, shape):
+                    yield name, f.get_tensor(name)
+
+
+def count_linear_weights(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            n += sum(is_linear_weight(k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+    return n
+
+
+def capture_linear_inputs(
+    model_dir: Path, text: str, tokens: int, max_rows: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Run a transformers model on `tokens` tokens of text and capture, for every nn.Linear
+    except lm_head, up to `max_rows` input rows and the layer's weight: {name: (x, w)}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    dtype = _checkpoint_dtype(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model.eval()
+    ids = tok(text, return_tensors="pt").input_ids[:, :tokens]
+    if ids.shape[1] == 0:
+        raise ValueError("the text gives no tokens")
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not any(
+            p in ALWAYS_UNQUANTIZED for p in name.split(".")
+        ):
+            def hook(m, args, name=name):
+                x = args[0].detach().reshape(-1, args[0].shape[-1])[:max_rows]
+                captured[name] = (x.clone(), m.weight.detach())
+
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return getattr(torch, str(name), torch.float32)
+
+
+def synthetic_tensors(
+    seed: int = 0, n: int = 4, k: int = 1024, n_out: int = 1024
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LLM-like synthetic pairs: Gaussian weights; activations with heavy-tailed channel
+    outliers (a few channels 20-50x larger, as in LLM.int8 / SmoothQuant observations)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        w = (torch.randn(n_out, k, generator=g) * 0.02).bfloat16()
+        x = torch.randn(256, k, generator=g)
+        hot = torch.randperm(k, generator=g)[: max(1, k // 100)]
+        x[:, hot] *= 20 + 30 * torch.rand(hot.numel(), generator=g)
+        out[f"synthetic.{i}"] = (x.bfloat16(), w)
+    return out
