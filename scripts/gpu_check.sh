@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh            # OUT=./out
 #   OUT=/tmp/o bash scripts/gpu_check.sh
 #
-# Environment: uses .venv if present; otherwise makes .gpu-venv on top of the machine's
+# Environment: uses .venv if present; otherwise makes .venv-gpu on top of the machine's
 # Python *with its system site-packages*, so an installed CUDA torch is reused (never
 # re-downloaded), and pip-installs only what is missing: this package (-e, no deps), pytest,
 # hypothesis, numpy, safetensors, tqdm, and triton if absent.
@@ -23,11 +23,11 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; assert torch.cu
   PY=.venv/bin/python
 else
   SYS_PY=$(command -v python3 || command -v python)
-  if [ ! -x .gpu-venv/bin/python ]; then
-    say "creating .gpu-venv (system site-packages) from $SYS_PY"
-    "$SYS_PY" -m venv --system-site-packages .gpu-venv >>"$LOG" 2>&1 || { say "venv failed"; exit 2; }
+  if [ ! -x .venv-gpu/bin/python ]; then
+    say "creating .venv-gpu (system site-packages) from $SYS_PY"
+    "$SYS_PY" -m venv --system-site-packages .venv-gpu >>"$LOG" 2>&1 || { say "venv failed"; exit 2; }
   fi
-  PY=.gpu-venv/bin/python
+  PY=.venv-gpu/bin/python
   if ! $PY -c "import torch" 2>/dev/null; then
     say "no torch on this machine: installing it (slow)"
     timeout 300 $PY -m pip install -q torch >>"$LOG" 2>&1

@@ -1,0 +1,22 @@
+"""Shared test settings: offline hubs and a small vLLM CPU KV cache for every subprocess."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes 90% of RAM (DESIGN.md §5)
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+for _k, _v in VLLM_CPU_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """os.environ plus the vLLM CPU settings, for tests that start vLLM processes."""
+    return {**os.environ, **VLLM_CPU_ENV}

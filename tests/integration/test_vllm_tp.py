@@ -1,0 +1,44 @@
+"""Tensor parallel (TP=2 on CPU): column- and row-parallel shards from both checkpoint kinds.
+
+tiny256 (4 heads, 2 KV heads): qkv_proj / gate_up_proj are column-parallel fused layers,
+o_proj (K per rank 128) and down_proj (K per rank 256) are row-parallel with whole macro
+blocks per rank. Greedy output must equal the unsharded transformers reference: that holds
+only if every shard (codes, E8M0 scales, MBS bytes, NVFP4 per-shard global scales) landed in
+the right place and NVFP4 activation scales are reduced over the ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import gen_job, run_driver
+from test_vllm_generate import _check_against_reference
+
+from vllm_mxplus.integration.params import row_parallel_unit
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def tp_run(tiny_models, tmp_path_factory, subprocess_env):
+    jobs = [
+        gen_job("tp-online-mxfp4-mbs", tiny_models["tiny256"], "mxfp4-mbs", tp=2),
+        gen_job("tp-pre-nvfp4", tiny_models["tiny256-nvfp4"], None, tp=2),
+    ]
+    return run_driver(jobs, tmp_path_factory.mktemp("tp"), subprocess_env, tp=True)
+
+
+def test_tp2_online_mxfp4_mbs(tp_run, tiny_models):
+    _check_against_reference(tp_run[0]["tp-online-mxfp4-mbs"], tiny_models["tiny256"],
+                             "mxfp4-mbs")
+
+
+def test_tp2_prequantized_nvfp4(tp_run, tiny_models):
+    _check_against_reference(tp_run[0]["tp-pre-nvfp4"], tiny_models["tiny256"], "nvfp4")
+
+
+def test_row_parallel_unit_rule():
+    assert row_parallel_unit("mxfp4-mbs-d", "mxfp4-mbs-s") == 128
+    assert row_parallel_unit("mxfp4-16-oas", "mxfp4-16-oas") == 16
+    assert row_parallel_unit("mxfp4-ocp", "mxfp4-ocp") == 32
+    assert row_parallel_unit("mxplus", "mxplus") == 32
+    assert row_parallel_unit("nvfp4", "nvfp4") == 16
