@@ -36,8 +36,8 @@ def test_gemm_qsnr_matches_eq2():
 def test_analyse_and_ablation_labels():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 256, generator=g)
-    pairs = {"l0": (torch.randn(8, 256, generator=g), w)}
-    rep = analyse([("w0", w)], pairs, ["mxfp4-ocp", "mxfp4-mbs-s"], [64, 128], progress=False)
+    inputs = {"l0": torch.randn(8, 256, generator=g)}
+    rep = analyse([("l0.weight", w)], inputs, ["mxfp4-ocp", "mxfp4-mbs-s"], [64, 128], progress=False)
     fmts = {r["format"] for r in rep.summary()}
     assert fmts == {"mxfp4-ocp", "mxfp4-mbs-s@64", "mxfp4-mbs-s"}
     kinds = {r["kind"] for r in rep.summary()}

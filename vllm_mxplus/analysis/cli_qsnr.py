@@ -73,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     progress = not args.no_progress
     if args.model is None:
-        pairs = sources.synthetic_tensors()
-        weights = [(n, w) for n, (_, w) in pairs.items()]
+        weights, pairs = sources.synthetic_tensors()
         n_weights, title = len(weights), "synthetic tensors"
     else:
         weights = sources.checkpoint_linear_weights(args.model)

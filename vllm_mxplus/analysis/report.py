@@ -10,8 +10,8 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
-from vllm_mxplus.analysis.metrics import format_label, gemm_qsnr, oas_takeup, tensor_metrics
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.analysis.metrics import flush_to_zero_rate, format_label, oas_takeup, tensor_metrics
+from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, qsnr
 
 KINDS = ("activation", "weight", "output")
 
@@ -66,28 +66,37 @@ def _variants(formats: Iterable[str], macro_blocks: list[int]) -> list[tuple[str
 
 def analyse(
     weights: Iterable[tuple[str, torch.Tensor]],
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    inputs: dict[str, torch.Tensor],
     formats: list[str],
     macro_blocks: list[int],
     n_weights: int | None = None,
     progress: bool = True,
 ) -> Report:
-    """QSNR of every weight, every captured activation and every GEMM output, per format."""
+    """QSNR of every weight, and for layers with captured inputs (keyed by module name, i.e.
+    the weight name without ".weight") of the activation and the GEMM output, per format.
+    Each weight is quantized once per format and reused for its GEMM output."""
     variants = _variants(formats, macro_blocks)
     report = Report()
     takeup: dict[str, list[float]] = {"weight": [], "activation": []}
-    for name, w in tqdm(weights, total=n_weights, desc="weights", unit="tensor", disable=not progress):
+    for name, w in tqdm(weights, total=n_weights, desc="layers", unit="tensor", disable=not progress):
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        x = inputs.get(module)
         takeup["weight"].append(oas_takeup(w))
-        for fmt, mb in variants:
-            m = tensor_metrics(w, fmt, macro_block=mb)
-            report.records.append(Record("weight", name, format_label(fmt, mb), m["qsnr"], m["ftz"]))
-    for name, (x, w) in tqdm(pairs.items(), desc="activations+outputs", unit="layer", disable=not progress):
-        takeup["activation"].append(oas_takeup(x))
+        if x is not None:
+            takeup["activation"].append(oas_takeup(x))
+            ref = x.double() @ w.double().T
         for fmt, mb in variants:
             label = format_label(fmt, mb)
+            w_hat = fake_quantize(w, fmt, macro_block=mb)
+            wf = w.float()
+            report.records.append(Record("weight", name, label, qsnr(wf, w_hat),
+                                         flush_to_zero_rate(wf, w_hat)))
+            if x is None:
+                continue
             m = tensor_metrics(x, fmt, macro_block=mb, per_row=True)
-            report.records.append(Record("activation", name, label, m["qsnr"], m["ftz"]))
-            report.records.append(Record("output", name, label, gemm_qsnr(x, w, fmt, macro_block=mb)))
+            report.records.append(Record("activation", module, label, m["qsnr"], m["ftz"]))
+            x_hat = fake_quantize(x, fmt, macro_block=mb, per_row=True).double()
+            report.records.append(Record("output", module, label, qsnr(ref, x_hat @ w_hat.double().T)))
     report.oas_takeup = {k: sum(v) / len(v) for k, v in takeup.items() if v}
     return report
 

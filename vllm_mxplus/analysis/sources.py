@@ -52,9 +52,9 @@ def count_linear_weights(model_dir: Path) -> int:
 
 def capture_linear_inputs(
     model_dir: Path, text: str, tokens: int, max_rows: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[str, torch.Tensor]:
     """Run a transformers model on `tokens` tokens of text and capture, for every nn.Linear
-    except lm_head, up to `max_rows` input rows and the layer's weight: {name: (x, w)}."""
+    except lm_head, up to `max_rows` input rows: {module name: x [rows, K]}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -65,7 +65,7 @@ def capture_linear_inputs(
     ids = tok(text[: tokens * 16], return_tensors="pt").input_ids[:, :tokens]
     if ids.shape[1] == 0:
         raise ValueError("the text gives no tokens")
-    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    captured: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and not any(
@@ -73,7 +73,7 @@ def capture_linear_inputs(
         ):
             def hook(m, args, name=name):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])[:max_rows]
-                captured[name] = (x.clone(), m.weight.detach())
+                captured[name] = x.clone()
 
             hooks.append(mod.register_forward_pre_hook(hook))
     try:
@@ -93,15 +93,17 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 def synthetic_tensors(
     seed: int = 0, n: int = 4, k: int = 1024, n_out: int = 1024
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """LLM-like synthetic pairs: Gaussian weights; activations with heavy-tailed channel
-    outliers (a few channels 20-50x larger, as in LLM.int8 / SmoothQuant observations)."""
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """LLM-like synthetic layers: Gaussian weights; activations with heavy-tailed channel
+    outliers (a few channels 20-50x larger, as in LLM.int8 / SmoothQuant observations).
+    Returns ([(weight name, w)], {module name: x})."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    weights, inputs = [], {}
     for i in range(n):
         w = (torch.randn(n_out, k, generator=g) * 0.02).bfloat16()
         x = torch.randn(256, k, generator=g)
         hot = torch.randperm(k, generator=g)[: max(1, k // 100)]
         x[:, hot] *= 20 + 30 * torch.rand(hot.numel(), generator=g)
-        out[f"synthetic.{i}"] = (x.bfloat16(), w)
-    return out
+        weights.append((f"synthetic.{i}.weight", w))
+        inputs[f"synthetic.{i}"] = x.bfloat16()
+    return weights, inputs
