@@ -36,13 +36,31 @@ BASELINE, CANDIDATE = "mxfp4-mbs-s", "mxfp4-mbs"  # weight formats mxfp4-mbs-s /
 LLAMA3_8B = {"hidden": 4096, "intermediate": 14336, "kv": 1024, "vocab": 128256}
 
 _CHILD = """
-import json, sys
+import json, resource, sys
 from vllm_mxplus.checkpoint import quantize_checkpoint
+def cpu():
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+c0 = cpu()
 r = quantize_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], device=sys.argv[4],
                         force=True, progress=False)
-print("RESULT " + json.dumps({"seconds": r.seconds, "weights": r.weights_quantized,
+print("RESULT " + json.dumps({"seconds": r.seconds, "cpu": cpu() - c0, "weights": r.weights_quantized,
       "peak_rss": r.peak_rss, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
       "qsnr": r.qsnr_db, "tensors": r.n_quantized}))
+"""
+# Data preparation also runs in a child: Linux folds a process's RSS high-water mark into
+# ru_maxrss across fork + exec, so a parent that held the synthetic tensors would inflate
+# every later child's peak RSS.
+_PREPARE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import bench_quantize as b
+if sys.argv[2] == "synthetic":
+    b.write_synthetic(Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+else:
+    b.write_smollm2_subset(Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+print("RESULT null")
 """
 _IDLE = """
 import resource
@@ -120,18 +138,23 @@ def smollm2_source(tmp: Path, quick: bool) -> tuple[Path | None, str]:
         return None, f"not prepared at {path} (run vllm_mxplus.assets.prepare_smollm2())"
     if not quick:
         return path, str(path)
-    sub = tmp / "smollm2-2layers"  # the first 2 of 30 layers, plus embeddings and norms
+    sub = tmp / "smollm2-2layers"
+    run_child(_PREPARE, str(Path(__file__).parent), "smollm2", str(sub), str(path), "2")
+    return sub, f"{path} (first 2 layers)"
+
+
+def write_smollm2_subset(sub: Path, path: Path, layers: int) -> None:
+    """The first `layers` decoder layers of the model at path, plus embeddings and norms."""
     sub.mkdir()
     keep = {}
     for f in sorted(path.glob("*.safetensors")):
         for t in read_header(f)[0]:
-            if ".layers." not in t.name or any(f".layers.{i}." in t.name for i in (0, 1)):
+            if ".layers." not in t.name or any(f".layers.{i}." in t.name for i in range(layers)):
                 keep[t.name] = read_tensor(t)
     save_file(keep, str(sub / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
-    cfg["num_hidden_layers"] = 2
+    cfg["num_hidden_layers"] = layers
     (sub / "config.json").write_text(json.dumps(cfg))
-    return sub, f"{path} (first 2 layers)"
 
 
 def run_child(code: str, *args: str) -> object:
@@ -152,16 +175,18 @@ def bench(name: str, src: Path, tmp: Path, device: str, schemes: list[str]) -> N
     first = res[schemes[0]]
     print(f"\n{name}: {first['tensors']} quantized tensors, {first['weights'] / 1e6:.1f} M weights, "
           f"{first['bytes_in'] / 2**20:.0f} MiB in")
-    print(f"  {'scheme (weights)':26s} {'seconds':>9s} {'M weights/s':>12s} {'peak RSS':>10s} "
-          f"{'out MiB':>8s} {'QSNR dB':>8s}")
+    print(f"  {'scheme (weights)':26s} {'wall s':>8s} {'cpu s':>8s} {'M weights/s':>12s} "
+          f"{'M w/cpu-s':>10s} {'peak RSS':>10s} {'out MiB':>8s} {'QSNR dB':>8s}")
     for scheme, r in res.items():
         fmt, q = next(iter(r["qsnr"].items()))
-        print(f"  {scheme + ' (' + fmt + ')':26s} {r['seconds']:9.2f} "
-              f"{r['weights'] / r['seconds'] / 1e6:12.3f} {r['peak_rss'] / 2**20:8.0f} MiB "
-              f"{r['bytes_out'] / 2**20:8.1f} {q:8.2f}")
+        print(f"  {scheme + ' (' + fmt + ')':26s} {r['seconds']:8.2f} {r['cpu']:8.2f} "
+              f"{r['weights'] / r['seconds'] / 1e6:12.3f} {r['weights'] / r['cpu'] / 1e6:10.3f} "
+              f"{r['peak_rss'] / 2**20:6.0f} MiB {r['bytes_out'] / 2**20:8.1f} {q:8.2f}")
     if BASELINE in res and CANDIDATE in res:
-        ratio = res[CANDIDATE]["seconds"] / res[BASELINE]["seconds"]
-        print(f"  ratio MBS-D / MBS-S time: {ratio:.1f}x  (MBS-S is the baseline)")
+        wall = res[CANDIDATE]["seconds"] / res[BASELINE]["seconds"]
+        cpu = res[CANDIDATE]["cpu"] / res[BASELINE]["cpu"]
+        print(f"  ratio MBS-D / MBS-S: {wall:.1f}x wall time, {cpu:.1f}x CPU time "
+              "(MBS-S is the baseline; CPU time is the steadier figure on a shared machine)")
 
 
 def main() -> int:
@@ -178,6 +203,7 @@ def main() -> int:
     layers = args.layers or (1 if args.quick else 2)
     row_div = 16 if args.quick else 1
     print(f"machine:  {machine()}")
+    print("note:     wall s = end-to-end run (read, quantize, QSNR, write); cpu s = its user+sys")
     print(f"versions: {versions()}")
     print(f"device:   {args.device}")
     with tempfile.TemporaryDirectory(prefix="bench-quantize-") as d:
@@ -193,7 +219,9 @@ def main() -> int:
             else:
                 bench(f"SmolLM2-135M bf16 [{where}]", src, tmp / "smol", args.device, schemes)
         rows = f", rows / {row_div}" if row_div > 1 else ""
-        src = write_synthetic(tmp / "synthetic", layers, row_div)
+        src = tmp / "synthetic"
+        run_child(_PREPARE, str(Path(__file__).parent), "synthetic", str(src), str(layers),
+                  str(row_div))
         largest = LLAMA3_8B["intermediate"] // row_div * LLAMA3_8B["hidden"] * 2 / 2**20
         bench(f"synthetic Llama-3-8B-shaped stack ({layers} layer{'s' * (layers > 1)}{rows}; "
               f"largest tensor {largest:.0f} MiB bf16)", src, tmp / "syn", args.device, schemes)

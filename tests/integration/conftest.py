@@ -18,6 +18,10 @@ from vllm_mxplus.formats import SCHEMES
 HERE = Path(__file__).parent
 PROMPTS = ["the capital of france is", "hello world", "one two three four five"]
 MAX_TOKENS = 32
+# Pre-quantized checkpoints tested through vLLM: one per tensor set of the layout (E8M0
+# block 32; MX+ block-max index; E8M0 block 16 + MBS bytes; NVFP4 e4m3 + global scales).
+# mxfp4-16-oas and mxfp4-mbs-s store the same tensor sets as mxfp4-ocp (block 16) / mxfp4-mbs.
+PRE_SCHEMES = ["mxfp4-ocp", "mxplus", "mxfp4-mbs", "nvfp4"]
 
 
 def build_models(root: Path) -> dict[str, str]:
@@ -29,7 +33,7 @@ def build_models(root: Path) -> dict[str, str]:
     # hidden 320 / intermediate 576: partial macro blocks (K % 128 = 64) in every linear.
     m["tiny320"] = str(build_tiny_llama(root / "tiny320", hidden=320, intermediate=576,
                                         heads=5, kv_heads=1, seed=1))
-    for scheme in SCHEMES:
+    for scheme in PRE_SCHEMES:
         m[f"tiny256-{scheme}"] = str(write_prequantized(m["tiny256"], root / f"q256-{scheme}",
                                                         scheme))
     m["tiny320-mxfp4-mbs"] = str(write_prequantized(m["tiny320"], root / "q320-mbs",
@@ -78,6 +82,7 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
     jobs = []
     for scheme in SCHEMES:
         jobs.append(gen_job(f"online-{scheme}", m["tiny256"], scheme))
+    for scheme in PRE_SCHEMES:
         jobs.append(gen_job(f"pre-{scheme}", m[f"tiny256-{scheme}"], None))
     jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))

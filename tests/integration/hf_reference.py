@@ -29,3 +29,28 @@ def hf_greedy(model_dir: str, scheme: str | None, prompts: list[str], max_tokens
             tokens.append(new)
             logprobs.append(lps)
     return tokens, logprobs
+
+
+def hf_teacher_forced(model_dir: str, scheme: str | None, prompts: list[str],
+                      continuations: list[list[int]], dtype: torch.dtype = torch.float32
+                      ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    """Feed prompt + given continuation in one forward; per continuation position return the
+    reference's greedy token, the logprob of the given token and the top-2 logprob margin."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if scheme is not None:
+        apply_fake_quant(model, scheme)
+    greedy, logprobs, margins = [], [], []
+    with torch.no_grad():
+        for p, cont in zip(prompts, continuations):
+            ids = tok(p, return_tensors="pt").input_ids
+            full = torch.cat([ids, torch.tensor([cont])], dim=1)
+            logits = model(full).logits[0, ids.shape[1] - 1: -1].float()
+            lp = torch.log_softmax(logits, -1)
+            top2 = lp.topk(2, dim=-1).values
+            greedy.append(lp.argmax(-1).tolist())
+            logprobs.append(lp[torch.arange(len(cont)), torch.tensor(cont)].tolist())
+            margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    return greedy, logprobs, margins

@@ -29,7 +29,8 @@ def run_job(job: dict) -> dict:
     try:
         llm = LLM(
             model=job["model"], quantization=job.get("quantization"), dtype=job["dtype"],
-            enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+            enforce_eager=True, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+            seed=0,
             tensor_parallel_size=job.get("tp", 1),
         )
     except Exception as e:  # load failures are results too (bad-checkpoint tests)

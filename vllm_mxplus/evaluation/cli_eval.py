@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"mxplus eval: {e}", file=sys.stderr)
         return 2
-    out_dir = args.out or Path("eval/results") / cfg.name
+    out_dir = (args.out or Path("eval/results") / cfg.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     cells, done = plan(cfg, out_dir, paths, rows=args.rows, limit=args.limit)
     print(f"mxplus eval {cfg.name}: {len(cells)} cell(s) to run, {done} result(s) already "

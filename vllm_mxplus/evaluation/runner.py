@@ -171,7 +171,10 @@ def worker_spec(cfg: EvalConfig, cell: Cell) -> dict[str, Any]:
 
 
 def lm_eval_command(spec: dict[str, Any]) -> str:
-    """The equivalent `lm_eval` CLI line (recorded for reproduction by hand)."""
+    """The equivalent `lm_eval` CLI line (recorded for reproduction by hand).
+
+    Run it from the include_path directory: local task files name their data relative to it.
+    """
     margs = ",".join(f"{k}={v}" for k, v in spec["model_args"].items())
     parts = ["lm_eval", "--model", "vllm", "--model_args", margs,
              "--tasks", ",".join(spec["tasks"]), "--batch_size", str(spec["batch_size"])]
@@ -212,7 +215,7 @@ def run_cell(cfg: EvalConfig, cell: Cell, out_dir: Path, timeout: Optional[float
         try:
             proc = subprocess.run([python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
                                   env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                  check=False)
+                                  check=False, cwd=spec["include_path"] or None)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = -1

@@ -1,0 +1,114 @@
+"""The reference backend and FakeQuantLinear against the formats spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_mxplus.formats import SCHEMES, fake_quantize, get_scheme, quantize
+from vllm_mxplus.ops.backend import LinearSpec
+from vllm_mxplus.ops.fake_quant import FakeQuantLinear, apply_fake_quant
+from vllm_mxplus.ops.reference import (
+    WEIGHT_ATTR,
+    ReferenceBackend,
+    fake_quant_activation,
+    fake_quant_nvfp4_rows,
+    nvfp4_row_global_scale,
+)
+
+SHAPES = [(1, 256, 96), (33, 320, 64), (100, 576, 48)]  # (M, K, N); K % 128 != 0 twice
+
+
+def _expected(x, w, bias, scheme):
+    s = get_scheme(scheme)
+    per_row = s.activation_format == "nvfp4"
+    xq = fake_quantize(x, s.activation_format, per_row=per_row)
+    wq = fake_quantize(w, s.weight_format)
+    return torch.nn.functional.linear(xq, wq, None if bias is None else bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=[f"M{m}-K{k}" for m, k, _ in SHAPES])
+def test_reference_backend_equals_spec(scheme, m, k, n):
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    layer = nn.Module()
+    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16)
+    backend = ReferenceBackend()
+    backend.process_weights_after_loading(layer, quantize(w, spec.weight_format), spec)
+    assert getattr(layer, WEIGHT_ATTR).dtype == torch.float32  # dequantized once, fp32
+    out = backend.apply(layer, x, bias, spec)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    torch.testing.assert_close(out, _expected(x, w, bias, scheme), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4", "mxplus"])
+def test_fake_quant_linear_matches_reference_backend(scheme):
+    lin = nn.Linear(320, 64, bias=True)
+    x = torch.randn(2, 5, 320)
+    fq = FakeQuantLinear(lin, scheme)
+    torch.testing.assert_close(fq(x), _expected(x, lin.weight.detach(), lin.bias.detach(), scheme),
+                               atol=0, rtol=0)
+
+
+def test_apply_fake_quant_skips_lm_head():
+    model = nn.ModuleDict({"layer": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
+                           "lm_head": nn.Linear(64, 10), "embed": nn.Embedding(10, 64)})
+    replaced = apply_fake_quant(model, "mxfp4-mbs")
+    assert replaced == ["layer.q_proj"]
+    assert isinstance(model["layer"]["q_proj"], FakeQuantLinear)
+    assert type(model["lm_head"]) is nn.Linear
+    with pytest.raises(ValueError, match="unknown scheme"):
+        apply_fake_quant(model, "mxfp4-bogus")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "nvfp4", "mxplus", "mxfp4-ocp"])
+def test_nan_row_stays_in_its_row(fmt):
+    """A NaN/Inf token poisons its own output row only: batching never spreads it."""
+    x = torch.randn(4, 320)
+    x[1, 7] = float("nan")
+    x[2, 100] = float("inf")
+    per_row = fmt == "nvfp4"
+    out = fake_quant_activation(x, fmt, per_row, 128)
+    clean = fake_quant_activation(x[[0, 3]], fmt, per_row, 128)
+    torch.testing.assert_close(out[[0, 3]], clean, atol=0, rtol=0)
+    assert out[1].isnan().any() and out[2].isnan().any()
+    w = torch.randn(16, 320)
+    y = torch.nn.functional.linear(out, w)
+    assert torch.isfinite(y[[0, 3]]).all()
+
+
+def test_empty_batch():
+    out = fake_quant_activation(torch.empty(0, 256), "mxfp4-mbs-s", False, 128)
+    assert out.shape == (0, 256) and out.dtype == torch.float32
+
+
+def test_nvfp4_rows_with_own_global_equals_per_row_format():
+    x = torch.randn(33, 200)
+    g = nvfp4_row_global_scale(x)
+    torch.testing.assert_close(fake_quant_nvfp4_rows(x, g),
+                               fake_quantize(x, "nvfp4", per_row=True), atol=0, rtol=0)
+
+
+def test_nvfp4_shard_with_whole_row_global_equals_unsharded():
+    """Row-parallel TP: each half quantized with the whole row's g gives the unsharded result."""
+    x = torch.randn(5, 256)
+    g = nvfp4_row_global_scale(x)
+    halves = [fake_quant_nvfp4_rows(h.contiguous(), g) for h in x.split(128, dim=-1)]
+    torch.testing.assert_close(torch.cat(halves, -1), fake_quantize(x, "nvfp4", per_row=True),
+                               atol=0, rtol=0)
+
+
+def test_custom_op_traces_under_torch_compile():
+    """vLLM compiles the model: the activation quantizer must be one opaque graph node."""
+    x = torch.randn(3, 256)
+    w = torch.randn(32, 256)
+
+    def f(x):
+        return torch.nn.functional.linear(fake_quant_activation(x, "mxfp4-mbs-s", False, 128), w)
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), f(x), atol=0, rtol=0)
