@@ -29,7 +29,7 @@ TASKS_DIR = HERE / "tasks"
 # BIG-bench tasks of the study: written for BIG-bench (no third-party dataset behind them, as
 # far as the task files say), >= 100 single-answer items, and SmolLM2-135M scores above
 # chance on them (checked with transformers before choosing; see eval/tasks/README.md).
-BIGBENCH_TASKS = ("sports_understanding", "anachronisms", "date_understanding")
+BIGBENCH_TASKS = ("disambiguation_qa", "hindu_knowledge", "phrase_relatedness")
 SEED = 1234
 
 PPL_YAML = """task: {name}
@@ -153,10 +153,15 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bigbench", type=Path, required=True,
                     help="bigbench-1.0.0.tar.gz (PyPI sdist) or its extracted directory")
-    ap.add_argument("--ppl-tokens", type=int, default=20000,
-                    help="SmolLM2 tokens per perplexity set (default 20000)")
+    ap.add_argument("--ppl-tokens", type=int, default=16000,
+                    help="SmolLM2 tokens per perplexity set (default 16000)")
     ap.add_argument("--doc-tokens", type=int, default=1024,
                     help="cap per article (default 1024 tokens)")
+    ap.add_argument("--mc-items", type=int, default=100,
+                    help="items kept per multiple-choice set after the seeded shuffle "
+                         "(default 100; 0: all)")
+    ap.add_argument("--tasks", nargs="+", default=list(BIGBENCH_TASKS), metavar="BB_TASK",
+                    help=f"BIG-bench tasks (default: {' '.join(BIGBENCH_TASKS)})")
     ap.add_argument("--out", type=Path, default=TASKS_DIR)
     args = ap.parse_args()
 
@@ -177,9 +182,12 @@ def main() -> int:
             "tokens": sum(d["tokens"] for d in docs), "words": sum(d["words"] for d in docs)}
     manifest["bigbench"] = {"archive": args.bigbench.name,
                             "sha256": sha256(args.bigbench) if args.bigbench.is_file() else None}
-    for bb in BIGBENCH_TASKS:
+    for bb in args.tasks:
         task = load_bigbench(args.bigbench, bb)
         recs = mc_records(task)
+        available = len(recs)
+        if args.mc_items:
+            recs = recs[:args.mc_items]
         name = f"bb_{bb}"
         write_jsonl(args.out / f"{name}.jsonl", recs)
         (args.out / f"{name}.yaml").write_text(MC_YAML.format(name=name, file=f"{name}.jsonl",
@@ -187,6 +195,7 @@ def main() -> int:
         n_choices = sorted({len(r["choices"]) for r in recs})
         chance = sum(1 / len(r["choices"]) for r in recs) / len(recs)
         manifest["tasks"][name] = {"bigbench_task": bb, "items": len(recs),
+                                   "single_answer_items_available": available,
                                    "choices": n_choices, "chance_acc": round(chance, 4),
                                    "canary": task.get("canary", ""),
                                    "description": task.get("description", "")}

@@ -38,7 +38,8 @@ int mxplus_sm100_pack_scales(const unsigned char* scales, unsigned char* out, in
 // partial accumulator of every 128-K chunk:
 //   acc[m, n] = sum_c sigma_a[c, m] * sigma_b[c, n] * (A_c B_c^T)[m, n]   (fp32, [m, n])
 // a_fp4 [m, k/2] and b_fp4 [n, k/2] packed (element 2i in the low nibble); a_sf / b_sf packed
-// by mxplus_sm100_pack_scales; sigma_a [k/128, m], sigma_b [k/128, n] fp32 (= 1/F);
+// by mxplus_sm100_pack_scales; sigma_a [k/128, ceil4(m)], sigma_b [k/128, ceil4(n)] fp32
+// (= 1/F; rows padded to a multiple of 4 so every chunk's row is 16-byte aligned);
 // acc0 / acc1 fp32 [m, n] ping-pong buffers, acc0 zeroed; *result is set to the buffer that
 // holds the sum (0 or 1). With use_mbs == 0 it runs one full-K launch with no MBS (the
 // MXFP4-16 baseline of the overhead benchmark) into acc0.

@@ -1,16 +1,16 @@
 // Blackwell (sm_100a) prefill GEMM for MXFP4-MBS: native block-scaled FP4 MMA
-// (tcgen05.mma kind::mxf4nvf4, E2M1 data, UE8M0 scales at block 16 -- CUTLASS accepts the
-// element pair tuple<float_e2m1_t, float_ue8m0_t> with the Nvf4 (vector size 16) schedule),
+// (tcgen05.mma kind::mxf4nvf4, E2M1 data, UE8M0 scales at block 16 -- CUTLASS accepts
+// the element pair tuple<float_e2m1_t, float_ue8m0_t> with the Nvf4 (vector 16) schedule),
 // with Macro Block Scaling applied to the partial accumulator of every 128-K chunk:
 //
-//   acc[m, n] = sum_c sigma_a[c, m] * sigma_b[c, n] * sum_{k in c} (v_a 2^(s_a-127)) (v_b 2^(s_b-127))
+// acc[m,n] = sum_c sigma_a[c,m] * sigma_b[c,n] * sum_{k in c} (v_a 2^(s_a-127)) (v_b 2^(s_b-127))
 //
 // (paper §4.3.2, DESIGN.md §3). THIS IS THE CORRECT-BUT-SLOW FORM: one CUTLASS launch per
 // 128-K chunk (problem M x N x 128, A/B addressed in place through their row stride K/2), the
 // MBS factors applied in an EVT epilogue  D = sigma_a[m] * (sigma_b[n] * acc) + C  with C / D
 // fp32 ping-pong buffers. The fast form (paper Appendix E: one launch, MMA warp alternating two
 // TMEM accumulators per 128-K sub-tile while the idle epilogue warps scale and fold them into
-// registers) needs a custom sm100 mainloop dispatch policy; see docs/deploy.md "Remaining work".
+// registers) needs a custom sm100 mainloop dispatch policy; see kernels/README.md "Remaining work".
 //
 // Without MBS (use_mbs = 0) one full-K launch of the same collective with a plain epilogue is
 // the MXFP4-16 baseline for the overhead benchmark (paper Table 4).
@@ -20,6 +20,9 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "mxplus_launchers.h"
+
+#if !defined(MXPLUS_STUB)  // the stub build skips CUTLASS entirely (fast)
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
 #include "cutlass/numeric_types.h"
@@ -32,7 +35,6 @@
 #include "cutlass/detail/sm100_blockscaled_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "mxplus_launchers.h"
 
 using namespace cute;
 
@@ -84,11 +86,14 @@ extern "C" int mxplus_sm100_pack_scales(const unsigned char* scales, unsigned ch
   return cudaGetLastError() == cudaSuccess ? MXPLUS_OK : MXPLUS_ERR_RUN;
 }
 
+#endif  // !MXPLUS_STUB
+
 #if defined(CUTLASS_ARCH_MMA_SM100_SUPPORTED) && !defined(MXPLUS_STUB)
 
 namespace mxplus_sm100 {
 
-using ElementPair = cute::tuple<cutlass::float_e2m1_t, cutlass::float_ue8m0_t>;  // vec 16 by schedule
+// UE8M0 scales; the vector size (16) comes from the Nvf4 schedule below.
+using ElementPair = cute::tuple<cutlass::float_e2m1_t, cutlass::float_ue8m0_t>;
 using LayoutA = cutlass::layout::RowMajor;     // [M, K] K contiguous
 using LayoutB = cutlass::layout::ColumnMajor;  // [N, K] K contiguous
 constexpr int AlignmentAB = 32;                // 16 bytes of FP4
@@ -173,6 +178,8 @@ int run_mbs(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8
   auto layout_sfb = SfConfig::tile_atom_to_shape_SFB(make_shape(m, n, kChunk, 1));
   size_t sfa_bytes = mxplus_sm100_sf_bytes(m, kChunk), sfb_bytes = mxplus_sm100_sf_bytes(n, kChunk);
 
+  // The broadcast loads are 16-byte vectors: each chunk's sigma row starts 16-byte aligned.
+  size_t ld_sigma_a = size_t(m + 3) / 4 * 4, ld_sigma_b = size_t(n + 3) / 4 * 4;
   float* bufs[2] = {acc0, acc1};
   int nc = k / kChunk;
   size_t need = 0;
@@ -189,8 +196,8 @@ int run_mbs(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8
         {{}, src, stride_c, dst, stride_c}};
     // Fusion args mirror the EVT tree: {sigma_a, {sigma_b, acc, op}, src, op}.
     args.epilogue.thread = {
-        {sigma_a + size_t(c) * m},
-        {{sigma_b + size_t(c) * n}, {}, {}},
+        {sigma_a + size_t(c) * ld_sigma_a},
+        {{sigma_b + size_t(c) * ld_sigma_b}, {}, {}},
         {},
         {}};
     int rc = launch<Gemm>(args, workspace, workspace_bytes, &need, stream);
@@ -253,6 +260,15 @@ extern "C" int mxplus_sm100_fp4_mbs_gemm(
 }
 
 #else
+
+#if defined(MXPLUS_STUB)
+extern "C" size_t mxplus_sm100_sf_bytes(int, int) { return 0; }
+
+extern "C" int mxplus_sm100_pack_scales(const unsigned char*, unsigned char*, int, int, int,
+                                        cudaStream_t) {
+  return MXPLUS_ERR_NOT_COMPILED;
+}
+#endif
 
 extern "C" int mxplus_sm100_fp4_mbs_gemm(const void*, const unsigned char*, const void*,
                                          const unsigned char*, const float*, const float*,

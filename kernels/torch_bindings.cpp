@@ -1,6 +1,6 @@
 // pybind11 module `mxplus_cutlass`: torch wrappers of the C-ABI launchers (mxplus_launchers.h).
 // The torch custom ops (with fake impls) are registered in vllm_mxplus/ops/cutlass_prefill.py.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -46,8 +46,8 @@ void sm90_fp8_chunk_gemm(torch::Tensor a, torch::Tensor a_scale, torch::Tensor b
     bias_ptr = bias->data_ptr();
   }
   if (m == 0) return;
-  const at::cuda::OptionalCUDAGuard guard(a.device());
-  auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const c10::cuda::OptionalCUDAGuard guard(a.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
   size_t need = 0;
   mxplus_sm90_fp8_chunk_gemm(a.data_ptr(), a_scale.data_ptr<float>(), b.data_ptr(),
                              b_scale.data_ptr<float>(), bias_ptr, out.data_ptr(), m, n, k,
@@ -65,9 +65,9 @@ torch::Tensor sm100_pack_scales(torch::Tensor scales, int64_t k, int64_t chunk_k
   TORCH_CHECK(scales.size(1) == k / 16, "scales must be [rows, k/16]");
   size_t per_chunk = mxplus_sm100_sf_bytes(rows, chunk_k);
   auto out = torch::zeros({static_cast<int64_t>(per_chunk * (k / chunk_k))}, scales.options());
-  const at::cuda::OptionalCUDAGuard guard(scales.device());
+  const c10::cuda::OptionalCUDAGuard guard(scales.device());
   check(mxplus_sm100_pack_scales(scales.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), rows, k,
-                                 chunk_k, at::cuda::getCurrentCUDAStream().stream()),
+                                 chunk_k, c10::cuda::getCurrentCUDAStream().stream()),
         "sm100_pack_scales");
   return out;
 }
@@ -83,12 +83,15 @@ torch::Tensor sm100_fp4_mbs_gemm(torch::Tensor a, torch::Tensor a_sf, torch::Ten
   check_cuda(sigma_b, "sigma_b", torch::kFloat32);
   int m = a.size(0), k = a.size(1) * 2, n = b.size(0);
   TORCH_CHECK(b.size(1) * 2 == k, "A and B disagree on K");
+  TORCH_CHECK(sigma_a.size(0) == k / 128 && sigma_a.size(1) == (m + 3) / 4 * 4 &&
+              sigma_b.size(0) == k / 128 && sigma_b.size(1) == (n + 3) / 4 * 4,
+              "sigma_a / sigma_b must be [k/128, rows rounded up to 4]");
   auto opts = a.options().dtype(torch::kFloat32);
   auto acc0 = torch::zeros({m, n}, opts);
   auto acc1 = use_mbs ? torch::empty({m, n}, opts) : acc0;
   if (m == 0) return acc0;
-  const at::cuda::OptionalCUDAGuard guard(a.device());
-  auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const c10::cuda::OptionalCUDAGuard guard(a.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
   int which = 0;
   size_t need = 0;
   // First call sizes the workspace (every chunk launch needs the same amount).

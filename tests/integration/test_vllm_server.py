@@ -6,7 +6,6 @@ One server for the module (start-up dominates on CI), stopped by SIGTERM to its 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

@@ -225,7 +225,7 @@ def test_gpu_sm100_mbs_vs_plain(kernel_arch):
     qw = quantize(torch.randn(n, k, device="cuda"), "mxfp4-16-oas")
     w = cp.prepare_weight(qw, "sm100a")
     y_mbs = cp.prefill_gemm(qx.codes, qx.scales, None, k, w, None)
-    sig_x = torch.ones(k // 128, m, device="cuda")
+    sig_x = cp.sigma_chunks(None, m, k).cuda()
     y_plain = cp.fp4_mbs_gemm(qx.codes, cp.pack_scales_sm100(qx.scales, k, k), w.codes,
                               cp.pack_scales_sm100(qw.scales, k, k), sig_x, w.sigma, None, False)
     assert qsnr(y_plain.double(), y_mbs.double()) >= 45.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_mxplus import __version__
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
 
 FORMAT_VERSION = 1
@@ -52,8 +53,17 @@ def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dic
         "activation_block_size": a.block_size,
         "macro_block_size": MACRO_BLOCK if (w.mbs or a.mbs) else None,
         "modules_to_not_convert": sorted(set(unquantized_modules)),
-        "producer": "vllm-mxplus",
+        # vLLM 0.32 reads quantization_config["producer"]["name"]: it must be a dict
+        "producer": {"name": "vllm-mxplus", "version": __version__},
     }
+
+
+def is_mxplus_quantization_config(qcfg: object) -> bool:
+    """True for a quantization_config written by vllm-mxplus (producer {"name": ...})."""
+    if not isinstance(qcfg, dict):
+        return False
+    producer = qcfg.get("producer")
+    return isinstance(producer, dict) and producer.get("name") == "vllm-mxplus"
 
 
 def check_quantization_config(cfg: dict[str, Any], where: str = "config.json") -> None:

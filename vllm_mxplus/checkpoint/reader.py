@@ -25,6 +25,7 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_PACKED,
     SUFFIX_SCALE,
     check_quantization_config,
+    is_mxplus_quantization_config,
 )
 from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_header
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME
@@ -91,7 +92,7 @@ def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
         raise CheckpointError(f"{config_path}: not found")
     config = _read_json(config_path)
     qcfg = config.get("quantization_config")
-    if not isinstance(qcfg, dict) or qcfg.get("producer") != "vllm-mxplus":
+    if not is_mxplus_quantization_config(qcfg):
         raise CheckpointError(f"{config_path}: no vllm-mxplus quantization_config")
     try:
         check_quantization_config(qcfg, str(config_path))

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg.row(r)
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit {args.limit}: must be > 0")
-        paths = resolve_model_paths(cfg, args.model)
+        paths = resolve_model_paths(cfg, args.model, check=not args.dry_run)
     except (ConfigError, ValueError) as e:
         print(f"mxplus eval: {e}", file=sys.stderr)
         return 2

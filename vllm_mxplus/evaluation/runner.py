@@ -56,8 +56,7 @@ def cell_dir(out_dir: Path, model_id: str, row_id: str) -> Path:
 def saved_results(out_dir: Path, model_id: str, row_id: str) -> list[dict]:
     """Every readable lm-eval results JSON saved for (model, row), oldest first."""
     found = []
-    d = cell_dir(out_dir, model_id, row_id)
-    for f in sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime):
+    for f in sorted(cell_dir(out_dir, model_id, row_id).glob("*.json")):
         try:
             data = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
@@ -66,7 +65,13 @@ def saved_results(out_dir: Path, model_id: str, row_id: str) -> list[dict]:
         if isinstance(data, dict) and isinstance(data.get("results"), dict):
             data.setdefault("mxplus", {})["file"] = str(f)
             found.append(data)
-    return found
+
+    def when(data: dict) -> float:  # lm-eval's own timestamp (file mtimes do not survive git)
+        try:
+            return float(data.get("date", 0.0))
+        except (TypeError, ValueError):
+            return 0.0
+    return sorted(found, key=when)
 
 
 def saved_limit(data: dict) -> Optional[float]:
@@ -87,8 +92,12 @@ def effective_limit(task: TaskSpec, override: Optional[float]) -> Optional[float
     return override if override is not None else task.limit
 
 
-def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str]) -> dict[str, str]:
-    """--model DIR (one-model configs) or --model ID=DIR; returns model id -> path."""
+def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str],
+                        check: bool = True) -> dict[str, str]:
+    """--model DIR (one-model configs) or --model ID=DIR; returns model id -> path.
+
+    check: a local path (absolute, ~ or .) must be a model dir with config.json.
+    """
     paths = {m.id: m.path for m in cfg.models}
     for item in overrides:
         if "=" in item and item.split("=", 1)[0] in paths:
@@ -102,7 +111,7 @@ def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str]) -> dict[str, 
     for mid, path in paths.items():
         expanded = os.path.expanduser(path)
         if os.path.isabs(expanded) or path.startswith(("~", ".")):
-            if not Path(expanded, "config.json").is_file():
+            if check and not Path(expanded, "config.json").is_file():
                 raise ValueError(f"model {mid}: {expanded} is not a model dir (no config.json)")
             paths[mid] = expanded
     return paths

@@ -188,6 +188,12 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
     ref = reference_markdown(cfg)
     if ref:
         md += [ref, ""]
+    walls = cell_walls(cfg, out_dir, {v.file for v in values.values()})
+    if walls:
+        total = sum(w for _, _, w in walls)
+        md += [f"Wall time per cell (lm-eval worker, engine start included; total "
+               f"{total / 60:.1f} min):", ""]
+        md += [f"- {name}: {w / 60:.1f} min" for name, _, w in walls] + [""]
     md_path = out_dir / f"{cfg.name}.md"
     md_path.write_text("\n".join(md))
     data = {
@@ -204,6 +210,20 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
     json_path.write_text(json.dumps(data, indent=2))
     png = plot_chart(cfg, values, out_dir / f"{cfg.name}.png") if plot and values else None
     return md_path, json_path, png
+
+
+def cell_walls(cfg: EvalConfig, out_dir: Path, files: set[str]) -> list[tuple[str, str, float]]:
+    """(model/row: tasks, file, wall seconds) of the result files the table uses."""
+    out = []
+    for f in sorted(files):
+        try:
+            meta = json.loads(Path(f).read_text()).get("mxplus", {})
+        except (OSError, json.JSONDecodeError):
+            continue
+        if "wall_s" in meta:
+            name = f"{meta.get('model')}/{meta.get('row')}: {', '.join(meta.get('tasks', []))}"
+            out.append((name, f, float(meta["wall_s"])))
+    return out
 
 
 def plot_chart(cfg: EvalConfig, values: dict, path: Path) -> Path:

@@ -35,6 +35,8 @@ def quantize_nvfp4_blocks(
     absmax = xb.abs().amax(-1)
     s32 = absmax / E2M1_MAX / g_b
     s32 = torch.where(g_b > 0, s32, torch.zeros_like(s32))
+    # a block holding NaN/Inf gets the NaN scale (clamp would turn Inf into 448)
+    s32 = torch.where(torch.isfinite(absmax), s32, torch.full_like(s32, float("nan")))
     s = s32.clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
     sf = s.to(torch.float32)
     zero = (sf == 0) | ~torch.isfinite(sf)

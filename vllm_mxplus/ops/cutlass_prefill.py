@@ -144,7 +144,8 @@ def load_extension():
     global _EXT, _EXT_ERROR
     if _EXT is not None or _EXT_ERROR != "not loaded yet":
         return _EXT
-    _EXT_ERROR = f"no mxplus_cutlass extension found (build it: python kernels/build.py; or set {EXT_ENV})"
+    _EXT_ERROR = ("no mxplus_cutlass extension found (build it: python kernels/build.py; "
+                  f"or set {EXT_ENV})")
     for path in _candidate_paths():
         if not path.is_file():
             continue
@@ -204,7 +205,7 @@ def fp4_mbs_gemm(a_codes: torch.Tensor, a_sf: torch.Tensor, b_codes: torch.Tenso
                  b_sf: torch.Tensor, sigma_a: torch.Tensor, sigma_b: torch.Tensor,
                  bias: Optional[torch.Tensor], use_mbs: bool) -> torch.Tensor:
     """sm_100a: bf16 [M, N]; a_sf / b_sf packed by pack_scales_sm100 (chunk 128, or K when
-    use_mbs is False); sigma_* fp32 [K/128, rows]."""
+    use_mbs is False); sigma_* fp32 [K/128, ceil4(rows)] from sigma_chunks."""
     acc = load_extension().sm100_fp4_mbs_gemm(a_codes, a_sf, b_codes, b_sf, sigma_a, sigma_b,
                                               use_mbs)
     if bias is not None:
@@ -215,6 +216,14 @@ def fp4_mbs_gemm(a_codes: torch.Tensor, a_sf: torch.Tensor, b_codes: torch.Tenso
 @fp4_mbs_gemm.register_fake
 def _(a_codes, a_sf, b_codes, b_sf, sigma_a, sigma_b, bias, use_mbs):
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=torch.bfloat16)
+
+
+def sigma_chunks(mbs: Optional[torch.Tensor], rows: int, k: int) -> torch.Tensor:
+    """fp32(1/F) per (chunk, row) as [Kp/128, ceil4(rows)] (16-byte aligned chunk rows)."""
+    nc = _ceil_to(k, CHUNK) // CHUNK
+    m = mbs if mbs is not None else torch.zeros((rows, nc), dtype=torch.uint8)
+    m = _pad_rows(_pad_last(m, nc), _ceil_to(rows, 4))
+    return (1.0 / mbs_factor(m)).t().contiguous()
 
 
 def pack_scales_sm100(scales: torch.Tensor, k: int, chunk_k: int = CHUNK) -> torch.Tensor:
@@ -256,11 +265,10 @@ def prepare_weight(qweight: QuantizedTensor, arch: str) -> PreparedWeight:
         w_bad = qweight.dequantize(torch.float32)[bad] if bad.numel() else None
         return PreparedWeight(arch, n, k, layout=lay, fallback_idx=bad, fallback_w=w_bad)
     if arch == "sm100a":
-        m = mbs if mbs is not None else codes.new_zeros((npad, kp // CHUNK))
         return PreparedWeight(
             arch, n, k, codes=_pad_last(codes, kp // 2).contiguous(),
             sf=pack_scales_sm100(scales, kp),
-            sigma=(1.0 / mbs_factor(_pad_last(m, kp // CHUNK))).t().contiguous())
+            sigma=sigma_chunks(mbs, npad, k).to(codes.device))
     raise ValueError(f"unknown arch {arch!r} (expected 'sm90a' or 'sm100a')")
 
 
@@ -273,8 +281,7 @@ def prefill_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[
         y = _prefill_sm90(x_codes, x_scales, x_mbs, k, w, bias)
     else:
         kp = _ceil_to(k, CHUNK)
-        m = x_mbs if x_mbs is not None else x_codes.new_zeros((x_codes.shape[0], kp // CHUNK))
-        sig = (1.0 / mbs_factor(_pad_last(m, kp // CHUNK))).t().contiguous()
+        sig = sigma_chunks(x_mbs, x_codes.shape[0], k).to(x_codes.device)
         y = fp4_mbs_gemm(_pad_last(x_codes, kp // 2).contiguous(), pack_scales_sm100(x_scales, kp),
                          w.codes, w.sf, sig, w.sigma, _pad_bias(bias, w), True)[:, : w.n]
     return y.to(out_dtype)
