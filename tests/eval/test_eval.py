@@ -209,3 +209,41 @@ def test_runner_smoke_tiny_model(tmp_path: Path, subprocess_env) -> None:
     # resumable: the finished cell is found and nothing runs again
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "0 cell(s) to run, 1 result(s)" in again.stderr
+
+
+def test_step_gains(fixture_cfg) -> None:
+    from vllm_mxplus.evaluation.table import step_gains
+
+    lines = step_gains(fixture_cfg, collect(fixture_cfg, FIXTURES / "results"))
+    # MX+ has no results: only MXFP4-MBS-H -> NVFP4 is a complete step
+    assert lines == ["acc: NVFP4 − MXFP4-MBS-H +2.00", "ppl: NVFP4 − MXFP4-MBS-H -1.00"]
+
+
+def test_worker_process_group_is_reaped(tmp_path: Path) -> None:
+    """A worker that leaves with os._exit must not leave its children (vLLM engines) alive."""
+    import os
+    import time
+
+    from vllm_mxplus.evaluation.runner import _kill_group
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import os, subprocess, sys; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); os._exit(0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    proc.wait(timeout=30)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # the orphan is alive after its parent exited
+    _kill_group(proc)
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a killed orphan stays a zombie until init reaps it; check its state instead
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"child {child} still running")

@@ -221,19 +221,45 @@ def run_cell(cfg: EvalConfig, cell: Cell, out_dir: Path, timeout: Optional[float
     with open(log_path, "w") as fh:
         fh.write(f"# {spec['meta']['lm_eval_command']}\n")
         fh.flush()
+        # Own process group: the worker leaves with os._exit, and vLLM's engine-core and
+        # worker processes (same group) must not outlive it (each holds GBs of memory).
+        proc = subprocess.Popen([python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
+                                env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                cwd=spec["include_path"] or None, start_new_session=True)
         try:
-            proc = subprocess.run([python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
-                                  env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                  check=False, cwd=spec["include_path"] or None)
-            rc = proc.returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = -1
             fh.write(f"\n# mxplus eval: cell timed out after {timeout} s\n")
+        finally:
+            _kill_group(proc)
     wall = time.time() - t0
     ok = cell.out.is_file()
     if ok and rc != 0:
         log.warning("%s: worker exited with %s after writing its results (kept)", cell.name, rc)
     return ok, wall, log_path
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, whatever is left of the worker's process group."""
+    import signal
+
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.2)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def tail(path: Path, n: int = 15) -> str:

@@ -149,6 +149,27 @@ def markdown_table(cfg: EvalConfig, values: dict, show_stderr: bool = True) -> s
     return "\n".join(lines)
 
 
+def step_gains(cfg: EvalConfig, values: dict) -> list[str]:
+    """avg(row) - avg(previous row) for the rows from the baseline up to the target."""
+    summary = summarize(cfg, values)
+    ids = [r.id for r in cfg.rows]
+    lo = ids.index(cfg.baseline) if cfg.baseline else 0
+    hi = ids.index(cfg.target) if cfg.target else len(ids)
+    chain = cfg.rows[lo:hi + 1] if hi >= lo else ()
+    out = []
+    for model in cfg.models:
+        for kind, rows in summary.get(model.id, {}).items():
+            parts = []
+            for prev, cur in zip(chain, chain[1:]):
+                a, b = rows[prev.id]["avg"], rows[cur.id]["avg"]
+                if a is not None and b is not None:
+                    parts.append(f"{cur.label} − {prev.label} {b - a:+.2f}")
+            if parts:
+                pre = f"{model.label} " if len(cfg.models) > 1 else ""
+                out.append(f"{pre}{KIND_LABEL[kind]}: " + "; ".join(parts))
+    return out
+
+
 def reference_markdown(cfg: EvalConfig) -> str:
     """The paper's own figures as quoted in the config (empty when none)."""
     ref = cfg.reference
@@ -182,6 +203,12 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
     if header:
         md += [header.rstrip(), ""]
     md += [markdown_table(cfg, values), ""]
+    steps = step_gains(cfg, values)
+    if steps:
+        md += ["Successive gains of the average (each row minus the row above it, the way the "
+               "paper's text reports them; accuracy in points, perplexity in ppl, negative = "
+               "lower perplexity):", ""]
+        md += [f"- {line}" for line in steps] + [""]
     ours = [t.label for t in cfg.tasks if t.source == "ours"]
     if ours:
         md += [f"Tasks of our choice (not named by the paper): {', '.join(ours)}.", ""]

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
 from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED, check_quantization_config
+from vllm_mxplus.checkpoint.rules import ROUTER_NAMES
 from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES, Scheme, get_scheme
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class MxplusConfig(QuantizationConfig):
         self, layer: torch.nn.Module, prefix: str
     ) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, LinearBase):
-            if self.is_skipped(prefix):
+            if self.is_skipped(prefix) or _is_router(prefix):
                 return UnquantizedLinearMethod()
             from vllm_mxplus.integration.linear import MxplusLinearMethod
 
@@ -103,13 +104,22 @@ class MxplusConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            logger.warning("%s: MoE experts stay unquantized (no FusedMoE method yet)", prefix)
-            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-                UnquantizedFusedMoEMethod,
-            )
+            if self.is_skipped(prefix):
+                from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+                    UnquantizedFusedMoEMethod,
+                )
 
-            return UnquantizedFusedMoEMethod(layer.moe_config)
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            from vllm_mxplus.integration.fused_moe import MxplusFusedMoEMethod
+
+            return MxplusFusedMoEMethod(self, layer.moe_config)
         return None  # embeddings, lm_head, norms, attention: unquantized (paper §5.1)
+
+
+def _is_router(prefix: str) -> bool:
+    """MoE routers (`mlp.gate`, `block_sparse_moe.gate`, ...) stay unquantized (paper §5.1),
+    as the offline quantizer keeps them (checkpoint.rules.ROUTER_NAMES)."""
+    return prefix.rpartition(".")[2] in ROUTER_NAMES
 
 
 def _class_name(scheme: str) -> str:

@@ -25,6 +25,7 @@ from vllm_mxplus.formats.nvfp4 import (
     nvfp4_global_scale,
     quantize_nvfp4_blocks,
 )
+from vllm_mxplus.ops.act_fake_quant import FAST_FORMATS, fast_fake_quantize
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
 
 WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
@@ -37,6 +38,8 @@ def fake_quant_activation(
     """fake_quantize(x, fmt) along the last dim, fp32 result (one row = one token)."""
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if fmt in FAST_FORMATS:  # same bits, a third of the ops (see act_fake_quant.py)
+        return fast_fake_quantize(x, fmt, macro_block)
     return fake_quantize(x, fmt, per_row=per_row, macro_block=macro_block)
 
 

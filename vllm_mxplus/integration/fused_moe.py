@@ -1,0 +1,273 @@
+"""The vLLM FusedMoE method: every expert's w13 / w2 in the scheme's weight format (paper §5.1).
+
+vLLM 0.32 interface (`FusedMoEMethodBase`, non-monolithic): `RoutedExperts.__init__` calls
+`create_weights(layer, num_experts=local experts, hidden_size, intermediate_size_per_partition,
+params_dtype, weight_loader=layer.weight_loader, ...)`; the checkpoint's per-expert tensors
+`...experts.{e}.{gate,up,down}_proj.SUFFIX` reach `layer.weight_loader(param, t, weight_name,
+shard_id in w1/w3/w2, expert_id)` via the expert mapping (`experts.w13_SUFFIX`,
+`experts.w2_SUFFIX`); the MoERunner routes (vLLM's own top-k, renormalization and scaling
+factor) and calls `apply(layer, x, topk_weights, topk_ids, ...)`; it runs shared experts and
+the TP all-reduce itself (`moe_kernel` is None: the output is not reduced here).
+
+Two load paths, as for linears (linear.py):
+- online: `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I] in the model dtype, quantized per
+  expert after loading (gate, up and down are separate logical weights: nvfp4 takes one
+  global scale each, reduced over TP ranks).
+- pre-quantized: `w13_weight_packed`, `w13_weight_scale`, ... with a leading expert dim; the
+  uint8 / e4m3 tensors load through vLLM's own MoE loader (N-sharded for w13, K-sharded for
+  w2), the nvfp4 global scales as per-tensor scales [E, 2] / [E].
+Execution (any device): the reference path, weights dequantized once to fp32 per expert,
+activations fake-quantized per token before each expert GEMM (`ops.moe_reference`). On CUDA
+this is correct but slow; a grouped Triton/CUTLASS path is future work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.utils import set_weight_attrs
+
+from vllm_mxplus.checkpoint.layout import SUFFIX_BM_INDEX, SUFFIX_GLOBAL, SUFFIX_MBS
+from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
+from vllm_mxplus.formats.e2m1 import E2M1_MAX
+from vllm_mxplus.formats.nvfp4 import (
+    F8E4M3_MAX,
+    NVFP4_BLOCK,
+    dequantize_nvfp4_blocks,
+    quantize_nvfp4_blocks,
+)
+from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs
+from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS, moe_experts_reference
+from vllm_mxplus.ops.reference import nvfp4_row_global_scale
+
+if TYPE_CHECKING:
+    from vllm_mxplus.integration.config import MxplusConfig
+
+logger = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
+W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
+
+
+def _tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """Elementwise max over the MoE TP group (each rank holds a slice of every expert)."""
+    if layer.moe_config.tp_size > 1:
+        from vllm.distributed import get_tp_group
+
+        torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+    return t
+
+
+def _finite_amax(w: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax(-1).amax(-1)
+
+
+def _nvfp4_fake(w: torch.Tensor, g_rows: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of w [N, K] with per-row global scales g_rows [N, 1]."""
+    k = w.shape[-1]
+    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
+    x = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))
+    codes, scales = quantize_nvfp4_blocks(x, g_rows)
+    return dequantize_nvfp4_blocks(codes, scales, g_rows)[..., :k].contiguous()
+
+
+class MxplusFusedMoEMethod(FusedMoEMethodBase):
+    """W4A4 routed experts of one vllm-mxplus scheme (reference execution)."""
+
+    def __init__(self, quant_config: "MxplusConfig", moe: Any):
+        super().__init__(moe)
+        self.quant_config = quant_config
+        self.scheme = quant_config.scheme
+        self.macro_block = quant_config.macro_block
+        self.fmt = self.scheme.weight_format
+        self.act_per_row = get_format(self.scheme.activation_format).scale_rule == "e4m3"
+        act = moe.activation.value
+        if act not in GATED_ACTIVATIONS:
+            raise NotImplementedError(
+                f"vllm-mxplus MoE: activation {act!r} is not supported "
+                f"(supported: {', '.join(GATED_ACTIVATIONS)})")
+        self.act_fn = GATED_ACTIVATIONS[act]
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        if self.moe.has_bias:
+            raise NotImplementedError(
+                f"{layer.layer_name}: vllm-mxplus MoE does not support expert biases yet")
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise NotImplementedError(
+                f"{layer.layer_name}: apply_router_weight_on_input is not supported")
+        s = self.scheme
+        i_part = intermediate_size_per_partition
+        i_full = self.moe.intermediate_size
+        unit = row_parallel_unit(s.weight_format, s.activation_format, self.macro_block)
+        if i_part != i_full and i_part % unit:
+            raise ValueError(
+                f"{layer.layer_name}: expert intermediate size per TP partition {i_part} "
+                f"(moe_intermediate_size={i_full}) is not a multiple of {unit}; scheme "
+                f"{s.name} needs whole {'macro ' if unit == self.macro_block else ''}blocks "
+                f"on every rank for the down projection (K-sharded). Use a "
+                f"tensor_parallel_size that divides {i_full}/{unit} = {i_full / unit:g}, "
+                f"or enable_expert_parallel.")
+        layer.mxplus_dims = {"w13": (2 * i_part, hidden_size, hidden_size),
+                             "w2": (hidden_size, i_part, i_full)}
+        layer.orig_dtype = params_dtype
+        loader = extra_weight_attrs["weight_loader"]
+        if not self.quant_config.is_checkpoint_quantized:
+            for stem, (n, k, _) in layer.mxplus_dims.items():
+                p = torch.nn.Parameter(torch.empty(num_experts, n, k, dtype=params_dtype),
+                                       requires_grad=False)
+                layer.register_parameter(f"{stem}_weight", p)
+                set_weight_attrs(p, extra_weight_attrs)
+            return
+        layer.mxplus_loaded = {}
+        for stem, (n, k, k_full) in layer.mxplus_dims.items():
+            for tspec in tensor_specs(self.fmt, self.macro_block):
+                if tspec.k_per_col == 0:  # nvfp4: one fp32 global scale per logical weight
+                    shape = (num_experts, 2) if stem == "w13" else (num_experts,)
+                    data = torch.zeros(shape, dtype=tspec.dtype)
+                    method = FusedMoeWeightScaleSupported.TENSOR.value
+                else:
+                    data = torch.zeros(num_experts, n, tspec.cols(k), dtype=tspec.dtype)
+                    method = FusedMoeWeightScaleSupported.GROUP.value
+                p = torch.nn.Parameter(data, requires_grad=False)
+                layer.register_parameter(f"{stem}_{tspec.suffix}", p)
+                set_weight_attrs(p, {**extra_weight_attrs, "quant_method": method,
+                                     "weight_loader": self._checked_loader(
+                                         layer, stem, tspec, k_full, loader)})
+
+    def _checked_loader(self, layer: torch.nn.Module, stem: str, tspec: TensorSpec,
+                        k_full: int, inner: Callable) -> Callable:
+        """vLLM's MoE loader, after checking dtype and K-derived width; records arrivals."""
+
+        def loader(param, loaded_weight, weight_name, shard_id, expert_id,
+                   return_success: bool = False):
+            proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(shard_id, shard_id)
+            name = f"{layer.layer_name}.{expert_id}.{proj}.{tspec.suffix}"
+            if loaded_weight.dtype != tspec.dtype:
+                raise ValueError(f"checkpoint tensor {name} has dtype {loaded_weight.dtype}, "
+                                 f"expected {tspec.dtype}")
+            if tspec.k_per_col and loaded_weight.dim() == 2:
+                want = tspec.cols(k_full)
+                if loaded_weight.shape[1] != want:
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, "
+                        f"expected [N, {want}] (K={k_full}, {tspec.k_per_col} per column)")
+            elif not tspec.k_per_col and loaded_weight.numel() != 1:
+                raise ValueError(f"checkpoint tensor {name} has shape "
+                                 f"{tuple(loaded_weight.shape)}, expected one fp32 value")
+            ok = inner(param, loaded_weight, weight_name, shard_id, expert_id,
+                       return_success=True)
+            if ok:
+                layer.mxplus_loaded.setdefault(f"{stem}_{tspec.suffix}", set()).add(
+                    (expert_id, shard_id))
+            return ok if return_success else None
+
+        return loader
+
+    def _check_all_loaded(self, layer: torch.nn.Module) -> None:
+        n_local = self.moe.num_local_experts
+        for stem, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            for tspec in tensor_specs(self.fmt, self.macro_block):
+                got = layer.mxplus_loaded.get(f"{stem}_{tspec.suffix}", set())
+                per_shard = {sh: {e for e, s in got if s == sh} for sh in shards}
+                for sh, experts in per_shard.items():
+                    if len(experts) < n_local:
+                        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[sh]
+                        raise ValueError(
+                            f"{layer.layer_name}: checkpoint tensors *.{proj}.{tspec.suffix} "
+                            f"arrived for {len(experts)} of {n_local} local experts "
+                            f"(format {self.fmt} stores "
+                            f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})")
+
+    def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+        n, k, _ = layer.mxplus_dims[stem]
+        packed = getattr(layer, f"{stem}_weight_packed").data
+        out = torch.empty(packed.shape[0], n, k, dtype=torch.float32, device=packed.device)
+        widths = [n // 2, n // 2] if stem == "w13" else [n]
+        for e in range(packed.shape[0]):
+            g = None
+            if get_format(self.fmt).scale_rule == "e4m3":
+                per_shard = getattr(layer, f"{stem}_{SUFFIX_GLOBAL}").data[e].reshape(-1)
+                g = torch.repeat_interleave(
+                    per_shard.to(torch.float32), torch.tensor(widths, device=packed.device))
+                g = g[:, None]
+            extra = {field: getattr(layer, f"{stem}_{suffix}").data[e]
+                     for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
+                     if hasattr(layer, f"{stem}_{suffix}")}
+            q = QuantizedTensor(
+                codes=packed[e], scales=getattr(layer, f"{stem}_weight_scale").data[e],
+                fmt=self.fmt, shape=torch.Size((n, k)), global_scale=g,
+                macro_block=self.macro_block, **extra)
+            out[e] = q.dequantize(torch.float32)
+        return out
+
+    def _quantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+        w = getattr(layer, f"{stem}_weight").data
+        if get_format(self.fmt).scale_rule != "e4m3":
+            # Every other format is per row: w1 / w3 rows quantize exactly as separate weights.
+            return torch.stack([quantize(w[e], self.fmt, macro_block=self.macro_block)
+                                .dequantize(torch.float32) for e in range(w.shape[0])])
+        n_shards = 2 if stem == "w13" else 1
+        parts = w.reshape(w.shape[0], n_shards, w.shape[1] // n_shards, w.shape[2])
+        amax = _tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
+        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(
+            w.shape[1] // n_shards, dim=1)[..., None]  # [E, N, 1]
+        return torch.stack([_nvfp4_fake(w[e], g_rows[e]) for e in range(w.shape[0])])
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pre = self.quant_config.is_checkpoint_quantized
+        if pre:
+            self._check_all_loaded(layer)
+        device = next(iter(layer.parameters())).device
+        for stem in ("w13", "w2"):
+            w = self._dequantize_loaded(layer, stem) if pre else self._quantize_loaded(layer, stem)
+            for name in [n for n in list(layer._parameters) if n.startswith(f"{stem}_weight")]:
+                delattr(layer, name)
+            layer.register_parameter(
+                W13_FP32 if stem == "w13" else W2_FP32,
+                torch.nn.Parameter(w.contiguous(), requires_grad=False))
+        layer.mxplus_row_amax_reduce = self.act_per_row and self.moe.tp_size > 1
+        key = f"{self.scheme.name}/{device.type}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("mxplus %s MoE experts on %s: reference path (dequantized fp32 "
+                        "experts, fake-quant activations)%s", self.scheme.name, device.type,
+                        "; a grouped GPU kernel is future work" if device.type == "cuda" else "")
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None  # no modular kernel: apply() computes the experts itself
+
+    # -- execution -------------------------------------------------------------------------
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Optional[Any] = None,
+        shared_experts_input: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        # Shared experts (if any) run in the MoERunner (moe_kernel is None: NO_OVERLAP order).
+        row_g = None
+        if layer.mxplus_row_amax_reduce:
+            def row_g(h: torch.Tensor) -> torch.Tensor:
+                return _tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
+        return moe_experts_reference(
+            x, getattr(layer, W13_FP32), getattr(layer, W2_FP32), topk_weights, topk_ids,
+            self.scheme.activation_format, per_row=self.act_per_row, activation=self.act_fn,
+            macro_block=self.macro_block, expert_map=layer.expert_map,
+            row_global_scale=row_g)
