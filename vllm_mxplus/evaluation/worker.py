@@ -48,6 +48,23 @@ def run_spec(spec: dict) -> dict:
     return lm_eval.simple_evaluate(**kwargs)
 
 
+def source_revision() -> dict:
+    """The git commit of the vllm_mxplus sources this worker ran, and whether they differed."""
+    import subprocess
+
+    pkg = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(pkg), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(pkg), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if not head:
+        return {}
+    return {"git_commit": head, "modified_files": [l[3:] for l in dirty if l.strip()]}
+
+
 def write_results(results: dict, spec: dict, wall_s: float) -> Path:
     from lm_eval.utils import handle_non_serializable
 
@@ -57,7 +74,8 @@ def write_results(results: dict, spec: dict, wall_s: float) -> Path:
     results.pop("samples", None)
     results["mxplus"] = {**spec.get("meta", {}), "wall_s": round(wall_s, 1),
                          "limit": spec.get("limit"), "num_fewshot": spec.get("num_fewshot"),
-                         "tasks": list(spec["tasks"])}
+                         "tasks": list(spec["tasks"]),
+                         "source": spec.get("_source", {})}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
     os.replace(tmp, out)
@@ -70,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m vllm_mxplus.evaluation.worker SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
+    spec["_source"] = source_revision()  # at start: the code this engine loads
     t0 = time.time()
     results = run_spec(spec)
     if results is None:  # lm-eval returns None on non-zero ranks only

@@ -105,6 +105,89 @@ def build_tiny_llama(
     return path
 
 
+def _save_random_moe(model, path: Path, vocab: int, dtype: torch.dtype, router_std: float) -> Path:
+    """Random norms (as build_tiny_llama) and a decisive router; save model + tokenizer."""
+    model = model.to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                # wide router logits: top-k choices are not decided by rounding noise
+                p.copy_(router_std * torch.randn_like(p))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)  # per-expert 2-D tensors on disk
+    build_tokenizer(path, vocab)
+    return path
+
+
+def build_tiny_qwen3_moe(
+    path: str | Path,
+    *,
+    hidden: int = 128,
+    moe_intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    vocab: int = 256,
+    dtype: torch.dtype = torch.bfloat16,
+    init_std: float = 0.05,
+    router_std: float = 0.5,
+    seed: int = 0,
+) -> Path:
+    """Write a random Qwen3MoeForCausalLM checkpoint (every layer MoE, no shared expert).
+
+    Saved as transformers writes it: `mlp.experts.{e}.{gate,up,down}_proj.weight` per expert
+    and the router `mlp.gate.weight`.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * moe_intermediate,
+        moe_intermediate_size=moe_intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=init_std, bos_token_id=1,
+        eos_token_id=2, pad_token_id=3, torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    return _save_random_moe(Qwen3MoeForCausalLM(cfg), Path(path), vocab, dtype, router_std)
+
+
+def build_tiny_mixtral(
+    path: str | Path,
+    *,
+    hidden: int = 128,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 4,
+    top_k: int = 2,
+    vocab: int = 256,
+    dtype: torch.dtype = torch.bfloat16,
+    init_std: float = 0.05,
+    router_std: float = 0.5,
+    seed: int = 0,
+) -> Path:
+    """Write a random MixtralForCausalLM checkpoint (`block_sparse_moe.experts.{e}.w1/w2/w3`
+    on disk, as transformers saves it; router `block_sparse_moe.gate`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=init_std, bos_token_id=1,
+        eos_token_id=2, pad_token_id=3, torch_dtype=dtype, sliding_window=None,
+    )
+    torch.manual_seed(seed)
+    return _save_random_moe(MixtralForCausalLM(cfg), Path(path), vocab, dtype, router_std)
+
+
 def is_quantized_linear(name: str, skip: Iterable[str] = ()) -> bool:
     """HF weight names of the linears the schemes quantize (paper §5.1)."""
     if not name.endswith(".weight") or "norm" in name:

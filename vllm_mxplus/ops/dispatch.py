@@ -26,7 +26,12 @@ logger = logging.getLogger(__name__)
 BackendRef = Union[str, type[LinearBackend]]  # "package.module:ClassName" or the class
 
 # Priority order per platform; the reference backend is appended by the selector.
-_REGISTRY: dict[str, list[BackendRef]] = {"cuda": [], "rocm": [], "xpu": [], "cpu": []}
+_REGISTRY: dict[str, list[BackendRef]] = {
+    "cuda": ["vllm_mxplus.ops.triton_backend:TritonDecodeBackend"],
+    "rocm": [],
+    "xpu": [],
+    "cpu": [],
+}
 _LOGGED: set[tuple] = set()
 
 

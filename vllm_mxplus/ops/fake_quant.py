@@ -4,6 +4,13 @@
 quantized with the scheme's weight format and dequantized once to fp32, activations
 fake-quantized per call with the scheme's activation format, F.linear in fp32, bias added in
 fp32, result cast back to the input dtype (see `vllm_mxplus.ops.reference`).
+
+`FakeQuantExperts` does the same for a transformers MoE expert stack (Qwen3-MoE, Mixtral,
+... in transformers >= 5: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] parameters,
+forward(hidden_states, top_k_index, top_k_weights)): every expert's gate, up and down weight
+quantized as a separate logical weight, activations quantized per token before each expert
+GEMM, computed by `ops.moe_reference` exactly as the vLLM FusedMoE method computes it. The
+router stays in high precision.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ import torch
 from torch import nn
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme, quantize
+from vllm_mxplus.ops.moe_reference import moe_experts_reference
 from vllm_mxplus.ops.reference import reference_linear
 
-DEFAULT_SKIP = ("lm_head",)  # paper §5.1: lm_head (and embeddings, norms) stay unquantized
+# paper §5.1: lm_head (and embeddings, norms) stay unquantized, as do MoE routers (an
+# nn.Linear named `gate` / `router` / `shared_expert_gate` in older transformers MoE models).
+DEFAULT_SKIP = ("lm_head", "gate", "router", "shared_expert_gate")
 
 
 class FakeQuantLinear(nn.Module):
@@ -56,6 +66,52 @@ class FakeQuantLinear(nn.Module):
                 f"scheme={self.scheme}")
 
 
+def _fake_quant_weight(w: torch.Tensor, fmt: str, macro_block: int) -> torch.Tensor:
+    return quantize(w, fmt, macro_block=macro_block).dequantize(torch.float32)
+
+
+class FakeQuantExperts(nn.Module):
+    """A drop-in for a transformers >= 5 expert stack with W4A4 fake quantization."""
+
+    def __init__(self, experts: nn.Module, scheme: str, macro_block: int = MACRO_BLOCK):
+        super().__init__()
+        s = get_scheme(scheme)
+        self.scheme = s.name
+        self.activation_format = s.activation_format
+        self.per_row = get_format(s.activation_format).scale_rule == "e4m3"
+        self.macro_block = macro_block
+        self.act_fn = experts.act_fn
+        gate_up = experts.gate_up_proj.detach()
+        down = experts.down_proj.detach()
+        self.num_experts = gate_up.shape[0]
+        fq = [
+            # gate and up are separate logical weights (their own nvfp4 global scale)
+            torch.cat([_fake_quant_weight(h, s.weight_format, macro_block)
+                       for h in gate_up[e].chunk(2, dim=0)])
+            for e in range(self.num_experts)
+        ]
+        self.register_buffer("w13_fp32", torch.stack(fq))
+        self.register_buffer("w2_fp32", torch.stack([
+            _fake_quant_weight(down[e], s.weight_format, macro_block)
+            for e in range(self.num_experts)]))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts_reference(
+            hidden_states, self.w13_fp32, self.w2_fp32, top_k_weights, top_k_index,
+            self.activation_format, per_row=self.per_row, activation=self.act_fn,
+            macro_block=self.macro_block)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, scheme={self.scheme}"
+
+
+def _is_expert_stack(mod: nn.Module) -> bool:
+    gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    return (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gu.dim() == 3 and down.dim() == 3 and hasattr(mod, "act_fn"))
+
+
 def _skipped(name: str, skip: Iterable[str]) -> bool:
     parts = name.split(".")
     return any(name == s or name.endswith("." + s) or s in parts for s in skip)
@@ -67,17 +123,19 @@ def apply_fake_quant(
     skip: Optional[Iterable[str]] = None,
     macro_block: int = MACRO_BLOCK,
 ) -> list[str]:
-    """Replace every nn.Linear of `model` in place, except those named in `skip` (a module
-    name, its last component(s), or any path component; default: lm_head). Returns the
-    names of the replaced modules."""
+    """Replace every nn.Linear of `model` in place (and every MoE expert stack by a
+    `FakeQuantExperts`), except those named in `skip` (a module name, its last component(s),
+    or any path component; default: lm_head and MoE routers). Returns the names of the
+    replaced modules."""
     get_scheme(scheme)  # fail early on an unknown name
     skip = tuple(DEFAULT_SKIP if skip is None else skip)
     targets = [
         (name, mod) for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and not _skipped(name, skip)
+        if (isinstance(mod, nn.Linear) or _is_expert_stack(mod)) and not _skipped(name, skip)
     ]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FakeQuantLinear(mod, scheme, macro_block))
+        cls = FakeQuantLinear if isinstance(mod, nn.Linear) else FakeQuantExperts
+        setattr(parent, child, cls(mod, scheme, macro_block))
     return [name for name, _ in targets]

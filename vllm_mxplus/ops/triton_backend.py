@@ -1,0 +1,80 @@
+"""The Triton decode backend: fused activation quantizer + memory-bound FP4 GEMM (issue 5).
+
+For few rows (M <= DECODE_MAX_M) the packed FP4 weight, its E8M0 scales and MBS bytes are
+streamed once and dequantized in registers (`triton_decode_gemm`); activations are quantized
+by the fused Triton quantizer into the same layout, so decode computes the same numbers as
+the reference (up to fp32 accumulation order). Larger M goes to the next backend (the
+CUTLASS prefill GEMM where built, else the reference).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vllm_mxplus.formats import QuantizedTensor, get_format
+from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+
+DECODE_MAX_M = 16
+# (weight format, activation format) pairs the decode kernel implements: same block size,
+# E8M0 scales, MBS on either side optional.
+SUPPORTED = {
+    ("mxfp4-ocp", "mxfp4-ocp"),
+    ("mxfp4-16", "mxfp4-16"),
+    ("mxfp4-16-oas", "mxfp4-16-oas"),
+    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+}
+ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
+
+
+class TritonDecodeBackend(LinearBackend):
+    name = "triton-decode"
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+        if platform != "cuda":
+            return False, f"Triton kernels are built for CUDA, not {platform}"
+        from vllm_mxplus.ops.triton_utils import is_available
+
+        return is_available(torch.device("cuda"))
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        pair = (spec.weight_format, spec.activation_format)
+        if pair not in SUPPORTED:
+            return False, f"no decode kernel for weights {pair[0]} x activations {pair[1]}"
+        return True, ""
+
+    @classmethod
+    def supports_m(cls, m: int) -> bool:
+        return m <= DECODE_MAX_M
+
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
+    ) -> None:
+        tensors = (qweight.codes, qweight.scales, qweight.mbs)
+        for attr, t in zip(ATTRS, tensors):
+            value = None if t is None else t.contiguous()
+            if hasattr(layer, attr):
+                delattr(layer, attr)
+            layer.register_buffer(attr, value, persistent=False)
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        spec: LinearSpec,
+        act_global_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        from vllm_mxplus.ops.custom_ops import act_quant_op, decode_gemm_op
+
+        x2 = x.reshape(-1, x.shape[-1])
+        a_codes, a_scales, a_mbs, _ = act_quant_op(x2, spec.activation_format,
+                                                   macro_block=spec.macro_block)
+        y = decode_gemm_op(a_codes, a_scales, a_mbs, layer.mxplus_w_codes, layer.mxplus_w_scales,
+                           layer.mxplus_w_mbs, spec.k, bias, spec.out_dtype,
+                           block_size=get_format(spec.weight_format).block_size)
+        return y.reshape(*x.shape[:-1], spec.n)
