@@ -13,8 +13,11 @@ if [ ! -f eval/tasks/wiki_ppl.jsonl ]; then
   "$PY" eval/build_tasks.py --bigbench "$BIGBENCH"
 fi
 "$PY" -m vllm_mxplus.cli prepare >/dev/null 2>&1 || true   # the bf16 SmolLM2 checkpoint
+NOTES=()
+if [ -f eval/results/smollm2-135m.notes.md ]; then NOTES=(--notes eval/results/smollm2-135m.notes.md); fi
 rc=0
-"$PY" -m vllm_mxplus.cli eval configs/smollm2-135m.yaml --out eval/results/smollm2-135m "$@" || rc=$?
+"$PY" -m vllm_mxplus.cli eval configs/smollm2-135m.yaml --out eval/results/smollm2-135m \
+  "${NOTES[@]}" "$@" || rc=$?
 for ext in md json png; do  # the table of whatever finished, also after a failed cell
   if [ -f "eval/results/smollm2-135m/smollm2-135m.$ext" ]; then
     cp "eval/results/smollm2-135m/smollm2-135m.$ext" "eval/results/smollm2-135m.$ext"

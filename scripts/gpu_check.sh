@@ -59,6 +59,11 @@ PYEOF
 
 unset TRITON_INTERPRET
 rc=0
+# the optional CUTLASS extension (kernels/README.md): sm90a on Hopper, sm100a on Blackwell
+ARCH=$($PY -c "import torch; print('100a' if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10 else '90a')" 2>/dev/null || echo 90a)
+$PY -m pip install -q nvidia-cutlass==4.2.0.0 >>"$LOG" 2>&1
+say "build CUTLASS extension for sm_$ARCH (timeout 240 s)"
+timeout 240 $PY kernels/build.py --archs "$ARCH" > "$OUT/build_ext.log" 2>&1 || say "extension build failed (see build_ext.log)"
 say "pytest -m gpu (timeout 240 s)"
 timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rfEs \
   --junitxml="$OUT/gpu_tests.xml" tests > "$OUT/pytest_gpu.log" 2>&1

@@ -13,13 +13,49 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import gen_job, run_driver
-from test_vllm_generate import _check_against_reference
+from conftest import PROMPTS, gen_job, run_driver
 
 pytestmark = pytest.mark.vllm
 
-ONLINE = [("q3", "mxfp4-mbs"), ("q3", "nvfp4"), ("mx", "mxfp4-mbs"), ("mx", "mxfp4-ocp")]
-PRE = [("q3", "mxfp4-mbs"), ("q3", "nvfp4"), ("mx", "mxplus")]
+# Engines are the cost (2-core CI): the paper's format and the NVFP4 baseline online on
+# Qwen3-MoE, MBS on Mixtral, and one offline-quantizer checkpoint per tensor set that
+# needs its own MoE loader path (E8M0 + MBS bytes; NVFP4 e4m3 + per-expert fp32 globals).
+ONLINE = [("q3", "mxfp4-mbs"), ("q3", "nvfp4"), ("mx", "mxfp4-mbs")]
+PRE = [("q3", "mxfp4-mbs"), ("mx", "nvfp4")]
+MOE_TOKENS = 16
+LOGPROB_ATOL = 1e-4  # nats, as test_vllm_generate: fp32 accumulation-order noise is ~1e-6
+_HF: dict = {}
+
+
+def _job(job_id: str, model: str, quantization, tp: int = 1) -> dict:
+    return {**gen_job(job_id, model, quantization, tp), "max_tokens": MOE_TOKENS}
+
+
+def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
+    """Greedy tokens identical to transformers + fake-quant experts and linears.
+
+    As in test_vllm_generate: a rare 4-bit rounding flip from accumulation-order noise may
+    part one prompt late; a real bug (wrong scale, misplaced expert / shard, wrong routing
+    weights) breaks every prompt at the first token.
+    """
+    from hf_reference import hf_greedy
+
+    assert res.get("error") is None, res.get("trace", res.get("error"))
+    key = (model_dir, scheme)
+    if key not in _HF:
+        _HF[key] = hf_greedy(model_dir, scheme, PROMPTS, MOE_TOKENS)
+    ref_tokens, ref_lps = _HF[key]
+    identical = 0
+    for i, prompt in enumerate(PROMPTS):
+        toks, lps = res["tokens"][i], res["logprobs"][i]
+        assert len(toks) == MOE_TOKENS
+        flip = next((j for j in range(MOE_TOKENS) if toks[j] != ref_tokens[i][j]
+                     or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL), MOE_TOKENS)
+        assert flip > 0, (f"{scheme}: {prompt!r} differs at the first token: {toks[0]} vs "
+                          f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs {ref_lps[i][0]:.6f}")
+        identical += flip == MOE_TOKENS
+    assert identical >= len(PROMPTS) - 1, (
+        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference")
 
 
 def _build(root: Path) -> dict[str, str]:
@@ -29,7 +65,7 @@ def _build(root: Path) -> dict[str, str]:
     from vllm_mxplus.integration.tiny_model import build_tiny_mixtral, build_tiny_qwen3_moe
 
     m = {"q3": str(build_tiny_qwen3_moe(root / "q3")),
-         "mx": str(build_tiny_mixtral(root / "mx", seed=1, dtype=torch.float32))}
+         "mx": str(build_tiny_mixtral(root / "mx", layers=1, seed=1, dtype=torch.float32))}
     for model, scheme in PRE:
         dst = root / f"{model}-{scheme}"
         quantize_checkpoint(m[model], dst, scheme, progress=False)
@@ -65,9 +101,9 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def moe_run(moe_models, tmp_path_factory, subprocess_env) -> tuple[dict, str]:
     m = moe_models
-    jobs = [gen_job(f"online-{mod}-{s}", m[mod], s) for mod, s in ONLINE]
-    jobs += [gen_job(f"pre-{mod}-{s}", m[f"{mod}-{s}"], None) for mod, s in PRE]
-    jobs.append(gen_job("pre-q3-bad", m["q3-bad"], None))
+    jobs = [_job(f"online-{mod}-{s}", m[mod], s) for mod, s in ONLINE]
+    jobs += [_job(f"pre-{mod}-{s}", m[f"{mod}-{s}"], None) for mod, s in PRE]
+    jobs.append(_job("pre-q3-bad", m["q3-bad"], None))
     return run_driver(jobs, tmp_path_factory.mktemp("moe-driver"), subprocess_env)
 
 
@@ -101,10 +137,6 @@ def test_moe_missing_expert_tensor_is_named(moe_run):
     assert err and "down_proj.weight_scale" in err and "7 of 8" in err, err
 
 
-def test_moe_backend_logged(moe_run):
-    assert "MoE experts on cpu: reference path" in moe_run[1]
-
-
 @pytest.mark.slow
 def test_moe_tp2_experts_sharded(tmp_path_factory, subprocess_env):
     """TP=2: w13 N-sharded, w2 K-sharded (128 per rank: whole macro blocks); online
@@ -117,10 +149,10 @@ def test_moe_tp2_experts_sharded(tmp_path_factory, subprocess_env):
     src = str(build_tiny_qwen3_moe(root / "q3tp", hidden=256, moe_intermediate=256,
                                    layers=1, experts=4, seed=2))
     quantize_checkpoint(src, root / "q3tp-nvfp4", "nvfp4", progress=False)
-    jobs = [gen_job("tp-online-mbs", src, "mxfp4-mbs", tp=2),
-            gen_job("tp-pre-nvfp4", str(root / "q3tp-nvfp4"), None, tp=2),
+    jobs = [_job("tp-online-mbs", src, "mxfp4-mbs", tp=2),
+            _job("tp-pre-nvfp4", str(root / "q3tp-nvfp4"), None, tp=2),
             # 64 of 128 expert columns per rank: not whole macro blocks -> clear error
-            gen_job("tp-bad", str(build_tiny_qwen3_moe(root / "q3odd", hidden=256,
+            _job("tp-bad", str(build_tiny_qwen3_moe(root / "q3odd", hidden=256,
                                                        moe_intermediate=128, layers=1,
                                                        experts=4)), "mxfp4-mbs", tp=2)]
     res, log = run_driver(jobs, root, subprocess_env, tp=True)

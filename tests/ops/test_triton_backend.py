@@ -11,7 +11,10 @@ from vllm_mxplus.ops.triton_backend import TritonDecodeBackend
 
 
 def test_registered_first_for_cuda_only():
-    assert registered_backends("cuda")[0] == "vllm_mxplus.ops.triton_backend:TritonDecodeBackend"
+    assert registered_backends("cuda")[:2] == [
+        "vllm_mxplus.ops.triton_backend:TritonDecodeBackend",
+        "vllm_mxplus.ops.cutlass_prefill:CutlassPrefillBackend",
+    ]
     assert all("triton" not in str(b) for b in registered_backends("cpu"))
 
 

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="validate, print the cells and their lm_eval commands, run nothing")
     p.add_argument("--table-only", action="store_true",
                    help="run nothing; rebuild the table from saved results")
+    p.add_argument("--notes", type=Path, metavar="MD",
+                   help="markdown file appended to the table (the study's analysis)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -128,8 +130,14 @@ def run(args: argparse.Namespace) -> int:
         f"cell(s) run in {wall / 60:.1f} min" + ("" if not args.limit else
                                                   f", --limit {args.limit:g}"),
     ])
+    notes = ""
+    if args.notes is not None:
+        if not args.notes.is_file():
+            print(f"mxplus eval: --notes {args.notes}: no such file", file=sys.stderr)
+            return 2
+        notes = args.notes.read_text()
     md, js, png = write_report(cfg, out_dir, limit=args.limit, header=header,
-                               plot=not args.no_plot)
+                               plot=not args.no_plot, notes=notes)
     _append_run_log(out_dir, args, started, wall, cells, failed)
     print(md.read_text())
     print(f"wrote {md}, {js}" + (f", {png}" if png else ""), file=sys.stderr)

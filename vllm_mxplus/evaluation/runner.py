@@ -280,6 +280,10 @@ def run_all(cfg: EvalConfig, out_dir: Path, cells: list[Cell], *, progress: bool
     bar = tqdm(total=len(cells), disable=not progress, unit="cell", dynamic_ncols=True,
                file=sys.stderr)
     for cell in cells:
+        if cell.out.is_file():  # another `mxplus eval` on the same OUT finished it meanwhile
+            bar.write(f"{cell.name}: already saved by another run, skipped")
+            bar.update(1)
+            continue
         bar.set_description(f"{cell.model.id}/{cell.row.id}")
         bar.set_postfix_str(",".join(t.task for t in cell.tasks)[:60])
         ok, wall, log_path = run_cell(cfg, cell, out_dir, timeout=timeout)

@@ -196,7 +196,8 @@ def reference_markdown(cfg: EvalConfig) -> str:
 
 
 def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
-                 header: str = "", plot: bool = True) -> tuple[Path, Path, Optional[Path]]:
+                 header: str = "", plot: bool = True,
+                 notes: str = "") -> tuple[Path, Path, Optional[Path]]:
     """Write OUT/<name>.md, OUT/<name>.json and OUT/<name>.png from the saved cells."""
     values = collect(cfg, out_dir, limit)
     md = [f"# {cfg.title}", ""]
@@ -221,6 +222,8 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
         md += [f"Wall time per cell (lm-eval worker, engine start included; total "
                f"{total / 60:.1f} min):", ""]
         md += [f"- {name}: {w / 60:.1f} min" for name, _, w in walls] + [""]
+    if notes:
+        md += [notes.rstrip(), ""]
     md_path = out_dir / f"{cfg.name}.md"
     md_path.write_text("\n".join(md))
     data = {

@@ -193,39 +193,42 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})")
 
     def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+        """All local experts at once: every tensor is per row, so [E, N, .] -> [E*N, .]."""
         n, k, _ = layer.mxplus_dims[stem]
         packed = getattr(layer, f"{stem}_weight_packed").data
-        out = torch.empty(packed.shape[0], n, k, dtype=torch.float32, device=packed.device)
-        widths = [n // 2, n // 2] if stem == "w13" else [n]
-        for e in range(packed.shape[0]):
-            g = None
-            if get_format(self.fmt).scale_rule == "e4m3":
-                per_shard = getattr(layer, f"{stem}_{SUFFIX_GLOBAL}").data[e].reshape(-1)
-                g = torch.repeat_interleave(
-                    per_shard.to(torch.float32), torch.tensor(widths, device=packed.device))
-                g = g[:, None]
-            extra = {field: getattr(layer, f"{stem}_{suffix}").data[e]
-                     for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
-                     if hasattr(layer, f"{stem}_{suffix}")}
-            q = QuantizedTensor(
-                codes=packed[e], scales=getattr(layer, f"{stem}_weight_scale").data[e],
-                fmt=self.fmt, shape=torch.Size((n, k)), global_scale=g,
-                macro_block=self.macro_block, **extra)
-            out[e] = q.dequantize(torch.float32)
-        return out
+        e = packed.shape[0]
+
+        def rows(suffix: str) -> torch.Tensor:
+            t = getattr(layer, f"{stem}_{suffix}").data
+            return t.reshape(e * n, t.shape[-1])
+
+        g = None
+        if get_format(self.fmt).scale_rule == "e4m3":
+            per_shard = getattr(layer, f"{stem}_{SUFFIX_GLOBAL}").data.reshape(e, -1)
+            g = per_shard.to(torch.float32).repeat_interleave(
+                n // per_shard.shape[1], dim=1).reshape(e * n, 1)
+        extra = {field: rows(suffix)
+                 for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
+                 if hasattr(layer, f"{stem}_{suffix}")}
+        q = QuantizedTensor(
+            codes=rows("weight_packed"), scales=rows("weight_scale"), fmt=self.fmt,
+            shape=torch.Size((e * n, k)), global_scale=g, macro_block=self.macro_block,
+            **extra)
+        return q.dequantize(torch.float32).reshape(e, n, k)
 
     def _quantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
         w = getattr(layer, f"{stem}_weight").data
+        e, n, k = w.shape
         if get_format(self.fmt).scale_rule != "e4m3":
-            # Every other format is per row: w1 / w3 rows quantize exactly as separate weights.
-            return torch.stack([quantize(w[e], self.fmt, macro_block=self.macro_block)
-                                .dequantize(torch.float32) for e in range(w.shape[0])])
+            # Every other format is per row: all experts' rows (w1 and w3 apart or not)
+            # quantize in one call exactly as separate weights.
+            q = quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block)
+            return q.dequantize(torch.float32).reshape(e, n, k)
         n_shards = 2 if stem == "w13" else 1
-        parts = w.reshape(w.shape[0], n_shards, w.shape[1] // n_shards, w.shape[2])
+        parts = w.reshape(e, n_shards, n // n_shards, k)
         amax = _tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
-        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(
-            w.shape[1] // n_shards, dim=1)[..., None]  # [E, N, 1]
-        return torch.stack([_nvfp4_fake(w[e], g_rows[e]) for e in range(w.shape[0])])
+        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
+        return _nvfp4_fake(w.reshape(e * n, k), g_rows.reshape(e * n, 1)).reshape(e, n, k)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized

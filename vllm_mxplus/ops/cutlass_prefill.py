@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.e8m0 import pow2_f32
-from vllm_mxplus.formats.mx import mbs_factor
+from vllm_mxplus.formats.mx import dequantize_mbs, mbs_factor
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
 
 CHUNK = MACRO_BLOCK  # 128: the K extent of one scale / one partial GEMM
@@ -47,7 +47,7 @@ TOP_SHIFT = 6  # 6 * 2^6 = 384 <= F8E4M3_MAX; 6 * 2^7 = 768 is not
 F8E4M3_MAX = 448.0  # 1.75 * 2^8
 MIN_EXACT_REF = 2  # 2^(ref-127) * sigma stays a normal fp32 (sigma in (0.5, 1])
 E8M0_NAN = 255
-PREFILL_MIN_M = int(os.environ.get("VLLM_MXPLUS_PREFILL_MIN_M", "64"))
+PREFILL_MIN_M = int(os.environ.get("VLLM_MXPLUS_PREFILL_MIN_M", "17"))  # decode: M <= 16
 EXT_ENV = "VLLM_MXPLUS_CUTLASS_EXT"  # path of the built mxplus_cutlass*.so
 LIB = "vllm_mxplus"
 
@@ -276,54 +276,86 @@ def prefill_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[
                  k: int, w: PreparedWeight, bias: Optional[torch.Tensor],
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y [M, N] = x_hat W_hat^T (+ bias) from quantized activations (the Triton act-quant's
-    codes / E8M0 scales / MBS bytes, [M, ...]) and a prepared weight."""
+    codes / E8M0 scales / MBS bytes, [M, ...]) and a prepared weight. One opaque custom op
+    per arch, so torch.compile (fullgraph) never traces the data-dependent fallback."""
     if w.arch == "sm90a":
-        y = _prefill_sm90(x_codes, x_scales, x_mbs, k, w, bias)
+        y = torch.ops.vllm_mxplus.cutlass_prefill_sm90(
+            x_codes, x_scales, x_mbs, k, w.layout.fp8, w.layout.scale, w.layout.ref,
+            w.layout.mbs, w.fallback_idx, w.fallback_w, bias, w.n)
     else:
-        kp = _ceil_to(k, CHUNK)
-        sig = sigma_chunks(x_mbs, x_codes.shape[0], k).to(x_codes.device)
-        y = fp4_mbs_gemm(_pad_last(x_codes, kp // 2).contiguous(), pack_scales_sm100(x_scales, kp),
-                         w.codes, w.sf, sig, w.sigma, _pad_bias(bias, w), True)[:, : w.n]
+        y = torch.ops.vllm_mxplus.cutlass_prefill_sm100(
+            x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.sigma, bias, w.n)
     return y.to(out_dtype)
 
 
-def _pad_bias(bias: Optional[torch.Tensor], w: PreparedWeight) -> Optional[torch.Tensor]:
+def _pad_bias(bias: Optional[torch.Tensor], npad: int) -> Optional[torch.Tensor]:
     if bias is None:
         return None
-    npad = w.layout.fp8.shape[0] if w.layout is not None else w.codes.shape[0]
     return F.pad(bias.to(torch.bfloat16), (0, npad - bias.shape[0])).contiguous()
 
 
-def _prefill_sm90(x_codes, x_scales, x_mbs, k, w: PreparedWeight, bias) -> torch.Tensor:
+@torch.library.custom_op(f"{LIB}::cutlass_prefill_sm100", mutates_args=())
+def _prefill_sm100(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
+                   k: int, w_codes: torch.Tensor, w_sf: torch.Tensor, w_sigma: torch.Tensor,
+                   bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    kp = _ceil_to(k, CHUNK)
+    sig = sigma_chunks(x_mbs, x_codes.shape[0], k).to(x_codes.device)
+    y = fp4_mbs_gemm(_pad_last(x_codes, kp // 2).contiguous(), pack_scales_sm100(x_scales, kp),
+                     w_codes, w_sf, sig, w_sigma, _pad_bias(bias, w_codes.shape[0]), True)
+    return y[:, :n].contiguous()
+
+
+@_prefill_sm100.register_fake
+def _(x_codes, x_scales, x_mbs, k, w_codes, w_sf, w_sigma, bias, n):
+    return x_codes.new_empty((x_codes.shape[0], n), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{LIB}::cutlass_prefill_sm90", mutates_args=())
+def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
+                  k: int, w_fp8: torch.Tensor, w_scale: torch.Tensor, w_ref: torch.Tensor,
+                  w_mbs: torch.Tensor, fallback_idx: Optional[torch.Tensor],
+                  fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  n: int) -> torch.Tensor:
     xl = encode_fp8_chunks(x_codes, x_scales, x_mbs, k)
-    y = fp8_chunk_gemm(xl.fp8, xl.scale, w.layout.fp8, w.layout.scale, _pad_bias(bias, w))
-    y = y[:, : w.n]
+    y = fp8_chunk_gemm(xl.fp8, xl.scale, w_fp8, w_scale, _pad_bias(bias, w_fp8.shape[0]))
+    y = y[:, :n].contiguous()
     b32 = None if bias is None else bias.to(torch.float32)
-    bad_rows = (~xl.exact_rows).nonzero().flatten()
-    if w.fallback_idx is not None and w.fallback_idx.numel():  # exact for every good row
-        x_hat = dequantize_fp8_chunks(xl)
-        cols = F.linear(x_hat, w.fallback_w)
+    if fallback_idx is not None and fallback_idx.numel():  # weight rows: static, exact
+        cols = F.linear(dequantize_fp8_chunks(xl), fallback_w)  # bad x rows are redone below
         if b32 is not None:
-            cols = cols + b32[w.fallback_idx]
-        y[:, w.fallback_idx] = cols.to(y.dtype)
-    if bad_rows.numel():  # rare: a chunk spanning > 14 binades, NaN, or a tiny exponent
-        from vllm_mxplus.formats.mx import dequantize_mbs  # the spec's x_hat for these rows
+            cols = cols + b32[fallback_idx]
+        y[:, fallback_idx] = cols.to(y.dtype)
+    if y.is_cuda and torch.cuda.is_current_stream_capturing():
+        # nonzero() syncs the host, which a CUDA graph cannot capture: out-of-span activation
+        # chunks then keep their FP8 rounding (elements >= 2^15 below the chunk max round to
+        # the E4M3 subnormal grid). Keep VLLM_MXPLUS_PREFILL_MIN_M above the capture sizes
+        # for bit-exact numbers (kernels/README.md, remaining work).
+        return y
+    bad_rows = (~xl.exact_rows).nonzero().flatten()
+    if bad_rows.numel():  # rare: a chunk spanning > 14 binades, a NaN block, a tiny exponent
         kp = _ceil_to(k, CHUNK)
         cb = F.pad(unpack_fp4(x_codes[bad_rows], k), (0, kp - k))
         sb = _pad_last(x_scales[bad_rows], kp // BLOCK)
-        mb = xl.mbs[bad_rows]
-        x_bad = dequantize_mbs(cb, sb, mb, BLOCK)[:, :k]
-        w_hat = dequantize_fp8_chunks(w.layout)[: w.n]
-        if w.fallback_idx is not None and w.fallback_idx.numel():
-            w_hat[w.fallback_idx] = w.fallback_w
+        x_bad = dequantize_mbs(cb, sb, xl.mbs[bad_rows], BLOCK)[:, :k]  # the spec's x_hat
+        w_layout = Fp8ChunkLayout(fp8=w_fp8, scale=w_scale, ref=w_ref, mbs=w_mbs,
+                                  exact=w_ref.new_ones(w_ref.shape, dtype=torch.bool), k=k)
+        w_hat = dequantize_fp8_chunks(w_layout)[:n]
+        if fallback_idx is not None and fallback_idx.numel():
+            w_hat[fallback_idx] = fallback_w
         y[bad_rows] = F.linear(x_bad, w_hat, b32).to(y.dtype)
     return y
 
 
+@_prefill_sm90.register_fake
+def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, w_ref, w_mbs, fallback_idx, fallback_w,
+      bias, n):
+    return x_codes.new_empty((x_codes.shape[0], n), dtype=torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- backend
 class CutlassPrefillBackend(LinearBackend):
-    """Prefill (M >= VLLM_MXPLUS_PREFILL_MIN_M) on sm_90a / sm_100a; register after the decode
-    backend so that LinearDispatch.pick sends small M to the Triton GEMV."""
+    """Prefill (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 17) on sm_90a / sm_100a; register it
+    after the Triton decode backend (M <= 16), so LinearDispatch.pick sends small M there."""
 
     name = "cutlass_prefill"
     WEIGHT_ATTR = "mxplus_cutlass_weight"

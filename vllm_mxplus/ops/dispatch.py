@@ -27,7 +27,10 @@ BackendRef = Union[str, type[LinearBackend]]  # "package.module:ClassName" or th
 
 # Priority order per platform; the reference backend is appended by the selector.
 _REGISTRY: dict[str, list[BackendRef]] = {
-    "cuda": ["vllm_mxplus.ops.triton_backend:TritonDecodeBackend"],
+    "cuda": [
+        "vllm_mxplus.ops.triton_backend:TritonDecodeBackend",  # M <= 16
+        "vllm_mxplus.ops.cutlass_prefill:CutlassPrefillBackend",  # larger M, where built
+    ],
     "rocm": [],
     "xpu": [],
     "cpu": [],

@@ -84,16 +84,19 @@ class FakeQuantExperts(nn.Module):
         gate_up = experts.gate_up_proj.detach()
         down = experts.down_proj.detach()
         self.num_experts = gate_up.shape[0]
-        fq = [
-            # gate and up are separate logical weights (their own nvfp4 global scale)
-            torch.cat([_fake_quant_weight(h, s.weight_format, macro_block)
-                       for h in gate_up[e].chunk(2, dim=0)])
-            for e in range(self.num_experts)
-        ]
-        self.register_buffer("w13_fp32", torch.stack(fq))
-        self.register_buffer("w2_fp32", torch.stack([
-            _fake_quant_weight(down[e], s.weight_format, macro_block)
-            for e in range(self.num_experts)]))
+        self.register_buffer("w13_fp32", self._fake_quant_stack(gate_up, 2, s.weight_format))
+        self.register_buffer("w2_fp32", self._fake_quant_stack(down, 1, s.weight_format))
+
+    def _fake_quant_stack(self, w: torch.Tensor, n_logical: int, fmt: str) -> torch.Tensor:
+        """[E, N, K] of E * n_logical logical weights (gate | up stacked along N)."""
+        e, n, k = w.shape
+        if get_format(fmt).scale_rule == "e4m3":  # one global scale per logical weight
+            return torch.stack([
+                torch.cat([_fake_quant_weight(h, fmt, self.macro_block)
+                           for h in w[i].chunk(n_logical, dim=0)])
+                for i in range(e)])
+        # per-row formats: all rows in one call equal each weight apart
+        return _fake_quant_weight(w.reshape(e * n, k), fmt, self.macro_block).reshape(e, n, k)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -228,11 +228,13 @@ def _nvfp4_act_quant_kernel(
         # block absmax with torch.amax semantics: NaN wins, else the max (Inf included)
         has_nan = tl.max((ax != ax).to(tl.int32), axis=2) > 0
         bmax = tl.max(tl.where(ax == ax, ax, 0.0), axis=2)
-        bmax = tl.where(has_nan, float("nan"), bmax)
+        nonfinite = has_nan | (bmax == float("inf"))
+        bmax = tl.where(nonfinite, 0.0, bmax)
         gb = tl.broadcast_to(g[:, None], bmax.shape)
         s32 = tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, 6.0, tl.float32)),
                              tl.where(gb > 0.0, gb, 1.0))
         s32 = tl.where(gb > 0.0, s32, 0.0)
+        s32 = tl.where(nonfinite, float("nan"), s32)  # NaN/Inf block: NaN scale (formats.nvfp4)
         s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
         sbyte, sf = e4m3_round(s32)
         zero = (sf == 0.0) | (sf != sf)
