@@ -7,7 +7,10 @@ Per quantized linear NAME (its HF weight is NAME.weight [N, K]):
   NAME.weight_global_scale  float32 [1]            nvfp4 only
   NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
 A bias stays NAME.bias in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the
-leading expert dim on every tensor.
+leading expert dim on every tensor (nvfp4 global scales then [E, 1]).
+
+Each safetensors shard's `__metadata__` carries `mxplus_weights`: JSON {module: {"shape",
+"dtype"}} of the original weights, because the packed shape cannot tell K = 75 from K = 76.
 """
 
 from __future__ import annotations
