@@ -144,7 +144,7 @@ def markdown_table(cfg: EvalConfig, values: dict, show_stderr: bool = True) -> s
                     cells.append(_fmt(s["gap_to_target"], sign=True))
                     if cfg.baseline:
                         c = s["gap_closed_pct"]
-                        cells.append("—" if c is None else f"{c:.0f}%")
+                        cells.append("—" if c is None else f"{round(c) + 0:d}%")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -119,8 +119,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 f"(moe_intermediate_size={i_full}) is not a multiple of {unit}; scheme "
                 f"{s.name} needs whole {'macro ' if unit == self.macro_block else ''}blocks "
                 f"on every rank for the down projection (K-sharded). Use a "
-                f"tensor_parallel_size that divides {i_full}/{unit} = {i_full / unit:g}, "
-                f"or enable_expert_parallel.")
+                f"tensor_parallel_size that divides {i_full}/{unit} = {i_full / unit:g}.")
         layer.mxplus_dims = {"w13": (2 * i_part, hidden_size, hidden_size),
                              "w2": (hidden_size, i_part, i_full)}
         layer.orig_dtype = params_dtype
