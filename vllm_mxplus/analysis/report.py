@@ -126,7 +126,7 @@ def plot(report: Report, path: str) -> None:
     fmts = list(dict.fromkeys(r["format"] for r in rows))
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
     width = 0.8 / max(1, len(fmts))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(fmts) * len(kinds)), 4))
+    fig, ax = plt.subplots(figsize=(min(12, 3 + 0.45 * len(fmts) * len(kinds)), 4.5))
     for i, fmt in enumerate(fmts):
         vals = [next((r["mean_db"] for r in rows if r["kind"] == k and r["format"] == fmt), 0)
                 for k in kinds]
@@ -136,7 +136,8 @@ def plot(report: Report, path: str) -> None:
     ax.set_xticks([j + width * (len(fmts) - 1) / 2 for j in range(len(kinds))], kinds)
     ax.set_ylabel("mean QSNR (dB)")
     ax.set_title(str(report.meta.get("title", "QSNR by format")))
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(0, max(r["mean_db"] for r in rows if math.isfinite(r["mean_db"])) * 1.25)
+    ax.legend(fontsize=7, ncol=min(len(fmts), 4), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
