@@ -15,6 +15,16 @@ VLLM_CPU_ENV = {
 for _k, _v in VLLM_CPU_ENV.items():
     os.environ.setdefault(_k, _v)
 
+# Triton picks interpreter or compiler when a kernel module is first imported, which may
+# happen while collecting any test directory: without CUDA, interpret (DESIGN.md §5).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a core dependency
+    pass
+
 
 @pytest.fixture(scope="session")
 def subprocess_env() -> dict[str, str]:

@@ -215,8 +215,9 @@ def test_step_gains(fixture_cfg) -> None:
     from vllm_mxplus.evaluation.table import step_gains
 
     lines = step_gains(fixture_cfg, collect(fixture_cfg, FIXTURES / "results"))
-    # MX+ has no results: only MXFP4-MBS-H -> NVFP4 is a complete step
-    assert lines == ["acc: NVFP4 − MXFP4-MBS-H +2.00", "ppl: NVFP4 − MXFP4-MBS-H -1.00"]
+    # MX+ has no results: the first step spans it
+    assert lines == ["acc: MXFP4-MBS-H − MXFP4-OCP +7.00; NVFP4 − MXFP4-MBS-H +2.00",
+                     "ppl: MXFP4-MBS-H − MXFP4-OCP -4.00; NVFP4 − MXFP4-MBS-H -1.00"]
 
 
 def test_worker_process_group_is_reaped(tmp_path: Path) -> None:

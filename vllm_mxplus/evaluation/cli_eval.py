@@ -126,9 +126,11 @@ def run(args: argparse.Namespace) -> int:
         f"- machine: {machine_line()}",
         f"- versions: {versions_line()}",
         f"- model(s): {', '.join(f'{k}={v}' for k, v in paths.items())}",
-        f"- this invocation: started {started}, {len(cells) - len(failed)}/{len(cells)} "
-        f"cell(s) run in {wall / 60:.1f} min" + ("" if not args.limit else
-                                                  f", --limit {args.limit:g}"),
+        (f"- table rebuilt from saved results at {started} (--table-only); per-cell wall "
+         "times below, invocations in runs.jsonl" if args.table_only else
+         f"- this invocation: started {started}, {len(cells) - len(failed)}/{len(cells)} "
+         f"cell(s) run in {wall / 60:.1f} min")
+        + ("" if not args.limit else f", --limit {args.limit:g}"),
     ])
     notes = ""
     if args.notes is not None:
@@ -158,6 +160,10 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         parts += ["--rows", *args.rows]
     if args.limit is not None:
         parts += ["--limit", f"{args.limit:g}"]
+    if args.table_only:
+        parts += ["--table-only"]
+    if args.notes is not None:
+        parts += ["--notes", str(args.notes)]
     return parts
 
 

@@ -24,7 +24,7 @@ MODEL_KEYS = {"label", "path", "model_args"}
 ROW_KEYS = {"id", "label", "quantization", "model_args"}
 TASK_KEYS = {"task", "label", "metric", "kind", "num_fewshot", "limit", "source", "scale",
              "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs", "note"}
-LM_EVAL_KEYS = {"batch_size", "seed", "apply_chat_template", "fewshot_as_multiturn"}
+LM_EVAL_KEYS = {"batch_size", "seed"}
 
 
 class ConfigError(ValueError):

@@ -150,7 +150,8 @@ def markdown_table(cfg: EvalConfig, values: dict, show_stderr: bool = True) -> s
 
 
 def step_gains(cfg: EvalConfig, values: dict) -> list[str]:
-    """avg(row) - avg(previous row) for the rows from the baseline up to the target."""
+    """avg(row) - avg(previous row) for the rows from the baseline up to the target; a row
+    without results is skipped (the step then spans it)."""
     summary = summarize(cfg, values)
     ids = [r.id for r in cfg.rows]
     lo = ids.index(cfg.baseline) if cfg.baseline else 0
@@ -160,10 +161,10 @@ def step_gains(cfg: EvalConfig, values: dict) -> list[str]:
     for model in cfg.models:
         for kind, rows in summary.get(model.id, {}).items():
             parts = []
-            for prev, cur in zip(chain, chain[1:]):
+            done = [r for r in chain if rows[r.id]["avg"] is not None]  # skip missing rows
+            for prev, cur in zip(done, done[1:]):
                 a, b = rows[prev.id]["avg"], rows[cur.id]["avg"]
-                if a is not None and b is not None:
-                    parts.append(f"{cur.label} − {prev.label} {b - a:+.2f}")
+                parts.append(f"{cur.label} − {prev.label} {b - a:+.2f}")
             if parts:
                 pre = f"{model.label} " if len(cfg.models) > 1 else ""
                 out.append(f"{pre}{KIND_LABEL[kind]}: " + "; ".join(parts))

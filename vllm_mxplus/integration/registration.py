@@ -10,17 +10,22 @@ import logging
 _REGISTERED = False
 
 
+class _ForwardToVllm(logging.Handler):
+    """Hands our records to vLLM's logger at emit time: vLLM may configure its handlers
+    after the plugin is registered, so copying them at registration time can copy none."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
 def _route_logs_to_vllm() -> None:
-    """Our loggers (`vllm_mxplus.*`) print through vLLM's handler at INFO, once."""
+    """Our loggers (`vllm_mxplus.*`) print through vLLM's handlers at INFO, once."""
     ours = logging.getLogger("vllm_mxplus")
-    if ours.handlers:
+    if any(isinstance(h, _ForwardToVllm) for h in ours.handlers):
         return
-    vllm_logger = logging.getLogger("vllm")
-    for handler in vllm_logger.handlers:
-        ours.addHandler(handler)
-    if ours.handlers:
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+    ours.addHandler(_ForwardToVllm())
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def register_all() -> list[str]:
