@@ -29,6 +29,7 @@ from vllm_mxplus.checkpoint.layout import (
 )
 from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_header
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME
+from vllm_mxplus.checkpoint.source import _read_json  # one JSON reader for the package
 from vllm_mxplus.formats import QuantizedTensor
 
 ALL_SUFFIXES = (SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL, SUFFIX_BM_INDEX)
@@ -199,13 +200,3 @@ def _get_all(infos: list[TensorInfo], device: str | torch.device) -> dict[str, t
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
     return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
