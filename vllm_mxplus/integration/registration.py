@@ -11,21 +11,23 @@ _REGISTERED = False
 
 
 class _ForwardToVllm(logging.Handler):
-    """Hands our records to vLLM's logger at emit time: vLLM may configure its handlers
-    after the plugin is registered, so copying them at registration time can copy none."""
+    """Hands our records to vLLM's handlers at emit time: vLLM may configure its handlers
+    after the plugin is registered, so copying them at registration time can copy none.
+    Calls the handlers directly (no propagation), so root handlers see a record once."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger("vllm").handle(record)
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
 
 
 def _route_logs_to_vllm() -> None:
-    """Our loggers (`vllm_mxplus.*`) print through vLLM's handlers at INFO, once."""
+    """Our loggers (`vllm_mxplus.*`) also print through vLLM's handlers, at INFO, once."""
     ours = logging.getLogger("vllm_mxplus")
-    if any(isinstance(h, _ForwardToVllm) for h in ours.handlers):
+    if any(type(h).__name__ == "_ForwardToVllm" for h in ours.handlers):
         return
     ours.addHandler(_ForwardToVllm())
     ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 def register_all() -> list[str]:
