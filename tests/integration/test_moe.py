@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, gen_job, run_driver
+from integration_harness import PROMPTS, gen_job, run_driver
 
 # Engines are the cost (2-core CI): the paper's format and the NVFP4 baseline online on
 # Qwen3-MoE, MBS on Mixtral, and one offline-quantizer checkpoint per tensor set that

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import MAX_TOKENS, PRE_SCHEMES, PROMPTS, hf_reference
+from integration_harness import MAX_TOKENS, PRE_SCHEMES, PROMPTS, hf_reference
 
 from vllm_mxplus.formats import SCHEMES
 

@@ -10,7 +10,7 @@ the right place and NVFP4 activation scales are reduced over the ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import gen_job, run_driver
+from integration_harness import gen_job, run_driver
 from test_vllm_generate import _check_against_reference
 
 from vllm_mxplus.integration.params import row_parallel_unit

@@ -1,0 +1,108 @@
+"""Shared helpers and fixtures of tests/integration (imported by conftest.py and the tests;
+a uniquely named module, because `from conftest import ...` can resolve to another
+directory's conftest).
+
+Every engine the generation tests need runs in one `vllm_driver.py` process (engines built
+one after another), because process start-up dominates on a 2-core CI box.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mxplus.formats import SCHEMES
+
+HERE = Path(__file__).parent
+PROMPTS = ["the capital of france is", "hello world", "one two three four five"]
+MAX_TOKENS = 32
+# Pre-quantized checkpoints tested through vLLM: one per tensor set of the layout (E8M0
+# block 32; MX+ block-max index; E8M0 block 16 + MBS bytes; NVFP4 e4m3 + global scales).
+# mxfp4-16-oas and mxfp4-mbs-s store the same tensor sets as mxfp4-ocp (block 16) / mxfp4-mbs.
+PRE_SCHEMES = ["mxfp4-ocp", "mxplus", "mxfp4-mbs", "nvfp4"]
+
+
+def build_models(root: Path) -> dict[str, str]:
+    """Build every checkpoint the integration tests use; returns name -> directory."""
+    from vllm_mxplus.integration.tiny_model import build_tiny_llama, write_prequantized
+
+    m: dict[str, str] = {}
+    m["tiny256"] = str(build_tiny_llama(root / "tiny256", poison=True))
+    # hidden 320 / intermediate 576: partial macro blocks (K % 128 = 64) in every linear.
+    m["tiny320"] = str(build_tiny_llama(root / "tiny320", hidden=320, intermediate=576,
+                                        heads=5, kv_heads=1, seed=1))
+    for scheme in PRE_SCHEMES:
+        m[f"tiny256-{scheme}"] = str(write_prequantized(m["tiny256"], root / f"q256-{scheme}",
+                                                        scheme))
+    m["tiny320-mxfp4-mbs"] = str(write_prequantized(m["tiny320"], root / "q320-mbs",
+                                                    "mxfp4-mbs"))
+    m["bad-missing"] = str(write_prequantized(
+        m["tiny256"], root / "bad-missing", "mxfp4-mbs",
+        tamper={"drop": ["model.layers.0.self_attn.k_proj.weight_scale"]}))
+    m["bad-shape"] = str(write_prequantized(
+        m["tiny256"], root / "bad-shape", "mxfp4-mbs",
+        tamper={"reshape": {"model.layers.1.mlp.down_proj.weight_scale": [256, 7]}}))
+    return m
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+def run_driver(jobs: list[dict], workdir: Path, env: dict, tp: bool = False,
+               timeout: int = 900) -> tuple[dict, str]:
+    """Run vllm_driver.py on jobs; returns (results by id, combined log text)."""
+    jobs_file, out_file, log_file = (workdir / n for n in ("jobs.json", "out.json", "log.txt"))
+    jobs_file.write_text(json.dumps(jobs))
+    env = dict(env)
+    if tp:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (DESIGN.md §5)
+    else:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in-process, one after another
+    with open(log_file, "w") as log:
+        subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file),
+                        str(out_file)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=timeout, check=False)
+    results = json.loads(out_file.read_text()) if out_file.exists() else {}
+    return results, log_file.read_text(errors="replace")
+
+
+def gen_job(job_id: str, model: str, quantization: str | None, tp: int = 1) -> dict:
+    return {"id": job_id, "model": model, "quantization": quantization, "dtype": "float32",
+            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tp": tp}
+
+
+@pytest.fixture(scope="session")
+def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str]:
+    """All single-process engines of test_vllm_generate.py, in one driver process."""
+    m = tiny_models
+    jobs = []
+    for scheme in SCHEMES:
+        jobs.append(gen_job(f"online-{scheme}", m["tiny256"], scheme))
+    for scheme in PRE_SCHEMES:
+        jobs.append(gen_job(f"pre-{scheme}", m[f"tiny256-{scheme}"], None))
+    jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
+    jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
+    jobs.append(gen_job("bad-missing", m["bad-missing"], None))
+    jobs.append(gen_job("bad-shape", m["bad-shape"], None))
+    jobs.append(gen_job("bad-flag", m["tiny256-mxfp4-mbs"], "nvfp4"))
+    jobs.append(gen_job("bad-name", m["tiny256"], "mxfp4-bogus"))
+    return run_driver(jobs, tmp_path_factory.mktemp("driver"), subprocess_env)
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_reference(model_dir: str, scheme: str) -> tuple[list[list[int]], list[list[float]]]:
+    """Cached transformers greedy reference with FakeQuantLinear modules (fp32)."""
+    from hf_reference import hf_greedy
+
+    key = (model_dir, scheme)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = hf_greedy(model_dir, scheme, PROMPTS, MAX_TOKENS)
+    return _HF_CACHE[key]
