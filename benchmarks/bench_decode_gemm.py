@@ -11,12 +11,10 @@ The activation quantizer is timed separately (it runs once per layer input).
 from __future__ import annotations
 
 import argparse
-import platform
-import sys
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from _gpu_common import banner, bench_ms, require_cuda
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 12288), (12288, 4096)]
 MS = (1, 4, 16)
@@ -26,31 +24,6 @@ PAIRS = {  # name: (weight format, activation format)
     "oas16": ("mxfp4-16-oas", "mxfp4-16-oas"),
     "ocp32": ("mxfp4-ocp", "mxfp4-ocp"),
 }
-
-
-def require_cuda(name: str) -> None:
-    """Exit cleanly (status 0) with a message when there is no CUDA device."""
-    if not torch.cuda.is_available():
-        print(f"{name}: no CUDA device on this machine; nothing to measure (skipped).")
-        sys.exit(0)
-
-
-def banner(name: str) -> None:
-    import triton
-
-    dev = torch.cuda.get_device_properties(0)
-    print(f"# {name}")
-    print(f"# machine: {platform.node()} | {dev.name} ({dev.multi_processor_count} SMs, "
-          f"{dev.total_memory / 2**30:.0f} GiB) | cc {dev.major}.{dev.minor}")
-    print(f"# versions: python {platform.python_version()} | torch {torch.__version__} | "
-          f"cuda {torch.version.cuda} | triton {triton.__version__}")
-
-
-def bench_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> float:
-    """Median milliseconds per call via triton.testing.do_bench (L2 flushed between runs)."""
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def main() -> None:
