@@ -21,6 +21,7 @@ class _Decode(LinearBackend):
     """A fake decode kernel: sm90+ only, M <= 16, returns a marker."""
 
     name = "fake-decode"
+    covers_all_m = False
 
     @classmethod
     def is_supported(cls, platform: str, capability: Optional[int]):
@@ -56,7 +57,7 @@ def registry(monkeypatch):
     return dispatch._REGISTRY
 
 
-def test_cpu_gets_reference_only(registry):
+def test_empty_cpu_registry_gets_reference_only(registry):
     chosen = select(SPEC, "cpu", None)
     assert [b.name for b in chosen] == ["reference"]
 
@@ -94,3 +95,26 @@ def test_unimportable_backend_is_a_rejection(registry, caplog):
     caplog.set_level(logging.WARNING, logger="vllm_mxplus.ops.dispatch")
     assert [b.name for b in select(SPEC, "cuda", 100)] == ["reference"]
     assert "import failed" in caplog.records[0].getMessage()
+
+
+class _AllM(_Decode):
+    """A backend that serves every M: nothing after it is kept (no reference fp32 copy)."""
+
+    name = "fake-all-m"
+    covers_all_m = True
+
+    @classmethod
+    def supports_m(cls, m: int) -> bool:
+        return True
+
+
+def test_backend_serving_every_m_ends_the_list(registry):
+    register_backend("cuda", _Decode)
+    register_backend("cuda", _AllM)
+    register_backend("cuda", _NoScheme)
+    chosen = select(SPEC, "cuda", 90)
+    assert [b.name for b in chosen] == ["fake-decode", "fake-all-m"]
+    layer = torch.nn.Module()
+    LinearDispatch(SPEC, chosen).process_weights_after_loading(
+        layer, quantize(torch.randn(32, 256), "mxfp4-mbs-d"))
+    assert not hasattr(layer, "mxplus_weight_fp32")  # the reference never prepared weights

@@ -47,6 +47,9 @@ class LinearBackend(ABC):
     """One way to run a quantized linear. Subclasses are stateless apart from their name."""
 
     name: str = "base"
+    #: False for a backend whose `supports_m` rejects some M (e.g. decode-only kernels): the
+    #: selector then keeps the next backends, down to the reference, for the other M.
+    covers_all_m: bool = True
 
     @classmethod
     @abstractmethod

@@ -376,6 +376,8 @@ class CutlassPrefillBackend(LinearBackend):
             return False, f"macro block {spec.macro_block} != {CHUNK}"
         return True, ""
 
+    covers_all_m = False
+
     @classmethod
     def supports_m(cls, m: int) -> bool:
         return m >= PREFILL_MIN_M

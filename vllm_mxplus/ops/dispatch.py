@@ -1,7 +1,8 @@
 """Backend registry and selector: a priority list per platform, no capability ladders.
 
 `select(spec, platform, capability)` walks the platform's list, keeps every backend whose
-`is_supported` and `can_implement` pass, always ends with the reference backend, and logs
+`is_supported` and `can_implement` pass, stops after the first that serves every M (else
+ends with the reference backend, which serves any M on any device), and logs
 once per distinct situation what it chose and why each better backend was rejected. A
 `LinearDispatch` then picks per call the first candidate that serves the activation's row
 count M (e.g. a decode GEMV for small M, then a prefill GEMM, then the reference).
@@ -33,7 +34,9 @@ _REGISTRY: dict[str, list[BackendRef]] = {
     ],
     "rocm": [],
     "xpu": [],
-    "cpu": [],
+    "cpu": [
+        "vllm_mxplus.ops.cpu_backend:CpuPackedBackend",  # C++ kernels, any M, E8M0 formats
+    ],
 }
 _LOGGED: set[tuple] = set()
 
@@ -74,7 +77,10 @@ def _log_once(key: tuple, level: int, msg: str, *args) -> None:
 def select(
     spec: LinearSpec, platform: str, capability: Optional[int]
 ) -> list[LinearBackend]:
-    """Candidates for this layer in priority order; the last one is always the reference."""
+    """Candidates for this layer in priority order; the last one serves every M.
+
+    Backends after the first that serves every M are never called, so they are not kept
+    (their weights would only cost memory, e.g. the reference's fp32 copy)."""
     chosen: list[LinearBackend] = []
     rejected: list[str] = []
     for ref in _REGISTRY.get(platform, []):
@@ -88,9 +94,12 @@ def select(
             ok, why = cls.can_implement(spec)
         if ok:
             chosen.append(cls())
+            if cls.covers_all_m:
+                break
         else:
             rejected.append(f"{cls.name}: {why}")
-    chosen.append(ReferenceBackend())
+    if not chosen or not chosen[-1].covers_all_m:
+        chosen.append(ReferenceBackend())
     names = tuple(b.name for b in chosen)
     key = (platform, capability, spec.scheme, names, tuple(rejected))
     if rejected and len(chosen) == 1:

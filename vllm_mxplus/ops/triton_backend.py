@@ -47,6 +47,8 @@ class TritonDecodeBackend(LinearBackend):
             return False, f"no decode kernel for weights {pair[0]} x activations {pair[1]}"
         return True, ""
 
+    covers_all_m = False
+
     @classmethod
     def supports_m(cls, m: int) -> bool:
         return m <= DECODE_MAX_M

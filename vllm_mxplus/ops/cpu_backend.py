@@ -1,0 +1,77 @@
+"""The CPU backend: packed FP4 weights + the C++ kernels of `cpu_kernels` (any M).
+
+The layer keeps the checkpoint's packed tensors (codes, E8M0 scales, MBS bytes: ~0.57 bytes
+per weight instead of the reference backend's 4-byte fp32 copy). Each call fake-quantizes
+the activation rows in C++ (bit-exact to `formats`) and either streams the packed weight,
+dequantizing it in registers (M <= cpu_kernels.GEMV_MAX_M, decode), or dequantizes it once
+per call into fp32 and runs torch's GEMM (prefill). Every product is between the same fp32
+values the reference backend uses; only the accumulation order differs.
+
+Formats it takes: the E8M0 family with or without MBS (mxfp4-ocp, mxfp4-16, mxfp4-16-oas,
+mxfp4-mbs-s, mxfp4-mbs-d weights). MX+ and NVFP4 fall back to the reference backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+
+# (weight format, activation format) pairs the kernels implement.
+SUPPORTED = {
+    ("mxfp4-ocp", "mxfp4-ocp"),
+    ("mxfp4-16", "mxfp4-16"),
+    ("mxfp4-16-oas", "mxfp4-16-oas"),
+    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+}
+ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
+
+
+class CpuPackedBackend(LinearBackend):
+    name = "cpu-packed"
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+        if platform != "cpu":
+            return False, f"the C++ kernels run on the CPU, not {platform}"
+        from vllm_mxplus.ops import cpu_kernels
+
+        return cpu_kernels.load()
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        pair = (spec.weight_format, spec.activation_format)
+        if pair not in SUPPORTED:
+            return False, f"no CPU kernel for weights {pair[0]} x activations {pair[1]}"
+        return True, ""
+
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
+    ) -> None:
+        from vllm_mxplus.ops.cpu_kernels import empty_mbs
+
+        if qweight.codes.dim() != 2:
+            raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
+        mbs = qweight.mbs if qweight.mbs is not None else empty_mbs(qweight.codes.device)
+        for attr, t in zip(ATTRS, (qweight.codes, qweight.scales, mbs)):
+            if hasattr(layer, attr):
+                delattr(layer, attr)
+            layer.register_buffer(attr, t.contiguous(), persistent=False)
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        spec: LinearSpec,
+        act_global_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        from vllm_mxplus.ops.cpu_kernels import mx_linear
+
+        return mx_linear(x, spec.weight_format, spec.activation_format, layer.mxplus_cpu_codes,
+                         layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, spec.k, bias,
+                         spec.out_dtype, macro_block=spec.macro_block)
