@@ -10,7 +10,8 @@ AVX-512 path is used where the CPU has it; a portable path otherwise) through
 torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
 VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the source, the flags, torch's version and this
 CPU's feature flags, so a cache shared between different machines never runs code built for
-another CPU. VLLM_MXPLUS_CPU_KERNELS=0 disables the kernels (the dispatch then uses the pure
+another CPU. VLLM_MXPLUS_CPU_MARCH=x86-64-v3 (say) builds for another target instead of
+`native` (the tests use it to run the portable path). VLLM_MXPLUS_CPU_KERNELS=0 disables the kernels (the dispatch then uses the pure
 torch reference backend and logs why).
 
 Ops (namespace `mxplus_cpu`, each with a fake implementation for torch.compile):
@@ -38,7 +39,8 @@ from vllm_mxplus.formats import MACRO_BLOCK, get_format
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "mx_linear_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
+ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
+_BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
 ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
 ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
@@ -49,6 +51,10 @@ GEMV_MAX_M = 16
 
 _lock = threading.Lock()
 _state: dict[str, Optional[str]] = {"error": None, "loaded": None}
+
+
+def cflags() -> list[str]:
+    return [f"-march={os.environ.get(ENV_MARCH, 'native')}"] + _BASE_CFLAGS
 
 
 def _cpu_signature() -> str:
@@ -64,7 +70,7 @@ def _cpu_signature() -> str:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(),
+    for part in (SOURCE.read_bytes(), " ".join(cflags() + LDFLAGS).encode(),
                  torch.__version__.encode(), _cpu_signature().encode()):
         h.update(part)
     return f"mxplus_cpu_{h.hexdigest()[:16]}"
@@ -115,7 +121,7 @@ def _build_and_load() -> None:
     if fresh:
         logger.info("mxplus: building the CPU kernels into %s (once per machine, ~10 s)", out)
     t0 = time.time()
-    cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+    cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
              build_directory=str(out), is_python_module=False, verbose=False)
     if fresh:
         logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
