@@ -52,7 +52,7 @@ class CpuPackedBackend(LinearBackend):
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
     ) -> None:
-        from vllm_mxplus.ops.cpu_kernels import empty_mbs
+        from vllm_mxplus.ops.cpu_kernels import empty_mbs, linear_args
 
         if qweight.codes.dim() != 2:
             raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
@@ -61,6 +61,9 @@ class CpuPackedBackend(LinearBackend):
             if hasattr(layer, attr):
                 delattr(layer, attr)
             layer.register_buffer(attr, t.contiguous(), persistent=False)
+        # Resolved once here, so a decode step pays one C++ op call per linear and no lookups.
+        layer.mxplus_cpu_args = linear_args(spec.weight_format, spec.activation_format, spec.k,
+                                            spec.macro_block)
 
     def apply(
         self,
@@ -70,8 +73,9 @@ class CpuPackedBackend(LinearBackend):
         spec: LinearSpec,
         act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import mx_linear
+        from vllm_mxplus.ops.cpu_kernels import GEMV_MAX_M
 
-        return mx_linear(x, spec.weight_format, spec.activation_format, layer.mxplus_cpu_codes,
-                         layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, spec.k, bias,
-                         spec.out_dtype, macro_block=spec.macro_block)
+        a_block, a_rule, a_mbs, macro, k, w_block = layer.mxplus_cpu_args
+        return torch.ops.mxplus_cpu.mx_linear(
+            x, a_block, a_rule, a_mbs, macro, layer.mxplus_cpu_codes, layer.mxplus_cpu_scales,
+            layer.mxplus_cpu_mbs, k, w_block, bias, spec.out_dtype, GEMV_MAX_M)

@@ -90,6 +90,8 @@ def load() -> tuple[bool, str]:
     """Build (first time) and load the kernels: (True, "") or (False, why not)."""
     if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"disabled by {ENV_DISABLE}=0"
+    if _state["loaded"]:
+        return True, ""
     with _lock:
         if _state["loaded"]:
             return True, ""
@@ -184,6 +186,13 @@ def dequant_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torc
     mbs_t = empty_mbs(codes.device) if mbs is None else mbs
     return torch.ops.mxplus_cpu.dequant_weight(codes, scales, mbs_t, k, _weight_block(fmt),
                                                macro_block)
+
+
+def linear_args(weight_format: str, activation_format: str, k: int,
+                macro_block: int = MACRO_BLOCK) -> tuple:
+    """The constant arguments of `mxplus_cpu::mx_linear` for one layer (see `mx_linear`)."""
+    a_block, a_rule, a_mbs = _act_args(activation_format)
+    return a_block, a_rule, a_mbs, macro_block, k, _weight_block(weight_format)
 
 
 def mx_linear(x: torch.Tensor, weight_format: str, activation_format: str,

@@ -1,0 +1,89 @@
+"""The cpu-packed backend in the dispatch: chosen on CPU for the E8M0 schemes, the reference
+for NVFP4 / MX+ (with the reason), and the same numbers as the reference backend up to fp32
+accumulation order."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from vllm_mxplus.formats import fake_quantize, quantize
+from vllm_mxplus.ops import cpu_kernels, dispatch
+from vllm_mxplus.ops.backend import LinearSpec
+from vllm_mxplus.ops.dispatch import LinearDispatch, select
+from vllm_mxplus.ops.reference import WEIGHT_ATTR, ReferenceBackend
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
+
+E8M0_SCHEMES = ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "mxfp4-mbs"]
+
+
+@pytest.fixture
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
+
+
+@pytest.mark.parametrize("scheme", E8M0_SCHEMES)
+def test_chosen_alone_for_e8m0_schemes(scheme, fresh_log, caplog):
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
+    chosen = select(LinearSpec(scheme=scheme, n=8, k=64, out_dtype=torch.bfloat16), "cpu", None)
+    assert [b.name for b in chosen] == ["cpu-packed"]
+    assert caplog.records[0].getMessage().endswith("backends cpu-packed")
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxplus"])
+def test_reference_for_other_formats_with_reason(scheme, fresh_log, caplog):
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
+    chosen = select(LinearSpec(scheme=scheme, n=8, k=64, out_dtype=torch.bfloat16), "cpu", None)
+    assert [b.name for b in chosen] == ["reference"]
+    msg = caplog.records[0].getMessage()
+    assert "falling back to the reference" in msg and "no CPU kernel for weights" in msg
+
+
+def test_disabled_kernels_fall_back_with_reason(monkeypatch, fresh_log, caplog):
+    monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
+    chosen = select(LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu",
+                    None)
+    assert [b.name for b in chosen] == ["reference"]
+    assert "VLLM_MXPLUS_CPU_KERNELS=0" in caplog.records[0].getMessage()
+
+
+def test_failed_build_falls_back_with_reason(monkeypatch, fresh_log, caplog):
+    """A machine where the build fails serves through the reference and says why."""
+    monkeypatch.setattr(cpu_kernels, "_state", {"error": None, "loaded": None})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
+    chosen = select(LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu",
+                    None)
+    assert [b.name for b in chosen] == ["reference"]
+    assert "no C++ compiler found" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("scheme", E8M0_SCHEMES)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 70], ids=lambda m: f"M{m}")
+def test_same_numbers_as_reference_backend(scheme, m):
+    k, n = 576, 40
+    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.float32)
+    g = torch.Generator().manual_seed(m)
+    q = quantize(torch.randn(n, k, generator=g) * 0.05, spec.weight_format)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    chosen = select(spec, "cpu", None)
+    layer = torch.nn.Module()
+    d = LinearDispatch(spec, chosen)
+    d.process_weights_after_loading(layer, q)
+    assert not hasattr(layer, WEIGHT_ATTR)  # no fp32 copy kept
+    y = d.apply(layer, x, bias)
+    ref_layer = torch.nn.Module()
+    ReferenceBackend().process_weights_after_loading(ref_layer, q, spec)
+    y_ref = ReferenceBackend().apply(ref_layer, x, bias, spec)
+    x_hat = fake_quantize(x, spec.activation_format)
+    scale = x_hat.abs() @ getattr(ref_layer, WEIGHT_ATTR).abs().T + bias.float().abs()
+    assert y.shape == (m, n)
+    assert ((y - y_ref).abs() <= 2.0**-16 * scale).all()
+    assert not torch.equal(y, torch.zeros_like(y))
