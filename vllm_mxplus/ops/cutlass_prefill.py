@@ -20,6 +20,12 @@ weaker (value 4 survives down to d = -11); `encode_fp8_chunks` tests every eleme
 round trip and marks the chunk `exact` only if all survive and the folded scale is a normal
 fp32 (ref >= 2). Rows with an inexact chunk (also NaN blocks, scale 255) are computed by the
 reference formula instead (`prefill_gemm`), so results never silently lose elements.
+
+Activations on sm_90a: `CutlassPrefillBackend.apply` (via `prefill_gemm_from_x`) builds the
+activation layout in one Triton kernel straight from x (`triton_act_fp8.act_quant_fp8_chunks`,
+bit-identical to the Triton act-quant followed by `encode_fp8_chunks`); `encode_fp8_chunks`
+stays the definition, the weight encoder (once, at load) and the path of `prefill_gemm`, which
+starts from already-quantized activations.
 """
 
 from __future__ import annotations
@@ -34,7 +40,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
+from vllm_mxplus.formats import (
+    MACRO_BLOCK,
+    QuantizedTensor,
+    fake_quantize,
+    get_format,
+    get_scheme,
+)
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.e8m0 import pow2_f32
 from vllm_mxplus.formats.mx import dequantize_mbs, mbs_factor
@@ -310,13 +322,15 @@ def _(x_codes, x_scales, x_mbs, k, w_codes, w_sf, w_sigma, bias, n):
     return x_codes.new_empty((x_codes.shape[0], n), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op(f"{LIB}::cutlass_prefill_sm90", mutates_args=())
-def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
-                  k: int, w_fp8: torch.Tensor, w_scale: torch.Tensor, w_ref: torch.Tensor,
-                  w_mbs: torch.Tensor, fallback_idx: Optional[torch.Tensor],
-                  fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  n: int) -> torch.Tensor:
-    xl = encode_fp8_chunks(x_codes, x_scales, x_mbs, k)
+def _sm90_gemm_with_fallback(xl: Fp8ChunkLayout, x_hat_rows, w_fp8: torch.Tensor,
+                             w_scale: torch.Tensor, w_ref: torch.Tensor, w_mbs: torch.Tensor,
+                             fallback_idx: Optional[torch.Tensor],
+                             fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                             n: int) -> torch.Tensor:
+    """The sm_90a GEMM on an activation layout, then the exact fallbacks: weight rows with an
+    inexact chunk (static) and activation rows with one; x_hat_rows(rows) gives the spec's
+    fp32 x_hat [len(rows), K] of those activation rows."""
+    k = xl.k
     y = fp8_chunk_gemm(xl.fp8, xl.scale, w_fp8, w_scale, _pad_bias(bias, w_fp8.shape[0]))
     y = y[:, :n].contiguous()
     b32 = None if bias is None else bias.to(torch.float32)
@@ -333,10 +347,7 @@ def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional
         return y
     bad_rows = (~xl.exact_rows).nonzero().flatten()
     if bad_rows.numel():  # rare: a chunk spanning > 14 binades, a NaN block, a tiny exponent
-        kp = _ceil_to(k, CHUNK)
-        cb = F.pad(unpack_fp4(x_codes[bad_rows], k), (0, kp - k))
-        sb = _pad_last(x_scales[bad_rows], kp // BLOCK)
-        x_bad = dequantize_mbs(cb, sb, xl.mbs[bad_rows], BLOCK)[:, :k]  # the spec's x_hat
+        x_bad = x_hat_rows(bad_rows)
         w_layout = Fp8ChunkLayout(fp8=w_fp8, scale=w_scale, ref=w_ref, mbs=w_mbs,
                                   exact=w_ref.new_ones(w_ref.shape, dtype=torch.bool), k=k)
         w_hat = dequantize_fp8_chunks(w_layout)[:n]
@@ -346,10 +357,73 @@ def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional
     return y
 
 
+@torch.library.custom_op(f"{LIB}::cutlass_prefill_sm90", mutates_args=())
+def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
+                  k: int, w_fp8: torch.Tensor, w_scale: torch.Tensor, w_ref: torch.Tensor,
+                  w_mbs: torch.Tensor, fallback_idx: Optional[torch.Tensor],
+                  fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  n: int) -> torch.Tensor:
+    """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
+    xl = encode_fp8_chunks(x_codes, x_scales, x_mbs, k)
+
+    def x_hat_rows(rows: torch.Tensor) -> torch.Tensor:
+        kp = _ceil_to(k, CHUNK)
+        cb = F.pad(unpack_fp4(x_codes[rows], k), (0, kp - k))
+        sb = _pad_last(x_scales[rows], kp // BLOCK)
+        return dequantize_mbs(cb, sb, xl.mbs[rows], BLOCK)[:, :k]  # the spec's x_hat
+
+    return _sm90_gemm_with_fallback(xl, x_hat_rows, w_fp8, w_scale, w_ref, w_mbs, fallback_idx,
+                                    fallback_w, bias, n)
+
+
 @_prefill_sm90.register_fake
 def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, w_ref, w_mbs, fallback_idx, fallback_w,
       bias, n):
     return x_codes.new_empty((x_codes.shape[0], n), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{LIB}::cutlass_prefill_sm90_fused", mutates_args=())
+def _prefill_sm90_fused(x: torch.Tensor, fmt: str, x_fp8: torch.Tensor, x_scale: torch.Tensor,
+                        x_ref: torch.Tensor, x_mbs: torch.Tensor, x_exact: torch.Tensor,
+                        w_fp8: torch.Tensor, w_scale: torch.Tensor, w_ref: torch.Tensor,
+                        w_mbs: torch.Tensor, fallback_idx: Optional[torch.Tensor],
+                        fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                        n: int) -> torch.Tensor:
+    """From activation rows x [M, K] and their fused FP8 layout (`triton_act_fp8`): GEMM;
+    rows with an inexact chunk are recomputed from x_hat = fake_quantize(x_rows, fmt)."""
+    xl = Fp8ChunkLayout(fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact,
+                        k=x.shape[-1])
+    return _sm90_gemm_with_fallback(xl, lambda rows: fake_quantize(x[rows], fmt), w_fp8,
+                                    w_scale, w_ref, w_mbs, fallback_idx, fallback_w, bias, n)
+
+
+@_prefill_sm90_fused.register_fake
+def _(x, fmt, x_fp8, x_scale, x_ref, x_mbs, x_exact, w_fp8, w_scale, w_ref, w_mbs,
+      fallback_idx, fallback_w, bias, n):
+    return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
+
+
+def prefill_gemm_from_x(x: torch.Tensor, fmt: str, w: PreparedWeight,
+                        bias: Optional[torch.Tensor],
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y [M, N] = Q(x) W_hat^T (+ bias) from activation rows x [M, K] (bf16/fp16/fp32).
+
+    sm_90a with an activation format of the fused kernel (`triton_act_fp8.SUPPORTED_FORMATS`):
+    one Triton kernel writes the FP8 layout straight from x (bit-identical to act-quant +
+    `encode_fp8_chunks`), then the GEMM op. Otherwise: the Triton act-quant, then
+    `prefill_gemm`. Same numbers either way."""
+    from vllm_mxplus.ops import triton_act_fp8  # Triton: import on CUDA only
+
+    if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
+        xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
+        y = torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
+            x, fmt, xl.fp8, xl.scale, xl.ref, xl.mbs, xl.exact, w.layout.fp8, w.layout.scale,
+            w.layout.ref, w.layout.mbs, w.fallback_idx, w.fallback_w, bias, w.n)
+        return y.to(out_dtype)
+    from vllm_mxplus.ops.custom_ops import act_quant_op
+
+    codes, scales, mbs, _ = act_quant_op(x, fmt)
+    return prefill_gemm(codes, scales, mbs, x.shape[-1], w, bias, out_dtype)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -386,12 +460,9 @@ class CutlassPrefillBackend(LinearBackend):
         setattr(layer, self.WEIGHT_ATTR, prepare_weight(qweight, arch_of(qweight.codes.device)))
 
     def apply(self, layer, x, bias, spec: LinearSpec, act_global_scale=None) -> torch.Tensor:
-        from vllm_mxplus.ops.custom_ops import act_quant_op  # Triton: import on CUDA only
-
         lead, k = x.shape[:-1], x.shape[-1]
-        codes, scales, mbs, _ = act_quant_op(x.reshape(-1, k), spec.activation_format)
-        y = prefill_gemm(codes, scales, mbs, k, getattr(layer, self.WEIGHT_ATTR), bias,
-                         spec.out_dtype)
+        y = prefill_gemm_from_x(x.reshape(-1, k), spec.activation_format,
+                                getattr(layer, self.WEIGHT_ATTR), bias, spec.out_dtype)
         return y.reshape(*lead, spec.n)
 
 
