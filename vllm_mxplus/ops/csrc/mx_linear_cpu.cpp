@@ -34,7 +34,7 @@ namespace mxplus_cpu {
 namespace {
 
 constexpr int kRuleOcp = 0, kRuleFloor = 1, kRuleOas = 2;
-constexpr int kMaxTileM = 8;  // rows of x per register tile in the GEMV
+constexpr int kMaxTileM = 16;  // rows of x per register tile in the GEMV (<= 16 zmm accumulators)
 
 alignas(64) const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -332,19 +332,21 @@ void gemv_tile(const PackedWeight& w, const float* xq, int64_t ldx, float* y, in
 
 void gemv(const PackedWeight& w, const float* xq, int64_t M, float* y, int64_t N,
           const float* bias) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
-    const int64_t mt = std::min<int64_t>(kMaxTileM, M - m0);
+  // 16-row tiles halve the dequantization work per row of x, but the tile's x rows are re-read
+  // for every weight row: above K = 768 (48 KiB of fp32 x) they fall out of L1, and measured
+  // 16-row tiles were slower than 8 (benchmarks/bench_cpu_linear.py, K = 1536).
+  const int64_t tile = w.K * 16 * 4 <= 48 * 1024 ? kMaxTileM : 8;
+  for (int64_t m0 = 0; m0 < M; m0 += tile) {
+    const int64_t mt = std::min<int64_t>(tile, M - m0);
     const float* xt = xq + m0 * w.K;
     float* yt = y + m0 * N;
     switch (mt) {
-      case 1: gemv_tile<1>(w, xt, w.K, yt, N, bias, N); break;
-      case 2: gemv_tile<2>(w, xt, w.K, yt, N, bias, N); break;
-      case 3: gemv_tile<3>(w, xt, w.K, yt, N, bias, N); break;
-      case 4: gemv_tile<4>(w, xt, w.K, yt, N, bias, N); break;
-      case 5: gemv_tile<5>(w, xt, w.K, yt, N, bias, N); break;
-      case 6: gemv_tile<6>(w, xt, w.K, yt, N, bias, N); break;
-      case 7: gemv_tile<7>(w, xt, w.K, yt, N, bias, N); break;
-      default: gemv_tile<8>(w, xt, w.K, yt, N, bias, N); break;
+#define MXPLUS_TILE(T) case T: gemv_tile<T>(w, xt, w.K, yt, N, bias, N); break;
+      MXPLUS_TILE(1) MXPLUS_TILE(2) MXPLUS_TILE(3) MXPLUS_TILE(4) MXPLUS_TILE(5) MXPLUS_TILE(6)
+      MXPLUS_TILE(7) MXPLUS_TILE(8) MXPLUS_TILE(9) MXPLUS_TILE(10) MXPLUS_TILE(11)
+      MXPLUS_TILE(12) MXPLUS_TILE(13) MXPLUS_TILE(14) MXPLUS_TILE(15)
+#undef MXPLUS_TILE
+      default: gemv_tile<kMaxTileM>(w, xt, w.K, yt, N, bias, N); break;
     }
   }
 }
