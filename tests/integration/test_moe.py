@@ -205,3 +205,15 @@ def test_moe_reference_equals_per_token_linears(scheme):
                 out_dtype=torch.float32)[0]
     # fp32 GEMM accumulation order (rows batched vs one row) is the only difference
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.vllm
+def test_moe_execution_path_is_logged(moe_run):
+    """E8M0 schemes run the packed C++ experts on CPU; NVFP4 the reference, with the reason."""
+    import shutil
+
+    log = moe_run[1]
+    if shutil.which("c++"):
+        assert "mxplus mxfp4-mbs MoE experts on cpu: cpu-packed C++ kernels" in log
+    assert ("mxplus nvfp4 MoE experts on cpu: reference path (dequantized fp32 experts, "
+            "fake-quant activations) because no CPU kernel for weights nvfp4") in log

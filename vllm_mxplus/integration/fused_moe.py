@@ -16,9 +16,11 @@ Two load paths, as for linears (linear.py):
 - pre-quantized: `w13_weight_packed`, `w13_weight_scale`, ... with a leading expert dim; the
   uint8 / e4m3 tensors load through vLLM's own MoE loader (N-sharded for w13, K-sharded for
   w2), the nvfp4 global scales as per-tensor scales [E, 2] / [E].
-Execution (any device): the reference path, weights dequantized once to fp32 per expert,
-activations fake-quantized per token before each expert GEMM (`ops.moe_reference`). On CUDA
-this is correct but slow; a grouped Triton/CUTLASS path is future work.
+Execution: on the CPU, for the E8M0 formats, the experts stay packed and each expert GEMM runs
+the C++ kernels (`ops.moe_cpu`); otherwise (NVFP4 / MX+, other devices) the reference path,
+weights dequantized once to fp32 per expert, activations fake-quantized per token before each
+expert GEMM (`ops.moe_reference`). Both compute with the same values; on CUDA the reference is
+correct but slow; a grouped Triton/CUTLASS path is future work.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"(format {self.fmt} stores "
                             f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})")
 
-    def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+    def _loaded_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
         """All local experts at once: every tensor is per row, so [E, N, .] -> [E*N, .]."""
         n, k, _ = layer.mxplus_dims[stem]
         packed = getattr(layer, f"{stem}_weight_packed").data
@@ -213,15 +215,24 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             codes=rows("weight_packed"), scales=rows("weight_scale"), fmt=self.fmt,
             shape=torch.Size((e * n, k)), global_scale=g, macro_block=self.macro_block,
             **extra)
-        return q.dequantize(torch.float32).reshape(e, n, k)
+        return q, e
+
+    def _quantized_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
+        """Online, every format but nvfp4 (per row): all experts' rows (w1 and w3 apart or
+        not) quantize in one call exactly as separate weights."""
+        w = getattr(layer, f"{stem}_weight").data
+        e, n, k = w.shape
+        return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block), e
+
+    def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+        q, e = self._loaded_rows(layer, stem)
+        return q.dequantize(torch.float32).reshape(e, *layer.mxplus_dims[stem][:2])
 
     def _quantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
         w = getattr(layer, f"{stem}_weight").data
         e, n, k = w.shape
         if get_format(self.fmt).scale_rule != "e4m3":
-            # Every other format is per row: all experts' rows (w1 and w3 apart or not)
-            # quantize in one call exactly as separate weights.
-            q = quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block)
+            q, _ = self._quantized_rows(layer, stem)
             return q.dequantize(torch.float32).reshape(e, n, k)
         n_shards = 2 if stem == "w13" else 1
         parts = w.reshape(e, n_shards, n // n_shards, k)
@@ -229,11 +240,42 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
         return _nvfp4_fake(w.reshape(e * n, k), g_rows.reshape(e * n, 1)).reshape(e, n, k)
 
+    def _packed_cpu(self, device: torch.device) -> tuple[bool, str]:
+        """Whether the experts run on the packed C++ CPU kernels, else why not."""
+        if device.type != "cpu":
+            return False, f"no packed expert kernel on {device.type} yet"
+        from vllm_mxplus.ops.cpu_backend import SUPPORTED
+
+        pair = (self.scheme.weight_format, self.scheme.activation_format)
+        if pair not in SUPPORTED:
+            return False, f"no CPU kernel for weights {pair[0]} x activations {pair[1]}"
+        from vllm_mxplus.ops import cpu_kernels
+
+        return cpu_kernels.load()
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
+        packed, why = self._packed_cpu(device)
+        layer.mxplus_packed = None
+        if packed:
+            from vllm_mxplus.ops.moe_cpu import PackedExperts
+
+            experts = {}
+            for stem in ("w13", "w2"):
+                q, e = self._loaded_rows(layer, stem) if pre else self._quantized_rows(layer,
+                                                                                        stem)
+                experts[stem] = PackedExperts.from_rows(q, e, self.scheme.activation_format,
+                                                        self.macro_block)
+                for name in [n for n in list(layer._parameters) if n.startswith(f"{stem}_weight")]:
+                    delattr(layer, name)
+            layer.mxplus_packed = experts
+            self._log_once(f"{self.scheme.name}/{device.type}/packed",
+                           "mxplus %s MoE experts on %s: cpu-packed C++ kernels (packed FP4 "
+                           "experts)", self.scheme.name, device.type)
+            return
         for stem in ("w13", "w2"):
             w = self._dequantize_loaded(layer, stem) if pre else self._quantize_loaded(layer, stem)
             for name in [n for n in list(layer._parameters) if n.startswith(f"{stem}_weight")]:
@@ -242,12 +284,15 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 W13_FP32 if stem == "w13" else W2_FP32,
                 torch.nn.Parameter(w.contiguous(), requires_grad=False))
         layer.mxplus_row_amax_reduce = self.act_per_row and self.moe.tp_size > 1
-        key = f"{self.scheme.name}/{device.type}"
+        self._log_once(f"{self.scheme.name}/{device.type}",
+                       "mxplus %s MoE experts on %s: reference path (dequantized fp32 experts, "
+                       "fake-quant activations) because %s", self.scheme.name, device.type, why)
+
+    @staticmethod
+    def _log_once(key: str, msg: str, *args) -> None:
         if key not in _LOGGED:
             _LOGGED.add(key)
-            logger.info("mxplus %s MoE experts on %s: reference path (dequantized fp32 "
-                        "experts, fake-quant activations)%s", self.scheme.name, device.type,
-                        "; a grouped GPU kernel is future work" if device.type == "cuda" else "")
+            logger.info(msg, *args)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no modular kernel: apply() computes the experts itself
@@ -264,6 +309,12 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         shared_experts_input: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         # Shared experts (if any) run in the MoERunner (moe_kernel is None: NO_OVERLAP order).
+        if layer.mxplus_packed is not None:
+            from vllm_mxplus.ops.moe_cpu import moe_experts_packed
+
+            return moe_experts_packed(
+                x, layer.mxplus_packed["w13"], layer.mxplus_packed["w2"], topk_weights,
+                topk_ids, activation=self.act_fn, expert_map=layer.expert_map)
         row_g = None
         if layer.mxplus_row_amax_reduce:
             def row_g(h: torch.Tensor) -> torch.Tensor:

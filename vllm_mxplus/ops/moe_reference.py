@@ -32,6 +32,25 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def route(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
+    """(token of each (token, slot) pair [M*k], its routing weight fp32 [M*k], the local
+    experts that got pairs in ascending order, each one's pair indices).
+
+    Sorted experts give a fixed summation order; pairs routed to other ranks' experts
+    (expert_map -> -1) are dropped."""
+    m, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map[ids].long()
+    tok = torch.arange(m, device=topk_ids.device).repeat_interleave(k)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    experts = [int(e) for e in torch.unique(ids[ids >= 0]).tolist()]
+    rows = [torch.nonzero(ids == e).squeeze(1) for e in experts]
+    return tok, weights, experts, rows
+
+
 def moe_experts_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -59,16 +78,8 @@ def moe_experts_reference(
     out = torch.zeros(m, w2.shape[1], dtype=torch.float32, device=x.device)
     if m == 0:
         return out.to(out_dtype)
-    ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        ids = expert_map[ids].long()
-    tok = torch.arange(m, device=x.device).repeat_interleave(k)
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    tok, weights, experts, rows = route(topk_weights, topk_ids, expert_map)
     xq = fake_quant_activation(x, act_format, per_row, macro_block)
-
-    # One pass over the local experts that got tokens; sorted ids: a fixed summation order.
-    experts = [int(e) for e in torch.unique(ids[ids >= 0]).tolist()]
-    rows = [torch.nonzero(ids == e).squeeze(1) for e in experts]
     h = torch.zeros(m * k, w2.shape[2], dtype=out_dtype, device=x.device)
     for e, sel in zip(experts, rows):
         gate, up = F.linear(xq[tok[sel]], w13[e]).to(out_dtype).chunk(2, dim=-1)

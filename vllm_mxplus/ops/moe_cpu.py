@@ -1,0 +1,84 @@
+"""Routed experts on the CPU with the packed C++ kernels (E8M0 formats, `cpu_kernels`).
+
+The same computation and order as `moe_experts_reference` (routing, the gated activation in
+the model dtype, the weighted fp32 sum over sorted experts); each expert GEMM is
+`mxplus_cpu::mx_linear` on that expert's packed weight, which fake-quantizes the rows it is
+given (per row, so per-expert quantization equals quantizing all rows at once) and uses the
+same fp32 activation and weight values as the reference. Experts stay packed (~0.57 bytes
+per weight instead of the reference's 4-byte fp32 copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.ops.moe_reference import route
+
+
+@dataclass
+class PackedExperts:
+    """One stacked expert weight [E, N, K] in the kernels' layout."""
+
+    codes: torch.Tensor  # uint8 [E, N, ceil(K/2)]
+    scales: torch.Tensor  # uint8 [E, N, ceil(K/block)]
+    mbs: torch.Tensor  # uint8 [E, N, ceil(K/macro)] or [E, 0, 0]
+    args: tuple  # cpu_kernels.linear_args(...)
+
+    @classmethod
+    def from_rows(cls, q: QuantizedTensor, experts: int, activation_format: str,
+                  macro_block: int) -> "PackedExperts":
+        """From a QuantizedTensor of all experts' rows [E*N, K]."""
+        from vllm_mxplus.ops.cpu_kernels import linear_args
+
+        n = q.shape[0] // experts
+        k = q.shape[-1]
+
+        def stack(t: Optional[torch.Tensor]) -> torch.Tensor:
+            if t is None:
+                return torch.empty((experts, 0, 0), dtype=torch.uint8, device=q.codes.device)
+            return t.reshape(experts, n, t.shape[-1]).contiguous()
+
+        return cls(stack(q.codes), stack(q.scales), stack(q.mbs),
+                   linear_args(q.fmt, activation_format, k, macro_block))
+
+    def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from vllm_mxplus.ops.cpu_kernels import GEMV_MAX_M
+
+        a_block, a_rule, a_mbs, macro, k, w_block = self.args
+        mbs = self.mbs[e] if self.mbs.shape[1] else self.mbs[0]
+        return torch.ops.mxplus_cpu.mx_linear(x, a_block, a_rule, a_mbs, macro, self.codes[e],
+                                              self.scales[e], mbs, k, w_block, None, out_dtype,
+                                              GEMV_MAX_M)
+
+
+def moe_experts_packed(
+    x: torch.Tensor,
+    w13: PackedExperts,
+    w2: PackedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    expert_map: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Routed-expert output [M, H] in x's dtype (see moe_experts_reference for the math)."""
+    m = topk_ids.shape[0]
+    out_dtype = x.dtype
+    hidden = w2.codes.shape[1]
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out.to(out_dtype)
+    tok, weights, experts, rows = route(topk_weights, topk_ids, expert_map)
+    h = torch.zeros(tok.shape[0], w13.codes.shape[1] // 2, dtype=out_dtype, device=x.device)
+    for e, sel in zip(experts, rows):
+        gate, up = w13.linear(e, x[tok[sel]], out_dtype).chunk(2, dim=-1)
+        h[sel] = activation(gate) * up
+    for e, sel in zip(experts, rows):
+        y = w2.linear(e, h[sel], out_dtype).to(torch.float32)
+        out.index_add_(0, tok[sel], y * weights[sel, None])
+    return out.to(out_dtype)
