@@ -1,12 +1,14 @@
-"""Generation throughput on CPU: quantized (reference backend) vs the same model unquantized.
+"""Generation throughput on CPU: quantized (the CPU backend vLLM picks) vs unquantized.
 
     python benchmarks/bench_serve_cpu.py [--model DIR] [--scheme mxfp4-mbs] [--tokens 64]
+                                         [--batch 4] [--compile] [--moe] [--no-tiny]
 
 Runs, in one process and one after another, vLLM engines for: a tiny random Llama (built on
-the fly) and --model (default: the embedded SmolLM2 from `vllm_mxplus.assets`, when it has
-been prepared), each unquantized and with --quantization SCHEME. Prints the machine, the
-versions, output tokens/s of each and the ratio quantized / unquantized (goal on CPU: >= 0.5).
-"""
+the fly), with --moe a random Qwen3-MoE, and --model (default: the embedded SmolLM2 from
+`vllm_mxplus.assets`, when it has been prepared), each unquantized and with --quantization
+SCHEME. Prints the machine, the versions, output tokens/s of each and the ratio
+quantized / unquantized (goal on CPU: >= 0.5). The backend vLLM used is in its log
+("mxplus <scheme> on cpu ...: backends ...")."""
 
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="concurrent prompts")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny random model")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager)")
+    ap.add_argument("--moe", action="store_true",
+                    help="also a random Qwen3-MoE (hidden 512, 16 experts, top-2, 4 layers)")
     args = ap.parse_args()
 
     import torch
@@ -85,6 +89,12 @@ def main() -> int:
         from vllm_mxplus.integration.tiny_model import build_tiny_llama
 
         models.append(("tiny-llama-256", str(build_tiny_llama(Path(tmp.name) / "tiny"))))
+    if args.moe:
+        from vllm_mxplus.integration.tiny_model import build_tiny_qwen3_moe
+
+        models.append(("tiny-qwen3-moe-16x512", str(build_tiny_qwen3_moe(
+            Path(tmp.name) / "moe", hidden=512, moe_intermediate=512, layers=4, heads=8,
+            kv_heads=4, experts=16, top_k=2))))
     model = args.model or _smollm2_dir()
     if model:
         models.append((Path(model).name, model))
