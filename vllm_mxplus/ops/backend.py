@@ -18,6 +18,18 @@ import torch
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 
 
+# (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
+# decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
+# MBS on either side optional. NVFP4 and MX+ are not among them.
+E8M0_PAIRS = frozenset({
+    ("mxfp4-ocp", "mxfp4-ocp"),
+    ("mxfp4-16", "mxfp4-16"),
+    ("mxfp4-16-oas", "mxfp4-16-oas"),
+    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+})
+
+
 @dataclass(frozen=True)
 class LinearSpec:
     """What a backend needs to know about one quantized linear (per TP partition)."""
@@ -87,3 +99,11 @@ class LinearBackend(ABC):
 
         act_global_scale: NVFP4 activations only, per-row global scales [..., 1] to use
         instead of x's own (row-parallel TP shards pass the whole row's)."""
+
+
+def check_e8m0_pair(spec: LinearSpec, kernel: str) -> tuple[bool, str]:
+    """`can_implement` of the packed E8M0 kernels: (True, "") or (False, why) naming `kernel`."""
+    pair = (spec.weight_format, spec.activation_format)
+    if pair not in E8M0_PAIRS:
+        return False, f"no {kernel} for weights {pair[0]} x activations {pair[1]}"
+    return True, ""

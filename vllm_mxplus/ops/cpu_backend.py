@@ -18,16 +18,9 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor
-from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+from vllm_mxplus.ops.backend import E8M0_PAIRS, LinearBackend, LinearSpec, check_e8m0_pair
 
-# (weight format, activation format) pairs the kernels implement.
-SUPPORTED = {
-    ("mxfp4-ocp", "mxfp4-ocp"),
-    ("mxfp4-16", "mxfp4-16"),
-    ("mxfp4-16-oas", "mxfp4-16-oas"),
-    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
-    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
-}
+SUPPORTED = E8M0_PAIRS  # (weight format, activation format) pairs it implements
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
 
 
@@ -44,10 +37,7 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        pair = (spec.weight_format, spec.activation_format)
-        if pair not in SUPPORTED:
-            return False, f"no CPU kernel for weights {pair[0]} x activations {pair[1]}"
-        return True, ""
+        return check_e8m0_pair(spec, "CPU kernel")
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec

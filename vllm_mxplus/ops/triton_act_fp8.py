@@ -43,13 +43,10 @@ from vllm_mxplus.ops.cutlass_prefill import (
 )
 from vllm_mxplus.ops.triton_act_quant import (
     _MANTISSA_THRESHOLD,
-    MBS_STATIC_MASK,
-    abs_nan_to_inf,
-    e2m1_magnitude_code,
     e4m3_round,
-    e8m0_code,
-    e8m0_reciprocal,
+    e8m0_block_quant,
     load_f32,
+    mbs_static_scale,
 )
 from vllm_mxplus.ops.triton_utils import INTERPRET, ceil_div, check_available, tl, triton
 
@@ -106,26 +103,15 @@ def _act_fp8_chunks_kernel(
 
     # -- 1. MBS-S and the block-16 quantization (exactly triton_act_quant's arithmetic)
     if HAS_MBS:
-        a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NC, CHUNK_K)), axis=2)
-        finite = (a > 0.0) & (a < float("inf"))
-        r = tl.math.div_rn(tl.full(a.shape, 6.0, tl.float32), tl.where(finite, a, 1.0))
-        m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> 15
-        m = tl.where(finite, m, 0)
+        m, y = mbs_static_scale(x, BLOCK_M, NC, CHUNK_K)
         f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
-        y = tl.reshape(tl.reshape(x, (BLOCK_M, NC, CHUNK_K)) * f[:, :, None],
-                       (BLOCK_M, BLOCK_K))  # one fp32 multiply (RNE)
     else:
         m = tl.zeros((BLOCK_M, NC), tl.int32)
         f = tl.full((BLOCK_M, NC), 1.0, tl.float32)
         y = x
 
-    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK_K16))
-    s = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)  # [BM, NB] int32, 255 = NaN block
-    nan_blk = s == NAN_CODE
-    mag = e2m1_magnitude_code(ay * e8m0_reciprocal(s)[:, :, None])
-    mag = tl.where(nan_blk[:, :, None], 0, mag)  # NaN blocks: all codes 0 (sign too)
-    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK_K16))
-    neg = tl.where(nan_blk[:, :, None], 0, neg)
+    s, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK_K16)
+    nan_blk = s == NAN_CODE  # [BM, NB] int32 scale codes, 255 = NaN block (codes 0, sign 0)
 
     # -- 2. reference exponent per chunk: top live block at d = 6
     live = tl.max(mag, axis=2) > 0  # [BM, NB]: a block with a nonzero code

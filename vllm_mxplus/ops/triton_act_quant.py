@@ -114,6 +114,37 @@ def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
+def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.constexpr):
+    """MBS-S of fp32 tile rows x [BLOCK_M, NM*MACRO]: (m int32 [BLOCK_M, NM], y = fp32(x*F)).
+
+    Paper eq. 3: m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a non-finite macro
+    block -> m = 0."""
+    a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
+    finite = (a > 0.0) & (a < float("inf"))
+    r = tl.math.div_rn(tl.full(a.shape, 6.0, tl.float32), tl.where(finite, a, 1.0))
+    m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> 15
+    m = tl.where(finite, m, 0)
+    f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
+    y = tl.reshape(tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None],
+                   (BLOCK_M, NM * MACRO))  # one fp32 multiply (RNE)
+    return m, y
+
+
+@triton.jit
+def e8m0_block_quant(y, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     NB: tl.constexpr, BLOCK: tl.constexpr):
+    """E8M0 block quantization of fp32 y [BLOCK_M, NB*BLOCK]: (scale codes int32 [BM, NB],
+    255 = NaN block; magnitude codes [BM, NB, BLOCK]; sign bits [BM, NB, BLOCK]). Elements
+    of a NaN block get magnitude and sign 0."""
+    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK))
+    code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
+    nan_blk = (code == E8M0_NAN)[:, :, None]
+    mag = tl.where(nan_blk, 0, e2m1_magnitude_code(ay * e8m0_reciprocal(code)[:, :, None]))
+    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
+    return code, mag, tl.where(nan_blk, 0, neg)
+
+
+@triton.jit
 def _mx_act_quant_kernel(
     x_ptr, codes_ptr, scales_ptr, mbs_ptr,
     M, K,
@@ -132,16 +163,7 @@ def _mx_act_quant_kernel(
 
     if HAS_MBS:
         NM: tl.constexpr = BLOCK_K // MACRO
-        xm = tl.reshape(x, (BLOCK_M, NM, MACRO))
-        a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
-        # MBS-S (paper eq. 3): m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a
-        # non-finite macro block -> m = 0.
-        finite = (a > 0.0) & (a < float("inf"))
-        r = tl.math.div_rn(tl.full(a.shape, 6.0, tl.float32), tl.where(finite, a, 1.0))
-        m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> 15
-        m = tl.where(finite, m, 0)
-        f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
-        y = tl.reshape(xm * f[:, :, None], (BLOCK_M, BLOCK_K))  # one fp32 multiply (RNE)
+        m, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
         offs_mb = pid_k * NM + tl.arange(0, NM)
         tl.store(
             mbs_ptr + offs_m[:, None] * stride_mm + offs_mb[None, :],
@@ -152,12 +174,8 @@ def _mx_act_quant_kernel(
         y = x
 
     NB: tl.constexpr = BLOCK_K // BLOCK
-    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK))
-    code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
-    v = ay * e8m0_reciprocal(code)[:, :, None]  # exact: a power of two
-    mag = e2m1_magnitude_code(v)
-    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
-    c = tl.where((code == E8M0_NAN)[:, :, None], 0, mag | (neg << 3))
+    code, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+    c = mag | (neg << 3)
     packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
 
     offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)

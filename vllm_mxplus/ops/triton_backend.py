@@ -14,18 +14,10 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+from vllm_mxplus.ops.backend import E8M0_PAIRS, LinearBackend, LinearSpec, check_e8m0_pair
 
 DECODE_MAX_M = 16
-# (weight format, activation format) pairs the decode kernel implements: same block size,
-# E8M0 scales, MBS on either side optional.
-SUPPORTED = {
-    ("mxfp4-ocp", "mxfp4-ocp"),
-    ("mxfp4-16", "mxfp4-16"),
-    ("mxfp4-16-oas", "mxfp4-16-oas"),
-    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
-    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
-}
+SUPPORTED = E8M0_PAIRS  # (weight format, activation format) pairs it implements
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 
 
@@ -42,10 +34,7 @@ class TritonDecodeBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        pair = (spec.weight_format, spec.activation_format)
-        if pair not in SUPPORTED:
-            return False, f"no decode kernel for weights {pair[0]} x activations {pair[1]}"
-        return True, ""
+        return check_e8m0_pair(spec, "decode kernel")
 
     covers_all_m = False
 
