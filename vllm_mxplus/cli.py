@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "vllm_mxplus.analysis.cli_qsnr",
     "vllm_mxplus.evaluation.cli_eval",
     "vllm_mxplus.assets.prepare",
+    "vllm_mxplus.ops.cli_kernels",
 ]
 
 

@@ -1,0 +1,85 @@
+"""`mxplus kernels`: build the C++ CPU kernels now (instead of at the first model load) and
+say which backend each scheme gets on this machine.
+
+    mxplus kernels            # build if needed, print the build path and the CPU backends
+    mxplus kernels --check    # also run a small bit-exactness self-test against formats
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "kernels", help="build the C++ CPU kernels and show the CPU backend per scheme",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true",
+                   help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats")
+
+
+def _self_test() -> list[str]:
+    """Failures of a quick comparison with formats (empty: all bit-exact / in bound)."""
+    import torch
+
+    from vllm_mxplus.formats import fake_quantize, quantize
+    from vllm_mxplus.ops import cpu_kernels
+
+    bad = []
+    g = torch.Generator().manual_seed(0)
+    for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
+        w = torch.randn(64, 576, generator=g) * 0.05
+        x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+        q = quantize(w, wf)
+        xq = fake_quantize(x, af)
+        if not torch.equal(cpu_kernels.act_fake_quant(x, af).view(torch.int32),
+                           xq.view(torch.int32)):
+            bad.append(f"activation fake-quant {af}")
+        w_hat = q.dequantize()
+        if not torch.equal(cpu_kernels.dequant_weight(q.codes, q.scales, q.mbs, 576, wf)
+                           .view(torch.int32), w_hat.view(torch.int32)):
+            bad.append(f"weight dequantization {wf}")
+        ref = xq.double() @ w_hat.double().T
+        bound = 2.0**-16 * (xq.abs().double() @ w_hat.abs().double().T)
+        for m in (1, 5):
+            y = cpu_kernels.mx_linear(x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None,
+                                      torch.float32)
+            if not bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()):
+                bad.append(f"linear {wf} x {af}, M={m}")
+    return bad
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vllm_mxplus.formats import SCHEMES
+    from vllm_mxplus.ops import cpu_kernels
+    from vllm_mxplus.ops.backend import LinearSpec
+    from vllm_mxplus.ops.dispatch import select
+
+    t0 = time.time()
+    ok, why = cpu_kernels.load()
+    if not ok:
+        print(f"CPU kernels: unavailable: {why}")
+        print("CPU backend for every scheme: reference (pure torch)")
+        return 1
+    print(f"CPU kernels: {cpu_kernels.build_dir()} ({time.time() - t0:.1f} s; "
+          f"{' '.join(cpu_kernels.cflags()[:1])}, torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()})")
+    quiet = logging.getLogger("vllm_mxplus.ops.dispatch")
+    level, quiet.level = quiet.level, logging.ERROR  # the listing below says it all
+    try:
+        for name in SCHEMES:
+            chosen = select(LinearSpec(scheme=name, n=16, k=128, out_dtype=torch.bfloat16),
+                            "cpu", None)
+            print(f"  {name:14s} -> {' > '.join(b.name for b in chosen)}")
+    finally:
+        quiet.setLevel(level)
+    if args.check:
+        bad = _self_test()
+        print("self-test: " + ("bit-exact, linear within bound" if not bad else
+                               "FAILED: " + "; ".join(bad)))
+        return 1 if bad else 0
+    return 0
