@@ -101,6 +101,8 @@ def load() -> tuple[bool, str]:
             _build_and_load()
         except Exception as e:  # noqa: BLE001 - any failure means: use the reference path
             msg = str(e).strip().splitlines()
+            logger.warning("mxplus: the CPU kernels could not be built; the reference backend "
+                           "serves instead. Build output:\n%s", "\n".join(msg[-40:]))
             _state["error"] = (f"building the CPU kernels failed ({type(e).__name__}: "
                                f"{msg[-1] if msg else ''}); set {ENV_DISABLE}=0 to skip them")
             return False, _state["error"]
