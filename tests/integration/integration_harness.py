@@ -86,6 +86,7 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
         jobs.append(gen_job(f"online-{scheme}", m["tiny256"], scheme))
     for scheme in PRE_SCHEMES:
         jobs.append(gen_job(f"pre-{scheme}", m[f"tiny256-{scheme}"], None))
+    jobs.append(dict(gen_job("compiled-mxfp4-mbs", m["tiny256"], "mxfp4-mbs"), eager=False))
     jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
     jobs.append(gen_job("bad-missing", m["bad-missing"], None))

@@ -60,6 +60,15 @@ def test_prequantized_checkpoint_matches_reference(driver_run, tiny_models, sche
     _check_against_reference(results[f"pre-{scheme}"], tiny_models["tiny256"], scheme)
 
 
+def test_torch_compile_mode_matches_reference(driver_run, tiny_models):
+    """vLLM's default (compiled, not --enforce-eager) mode traces our ops through their fake
+    implementations and runs them: same tokens as the reference."""
+    results, log = driver_run
+    assert log.count("Warming up model for the compilation") == 1  # only this job compiles
+    _check_against_reference(results["compiled-mxfp4-mbs"], tiny_models["tiny256"],
+                             "mxfp4-mbs")
+
+
 @pytest.mark.parametrize("kind", ["online320", "pre320"])
 def test_hidden_size_not_multiple_of_128(driver_run, tiny_models, kind):
     """hidden 320 / intermediate 576: every linear has a partial macro block."""

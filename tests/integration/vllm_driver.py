@@ -8,7 +8,8 @@ built one after another in this process (a few seconds each). Tensor-parallel jo
 multiprocess executor and run in a separate driver invocation.
 
 A job: {"id", "model", "quantization" (or null), "dtype", "prompts", "max_tokens",
-"tp" (default 1), "logprobs" (default 1)}. A result: {"tokens": [[int]], "logprobs":
+"tp" (default 1), "logprobs" (default 1), "eager" (default true; false = vLLM's
+torch.compile mode)}. A result: {"tokens": [[int]], "logprobs":
 [[float]] (of the chosen tokens), "error": str or null, "load_s", "gen_s"}.
 """
 
@@ -29,7 +30,7 @@ def run_job(job: dict) -> dict:
     try:
         llm = LLM(
             model=job["model"], quantization=job.get("quantization"), dtype=job["dtype"],
-            enforce_eager=True, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+            enforce_eager=job.get("eager", True), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
             seed=0,
             tensor_parallel_size=job.get("tp", 1),
         )
