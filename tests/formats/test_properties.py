@@ -21,11 +21,27 @@ tensors = st.integers(1, 300).flatmap(
     lambda a: torch.from_numpy(a).bfloat16().float())
 
 
+# MX+ is not idempotent (see test_mxplus_is_not_idempotent), so it is left out here.
+IDEMPOTENT = [f for f in NON_MBS if f != "mxplus"]
+
+
 @settings(max_examples=40, deadline=None)
-@given(x=tensors, fmt=st.sampled_from(NON_MBS))
+@given(x=tensors, fmt=st.sampled_from(IDEMPOTENT))
 def test_idempotent(x, fmt):
     once = fake_quantize(x, fmt)
     assert torch.equal(fake_quantize(once, fmt), once)
+
+
+def test_mxplus_is_not_idempotent():
+    """MX+'s extended-precision element is the block max. Quantizing can make another element
+    the new max, and a second pass then rounds the old one on the plain E2M1 grid. The
+    counterexample hypothesis found: scale 2^17, both elements 5.03 on the grid. The first
+    element (the max) keeps 5.0 with MX+'s extra mantissa bits; the second rounds to 6 and
+    becomes the max, so in the second pass 5.0 is an ordinary tie and goes to 4 (even code)."""
+    x = torch.tensor([[659456.0, 659456.0]])
+    once = fake_quantize(x, "mxplus")
+    assert once.tolist() == [[655360.0, 786432.0]]  # 5.0 * 2^17 (extended), 6 * 2^17
+    assert fake_quantize(once, "mxplus").tolist() == [[524288.0, 786432.0]]  # 4 * 2^17
 
 
 @settings(max_examples=40, deadline=None)
