@@ -165,6 +165,7 @@ struct PackedWeight {
   const uint8_t* scales;  // [N, nb] E8M0
   const uint8_t* mbs;     // [N, nm] or nullptr
   int64_t K, Kc, nb, nm, block, macro;
+  int block_shift;  // log2(block): the hot loops shift instead of dividing (an idiv per vector)
 };
 
 inline int code_at(const uint8_t* row, int64_t k) {
@@ -180,6 +181,13 @@ inline float weight_elem(const PackedWeight& w, int64_t n, int64_t k) {
   if (!w.mbs) return q;
   const float F = (static_cast<float>(w.mbs[n * w.nm + k / w.macro]) + 256.0f) / 256.0f;
   return q / F;
+}
+
+// The exact formula for the 16 elements of a block outside the fast range (rare): kept out
+// of line so that the hot loops keep their accumulators in registers.
+__attribute__((noinline)) void slow_block(const PackedWeight& w, int64_t n, int64_t k,
+                                          float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = weight_elem(w, n, k + i);
 }
 
 // Per-(row, macro-unit) table value(code)/F for the fast path.
@@ -216,7 +224,7 @@ void dequant_rows(const PackedWeight& w, float* out, int64_t n0, int64_t n1) {
       lut_for(row_factor(w, n, u0), lut);
       const int64_t uend = std::min(u0 + unit, kfull);
       for (int64_t k = u0; k < uend; k += 16) {
-        const int code = sr[k / w.block];
+        const int code = sr[k >> w.block_shift];
         if (fast_scale(code)) {
           const float X = pow2f(code - 127);
 #ifdef MXPLUS_AVX512
@@ -231,7 +239,7 @@ void dequant_rows(const PackedWeight& w, float* out, int64_t n0, int64_t n1) {
             o[k + i + 1] = lut[b >> 4] * X;
           }
         } else {
-          for (int i = 0; i < 16; ++i) o[k + i] = weight_elem(w, n, k + i);
+          slow_block(w, n, k, o + k);
         }
       }
     }
@@ -244,8 +252,10 @@ void dequant_rows(const PackedWeight& w, float* out, int64_t n0, int64_t n1) {
 template <int MT>
 void gemv_row_avx512(const PackedWeight& w, int64_t n, const float* xq, int64_t ldx,
                      int64_t kfull, float* y, int64_t ldy, const float* bias) {
+  // Fully unrolled m loops keep acc[] in registers: without them GCC 12 spilled the MT = 2
+  // accumulators to the stack on every step (M = 2 ran slower than M = 3).
   __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* cr = w.codes + n * w.Kc;
   const uint8_t* sr = w.scales + n * w.nb;
   const __m512 table = _mm512_load_ps(kE2M1);
@@ -256,20 +266,20 @@ void gemv_row_avx512(const PackedWeight& w, int64_t n, const float* xq, int64_t 
     const __m512 lut = w.mbs ? _mm512_div_ps(table, _mm512_set1_ps(F)) : table;
     const int64_t uend = std::min(u0 + unit, kfull);
     for (int64_t k = u0; k < uend; k += 16) {
-      const int code = sr[k / w.block];
+      const int code = sr[k >> w.block_shift];
       __m512 wv;
       if (fast_scale(code)) {
         wv = _mm512_mul_ps(_mm512_permutexvar_ps(nibble_index(cr + (k >> 1)), lut),
                            _mm512_set1_ps(pow2f(code - 127)));
       } else {
-        for (int i = 0; i < 16; ++i) slow[i] = weight_elem(w, n, k + i);
+        slow_block(w, n, k, slow);
         wv = _mm512_load_ps(slow);
       }
-      for (int m = 0; m < MT; ++m)
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
         acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + m * ldx + k), wv, acc[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
+  _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
     float s = _mm512_reduce_add_ps(acc[m]);
     for (int64_t k = kfull; k < w.K; ++k) s = std::fma(xq[m * ldx + k], weight_elem(w, n, k), s);
     if (bias) s += bias[n];
@@ -292,7 +302,7 @@ void gemv_row_scalar(const PackedWeight& w, int64_t n, const float* xq, int64_t 
     lut_for(F, lut);
     const int64_t uend = std::min(u0 + unit, kfull);
     for (int64_t k = u0; k < uend; k += 16) {
-      const int code = sr[k / w.block];
+      const int code = sr[k >> w.block_shift];
       if (fast_scale(code)) {
         const float X = pow2f(code - 127);
         for (int i = 0; i < 16; ++i) {
@@ -300,7 +310,7 @@ void gemv_row_scalar(const PackedWeight& w, int64_t n, const float* xq, int64_t 
           wv[i] = lut[(i & 1) ? (b >> 4) : (b & 0xF)] * X;
         }
       } else {
-        for (int i = 0; i < 16; ++i) wv[i] = weight_elem(w, n, k + i);
+        slow_block(w, n, k, wv);
       }
       for (int m = 0; m < MT; ++m)
         for (int i = 0; i < 16; ++i) acc[m][i] = std::fma(xq[m * ldx + k + i], wv[i], acc[m][i]);
@@ -378,7 +388,7 @@ PackedWeight packed_weight(const at::Tensor& codes, const at::Tensor& scales,
   return PackedWeight{codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
                       has_mbs ? mbs.data_ptr<uint8_t>() : nullptr,
                       k, codes.size(1), scales.size(1), has_mbs ? mbs.size(1) : 0, block,
-                      has_mbs ? macro : 128};
+                      has_mbs ? macro : 128, block == 16 ? 4 : 5};
 }
 
 at::Tensor dequant_weight(const at::Tensor& codes, const at::Tensor& scales,
