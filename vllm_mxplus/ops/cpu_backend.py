@@ -63,9 +63,7 @@ class CpuPackedBackend(LinearBackend):
         spec: LinearSpec,
         act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import GEMV_MAX_M
+        from vllm_mxplus.ops.cpu_kernels import linear_packed
 
-        a_block, a_rule, a_mbs, macro, k, w_block = layer.mxplus_cpu_args
-        return torch.ops.mxplus_cpu.mx_linear(
-            x, a_block, a_rule, a_mbs, macro, layer.mxplus_cpu_codes, layer.mxplus_cpu_scales,
-            layer.mxplus_cpu_mbs, k, w_block, bias, spec.out_dtype, GEMV_MAX_M)
+        return linear_packed(x, layer.mxplus_cpu_args, layer.mxplus_cpu_codes,
+                             layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias, spec.out_dtype)

@@ -197,14 +197,22 @@ def linear_args(weight_format: str, activation_format: str, k: int,
     return a_block, a_rule, a_mbs, macro_block, k, _weight_block(weight_format)
 
 
+def linear_packed(x: torch.Tensor, args: tuple, codes: torch.Tensor, scales: torch.Tensor,
+                  mbs: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                  gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
+    """`mxplus_cpu::mx_linear` with a layer's `linear_args` (kernels already loaded; `mbs`
+    is `empty_mbs()` for formats without MBS bytes). The per-call path of the backends."""
+    a_block, a_rule, a_mbs, macro, k, w_block = args
+    return torch.ops.mxplus_cpu.mx_linear(x, a_block, a_rule, a_mbs, macro, codes, scales, mbs,
+                                          k, w_block, bias, out_dtype, gemv_max_m)
+
+
 def mx_linear(x: torch.Tensor, weight_format: str, activation_format: str,
               codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype,
               macro_block: int = MACRO_BLOCK, gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
     """fake_quantize(x, activation_format) @ W_hat^T + bias, fp32 accumulation, out_dtype."""
     _require()
-    a_block, a_rule, a_mbs = _act_args(activation_format)
-    mbs_t = empty_mbs(codes.device) if mbs is None else mbs
-    return torch.ops.mxplus_cpu.mx_linear(x, a_block, a_rule, a_mbs, macro_block, codes, scales,
-                                          mbs_t, k, _weight_block(weight_format), bias,
-                                          out_dtype, gemv_max_m)
+    return linear_packed(x, linear_args(weight_format, activation_format, k, macro_block),
+                         codes, scales, empty_mbs(codes.device) if mbs is None else mbs, bias,
+                         out_dtype, gemv_max_m)

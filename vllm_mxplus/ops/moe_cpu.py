@@ -47,13 +47,10 @@ class PackedExperts:
                    linear_args(q.fmt, activation_format, k, macro_block))
 
     def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import GEMV_MAX_M
+        from vllm_mxplus.ops.cpu_kernels import linear_packed
 
-        a_block, a_rule, a_mbs, macro, k, w_block = self.args
         mbs = self.mbs[e] if self.mbs.shape[1] else self.mbs[0]
-        return torch.ops.mxplus_cpu.mx_linear(x, a_block, a_rule, a_mbs, macro, self.codes[e],
-                                              self.scales[e], mbs, k, w_block, None, out_dtype,
-                                              GEMV_MAX_M)
+        return linear_packed(x, self.args, self.codes[e], self.scales[e], mbs, None, out_dtype)
 
 
 def moe_experts_packed(

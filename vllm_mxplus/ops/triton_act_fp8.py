@@ -45,7 +45,7 @@ from vllm_mxplus.ops.triton_act_quant import (
     _MANTISSA_THRESHOLD,
     e4m3_round,
     e8m0_block_quant,
-    load_f32,
+    load_row_tile,
     mbs_static_scale,
 )
 from vllm_mxplus.ops.triton_utils import INTERPRET, ceil_div, check_available, tl, triton
@@ -92,19 +92,12 @@ def _act_fp8_chunks_kernel(
     NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
     NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
     BPC: tl.constexpr = CHUNK_K // BLOCK_K16  # 16-blocks per chunk (8)
-    pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    # Zeros past K are the torch path's padding: they change no absmax and encode as +0.
-    x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                 mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+    offs_m, offs_k, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
 
     # -- 1. MBS-S and the block-16 quantization (exactly triton_act_quant's arithmetic)
     if HAS_MBS:
-        m, y = mbs_static_scale(x, BLOCK_M, NC, CHUNK_K)
-        f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
+        m, f, y = mbs_static_scale(x, BLOCK_M, NC, CHUNK_K)
     else:
         m = tl.zeros((BLOCK_M, NC), tl.int32)
         f = tl.full((BLOCK_M, NC), 1.0, tl.float32)

@@ -114,8 +114,22 @@ def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
+def load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """This program's tile: (offs_m, offs_k, row mask, fp32 x [BLOCK_M, BLOCK_K]), zeros past
+    M and K (zeros change no absmax and encode as +0, like the torch path's padding)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                 mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+    return offs_m, offs_k, mask_m, x
+
+
+@triton.jit
 def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.constexpr):
-    """MBS-S of fp32 tile rows x [BLOCK_M, NM*MACRO]: (m int32 [BLOCK_M, NM], y = fp32(x*F)).
+    """MBS-S of fp32 tile rows x [BLOCK_M, NM*MACRO]: (m int32 [BLOCK_M, NM], F fp32
+    [BLOCK_M, NM], y = fp32(x*F)).
 
     Paper eq. 3: m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a non-finite macro
     block -> m = 0."""
@@ -127,7 +141,7 @@ def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.const
     f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
     y = tl.reshape(tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None],
                    (BLOCK_M, NM * MACRO))  # one fp32 multiply (RNE)
-    return m, y
+    return m, f, y
 
 
 @triton.jit
@@ -152,18 +166,13 @@ def _mx_act_quant_kernel(
     BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
     MACRO: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    # Zero padding past K is invisible: zeros change no absmax, and pack_fp4 pads with code 0.
-    x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                 mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+    # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
+    offs_m, _, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
 
     if HAS_MBS:
         NM: tl.constexpr = BLOCK_K // MACRO
-        m, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
+        m, _, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
         offs_mb = pid_k * NM + tl.arange(0, NM)
         tl.store(
             mbs_ptr + offs_m[:, None] * stride_mm + offs_mb[None, :],

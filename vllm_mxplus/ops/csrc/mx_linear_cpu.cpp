@@ -75,11 +75,14 @@ inline int e2m1_mag(float v) {
          (v > 5.0f);
 }
 
+// The MBS factor F = 1 + m/256 of a byte m (exact in fp32).
+inline float mbs_factor(int m) { return (static_cast<float>(m) + 256.0f) / 256.0f; }
+
 // The MBS-S factor of a macro block with absmax a (NaN if the block holds a NaN).
 inline float mbs_static_factor(float a) {
   int m = 0;
   if (std::isfinite(a)) m = static_cast<int>((f2u(6.0f / a) & 0x007F8000u) >> 15);
-  return (static_cast<float>(m) + 256.0f) / 256.0f;
+  return mbs_factor(m);
 }
 
 inline float nan_absmax(const float* v, int64_t n) {
@@ -173,14 +176,16 @@ inline int code_at(const uint8_t* row, int64_t k) {
   return (k & 1) ? (b >> 4) : (b & 0xF);
 }
 
+// F of the macro block holding element k of row n (1 without MBS).
+inline float row_factor(const PackedWeight& w, int64_t n, int64_t k) {
+  return w.mbs ? mbs_factor(w.mbs[n * w.nm + k / w.macro]) : 1.0f;
+}
+
 // Exact dequantized weight element (value*X)/F (F = 1 without MBS: no division).
 inline float weight_elem(const PackedWeight& w, int64_t n, int64_t k) {
   const int code = code_at(w.codes + n * w.Kc, k);
-  const float X = e8m0_value(w.scales[n * w.nb + k / w.block]);
-  const float q = kE2M1[code] * X;
-  if (!w.mbs) return q;
-  const float F = (static_cast<float>(w.mbs[n * w.nm + k / w.macro]) + 256.0f) / 256.0f;
-  return q / F;
+  const float q = kE2M1[code] * e8m0_value(w.scales[n * w.nb + k / w.block]);
+  return w.mbs ? q / row_factor(w, n, k) : q;
 }
 
 // The exact formula for the 16 elements of a block outside the fast range (rare): kept out
@@ -196,10 +201,6 @@ inline void lut_for(float F, float* lut) {
 }
 
 inline bool fast_scale(int code) { return code >= 3 && code <= 250; }
-
-inline float row_factor(const PackedWeight& w, int64_t n, int64_t k) {
-  return w.mbs ? (static_cast<float>(w.mbs[n * w.nm + k / w.macro]) + 256.0f) / 256.0f : 1.0f;
-}
 
 #ifdef MXPLUS_AVX512
 // The 16 codes of 8 packed bytes as vpermps indices. u16 lane i = b | b << 4: its low byte's
@@ -391,16 +392,20 @@ PackedWeight packed_weight(const at::Tensor& codes, const at::Tensor& scales,
                       has_mbs ? macro : 128, block == 16 ? 4 : 5};
 }
 
-at::Tensor dequant_weight(const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& mbs, int64_t k, int64_t block, int64_t macro) {
-  const PackedWeight w = packed_weight(codes, scales, mbs, k, block, macro);
-  const int64_t N = codes.size(0);
-  at::Tensor out = at::empty({N, k}, codes.options().dtype(at::kFloat));
+// The whole weight [N, K] dequantized to fp32.
+at::Tensor dequant_all(const PackedWeight& w, int64_t N, const at::TensorOptions& opts) {
+  at::Tensor out = at::empty({N, w.K}, opts.dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    dequant_rows(w, op + n0 * k, n0, n1);
+    dequant_rows(w, op + n0 * w.K, n0, n1);
   });
   return out;
+}
+
+at::Tensor dequant_weight(const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mbs, int64_t k, int64_t block, int64_t macro) {
+  return dequant_all(packed_weight(codes, scales, mbs, k, block, macro), codes.size(0),
+                     codes.options());
 }
 
 // y = fakequant_act(x) @ W_hat^T + bias, fp32 accumulation, cast to out_dtype.
@@ -434,7 +439,7 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
     gemv(w, xq.data_ptr<float>(), M, y.data_ptr<float>(), N,
          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
   } else {
-    const at::Tensor wf = dequant_weight(codes, scales, mbs, k, w_block, macro);
+    const at::Tensor wf = dequant_all(w, N, codes.options());
     y = bias_f.defined() ? at::addmm(bias_f, xq, wf.t()) : at::mm(xq, wf.t());
   }
   return y.to(out_dtype).view(out_shape);
