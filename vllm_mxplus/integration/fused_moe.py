@@ -244,14 +244,12 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         """Whether the experts run on the packed C++ CPU kernels, else why not."""
         if device.type != "cpu":
             return False, f"no packed expert kernel on {device.type} yet"
-        from vllm_mxplus.ops.cpu_backend import SUPPORTED
-
-        pair = (self.scheme.weight_format, self.scheme.activation_format)
-        if pair not in SUPPORTED:
-            return False, f"no CPU kernel for weights {pair[0]} x activations {pair[1]}"
         from vllm_mxplus.ops import cpu_kernels
+        from vllm_mxplus.ops.backend import check_e8m0_pair
 
-        return cpu_kernels.load()
+        ok, why = check_e8m0_pair(self.scheme.weight_format, self.scheme.activation_format,
+                                  "CPU kernel")
+        return cpu_kernels.load() if ok else (ok, why)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized

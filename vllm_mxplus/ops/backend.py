@@ -101,9 +101,20 @@ class LinearBackend(ABC):
         instead of x's own (row-parallel TP shards pass the whole row's)."""
 
 
-def check_e8m0_pair(spec: LinearSpec, kernel: str) -> tuple[bool, str]:
-    """`can_implement` of the packed E8M0 kernels: (True, "") or (False, why) naming `kernel`."""
-    pair = (spec.weight_format, spec.activation_format)
-    if pair not in E8M0_PAIRS:
-        return False, f"no {kernel} for weights {pair[0]} x activations {pair[1]}"
+def check_e8m0_pair(weight_format: str, activation_format: str,
+                    kernel: str) -> tuple[bool, str]:
+    """Whether the packed E8M0 kernels take this pair: (True, "") or (False, why) naming
+    `kernel`. The `can_implement` of those backends, also used for MoE experts."""
+    if (weight_format, activation_format) not in E8M0_PAIRS:
+        return False, f"no {kernel} for weights {weight_format} x activations {activation_format}"
     return True, ""
+
+
+def set_packed_buffers(layer: torch.nn.Module, attrs: tuple[str, ...],
+                       tensors: tuple[Optional[torch.Tensor], ...]) -> None:
+    """Register a backend's runtime tensors on `layer` as non-persistent buffers (contiguous;
+    None allowed), replacing earlier ones of the same names."""
+    for attr, t in zip(attrs, tensors):
+        if hasattr(layer, attr):
+            delattr(layer, attr)
+        layer.register_buffer(attr, None if t is None else t.contiguous(), persistent=False)

@@ -18,9 +18,13 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor
-from vllm_mxplus.ops.backend import E8M0_PAIRS, LinearBackend, LinearSpec, check_e8m0_pair
+from vllm_mxplus.ops.backend import (
+    LinearBackend,
+    LinearSpec,
+    check_e8m0_pair,
+    set_packed_buffers,
+)
 
-SUPPORTED = E8M0_PAIRS  # (weight format, activation format) pairs it implements
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
 
 
@@ -37,7 +41,7 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        return check_e8m0_pair(spec, "CPU kernel")
+        return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
@@ -47,10 +51,7 @@ class CpuPackedBackend(LinearBackend):
         if qweight.codes.dim() != 2:
             raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
         mbs = qweight.mbs if qweight.mbs is not None else empty_mbs(qweight.codes.device)
-        for attr, t in zip(ATTRS, (qweight.codes, qweight.scales, mbs)):
-            if hasattr(layer, attr):
-                delattr(layer, attr)
-            layer.register_buffer(attr, t.contiguous(), persistent=False)
+        set_packed_buffers(layer, ATTRS, (qweight.codes, qweight.scales, mbs))
         # Resolved once here, so a decode step pays one C++ op call per linear and no lookups.
         layer.mxplus_cpu_args = linear_args(spec.weight_format, spec.activation_format, spec.k,
                                             spec.macro_block)

@@ -14,10 +14,14 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.ops.backend import E8M0_PAIRS, LinearBackend, LinearSpec, check_e8m0_pair
+from vllm_mxplus.ops.backend import (
+    LinearBackend,
+    LinearSpec,
+    check_e8m0_pair,
+    set_packed_buffers,
+)
 
 DECODE_MAX_M = 16
-SUPPORTED = E8M0_PAIRS  # (weight format, activation format) pairs it implements
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 
 
@@ -34,7 +38,7 @@ class TritonDecodeBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        return check_e8m0_pair(spec, "decode kernel")
+        return check_e8m0_pair(spec.weight_format, spec.activation_format, "decode kernel")
 
     covers_all_m = False
 
@@ -45,12 +49,7 @@ class TritonDecodeBackend(LinearBackend):
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
     ) -> None:
-        tensors = (qweight.codes, qweight.scales, qweight.mbs)
-        for attr, t in zip(ATTRS, tensors):
-            value = None if t is None else t.contiguous()
-            if hasattr(layer, attr):
-                delattr(layer, attr)
-            layer.register_buffer(attr, value, persistent=False)
+        set_packed_buffers(layer, ATTRS, (qweight.codes, qweight.scales, qweight.mbs))
 
     def apply(
         self,
