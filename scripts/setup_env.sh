@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a CPU development environment for vllm-mxplus from scratch (DESIGN.md §5).
+# Set up a CPU development environment for vllm-mxplus from scratch.
 #
 #   bash scripts/setup_env.sh [VENV_DIR]      (default: .venv)
 #

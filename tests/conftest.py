@@ -7,7 +7,7 @@ import os
 import pytest
 
 VLLM_CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes 90% of RAM (DESIGN.md §5)
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes 90% of RAM
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -16,7 +16,7 @@ for _k, _v in VLLM_CPU_ENV.items():
     os.environ.setdefault(_k, _v)
 
 # Triton picks interpreter or compiler when a kernel module is first imported, which may
-# happen while collecting any test directory: without CUDA, interpret (DESIGN.md §5).
+# happen while collecting any test directory: without CUDA, interpret (Triton has no CPU backend).
 try:
     import torch
 

@@ -1,4 +1,4 @@
-"""E8M0 scale rules at their edges, special blocks and range ends (DESIGN.md §1)."""
+"""E8M0 scale rules at their edges, special blocks and range ends (docs/numerics.md, E8M0 block scales)."""
 
 import math
 

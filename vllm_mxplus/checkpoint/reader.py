@@ -1,4 +1,4 @@
-"""Read and validate a quantized checkpoint (DESIGN.md §2): the reverse of the quantizer.
+"""Read and validate a quantized checkpoint (docs/numerics.md, Packing and checkpoint layout): the reverse of the quantizer.
 
 `open_checkpoint(path)` parses config.json and every shard header and checks the layout
 without reading tensor data: each quantized module has every tensor its format stores, with

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-# A row's quantization must be one of the plugin's names (DESIGN.md §1) or null (bf16).
+# A row's quantization must be one of the plugin's names (docs/numerics.md, Formats and schemes) or null (bf16).
 KNOWN_QUANTIZATIONS = ("mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h",
                        "mxfp4-mbs", "nvfp4")
 KINDS = ("accuracy", "perplexity")

@@ -24,7 +24,7 @@ from vllm_mxplus.evaluation.config import EvalConfig, ModelSpec, RowSpec, TaskSp
 
 log = logging.getLogger(__name__)
 
-# DESIGN.md §5: vLLM on CPU takes 90% of RAM for its KV cache by default; no hub is reachable.
+# vLLM 0.32 on CPU takes 90% of RAM for its KV cache by default; no hub is reachable.
 DEFAULT_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",

@@ -1,7 +1,7 @@
 """One lm-eval call in its own process: `python -m vllm_mxplus.evaluation.worker SPEC.json`.
 
 The runner starts one worker per cell (model x row x task group) so that every vLLM engine
-lives in a fresh process: an engine that crashes or hangs at teardown (DESIGN.md §5: a CPU
+lives in a fresh process: an engine that crashes or hangs at teardown (a vLLM 0.32 CPU
 engine once died with SIGABRT after printing its results) cannot take the study with it.
 The worker writes the lm-eval results JSON atomically, then leaves with os._exit(0) so that
 teardown problems cannot turn a finished cell into a failure; the runner judges the cell by
@@ -103,6 +103,6 @@ if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: vLLM engines have aborted there (DESIGN.md §5); the
+    # Skip interpreter teardown: vLLM 0.32 CPU engines have aborted there; the
     # results file is already on disk.
     os._exit(rc)

@@ -1,4 +1,4 @@
-"""The number formats of DESIGN.md §1 in pure torch: the specification every backend meets.
+"""The number formats of docs/numerics.md in pure torch: the specification every backend meets.
 
 Device-agnostic (CPU or CUDA tensors), no Python loops over blocks; imports neither vLLM
 nor Triton.

@@ -1,4 +1,6 @@
-"""E8M0 block scales and the three scale rules of DESIGN.md §1 (ocp, floor, oas).
+"""E8M0 block scales and the three scale rules (ocp, floor, oas).
+
+docs/numerics.md, E8M0 block scales:
 
 A block with absmax a = 2^E * f, f in [1, 2), gets the scale exponent E - 2 + d:
   ocp   (OCP MX v1.0 §6.3): d = 0           -> scaled absmax in [4, 8) (6..8 saturates)

@@ -1,7 +1,7 @@
 """NVFP4 baseline: E2M1 elements, E4M3 block-16 scales and an fp32 global scale.
 
 g = amax / (6 * 448); s = e4m3(amax_b / 6 / g) (round to nearest even, saturating, fn);
-codes = e2m1(x / (s * g)); x_hat = value * s * g; s = 0 is a zero block (DESIGN.md §1).
+codes = e2m1(x / (s * g)); x_hat = value * s * g; s = 0 is a zero block (docs/numerics.md, NVFP4).
 amax is over the tensor given, or over each row (the last dim) with per_row=True, which is
 what the activation path uses so that results never depend on batching.
 

@@ -112,7 +112,7 @@ def quantize(
     macro_block: int = MACRO_BLOCK,
     per_row: bool = False,
 ) -> QuantizedTensor:
-    """Quantize x along its last dim with a named format (DESIGN.md §1).
+    """Quantize x along its last dim with a named format (docs/numerics.md).
 
     x: bf16/fp16/fp32, any leading shape, any K >= 1 (partial blocks and macro blocks are
     shorter blocks; callers never pad). macro_block: MBS macro-block size (the paper's

@@ -1,4 +1,5 @@
-"""Named number formats (per tensor) and quantization schemes (per layer), DESIGN.md §1."""
+"""Named number formats (per tensor) and quantization schemes (per layer)
+(docs/numerics.md, Formats and schemes)."""
 
 from __future__ import annotations
 

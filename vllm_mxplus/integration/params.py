@@ -1,4 +1,5 @@
-"""vLLM parameters for pre-quantized MXFP4-MBS checkpoints (DESIGN.md §2) and their loaders.
+"""vLLM parameters for pre-quantized MXFP4-MBS checkpoints (docs/numerics.md,
+Packing and checkpoint layout) and their loaders.
 
 Every 2-D tensor (weight_packed, weight_scale, weight_mbs, weight_bm_index) is a
 `GroupQuantScaleParameter`/`ModelWeightParameter` with output_dim 0 and input_dim 1: fused
