@@ -9,16 +9,17 @@ from typing import Iterator
 
 import torch
 
-from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED
+from vllm_mxplus.checkpoint.rules import module_of
+from vllm_mxplus.quant_rules import stays_unquantized
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """A 2-D `*.weight` that is not an embedding, lm_head or norm (those stay unquantized)."""
-    if not name.endswith(".weight") or len(shape) != 2:
+    """A 2-D Linear `*.weight` that the schemes quantize: not an embedding, lm_head or MoE
+    router (vllm_mxplus.quant_rules, as `mxplus quantize` and the plugin decide), not a norm."""
+    if len(shape) != 2:
         return False
-    module = name[: -len(".weight")]
-    parts = module.split(".")
-    return not any(p in ALWAYS_UNQUANTIZED for p in parts) and "norm" not in parts[-1]
+    module = module_of(name, len(shape))
+    return module is not None and not stays_unquantized(module) and "norm" not in module.rsplit(".", 1)[-1]
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -54,7 +55,8 @@ def capture_linear_inputs(
     model_dir: Path, text: str, tokens: int, max_rows: int
 ) -> dict[str, torch.Tensor]:
     """Run a transformers model on `tokens` tokens of text and capture, for every nn.Linear
-    except lm_head, up to `max_rows` input rows: {module name: x [rows, K]}."""
+    the schemes quantize (not lm_head or a MoE router), up to `max_rows` input rows:
+    {module name: x [rows, K]}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -68,9 +70,7 @@ def capture_linear_inputs(
     captured: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and not any(
-            p in ALWAYS_UNQUANTIZED for p in name.split(".")
-        ):
+        if isinstance(mod, torch.nn.Linear) and not stays_unquantized(name):
             def hook(m, args, name=name):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])[:max_rows]
                 captured[name] = x.clone()

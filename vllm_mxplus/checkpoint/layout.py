@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_mxplus import __version__
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
 
 FORMAT_VERSION = 1
 SUFFIX_PACKED = "weight_packed"
@@ -26,7 +27,6 @@ SUFFIX_SCALE = "weight_scale"
 SUFFIX_MBS = "weight_mbs"
 SUFFIX_GLOBAL = "weight_global_scale"
 SUFFIX_BM_INDEX = "weight_bm_index"
-ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "wte", "wpe", "embed_positions")
 
 
 def weight_suffixes(fmt: str) -> tuple[str, ...]:

@@ -7,9 +7,8 @@ Linears) and no rule keeps it:
     (`...experts.gate_up_proj`, `...experts.down_proj`, [E, N, K]); the module name is then
     the parameter name itself;
 kept in high precision:
-  * lm_head and embeddings (layout.ALWAYS_UNQUANTIZED, any component containing "embed");
-  * MoE routers (`mlp.gate`, `block_sparse_moe.gate`, `*.router`, `shared_expert_gate`):
-    tiny, accuracy-critical, and the paper leaves them in high precision;
+  * lm_head, embeddings and MoE routers (`vllm_mxplus.quant_rules`, the one rule for every
+    path);
   * modules matching an `--ignore` pattern;
   * 1-D tensors (norms, biases) and anything not floating point.
 """
@@ -21,10 +20,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED
+from vllm_mxplus.quant_rules import unquantized_reason
 
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
-ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3")
 # Model types whose 3-D expert stacks are stored [E, K, N] (x @ W), not [E, N, K]: quantizing
 # along their last dim would use the wrong reduction dim, so they stay unquantized.
@@ -89,15 +87,6 @@ def module_of(name: str, ndim: int) -> Optional[str]:
     return None
 
 
-def _always_kept(module: str) -> Optional[str]:
-    parts = module.split(".")
-    if any(p in ALWAYS_UNQUANTIZED or "embed" in p for p in parts):
-        return "embedding / lm_head"
-    if parts[-1] in ROUTER_NAMES:
-        return "MoE router"
-    return None
-
-
 def classify(
     name: str,
     dtype: str,
@@ -109,7 +98,7 @@ def classify(
     module = module_of(name, len(shape))
     if module is None:
         return Decision(False, None, "not a Linear weight")
-    kept = _always_kept(module)
+    kept = unquantized_reason(module)
     if kept is not None:
         return Decision(False, module, kept)
     pattern = ignore.match(module)

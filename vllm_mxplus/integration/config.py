@@ -20,9 +20,9 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-from vllm_mxplus.checkpoint.layout import ALWAYS_UNQUANTIZED, check_quantization_config
-from vllm_mxplus.checkpoint.rules import ROUTER_NAMES
+from vllm_mxplus.checkpoint.layout import check_quantization_config
 from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES, Scheme, get_scheme
+from vllm_mxplus.quant_rules import stays_unquantized
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +89,18 @@ class MxplusConfig(QuantizationConfig):
                 self.modules_to_not_convert)
 
     def is_skipped(self, prefix: str) -> bool:
-        skip = self.modules_to_not_convert + list(ALWAYS_UNQUANTIZED)
-        return is_layer_skipped(prefix, skip, self.packed_modules_mapping, match_mode="suffix")
+        """lm_head, embeddings and MoE routers (vllm_mxplus.quant_rules, as the offline
+        quantizer decides) and the checkpoint's modules_to_not_convert stay unquantized."""
+        if stays_unquantized(prefix):
+            return True
+        return is_layer_skipped(prefix, self.modules_to_not_convert,
+                                self.packed_modules_mapping, match_mode="suffix")
 
     def get_quant_method(
         self, layer: torch.nn.Module, prefix: str
     ) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, LinearBase):
-            if self.is_skipped(prefix) or _is_router(prefix):
+            if self.is_skipped(prefix):
                 return UnquantizedLinearMethod()
             from vllm_mxplus.integration.linear import MxplusLinearMethod
 
@@ -114,12 +118,6 @@ class MxplusConfig(QuantizationConfig):
 
             return MxplusFusedMoEMethod(self, layer.moe_config)
         return None  # embeddings, lm_head, norms, attention: unquantized (paper §5.1)
-
-
-def _is_router(prefix: str) -> bool:
-    """MoE routers (`mlp.gate`, `block_sparse_moe.gate`, ...) stay unquantized (paper §5.1),
-    as the offline quantizer keeps them (checkpoint.rules.ROUTER_NAMES)."""
-    return prefix.rpartition(".")[2] in ROUTER_NAMES
 
 
 def _class_name(scheme: str) -> str:

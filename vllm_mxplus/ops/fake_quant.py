@@ -9,8 +9,9 @@ fp32, result cast back to the input dtype (see `vllm_mxplus.ops.reference`).
 ... in transformers >= 5: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] parameters,
 forward(hidden_states, top_k_index, top_k_weights)): every expert's gate, up and down weight
 quantized as a separate logical weight, activations quantized per token before each expert
-GEMM, computed by `ops.moe_reference` exactly as the vLLM FusedMoE method computes it. The
-router stays in high precision.
+GEMM, computed by `ops.moe_reference` exactly as the vLLM FusedMoE method computes it.
+lm_head, embeddings and MoE routers stay in high precision (`vllm_mxplus.quant_rules`, the rule
+the plugin and the offline quantizer use).
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ from torch import nn
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme, quantize
 from vllm_mxplus.ops.moe_reference import moe_experts_reference
 from vllm_mxplus.ops.reference import reference_linear
-
-# paper §5.1: lm_head (and embeddings, norms) stay unquantized, as do MoE routers (an
-# nn.Linear named `gate` / `router` / `shared_expert_gate` in older transformers MoE models).
-DEFAULT_SKIP = ("lm_head", "gate", "router", "shared_expert_gate")
+from vllm_mxplus.quant_rules import stays_unquantized
 
 
 class FakeQuantLinear(nn.Module):
@@ -116,6 +114,8 @@ def _is_expert_stack(mod: nn.Module) -> bool:
 
 
 def _skipped(name: str, skip: Iterable[str]) -> bool:
+    if stays_unquantized(name):
+        return True
     parts = name.split(".")
     return any(name == s or name.endswith("." + s) or s in parts for s in skip)
 
@@ -127,11 +127,11 @@ def apply_fake_quant(
     macro_block: int = MACRO_BLOCK,
 ) -> list[str]:
     """Replace every nn.Linear of `model` in place (and every MoE expert stack by a
-    `FakeQuantExperts`), except those named in `skip` (a module name, its last component(s),
-    or any path component; default: lm_head and MoE routers). Returns the names of the
-    replaced modules."""
+    `FakeQuantExperts`), except lm_head, embeddings and MoE routers (vllm_mxplus.quant_rules)
+    and those named in `skip` (a module name, its last component(s), or any path
+    component). Returns the names of the replaced modules."""
     get_scheme(scheme)  # fail early on an unknown name
-    skip = tuple(DEFAULT_SKIP if skip is None else skip)
+    skip = tuple(skip or ())
     targets = [
         (name, mod) for name, mod in model.named_modules()
         if (isinstance(mod, nn.Linear) or _is_expert_stack(mod)) and not _skipped(name, skip)
