@@ -11,8 +11,9 @@ from ckpt_helpers import TOKENIZER_FILES, cli_args, make_custom, make_llama, sou
 
 from vllm_mxplus.checkpoint import load, load_unquantized, open_checkpoint, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
-from vllm_mxplus.checkpoint.layout import make_quantization_config
-from vllm_mxplus.formats import SCHEMES, fake_quantize, get_scheme
+from vllm_mxplus.checkpoint.codec import encode, quantize_weight, stored_layout
+from vllm_mxplus.checkpoint.layout import make_quantization_config, weight_suffixes
+from vllm_mxplus.formats import FORMATS, SCHEMES, fake_quantize, get_format, get_scheme
 
 ALL_SCHEMES = list(SCHEMES)
 
@@ -159,3 +160,46 @@ def test_cuda_quantizes_like_cpu(llama_dir: Path, tmp_path: Path, scheme: str) -
     quantize_checkpoint(llama_dir, tmp_path / "gpu", scheme, device="cuda", progress=False)
     assert (tmp_path / "cpu" / "model.safetensors").read_bytes() == (
         tmp_path / "gpu" / "model.safetensors").read_bytes()
+
+
+LAYOUT_SHAPES = [(24, 75), (40, 576), (3, 16, 100)]
+
+
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["K75", "K576", "experts-K100"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_stored_layout_matches_encoded_tensors(fmt: str, shape: tuple[int, ...]) -> None:
+    """The one layout table (layout.stored_tensors) describes exactly what the writer stores,
+    with the sizes of docs/numerics.md ("Packing and checkpoint layout") derived by hand here."""
+    w = torch.randn(shape)
+    q = quantize_weight(w, fmt)[0]
+    stored = encode(q)
+    layout = stored_layout(fmt, shape)
+    assert list(stored) == list(layout) == list(weight_suffixes(fmt))
+    st_to_torch = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
+    *lead, k = shape
+    block = get_format(fmt).block_size
+    by_hand = {"weight_packed": (*lead, -(-k // 2)), "weight_scale": (*lead, -(-k // block)),
+               "weight_mbs": (*lead, -(-k // 128)), "weight_bm_index": (*lead, -(-k // 32)),
+               "weight_global_scale": (*shape[:-2], 1)}
+    for suffix, (st_dtype, st_shape) in layout.items():
+        assert stored[suffix].dtype == st_to_torch[st_dtype], suffix
+        assert tuple(stored[suffix].shape) == st_shape == by_hand[suffix], suffix
+
+
+def test_producer_version_comes_from_package_metadata() -> None:
+    import importlib.metadata
+
+    cfg = make_quantization_config("mxfp4-mbs", [])
+    assert cfg["producer"] == {"name": "vllm-mxplus",
+                               "version": importlib.metadata.version("vllm-mxplus")}
+
+
+def test_vllm_parameters_use_the_layout_table() -> None:
+    pytest.importorskip("vllm", reason="vLLM not installed")
+    from vllm_mxplus.integration.params import tensor_specs
+
+    for fmt in FORMATS:
+        specs = tensor_specs(fmt)
+        assert [t.suffix for t in specs] == list(weight_suffixes(fmt))
+        assert all(t.dtype == {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn,
+                               "F32": torch.float32}[t.st_dtype] for t in specs)

@@ -21,33 +21,18 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_MBS,
     SUFFIX_PACKED,
     SUFFIX_SCALE,
+    stored_tensors,
     weight_suffixes,
 )
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, quantize
 
 WEIGHTS_METADATA_KEY = "mxplus_weights"  # JSON {module: {"shape": [...], "dtype": "BF16"}}
-MXPLUS_BLOCK = 32  # MX+ stores one block-max index per 32-element block
 CHUNK_ELEMS = 1 << 22  # rows per quantize() call ~ 4M elements: bounds the temporaries
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def stored_layout(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """suffix -> (safetensors dtype, shape) of every stored tensor for a weight of `shape`."""
-    spec = get_format(fmt)
-    *lead, k = shape
-    lead = tuple(lead)
-    dims = {
-        SUFFIX_PACKED: ("U8", lead + (_ceil_div(k, 2),)),
-        SUFFIX_SCALE: ("F8_E4M3" if spec.scale_rule == "e4m3" else "U8",
-                       lead + (_ceil_div(k, spec.block_size),)),
-        SUFFIX_MBS: ("U8", lead + (_ceil_div(k, MACRO_BLOCK),)),
-        SUFFIX_GLOBAL: ("F32", tuple(shape[:-2]) + (1,)),
-        SUFFIX_BM_INDEX: ("U8", lead + (_ceil_div(k, MXPLUS_BLOCK),)),
-    }
-    return {s: dims[s] for s in weight_suffixes(fmt)}
+    return {t.suffix: (t.st_dtype, t.shape(tuple(shape))) for t in stored_tensors(fmt)}
 
 
 def encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:

@@ -1,12 +1,14 @@
-"""The MXFP4-MBS checkpoint layout (docs/numerics.md, Packing and checkpoint layout): tensor names and `quantization_config`.
+"""The checkpoint layout: tensor names and `quantization_config`.
 
-Per quantized linear NAME (its HF weight is NAME.weight [N, K]):
+docs/numerics.md, Packing and checkpoint layout. Per quantized linear NAME (its HF weight is
+NAME.weight [N, K]):
   NAME.weight_packed        uint8 [N, ceil(K/2)]   two E2M1 codes per byte
   NAME.weight_scale         uint8 [N, ceil(K/bs)]  E8M0 (float8_e4m3fn for nvfp4)
   NAME.weight_mbs           uint8 [N, ceil(K/128)] MBS formats only
   NAME.weight_global_scale  float32 [1]            nvfp4 only
   NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
-A bias stays NAME.bias in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the
+`stored_tensors(fmt)` is that table in code: the writer (`codec.stored_layout`), the reader
+and the vLLM parameters (`integration/params.py`) all derive from it. A bias stays NAME.bias in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the
 leading expert dim on every tensor (nvfp4 global scales then [E, 1]).
 
 Each safetensors shard's `__metadata__` carries `mxplus_weights`: JSON {module: {"shape",
@@ -15,9 +17,14 @@ Each safetensors shard's `__metadata__` carries `mxplus_weights`: JSON {module: 
 
 from __future__ import annotations
 
+import importlib.metadata
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from vllm_mxplus import __version__
+import torch
+
+from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
 from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
 
@@ -29,17 +36,65 @@ SUFFIX_GLOBAL = "weight_global_scale"
 SUFFIX_BM_INDEX = "weight_bm_index"
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """One stored tensor of a quantized weight [..., N, K].
+
+    k_per_col: K elements one column covers, so the tensor is [..., N, ceil(K / k_per_col)];
+    0 for the per-weight nvfp4 global scale, stored [1] (or [E, 1] for E stacked experts).
+    """
+
+    suffix: str
+    st_dtype: str  # safetensors dtype name
+    dtype: torch.dtype
+    k_per_col: int
+
+    def cols(self, k: int) -> int:
+        return ceil_div(k, self.k_per_col)
+
+    def shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored shape for a weight of logical shape [..., N, K]."""
+        *lead, k = weight_shape
+        if self.k_per_col == 0:
+            return tuple(weight_shape[:-2]) + (1,)
+        return tuple(lead) + (self.cols(k),)
+
+
+def stored_tensors(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTensor]:
+    """The stored tensors of one quantized weight of format fmt, in layout order."""
+    spec = get_format(fmt)
+    out = [StoredTensor(SUFFIX_PACKED, "U8", torch.uint8, 2)]
+    if spec.scale_is_e8m0:
+        out.append(StoredTensor(SUFFIX_SCALE, "U8", torch.uint8, spec.block_size))
+    else:
+        out.append(StoredTensor(SUFFIX_SCALE, "F8_E4M3", torch.float8_e4m3fn, spec.block_size))
+    if spec.mbs:
+        out.append(StoredTensor(SUFFIX_MBS, "U8", torch.uint8, macro_block))
+    if spec.scale_rule == "e4m3":
+        out.append(StoredTensor(SUFFIX_GLOBAL, "F32", torch.float32, 0))
+    if spec.block_max_mantissa:
+        out.append(StoredTensor(SUFFIX_BM_INDEX, "U8", torch.uint8, MX_BLOCK))
+    return out
+
+
 def weight_suffixes(fmt: str) -> tuple[str, ...]:
     """The tensor suffixes stored for one quantized weight of format fmt."""
-    spec = get_format(fmt)
-    out = [SUFFIX_PACKED, SUFFIX_SCALE]
-    if spec.mbs:
-        out.append(SUFFIX_MBS)
-    if spec.scale_rule == "e4m3":
-        out.append(SUFFIX_GLOBAL)
-    if spec.block_max_mantissa:
-        out.append(SUFFIX_BM_INDEX)
-    return tuple(out)
+    return tuple(t.suffix for t in stored_tensors(fmt))
+
+
+@lru_cache(maxsize=1)
+def package_version() -> str:
+    """The installed vllm-mxplus version (package metadata), written as the producer version.
+
+    A source checkout that was never installed has no metadata; it reports the version the
+    package declares in `vllm_mxplus.__version__`.
+    """
+    try:
+        return importlib.metadata.version("vllm-mxplus")
+    except importlib.metadata.PackageNotFoundError:
+        from vllm_mxplus import __version__
+
+        return __version__
 
 
 def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dict[str, Any]:
@@ -57,7 +112,7 @@ def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dic
         "macro_block_size": MACRO_BLOCK if (w.mbs or a.mbs) else None,
         "modules_to_not_convert": sorted(set(unquantized_modules)),
         # vLLM 0.32 reads quantization_config["producer"]["name"]: it must be a dict
-        "producer": {"name": "vllm-mxplus", "version": __version__},
+        "producer": {"name": "vllm-mxplus", "version": package_version()},
     }
 
 

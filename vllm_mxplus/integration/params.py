@@ -16,7 +16,6 @@ with its checkpoint name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,47 +26,21 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_mxplus.checkpoint.layout import (
-    SUFFIX_BM_INDEX,
-    SUFFIX_GLOBAL,
-    SUFFIX_MBS,
     SUFFIX_PACKED,
-    SUFFIX_SCALE,
+    StoredTensor,
+    stored_tensors,
     weight_suffixes,
 )
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats.constants import MX_BLOCK
 
-MXPLUS_BLOCK = 32  # MX+ stores one block-max index per 32-element block
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+# The vLLM parameters mirror the checkpoint layout's one table (checkpoint/layout.py).
+TensorSpec = StoredTensor
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor of a quantized linear: its dtype and elements per column."""
-
-    suffix: str
-    dtype: torch.dtype
-    k_per_col: int  # how many K elements one column covers (0: per logical weight, 1-D)
-
-    def cols(self, k: int) -> int:
-        return _ceil_div(k, self.k_per_col)
-
-
-def tensor_specs(fmt: str, macro_block: int = MACRO_BLOCK) -> list[TensorSpec]:
+def tensor_specs(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTensor]:
     """The checkpoint tensors of one quantized weight of format fmt, in layout order."""
-    spec = get_format(fmt)
-    table = {
-        SUFFIX_PACKED: TensorSpec(SUFFIX_PACKED, torch.uint8, 2),
-        SUFFIX_SCALE: TensorSpec(
-            SUFFIX_SCALE, torch.uint8 if spec.scale_is_e8m0 else torch.float8_e4m3fn,
-            spec.block_size),
-        SUFFIX_MBS: TensorSpec(SUFFIX_MBS, torch.uint8, macro_block),
-        SUFFIX_GLOBAL: TensorSpec(SUFFIX_GLOBAL, torch.float32, 0),
-        SUFFIX_BM_INDEX: TensorSpec(SUFFIX_BM_INDEX, torch.uint8, MXPLUS_BLOCK),
-    }
-    return [table[s] for s in weight_suffixes(fmt)]
+    return stored_tensors(fmt, macro_block)
 
 
 def row_parallel_unit(weight_format: str, activation_format: str,
@@ -81,7 +54,7 @@ def row_parallel_unit(weight_format: str, activation_format: str,
     w, a = get_format(weight_format), get_format(activation_format)
     if w.mbs or a.mbs:
         return macro_block
-    return max(w.block_size, a.block_size, MXPLUS_BLOCK if w.block_max_mantissa else 1)
+    return max(w.block_size, a.block_size, MX_BLOCK if w.block_max_mantissa else 1)
 
 
 def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) -> list[str]:
