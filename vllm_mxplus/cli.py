@@ -10,15 +10,40 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
+from typing import Callable
 
-# modules providing add_parser/run; one whose optional dependencies are missing is skipped
-SUBCOMMANDS = [
-    "vllm_mxplus.checkpoint.cli_quantize",
-    "vllm_mxplus.analysis.cli_qsnr",
-    "vllm_mxplus.evaluation.cli_eval",
-    "vllm_mxplus.assets.prepare",
-    "vllm_mxplus.ops.cli_kernels",
-]
+# command -> the module providing add_parser(subparsers) and run(args)
+SUBCOMMANDS = {
+    "quantize": "vllm_mxplus.checkpoint.cli_quantize",
+    "qsnr": "vllm_mxplus.analysis.cli_qsnr",
+    "eval": "vllm_mxplus.evaluation.cli_eval",
+    "prepare": "vllm_mxplus.assets.prepare",
+    "kernels": "vllm_mxplus.ops.cli_kernels",
+}
+PACKAGE = "vllm_mxplus"
+
+
+def _import_failure(module: str, err: ImportError) -> str:
+    """Why a subcommand module did not import, in one line a user can act on."""
+    missing = getattr(err, "name", None)
+    if isinstance(err, ModuleNotFoundError) and missing and missing.split(".")[0] != PACKAGE:
+        return (f"needs the Python package {missing.split('.')[0]!r}, which is not installed "
+                f"(pip install 'vllm-mxplus[test,eval,data]' or scripts/setup_env.sh)")
+    return f"{module} failed to import: {type(err).__name__}: {err} (a bug: please report it)"
+
+
+def _unavailable(command: str, module: str, err: ImportError) -> Callable[[argparse.Namespace], int]:
+    """A stand-in `run` for a subcommand whose module failed to import: it says why, exit 1."""
+    reason = _import_failure(module, err)
+
+    def run(args: argparse.Namespace) -> int:
+        if reason.endswith("(a bug: please report it)"):
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"mxplus {command}: unavailable: {reason}", file=sys.stderr)
+        return 1
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,10 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
+    for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
-        except ImportError:  # a subcommand whose optional dependencies are missing
+        except ImportError as err:  # never silent: the command stays listed and says why
+            p = sub.add_parser(command, help=f"(unavailable: {_import_failure(name, err)})",
+                               add_help=False)
+            p.set_defaults(func=_unavailable(command, name, err), unavailable=True)
             continue
         before = set(sub.choices)
         module.add_parser(sub)
@@ -45,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # an unavailable subcommand takes any arguments: it only says why it cannot run
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "command", None):

@@ -72,9 +72,18 @@ class MxplusConfig(QuantizationConfig):
         """A pre-quantized checkpoint's `quantization_config` (checkpoint/layout.py)."""
         method = config.get("quant_method")
         if method != cls.scheme_name:
+            if method in SCHEMES:
+                fix = (f"This checkpoint is already quantized with {method!r}: drop "
+                       f"--quantization (vLLM detects a pre-quantized checkpoint from "
+                       f"config.json) or pass --quantization {method}.")
+            else:
+                fix = (f"This checkpoint is not a vllm-mxplus checkpoint: serve it without "
+                       f"--quantization {cls.scheme_name}, or quantize its bf16/fp16 original "
+                       f"(`--quantization {cls.scheme_name}` or `mxplus quantize`).")
             raise ValueError(
                 f"config.json: quantization_config.quant_method is {method!r}, but the "
-                f"{cls.scheme_name!r} loader was selected")
+                f"{cls.scheme_name!r} loader was selected (--quantization "
+                f"{cls.scheme_name}). {fix}")
         check_quantization_config(config)
         macro = config.get("macro_block_size") or MACRO_BLOCK
         return cls(

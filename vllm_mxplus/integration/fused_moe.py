@@ -42,7 +42,7 @@ from vllm_mxplus.formats.nvfp4 import (
     dequantize_nvfp4_blocks,
     quantize_nvfp4_blocks,
 )
-from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs
+from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs, tp_hint
 from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS, moe_experts_reference
 from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
@@ -120,8 +120,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 f"{layer.layer_name}: expert intermediate size per TP partition {i_part} "
                 f"(moe_intermediate_size={i_full}) is not a multiple of {unit}; scheme "
                 f"{s.name} needs whole {'macro ' if unit == self.macro_block else ''}blocks "
-                f"on every rank for the down projection (K-sharded). Use a "
-                f"tensor_parallel_size that divides {i_full}/{unit} = {i_full / unit:g}.")
+                f"on every rank for the down projection (K-sharded). {tp_hint(i_full, unit)}")
         layer.mxplus_dims = {"w13": (2 * i_part, hidden_size, hidden_size),
                              "w2": (hidden_size, i_part, i_full)}
         layer.orig_dtype = params_dtype

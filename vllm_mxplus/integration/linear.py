@@ -36,6 +36,7 @@ from vllm_mxplus.integration.params import (
     check_all_loaded,
     create_quantized_params,
     row_parallel_unit,
+    tp_hint,
 )
 from vllm_mxplus.ops import LinearDispatch, LinearSpec, current_platform_of, select
 from vllm_mxplus.ops.reference import nvfp4_row_global_scale
@@ -98,8 +99,7 @@ class MxplusLinearMethod(LinearMethodBase):
                 f"{getattr(layer, 'prefix', 'linear')}: row-parallel K per partition "
                 f"{input_size_per_partition} (K={input_size}) is not a multiple of {unit}; "
                 f"scheme {s.name} needs whole {'macro ' if unit == self.macro_block else ''}"
-                f"blocks on every rank. Use a tensor_parallel_size that divides "
-                f"K/{unit} = {input_size / unit:g}.")
+                f"blocks on every rank. {tp_hint(input_size, unit)}")
         weight_loader = extra_weight_attrs.get("weight_loader")
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = input_size_per_partition

@@ -57,6 +57,22 @@ def row_parallel_unit(weight_format: str, activation_format: str,
     return max(w.block_size, a.block_size, MX_BLOCK if w.block_max_mantissa else 1)
 
 
+def working_tp_sizes(k_full: int, unit: int, limit: int = 64) -> list[int]:
+    """tensor_parallel_size values up to `limit` that give every rank a whole number of
+    `unit`-element groups of a row-parallel K (vLLM splits K evenly: K / tp per rank)."""
+    return [tp for tp in range(1, limit + 1)
+            if tp == 1 or (k_full % tp == 0 and (k_full // tp) % unit == 0)]
+
+
+def tp_hint(k_full: int, unit: int) -> str:
+    """The end of a row-parallel sharding error: which tensor_parallel_size values work."""
+    sizes = working_tp_sizes(k_full, unit)
+    if sizes == [1]:
+        return (f"No tensor_parallel_size above 1 gives every rank whole groups of {unit} "
+                f"out of {k_full}: use tensor_parallel_size=1.")
+    return f"tensor_parallel_size values that work: {', '.join(map(str, sizes))}."
+
+
 def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) -> list[str]:
     """Checkpoint module names of the logical weights of a (possibly fused) layer."""
     prefix = getattr(layer, "prefix", "") or "<linear>"
