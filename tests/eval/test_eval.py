@@ -23,13 +23,14 @@ PAPER_ROWS = {"mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h
 
 # --- configs -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_files_validate(path: Path) -> None:
     from vllm_mxplus.formats import SCHEMES
 
     cfg = load_config(path)
     quant = {r.quantization for r in cfg.rows}
-    assert PAPER_ROWS <= quant and None in quant, "every paper row plus BF16"
+    assert quant >= PAPER_ROWS and None in quant, "every paper row plus BF16"
     assert quant - {None} <= set(SCHEMES), "only the plugin's registered names"
     assert cfg.baseline == "mxfp4-ocp" and cfg.target == "nvfp4"
     if cfg.include_path:  # local tasks: every task has its YAML and its data file
@@ -50,28 +51,47 @@ def test_paper_configs_carry_the_papers_figures() -> None:
 
 
 def _base() -> dict:
-    return {"name": "x", "models": {"m": "/nowhere"},
-            "rows": [{"id": "a", "quantization": "mxfp4-ocp"}, {"id": "b", "quantization": None}],
-            "tasks": [{"task": "t", "metric": "acc,none", "kind": "accuracy"}]}
+    return {
+        "name": "x",
+        "models": {"m": "/nowhere"},
+        "rows": [{"id": "a", "quantization": "mxfp4-ocp"}, {"id": "b", "quantization": None}],
+        "tasks": [{"task": "t", "metric": "acc,none", "kind": "accuracy"}],
+    }
 
 
-@pytest.mark.parametrize("mutate, key", [
-    (lambda d: d.update(bogus=1), "bogus"),
-    (lambda d: d.pop("name"), "'name'"),
-    (lambda d: d["rows"][0].update(quantization="mxfp4-bogus"), "rows[0].quantization"),
-    (lambda d: d["rows"][1].pop("quantization"), "'quantization'"),
-    (lambda d: d["rows"].append({"id": "a", "quantization": None}), "rows[2].id"),
-    (lambda d: d["tasks"][0].update(metric="acc"), "tasks[0].metric"),
-    (lambda d: d["tasks"][0].update(kind="loss"), "tasks[0].kind"),
-    (lambda d: d["tasks"][0].update(num_fewshot="5"), "tasks[0].num_fewshot"),
-    (lambda d: d["tasks"][0].update(limit=0), "tasks[0].limit"),
-    (lambda d: d.update(target="nvfp4"), "target"),
-    (lambda d: d.update(include_path="does/not/exist"), "include_path"),
-    (lambda d: d.update(reference={"average": {"nope": 1.0}}), "reference.average.nope"),
-    (lambda d: d["models"].update(m={"pth": "/x"}), "models.m"),
-], ids=["unknown-key", "no-name", "bad-scheme", "no-quantization", "dup-row", "bad-metric",
-        "bad-kind", "fewshot-str", "limit-0", "target-not-a-row", "include-missing",
-        "reference-row", "model-key"])
+@pytest.mark.parametrize(
+    "mutate, key",
+    [
+        (lambda d: d.update(bogus=1), "bogus"),
+        (lambda d: d.pop("name"), "'name'"),
+        (lambda d: d["rows"][0].update(quantization="mxfp4-bogus"), "rows[0].quantization"),
+        (lambda d: d["rows"][1].pop("quantization"), "'quantization'"),
+        (lambda d: d["rows"].append({"id": "a", "quantization": None}), "rows[2].id"),
+        (lambda d: d["tasks"][0].update(metric="acc"), "tasks[0].metric"),
+        (lambda d: d["tasks"][0].update(kind="loss"), "tasks[0].kind"),
+        (lambda d: d["tasks"][0].update(num_fewshot="5"), "tasks[0].num_fewshot"),
+        (lambda d: d["tasks"][0].update(limit=0), "tasks[0].limit"),
+        (lambda d: d.update(target="nvfp4"), "target"),
+        (lambda d: d.update(include_path="does/not/exist"), "include_path"),
+        (lambda d: d.update(reference={"average": {"nope": 1.0}}), "reference.average.nope"),
+        (lambda d: d["models"].update(m={"pth": "/x"}), "models.m"),
+    ],
+    ids=[
+        "unknown-key",
+        "no-name",
+        "bad-scheme",
+        "no-quantization",
+        "dup-row",
+        "bad-metric",
+        "bad-kind",
+        "fewshot-str",
+        "limit-0",
+        "target-not-a-row",
+        "include-missing",
+        "reference-row",
+        "model-key",
+    ],
+)
 def test_config_errors_name_the_key(mutate, key: str, tmp_path: Path) -> None:
     data = _base()
     mutate(data)
@@ -94,6 +114,7 @@ def test_model_override() -> None:
 
 
 # --- table builder on committed lm-eval JSON -----------------------------------------------
+
 
 @pytest.fixture()
 def fixture_cfg():
@@ -129,15 +150,17 @@ def test_summary_gap_and_gap_closed(fixture_cfg) -> None:
 def test_markdown_table_shape(fixture_cfg) -> None:
     md = markdown_table(fixture_cfg, collect(fixture_cfg, FIXTURES / "results"))
     lines = md.splitlines()
-    assert lines[0] == ("| Format | PPL ↓ | MC-A (%) ↑ | MC-B (%) ↑ | Avg acc | Δacc vs NVFP4 | "
-                        "Gap closed | Avg ppl | Δppl vs NVFP4 | Gap closed |")
+    assert lines[0] == (
+        "| Format | PPL ↓ | MC-A (%) ↑ | MC-B (%) ↑ | Avg acc | Δacc vs NVFP4 | "
+        "Gap closed | Avg ppl | Δppl vs NVFP4 | Gap closed |"
+    )
     assert len(lines) == 2 + len(fixture_cfg.rows)
-    mbs = next(l for l in lines if l.startswith("| MXFP4-MBS-H"))
+    mbs = next(line for line in lines if line.startswith("| MXFP4-MBS-H"))
     cells = [c.strip() for c in mbs.strip("|").split("|")]
     assert cells[1] == "26.00"
     assert cells[2].startswith("48.00 ± ")
     assert cells[4:] == ["52.00", "-2.00", "78%", "26.00", "+1.00", "80%"]
-    mxplus = next(l for l in lines if l.startswith("| MX+"))
+    mxplus = next(line for line in lines if line.startswith("| MX+"))
     assert mxplus.count("—") == 9  # nothing saved: every cell is a dash
 
 
@@ -159,7 +182,8 @@ def test_plan_resumes_from_saved_json(fixture_cfg, tmp_path: Path) -> None:
     cells, done = plan(fixture_cfg, FIXTURES / "results", paths)
     assert done == 4 * 3  # ocp, mbs-h, nvfp4, bf16 x 3 tasks
     assert [(c.row.id, [t.task for t in c.tasks]) for c in cells] == [
-        ("mxplus", ["ppl", "mc_a", "mc_b"])]
+        ("mxplus", ["ppl", "mc_a", "mc_b"])
+    ]
     cells, done = plan(fixture_cfg, FIXTURES / "results", paths, limit=5)
     assert done == 3 and {c.row.id for c in cells} == {"mxplus", "mxfp4-mbs-h", "nvfp4", "bf16"}
     cells, _ = plan(fixture_cfg, tmp_path, paths, rows=["bf16"])
@@ -169,8 +193,9 @@ def test_plan_resumes_from_saved_json(fixture_cfg, tmp_path: Path) -> None:
 def test_cli_dry_run(capsys) -> None:
     from vllm_mxplus.cli import main
 
-    rc = main(["eval", str(FIXTURES / "fixture.yaml"), "--out", str(FIXTURES / "results"),
-               "--dry-run"])
+    rc = main(
+        ["eval", str(FIXTURES / "fixture.yaml"), "--out", str(FIXTURES / "results"), "--dry-run"]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "lm_eval --model vllm" in out and "quantization=mxplus" in out
@@ -178,6 +203,7 @@ def test_cli_dry_run(capsys) -> None:
 
 
 # --- smoke run through vLLM ----------------------------------------------------------------
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
@@ -187,13 +213,22 @@ def test_runner_smoke_tiny_model(tmp_path: Path, subprocess_env) -> None:
 
     from vllm_mxplus.integration.tiny_model import build_tiny_llama
 
-    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4,
-                             kv_heads=2)
+    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4, kv_heads=2)
     tasks = write_tiny_task(tmp_path / "tasks")
     cfg = write_tiny_config(tmp_path / "cfg.yaml", tasks, model)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "vllm_mxplus.cli", "eval", str(cfg), "--out", str(out),
-           "--rows", "mxfp4-ocp", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_mxplus.cli",
+        "eval",
+        str(cfg),
+        "--out",
+        str(out),
+        "--rows",
+        "mxfp4-ocp",
+        "--no-progress",
+    ]
     env = {**subprocess_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     logs = "\n".join(p.read_text()[-3000:] for p in (out / "logs").glob("*.log"))
@@ -216,8 +251,10 @@ def test_step_gains(fixture_cfg) -> None:
 
     lines = step_gains(fixture_cfg, collect(fixture_cfg, FIXTURES / "results"))
     # MX+ has no results: the first step spans it
-    assert lines == ["acc: MXFP4-MBS-H − MXFP4-OCP +7.00; NVFP4 − MXFP4-MBS-H +2.00",
-                     "ppl: MXFP4-MBS-H − MXFP4-OCP -4.00; NVFP4 − MXFP4-MBS-H -1.00"]
+    assert lines == [
+        "acc: MXFP4-MBS-H − MXFP4-OCP +7.00; NVFP4 − MXFP4-MBS-H +2.00",
+        "ppl: MXFP4-MBS-H − MXFP4-OCP -4.00; NVFP4 − MXFP4-MBS-H -1.00",
+    ]
 
 
 def test_worker_process_group_is_reaped(tmp_path: Path) -> None:
@@ -228,9 +265,11 @@ def test_worker_process_group_is_reaped(tmp_path: Path) -> None:
     from vllm_mxplus.evaluation.runner import _kill_group
 
     pid_file = tmp_path / "child.pid"
-    code = ("import os, subprocess, sys; "
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); os._exit(0)")
+    code = (
+        "import os, subprocess, sys; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); os._exit(0)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     proc.wait(timeout=30)
     child = int(pid_file.read_text())

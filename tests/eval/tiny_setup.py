@@ -38,8 +38,9 @@ metric_list:
 
 def write_tiny_task(tasks_dir: Path) -> Path:
     tasks_dir.mkdir(parents=True, exist_ok=True)
-    (tasks_dir / "tiny_mc.jsonl").write_text("".join(
-        json.dumps({"prompt": p, "choices": c, "gold": g}) + "\n" for p, c, g in ITEMS))
+    (tasks_dir / "tiny_mc.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "choices": c, "gold": g}) + "\n" for p, c, g in ITEMS)
+    )
     (tasks_dir / "tiny_mc.yaml").write_text(TASK_YAML)
     return tasks_dir
 

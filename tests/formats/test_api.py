@@ -11,12 +11,23 @@ ALL = list(FORMATS)
 
 def test_names():
     assert set(FORMATS) == {
-        "mxfp4-ocp", "mxplus", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-d", "nvfp4"}
+        "mxfp4-ocp",
+        "mxplus",
+        "mxfp4-16",
+        "mxfp4-16-oas",
+        "mxfp4-mbs-s",
+        "mxfp4-mbs-d",
+        "nvfp4",
+    }
     assert get_scheme("mxfp4-mbs") == SCHEMES["mxfp4-mbs"]
     assert (SCHEMES["mxfp4-mbs"].weight_format, SCHEMES["mxfp4-mbs"].activation_format) == (
-        "mxfp4-mbs-d", "mxfp4-mbs-s")
+        "mxfp4-mbs-d",
+        "mxfp4-mbs-s",
+    )
     assert (SCHEMES["mxfp4-mbs-h"].weight_format, SCHEMES["mxfp4-mbs-h"].activation_format) == (
-        "mxfp4-mbs-d", "mxfp4-mbs-s")
+        "mxfp4-mbs-d",
+        "mxfp4-mbs-s",
+    )
     for s in SCHEMES.values():
         assert s.weight_format in FORMATS and s.activation_format in FORMATS
 
@@ -102,7 +113,9 @@ def test_nvfp4_per_row_global_scale():
 def test_qsnr_definition():
     x = torch.tensor([3.0, 4.0])
     assert qsnr(x, x) == float("inf")
-    assert qsnr(x, torch.tensor([3.0, 3.0])) == pytest.approx(10 * torch.log10(torch.tensor(25.0)).item())
+    assert qsnr(x, torch.tensor([3.0, 3.0])) == pytest.approx(
+        10 * torch.log10(torch.tensor(25.0)).item()
+    )
     with pytest.raises(ValueError, match="shapes differ"):
         qsnr(x, x[:1])
 

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_mxplus.formats import mbs_dynamic, mbs_dynamic_bruteforce, mbs_static, quantize
-from vllm_mxplus.formats import mbs_search
+from vllm_mxplus.formats import (
+    mbs_dynamic,
+    mbs_dynamic_bruteforce,
+    mbs_search,
+    mbs_static,
+    quantize,
+)
 
 
 def eq3_reference(block: list[float]) -> int:
@@ -84,7 +89,7 @@ def test_mbs_dynamic_is_argmin_with_ties_to_smaller_m():
         i = np.argmin(np.abs(v[..., None] - vals), axis=-1)
         d = np.abs(v[..., None] - vals)
         best = d.min(-1, keepdims=True)
-        ties = (d == best)
+        ties = d == best
         even = ties & (np.arange(8) % 2 == 0)
         i = np.where(ties.sum(-1) > 1, even.argmax(-1), i)
         return vals[i]
@@ -101,7 +106,7 @@ def test_mbs_dynamic_is_argmin_with_ties_to_smaller_m():
             mant, ex = np.frexp(a.astype(np.float64))
             sig, e = mant * 2, ex - 1
             s = e - 2 + (sig > 1.75)
-            xs = 2.0 ** s
+            xs = 2.0**s
             q = np.sign(y) * e2m1(np.abs(y) / xs[:, None]) * xs[:, None]
             xhat = (q.astype(np.float32) / f).astype(np.float32).reshape(-1)
             sses.append(float(((row.astype(np.float64) - xhat) ** 2).sum()))

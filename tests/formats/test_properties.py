@@ -15,10 +15,13 @@ ALL = NON_MBS + ["mxfp4-mbs-s", "mxfp4-mbs-d"]
 # bf16-representable values well inside the exponent range, so that scaling by 2^k stays
 # away from the E8M0 / fp32 range ends
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32).filter(
-    lambda v: v == 0 or abs(v) > 1e-6)
-tensors = st.integers(1, 300).flatmap(
-    lambda k: arrays(np.float32, (2, k), elements=finite)).map(
-    lambda a: torch.from_numpy(a).bfloat16().float())
+    lambda v: v == 0 or abs(v) > 1e-6
+)
+tensors = (
+    st.integers(1, 300)
+    .flatmap(lambda k: arrays(np.float32, (2, k), elements=finite))
+    .map(lambda a: torch.from_numpy(a).bfloat16().float())
+)
 
 
 # MX+ is not idempotent (see test_mxplus_is_not_idempotent), so it is left out here.

@@ -1,4 +1,7 @@
-"""E8M0 scale rules at their edges, special blocks and range ends (docs/numerics.md, E8M0 block scales)."""
+"""E8M0 scale rules at their edges, special blocks and range ends.
+
+docs/numerics.md, E8M0 block scales.
+"""
 
 import math
 
@@ -28,7 +31,11 @@ def _f32(v: float) -> float:
 
 def _neighbours(v: float) -> list[float]:
     t = torch.tensor(v, dtype=torch.float32)
-    return [torch.nextafter(t, torch.tensor(-math.inf)).item(), v, torch.nextafter(t, torch.tensor(math.inf)).item()]
+    return [
+        torch.nextafter(t, torch.tensor(-math.inf)).item(),
+        v,
+        torch.nextafter(t, torch.tensor(math.inf)).item(),
+    ]
 
 
 EDGE_SIGNIFICANDS = [1.0, 1.5, 1.75, 2.0]
@@ -97,5 +104,8 @@ def test_e8m0_range_ends():
     assert e8m0_block_scale(a, "ocp").tolist() == [0, 0, 252]
     assert e8m0_block_scale(a, "oas").tolist() == [0, 0, 253]
     assert e8m0_to_float(torch.tensor([0, 127, 254, 255], dtype=torch.uint8)).tolist()[:3] == [
-        2.0**-127, 1.0, 2.0**127]
+        2.0**-127,
+        1.0,
+        2.0**127,
+    ]
     assert math.isnan(e8m0_to_float(torch.tensor([255], dtype=torch.uint8)).item())

@@ -30,8 +30,9 @@ def _specials(k: int) -> torch.Tensor:
     x[3] = -0.0
     x[4] *= 2.0**-135  # fp32 subnormals: scale exponent below the E8M0 range
     x[5] *= 1e30  # near the top of the range
-    x[6, : min(k, 16)] = torch.tensor([1.75, -3.5, 7.0, 0.25, 0.75, 1.25, 2.5, 5.0,
-                                       -0.0, 6.0, 3.0, 0.5, 1.0, 4.0, 7.5, 5.5])[: min(k, 16)]
+    x[6, : min(k, 16)] = torch.tensor(
+        [1.75, -3.5, 7.0, 0.25, 0.75, 1.25, 2.5, 5.0, -0.0, 6.0, 3.0, 0.5, 1.0, 4.0, 7.5, 5.5]
+    )[: min(k, 16)]
     x[7, : min(k, 32)] = 4.5  # ties everywhere: the first element is the MX+ block max
     x[8] = x[8].abs() * 1e-3
     x[8, 0] = -1e-45  # a negative value that rounds to -0
@@ -42,12 +43,16 @@ def assert_bits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     a, e = np.asarray(actual), np.asarray(expected)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
     if a.dtype.kind == "f":
-        same = (a.view(np.int32) == e.astype(np.float32).view(np.int32)) | (np.isnan(a) & np.isnan(e))
+        same = (a.view(np.int32) == e.astype(np.float32).view(np.int32)) | (
+            np.isnan(a) & np.isnan(e)
+        )
     else:
         same = a == e
     bad = np.argwhere(~same)
-    assert bad.size == 0, (f"{what}: {len(bad)} mismatches, first at {tuple(bad[0])}: "
-                           f"{a[tuple(bad[0])]} != {e[tuple(bad[0])]}")
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} mismatches, first at {tuple(bad[0])}: "
+        f"{a[tuple(bad[0])]} != {e[tuple(bad[0])]}"
+    )
 
 
 def check(x: torch.Tensor, fmt: str, per_row: bool = False) -> None:

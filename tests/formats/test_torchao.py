@@ -11,7 +11,9 @@ from vllm_mxplus.formats.e8m0 import float_exponent_mantissa
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason="torchao not installed")
+    mx = pytest.importorskip(
+        "torchao.prototype.mx_formats.mx_tensor", reason="torchao not installed"
+    )
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
@@ -29,7 +31,8 @@ def _torchao(x, block, mode):
 
 
 @pytest.mark.parametrize(
-    "fmt,block,mode", [("mxfp4-ocp", 32, "FLOOR"), ("mxfp4-16", 16, "RCEIL")], ids=["ocp", "16"])
+    "fmt,block,mode", [("mxfp4-ocp", 32, "FLOOR"), ("mxfp4-16", 16, "RCEIL")], ids=["ocp", "16"]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bit_exact(fmt, block, mode, seed):
     x = _data(seed)
@@ -101,8 +104,9 @@ def test_nvfp4_bit_exact_where_both_apply(seed):
     xb = x.float().reshape(128, -1, 16)
     v_theirs = (xb * ((1.0 / g) / theirs_s)[..., None]).clamp(-6.0, 6.0)
     d_theirs = data.view(torch.uint8).reshape(128, -1, 8)
-    assert torch.equal(pack_fp4(e2m1_encode(v_theirs, v_theirs < 0).reshape(128, -1)),
-                       d_theirs.reshape(128, -1))
+    assert torch.equal(
+        pack_fp4(e2m1_encode(v_theirs, v_theirs < 0).reshape(128, -1)), d_theirs.reshape(128, -1)
+    )
     v_ours = xb.abs() / (ours_s * g)[..., None]
     ours_c = unpack_fp4(q.codes, 1024).reshape(128, -1, 16)
     theirs_c = unpack_fp4(d_theirs.reshape(128, -1), 1024).reshape(128, -1, 16)

@@ -19,13 +19,17 @@ def configs():
     return CONFIG_CLASSES
 
 
-@pytest.mark.parametrize("k,unit,sizes", [
-    (4096, 128, [1, 2, 4, 8, 16, 32]),
-    (1536, 128, [1, 2, 3, 4, 6, 12]),
-    (576, 128, [1]),
-    (576, 32, [1, 2, 3, 6, 9, 18]),
-    (128, 128, [1]),
-], ids=["K4096-macro", "K1536-macro", "K576-macro", "K576-mx32", "K128-macro"])
+@pytest.mark.parametrize(
+    "k,unit,sizes",
+    [
+        (4096, 128, [1, 2, 4, 8, 16, 32]),
+        (1536, 128, [1, 2, 3, 4, 6, 12]),
+        (576, 128, [1]),
+        (576, 32, [1, 2, 3, 6, 9, 18]),
+        (128, 128, [1]),
+    ],
+    ids=["K4096-macro", "K1536-macro", "K576-macro", "K576-mx32", "K128-macro"],
+)
 def test_working_tp_sizes(k: int, unit: int, sizes: list[int]) -> None:
     from vllm_mxplus.integration.params import working_tp_sizes
 

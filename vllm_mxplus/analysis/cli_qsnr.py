@@ -18,21 +18,43 @@ like the paper's Figure 6 on request. Without MODEL it runs on synthetic tensors
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("qsnr", help="QSNR of weights, activations and GEMM outputs per format",
-                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", type=Path,
-                   help="local HF model dir with safetensors (default: synthetic tensors)")
-    p.add_argument("--text", type=Path,
-                   help="text file whose tokens drive the activation capture "
-                        "(default: the embedded Wikipedia text if prepared)")
-    p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, metavar="FMT",
-                   help=f"formats to compare (default: {' '.join(DEFAULT_FORMATS)})")
-    p.add_argument("--macro-block", nargs="+", type=int, default=[128], metavar="N",
-                   help="MBS macro-block sizes, a multiple of 16, e.g. 32 64 128 256 512 for the "
-                        "Appendix A ablation (default: 128)")
+    p = subparsers.add_parser(
+        "qsnr",
+        help="QSNR of weights, activations and GEMM outputs per format",
+        description=HELP,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        type=Path,
+        help="local HF model dir with safetensors (default: synthetic tensors)",
+    )
+    p.add_argument(
+        "--text",
+        type=Path,
+        help="text file whose tokens drive the activation capture "
+        "(default: the embedded Wikipedia text if prepared)",
+    )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=DEFAULT_FORMATS,
+        metavar="FMT",
+        help=f"formats to compare (default: {' '.join(DEFAULT_FORMATS)})",
+    )
+    p.add_argument(
+        "--macro-block",
+        nargs="+",
+        type=int,
+        default=[128],
+        metavar="N",
+        help="MBS macro-block sizes, a multiple of 16, e.g. 32 64 128 256 512 for the "
+        "Appendix A ablation (default: 128)",
+    )
     p.add_argument("--tokens", type=int, default=256, help="tokens of text to run (default: 256)")
-    p.add_argument("--max-rows", type=int, default=256,
-                   help="activation rows kept per layer (default: 256)")
+    p.add_argument(
+        "--max-rows", type=int, default=256, help="activation rows kept per layer (default: 256)"
+    )
     p.add_argument("--weights-only", action="store_true", help="skip activations and outputs")
     p.add_argument("--json", type=Path, metavar="PATH", help="write all per-tensor numbers as JSON")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a Figure-6-style bar chart")
@@ -82,18 +104,26 @@ def run(args: argparse.Namespace) -> int:
         if not args.weights_only:
             text_path = args.text or _default_text()
             if text_path is None:
-                print("mxplus qsnr: error: no --text given and the embedded text is not prepared "
-                      "(run `mxplus prepare --what text`)", file=sys.stderr)
+                print(
+                    "mxplus qsnr: error: no --text given and the embedded text is not prepared "
+                    "(run `mxplus prepare --what text`)",
+                    file=sys.stderr,
+                )
                 return 2
             pairs = sources.capture_linear_inputs(
-                args.model, text_path.read_text(), args.tokens, args.max_rows)
+                args.model, text_path.read_text(), args.tokens, args.max_rows
+            )
     if args.weights_only:
         pairs = {}
     report = rep.analyse(weights, pairs, args.formats, args.macro_block, n_weights, progress)
-    report.meta = {"title": f"QSNR by format: {title}", "model": str(args.model or "synthetic"),
-                   "text": str(args.text or (_default_text() if args.model else "")),
-                   "tokens": args.tokens, "macro_blocks": args.macro_block,
-                   "seconds": round(time.time() - t0, 1)}
+    report.meta = {
+        "title": f"QSNR by format: {title}",
+        "model": str(args.model or "synthetic"),
+        "text": str(args.text or (_default_text() if args.model else "")),
+        "tokens": args.tokens,
+        "macro_blocks": args.macro_block,
+        "seconds": round(time.time() - t0, 1),
+    }
     print(rep.markdown(report))
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=1))

@@ -4,13 +4,18 @@ GEMM outputs) and the Appendix A macro-block ablation, as a table, JSON and a PN
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
-from vllm_mxplus.analysis.metrics import flush_to_zero_rate, format_label, oas_takeup, tensor_metrics
+from vllm_mxplus.analysis.metrics import (
+    flush_to_zero_rate,
+    format_label,
+    oas_takeup,
+    tensor_metrics,
+)
 from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, qsnr
 
 KINDS = ("activation", "weight", "output")
@@ -40,20 +45,28 @@ class Report:
         for (kind, fmt), rs in groups.items():
             q = [r.qsnr for r in rs if math.isfinite(r.qsnr)]
             ftz = [r.ftz for r in rs if r.ftz is not None]
-            rows.append({
-                "kind": kind, "format": fmt, "n": len(rs),
-                "mean_db": sum(q) / len(q) if q else float("nan"),
-                "worst_db": min(q) if q else float("nan"),
-                "ftz": sum(ftz) / len(ftz) if ftz else None,
-            })
+            rows.append(
+                {
+                    "kind": kind,
+                    "format": fmt,
+                    "n": len(rs),
+                    "mean_db": sum(q) / len(q) if q else float("nan"),
+                    "worst_db": min(q) if q else float("nan"),
+                    "ftz": sum(ftz) / len(ftz) if ftz else None,
+                }
+            )
         order = {k: i for i, k in enumerate(KINDS)}
         fmts = list(dict.fromkeys(r.fmt for r in self.records))
         rows.sort(key=lambda r: (order[r["kind"]], fmts.index(r["format"])))
         return rows
 
     def to_json(self) -> dict[str, object]:
-        return {"meta": self.meta, "oas_takeup": self.oas_takeup, "summary": self.summary(),
-                "records": [asdict(r) for r in self.records]}
+        return {
+            "meta": self.meta,
+            "oas_takeup": self.oas_takeup,
+            "summary": self.summary(),
+            "records": [asdict(r) for r in self.records],
+        }
 
 
 def _variants(formats: Iterable[str], macro_blocks: list[int]) -> list[tuple[str, int]]:
@@ -78,7 +91,9 @@ def analyse(
     variants = _variants(formats, macro_blocks)
     report = Report()
     takeup: dict[str, list[float]] = {"weight": [], "activation": []}
-    for name, w in tqdm(weights, total=n_weights, desc="layers", unit="tensor", disable=not progress):
+    for name, w in tqdm(
+        weights, total=n_weights, desc="layers", unit="tensor", disable=not progress
+    ):
         module = name[: -len(".weight")] if name.endswith(".weight") else name
         x = inputs.get(module)
         takeup["weight"].append(oas_takeup(w))
@@ -89,29 +104,38 @@ def analyse(
             label = format_label(fmt, mb)
             w_hat = fake_quantize(w, fmt, macro_block=mb)
             wf = w.float()
-            report.records.append(Record("weight", name, label, qsnr(wf, w_hat),
-                                         flush_to_zero_rate(wf, w_hat)))
+            report.records.append(
+                Record("weight", name, label, qsnr(wf, w_hat), flush_to_zero_rate(wf, w_hat))
+            )
             if x is None:
                 continue
             m = tensor_metrics(x, fmt, macro_block=mb, per_row=True)
             report.records.append(Record("activation", module, label, m["qsnr"], m["ftz"]))
             x_hat = fake_quantize(x, fmt, macro_block=mb, per_row=True).double()
-            report.records.append(Record("output", module, label, qsnr(ref, x_hat @ w_hat.double().T)))
+            report.records.append(
+                Record("output", module, label, qsnr(ref, x_hat @ w_hat.double().T))
+            )
     report.oas_takeup = {k: sum(v) / len(v) for k, v in takeup.items() if v}
     return report
 
 
 def markdown(report: Report) -> str:
     """The summary as a markdown table, plus OAS take-up."""
-    lines = ["| tensors | format | n | mean QSNR (dB) | worst QSNR (dB) | flush-to-zero |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| tensors | format | n | mean QSNR (dB) | worst QSNR (dB) | flush-to-zero |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for r in report.summary():
         ftz = f"{100 * r['ftz']:.2f}%" if r["ftz"] is not None else "–"
-        lines.append(f"| {r['kind']} | {r['format']} | {r['n']} | {r['mean_db']:.2f} | "
-                     f"{r['worst_db']:.2f} | {ftz} |")
+        lines.append(
+            f"| {r['kind']} | {r['format']} | {r['n']} | {r['mean_db']:.2f} | "
+            f"{r['worst_db']:.2f} | {ftz} |"
+        )
     for kind, v in report.oas_takeup.items():
-        lines.append(f"\nOAS take-up ({kind}s): {100 * v:.1f}% of non-zero 16-blocks get a "
-                     "different scale than masking 6/a.")
+        lines.append(
+            f"\nOAS take-up ({kind}s): {100 * v:.1f}% of non-zero 16-blocks get a "
+            "different scale than masking 6/a."
+        )
     return "\n".join(lines)
 
 
@@ -128,8 +152,10 @@ def plot(report: Report, path: str) -> None:
     width = 0.8 / max(1, len(fmts))
     fig, ax = plt.subplots(figsize=(min(12, 3 + 0.45 * len(fmts) * len(kinds)), 4.5))
     for i, fmt in enumerate(fmts):
-        vals = [next((r["mean_db"] for r in rows if r["kind"] == k and r["format"] == fmt), 0)
-                for k in kinds]
+        vals = [
+            next((r["mean_db"] for r in rows if r["kind"] == k and r["format"] == fmt), 0)
+            for k in kinds
+        ]
         xs = [j + i * width for j in range(len(kinds))]
         bars = ax.bar(xs, vals, width, label=fmt)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)

@@ -4,8 +4,8 @@ linear layer captured while a transformers model reads a text, or synthetic tens
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -19,13 +19,19 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     if len(shape) != 2:
         return False
     module = module_of(name, len(shape))
-    return module is not None and not stays_unquantized(module) and "norm" not in module.rsplit(".", 1)[-1]
+    return (
+        module is not None
+        and not stays_unquantized(module)
+        and "norm" not in module.rsplit(".", 1)[-1]
+    )
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are read)")
+        raise FileNotFoundError(
+            f"{model_dir}: no *.safetensors files (only safetensors checkpoints are read)"
+        )
     return files
 
 
@@ -35,7 +41,7 @@ def checkpoint_linear_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tens
 
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
                 shape = tuple(f.get_slice(name).get_shape())
                 if is_linear_weight(name, shape):
                     yield name, f.get_tensor(name)
@@ -47,7 +53,7 @@ def count_linear_weights(model_dir: Path) -> int:
     n = 0
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            n += sum(is_linear_weight(k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+            n += sum(is_linear_weight(k, tuple(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
     return n
 
 
@@ -71,6 +77,7 @@ def capture_linear_inputs(
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and not stays_unquantized(name):
+
             def hook(m, args, name=name):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])[:max_rows]
                 captured[name] = x.clone()

@@ -49,7 +49,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "prepare",
         help="build the default model and text assets into the local cache",
         description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from vllm_mxplus.assets import (
-    AssetError,
     DATA_EXTRA_HINT,
+    AssetError,
     atomic_write_text,
     package_file,
     require_module,

@@ -51,8 +51,24 @@ _STOP_SECTIONS = re.compile(
 )
 #: Any of these in a cleaned line means markup survived (gallery captions keep "File:x|y",
 #: table cells keep "|", some tags keep "<"), so the line is dropped rather than repaired.
-_MARKUP = ("|", "[[", "]]", "{{", "}}", "<", ">", "==", "File:", "Image:", "Category:",
-           "thumb", "alt=", "http", "://", "&nbsp")
+_MARKUP = (
+    "|",
+    "[[",
+    "]]",
+    "{{",
+    "}}",
+    "<",
+    ">",
+    "==",
+    "File:",
+    "Image:",
+    "Category:",
+    "thumb",
+    "alt=",
+    "http",
+    "://",
+    "&nbsp",
+)
 _LINE_START_JUNK = tuple("*#:;!{}|=")  # lists, definitions, tables, headings
 _ENDS_SENTENCE = (".", "!", "?", '"', "'", "\u201d", ")")
 

@@ -1,4 +1,6 @@
-"""QuantizedTensor <-> the stored tensors (docs/numerics.md, Packing and checkpoint layout), and the weight quantizer.
+"""QuantizedTensor <-> the stored tensors, and the weight quantizer.
+
+docs/numerics.md, Packing and checkpoint layout.
 
 Stored per quantized weight of logical shape [..., N, K] (leading dims: stacked experts):
   weight_packed uint8 [..., N, ceil(K/2)], weight_scale uint8 (F8_E4M3 for nvfp4)
@@ -11,7 +13,7 @@ each weight's logical shape and dtype in the shard's __metadata__ (WEIGHTS_METAD
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -70,7 +72,7 @@ def quantize_weight(
     w: torch.Tensor,
     fmt: str,
     device: torch.device | str = "cpu",
-    on_progress: Optional[Callable[[float], None]] = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> tuple[QuantizedTensor, float, float]:
     """Quantize one (possibly expert-stacked) weight: (QuantizedTensor on CPU, ‖w‖², ‖w − ŵ‖²).
 
@@ -104,15 +106,23 @@ def quantize_weight(
 
 def _to_cpu(q: QuantizedTensor) -> QuantizedTensor:
     move = lambda t: None if t is None else t.to("cpu")  # noqa: E731
-    return QuantizedTensor(move(q.codes), move(q.scales), q.fmt, q.shape, move(q.mbs),
-                           move(q.global_scale), move(q.block_max_index), q.macro_block)
+    return QuantizedTensor(
+        q.codes.to("cpu"),
+        q.scales.to("cpu"),
+        q.fmt,
+        q.shape,
+        move(q.mbs),
+        move(q.global_scale),
+        move(q.block_max_index),
+        q.macro_block,
+    )
 
 
 def _merge(parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...]) -> QuantizedTensor:
     spec = get_format(fmt)
     lead = shape[:-1]
 
-    def cat(field: str) -> Optional[torch.Tensor]:
+    def cat(field: str) -> torch.Tensor | None:
         ts = [getattr(p, field) for p in parts]
         if ts[0] is None:
             return None
@@ -124,8 +134,15 @@ def _merge(parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...]) -> Qu
     g = cat("global_scale")
     if g is not None and g.dim():
         g = g.reshape(*shape[:-2], 1, 1)  # [E] per-expert scalars -> broadcastable
+    codes, scales = cat("codes"), cat("scales")
+    assert codes is not None and scales is not None  # every format stores both
     return QuantizedTensor(
-        codes=cat("codes"), scales=cat("scales"), fmt=fmt, shape=torch.Size(shape),
-        mbs=cat("mbs"), global_scale=g, block_max_index=cat("block_max_index"),
+        codes=codes,
+        scales=scales,
+        fmt=fmt,
+        shape=torch.Size(shape),
+        mbs=cat("mbs"),
+        global_scale=g,
+        block_max_index=cat("block_max_index"),
         macro_block=MACRO_BLOCK,
     )

@@ -8,8 +8,9 @@ NAME.weight [N, K]):
   NAME.weight_global_scale  float32 [1]            nvfp4 only
   NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
 `stored_tensors(fmt)` is that table in code: the writer (`codec.stored_layout`), the reader
-and the vLLM parameters (`integration/params.py`) all derive from it. A bias stays NAME.bias in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the
-leading expert dim on every tensor (nvfp4 global scales then [E, 1]).
+and the vLLM parameters (`integration/params.py`) all derive from it. A bias stays NAME.bias
+in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the leading expert dim on
+every tensor (nvfp4 global scales then [E, 1]).
 
 Each safetensors shard's `__metadata__` carries `mxplus_weights`: JSON {module: {"shape",
 "dtype"}} of the original weights, because the packed shape cannot tell K = 75 from K = 76.
@@ -20,12 +21,12 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
-from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
 
 FORMAT_VERSION = 1
@@ -116,7 +117,7 @@ def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dic
     }
 
 
-def is_mxplus_quantization_config(qcfg: object) -> bool:
+def is_mxplus_quantization_config(qcfg: object) -> TypeGuard[dict[str, Any]]:
     """True for a quantization_config written by vllm-mxplus (producer {"name": ...})."""
     if not isinstance(qcfg, dict):
         return False
@@ -132,8 +133,12 @@ def check_quantization_config(cfg: dict[str, Any], where: str = "config.json") -
             f"{where}: quantization_config.format_version {version!r} is not supported "
             f"(this vllm-mxplus reads version {FORMAT_VERSION})"
         )
-    s = get_scheme(cfg.get("quant_method"))
-    for key, expected in (("weight_format", s.weight_format), ("activation_format", s.activation_format)):
+    method: Any = cfg.get("quant_method")
+    s = get_scheme(method)
+    for key, expected in (
+        ("weight_format", s.weight_format),
+        ("activation_format", s.activation_format),
+    ):
         if cfg.get(key) != expected:
             raise ValueError(
                 f"{where}: quantization_config.{key} is {cfg.get(key)!r}, "

@@ -1,4 +1,6 @@
-"""Read and validate a quantized checkpoint (docs/numerics.md, Packing and checkpoint layout): the reverse of the quantizer.
+"""Read and validate a quantized checkpoint: the reverse of the quantizer.
+
+docs/numerics.md, Packing and checkpoint layout.
 
 `open_checkpoint(path)` parses config.json and every shard header and checks the layout
 without reading tensor data: each quantized module has every tensor its format stores, with
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -28,8 +30,11 @@ from vllm_mxplus.checkpoint.layout import (
     is_mxplus_quantization_config,
 )
 from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_header
-from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME
-from vllm_mxplus.checkpoint.source import _read_json  # one JSON reader for the package
+from vllm_mxplus.checkpoint.source import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    _read_json,  # one JSON reader for the package
+)
 from vllm_mxplus.formats import QuantizedTensor
 
 ALL_SUFFIXES = (SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL, SUFFIX_BM_INDEX)
@@ -41,7 +46,7 @@ class QuantizedModule:
 
     name: str
     shape: tuple[int, ...]
-    dtype: Optional[str]  # the source dtype ("BF16", ...) when recorded
+    dtype: str | None  # the source dtype ("BF16", ...) when recorded
     tensors: dict[str, TensorInfo] = field(default_factory=dict)  # suffix -> stored tensor
 
 
@@ -61,8 +66,9 @@ class QuantizedCheckpoint:
         """{module name: QuantizedTensor} for every quantized weight."""
         data = _get_all([t for m in self.modules.values() for t in m.tensors.values()], device)
         return {
-            name: decode({sfx: data[t.name] for sfx, t in m.tensors.items()},
-                         self.weight_format, m.shape)
+            name: decode(
+                {sfx: data[t.name] for sfx, t in m.tensors.items()}, self.weight_format, m.shape
+            )
             for name, m in self.modules.items()
         }
 
@@ -70,7 +76,7 @@ class QuantizedCheckpoint:
         """{tensor name: tensor} for every tensor kept in high precision (norms, embeddings)."""
         return _get_all(list(self.other.values()), device)
 
-    def original_dtype(self, module: str) -> Optional[torch.dtype]:
+    def original_dtype(self, module: str) -> torch.dtype | None:
         d = self.modules[module].dtype
         return DTYPES[d][0] if d in DTYPES else None
 
@@ -80,7 +86,9 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Quan
     return open_checkpoint(path).quantized(device)
 
 
-def load_unquantized(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_unquantized(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """The tensors stored in high precision (embeddings, lm_head, norms, ignored modules)."""
     return open_checkpoint(path).unquantized(device)
 
@@ -127,7 +135,9 @@ def _read_shards(path: Path) -> tuple[dict[str, TensorInfo], dict[str, dict]]:
         try:
             recorded.update(json.loads(meta.get(WEIGHTS_METADATA_KEY, "{}")))
         except ValueError:
-            raise CheckpointError(f"{path / f}: corrupted __metadata__ {WEIGHTS_METADATA_KEY}") from None
+            raise CheckpointError(
+                f"{path / f}: corrupted __metadata__ {WEIGHTS_METADATA_KEY}"
+            ) from None
     for name, f in weight_map.items():
         if name not in infos or infos[name].path.name != f:
             raise CheckpointError(f"{index}: tensor {name!r} is not in its listed shard {f}")
@@ -170,15 +180,18 @@ def _validate_module(m: QuantizedModule, fmt: str) -> None:
                 f"{t.path}: unexpected tensor {t.name!r}: format {fmt} does not store {sfx}"
             )
     for sfx, (dtype, shape) in expected.items():
-        t = m.tensors.get(sfx)
-        if t is None:
+        got = m.tensors.get(sfx)
+        if got is None:
             where = m.tensors[SUFFIX_PACKED].path
             raise CheckpointError(
                 f"{where}: missing tensor {m.name}.{sfx} (format {fmt} stores "
                 f"{', '.join(expected)})"
             )
+        t = got
         if t.dtype != dtype:
-            raise CheckpointError(f"{t.path}: tensor {t.name!r} has dtype {t.dtype}, expected {dtype}")
+            raise CheckpointError(
+                f"{t.path}: tensor {t.name!r} has dtype {t.dtype}, expected {dtype}"
+            )
         if t.shape != shape:
             raise CheckpointError(
                 f"{t.path}: tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)} "

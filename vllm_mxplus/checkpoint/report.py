@@ -55,5 +55,7 @@ class QuantizeReport:
             f"peak RSS {_gib(self.peak_rss)}",
         ]
         if self.unused_ignore:
-            lines.append(f"  warning: --ignore patterns matched nothing: {', '.join(self.unused_ignore)}")
+            lines.append(
+                f"  warning: --ignore patterns matched nothing: {', '.join(self.unused_ignore)}"
+            )
         return "\n".join(lines)

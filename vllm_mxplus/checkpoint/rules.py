@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 from vllm_mxplus.quant_rules import unquantized_reason
 
@@ -43,21 +42,23 @@ class IgnoreMatcher:
     used: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._compiled: list[tuple[str, object]] = []
+        self._compiled: list[tuple[str, re.Pattern[str] | None]] = []
         for p in self.patterns:
             if p.startswith(REGEX_PREFIX):
                 try:
-                    self._compiled.append((p, re.compile(p[len(REGEX_PREFIX):])))
+                    self._compiled.append((p, re.compile(p[len(REGEX_PREFIX) :])))
                 except re.error as e:
                     raise ValueError(f"--ignore {p!r}: invalid regular expression ({e})") from None
             else:
                 self._compiled.append((p, None))
 
-    def match(self, module: str) -> Optional[str]:
+    def match(self, module: str) -> str | None:
         """The first pattern matching module (and remember it was used), else None."""
         for p, rx in self._compiled:
-            hit = (rx.search(module) is not None) if rx is not None else (  # type: ignore[attr-defined]
-                fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, "*." + p)
+            hit = (
+                (rx.search(module) is not None)
+                if rx is not None
+                else (fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, "*." + p))
             )
             if hit:
                 self.used.add(p)
@@ -73,11 +74,11 @@ class Decision:
     """What happens to one source tensor. module: its Linear's name when weight-like."""
 
     quantize: bool
-    module: Optional[str]
+    module: str | None
     reason: str
 
 
-def module_of(name: str, ndim: int) -> Optional[str]:
+def module_of(name: str, ndim: int) -> str | None:
     """The Linear module a weight-like tensor belongs to, or None for other tensors."""
     if name.endswith(".weight") and ndim in (2, 3):
         return name[: -len(".weight")]
@@ -92,7 +93,7 @@ def classify(
     dtype: str,
     shape: tuple[int, ...],
     ignore: IgnoreMatcher,
-    model_type: Optional[str] = None,
+    model_type: str | None = None,
 ) -> Decision:
     """Decide whether the source tensor `name` is quantized (see the module docstring)."""
     module = module_of(name, len(shape))

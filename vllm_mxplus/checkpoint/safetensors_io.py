@@ -12,13 +12,15 @@ and so that kept tensors are copied byte for byte whatever their dtype.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Optional
+from typing import BinaryIO, cast
 
 import torch
 
@@ -30,7 +32,7 @@ ALIGN = 8  # data section starts 8-byte aligned, as safetensors writes it
 COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying a kept tensor
 
 # safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[Optional[torch.dtype], int]] = {
+DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
     "BOOL": (torch.bool, 1),
     "U8": (torch.uint8, 1),
     "I8": (torch.int8, 1),
@@ -66,7 +68,7 @@ class TensorInfo:
         return self.end - self.begin
 
     @property
-    def torch_dtype(self) -> Optional[torch.dtype]:
+    def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype][0]
 
 
@@ -125,7 +127,9 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
         shape = tuple(int(d) for d in entry["shape"])  # type: ignore[index]
         begin, end = (int(o) for o in entry["data_offsets"])  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: corrupted safetensors header entry for tensor {name!r}") from None
+        raise CheckpointError(
+            f"{path}: corrupted safetensors header entry for tensor {name!r}"
+        ) from None
     if dtype not in DTYPES:
         raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if any(d < 0 for d in shape) or end - begin != math.prod(shape) * DTYPES[dtype][1]:
@@ -136,23 +140,29 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
     return TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
 
 
-def read_tensor(info: TensorInfo, f: Optional[BinaryIO] = None) -> torch.Tensor:
+def read_tensor(info: TensorInfo, f: BinaryIO | None = None) -> torch.Tensor:
     """Load one tensor into CPU memory (one copy, no mmap)."""
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    own = f is None
+    dtype = info.torch_dtype
+    if dtype is None:
+        raise CheckpointError(
+            f"{info.path}: tensor {info.name!r} has unsupported dtype {info.dtype}"
+        )
+    fh: BinaryIO | None = f
     try:
-        if own:
-            f = open(info.path, "rb")
-        f.seek(info.begin)
-        got = f.readinto(buf.numpy()) if info.nbytes else 0
+        if f is None:
+            fh = open(info.path, "rb")  # noqa: SIM115  (closed in finally)
+        assert fh is not None
+        fh.seek(info.begin)
+        got = cast(io.BufferedIOBase, fh).readinto(buf.numpy().data) if info.nbytes else 0
     except OSError as e:
         raise CheckpointError(f"{info.path}: cannot read tensor {info.name!r} ({e})") from None
     finally:
-        if own and f is not None:
-            f.close()
+        if f is None and fh is not None:
+            fh.close()
     if got != info.nbytes:
         raise CheckpointError(f"{info.path}: truncated data for tensor {info.name!r}")
-    return buf.view(info.torch_dtype).reshape(info.shape)
+    return buf.view(dtype).reshape(info.shape)
 
 
 @dataclass(frozen=True)
@@ -182,12 +192,15 @@ class StreamingWriter:
         header: dict[str, object] = {"__metadata__": dict(metadata)}
         offset = 0
         for t in self.plan:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                              "data_offsets": [offset, offset + t.nbytes]}
+            header[t.name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(HEADER_LEN_BYTES + len(raw)) % ALIGN)
-        self._f = open(self.path, "wb")
+        self._f = open(self.path, "wb")  # noqa: SIM115  (closed by close())
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
 
@@ -203,7 +216,7 @@ class StreamingWriter:
                 f"planned {p.dtype}{list(p.shape)}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(memoryview(data.numpy()))
+        self._f.write(data.numpy().data)
         self._next += 1
 
     def copy_from(self, info: TensorInfo, src: BinaryIO) -> None:

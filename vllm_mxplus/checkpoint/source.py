@@ -57,8 +57,10 @@ def open_source(path: Path) -> SourceModel:
             seen[t.name] = shard
         tensors.extend(infos)
     other = sorted(
-        p for p in path.iterdir()
-        if p.is_file() and p.name != "config.json"
+        p
+        for p in path.iterdir()
+        if p.is_file()
+        and p.name != "config.json"
         and not p.name.endswith(WEIGHT_SUFFIXES)
         and not (p.name.endswith(WEIGHT_INDEX_SUFFIX) and ("model" in p.name))
     )

@@ -33,25 +33,46 @@ Examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("eval", help="lm-eval accuracy / perplexity tables per scheme",
-                              description=HELP,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "eval",
+        help="lm-eval accuracy / perplexity tables per scheme",
+        description=HELP,
+    )
     p.add_argument("config", type=Path, help="eval config YAML (see configs/README.md)")
-    p.add_argument("--model", action="append", default=[], metavar="[ID=]DIR",
-                   help="local model dir replacing the config's model path; ID=DIR for "
-                        "configs with several models (repeatable)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[ID=]DIR",
+        help="local model dir replacing the config's model path; ID=DIR for "
+        "configs with several models (repeatable)",
+    )
     p.add_argument("--out", type=Path, help="output dir (default: eval/results/<config name>)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="run only these row ids")
-    p.add_argument("--limit", type=float, metavar="N",
-                   help="items per task (lm-eval --limit) for every task, overriding the "
-                        "config; results are kept apart from full runs")
+    p.add_argument(
+        "--limit",
+        type=float,
+        metavar="N",
+        help="items per task (lm-eval --limit) for every task, overriding the "
+        "config; results are kept apart from full runs",
+    )
     p.add_argument("--timeout", type=float, metavar="S", help="kill a cell after S seconds")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate, print the cells and their lm_eval commands, run nothing")
-    p.add_argument("--table-only", action="store_true",
-                   help="run nothing; rebuild the table from saved results")
-    p.add_argument("--notes", type=Path, metavar="MD",
-                   help="markdown file appended to the table (the study's analysis)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, print the cells and their lm_eval commands, run nothing",
+    )
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="run nothing; rebuild the table from saved results",
+    )
+    p.add_argument(
+        "--notes",
+        type=Path,
+        metavar="MD",
+        help="markdown file appended to the table (the study's analysis)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -90,8 +111,13 @@ def versions_line() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_mxplus.evaluation.config import ConfigError, load_config
-    from vllm_mxplus.evaluation.runner import lm_eval_command, plan, resolve_model_paths, \
-        run_all, worker_spec
+    from vllm_mxplus.evaluation.runner import (
+        lm_eval_command,
+        plan,
+        resolve_model_paths,
+        run_all,
+        worker_spec,
+    )
     from vllm_mxplus.evaluation.table import write_report
 
     try:
@@ -108,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir = (args.out or Path("eval/results") / cfg.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     cells, done = plan(cfg, out_dir, paths, rows=args.rows, limit=args.limit)
-    print(f"mxplus eval {cfg.name}: {len(cells)} cell(s) to run, {done} result(s) already "
-          f"saved in {out_dir}", file=sys.stderr)
+    print(
+        f"mxplus eval {cfg.name}: {len(cells)} cell(s) to run, {done} result(s) already "
+        f"saved in {out_dir}",
+        file=sys.stderr,
+    )
     if args.dry_run:
         for c in cells:
             print(f"{c.name}\n  {lm_eval_command(worker_spec(cfg, c))}")
@@ -118,34 +147,41 @@ def run(args: argparse.Namespace) -> int:
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     failed = []
     if not args.table_only and cells:
-        failed = run_all(cfg, out_dir, cells, progress=not args.no_progress,
-                         timeout=args.timeout)
+        failed = run_all(cfg, out_dir, cells, progress=not args.no_progress, timeout=args.timeout)
     wall = time.time() - t0
-    header = "\n".join([
-        f"- command: `mxplus eval {' '.join(_argv_of(args))}`",
-        f"- machine: {machine_line()}",
-        f"- versions: {versions_line()}",
-        f"- model(s): {', '.join(f'{k}={v}' for k, v in paths.items())}",
-        (f"- table rebuilt from saved results at {started} (--table-only); per-cell wall "
-         "times below, invocations in runs.jsonl" if args.table_only else
-         f"- this invocation: started {started}, {len(cells) - len(failed)}/{len(cells)} "
-         f"cell(s) run in {wall / 60:.1f} min")
-        + ("" if not args.limit else f", --limit {args.limit:g}"),
-    ])
+    header = "\n".join(
+        [
+            f"- command: `mxplus eval {' '.join(_argv_of(args))}`",
+            f"- machine: {machine_line()}",
+            f"- versions: {versions_line()}",
+            f"- model(s): {', '.join(f'{k}={v}' for k, v in paths.items())}",
+            (
+                f"- table rebuilt from saved results at {started} (--table-only); per-cell wall "
+                "times below, invocations in runs.jsonl"
+                if args.table_only
+                else f"- this invocation: started {started}, "
+                f"{len(cells) - len(failed)}/{len(cells)} cell(s) run in {wall / 60:.1f} min"
+            )
+            + ("" if not args.limit else f", --limit {args.limit:g}"),
+        ]
+    )
     notes = ""
     if args.notes is not None:
         if not args.notes.is_file():
             print(f"mxplus eval: --notes {args.notes}: no such file", file=sys.stderr)
             return 2
         notes = args.notes.read_text()
-    md, js, png = write_report(cfg, out_dir, limit=args.limit, header=header,
-                               plot=not args.no_plot, notes=notes)
+    md, js, png = write_report(
+        cfg, out_dir, limit=args.limit, header=header, plot=not args.no_plot, notes=notes
+    )
     _append_run_log(out_dir, args, started, wall, cells, failed)
     print(md.read_text())
     print(f"wrote {md}, {js}" + (f", {png}" if png else ""), file=sys.stderr)
     if failed:
-        print(f"mxplus eval: {len(failed)} cell(s) failed: "
-              + "; ".join(c.name for c in failed), file=sys.stderr)
+        print(
+            f"mxplus eval: {len(failed)} cell(s) failed: " + "; ".join(c.name for c in failed),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -167,12 +203,18 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     return parts
 
 
-def _append_run_log(out_dir: Path, args: argparse.Namespace, started: str, wall: float,
-                    cells: list, failed: list) -> None:
+def _append_run_log(
+    out_dir: Path, args: argparse.Namespace, started: str, wall: float, cells: list, failed: list
+) -> None:
     """OUT/runs.jsonl: one line per invocation (what ran, how long, on what)."""
-    entry = {"started": started, "wall_s": round(wall, 1), "argv": _argv_of(args),
-             "machine": machine_line(), "versions": versions_line(),
-             "cells": [c.name for c in cells if not args.table_only],
-             "failed": [c.name for c in failed]}
+    entry = {
+        "started": started,
+        "wall_s": round(wall, 1),
+        "argv": _argv_of(args),
+        "machine": machine_line(),
+        "versions": versions_line(),
+        "cells": [c.name for c in cells if not args.table_only],
+        "failed": [c.name for c in failed],
+    }
     with open(out_dir / "runs.jsonl", "a") as fh:
         fh.write(json.dumps(entry) + "\n")

@@ -10,20 +10,53 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-# A row's quantization must be one of the plugin's names (docs/numerics.md, Formats and schemes) or null (bf16).
-KNOWN_QUANTIZATIONS = ("mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h",
-                       "mxfp4-mbs", "nvfp4")
+# A row's quantization must be one of the plugin's names (docs/numerics.md, Formats and
+# schemes) or null (bf16).
+KNOWN_QUANTIZATIONS = (
+    "mxfp4-ocp",
+    "mxplus",
+    "mxfp4-16-oas",
+    "mxfp4-mbs-s",
+    "mxfp4-mbs-h",
+    "mxfp4-mbs",
+    "nvfp4",
+)
 KINDS = ("accuracy", "perplexity")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # used in file names
 
-TOP_KEYS = {"name", "title", "description", "models", "model_args", "include_path", "rows",
-            "tasks", "baseline", "target", "reference", "lm_eval", "env"}
+TOP_KEYS = {
+    "name",
+    "title",
+    "description",
+    "models",
+    "model_args",
+    "include_path",
+    "rows",
+    "tasks",
+    "baseline",
+    "target",
+    "reference",
+    "lm_eval",
+    "env",
+}
 MODEL_KEYS = {"label", "path", "model_args"}
 ROW_KEYS = {"id", "label", "quantization", "model_args"}
-TASK_KEYS = {"task", "label", "metric", "kind", "num_fewshot", "limit", "source", "scale",
-             "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs", "note"}
+TASK_KEYS = {
+    "task",
+    "label",
+    "metric",
+    "kind",
+    "num_fewshot",
+    "limit",
+    "source",
+    "scale",
+    "apply_chat_template",
+    "fewshot_as_multiturn",
+    "gen_kwargs",
+    "note",
+}
 LM_EVAL_KEYS = {"batch_size", "seed"}
 
 
@@ -43,7 +76,7 @@ class ModelSpec:
 class RowSpec:
     id: str
     label: str
-    quantization: Optional[str]  # None = the unquantized checkpoint (bf16 row)
+    quantization: str | None  # None = the unquantized checkpoint (bf16 row)
     model_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,13 +86,13 @@ class TaskSpec:
     label: str
     metric: str  # lm-eval result key, e.g. "acc,none" or "word_perplexity,none"
     kind: str  # "accuracy" (higher is better, shown in %) or "perplexity" (lower is better)
-    num_fewshot: Optional[int] = None  # None: the task's own default
-    limit: Optional[float] = None  # items per task (int) or fraction (<1); None: all
+    num_fewshot: int | None = None  # None: the task's own default
+    limit: float | None = None  # items per task (int) or fraction (<1); None: all
     source: str = "ours"  # "paper": the paper names it; "ours": our choice
     scale: float = 1.0  # value shown = metric * scale (100 for accuracies in %)
     apply_chat_template: bool = False
     fewshot_as_multiturn: bool = False
-    gen_kwargs: Optional[str] = None
+    gen_kwargs: str | None = None
     note: str = ""
 
     @property
@@ -68,8 +101,13 @@ class TaskSpec:
 
     def group_key(self) -> tuple:
         """Tasks with equal keys run in one lm-eval call (one engine start)."""
-        return (self.num_fewshot, self.limit, self.apply_chat_template,
-                self.fewshot_as_multiturn, self.gen_kwargs)
+        return (
+            self.num_fewshot,
+            self.limit,
+            self.apply_chat_template,
+            self.fewshot_as_multiturn,
+            self.gen_kwargs,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,28 +118,31 @@ class EvalConfig:
     rows: tuple[RowSpec, ...]
     tasks: tuple[TaskSpec, ...]
     model_args: dict[str, Any]
-    include_path: Optional[Path]
-    baseline: Optional[str]  # row id of the "gap closed" baseline (MXFP4-OCP)
-    target: Optional[str]  # row id of the reference format (NVFP4)
+    include_path: Path | None
+    baseline: str | None  # row id of the "gap closed" baseline (MXFP4-OCP)
+    target: str | None  # row id of the reference format (NVFP4)
     reference: dict[str, Any]
     lm_eval: dict[str, Any]
     env: dict[str, str]
     description: str = ""
-    source: Optional[Path] = None
+    source: Path | None = None
 
     def row(self, row_id: str) -> RowSpec:
         for r in self.rows:
             if r.id == row_id:
                 return r
-        raise ConfigError(f"{self.source}: unknown row {row_id!r}; rows: "
-                          f"{', '.join(r.id for r in self.rows)}")
+        raise ConfigError(
+            f"{self.source}: unknown row {row_id!r}; rows: {', '.join(r.id for r in self.rows)}"
+        )
 
     def model(self, model_id: str) -> ModelSpec:
         for m in self.models:
             if m.id == model_id:
                 return m
-        raise ConfigError(f"{self.source}: unknown model {model_id!r}; models: "
-                          f"{', '.join(m.id for m in self.models)}")
+        raise ConfigError(
+            f"{self.source}: unknown model {model_id!r}; models: "
+            f"{', '.join(m.id for m in self.models)}"
+        )
 
 
 def _fail(where: str, msg: str) -> ConfigError:
@@ -113,8 +154,9 @@ def _check_keys(d: Any, allowed: set[str], where: str) -> dict:
         raise _fail(where, f"must be a mapping, got {type(d).__name__}")
     unknown = sorted(set(d) - allowed)
     if unknown:
-        raise _fail(where, f"unknown key(s) {', '.join(unknown)}; allowed: "
-                    f"{', '.join(sorted(allowed))}")
+        raise _fail(
+            where, f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
     return d
 
 
@@ -145,6 +187,13 @@ def _ident(value: Any, where: str) -> str:
     return value
 
 
+def _label_and_args(spec: dict, default_label: str, where: str) -> tuple[str, dict]:
+    """A model's or a row's optional `label` (default: its id) and `model_args` (default {})."""
+    label = _typed(spec.get("label", default_label), str, f"{where}.label")
+    model_args = dict(_typed(spec.get("model_args", {}), dict, f"{where}.model_args"))
+    return label, model_args
+
+
 def _parse_models(raw: Any, where: str) -> tuple[ModelSpec, ...]:
     if not isinstance(raw, dict) or not raw:
         raise _fail(where, "must be a non-empty mapping of model id -> {path, label, model_args}")
@@ -155,10 +204,10 @@ def _parse_models(raw: Any, where: str) -> tuple[ModelSpec, ...]:
         if isinstance(spec, str):
             spec = {"path": spec}
         _check_keys(spec, MODEL_KEYS, w)
-        out.append(ModelSpec(
-            id=mid, label=_typed(spec.get("label", mid), str, f"{w}.label"),
-            path=_req(spec, "path", str, w),
-            model_args=dict(_typed(spec.get("model_args", {}), dict, f"{w}.model_args"))))
+        label, model_args = _label_and_args(spec, mid, w)
+        out.append(
+            ModelSpec(id=mid, label=label, path=_req(spec, "path", str, w), model_args=model_args)
+        )
     return tuple(out)
 
 
@@ -179,12 +228,12 @@ def _parse_rows(raw: Any, where: str) -> tuple[RowSpec, ...]:
         if q is not None:
             _typed(q, str, f"{w}.quantization")
             if q not in KNOWN_QUANTIZATIONS:
-                raise _fail(f"{w}.quantization", f"unknown scheme {q!r}; valid: "
-                            f"{', '.join(KNOWN_QUANTIZATIONS)} or null")
-        out.append(RowSpec(id=rid, label=_typed(spec.get("label", rid), str, f"{w}.label"),
-                           quantization=q,
-                           model_args=dict(_typed(spec.get("model_args", {}), dict,
-                                                  f"{w}.model_args"))))
+                raise _fail(
+                    f"{w}.quantization",
+                    f"unknown scheme {q!r}; valid: {', '.join(KNOWN_QUANTIZATIONS)} or null",
+                )
+        label, model_args = _label_and_args(spec, rid, w)
+        out.append(RowSpec(id=rid, label=label, quantization=q, model_args=model_args))
     return tuple(out)
 
 
@@ -201,8 +250,11 @@ def _parse_tasks(raw: Any, where: str) -> tuple[TaskSpec, ...]:
         seen.add(name)
         metric = _req(spec, "metric", str, w)
         if "," not in metric:
-            raise _fail(f"{w}.metric", f"{metric!r} must be an lm-eval result key "
-                        "'METRIC,FILTER', e.g. 'acc,none' or 'exact_match,strict-match'")
+            raise _fail(
+                f"{w}.metric",
+                f"{metric!r} must be an lm-eval result key "
+                "'METRIC,FILTER', e.g. 'acc,none' or 'exact_match,strict-match'",
+            )
         kind = _req(spec, "kind", str, w)
         if kind not in KINDS:
             raise _fail(f"{w}.kind", f"{kind!r} must be one of {', '.join(KINDS)}")
@@ -216,20 +268,30 @@ def _parse_tasks(raw: Any, where: str) -> tuple[TaskSpec, ...]:
         if source not in ("paper", "ours"):
             raise _fail(f"{w}.source", f"{source!r} must be 'paper' or 'ours'")
         default_scale = 100.0 if kind == "accuracy" else 1.0
-        out.append(TaskSpec(
-            task=name, label=_typed(spec.get("label", name), str, f"{w}.label"),
-            metric=metric, kind=kind, num_fewshot=fewshot, limit=limit, source=source,
-            scale=float(_typed(spec.get("scale", default_scale), (int, float), f"{w}.scale")),
-            apply_chat_template=_typed(spec.get("apply_chat_template", False), bool,
-                                       f"{w}.apply_chat_template"),
-            fewshot_as_multiturn=_typed(spec.get("fewshot_as_multiturn", False), bool,
-                                        f"{w}.fewshot_as_multiturn"),
-            gen_kwargs=spec.get("gen_kwargs"),
-            note=_typed(spec.get("note", ""), str, f"{w}.note")))
+        out.append(
+            TaskSpec(
+                task=name,
+                label=_typed(spec.get("label", name), str, f"{w}.label"),
+                metric=metric,
+                kind=kind,
+                num_fewshot=fewshot,
+                limit=limit,
+                source=source,
+                scale=float(_typed(spec.get("scale", default_scale), (int, float), f"{w}.scale")),
+                apply_chat_template=_typed(
+                    spec.get("apply_chat_template", False), bool, f"{w}.apply_chat_template"
+                ),
+                fewshot_as_multiturn=_typed(
+                    spec.get("fewshot_as_multiturn", False), bool, f"{w}.fewshot_as_multiturn"
+                ),
+                gen_kwargs=spec.get("gen_kwargs"),
+                note=_typed(spec.get("note", ""), str, f"{w}.note"),
+            )
+        )
     return tuple(out)
 
 
-def parse_config(data: Any, source: Optional[Path] = None) -> EvalConfig:
+def parse_config(data: Any, source: Path | None = None) -> EvalConfig:
     """Validate a loaded YAML mapping; relative include_path resolves against the file."""
     where = str(source) if source else "<config>"
     _check_keys(data, TOP_KEYS, where)
@@ -255,13 +317,21 @@ def parse_config(data: Any, source: Optional[Path] = None) -> EvalConfig:
     reference = _typed(data.get("reference", {}), dict, f"{where}: reference")
     _check_reference(reference, row_ids, {t.task for t in tasks}, f"{where}: reference")
     return EvalConfig(
-        name=name, title=_typed(data.get("title", name), str, f"{where}: title"),
+        name=name,
+        title=_typed(data.get("title", name), str, f"{where}: title"),
         description=_typed(data.get("description", ""), str, f"{where}: description"),
-        models=models, rows=rows, tasks=tasks,
+        models=models,
+        rows=rows,
+        tasks=tasks,
         model_args=dict(_typed(data.get("model_args", {}), dict, f"{where}: model_args")),
-        include_path=include_path, baseline=data.get("baseline"), target=data.get("target"),
-        reference=reference, lm_eval=lm_eval, env={str(k): str(v) for k, v in env.items()},
-        source=source)
+        include_path=include_path,
+        baseline=data.get("baseline"),
+        target=data.get("target"),
+        reference=reference,
+        lm_eval=lm_eval,
+        env={str(k): str(v) for k, v in env.items()},
+        source=source,
+    )
 
 
 REFERENCE_KEYS = {"text", "source", "average", "delta_average", "gap_to_target"}

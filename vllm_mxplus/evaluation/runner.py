@@ -8,6 +8,7 @@ a task added to a config later runs alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,9 +17,10 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from vllm_mxplus.evaluation.config import EvalConfig, ModelSpec, RowSpec, TaskSpec
 
@@ -38,8 +40,8 @@ class Cell:
     model: ModelSpec
     row: RowSpec
     tasks: tuple[TaskSpec, ...]
-    limit: Optional[float]
-    num_fewshot: Optional[int]
+    limit: float | None
+    num_fewshot: int | None
     out: Path  # the results JSON this cell writes
     model_path: str
     extra: dict[str, Any] = field(default_factory=dict)
@@ -71,15 +73,16 @@ def saved_results(out_dir: Path, model_id: str, row_id: str) -> list[dict]:
             return float(data.get("date", 0.0))
         except (TypeError, ValueError):
             return 0.0
+
     return sorted(found, key=when)
 
 
-def saved_limit(data: dict) -> Optional[float]:
+def saved_limit(data: dict) -> float | None:
     lim = data.get("mxplus", {}).get("limit", data.get("config", {}).get("limit"))
     return None if lim is None else float(lim)
 
 
-def task_done(data: dict, task: TaskSpec, limit: Optional[float]) -> bool:
+def task_done(data: dict, task: TaskSpec, limit: float | None) -> bool:
     """A saved file holds task's metric, measured with the same limit."""
     res = data["results"].get(task.task)
     if not isinstance(res, dict) or task.metric not in res:
@@ -88,12 +91,13 @@ def task_done(data: dict, task: TaskSpec, limit: Optional[float]) -> bool:
     return saved_limit(data) == want
 
 
-def effective_limit(task: TaskSpec, override: Optional[float]) -> Optional[float]:
+def effective_limit(task: TaskSpec, override: float | None) -> float | None:
     return override if override is not None else task.limit
 
 
-def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str],
-                        check: bool = True) -> dict[str, str]:
+def resolve_model_paths(
+    cfg: EvalConfig, overrides: Sequence[str], check: bool = True
+) -> dict[str, str]:
     """--model DIR (one-model configs) or --model ID=DIR; returns model id -> path.
 
     check: a local path (absolute, ~ or .) must be a model dir with config.json.
@@ -105,8 +109,9 @@ def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str],
         elif len(cfg.models) == 1:
             mid, path = cfg.models[0].id, item
         else:
-            raise ValueError(f"--model {item}: the config has models {', '.join(paths)}; "
-                             "write --model ID=DIR")
+            raise ValueError(
+                f"--model {item}: the config has models {', '.join(paths)}; write --model ID=DIR"
+            )
         paths[mid] = path
     for mid, path in paths.items():
         expanded = os.path.expanduser(path)
@@ -117,9 +122,13 @@ def resolve_model_paths(cfg: EvalConfig, overrides: Sequence[str],
     return paths
 
 
-def plan(cfg: EvalConfig, out_dir: Path, model_paths: dict[str, str],
-         rows: Optional[Sequence[str]] = None, limit: Optional[float] = None,
-         ) -> tuple[list[Cell], int]:
+def plan(
+    cfg: EvalConfig,
+    out_dir: Path,
+    model_paths: dict[str, str],
+    rows: Sequence[str] | None = None,
+    limit: float | None = None,
+) -> tuple[list[Cell], int]:
     """The cells still to run, and the number of (model, row, task) results already saved."""
     selected = [cfg.row(r) for r in rows] if rows else list(cfg.rows)
     cells: list[Cell] = []
@@ -137,13 +146,21 @@ def plan(cfg: EvalConfig, out_dir: Path, model_paths: dict[str, str],
                 pending.setdefault(key, []).append(task)
             for key, tasks in pending.items():
                 lim, fewshot = key[0], key[1]
-                tag = hashlib.sha1(json.dumps([[t.task for t in tasks], lim, fewshot],
-                                              sort_keys=True).encode()).hexdigest()[:8]
+                tag = hashlib.sha1(
+                    json.dumps([[t.task for t in tasks], lim, fewshot], sort_keys=True).encode()
+                ).hexdigest()[:8]
                 stem = f"fs{'default' if fewshot is None else fewshot}-{tag}"
-                cells.append(Cell(model=model, row=row, tasks=tuple(tasks), limit=lim,
-                                  num_fewshot=fewshot,
-                                  out=cell_dir(out_dir, model.id, row.id) / f"{stem}.json",
-                                  model_path=model_paths[model.id]))
+                cells.append(
+                    Cell(
+                        model=model,
+                        row=row,
+                        tasks=tuple(tasks),
+                        limit=lim,
+                        num_fewshot=fewshot,
+                        out=cell_dir(out_dir, model.id, row.id) / f"{stem}.json",
+                        model_path=model_paths[model.id],
+                    )
+                )
     return cells, done
 
 
@@ -174,8 +191,12 @@ def worker_spec(cfg: EvalConfig, cell: Cell) -> dict[str, Any]:
         "apply_chat_template": t0.apply_chat_template,
         "fewshot_as_multiturn": t0.fewshot_as_multiturn,
         "gen_kwargs": t0.gen_kwargs,
-        "meta": {"config": cfg.name, "model": cell.model.id, "row": cell.row.id,
-                 "quantization": cell.row.quantization},
+        "meta": {
+            "config": cfg.name,
+            "model": cell.model.id,
+            "row": cell.row.id,
+            "quantization": cell.row.quantization,
+        },
     }
 
 
@@ -185,8 +206,17 @@ def lm_eval_command(spec: dict[str, Any]) -> str:
     Run it from the include_path directory: local task files name their data relative to it.
     """
     margs = ",".join(f"{k}={v}" for k, v in spec["model_args"].items())
-    parts = ["lm_eval", "--model", "vllm", "--model_args", margs,
-             "--tasks", ",".join(spec["tasks"]), "--batch_size", str(spec["batch_size"])]
+    parts = [
+        "lm_eval",
+        "--model",
+        "vllm",
+        "--model_args",
+        margs,
+        "--tasks",
+        ",".join(spec["tasks"]),
+        "--batch_size",
+        str(spec["batch_size"]),
+    ]
     if spec.get("num_fewshot") is not None:
         parts += ["--num_fewshot", str(spec["num_fewshot"])]
     if spec.get("limit") is not None:
@@ -202,8 +232,13 @@ def lm_eval_command(spec: dict[str, Any]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def run_cell(cfg: EvalConfig, cell: Cell, out_dir: Path, timeout: Optional[float] = None,
-             python: str = sys.executable) -> tuple[bool, float, Path]:
+def run_cell(
+    cfg: EvalConfig,
+    cell: Cell,
+    out_dir: Path,
+    timeout: float | None = None,
+    python: str = sys.executable,
+) -> tuple[bool, float, Path]:
     """Run one worker process; returns (results file written, wall seconds, log path)."""
     spec = worker_spec(cfg, cell)
     spec["meta"]["lm_eval_command"] = lm_eval_command(spec)
@@ -223,9 +258,14 @@ def run_cell(cfg: EvalConfig, cell: Cell, out_dir: Path, timeout: Optional[float
         fh.flush()
         # Own process group: the worker leaves with os._exit, and vLLM's engine-core and
         # worker processes (same group) must not outlive it (each holds GBs of memory).
-        proc = subprocess.Popen([python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
-                                env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                cwd=spec["include_path"] or None, start_new_session=True)
+        proc = subprocess.Popen(
+            [python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=spec["include_path"] or None,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -256,10 +296,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 return
             time.sleep(0.2)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def tail(path: Path, n: int = 15) -> str:
@@ -270,15 +308,22 @@ def tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
-def run_all(cfg: EvalConfig, out_dir: Path, cells: list[Cell], *, progress: bool = True,
-            timeout: Optional[float] = None,
-            on_cell: Optional[Callable[[Cell, bool, float], None]] = None) -> list[Cell]:
+def run_all(
+    cfg: EvalConfig,
+    out_dir: Path,
+    cells: list[Cell],
+    *,
+    progress: bool = True,
+    timeout: float | None = None,
+    on_cell: Callable[[Cell, bool, float], None] | None = None,
+) -> list[Cell]:
     """Run cells in order with a progress bar; returns the cells that failed."""
     from tqdm import tqdm
 
     failed: list[Cell] = []
-    bar = tqdm(total=len(cells), disable=not progress, unit="cell", dynamic_ncols=True,
-               file=sys.stderr)
+    bar = tqdm(
+        total=len(cells), disable=not progress, unit="cell", dynamic_ncols=True, file=sys.stderr
+    )
     for cell in cells:
         if cell.out.is_file():  # another `mxplus eval` on the same OUT finished it meanwhile
             bar.write(f"{cell.name}: already saved by another run, skipped")

@@ -16,7 +16,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from vllm_mxplus.evaluation.config import KINDS, EvalConfig, TaskSpec
 from vllm_mxplus.evaluation.runner import saved_results, task_done
@@ -27,12 +26,12 @@ KIND_LABEL = {"accuracy": "acc", "perplexity": "ppl"}
 @dataclass(frozen=True)
 class Value:
     value: float  # scaled (accuracy in %)
-    stderr: Optional[float]  # scaled, when lm-eval reports one
-    n: Optional[int]  # evaluated items (documents for perplexity)
+    stderr: float | None  # scaled, when lm-eval reports one
+    n: int | None  # evaluated items (documents for perplexity)
     file: str
 
 
-def _stderr(res: dict, metric: str) -> Optional[float]:
+def _stderr(res: dict, metric: str) -> float | None:
     name, _, filt = metric.partition(",")
     v = res.get(f"{name}_stderr,{filt}")
     try:
@@ -42,8 +41,11 @@ def _stderr(res: dict, metric: str) -> Optional[float]:
     return v if math.isfinite(v) else None
 
 
-def collect(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
-            ) -> dict[tuple[str, str, str], Value]:
+def collect(
+    cfg: EvalConfig,
+    out_dir: Path,
+    limit: float | None = None,
+) -> dict[tuple[str, str, str], Value]:
     """(model id, row id, task) -> the newest saved value measured with the wanted limit."""
     from vllm_mxplus.evaluation.runner import effective_limit
 
@@ -60,12 +62,15 @@ def collect(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
                     values[(model.id, row.id, task.task)] = Value(
                         value=float(res[task.metric]) * task.scale,
                         stderr=None if se is None else se * task.scale,
-                        n=n, file=data["mxplus"].get("file", ""))
+                        n=n,
+                        file=data["mxplus"].get("file", ""),
+                    )
     return values
 
 
-def _avg(cfg: EvalConfig, values: dict, model: str, row: Optional[str],
-         tasks: list[TaskSpec]) -> Optional[float]:
+def _avg(
+    cfg: EvalConfig, values: dict, model: str, row: str | None, tasks: list[TaskSpec]
+) -> float | None:
     if row is None or not tasks:
         return None
     got = [values.get((model, row, t.task)) for t in tasks]
@@ -91,11 +96,14 @@ def summarize(cfg: EvalConfig, values: dict) -> dict:
                 if None not in (avg, base, tgt) and abs(tgt - base) > 1e-12:
                     closed = 100.0 * (avg - base) / (tgt - base)
                 out.setdefault(model.id, {}).setdefault(kind, {})[row.id] = {
-                    "avg": avg, "gap_to_target": gap, "gap_closed_pct": closed}
+                    "avg": avg,
+                    "gap_to_target": gap,
+                    "gap_closed_pct": closed,
+                }
     return out
 
 
-def _fmt(v: Optional[float], digits: int = 2, sign: bool = False) -> str:
+def _fmt(v: float | None, digits: int = 2, sign: bool = False) -> str:
     if v is None:
         return "—"
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
@@ -122,8 +130,10 @@ def markdown_table(cfg: EvalConfig, values: dict, show_stderr: bool = True) -> s
                 head.append(f"{pre}Δ{k} vs {target_label}")
                 if cfg.baseline:
                     head.append(f"{pre}Gap closed")
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1))
-             + "|"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
     for row in cfg.rows:
         cells = [row.label]
         for model in cfg.models:
@@ -156,7 +166,7 @@ def step_gains(cfg: EvalConfig, values: dict) -> list[str]:
     ids = [r.id for r in cfg.rows]
     lo = ids.index(cfg.baseline) if cfg.baseline else 0
     hi = ids.index(cfg.target) if cfg.target else len(ids)
-    chain = cfg.rows[lo:hi + 1] if hi >= lo else ()
+    chain = cfg.rows[lo : hi + 1] if hi >= lo else ()
     out = []
     for model in cfg.models:
         for kind, rows in summary.get(model.id, {}).items():
@@ -185,10 +195,14 @@ def reference_markdown(cfg: EvalConfig) -> str:
         def one(part: str) -> str:
             head, _, rid = part.rpartition("/")
             return (head + "/" if head else "") + labels.get(rid, rid)
+
         return " -> ".join(one(p) for p in key.split("->"))
 
-    for block, what in (("average", "average"), ("delta_average", "average gain"),
-                        ("gap_to_target", "gap to target")):
+    for block, what in (
+        ("average", "average"),
+        ("delta_average", "average gain"),
+        ("gap_to_target", "gap to target"),
+    ):
         for k, v in ref.get(block, {}).items():
             if isinstance(v, dict):
                 v = ", ".join(f"{kk}: {vv}" for kk, vv in v.items())
@@ -196,9 +210,14 @@ def reference_markdown(cfg: EvalConfig) -> str:
     return "\n".join(out)
 
 
-def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
-                 header: str = "", plot: bool = True,
-                 notes: str = "") -> tuple[Path, Path, Optional[Path]]:
+def write_report(
+    cfg: EvalConfig,
+    out_dir: Path,
+    limit: float | None = None,
+    header: str = "",
+    plot: bool = True,
+    notes: str = "",
+) -> tuple[Path, Path, Path | None]:
     """Write OUT/<name>.md, OUT/<name>.json and OUT/<name>.png from the saved cells."""
     values = collect(cfg, out_dir, limit)
     md = [f"# {cfg.title}", ""]
@@ -207,9 +226,12 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
     md += [markdown_table(cfg, values), ""]
     steps = step_gains(cfg, values)
     if steps:
-        md += ["Successive gains of the average (each row minus the row above it, the way the "
-               "paper's text reports them; accuracy in points, perplexity in ppl, negative = "
-               "lower perplexity):", ""]
+        md += [
+            "Successive gains of the average (each row minus the row above it, the way the "
+            "paper's text reports them; accuracy in points, perplexity in ppl, negative = "
+            "lower perplexity):",
+            "",
+        ]
         md += [f"- {line}" for line in steps] + [""]
     ours = [t.label for t in cfg.tasks if t.source == "ours"]
     if ours:
@@ -220,20 +242,36 @@ def write_report(cfg: EvalConfig, out_dir: Path, limit: Optional[float] = None,
     walls = cell_walls(cfg, out_dir, {v.file for v in values.values()})
     if walls:
         total = sum(w for _, _, w in walls)
-        md += [f"Wall time per cell (lm-eval worker, engine start included; total "
-               f"{total / 60:.1f} min):", ""]
+        md += [
+            f"Wall time per cell (lm-eval worker, engine start included; total "
+            f"{total / 60:.1f} min):",
+            "",
+        ]
         md += [f"- {name}: {w / 60:.1f} min" for name, _, w in walls] + [""]
     if notes:
         md += [notes.rstrip(), ""]
     md_path = out_dir / f"{cfg.name}.md"
     md_path.write_text("\n".join(md))
     data = {
-        "config": cfg.name, "title": cfg.title, "baseline": cfg.baseline, "target": cfg.target,
+        "config": cfg.name,
+        "title": cfg.title,
+        "baseline": cfg.baseline,
+        "target": cfg.target,
         "rows": {r.id: {"label": r.label, "quantization": r.quantization} for r in cfg.rows},
-        "tasks": {t.task: {"label": t.label, "metric": t.metric, "kind": t.kind,
-                           "num_fewshot": t.num_fewshot, "source": t.source} for t in cfg.tasks},
-        "values": {f"{m}/{r}/{t}": {"value": v.value, "stderr": v.stderr, "n": v.n,
-                                    "file": v.file} for (m, r, t), v in values.items()},
+        "tasks": {
+            t.task: {
+                "label": t.label,
+                "metric": t.metric,
+                "kind": t.kind,
+                "num_fewshot": t.num_fewshot,
+                "source": t.source,
+            }
+            for t in cfg.tasks
+        },
+        "values": {
+            f"{m}/{r}/{t}": {"value": v.value, "stderr": v.stderr, "n": v.n, "file": v.file}
+            for (m, r, t), v in values.items()
+        },
         "summary": summarize(cfg, values),
         "reference": cfg.reference,
     }
@@ -278,15 +316,26 @@ def plot_chart(cfg: EvalConfig, values: dict, path: Path) -> Path:
                     xs.append(j + (i - (len(cfg.rows) - 1) / 2) * width)
                     ys.append(v.value)
                     es.append(v.stderr or 0.0)
-            ax.bar(xs, ys, width, yerr=es if any(es) else None, label=row.label,
-                   color=colors[i % len(colors)], capsize=2)
+            ax.bar(
+                xs,
+                ys,
+                width,
+                yerr=es if any(es) else None,
+                label=row.label,
+                color=colors[i % len(colors)],
+                capsize=2,
+            )
         ax.set_xticks(range(len(tasks)))
         ax.set_xticklabels([t.label for t in tasks], rotation=15)
         ax.set_ylabel("accuracy (%)" if kind == "accuracy" else "word perplexity (lower is better)")
         ax.set_title(f"{model.label}: {kind}")
         if kind == "perplexity":
-            ys_all = [values[(model.id, r.id, t.task)].value for r in cfg.rows for t in tasks
-                      if (model.id, r.id, t.task) in values]
+            ys_all = [
+                values[(model.id, r.id, t.task)].value
+                for r in cfg.rows
+                for t in tasks
+                if (model.id, r.id, t.task) in values
+            ]
             if ys_all:
                 lo, hi = min(ys_all), max(ys_all)
                 ax.set_ylim(lo - 0.1 * (hi - lo + 1e-9) - 0.5, hi + 0.1 * (hi - lo + 1e-9))

@@ -43,8 +43,12 @@ def run_spec(spec: dict) -> dict:
     )
     seed = spec.get("seed")
     if seed is not None:
-        kwargs.update(random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                      fewshot_random_seed=seed)
+        kwargs.update(
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     return lm_eval.simple_evaluate(**kwargs)
 
 
@@ -54,15 +58,20 @@ def source_revision() -> dict:
 
     pkg = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "-C", str(pkg), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(pkg), "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", str(pkg), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(pkg), "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return {}
     if not head:
         return {}
-    return {"git_commit": head, "modified_files": [l[3:] for l in dirty if l.strip()]}
+    return {"git_commit": head, "modified_files": [line[3:] for line in dirty if line.strip()]}
 
 
 def write_results(results: dict, spec: dict, wall_s: float) -> Path:
@@ -72,10 +81,14 @@ def write_results(results: dict, spec: dict, wall_s: float) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(results)
     results.pop("samples", None)
-    results["mxplus"] = {**spec.get("meta", {}), "wall_s": round(wall_s, 1),
-                         "limit": spec.get("limit"), "num_fewshot": spec.get("num_fewshot"),
-                         "tasks": list(spec["tasks"]),
-                         "source": spec.get("_source", {})}
+    results["mxplus"] = {
+        **spec.get("meta", {}),
+        "wall_s": round(wall_s, 1),
+        "limit": spec.get("limit"),
+        "num_fewshot": spec.get("num_fewshot"),
+        "tasks": list(spec["tasks"]),
+        "source": spec.get("_source", {}),
+    }
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
     os.replace(tmp, out)

@@ -60,7 +60,7 @@ def e8m0_block_scale(absmax: torch.Tensor, rule: str) -> torch.Tensor:
 def pow2_f32(k: torch.Tensor) -> torch.Tensor:
     """Exact fp32 2^k for integer k in [-149, 127], built from the bits (no libm)."""
     k = k.to(torch.int32)
-    normal = ((k.clamp(-126, 127) + 127) << FP32_MANT_BITS)
+    normal = (k.clamp(-126, 127) + 127) << FP32_MANT_BITS
     subnormal = torch.ones_like(k) << (k.clamp(-149, -127) + 149)
     return torch.where(k >= -126, normal, subnormal).view(torch.float32)
 

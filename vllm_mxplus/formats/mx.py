@@ -58,5 +58,8 @@ def quantize_mbs(
 def dequantize_mbs(
     codes: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, block: int = 16
 ) -> torch.Tensor:
-    """x_hat = (value * X) / F, an IEEE fp32 division per element (docs/numerics.md, Macro Block Scaling)."""
+    """x_hat = (value * X) / F, an IEEE fp32 division per element.
+
+    docs/numerics.md, Macro Block Scaling.
+    """
     return apply_macro(dequantize_e8m0_blocks(codes, scale, block), mbs_factor(m), "div")

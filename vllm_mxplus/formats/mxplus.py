@@ -47,7 +47,9 @@ def dequantize_mxplus_blocks(
     ob = out.reshape(*out.shape[:-1], -1, MXPLUS_BLOCK)
     cb = codes.reshape(ob.shape)
     has_bm = (bm_index != NO_BLOCK_MAX)[..., None]
-    idx = torch.where(has_bm, bm_index[..., None].long(), torch.zeros_like(bm_index[..., None]).long())
+    idx = torch.where(
+        has_bm, bm_index[..., None].long(), torch.zeros_like(bm_index[..., None]).long()
+    )
     c = cb.gather(-1, idx)
     mag = 4.0 + 0.5 * (c & 0x7).to(torch.float32)
     val = torch.where((c & 0x8) > 0, -mag, mag) * e8m0_to_float(scale)[..., None]

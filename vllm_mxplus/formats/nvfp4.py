@@ -26,9 +26,7 @@ def nvfp4_global_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     return amax / (E2M1_MAX * F8E4M3_MAX)
 
 
-def quantize_nvfp4_blocks(
-    x: torch.Tensor, g: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4_blocks(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 x [..., nB*16], global g -> (unpacked codes, float8_e4m3fn scales [..., nB])."""
     xb = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     g_b = g if g.dim() == 0 else g  # [..., 1] broadcasts over the block dim
@@ -47,9 +45,7 @@ def quantize_nvfp4_blocks(
     return codes.reshape(x.shape), s
 
 
-def dequantize_nvfp4_blocks(
-    codes: torch.Tensor, s: torch.Tensor, g: torch.Tensor
-) -> torch.Tensor:
+def dequantize_nvfp4_blocks(codes: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """x_hat = value * s * g in fp32 (left to right)."""
     vals = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
     sg = s.to(torch.float32)[..., None]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +46,21 @@ class QuantizedTensor:
     scales: torch.Tensor
     fmt: str
     shape: torch.Size
-    mbs: Optional[torch.Tensor] = None
-    global_scale: Optional[torch.Tensor] = None
-    block_max_index: Optional[torch.Tensor] = None
+    mbs: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    block_max_index: torch.Tensor | None = None
     macro_block: int = MACRO_BLOCK
 
     @property
     def spec(self) -> FormatSpec:
         return get_format(self.fmt)
+
+    def _field(self, name: str) -> torch.Tensor:
+        """A field the format needs (global_scale, block_max_index, mbs); clear error if absent."""
+        t = getattr(self, name)
+        if t is None:
+            raise ValueError(f"QuantizedTensor of format {self.fmt!r} has no {name}")
+        return t
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized tensor in fp32 (then cast to dtype), original shape."""
@@ -65,13 +71,13 @@ class QuantizedTensor:
         nb = kp // spec.block_size
         scales = _pad_last(self.scales, nb)
         if spec.scale_rule == "e4m3":
-            g = self.global_scale
+            g = self._field("global_scale")
             out = dequantize_nvfp4_blocks(codes, scales, g)
         elif spec.block_max_mantissa:
-            bm = _pad_last(self.block_max_index, nb, value=255)
+            bm = _pad_last(self._field("block_max_index"), nb, value=255)
             out = dequantize_mxplus_blocks(codes, scales, bm)
         elif spec.mbs:
-            m = _pad_last(self.mbs, kp // self.macro_block)
+            m = _pad_last(self._field("mbs"), kp // self.macro_block)
             out = dequantize_mbs(codes, scales, m, spec.block_size)
         else:
             out = dequantize_e8m0_blocks(codes, scales, spec.block_size)

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 ScaleRule = Literal["ocp", "floor", "oas", "e4m3"]
-MbsMode = Optional[Literal["static", "dynamic"]]
+MbsMode = Literal["static", "dynamic"] | None
 
 MACRO_BLOCK = 128  # paper §4.3: 1x128 macro blocks (8 sub-blocks of 16)
 
@@ -69,9 +69,7 @@ def get_format(name: str) -> FormatSpec:
     try:
         return FORMATS[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}"
-        ) from None
+        raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}") from None
 
 
 def get_scheme(name: str) -> Scheme:
@@ -79,6 +77,4 @@ def get_scheme(name: str) -> Scheme:
     try:
         return SCHEMES[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown scheme {name!r}; valid schemes: {', '.join(SCHEMES)}"
-        ) from None
+        raise ValueError(f"unknown scheme {name!r}; valid schemes: {', '.join(SCHEMES)}") from None

@@ -10,7 +10,7 @@ How vLLM 0.32 reaches us:
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -35,7 +35,7 @@ class MxplusConfig(QuantizationConfig):
     def __init__(
         self,
         is_checkpoint_quantized: bool = False,
-        modules_to_not_convert: Optional[list[str]] = None,
+        modules_to_not_convert: list[str] | None = None,
         macro_block: int = MACRO_BLOCK,
     ) -> None:
         super().__init__()
@@ -47,9 +47,11 @@ class MxplusConfig(QuantizationConfig):
         self.macro_block = macro_block
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(scheme={self.scheme.name}, "
-                f"checkpoint_quantized={self.is_checkpoint_quantized}, "
-                f"modules_to_not_convert={self.modules_to_not_convert})")
+        return (
+            f"{type(self).__name__}(scheme={self.scheme.name}, "
+            f"checkpoint_quantized={self.is_checkpoint_quantized}, "
+            f"modules_to_not_convert={self.modules_to_not_convert})"
+        )
 
     @classmethod
     def get_name(cls) -> str:
@@ -68,22 +70,27 @@ class MxplusConfig(QuantizationConfig):
         return []  # no side file: config.json's quantization_config is the whole story
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "MxplusConfig":
+    def from_config(cls, config: dict[str, Any]) -> MxplusConfig:
         """A pre-quantized checkpoint's `quantization_config` (checkpoint/layout.py)."""
         method = config.get("quant_method")
         if method != cls.scheme_name:
             if method in SCHEMES:
-                fix = (f"This checkpoint is already quantized with {method!r}: drop "
-                       f"--quantization (vLLM detects a pre-quantized checkpoint from "
-                       f"config.json) or pass --quantization {method}.")
+                fix = (
+                    f"This checkpoint is already quantized with {method!r}: drop "
+                    f"--quantization (vLLM detects a pre-quantized checkpoint from "
+                    f"config.json) or pass --quantization {method}."
+                )
             else:
-                fix = (f"This checkpoint is not a vllm-mxplus checkpoint: serve it without "
-                       f"--quantization {cls.scheme_name}, or quantize its bf16/fp16 original "
-                       f"(`--quantization {cls.scheme_name}` or `mxplus quantize`).")
+                fix = (
+                    f"This checkpoint is not a vllm-mxplus checkpoint: serve it without "
+                    f"--quantization {cls.scheme_name}, or quantize its bf16/fp16 original "
+                    f"(`--quantization {cls.scheme_name}` or `mxplus quantize`)."
+                )
             raise ValueError(
                 f"config.json: quantization_config.quant_method is {method!r}, but the "
                 f"{cls.scheme_name!r} loader was selected (--quantization "
-                f"{cls.scheme_name}). {fix}")
+                f"{cls.scheme_name}). {fix}"
+            )
         check_quantization_config(config)
         macro = config.get("macro_block_size") or MACRO_BLOCK
         return cls(
@@ -94,20 +101,18 @@ class MxplusConfig(QuantizationConfig):
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_to_not_convert:
-            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(
-                self.modules_to_not_convert)
+            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(self.modules_to_not_convert)
 
     def is_skipped(self, prefix: str) -> bool:
         """lm_head, embeddings and MoE routers (vllm_mxplus.quant_rules, as the offline
         quantizer decides) and the checkpoint's modules_to_not_convert stay unquantized."""
         if stays_unquantized(prefix):
             return True
-        return is_layer_skipped(prefix, self.modules_to_not_convert,
-                                self.packed_modules_mapping, match_mode="suffix")
+        return is_layer_skipped(
+            prefix, self.modules_to_not_convert, self.packed_modules_mapping, match_mode="suffix"
+        )
 
-    def get_quant_method(
-        self, layer: torch.nn.Module, prefix: str
-    ) -> Optional[QuantizeMethodBase]:
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             if self.is_skipped(prefix):
                 return UnquantizedLinearMethod()
@@ -130,7 +135,9 @@ class MxplusConfig(QuantizationConfig):
 
 
 def _class_name(scheme: str) -> str:
-    return "Mxplus" + "".join(p.capitalize() for p in scheme.replace("-", "_").split("_")) + "Config"
+    return (
+        "Mxplus" + "".join(p.capitalize() for p in scheme.replace("-", "_").split("_")) + "Config"
+    )
 
 
 CONFIG_CLASSES: dict[str, type[MxplusConfig]] = {

@@ -16,7 +16,8 @@ with its checkpoint name.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from vllm.model_executor.parameter import (
@@ -83,7 +84,7 @@ def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) ->
     return [prefix]
 
 
-def _shard_index(shard_id: Any) -> Optional[int]:
+def _shard_index(shard_id: Any) -> int | None:
     if shard_id is None:
         return None
     if isinstance(shard_id, str):
@@ -148,7 +149,8 @@ def create_quantized_params(
             param = PerTensorScaleParameter(
                 data=torch.zeros(len(n_per_partition), dtype=tspec.dtype), weight_loader=loader)
         else:
-            cls = ModelWeightParameter if tspec.suffix == SUFFIX_PACKED else GroupQuantScaleParameter
+            packed = tspec.suffix == SUFFIX_PACKED
+            cls = ModelWeightParameter if packed else GroupQuantScaleParameter
             data = torch.zeros(n, tspec.cols(k_per_partition), dtype=tspec.dtype)
             param = cls(data=data, input_dim=1, output_dim=0, weight_loader=loader)
         layer.register_parameter(tspec.suffix, param)
