@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_mxplus.formats.constants import MACRO_BLOCK
+
 DEFAULT_FORMATS = ["mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-d", "nvfp4"]
 
 HELP = """QSNR per format (paper eq. 1 and 2) of (a) every linear weight of a local safetensors
@@ -46,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--macro-block",
         nargs="+",
         type=int,
-        default=[128],
+        default=[MACRO_BLOCK],
         metavar="N",
         help="MBS macro-block sizes, a multiple of 16, e.g. 32 64 128 256 512 for the "
         "Appendix A ablation (default: 128)",

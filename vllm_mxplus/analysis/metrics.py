@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, qsnr
+from vllm_mxplus.formats.constants import SMALL_BLOCK
 from vllm_mxplus.formats.e8m0 import e8m0_block_scale
 
 
@@ -16,7 +17,7 @@ def flush_to_zero_rate(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float(((x_hat == 0) & nonzero).sum()) / n if n else 0.0
 
 
-def oas_takeup(x: torch.Tensor, block: int = 16) -> float:
+def oas_takeup(x: torch.Tensor, block: int = SMALL_BLOCK) -> float:
     """Share of non-zero blocks whose scale OAS changes versus masking 6/a (paper §4.2: ~15%)."""
     k = x.shape[-1]
     xp = F.pad(x.float().reshape(-1, k), (0, -k % block))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-E2M1_MAX = 6.0  # largest magnitude
+from vllm_mxplus.formats.constants import E2M1_MAX  # noqa: F401  (re-exported)
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # Decision thresholds between consecutive codes, and whether reaching the threshold

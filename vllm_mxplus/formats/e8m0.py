@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import torch
 
-E8M0_BIAS = 127
-E8M0_NAN = 255  # code 255 is NaN (OCP MX v1.0 §5.4.1)
-E8M0_MAX_FINITE = 254
-FP32_MANT_BITS = 23
+from vllm_mxplus.formats.constants import (
+    E8M0_BIAS,
+    E8M0_NAN,  # code 255 is NaN (OCP MX v1.0 §5.4.1)
+    FLOOR_MANTISSA,
+    OAS_MANTISSA,
+)
+from vllm_mxplus.formats.constants import FP32_MANTISSA_BITS as FP32_MANT_BITS
+
+E8M0_MAX_FINITE = E8M0_NAN - 1
 FP32_MIN_NORMAL = 2.0**-126
 
 # d = 1 when the 23-bit mantissa of the absmax exceeds this (None: never).
-_MANTISSA_THRESHOLD = {"ocp": None, "floor": 0x400000, "oas": 0x600000}
+_MANTISSA_THRESHOLD = {"ocp": None, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
 
 
 def float_exponent_mantissa(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mxplus.formats.constants import E2M1_MAX, MBS_STATIC_MASK, MBS_STATIC_SHIFT
 from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
-
-MBS_STATIC_MASK = 0x007F8000  # the 8 leading mantissa bits of fp32(6/a)
-MBS_STATIC_SHIFT = 15
 
 
 def mbs_static(x: torch.Tensor, macro: int) -> torch.Tensor:
@@ -25,7 +23,7 @@ def mbs_static(x: torch.Tensor, macro: int) -> torch.Tensor:
     what eq. 3 gives anyway (6/inf = 0), for NaN it avoids depending on a NaN payload.
     """
     a = x.reshape(*x.shape[:-1], -1, macro).abs().amax(-1)
-    r = torch.full_like(a, 6.0) / a
+    r = torch.full_like(a, E2M1_MAX) / a
     m = (r.view(torch.int32) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
     m = torch.where(torch.isfinite(a), m, torch.zeros_like(m))
     return m.to(torch.uint8)

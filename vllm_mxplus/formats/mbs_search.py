@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mxplus.formats.constants import OAS_MANTISSA
 from vllm_mxplus.formats.e2m1 import E2M1_THRESHOLDS, E2M1_TIE_ROUNDS_UP, E2M1_VALUES
 from vllm_mxplus.formats.e8m0 import float_exponent_mantissa, pow2_f32
 from vllm_mxplus.formats.mbs import mbs_dynamic_bruteforce, mbs_sse
@@ -35,7 +36,6 @@ MAX_RESCORE = 8  # exact re-scoring of up to this many near-tied candidates per 
 CHUNK_ELEMS = (
     1 << 17
 )  # ~0.5 MB fp32 per temporary: stays in cache, measured ~1.7x faster than 1 << 19
-OAS_MANTISSA = 0x600000
 
 
 def _strict_thresholds(device: torch.device) -> torch.Tensor:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mxplus.formats.constants import MBS_DENOM
 from vllm_mxplus.formats.e2m1 import e2m1_decode, e2m1_magnitude_code, sign_bit
 from vllm_mxplus.formats.e8m0 import E8M0_NAN, e8m0_block_scale, e8m0_reciprocal, e8m0_to_float
 
 
 def mbs_factor(m: torch.Tensor) -> torch.Tensor:
     """F = 1 + m/256 (exact in fp32) for MBS bytes m (paper §4.3.1)."""
-    return (m.to(torch.float32) + 256.0) / 256.0
+    return (m.to(torch.float32) + float(MBS_DENOM)) / float(MBS_DENOM)
 
 
 def apply_macro(x: torch.Tensor, f: torch.Tensor, op: str) -> torch.Tensor:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mxplus.formats.constants import MX_BLOCK, NO_BLOCK_MAX
 from vllm_mxplus.formats.e2m1 import sign_bit
 from vllm_mxplus.formats.e8m0 import E8M0_NAN, e8m0_reciprocal, e8m0_to_float
 from vllm_mxplus.formats.mx import dequantize_e8m0_blocks, quantize_e8m0_blocks
 
-MXPLUS_BLOCK = 32
-NO_BLOCK_MAX = 255
+MXPLUS_BLOCK = MX_BLOCK
 
 
 def quantize_mxplus_blocks(

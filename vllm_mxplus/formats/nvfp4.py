@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_magnitude_code, sign_bit
+from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, SMALL_BLOCK
+from vllm_mxplus.formats.e2m1 import e2m1_decode, e2m1_magnitude_code, sign_bit
 
-F8E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-NVFP4_BLOCK = 16
+NVFP4_BLOCK = SMALL_BLOCK
 
 
 def nvfp4_global_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus.formats.constants import NO_BLOCK_MAX, ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4, unpack_fp4
 from vllm_mxplus.formats.mbs import mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
@@ -25,10 +26,6 @@ from vllm_mxplus.formats.nvfp4 import (
 from vllm_mxplus.formats.schemes import MACRO_BLOCK, FormatSpec, get_format
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -74,7 +71,7 @@ class QuantizedTensor:
             g = self._field("global_scale")
             out = dequantize_nvfp4_blocks(codes, scales, g)
         elif spec.block_max_mantissa:
-            bm = _pad_last(self._field("block_max_index"), nb, value=255)
+            bm = _pad_last(self._field("block_max_index"), nb, value=NO_BLOCK_MAX)
             out = dequantize_mxplus_blocks(codes, scales, bm)
         elif spec.mbs:
             m = _pad_last(self._field("mbs"), kp // self.macro_block)
@@ -86,7 +83,7 @@ class QuantizedTensor:
 
 def _padded_k(spec: FormatSpec, k: int, macro_block: int) -> int:
     unit = macro_block if spec.mbs else spec.block_size
-    return _ceil_div(k, unit) * unit
+    return ceil_div(k, unit) * unit
 
 
 def _pad_last(t: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:
@@ -129,7 +126,7 @@ def quantize(
     k = x.shape[-1]
     kp = _padded_k(spec, k, macro_block)
     xp = F.pad(x.to(torch.float32), (0, kp - k)).contiguous()
-    nb = _ceil_div(k, spec.block_size)
+    nb = ceil_div(k, spec.block_size)
     extra: dict = {}
     if spec.scale_rule == "e4m3":
         g = nvfp4_global_scale(xp, per_row)
@@ -142,7 +139,7 @@ def quantize(
         search = mbs_static if spec.mbs == "static" else mbs_dynamic
         m = search(xp, macro_block)
         codes, scales = quantize_mbs(xp, m, spec.block_size)
-        extra["mbs"] = m[..., : _ceil_div(k, macro_block)].contiguous()
+        extra["mbs"] = m[..., : ceil_div(k, macro_block)].contiguous()
     else:
         codes, scales = quantize_e8m0_blocks(xp, spec.block_size, spec.scale_rule)
     return QuantizedTensor(

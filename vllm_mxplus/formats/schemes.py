@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from vllm_mxplus.formats.constants import MACRO_BLOCK  # noqa: F401  (re-exported)
+
 ScaleRule = Literal["ocp", "floor", "oas", "e4m3"]
 MbsMode = Literal["static", "dynamic"] | None
-
-MACRO_BLOCK = 128  # paper §4.3: 1x128 macro blocks (8 sub-blocks of 16)
 
 
 @dataclass(frozen=True)
