@@ -1,4 +1,6 @@
-"""Offline quantizer and reader for the vllm-mxplus checkpoint layout (docs/numerics.md, Packing and checkpoint layout).
+"""Offline quantizer and reader for the vllm-mxplus checkpoint layout.
+
+docs/numerics.md, Packing and checkpoint layout.
 
     quantize_checkpoint(src, dst, "mxfp4-mbs")  # HF dir -> quantized dir (mxplus quantize)
     load(dst)               # {module: formats.QuantizedTensor}
