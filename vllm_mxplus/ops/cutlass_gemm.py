@@ -152,17 +152,21 @@ def _codes_x_hat(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[
     return dequantize_mbs(c, s, mb, BLOCK)[:, :k]
 
 
-@torch.library.custom_op(op_name("cutlass_prefill_sm90"), mutates_args=())
-def _prefill_sm90(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
-                  k: int, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                  fallback_idx: Optional[torch.Tensor], fallback_w: Optional[torch.Tensor],
-                  bias: Optional[torch.Tensor], n: int, out_dtype: torch.dtype) -> torch.Tensor:
+def prefill_sm90_impl(x_codes: torch.Tensor, x_scales: torch.Tensor,
+                      x_mbs: Optional[torch.Tensor], k: int, w_fp8: torch.Tensor,
+                      w_scale: torch.Tensor, fallback_idx: Optional[torch.Tensor],
+                      fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor], n: int,
+                      out_dtype: torch.dtype) -> torch.Tensor:
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda idx: (x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx]),
         lambda: _codes_x_hat(x_codes, x_scales, x_mbs, k),
         w_fp8, w_scale, fallback_idx, fallback_w, bias, n, out_dtype)
+
+
+_prefill_sm90 = torch.library.custom_op(op_name("cutlass_prefill_sm90"), prefill_sm90_impl,
+                                        mutates_args=())
 
 
 @_prefill_sm90.register_fake
@@ -178,8 +182,7 @@ def _x_rows_quant(x: torch.Tensor, fmt: str) -> RowsQuant:
     return rows_quant
 
 
-@torch.library.custom_op(op_name("cutlass_prefill_sm90_fused"), mutates_args=())
-def _prefill_sm90_fused(x: torch.Tensor, fmt: str, x_fp8: torch.Tensor, x_scale: torch.Tensor,
+def prefill_sm90_fused_impl(x: torch.Tensor, fmt: str, x_fp8: torch.Tensor, x_scale: torch.Tensor,
                         x_ref: torch.Tensor, x_mbs: torch.Tensor, x_exact: torch.Tensor,
                         w_fp8: torch.Tensor, w_scale: torch.Tensor,
                         fallback_idx: Optional[torch.Tensor], fallback_w: Optional[torch.Tensor],
@@ -193,6 +196,10 @@ def _prefill_sm90_fused(x: torch.Tensor, fmt: str, x_fp8: torch.Tensor, x_scale:
                       fallback_idx, fallback_w, bias, n, out_dtype)
 
 
+_prefill_sm90_fused = torch.library.custom_op(op_name("cutlass_prefill_sm90_fused"),
+                                              prefill_sm90_fused_impl, mutates_args=())
+
+
 @_prefill_sm90_fused.register_fake
 def _(x, fmt, x_fp8, x_scale, x_ref, x_mbs, x_exact, w_fp8, w_scale, fallback_idx, fallback_w,
       bias, n, out_dtype):
@@ -200,8 +207,7 @@ def _(x, fmt, x_fp8, x_scale, x_ref, x_mbs, x_exact, w_fp8, w_scale, fallback_id
 
 
 # ----------------------------------------------------------------------------- sm_100a
-@torch.library.custom_op(op_name("cutlass_prefill_sm100"), mutates_args=())
-def _prefill_sm100(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
+def prefill_sm100_impl(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
                    k: int, w_codes: torch.Tensor, w_sf: torch.Tensor, w_sigma: torch.Tensor,
                    bias: Optional[torch.Tensor], n: int, use_mbs: bool,
                    out_dtype: torch.dtype) -> torch.Tensor:
@@ -213,6 +219,10 @@ def _prefill_sm100(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optiona
                      w_codes, w_sf, sig, w_sigma, bias_f32(bias, w_codes.shape[0]), use_mbs,
                      out_dtype)
     return y[:, :n].contiguous() if y.shape[1] != n else y
+
+
+_prefill_sm100 = torch.library.custom_op(op_name("cutlass_prefill_sm100"), prefill_sm100_impl,
+                                         mutates_args=())
 
 
 @_prefill_sm100.register_fake
