@@ -9,6 +9,8 @@ a_scale * b_scale * A_c B_c^T); the GPU tests run the real kernels.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,8 +229,12 @@ GPU_SHAPES = [(1, 256, 128), (33, 4096, 576), (100, 1024, 4096), (4096, 4096, 40
 
 @pytest.fixture(scope="module")
 def kernel_arch() -> str:
+    """The arch of the built extension. scripts/gpu_check.sh sets MXPLUS_REQUIRE_CUTLASS=1
+    after building it: a missing or broken extension then fails these tests, never skips."""
     ok, why = cutlass_ext.is_available()
     if not ok:
+        if os.environ.get("MXPLUS_REQUIRE_CUTLASS") == "1":
+            pytest.fail(f"CUTLASS prefill kernel required but unavailable: {why}")
         pytest.skip(f"CUTLASS prefill kernel unavailable: {why}")
     return cutlass_ext.arch_of()
 
@@ -279,6 +285,49 @@ def test_gpu_sm100_mbs_vs_plain(kernel_arch):
                                      w_mbs.codes, w_mbs.sf, sig_x, w_mbs.sigma, None, True,
                                      torch.bfloat16)
     assert qsnr(y_plain.double(), y_mbs.double()) >= 45.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_gpu_prefill_output_dtype(kernel_arch, out_dtype):
+    """The kernels produce the model's dtype (no bf16 detour for fp16 / fp32 models)."""
+    m, n, k = 64, 256, 1024
+    g = torch.Generator().manual_seed(8)
+    qx = quantize(torch.randn(m, k, generator=g).cuda(), "mxfp4-mbs-s")
+    qw = quantize(torch.randn(n, k, generator=g).cuda(), "mxfp4-mbs-d")
+    bias = (torch.randn(n, generator=g) * 3).to(out_dtype).cuda()
+    w = cutlass_gemm.prepare_weight(qw, kernel_arch)
+    y = cutlass_gemm.prefill_gemm(qx.codes, qx.scales, qx.mbs, k, w, bias, out_dtype)
+    ref = (qx.dequantize().double() @ qw.dequantize().double().T + bias.double())
+    mag = qx.dequantize().double().abs() @ qw.dequantize().double().abs().T + bias.double().abs()
+    half_ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+    assert y.dtype == out_dtype
+    err = (y.double() - ref).abs() - half_ulp[out_dtype] * ref.abs()
+    assert (err <= 2.0**-18 * mag).all(), f"max excess {err.max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_in_cuda_graph(kernel_arch):
+    """The whole prefill (activation encoding, GEMM, the sm_90a fallback with out-of-span
+    rows) is captured in a CUDA graph and replays to the eager numbers on new data."""
+    from vllm_mxplus.ops.cutlass_gemm import prefill_gemm_from_x
+
+    m, n, k = 48, 256, 1024
+    qw = quantize(torch.randn(n, k, device="cuda"), "mxfp4-mbs-d")
+    w = cutlass_gemm.prepare_weight(qw, kernel_arch)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)  # warm-up (Triton compile, allocator)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
+    fresh = _data(m, k, 9).to(torch.bfloat16).cuda()  # rows out of the FP8 span
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = prefill_gemm_from_x(fresh, "mxfp4-mbs-s", w, None)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
 def test_prefill_op_passes_opcheck(emulated_sm90):
