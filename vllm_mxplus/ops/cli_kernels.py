@@ -77,7 +77,11 @@ def _run_aot(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mxplus kernels: {e}")
         return 2
-    return aot.run_aot(targets, args.quick, max(1, args.jobs))
+    try:
+        return aot.run_aot(targets, args.quick, max(1, args.jobs))
+    except RuntimeError as e:  # triton missing, or a launcher recorded nothing
+        print(f"mxplus kernels --aot: {e}")
+        return 2
 
 
 def run(args: argparse.Namespace) -> int:
