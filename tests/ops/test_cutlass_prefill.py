@@ -13,12 +13,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cutlass_helpers import (  # tests/ops, on sys.path under pytest
     dequantize_folded,
-    emulated_fp8_gemm,
-    emulated_sm90,  # noqa: F401  (fixture)
+    emulated_sm90,  # noqa: F401  (a fixture, used through pytest.mark.usefixtures)
     scheme_supported,
 )
 from vllm_mxplus.formats import qsnr, quantize
@@ -120,10 +118,11 @@ def test_detector_flags_nan_blocks():
     assert not bool(fc.encode_fp8_chunks(codes, scales, None, 128).exact.item())
 
 
+@pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m,n,k", [(33, 40, 576), (100, 64, 256), (5, 24, 1000)],
                          ids=["M33-K576", "M100-K256", "M5-K1000"])
-def test_prefill_fallback_matches_reference(emulated_sm90, monkeypatch, m, n, k, with_bias):
+def test_prefill_fallback_matches_reference(monkeypatch, m, n, k, with_bias):
     """Out-of-span activation rows (split into two FP8 operands) and weight rows take the
     exact fallback; the rest goes through the (emulated) kernel. Compared with the fp64
     x_hat W_hat^T: bf16 output bound. The data spreads block exponents over 24 binades, so
@@ -145,8 +144,9 @@ def test_prefill_fallback_matches_reference(emulated_sm90, monkeypatch, m, n, k,
     assert qsnr(ref, y.double()) > 45.0
 
 
+@pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("cap", [0, 1, 3], ids=["cap0", "cap1", "cap3"])
-def test_prefill_fallback_overflow_is_nan_not_wrong(emulated_sm90, monkeypatch, cap):
+def test_prefill_fallback_overflow_is_nan_not_wrong(monkeypatch, cap):
     """More inexact rows than the fallback capacity: the first `cap` are exact, the others
     come out NaN (loud), and the exact rows are untouched."""
     monkeypatch.setattr(cutlass_gemm, "FALLBACK_ROWS", cap)
@@ -172,9 +172,10 @@ def test_prefill_fallback_overflow_is_nan_not_wrong(emulated_sm90, monkeypatch, 
     assert ((y[ok].double() - ref[ok]).abs() <= 2.0**-20 * mag[ok]).all()
 
 
+@pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=["bf16", "fp16", "fp32"])
-def test_prefill_produces_model_dtype(emulated_sm90, out_dtype):
+def test_prefill_produces_model_dtype(out_dtype):
     """The output is the model's dtype, rounded once from the fp32 result: an fp16 / fp32
     model never sees bf16 rounding (nor a bf16-rounded bias)."""
     m, n, k = 20, 16, 256
@@ -330,7 +331,8 @@ def test_gpu_prefill_in_cuda_graph(kernel_arch):
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
-def test_prefill_op_passes_opcheck(emulated_sm90):
+@pytest.mark.usefixtures("emulated_sm90")
+def test_prefill_op_passes_opcheck():
     """The sm_90a prefill op (emulated GEMM) meets torch.library's schema / fake checks."""
     m, n, k = 9, 16, 256
     qx, qw = quantize(_data(m, k, 5), "mxfp4-mbs-s"), quantize(_data(n, k, 6), "mxfp4-mbs-d")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm_mxplus.formats import quantize
-from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture; tests/ops is on sys.path)
+from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/ops on sys.path)
 from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
 from vllm_mxplus.ops import fp8_chunks as fc
 from vllm_mxplus.ops.cutlass_prefill import CutlassPrefillBackend
@@ -240,11 +240,12 @@ def test_custom_op_matches_and_traces(triton_device):
 
 # ----------------------------------------------------------------------------- prefill wiring
 
+@pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4-mbs-s", torch.bfloat16),
                                        ("mxfp4-16-oas", torch.float16)],
                          ids=["mbs-s-bf16", "oas-fp16"])
-def test_prefill_from_x_equals_two_step_path(emulated_sm90, fmt, dtype, with_bias, triton_device):
+def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_device):
     """prefill_gemm_from_x (fused encoder, fallback from fake_quantize(x_rows)) gives the
     same bf16 output, bit for bit, as act-quant + prefill_gemm (torch encoder, fallback from
     the codes), with out-of-span activation rows and weight rows both present."""
@@ -270,7 +271,8 @@ def test_prefill_from_x_equals_two_step_path(emulated_sm90, fmt, dtype, with_bia
     assert torch.isnan(y[3]).all() and not torch.isnan(y[torch.arange(m) != 3]).any()
 
 
-def test_backend_apply_uses_fused_path(monkeypatch, emulated_sm90, triton_device):
+@pytest.mark.usefixtures("emulated_sm90")
+def test_backend_apply_uses_fused_path(monkeypatch, triton_device):
     """CutlassPrefillBackend.apply on sm_90a: leading dims, out_dtype; the fused encoder runs
     (the torch encoder is never called for activations)."""
     n, k = 16, 256
@@ -292,7 +294,8 @@ def test_backend_apply_uses_fused_path(monkeypatch, emulated_sm90, triton_device
     assert torch.equal(y.reshape(-1, n).view(torch.int16), want.view(torch.int16))
 
 
-def test_prefill_from_x_traces_and_passes_opcheck(emulated_sm90, triton_device):
+@pytest.mark.usefixtures("emulated_sm90")
+def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     """torch.compile (fullgraph) traces prefill_gemm_from_x through both custom ops' fakes and
     gives the eager numbers; the fused prefill op passes opcheck's fake-tensor check."""
     qw = quantize(torch.randn(16, 256).to(triton_device), "mxfp4-mbs-d")

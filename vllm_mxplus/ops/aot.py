@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -122,9 +122,9 @@ def _drive_decode_gemm(quick: bool) -> None:
             continue
         bs = get_format(wf).block_size
 
-        def operand(rows: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-            mbs = _meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8) if get_format(fmt).mbs \
-                else None
+        def operand(rows: int, fmt: str) -> tuple[torch.Tensor, ...]:
+            mbs = (_meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8)
+                   if get_format(fmt).mbs else None)
             return (_meta((rows, ceil_div(k, 2)), torch.uint8),
                     _meta((rows, ceil_div(k, bs)), torch.uint8), mbs)
 
@@ -348,8 +348,9 @@ def run_aot(targets: list[int], quick: bool, jobs: int, print_fn: Callable[[str]
     t0 = time.time()
     per_launcher = enumerate_configs(quick)
     configs = [c for cs in per_launcher.values() for c in cs]
-    print_fn(f"aot: {len(configs)} configurations ({', '.join(f'{k}: {len(v)}' for k, v in per_launcher.items())})"
-             f" x targets {targets}{' (quick subset)' if quick else ''}, {jobs} jobs")
+    counts = ", ".join(f"{k}: {len(v)}" for k, v in per_launcher.items())
+    print_fn(f"aot: {len(configs)} configurations ({counts}) x targets {targets}"
+             f"{' (quick subset)' if quick else ''}, {jobs} jobs")
     results = compile_all(configs, targets, jobs, progress)
     for line in summarize(results):
         print_fn(line)

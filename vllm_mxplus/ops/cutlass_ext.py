@@ -1,9 +1,9 @@
 """The optional CUTLASS extension `mxplus_cutlass`: where its sources are, how it is built, and
 loading it (never needed on CPU).
 
-    python -m vllm_mxplus.ops.cutlass_ext                 # archs from TORCH_CUDA_ARCH_LIST, else both
-    python -m vllm_mxplus.ops.cutlass_ext --archs 90a     # H100 / H200 only
-    python -m vllm_mxplus.ops.cutlass_ext --out DIR       # then VLLM_MXPLUS_CUTLASS_EXT=<printed .so>
+    python -m vllm_mxplus.ops.cutlass_ext               # archs: TORCH_CUDA_ARCH_LIST, else both
+    python -m vllm_mxplus.ops.cutlass_ext --archs 90a   # H100 / H200 only
+    python -m vllm_mxplus.ops.cutlass_ext --out DIR     # then VLLM_MXPLUS_CUTLASS_EXT=<the .so>
 
 The C++ sources ship inside the package (`vllm_mxplus/ops/cutlass_src/`, package data), so an
 installed wheel builds the same way as a source checkout (`kernels/build.py` is a shim for
@@ -80,7 +80,8 @@ def nvcc_path() -> str:
     return path
 
 
-def nvcc_command(src: Path, obj: Path, arch: Optional[str], extra: tuple[str, ...] = ()) -> list[str]:
+def nvcc_command(src: Path, obj: Path, arch: Optional[str],
+                 extra: tuple[str, ...] = ()) -> list[str]:
     """nvcc -c for one file: arch like '90a' builds the kernel, None builds the stub (which
     needs no CUTLASS headers)."""
     inc = ([f"-I{d}" for d in cutlass_include_dirs()] if arch else []) + [f"-I{SOURCE_DIR}"]

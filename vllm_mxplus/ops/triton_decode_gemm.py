@@ -167,10 +167,11 @@ def _check_operand(name: str, codes: torch.Tensor, scales: torch.Tensor,
                    mbs: Optional[torch.Tensor], k: int, bs: int, macro: int) -> None:
     rows = codes.shape[0]
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] != ceil_div(k, 2):
-        raise ValueError(f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)={ceil_div(k, 2)}],"
-                         f" got {codes.dtype} {tuple(codes.shape)}")
+        raise ValueError(f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)="
+                         f"{ceil_div(k, 2)}], got {codes.dtype} {tuple(codes.shape)}")
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, ceil_div(k, bs)):
-        raise ValueError(f"decode_gemm: {name}_scales must be uint8 E8M0 [{rows}, {ceil_div(k, bs)}],"
+        raise ValueError(f"decode_gemm: {name}_scales must be uint8 E8M0 "
+                         f"[{rows}, {ceil_div(k, bs)}],"
                          f" got {scales.dtype} {tuple(scales.shape)}")
     if mbs is not None and (mbs.dtype != torch.uint8
                             or tuple(mbs.shape) != (rows, ceil_div(k, macro))):
@@ -222,7 +223,8 @@ def decode_gemm(
         raise ValueError(f"decode_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     if bs not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}")
+        raise ValueError(f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, "
+                         f"got {bs}")
     has_mbs = x_mbs is not None or w_mbs is not None
     if has_mbs and not supports_macro_block(macro_block):
         raise ValueError(f"decode_gemm: macro_block must be a power of two >= {GPU_BLOCK_K}, "
