@@ -216,3 +216,22 @@ def _old_sigma_chunks(mbs, rows, k):
 def test_guard_catches_unsafe_patterns(bad):
     with pytest.raises(GraphSafetyViolation):
         _checked(bad, _e((4, 8)))
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-ocp"])
+def test_triton_backend_apply_is_graph_safe(scheme):
+    """TritonDecodeBackend.apply end to end: the two custom ops (fakes here) and the glue."""
+    from vllm_mxplus.formats import get_format, get_scheme
+    from vllm_mxplus.ops.triton_backend import ATTRS, TritonDecodeBackend
+
+    s = get_scheme(scheme)
+    wf = get_format(s.weight_format)
+    n, k = 256, 576
+    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16, device_type="cuda")
+    layer = types.SimpleNamespace(**dict(zip(ATTRS, (
+        _e((n, k // 2), torch.uint8), _e((n, k // wf.block_size), torch.uint8),
+        _e((n, 5), torch.uint8) if wf.mbs else None))))
+    y, ops = _checked(TritonDecodeBackend().apply, layer, _e((3, k), torch.bfloat16),
+                      _e((n,), torch.bfloat16), spec)
+    assert y.shape == (3, n)
+    assert any("triton_decode_gemm" in op for op in ops)
