@@ -98,7 +98,7 @@ step_record() {  # name rc seconds status detail
 
 # ----------------------------------------------------------------------------- prerequisites
 say "prerequisites ($MODE)"
-PRE=$("$PY" - "$HEADERS" <<'PYEOF' 2>&1
+PRE=$(timeout 60 "$PY" - "$HEADERS" <<'PYEOF' 2>&1
 import importlib.util as u, json, shutil, sys
 from pathlib import Path
 need = ["torch", "triton", "pytest", "hypothesis", "safetensors", "tqdm", "numpy"]
@@ -215,7 +215,7 @@ for name in $BENCHES; do
 done
 
 # ----------------------------------------------------------------------------- JSON
-"$PY" - "$STEPS_JSON" "$OUT" "$rc" "$(( $(date +%s) - START ))" <<'PYEOF' | tee -a "$LOG"
+timeout 30 "$PY" - "$STEPS_JSON" "$OUT" "$rc" "$(( $(date +%s) - START ))" <<'PYEOF' | tee -a "$LOG"
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 steps = [json.loads(l) for l in Path(sys.argv[1]).read_text().splitlines() if l.strip()]
