@@ -20,16 +20,17 @@ ENV TORCH_CUDA_ARCH_LIST="9.0a;10.0a" \
 WORKDIR /opt/mxplus/src
 COPY pyproject.toml README.md ./
 COPY vllm_mxplus ./vllm_mxplus
-COPY kernels ./kernels
 
 # The plugin: the same line as docs/deploy.md (the README's install instructions).
 RUN pip install .
 
-# The optional CUTLASS extension: headers from the nvidia-cutlass wheel, built for
-# TORCH_CUDA_ARCH_LIST; the loader finds it through VLLM_MXPLUS_CUTLASS_EXT.
+# The optional CUTLASS extension, built from the *installed* package (its C++ sources are
+# package data; run from / so the source copy above is not on the path): headers from the
+# nvidia-cutlass wheel, archs from TORCH_CUDA_ARCH_LIST; found via VLLM_MXPLUS_CUTLASS_EXT.
+WORKDIR /
 RUN pip install nvidia-cutlass==4.2.0.0 \
     && nvcc --version \
-    && python3 kernels/build.py --out /opt/mxplus/build --jobs 2 \
+    && python3 -m vllm_mxplus.ops.cutlass_ext --out /opt/mxplus/build --jobs 2 \
     && mkdir -p /opt/mxplus/ext \
     && cp /opt/mxplus/build/mxplus_cutlass*.so "${VLLM_MXPLUS_CUTLASS_EXT}" \
     && rm -rf /opt/mxplus/build

@@ -7,8 +7,11 @@ measures TFLOP/s (2·M·N·K / time) of
            is free there; sm_100a: one full-K launch, no per-chunk epilogue)
   fp8      torch._scaled_mm FP8 E4M3 per-tensor scales
   bf16     torch.matmul in bf16 (the named baseline of every ratio)
-Kernel time only: weights prepared and activations re-encoded / packed before timing.
-Prints the machine, versions, and ratios mbs/bf16, mbs/no_mbs (overhead; goal <= 5%).
+  e2e      prefill_gemm_from_x: activation encoding from bf16 x, the GEMM and the graph-safe
+           sm_90a fallback machinery (two extra GEMMs on up to 64 rows), what the backend runs
+Kernel time for mbs / no_mbs: weights prepared and activations re-encoded / packed before
+timing. Prints the machine, versions, and ratios mbs/bf16, mbs/no_mbs (overhead; goal <= 5%),
+e2e/bf16.
 Goal on H200: mbs >= 1.5x bf16 at M >= 4096. Exits 0 with a message without CUDA / extension.
 
     python benchmarks/bench_prefill_gemm.py [--m 128,1024] [--models llama-3.1-8b] [--iters 10]
@@ -58,19 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_prefill_gemm: no CUDA device; nothing to measure")
         return 0
     from vllm_mxplus.formats import quantize
-    from vllm_mxplus.ops import cutlass_prefill as cp
+    from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
 
-    ok, why = cp.is_available()
+    ok, why = cutlass_ext.is_available()
     if not ok:
         print(f"bench_prefill_gemm: CUTLASS extension unavailable ({why}); "
-              "build it with: python kernels/build.py")
+              "build it with: python -m vllm_mxplus.ops.cutlass_ext")
         return 0
-    arch = cp.arch_of()
+    arch = cutlass_ext.arch_of()
     print(f"machine: {platform.node()} | {torch.cuda.get_device_name()} ({arch}) | "
           f"torch {torch.__version__} cuda {torch.version.cuda} | python "
           f"{platform.python_version()}")
     print(f"{'model':14s} {'layer':8s} {'M':>6s} {'N':>6s} {'K':>6s} | TFLOP/s: {'mbs':>7s} "
-          f"{'no_mbs':>7s} {'fp8':>7s} {'bf16':>7s} | mbs/bf16 mbs/fp8 overhead")
+          f"{'no_mbs':>7s} {'fp8':>7s} {'bf16':>7s} {'e2e':>7s} | mbs/bf16 mbs/fp8 overhead "
+          f"e2e/bf16")
     dev = torch.device("cuda")
     ratios = []
     for model in args.models.split(","):
@@ -78,25 +82,26 @@ def main(argv: list[str] | None = None) -> int:
             # Kernel time does not depend on which MBS bytes were chosen: MBS-S is quicker
             # to quantize than the exhaustive MBS-D search at these sizes.
             qw = quantize(torch.randn(n, k, device=dev), "mxfp4-mbs-s")
-            w = cp.prepare_weight(qw, arch)
+            w = cutlass_gemm.prepare_weight(qw, arch)
             w_bf16 = qw.dequantize(torch.bfloat16)
             w_fp8 = w_bf16.to(torch.float8_e4m3fn)
             one = torch.ones((), device=dev)
             for m in map(int, args.m.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 qx = quantize(x, "mxfp4-mbs-s")
-                fns = _kernels(cp, arch, qx, qw, w, k)
+                fns = _kernels(arch, qx, qw, w, k)
                 fns["fp8"] = lambda: torch._scaled_mm(x.to(torch.float8_e4m3fn), w_fp8.t(),
                                                       one, one, out_dtype=torch.bfloat16)
                 fns["bf16"] = lambda: torch.matmul(x, w_bf16.t())
+                fns["e2e"] = lambda: cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
                 flop = 2.0 * m * n * k
                 tf = {name: flop / time_ms(fn, args.iters) / 1e9 for name, fn in fns.items()}
                 ov = tf["no_mbs"] / tf["mbs"] - 1.0
                 ratios.append((m, tf["mbs"] / tf["bf16"], ov))
                 print(f"{model:14s} {layer:8s} {m:6d} {n:6d} {k:6d} | {'':8s} {tf['mbs']:7.1f} "
-                      f"{tf['no_mbs']:7.1f} {tf['fp8']:7.1f} {tf['bf16']:7.1f} | "
+                      f"{tf['no_mbs']:7.1f} {tf['fp8']:7.1f} {tf['bf16']:7.1f} {tf['e2e']:7.1f} | "
                       f"{tf['mbs'] / tf['bf16']:7.2f}x {tf['mbs'] / tf['fp8']:6.2f}x "
-                      f"{100 * ov:+6.1f}%")
+                      f"{100 * ov:+6.1f}% {tf['e2e'] / tf['bf16']:7.2f}x")
     big = [r for m, r, _ in ratios if m >= 4096]
     if big:
         print(f"summary: mbs/bf16 at M>=4096: min {min(big):.2f}x, mean {sum(big)/len(big):.2f}x "
@@ -105,27 +110,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _kernels(cp, arch, qx, qw, w, k):
+def _kernels(arch, qx, qw, w, k):
     """Timed closures of the MBS kernel and of the same kernel without MBS (inputs prepared)."""
+    from vllm_mxplus.ops import cutlass_ops as co
+    from vllm_mxplus.ops.fp8_chunks import encode_fp8_chunks
+
+    bf16 = torch.bfloat16
     if arch == "sm90a":
-        xl = cp.encode_fp8_chunks(qx.codes, qx.scales, qx.mbs, k)
+        xl = encode_fp8_chunks(qx.codes, qx.scales, qx.mbs, k)
         no_mbs_scale = xl.scale * (1.0 + xl.mbs.t().float() / 256.0)  # drop sigma
         return {
-            "mbs": lambda: cp.fp8_chunk_gemm(xl.fp8, xl.scale, w.layout.fp8, w.layout.scale, None),
-            "no_mbs": lambda: cp.fp8_chunk_gemm(xl.fp8, no_mbs_scale, w.layout.fp8,
-                                                w.layout.scale, None),
+            "mbs": lambda: co.fp8_chunk_gemm(xl.fp8, xl.scale, w.layout.fp8, w.layout.scale,
+                                             None, bf16),
+            "no_mbs": lambda: co.fp8_chunk_gemm(xl.fp8, no_mbs_scale, w.layout.fp8,
+                                                w.layout.scale, None, bf16),
         }
     pad = torch.nn.functional.pad
     kp = w.codes.shape[1] * 2
     codes = pad(qx.codes, (0, kp // 2 - qx.codes.shape[1])).contiguous()
-    sf = cp.pack_scales_sm100(qx.scales, kp)
-    sf_full = cp.pack_scales_sm100(qx.scales, kp, kp)  # one full-K "chunk"
-    w_sf_full = cp.pack_scales_sm100(pad(qw.scales, (0, 0, 0, w.codes.shape[0] - w.n)), kp, kp)
-    sig = cp.sigma_chunks(qx.mbs, qx.codes.shape[0], k).to(codes.device)
+    sf = co.pack_scales_sm100(qx.scales, kp)
+    sf_full = co.pack_scales_sm100(qx.scales, kp, kp)  # one full-K "chunk"
+    w_sf_full = co.pack_scales_sm100(pad(qw.scales, (0, 0, 0, w.codes.shape[0] - w.n)), kp, kp)
+    sig = co.sigma_chunks(qx.mbs, qx.codes.shape[0], k, codes.device)
     return {
-        "mbs": lambda: cp.fp4_mbs_gemm(codes, sf, w.codes, w.sf, sig, w.sigma, None, True),
-        "no_mbs": lambda: cp.fp4_mbs_gemm(codes, sf_full, w.codes, w_sf_full, sig, w.sigma,
-                                          None, False),
+        "mbs": lambda: co.fp4_mbs_gemm(codes, sf, w.codes, w.sf, sig, w.sigma, None, True, bf16),
+        "no_mbs": lambda: co.fp4_mbs_gemm(codes, sf_full, w.codes, w_sf_full, sig, w.sigma,
+                                          None, False, bf16),
     }
 
 

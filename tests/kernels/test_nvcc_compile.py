@@ -8,7 +8,6 @@ skips them on a CI that has nvcc but no time.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
 import subprocess
@@ -18,28 +17,22 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+from vllm_mxplus.ops import cutlass_ext
+
+KERNELS = cutlass_ext.SOURCE_DIR  # the package's copy: what an installed wheel builds
 TIMEOUT_S = 600
-
-
-def _build_module():
-    spec = importlib.util.spec_from_file_location("mxplus_kernels_build", KERNELS / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def build():
     if os.environ.get("MXPLUS_SKIP_NVCC") == "1":
         pytest.skip("MXPLUS_SKIP_NVCC=1")
-    mod = _build_module()
     try:
-        mod.nvcc_path()
-        mod.cutlass_include_dirs()
-    except SystemExit as e:
+        cutlass_ext.nvcc_path()
+        cutlass_ext.cutlass_include_dirs()
+    except cutlass_ext.BuildError as e:
         pytest.skip(str(e))
-    return mod
+    return cutlass_ext
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +88,7 @@ def test_nvcc_compiles_stub(build, arch, tmp_path):
 
 
 def test_requested_archs_from_torch_list(monkeypatch):
-    mod = _build_module()
+    mod = cutlass_ext
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;10.0a")
     assert mod.requested_archs(None) == ["90a", "100a"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")

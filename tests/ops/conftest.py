@@ -2,7 +2,7 @@
 
 Triton chooses interpreter or compiler when a kernel is decorated, i.e. when
 vllm_mxplus.ops.triton_* is first imported, so TRITON_INTERPRET must be set before that
-(DESIGN.md §5: no GPU here, only TRITON_INTERPRET=1). With CUDA present the kernels compile
+(no GPU on the CI machines: only TRITON_INTERPRET=1). With CUDA present the kernels compile
 for the GPU and the same tests run on CUDA tensors.
 """
 

@@ -13,13 +13,17 @@ Runs on CPU under TRITON_INTERPRET=1 (tests/ops/conftest.py) or on CUDA when com
 from __future__ import annotations
 
 import itertools
+import os
 import types
 
 import pytest
 import torch
 
 from vllm_mxplus.formats import quantize
-from vllm_mxplus.ops import cutlass_prefill as cp
+from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/ops on sys.path)
+from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
+from vllm_mxplus.ops import fp8_chunks as fc
+from vllm_mxplus.ops.cutlass_prefill import CutlassPrefillBackend
 from vllm_mxplus.ops.backend import LinearSpec
 from vllm_mxplus.ops.triton_act_fp8 import (
     SUPPORTED_FORMATS,
@@ -54,20 +58,20 @@ def assert_same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     )
 
 
-def reference_layout(x: torch.Tensor, fmt: str) -> cp.Fp8ChunkLayout:
+def reference_layout(x: torch.Tensor, fmt: str) -> fc.Fp8ChunkLayout:
     """The two-step path: quantize (= the Triton act-quant, bit for bit), then torch encode."""
     x2 = x.reshape(-1, x.shape[-1])
     q = quantize(x2, fmt)
-    return cp.encode_fp8_chunks(q.codes, q.scales, q.mbs, x.shape[-1])
+    return fc.encode_fp8_chunks(q.codes, q.scales, q.mbs, x.shape[-1])
 
 
-def assert_same_layout(got: cp.Fp8ChunkLayout, want: cp.Fp8ChunkLayout) -> None:
+def assert_same_layout(got: fc.Fp8ChunkLayout, want: fc.Fp8ChunkLayout) -> None:
     assert got.k == want.k
     for name in FIELDS:
         assert_same_bits(name, getattr(got, name), getattr(want, name))
 
 
-def check_bit_exact(x: torch.Tensor, fmt: str) -> cp.Fp8ChunkLayout:
+def check_bit_exact(x: torch.Tensor, fmt: str) -> fc.Fp8ChunkLayout:
     got = act_quant_fp8_chunks(x, fmt)
     want = reference_layout(x, fmt)
     assert_same_layout(got, want)
@@ -235,26 +239,16 @@ def test_custom_op_matches_and_traces(triton_device):
 
 
 # ----------------------------------------------------------------------------- prefill wiring
-def _emulated_fp8_gemm(a_fp8, a_scale, b_fp8, b_scale, bias):
-    """The sm_90a kernel's arithmetic in fp64: sum_c sa[c,m] sb[c,n] (A_c B_c^T), + bias."""
-    a = a_fp8.to(torch.float64).view(a_fp8.shape[0], -1, cp.CHUNK)
-    b = b_fp8.to(torch.float64).view(b_fp8.shape[0], -1, cp.CHUNK)
-    part = torch.einsum("mck,nck->cmn", a, b)
-    acc = (part * a_scale.double()[:, :, None] * b_scale.double()[:, None, :]).sum(0)
-    if bias is not None:
-        acc = acc + bias.double()
-    return acc.to(torch.bfloat16)
 
-
+@pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4-mbs-s", torch.bfloat16),
                                        ("mxfp4-16-oas", torch.float16)],
                          ids=["mbs-s-bf16", "oas-fp16"])
-def test_prefill_from_x_equals_two_step_path(monkeypatch, fmt, dtype, with_bias, triton_device):
+def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_device):
     """prefill_gemm_from_x (fused encoder, fallback from fake_quantize(x_rows)) gives the
     same bf16 output, bit for bit, as act-quant + prefill_gemm (torch encoder, fallback from
     the codes), with out-of-span activation rows and weight rows both present."""
-    monkeypatch.setattr(cp, "fp8_chunk_gemm", _emulated_fp8_gemm)
     m, n, k = 40, 24, 576
     x = activations(m, k, dtype, triton_device, seed=21)
     x[3, 40] = float("nan")  # a NaN row takes the fallback too
@@ -264,56 +258,56 @@ def test_prefill_from_x_equals_two_step_path(monkeypatch, fmt, dtype, with_bias,
     e = torch.randint(-12, 12, (n, k // 16), generator=g).repeat_interleave(16, -1)
     qw = quantize((torch.randn(n, k, generator=g) * torch.exp2(e.float())).to(triton_device),
                   "mxfp4-mbs-d")
-    w = cp.prepare_weight(qw, "sm90a")
+    w = cutlass_gemm.prepare_weight(qw, "sm90a")
     bias = torch.randn(n, generator=g).to(torch.bfloat16).to(triton_device) if with_bias else None
     xl = act_quant_fp8_chunks(x, fmt)
     assert (~xl.exact_rows).sum() >= 2 and w.fallback_idx.numel() > 0, "must hit fallbacks"
 
-    y = cp.prefill_gemm_from_x(x, fmt, w, bias, torch.bfloat16)
+    y = cutlass_gemm.prefill_gemm_from_x(x, fmt, w, bias, torch.bfloat16)
     q = quantize(x, fmt)
-    want = cp.prefill_gemm(q.codes, q.scales, q.mbs, k, w, bias, torch.bfloat16)
+    want = cutlass_gemm.prefill_gemm(q.codes, q.scales, q.mbs, k, w, bias, torch.bfloat16)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
     assert torch.isnan(y[3]).all() and not torch.isnan(y[torch.arange(m) != 3]).any()
 
 
+@pytest.mark.usefixtures("emulated_sm90")
 def test_backend_apply_uses_fused_path(monkeypatch, triton_device):
     """CutlassPrefillBackend.apply on sm_90a: leading dims, out_dtype; the fused encoder runs
     (the torch encoder is never called for activations)."""
-    monkeypatch.setattr(cp, "fp8_chunk_gemm", _emulated_fp8_gemm)
     n, k = 16, 256
     spec = LinearSpec(scheme="mxfp4-mbs", n=n, k=k, out_dtype=torch.float16)
     qw = quantize(torch.randn(n, k).to(triton_device), spec.weight_format)
     layer = types.SimpleNamespace()
-    setattr(layer, cp.CutlassPrefillBackend.WEIGHT_ATTR, cp.prepare_weight(qw, "sm90a"))
+    setattr(layer, CutlassPrefillBackend.WEIGHT_ATTR, cutlass_gemm.prepare_weight(qw, "sm90a"))
     x = activations(2 * 9, k, torch.bfloat16, triton_device, seed=4).reshape(2, 9, k)
     q = quantize(x.reshape(-1, k), spec.activation_format)
-    want = cp.prefill_gemm(q.codes, q.scales, q.mbs, k, layer.mxplus_cutlass_weight, None,
+    want = cutlass_gemm.prefill_gemm(q.codes, q.scales, q.mbs, k, layer.mxplus_cutlass_weight, None,
                            torch.float16)
 
     def no_torch_encoder(*args, **kwargs):
         raise AssertionError("activations went through encode_fp8_chunks")
 
-    monkeypatch.setattr(cp, "encode_fp8_chunks", no_torch_encoder)
-    y = cp.CutlassPrefillBackend().apply(layer, x, None, spec)
+    monkeypatch.setattr(cutlass_gemm, "encode_fp8_chunks", no_torch_encoder)
+    y = CutlassPrefillBackend().apply(layer, x, None, spec)
     assert y.shape == (2, 9, n) and y.dtype == torch.float16
     assert torch.equal(y.reshape(-1, n).view(torch.int16), want.view(torch.int16))
 
 
-def test_prefill_from_x_traces_and_passes_opcheck(monkeypatch, triton_device):
+@pytest.mark.usefixtures("emulated_sm90")
+def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     """torch.compile (fullgraph) traces prefill_gemm_from_x through both custom ops' fakes and
     gives the eager numbers; the fused prefill op passes opcheck's fake-tensor check."""
-    monkeypatch.setattr(cp, "fp8_chunk_gemm", _emulated_fp8_gemm)
     qw = quantize(torch.randn(16, 256).to(triton_device), "mxfp4-mbs-d")
-    w = cp.prepare_weight(qw, "sm90a")
+    w = cutlass_gemm.prepare_weight(qw, "sm90a")
     x = activations(20, 256, torch.bfloat16, triton_device, seed=3)
-    compiled = torch.compile(lambda t: cp.prefill_gemm_from_x(t, "mxfp4-mbs-s", w, None),
+    compiled = torch.compile(lambda t: cutlass_gemm.prefill_gemm_from_x(t, "mxfp4-mbs-s", w, None),
                              backend="aot_eager", fullgraph=True)
-    want = cp.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
+    want = cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
     assert torch.equal(compiled(x).view(torch.int16), want.view(torch.int16))
     xl = act_quant_fp8_chunks(x, "mxfp4-mbs-s")
     args = (x, "mxfp4-mbs-s", xl.fp8, xl.scale, xl.ref, xl.mbs, xl.exact, w.layout.fp8,
-            w.layout.scale, w.layout.ref, w.layout.mbs, w.fallback_idx, w.fallback_w, None, w.n)
+            w.layout.scale, w.fallback_idx, w.fallback_w, None, w.n, torch.bfloat16)
     torch.library.opcheck(torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused.default, args,
                           test_utils=("test_faketensor",))
 
@@ -328,8 +322,7 @@ def test_fused_prefill_op_fake():
         y = torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
             x, "mxfp4-mbs-s", fp8, scale, ref, mbs, exact,
             torch.empty(24, 384, dtype=torch.float8_e4m3fn), torch.empty(3, 24),
-            torch.empty(24, 3, dtype=torch.int32), torch.empty(24, 3, dtype=torch.uint8),
-            None, None, None, 20)
+            None, None, None, 20, torch.bfloat16)
     assert fp8.shape == (10, 384) and fp8.dtype == torch.float8_e4m3fn
     assert scale.shape == (3, 10) and ref.dtype == torch.int32 and exact.dtype == torch.bool
     assert y.shape == (10, 20) and y.dtype == torch.bfloat16
@@ -372,14 +365,16 @@ def test_gpu_cuda_graph_capture(cuda_device):
 @pytest.mark.gpu
 def test_gpu_prefill_from_x_equals_two_step(cuda_device):
     """With the CUTLASS sm_90a kernel: the fused path gives the two-step path's output."""
-    ok, why = cp.is_available()
-    if not ok or cp.arch_of() != "sm90a":
-        pytest.skip(f"needs the sm_90a CUTLASS kernel ({why or cp.arch_of()})")
+    ok, why = cutlass_ext.is_available()
+    if not ok and os.environ.get("MXPLUS_REQUIRE_CUTLASS") == "1":  # scripts/gpu_check.sh
+        pytest.fail(f"CUTLASS prefill kernel required but unavailable: {why}")
+    if not ok or cutlass_ext.arch_of() != "sm90a":
+        pytest.skip(f"needs the sm_90a CUTLASS kernel ({why or cutlass_ext.arch_of()})")
     m, n, k = 256, 512, 4096
     x = activations(m, k, torch.bfloat16, cuda_device, seed=31)
     qw = quantize(torch.randn(n, k, device=cuda_device), "mxfp4-mbs-d")
-    w = cp.prepare_weight(qw, "sm90a")
-    y = cp.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
+    w = cutlass_gemm.prepare_weight(qw, "sm90a")
+    y = cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
     q = quantize(x, "mxfp4-mbs-s")
-    want = cp.prefill_gemm(q.codes, q.scales, q.mbs, k, w, None)
+    want = cutlass_gemm.prefill_gemm(q.codes, q.scales, q.mbs, k, w, None)
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))

@@ -227,3 +227,54 @@ def test_gpu_cuda_graph_capture(cuda_device):
     ref = quantize(x, "mxfp4-mbs-s")
     assert_same_bits("codes", out[0], ref.codes)
     assert_same_bits("mbs", out[2], ref.mbs)
+
+
+# ----------------------------------------------------------------------------- launcher limits
+@pytest.mark.parametrize("macro_block", [256, 1024, 2048], ids=lambda b: f"macro{b}")
+def test_large_macro_blocks_bit_exact(macro_block, triton_device):
+    """Macro blocks wider than the GPU's 512-column tile: the tile widens to one macro block
+    (before, BLOCK_K stayed 512 and the kernel could not compile on a GPU)."""
+    x = activations(5, 2 * macro_block + 100, torch.bfloat16, triton_device, seed=macro_block)
+    codes, scales, mbs, _ = act_quant(x, "mxfp4-mbs-s", macro_block=macro_block)
+    ref = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
+    assert_same_bits("codes", codes, ref.codes)
+    assert_same_bits("scales", scales, ref.scales)
+    assert_same_bits("mbs", mbs, ref.mbs)
+
+
+@pytest.mark.parametrize("macro_block", [128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("m", [1, 3, 100])
+def test_gpu_tiles_hold_a_macro_block(m, macro_block):
+    """The GPU tile (what `mxplus kernels --aot` compiles) is a whole number of macro blocks
+    and at most GPU_TILE_ELEMS elements: a macro block never crosses programs."""
+    from vllm_mxplus.ops import triton_act_quant as aq
+    from vllm_mxplus.ops.triton_utils import capture_launches
+
+    with capture_launches():  # the GPU's choices, even under the interpreter
+        block_m, block_k = aq.tile_sizes(m, 4096, macro_block)
+    assert block_k % macro_block == 0 and block_m * block_k <= aq.GPU_TILE_ELEMS
+    assert block_m >= 1 and block_k <= max(macro_block, aq.GPU_BLOCK_K)
+
+
+@pytest.mark.parametrize("macro_block", [64, 96, 4096])
+def test_unsupported_macro_block_is_rejected(macro_block):
+    x = torch.zeros(2, 256)
+    with pytest.raises(ValueError, match="act_quant: macro_block"):
+        act_quant(x, "mxfp4-mbs-s", macro_block=macro_block)
+
+
+def test_row_offsets_are_64_bit(triton_device):
+    """Row 2048 of a tensor with a row stride of 2^20 elements starts at element 2^31: a
+    32-bit row * stride wraps there (131k tokens at K = 16384 hit the same). The buffer is
+    4 GiB of virtual memory, only the touched rows are ever backed."""
+    if triton_device.type != "cpu":
+        pytest.skip("the 4 GiB strided buffer is a CPU (virtual memory) check")
+    m, k, stride = 2049, 128, 1 << 20
+    base = torch.empty((m - 1) * stride + k, dtype=torch.bfloat16)
+    x = base.as_strided((m, k), (stride, 1))
+    x.copy_(activations(m, k, torch.bfloat16, "cpu", seed=7))
+    codes, scales, mbs, _ = act_quant(x, "mxfp4-mbs-s")
+    ref = quantize(x.contiguous(), "mxfp4-mbs-s")
+    assert_same_bits("codes", codes, ref.codes)
+    assert_same_bits("scales", scales, ref.scales)
+    assert_same_bits("mbs", mbs, ref.mbs)

@@ -27,6 +27,18 @@ def test_rejections_name_the_reason():
     assert TritonDecodeBackend.supports_m(16) and not TritonDecodeBackend.supports_m(17)
 
 
+@pytest.mark.parametrize("macro_block,ok", [(128, True), (1024, True), (2048, True),
+                                            (4096, False), (96, False)])
+def test_macro_blocks_the_kernels_cannot_tile_are_rejected(macro_block, ok):
+    """can_implement rejects what the kernels cannot compile, so the selector falls back."""
+    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    got, why = TritonDecodeBackend.can_implement(spec)
+    assert got == ok and (ok or f"macro block {macro_block}" in why)
+    # without MBS the macro block does not matter
+    plain = LinearSpec("mxfp4-16-oas", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    assert TritonDecodeBackend.can_implement(plain)[0]
+
+
 def test_cpu_selection_has_no_triton():
     chosen = [b.name for b in select(LinearSpec("mxfp4-mbs", 64, 576, torch.bfloat16), "cpu",
                                      None)]

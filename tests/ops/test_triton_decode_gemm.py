@@ -196,3 +196,44 @@ def test_gpu_cuda_graph_capture(cuda_device):
     graph.replay()
     qx = quantize(x, "mxfp4-mbs-s")
     assert_within_bound(out, *reference(qx, qw), torch.bfloat16)
+
+
+def test_weight_row_offsets_are_64_bit(triton_device):
+    """Weight row 2048 with a row pitch of 2^20 bytes starts at byte 2^31: a 32-bit
+    row * stride wraps there (N*K/2 >= 2^31 on large layers). 2 GiB of virtual memory."""
+    if triton_device.type != "cpu":
+        pytest.skip("the 2 GiB strided buffer is a CPU (virtual memory) check")
+    n, k, m, pitch = 2049, 128, 2, 1 << 20
+    qx, qw = operands(m, k, n, "oas16", "cpu", seed=11)
+    base = torch.empty((n - 1) * pitch + k // 2, dtype=torch.uint8)
+    w_codes = base.as_strided((n, k // 2), (pitch, 1))
+    w_codes.copy_(qw.codes)
+    y = decode_gemm(qx.codes, qx.scales, qx.mbs, w_codes, qw.scales, qw.mbs, k,
+                    out_dtype=torch.float32)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("macro_block", [256, 1024])
+def test_macro_block_wider_than_k_step(macro_block, triton_device):
+    """A macro block spanning several K steps: each step's partial product is divided by
+    the factors of the macro block it lies in."""
+    m, k, n = 3, 2 * macro_block + 256, 64
+    gen = torch.Generator().manual_seed(macro_block)
+    x = torch.randn(m, k, generator=gen).to(triton_device)
+    w = torch.randn(n, k, generator=gen).to(triton_device)
+    qx = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
+    qw = quantize(w, "mxfp4-mbs-s", macro_block=macro_block)
+    y = decode_gemm(qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, k,
+                    out_dtype=torch.float32, macro_block=macro_block)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+def test_mbs_division_is_exact_rounding():
+    """The per-step division by Fx * Fw uses div_rn (IEEE), as the docstring promises; a bare
+    `/` lowers to PTX div.full.f32 (up to 2 ulp) on the GPU."""
+    import inspect
+
+    from vllm_mxplus.ops import triton_decode_gemm as dg
+
+    src = inspect.getsource(dg._decode_gemm_kernel.fn)
+    assert "tl.math.div_rn(part" in src and "part / " not in src

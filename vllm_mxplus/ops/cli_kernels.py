@@ -1,14 +1,19 @@
 """`mxplus kernels`: build the C++ CPU kernels now (instead of at the first model load) and
-say which backend each scheme gets on this machine.
+say which backend each scheme gets on this machine; or compile the GPU kernels ahead of time.
 
     mxplus kernels            # build if needed, print the build path and the CPU backends
     mxplus kernels --check    # also run a small bit-exactness self-test against formats
+    mxplus kernels --aot      # compile every Triton kernel configuration for sm_80/90/100
+                              # (no GPU needed); fails on a compile error, a register spill
+                              # or shared memory over the limit
+    mxplus kernels --aot --targets 90,100 --quick   # the representative subset CI runs
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 
@@ -18,6 +23,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true",
                    help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats")
+    g = p.add_argument_group("ahead-of-time GPU compilation (no GPU needed)")
+    g.add_argument("--aot", action="store_true",
+                   help="compile every Triton kernel configuration the launchers can launch to "
+                        "machine code with ptxas -v; exit 1 on a compile failure, a spill or "
+                        "shared memory over the target's limit")
+    g.add_argument("--targets", default="80,90,100",
+                   help="compute capabilities to compile for, comma-separated (default: "
+                        "80,90,100)")
+    g.add_argument("--quick", action="store_true",
+                   help="a representative subset (every kernel, format and flag; fewer shapes "
+                        "and dtypes): a few minutes on 2 cores, what CI runs")
+    g.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="parallel compile processes (default: CPU count, at most 8)")
 
 
 def _self_test() -> list[str]:
@@ -51,7 +69,24 @@ def _self_test() -> list[str]:
     return bad
 
 
+def _run_aot(args: argparse.Namespace) -> int:
+    from vllm_mxplus.ops import aot
+
+    try:
+        targets = aot.parse_targets(args.targets)
+    except ValueError as e:
+        print(f"mxplus kernels: {e}")
+        return 2
+    try:
+        return aot.run_aot(targets, args.quick, max(1, args.jobs))
+    except RuntimeError as e:  # triton missing, or a launcher recorded nothing
+        print(f"mxplus kernels --aot: {e}")
+        return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "aot", False):
+        return _run_aot(args)
     import torch
 
     from vllm_mxplus.formats import SCHEMES

@@ -17,11 +17,10 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.ops.library import op_name
 from vllm_mxplus.ops.triton_act_quant import act_quant
 from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
-from vllm_mxplus.ops.triton_utils import ceil_div
-
-LIB = "vllm_mxplus"
 
 
 def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
@@ -36,7 +35,7 @@ def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
     )
 
 
-@torch.library.custom_op(f"{LIB}::triton_act_quant", mutates_args=())
+@torch.library.custom_op(op_name("triton_act_quant"), mutates_args=())
 def _act_quant_op(
     x: torch.Tensor, fmt: str, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,7 +54,7 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
                  _act_quant_shapes(x, fmt, macro_block))
 
 
-@torch.library.custom_op(f"{LIB}::triton_decode_gemm", mutates_args=())
+@torch.library.custom_op(op_name("triton_decode_gemm"), mutates_args=())
 def _decode_gemm_op(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,

@@ -1,7 +1,7 @@
 """Fused Hopper activation re-encoding: x [M, K] -> the sm_90a FP8 per-(row, chunk) layout.
 
 One Triton kernel reads bf16/fp16/fp32 activation rows once and writes every field of
-`cutlass_prefill.Fp8ChunkLayout` for them: FP8 E4M3 elements [M, Kp], the folded fp32 scales
+`fp8_chunks.Fp8ChunkLayout` for them: FP8 E4M3 elements [M, Kp], the folded fp32 scales
 [Kp/128, M] = 2^(ref-127) * fp32(1/F), the reference exponents `ref`, the MBS bytes and the
 `exact` flags [M, Kp/128]. It replaces the two-step path of the sm_90a prefill (the Triton
 act-quant's codes / E8M0 scales / MBS bytes, then `encode_fp8_chunks`, ~15 torch ops) and is
@@ -34,23 +34,32 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
-from vllm_mxplus.ops.cutlass_prefill import (
+from vllm_mxplus.formats.constants import E8M0_NAN
+from vllm_mxplus.ops.fp8_chunks import (
     BLOCK,
     CHUNK,
     MIN_EXACT_REF,
     TOP_SHIFT,
     Fp8ChunkLayout,
 )
+from vllm_mxplus.ops.library import op_name
 from vllm_mxplus.ops.triton_act_quant import (
-    _MANTISSA_THRESHOLD,
+    GPU_BLOCK_K,
+    MANTISSA_THRESHOLD,
     e4m3_round,
     e8m0_block_quant,
     load_row_tile,
     mbs_static_scale,
 )
-from vllm_mxplus.ops.triton_utils import INTERPRET, ceil_div, check_available, tl, triton
+from vllm_mxplus.ops.triton_utils import (
+    ceil_div,
+    check_available,
+    interpreting,
+    launch,
+    tl,
+    triton,
+)
 
-LIB = "vllm_mxplus"
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16")
 
 # Globals read inside kernels must be tl.constexpr.
@@ -58,7 +67,7 @@ CHUNK_K = tl.constexpr(CHUNK)
 BLOCK_K16 = tl.constexpr(BLOCK)
 TOP = tl.constexpr(TOP_SHIFT)
 MIN_REF = tl.constexpr(MIN_EXACT_REF)
-NAN_CODE = tl.constexpr(255)
+NAN_CODE = tl.constexpr(E8M0_NAN)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -130,6 +139,7 @@ def _act_fp8_chunks_kernel(
     sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
     scale = pow2_f32(tl.minimum(tl.maximum(ref - 127, -149), 127)) * sigma
 
+    # offs_m is int64 (load_row_tile): M * Kp and Kp/128 * M may pass 2^31
     tl.store(fp8_ptr + offs_m[:, None] * stride_fm + offs_k[None, :], fp8.to(tl.uint8),
              mask=mask_m[:, None] & (offs_k[None, :] < KP))
     offs_c = pid_k * NC + tl.arange(0, NC)
@@ -138,7 +148,8 @@ def _act_fp8_chunks_kernel(
     tl.store(ref_ptr + cptr, ref, mask=cmask)
     tl.store(mbs_ptr + cptr, m.to(tl.uint8), mask=cmask)
     tl.store(exact_ptr + cptr, exact.to(tl.uint8), mask=cmask)
-    tl.store(scale_ptr + offs_c[None, :] * stride_sc + offs_m[:, None], scale, mask=cmask)
+    tl.store(scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_m[:, None], scale,
+             mask=cmask)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -146,9 +157,9 @@ def _tile_sizes(m: int, kp: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K), BLOCK_K a power of two >= 128. The interpreter pays per program:
     large tiles; the GPU: ~2K elements per program (memory-bound, like triton_act_quant)."""
     kp2 = triton.next_power_of_2(kp)
-    if INTERPRET:
+    if interpreting():
         return min(64, triton.next_power_of_2(m)), min(kp2, 4096)
-    return min(4, triton.next_power_of_2(m)), min(kp2, 512)
+    return min(4, triton.next_power_of_2(m)), min(kp2, GPU_BLOCK_K)
 
 
 def _check(x: torch.Tensor, fmt: str, macro_block: int) -> None:
@@ -189,11 +200,12 @@ def _fields(x: torch.Tensor, fmt: str, macro_block: int):
         bf16_bits = x2.dtype == torch.bfloat16
         block_m, block_k = _tile_sizes(m, kp)
         grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
-        _act_fp8_chunks_kernel[grid](
+        launch(
+            _act_fp8_chunks_kernel, grid,
             x2.view(torch.int16) if bf16_bits else x2, fp8, scale, ref, mbs, exact,
             m, k, kp, nc,
             x2.stride(0), fp8.stride(0), scale.stride(0), ref.stride(0),
-            MANT_THRESHOLD=_MANTISSA_THRESHOLD[spec.scale_rule],
+            MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
             HAS_MBS=bool(spec.mbs),
             BF16_BITS=bf16_bits,
             BLOCK_M=block_m, BLOCK_K=block_k,
@@ -227,7 +239,7 @@ def _field_shapes(x: torch.Tensor):
     )
 
 
-@torch.library.custom_op(f"{LIB}::triton_act_fp8_chunks", mutates_args=())
+@torch.library.custom_op(op_name("triton_act_fp8_chunks"), mutates_args=())
 def _act_fp8_chunks_op(
     x: torch.Tensor, fmt: str, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

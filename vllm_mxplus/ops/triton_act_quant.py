@@ -1,6 +1,7 @@
 """Fused Triton activation quantizer: bf16/fp16/fp32 [M, K] -> packed E2M1 codes, scales, MBS.
 
-Bit-exact to `vllm_mxplus.formats.quantize(x, fmt)` (DESIGN.md §1 and §3), with the nvfp4
+Bit-exact to `vllm_mxplus.formats.quantize(x, fmt)` (docs/numerics.md, "E8M0 block scales",
+"Macro Block Scaling" and "NVFP4"), with the nvfp4
 global scale taken per row (`per_row=True`), as the activation path requires.
 
 - E8M0 formats (`mxfp4-mbs-s`, `mxfp4-16-oas`, `mxfp4-16`, `mxfp4-ocp`): one program per
@@ -16,6 +17,8 @@ Numerics that the GPU could get wrong and how they are avoided:
   or Inf has absmax +inf, which every rule below treats as "non-finite".
 - Scale exponents and 2^k factors come from integer bit manipulation, never libdevice (whose
   FTZ reflection would flush fp32 subnormals).
+- Row offsets are 64-bit: row * stride wraps in int32 once M*K >= 2^31 (131k tokens at
+  K = 16384), and a wrapped offset reads another tensor's memory without any error.
 """
 
 from __future__ import annotations
@@ -25,27 +28,38 @@ from typing import Optional
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import constants as C
 from vllm_mxplus.ops.triton_utils import (
     ceil_div,
     check_available,
-    INTERPRET,
+    interpreting,
+    launch,
     tl,
     triton,
 )
 
 # Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
-E8M0_NAN = tl.constexpr(255)
-OAS_MANTISSA = 0x600000  # mantissa bits of 1.75: d = 1 above it (oas)
-FLOOR_MANTISSA = 0x400000  # mantissa bits of 1.5 (floor)
+E8M0_NAN = tl.constexpr(C.E8M0_NAN)
 NO_THRESHOLD = -1  # ocp: d is always 0
-MBS_STATIC_MASK = tl.constexpr(0x007F8000)  # the 8 leading mantissa bits of fp32(6/a)
-NVFP4_GLOBAL_DIV = tl.constexpr(2688.0)  # E2M1_MAX * F8E4M3_MAX = 6 * 448
-F8E4M3_MAX = tl.constexpr(448.0)
+MBS_STATIC_MASK = tl.constexpr(C.MBS_STATIC_MASK)  # the 8 leading mantissa bits of fp32(6/a)
+MBS_STATIC_SHIFT = tl.constexpr(C.MBS_STATIC_SHIFT)
+MBS_INV_DENOM = tl.constexpr(1.0 / C.MBS_DENOM)  # 2^-8, exact
+MBS_DENOM = tl.constexpr(float(C.MBS_DENOM))
+NVFP4_GLOBAL_DIV = tl.constexpr(C.E2M1_MAX * C.F8E4M3_MAX)  # 6 * 448 = 2688
+E2M1_MAX = tl.constexpr(C.E2M1_MAX)
+F8E4M3_MAX = tl.constexpr(C.F8E4M3_MAX)
 F8E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 F8E4M3_SUB_ROUNDER = tl.constexpr(16384.0)  # 2^14: fp32 ulp 2^-9, the e4m3 subnormal step
 
-_MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
+#: d = 1 above these fp32 mantissa bits, per E8M0 scale rule (docs/numerics.md, "E8M0 block
+#: scales"); shared with the fused sm_90a encoder (triton_act_fp8).
+MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": C.FLOOR_MANTISSA, "oas": C.OAS_MANTISSA}
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
+#: MBS macro blocks the E8M0 kernel tiles (a power of two: tiles reshape into macro blocks;
+#: at most GPU_TILE_ELEMS wide, so one program's tile stays in registers).
+SUPPORTED_MACRO_BLOCKS = (128, 256, 512, 1024, 2048)
+GPU_TILE_ELEMS = 2048  # elements per program on the GPU (memory-bound: ~16 per thread)
+GPU_BLOCK_K = 512
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -64,7 +78,7 @@ def e2m1_magnitude_code(v):
 
 @triton.jit
 def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
-    """Load x as fp32 at once (the interpreter's bf16 arithmetic is wrong, DESIGN §5).
+    """Load x as fp32 at once (the interpreter's bf16 arithmetic is wrong).
 
     bf16 arrives as int16 bits and widens by a shift: exact for every value, including
     subnormals, which the interpreter's own bf16 -> fp32 conversion gets wrong.
@@ -121,6 +135,7 @@ def load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_M: tl.c
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
+    offs_m = offs_m.to(tl.int64)  # row * stride overflows int32 for M*K >= 2^31
     x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                  mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
     return offs_m, offs_k, mask_m, x
@@ -135,10 +150,10 @@ def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.const
     block -> m = 0."""
     a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
     finite = (a > 0.0) & (a < float("inf"))
-    r = tl.math.div_rn(tl.full(a.shape, 6.0, tl.float32), tl.where(finite, a, 1.0))
-    m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> 15
+    r = tl.math.div_rn(tl.full(a.shape, E2M1_MAX, tl.float32), tl.where(finite, a, 1.0))
+    m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
     m = tl.where(finite, m, 0)
-    f = (m.to(tl.float32) + 256.0) * 0.00390625  # F = 1 + m/256, exact
+    f = (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM  # F = 1 + m/256, exact
     y = tl.reshape(tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None],
                    (BLOCK_M, NM * MACRO))  # one fp32 multiply (RNE)
     return m, f, y
@@ -233,6 +248,7 @@ def _nvfp4_act_quant_kernel(
     pid_m = tl.program_id(0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
+    offs_m = offs_m.to(tl.int64)  # 64-bit row offsets (module docstring)
     row = x_ptr + offs_m[:, None] * stride_xm
 
     # sweep 1: per-row amax over finite |x| (nvfp4_global_scale with per_row=True)
@@ -258,7 +274,7 @@ def _nvfp4_act_quant_kernel(
         nonfinite = has_nan | (bmax == float("inf"))
         bmax = tl.where(nonfinite, 0.0, bmax)
         gb = tl.broadcast_to(g[:, None], bmax.shape)
-        s32 = tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, 6.0, tl.float32)),
+        s32 = tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
                              tl.where(gb > 0.0, gb, 1.0))
         s32 = tl.where(gb > 0.0, s32, 0.0)
         s32 = tl.where(nonfinite, float("nan"), s32)  # NaN/Inf block: NaN scale (formats.nvfp4)
@@ -280,13 +296,24 @@ def _nvfp4_act_quant_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def _tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit. The interpreter pays per program,
-    so it gets large tiles; the GPU gets ~2K elements per program (memory-bound)."""
+def tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit (a macro block never crosses
+    programs). The interpreter pays per program, so it gets large tiles; the GPU gets
+    ~GPU_TILE_ELEMS elements per program (memory-bound): up to 4 rows x 512 columns, and
+    fewer rows when the unit (a macro block up to 2048) is wider."""
     kp2 = max(unit, triton.next_power_of_2(k))
-    if INTERPRET:
-        return min(64, triton.next_power_of_2(m)), min(kp2, 4096)
-    return min(4, triton.next_power_of_2(m)), min(kp2, 512)
+    if interpreting():
+        return min(64, triton.next_power_of_2(m)), max(unit, min(kp2, 4096))
+    block_k = max(unit, min(kp2, GPU_BLOCK_K))
+    return min(4, triton.next_power_of_2(m), max(1, GPU_TILE_ELEMS // block_k)), block_k
+
+
+def check_macro_block(macro_block: int, who: str) -> None:
+    """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
+    if macro_block not in SUPPORTED_MACRO_BLOCKS:
+        # the kernel reshapes tiles into macro blocks (a power of two) held in registers
+        raise ValueError(f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS}, "
+                         f"got {macro_block}")
 
 
 def act_quant(
@@ -307,9 +334,8 @@ def act_quant(
         raise ValueError(f"act_quant: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"act_quant: cannot quantize shape {tuple(x.shape)}: empty last dim")
-    if spec.mbs and (macro_block < 128 or macro_block & (macro_block - 1)):
-        # the kernel reshapes tiles into macro blocks, which needs a power of two
-        raise ValueError(f"act_quant: macro_block must be a power of two >= 128, got {macro_block}")
+    if spec.mbs:
+        check_macro_block(macro_block, "act_quant")
     check_available(x)
 
     lead, k = x.shape[:-1], x.shape[-1]
@@ -327,8 +353,9 @@ def act_quant(
         scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
         gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
-            block_m, block_k = _tile_sizes(m, k, 16)
-            _nvfp4_act_quant_kernel[(triton.cdiv(m, block_m),)](
+            block_m, block_k = tile_sizes(m, k, 16)
+            launch(
+                _nvfp4_act_quant_kernel, (triton.cdiv(m, block_m),),
                 x_arg, codes, scales.view(torch.uint8), gs,
                 m, k,
                 x2.stride(0), codes.stride(0), scales.stride(0),
@@ -342,14 +369,15 @@ def act_quant(
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
         if m:
-            block_m, block_k = _tile_sizes(m, k, max(unit, 32))
+            block_m, block_k = tile_sizes(m, k, max(unit, 32))
             grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-            _mx_act_quant_kernel[grid](
+            launch(
+                _mx_act_quant_kernel, grid,
                 x_arg, codes, scales, mbs_arg,
                 m, k,
                 x2.stride(0), codes.stride(0), scales.stride(0), mbs_arg.stride(0),
                 BLOCK=spec.block_size,
-                MANT_THRESHOLD=_MANTISSA_THRESHOLD[spec.scale_rule],
+                MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
                 HAS_MBS=bool(spec.mbs),
                 MACRO=macro_block,
                 BF16_BITS=bf16_bits,

@@ -1,4 +1,4 @@
-"""The Triton decode backend: fused activation quantizer + memory-bound FP4 GEMM (issue 5).
+"""The Triton decode backend: fused activation quantizer + memory-bound FP4 GEMM.
 
 For few rows (M <= DECODE_MAX_M) the packed FP4 weight, its E8M0 scales and MBS bytes are
 streamed once and dequantized in registers (`triton_decode_gemm`); activations are quantized
@@ -38,7 +38,22 @@ class TritonDecodeBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        return check_e8m0_pair(spec.weight_format, spec.activation_format, "decode kernel")
+        ok, why = check_e8m0_pair(spec.weight_format, spec.activation_format, "decode kernel")
+        if not ok:
+            return ok, why
+        if spec.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
+        # What the kernels can tile (a macro block the act-quant tile or the GEMM's K step
+        # cannot hold would fail to compile on the GPU; the interpreter accepts more).
+        from vllm_mxplus.ops.triton_act_quant import SUPPORTED_MACRO_BLOCKS
+        from vllm_mxplus.ops.triton_decode_gemm import supports_macro_block
+
+        mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
+        if mbs and not (spec.macro_block in SUPPORTED_MACRO_BLOCKS
+                        and supports_macro_block(spec.macro_block)):
+            return False, (f"macro block {spec.macro_block} (the Triton kernels take "
+                           f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))})")
+        return True, ""
 
     covers_all_m = False
 

@@ -3,16 +3,25 @@
 Triton is optional: without it this module still imports, `triton.jit` becomes a stub that
 raises when a kernel is launched, and `is_available()` says why the kernels cannot run.
 Under `TRITON_INTERPRET=1` the kernels run on CPU tensors (slowly), which is how the tests
-check them on machines without a GPU (DESIGN.md §5).
+check them on machines without a GPU.
+
+Every launcher starts its kernel through `launch(kernel, grid, *args, **constexprs)`, so
+`capture_launches()` can record what the launchers would launch, with the GPU's tile
+choices, without running anything: `vllm_mxplus.ops.aot` compiles exactly those
+configurations to machine code for sm_80/90/100.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
-from typing import Any, Callable
+from collections.abc import Iterator
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+
+from vllm_mxplus.formats.constants import ceil_div  # re-exported for the launchers
 
 try:
     import triton
@@ -56,10 +65,53 @@ def interpreter_enabled() -> bool:
 INTERPRET = HAS_TRITON and interpreter_enabled()
 
 
+class Launch(NamedTuple):
+    """One recorded kernel launch: the @triton.jit object, grid, positional args, constexprs."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+_CAPTURE: Optional[list[Launch]] = None
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Record launches instead of running them, with the GPU's tile choices (not the
+    interpreter's) and no device check: tensors may live on the meta device."""
+    global _CAPTURE
+    prev, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = prev
+
+
+def capturing() -> bool:
+    return _CAPTURE is not None
+
+
+def interpreting() -> bool:
+    """Whether launchers should pick the interpreter's tiles (never while capturing)."""
+    return INTERPRET and _CAPTURE is None
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """kernel[grid](*args, **kwargs), or record it inside `capture_launches()`."""
+    if _CAPTURE is not None:
+        _CAPTURE.append(Launch(kernel, tuple(grid), args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
 def is_available(device: torch.device | str | None = None) -> tuple[bool, str]:
     """Whether the Triton kernels can run on `device` (default: CUDA), and why not."""
     if not HAS_TRITON:
         return False, _IMPORT_ERROR
+    if _CAPTURE is not None:
+        return True, "capturing launches (no kernel runs)"
     if INTERPRET:
         return True, "triton interpreter (TRITON_INTERPRET=1)"
     dev = torch.device(device) if device is not None else torch.device("cuda")
@@ -80,5 +132,5 @@ def check_available(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {reason}")
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["HAS_TRITON", "INTERPRET", "Launch", "capture_launches", "capturing", "ceil_div",
+           "check_available", "interpreting", "is_available", "launch", "tl", "triton"]

@@ -17,12 +17,16 @@ extern "C" {
 #endif
 
 // sm_90a. a_fp8 [m, k] and b_fp8 [n, k] E4M3, K contiguous; a_scale [k/128, m] and
-// b_scale [k/128, n] fp32 (chunk-major); bias_bf16 [n] or NULL; out_bf16 [m, n].
-// k % 128 == 0, n % 8 == 0. Call with workspace NULL to query *workspace_needed.
+// b_scale [k/128, n] fp32 (chunk-major); bias_f32 [n] or NULL; out [m, n] bf16 (out_fp32 0)
+// or fp32 (out_fp32 1), so fp16 / fp32 models get one rounding of the fp32 result.
+// k % 128 == 0, n % 8 == 0. With too small a workspace (e.g. NULL) it sets
+// *workspace_needed and returns MXPLUS_ERR_WORKSPACE without running; when no workspace is
+// needed it runs at once (see mxplus_run_with_workspace).
 int mxplus_sm90_fp8_chunk_gemm(const void* a_fp8, const float* a_scale, const void* b_fp8,
-                               const float* b_scale, const void* bias_bf16, void* out_bf16,
-                               int m, int n, int k, void* workspace, size_t workspace_bytes,
-                               size_t* workspace_needed, cudaStream_t stream);
+                               const float* b_scale, const float* bias_f32, void* out,
+                               int out_fp32, int m, int n, int k, void* workspace,
+                               size_t workspace_bytes, size_t* workspace_needed,
+                               cudaStream_t stream);
 
 // sm_100a. Bytes of the scale factors of one (rows x chunk_k) operand in CUTLASS's
 // interleaved SF layout (rows padded to 128, chunk_k/16 scales a row padded to 4).
@@ -51,5 +55,17 @@ int mxplus_sm100_fp4_mbs_gemm(const void* a_fp4, const unsigned char* a_sf, cons
                               cudaStream_t stream);
 
 #ifdef __cplusplus
+}
+
+// Call a launcher once without a workspace; only when it asks for one (MXPLUS_ERR_WORKSPACE),
+// allocate what it needs and call again. `launch(ws, bytes, &need)` returns an MXPLUS code;
+// `alloc(bytes)` returns a device pointer. A kernel that needs no workspace therefore runs
+// exactly once (running it as a "size query" first would run the whole GEMM twice).
+template <class Launch, class Alloc>
+int mxplus_run_with_workspace(Launch&& launch, Alloc&& alloc) {
+  size_t need = 0;
+  int rc = launch(static_cast<void*>(nullptr), size_t(0), &need);
+  if (rc != MXPLUS_ERR_WORKSPACE) return rc;
+  return launch(alloc(need), need, &need);
 }
 #endif

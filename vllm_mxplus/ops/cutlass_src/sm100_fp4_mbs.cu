@@ -5,7 +5,7 @@
 //
 // acc[m,n] = sum_c sigma_a[c,m] * sigma_b[c,n] * sum_{k in c} (v_a 2^(s_a-127)) (v_b 2^(s_b-127))
 //
-// (paper §4.3.2, DESIGN.md §3). THIS IS THE CORRECT-BUT-SLOW FORM: one CUTLASS launch per
+// (paper §4.3.2; docs/numerics.md, "Kernel numerics and error bounds"). THIS IS THE CORRECT-BUT-SLOW FORM: one CUTLASS launch per
 // 128-K chunk (problem M x N x 128, A/B addressed in place through their row stride K/2), the
 // MBS factors applied in an EVT epilogue  D = sigma_a[m] * (sigma_b[n] * acc) + C  with C / D
 // fp32 ping-pong buffers. The fast form (paper Appendix E: one launch, MMA warp alternating two

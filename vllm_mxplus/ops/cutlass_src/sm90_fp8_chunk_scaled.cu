@@ -4,10 +4,10 @@
 //
 // A8 / B8 are FP8 E4M3 codes of the FP4 elements relative to a per-(row, chunk) reference
 // exponent, sA / sB fold 2^(ref-127) * sigma (sigma = 1/F, the MBS factor) into one fp32 per
-// (row, chunk); see vllm_mxplus/ops/cutlass_prefill.py for the (exact) re-encoding. The
+// (row, chunk); see vllm_mxplus/ops/fp8_chunks.py for the (exact) re-encoding. The
 // mainloop is CUTLASS's FP8 blockwise-scaled WGMMA kernel (example 67 / DeepGEMM pattern):
 // per 128-wide K tile the tensor-core partial sum is promoted to fp32 and multiplied by
-// sA * sB, which is exactly the MBS accumulation of paper §4.3.2 / DESIGN.md §3.
+// sA * sB, which is exactly the MBS accumulation of paper §4.3.2 (docs/numerics.md, "Kernel numerics and error bounds").
 //
 // Scale granularity: M = 1 (per token), N = 1 (per output channel), K = 128 (one MBS macro
 // block). Both scale tensors are MN-major: [K/128][M] and [K/128][N] fp32, contiguous.
@@ -45,10 +45,8 @@ constexpr int AlignmentA = 16;                   // 16 bytes for TMA
 using ElementB = cutlass::float_e4m3_t;
 using LayoutB = cutlass::layout::ColumnMajor;    // weights [N, K], K contiguous
 constexpr int AlignmentB = 16;
-using ElementD = cutlass::bfloat16_t;
 using LayoutD = cutlass::layout::RowMajor;       // out [M, N]
-constexpr int AlignmentD = 8;                    // 16 bytes of bf16
-using ElementBias = cutlass::bfloat16_t;
+using ElementBias = float;                       // fp32 bias: never rounded to bf16
 using ElementAccumulator = float;
 using ElementCompute = float;
 
@@ -67,39 +65,47 @@ using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// D = acc + bias[n] (alpha = 1, no source C); a null bias pointer reads as zeros.
-using FusionOp = cutlass::epilogue::fusion::LinCombPerColBias<
-    ElementD, ElementCompute, ElementBias, void, ElementCompute>;
+// One GEMM per output type: bf16 (bf16 models) and fp32 (fp16 / fp32 models: one rounding of
+// the fp32 result later, as on the decode path).
+template <class ElementD>
+struct Sm90Gemm {
+  static constexpr int AlignmentD = 16 / sizeof(ElementD);  // 16 bytes
 
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
-    ElementAccumulator, ElementCompute,
-    void, LayoutD, AlignmentD,
-    ElementD, LayoutD, AlignmentD,
-    EpilogueSchedule, FusionOp>::CollectiveOp;
+  // D = acc + bias[n] (alpha = 1, no source C); a null bias pointer reads as zeros.
+  using FusionOp = cutlass::epilogue::fusion::LinCombPerColBias<
+      ElementD, ElementCompute, ElementBias, void, ElementCompute>;
 
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    ElementA, cute::tuple<LayoutA, LayoutSFA>, AlignmentA,
-    ElementB, cute::tuple<LayoutB, LayoutSFB>, AlignmentB,
-    ElementAccumulator, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<
-        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    KernelSchedule>::CollectiveOp;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementCompute,
+      void, LayoutD, AlignmentD,
+      ElementD, LayoutD, AlignmentD,
+      EpilogueSchedule, FusionOp>::CollectiveOp;
 
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
-    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue,
-    cutlass::gemm::PersistentScheduler>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementA, cute::tuple<LayoutA, LayoutSFA>, AlignmentA,
+      ElementB, cute::tuple<LayoutB, LayoutSFB>, AlignmentB,
+      ElementAccumulator, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
 
-using StrideA = typename Gemm::GemmKernel::StrideA;
-using StrideB = typename Gemm::GemmKernel::StrideB;
-using StrideD = typename Gemm::GemmKernel::StrideD;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+      Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue,
+      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
 
-int run(const void* a, const float* sfa, const void* b, const float* sfb, const void* bias,
+template <class ElementD>
+int run(const void* a, const float* sfa, const void* b, const float* sfb, const float* bias,
         void* d, int m, int n, int k, void* workspace, size_t workspace_bytes,
         size_t* workspace_needed, cudaStream_t stream) {
+  using Gemm = typename Sm90Gemm<ElementD>::Gemm;
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
   auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
   auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
   auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
@@ -115,13 +121,13 @@ int run(const void* a, const float* sfa, const void* b, const float* sfb, const 
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
-  fusion.bias_ptr = static_cast<const ElementBias*>(bias);
+  fusion.bias_ptr = bias;
 
   Gemm gemm;
   size_t need = Gemm::get_workspace_size(args);
   if (workspace_needed) *workspace_needed = need;
-  if (workspace == nullptr && need > 0) return MXPLUS_ERR_WORKSPACE;
-  if (need > workspace_bytes) return MXPLUS_ERR_WORKSPACE;
+  // A query (workspace too small, e.g. NULL) returns before running anything.
+  if (need > 0 && (workspace == nullptr || need > workspace_bytes)) return MXPLUS_ERR_WORKSPACE;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return MXPLUS_ERR_CANNOT_IMPLEMENT;
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_INIT;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_RUN;
@@ -132,18 +138,22 @@ int run(const void* a, const float* sfa, const void* b, const float* sfb, const 
 
 extern "C" int mxplus_sm90_fp8_chunk_gemm(
     const void* a_fp8, const float* a_scale, const void* b_fp8, const float* b_scale,
-    const void* bias_bf16, void* out_bf16, int m, int n, int k, void* workspace,
+    const float* bias_f32, void* out, int out_fp32, int m, int n, int k, void* workspace,
     size_t workspace_bytes, size_t* workspace_needed, cudaStream_t stream) {
   if (k % 128 != 0 || n % 8 != 0) return MXPLUS_ERR_SHAPE;
-  return mxplus_sm90::run(a_fp8, a_scale, b_fp8, b_scale, bias_bf16, out_bf16, m, n, k,
-                          workspace, workspace_bytes, workspace_needed, stream);
+  if (out_fp32)
+    return mxplus_sm90::run<float>(a_fp8, a_scale, b_fp8, b_scale, bias_f32, out, m, n, k,
+                                   workspace, workspace_bytes, workspace_needed, stream);
+  return mxplus_sm90::run<cutlass::bfloat16_t>(a_fp8, a_scale, b_fp8, b_scale, bias_f32, out,
+                                               m, n, k, workspace, workspace_bytes,
+                                               workspace_needed, stream);
 }
 
 #else
 
 extern "C" int mxplus_sm90_fp8_chunk_gemm(
-    const void*, const float*, const void*, const float*, const void*, void*, int, int, int,
-    void*, size_t, size_t*, cudaStream_t) {
+    const void*, const float*, const void*, const float*, const float*, void*, int, int, int,
+    int, void*, size_t, size_t*, cudaStream_t) {
   return MXPLUS_ERR_NOT_COMPILED;  // built without sm_90a (MXPLUS_STUB)
 }
 

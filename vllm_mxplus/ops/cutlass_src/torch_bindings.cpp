@@ -1,5 +1,7 @@
 // pybind11 module `mxplus_cutlass`: torch wrappers of the C-ABI launchers (mxplus_launchers.h).
-// The torch custom ops (with fake impls) are registered in vllm_mxplus/ops/cutlass_prefill.py.
+// The torch custom ops (with fake impls) are registered in vllm_mxplus/ops/cutlass_ops.py.
+// Nothing here syncs the host or touches CPU memory: workspaces and outputs come from the
+// current stream's caching allocator, so the calls can be captured in a CUDA graph.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -23,10 +25,17 @@ void check_cuda(const torch::Tensor& t, const char* name, torch::ScalarType dtyp
   TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
 }
 
-torch::Tensor workspace_for(size_t bytes, const torch::Tensor& like) {
-  return torch::empty({static_cast<int64_t>(bytes > 0 ? bytes : 1)},
-                      like.options().dtype(torch::kUInt8));
-}
+// A device workspace that lives until the end of the call (the allocator recycles it after the
+// stream's work, which is what CUTLASS needs).
+struct Workspace {
+  torch::Tensor like;
+  torch::Tensor buf;
+  void* operator()(size_t bytes) {
+    buf = torch::empty({static_cast<int64_t>(bytes > 0 ? bytes : 1)},
+                       like.options().dtype(torch::kUInt8));
+    return buf.data_ptr();
+  }
+};
 
 void sm90_fp8_chunk_gemm(torch::Tensor a, torch::Tensor a_scale, torch::Tensor b,
                          torch::Tensor b_scale, c10::optional<torch::Tensor> bias,
@@ -35,27 +44,32 @@ void sm90_fp8_chunk_gemm(torch::Tensor a, torch::Tensor a_scale, torch::Tensor b
   check_cuda(b, "b_fp8", torch::kFloat8_e4m3fn);
   check_cuda(a_scale, "a_scale", torch::kFloat32);
   check_cuda(b_scale, "b_scale", torch::kFloat32);
-  check_cuda(out, "out", torch::kBFloat16);
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() &&
+              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat32),
+              "out must be a contiguous CUDA bf16 or fp32 tensor, got ", out.scalar_type());
   int m = a.size(0), k = a.size(1), n = b.size(0);
   TORCH_CHECK(b.size(1) == k && a_scale.size(0) == k / 128 && a_scale.size(1) == m &&
-              b_scale.size(0) == k / 128 && b_scale.size(1) == n, "operand shapes disagree");
-  const void* bias_ptr = nullptr;
+              b_scale.size(0) == k / 128 && b_scale.size(1) == n && out.size(0) == m &&
+              out.size(1) == n, "operand shapes disagree");
+  const float* bias_ptr = nullptr;
   if (bias.has_value()) {
-    check_cuda(*bias, "bias", torch::kBFloat16);
+    check_cuda(*bias, "bias", torch::kFloat32);
     TORCH_CHECK(bias->numel() == n, "bias must have N elements");
-    bias_ptr = bias->data_ptr();
+    bias_ptr = bias->data_ptr<float>();
   }
   if (m == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  size_t need = 0;
-  mxplus_sm90_fp8_chunk_gemm(a.data_ptr(), a_scale.data_ptr<float>(), b.data_ptr(),
-                             b_scale.data_ptr<float>(), bias_ptr, out.data_ptr(), m, n, k,
-                             nullptr, 0, &need, stream);
-  auto ws = workspace_for(need, a);
-  check(mxplus_sm90_fp8_chunk_gemm(a.data_ptr(), a_scale.data_ptr<float>(), b.data_ptr(),
-                                   b_scale.data_ptr<float>(), bias_ptr, out.data_ptr(), m, n, k,
-                                   ws.data_ptr(), ws.numel(), &need, stream),
+  int out_fp32 = out.scalar_type() == torch::kFloat32;
+  Workspace ws{a, {}};
+  check(mxplus_run_with_workspace(
+            [&](void* w, size_t bytes, size_t* need) {
+              return mxplus_sm90_fp8_chunk_gemm(a.data_ptr(), a_scale.data_ptr<float>(),
+                                                b.data_ptr(), b_scale.data_ptr<float>(),
+                                                bias_ptr, out.data_ptr(), out_fp32, m, n, k, w,
+                                                bytes, need, stream);
+            },
+            ws),
         "sm90_fp8_chunk_gemm");
 }
 
@@ -83,8 +97,10 @@ torch::Tensor sm100_fp4_mbs_gemm(torch::Tensor a, torch::Tensor a_sf, torch::Ten
   check_cuda(sigma_b, "sigma_b", torch::kFloat32);
   int m = a.size(0), k = a.size(1) * 2, n = b.size(0);
   TORCH_CHECK(b.size(1) * 2 == k, "A and B disagree on K");
-  TORCH_CHECK(sigma_a.size(0) == k / 128 && sigma_a.size(1) == (m + 3) / 4 * 4 &&
-              sigma_b.size(0) == k / 128 && sigma_b.size(1) == (n + 3) / 4 * 4,
+  // sigma is read only with MBS (the no-MBS launch takes any fp32 tensor, e.g. an empty one)
+  TORCH_CHECK(!use_mbs || (sigma_a.dim() == 2 && sigma_b.dim() == 2 &&
+                           sigma_a.size(0) == k / 128 && sigma_a.size(1) == (m + 3) / 4 * 4 &&
+                           sigma_b.size(0) == k / 128 && sigma_b.size(1) == (n + 3) / 4 * 4),
               "sigma_a / sigma_b must be [k/128, rows rounded up to 4]");
   auto opts = a.options().dtype(torch::kFloat32);
   auto acc0 = torch::zeros({m, n}, opts);
@@ -93,22 +109,17 @@ torch::Tensor sm100_fp4_mbs_gemm(torch::Tensor a, torch::Tensor a_sf, torch::Ten
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   int which = 0;
-  size_t need = 0;
-  // First call sizes the workspace (every chunk launch needs the same amount).
-  int rc = mxplus_sm100_fp4_mbs_gemm(a.data_ptr(), a_sf.data_ptr<uint8_t>(), b.data_ptr(),
-                                     b_sf.data_ptr<uint8_t>(), sigma_a.data_ptr<float>(),
-                                     sigma_b.data_ptr<float>(), acc0.data_ptr<float>(),
-                                     acc1.data_ptr<float>(), m, n, k, use_mbs, &which, nullptr, 0,
-                                     &need, stream);
-  if (rc == MXPLUS_ERR_WORKSPACE) {
-    auto ws = workspace_for(need, a);
-    rc = mxplus_sm100_fp4_mbs_gemm(a.data_ptr(), a_sf.data_ptr<uint8_t>(), b.data_ptr(),
-                                   b_sf.data_ptr<uint8_t>(), sigma_a.data_ptr<float>(),
-                                   sigma_b.data_ptr<float>(), acc0.data_ptr<float>(),
-                                   acc1.data_ptr<float>(), m, n, k, use_mbs, &which,
-                                   ws.data_ptr(), ws.numel(), &need, stream);
-  }
-  check(rc, "sm100_fp4_mbs_gemm");
+  // Every chunk launch needs the same workspace; the first asks for it before running.
+  Workspace ws{a, {}};
+  check(mxplus_run_with_workspace(
+            [&](void* w, size_t bytes, size_t* need) {
+              return mxplus_sm100_fp4_mbs_gemm(
+                  a.data_ptr(), a_sf.data_ptr<uint8_t>(), b.data_ptr(), b_sf.data_ptr<uint8_t>(),
+                  sigma_a.data_ptr<float>(), sigma_b.data_ptr<float>(), acc0.data_ptr<float>(),
+                  acc1.data_ptr<float>(), m, n, k, use_mbs, &which, w, bytes, need, stream);
+            },
+            ws),
+        "sm100_fp4_mbs_gemm");
   return which == 0 ? acc0 : acc1;
 }
 
