@@ -168,7 +168,7 @@ def first_bit_difference(name: str, got: Optional[torch.Tensor],
         return None
     idx = tuple(int(i) for i in diff.nonzero()[0])
     return (f"{name}{list(idx)} = {got.cpu()[idx].item()!r}, want {want.cpu()[idx].item()!r} "
-            f"(bit for bit; {int(diff.sum())} elements differ)")
+            f"(bit for bit; elements differing: {int(diff.sum())})")
 
 
 def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> Optional[str]:
