@@ -254,3 +254,31 @@ def cpu_packed():
 @pytest.mark.parametrize("scheme", ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs"])
 def test_real_cpu_kernels_pass(cpu_packed, scheme, dtype):
     assert run_self_test(cpu_packed, _spec(dtype, scheme), CPU) is None
+
+
+@pytest.fixture(scope="module")
+def triton_decode(triton_device):
+    """The Triton decode backend as a self-tested kernel exposing its activation codes
+    (interpreter off-GPU, compiled kernels on CUDA)."""
+    from vllm_mxplus.formats import QuantizedTensor
+    from vllm_mxplus.ops.triton_backend import DECODE_MAX_M, TritonDecodeBackend
+
+    class _SelfTested(TritonDecodeBackend):
+        min_m, max_m, kernel = 1, DECODE_MAX_M, True
+
+        def selftest_activation(self, x, spec):
+            from vllm_mxplus.ops.custom_ops import act_quant_op
+
+            codes, scales, mbs, _ = act_quant_op(x, spec.activation_format,
+                                                 macro_block=spec.macro_block)
+            return QuantizedTensor(codes=codes, scales=scales, fmt=spec.activation_format,
+                                   shape=x.shape, mbs=mbs, macro_block=spec.macro_block)
+
+    return _SelfTested, triton_device
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scheme", ["mxfp4-ocp", "mxfp4-mbs"])
+def test_triton_decode_kernels_pass(triton_decode, scheme, dtype):
+    cls, device = triton_decode
+    assert run_self_test(cls, _spec(dtype, scheme), device) is None
