@@ -113,10 +113,7 @@ def test_this_machine(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="vllm_mxplus")
     monkeypatch.setattr(platform_amx, "_RESULT", None)
     r = request_amx_permission()
-    try:
-        has_amx = cpu_has_amx_tile(open("/proc/cpuinfo").read())
-    except OSError:
-        has_amx = False
+    has_amx = cpu_has_amx_tile(platform_amx._read_cpuinfo())
     if has_amx and platform.system() == "Linux":
         assert r.action in ("granted", "already"), r.detail
     else:
@@ -136,7 +133,7 @@ def test_real_arch_prctl_binding_reads_the_permitted_mask():
 def test_register_requests_amx_first(monkeypatch):
     calls = []
     monkeypatch.setattr(platform_amx, "request_amx_permission", lambda: calls.append("amx"))
-    import vllm_mxplus.integration.registration as registration
+    from vllm_mxplus.integration import registration
 
     monkeypatch.setattr(registration, "register_all", lambda: calls.append("schemes"))
     vllm_mxplus.register()

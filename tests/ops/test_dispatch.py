@@ -10,9 +10,14 @@ import torch
 
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.ops import dispatch
-from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
-from vllm_mxplus.ops.dispatch import LinearDispatch, register_backend, select
-from vllm_mxplus.ops.reference import ReferenceBackend
+from vllm_mxplus.ops.backend import LinearBackend, LinearSpec, set_packed_buffers
+from vllm_mxplus.ops.dispatch import (
+    LinearDispatch,
+    first_uncovered_m,
+    register_backend,
+    select,
+)
+from vllm_mxplus.ops.reference import WEIGHT_ATTR, ReferenceBackend
 
 SPEC = LinearSpec(scheme="mxfp4-mbs", n=32, k=256, out_dtype=torch.float32)
 
@@ -121,9 +126,6 @@ def test_backend_serving_every_m_ends_the_list(registry):
 
 
 # ----------------------------------------------------------------- memory: M ranges
-from vllm_mxplus.ops.backend import set_packed_buffers  # noqa: E402
-from vllm_mxplus.ops.dispatch import first_uncovered_m  # noqa: E402
-from vllm_mxplus.ops.reference import WEIGHT_ATTR  # noqa: E402
 
 PACKED_BPW = 0.5 + 1 / 16 + 1 / 128  # codes + E8M0 scales + MBS bytes per weight
 FP32_BPW = 4.0  # the reference backend's dequantized copy

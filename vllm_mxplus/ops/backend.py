@@ -19,7 +19,6 @@ import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 
-
 # (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
 # decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
 # MBS on either side optional. NVFP4 and MX+ are not among them.
