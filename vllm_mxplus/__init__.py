@@ -4,7 +4,12 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (runs in every vLLM process); idempotent, lazy."""
-    from vllm_mxplus.integration.registration import register_all
+    """vLLM general-plugin entry point (runs in every vLLM process); idempotent, lazy.
 
+    Also asks Linux for AMX tile permission on Intel AMX hosts before any model runs: vLLM
+    CPU's AMX attention needs it and does not ask (see `vllm_mxplus.platform_amx`)."""
+    from vllm_mxplus.integration.registration import register_all
+    from vllm_mxplus.platform_amx import request_amx_permission
+
+    request_amx_permission()
     register_all()

@@ -10,9 +10,14 @@ import torch
 
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.ops import dispatch
-from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
-from vllm_mxplus.ops.dispatch import LinearDispatch, register_backend, select
-from vllm_mxplus.ops.reference import ReferenceBackend
+from vllm_mxplus.ops.backend import LinearBackend, LinearSpec, set_packed_buffers
+from vllm_mxplus.ops.dispatch import (
+    LinearDispatch,
+    first_uncovered_m,
+    register_backend,
+    select,
+)
+from vllm_mxplus.ops.reference import WEIGHT_ATTR, ReferenceBackend
 
 SPEC = LinearSpec(scheme="mxfp4-mbs", n=32, k=256, out_dtype=torch.float32)
 
@@ -118,3 +123,107 @@ def test_backend_serving_every_m_ends_the_list(registry):
     LinearDispatch(SPEC, chosen).process_weights_after_loading(
         layer, quantize(torch.randn(32, 256), "mxfp4-mbs-d"))
     assert not hasattr(layer, "mxplus_weight_fp32")  # the reference never prepared weights
+
+
+# ----------------------------------------------------------------- memory: M ranges
+
+PACKED_BPW = 0.5 + 1 / 16 + 1 / 128  # codes + E8M0 scales + MBS bytes per weight
+FP32_BPW = 4.0  # the reference backend's dequantized copy
+
+
+class _Packed(LinearBackend):
+    """Keeps its own copy of the packed weight (as a backend with its own layout does)."""
+
+    name = "packed"
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: Optional[int]):
+        return True, ""
+
+    def process_weights_after_loading(self, layer, qweight, spec):
+        set_packed_buffers(layer, tuple(f"{self.name}_{a}" for a in ("codes", "scales", "mbs")),
+                           (qweight.codes.clone(), qweight.scales.clone(), qweight.mbs.clone()))
+
+    def apply(self, layer, x, bias, spec, act_global_scale=None):
+        return torch.zeros((*x.shape[:-1], spec.n))
+
+
+def _packed(name: str, lo: int, hi: Optional[int]) -> type[LinearBackend]:
+    return type(name, (_Packed,), {"name": name, "min_m": lo, "max_m": hi})
+
+
+class _LegacyDecode(_Packed):
+    """Declares no range, only `covers_all_m = False` and a `supports_m`: range unknown."""
+
+    name = "legacy-decode"
+    covers_all_m = False
+
+    @classmethod
+    def supports_m(cls, m: int) -> bool:
+        return m <= 16
+
+
+DEC, PRE = _packed("decode", 1, 16), _packed("prefill", 17, None)
+COMBOS = {
+    "decode-only": ([DEC], ["decode", "reference"], PACKED_BPW + FP32_BPW),
+    "prefill-only": ([PRE], ["prefill", "reference"], PACKED_BPW + FP32_BPW),
+    "decode+prefill": ([DEC, PRE], ["decode", "prefill"], 2 * PACKED_BPW),
+    "all-m": ([_packed("all", 1, None), DEC], ["all"], PACKED_BPW),
+    "shadowed": ([DEC, _packed("decode8", 1, 8), PRE], ["decode", "prefill"], 2 * PACKED_BPW),
+    "three-ranges": ([DEC, _packed("mid", 17, 64), _packed("big", 65, None)],
+                     ["decode", "mid", "big"], 3 * PACKED_BPW),
+    "gap-17-32": ([DEC, _packed("big", 33, None)], ["decode", "big", "reference"],
+                  2 * PACKED_BPW + FP32_BPW),
+    "legacy+prefill": ([_LegacyDecode, PRE], ["legacy-decode", "prefill", "reference"],
+                       2 * PACKED_BPW + FP32_BPW),
+}
+
+
+@pytest.mark.parametrize("combo", list(COMBOS), ids=list(COMBOS))
+def test_bytes_per_weight_by_backend_combination(registry, combo):
+    backends, want_names, want_bpw = COMBOS[combo]
+    for b in backends:
+        register_backend("cuda", b)
+    spec = LinearSpec(scheme="mxfp4-mbs", n=64, k=1024, out_dtype=torch.bfloat16)
+    chosen = select(spec, "cuda", 90)
+    assert [b.name for b in chosen] == want_names
+    layer = torch.nn.Module()
+    LinearDispatch(spec, chosen).process_weights_after_loading(
+        layer, quantize(torch.randn(spec.n, spec.k), "mxfp4-mbs-d"))
+    held = sum(t.nbytes for t in [*layer.parameters(), *layer.buffers()])
+    assert held / (spec.n * spec.k) == pytest.approx(want_bpw)
+    assert hasattr(layer, WEIGHT_ATTR) == ("reference" in want_names)
+
+
+def test_gap_is_served_by_the_reference(registry):
+    register_backend("cuda", DEC)
+    register_backend("cuda", _packed("big", 33, None))
+    d = LinearDispatch(SPEC, select(SPEC, "cuda", 90))
+    assert [d.pick(m).name for m in (1, 16, 17, 32, 33, 4096)] == [
+        "decode", "decode", "reference", "reference", "big", "big"]
+
+
+def test_selection_log_names_the_m_ranges(registry, caplog):
+    register_backend("cuda", DEC)
+    register_backend("cuda", _packed("big", 33, None))
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
+    select(SPEC, "cuda", 90)
+    msg = caplog.records[-1].getMessage()
+    assert "decode (M <= 16) > big (M >= 33) > reference (M >= 17)" in msg
+
+
+@pytest.mark.parametrize("ranges,lo,hi,want", [
+    ([], 1, None, 1),
+    ([(1, None)], 1, None, None),
+    ([(1, 16)], 1, None, 17),
+    ([(17, None)], 1, None, 1),
+    ([(17, None), (1, 16)], 1, None, None),
+    ([(1, 16), (33, None)], 1, None, 17),
+    ([(1, 16), (10, 40), (41, None)], 1, None, None),
+    ([(1, 16)], 1, 8, None),
+    ([(1, 16)], 10, 20, 17),
+    ([(5, 9)], 1, 4, 1),
+], ids=["none", "all", "decode", "prefill", "both", "gap", "overlap", "inside", "straddle",
+        "below"])
+def test_first_uncovered_m(ranges, lo, hi, want):
+    assert first_uncovered_m(ranges, lo, hi) == want

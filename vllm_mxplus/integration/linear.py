@@ -174,6 +174,6 @@ class MxplusLinearMethod(LinearMethodBase):
         g = None
         if layer.mxplus_row_amax_reduce:
             # NVFP4 activations on a row-parallel shard: the per-token global scale must come
-            # from the whole row (all ranks), as without TP (DESIGN.md §1).
+            # from the whole row (all ranks), as without TP (docs/numerics.md, NVFP4).
             g = _tp_amax_max(nvfp4_row_global_scale(x), layer)
         return layer.mxplus_dispatch.apply(layer, x, bias, g)

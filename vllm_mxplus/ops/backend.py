@@ -2,21 +2,22 @@
 
 Modelled on vLLM's `model_executor/kernels/linear/mxfp4/` kernels: a backend says whether it
 runs on a platform / capability (`is_supported`), whether it can implement one layer
-(`can_implement`), which token counts M it serves (`supports_m`), turns the loaded checkpoint
-tensors into its runtime layout once (`process_weights_after_loading`), and computes
-y = x W^T + b (`apply`). The selector in `dispatch.py` keeps a priority list per platform.
+(`can_implement`), which token counts M it serves (`min_m` / `max_m`, `supports_m`), turns the
+loaded checkpoint tensors into its runtime layout once (`process_weights_after_loading`), and
+computes y = x W^T + b (`apply`). The selector in `dispatch.py` keeps a priority list per
+platform; a backend that runs its own kernels (`kernel = True`) is self-tested against
+`vllm_mxplus.formats` the first time it is selected (`selftest.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
-
 
 # (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
 # decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
@@ -51,7 +52,7 @@ class LinearSpec:
 
     @property
     def activation_per_row(self) -> bool:
-        """NVFP4 activations take one global scale per token (DESIGN.md §1)."""
+        """NVFP4 activations take one global scale per token (docs/numerics.md, NVFP4)."""
         return get_format(self.activation_format).scale_rule == "e4m3"
 
 
@@ -59,9 +60,23 @@ class LinearBackend(ABC):
     """One way to run a quantized linear. Subclasses are stateless apart from their name."""
 
     name: str = "base"
-    #: False for a backend whose `supports_m` rejects some M (e.g. decode-only kernels): the
-    #: selector then keeps the next backends, down to the reference, for the other M.
+    #: The token counts M the backend serves, inclusive (max_m None: no upper bound), e.g.
+    #: a decode kernel min_m=1, max_m=16 and a prefill GEMM min_m=17. The selector keeps the
+    #: reference backend (a 4-byte-per-weight fp32 copy) only when the candidates' ranges
+    #: together leave some M uncovered, and drops a candidate whose range earlier ones cover.
+    min_m: int = 1
+    max_m: Optional[int] = None
+    #: Legacy declaration: False for a backend whose `supports_m` rejects some M without
+    #: declaring `min_m` / `max_m`; its range is then unknown and the reference is kept.
     covers_all_m: bool = True
+    #: True for a backend that runs its own kernels (not torch math on `formats` values): it
+    #: is self-tested against `vllm_mxplus.formats` the first time it is selected for a
+    #: (device, scheme, dtype), and rejected if it disagrees (`vllm_mxplus.ops.selftest`).
+    kernel: bool = False
+    #: Significand bits of the backend's GEMM accumulator, for the self-test's error bound
+    #: (24: IEEE fp32 round to nearest; a tensor-core accumulator that keeps fewer bits says
+    #: so here, with its reason).
+    accumulator_bits: int = 24
 
     @classmethod
     @abstractmethod
@@ -75,9 +90,25 @@ class LinearBackend(ABC):
         return True, ""
 
     @classmethod
+    def m_range(cls) -> Optional[tuple[int, Optional[int]]]:
+        """(min_m, max_m) served, or None when unknown (only `covers_all_m = False` and an
+        overridden `supports_m`, no declared range): the selector then relies on it for no M."""
+        if not cls.covers_all_m and cls.min_m == 1 and cls.max_m is None:
+            return None
+        return cls.min_m, cls.max_m
+
+    @classmethod
     def supports_m(cls, m: int) -> bool:
         """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
-        return True
+        return cls.min_m <= m and (cls.max_m is None or m <= cls.max_m)
+
+    def selftest_activation(
+        self, x: torch.Tensor, spec: LinearSpec
+    ) -> Union[QuantizedTensor, torch.Tensor, None]:
+        """The backend's own activation quantization of rows x, for the self-test to compare
+        bit for bit with `formats.quantize` (a QuantizedTensor: codes, scales, MBS bytes) or
+        `formats.fake_quantize` (an fp32 tensor: the values). None: not exposed."""
+        return None
 
     @abstractmethod
     def process_weights_after_loading(

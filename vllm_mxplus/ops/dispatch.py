@@ -1,11 +1,17 @@
 """Backend registry and selector: a priority list per platform, no capability ladders.
 
-`select(spec, platform, capability)` walks the platform's list, keeps every backend whose
-`is_supported` and `can_implement` pass, stops after the first that serves every M (else
-ends with the reference backend, which serves any M on any device), and logs
-once per distinct situation what it chose and why each better backend was rejected. A
-`LinearDispatch` then picks per call the first candidate that serves the activation's row
-count M (e.g. a decode GEMV for small M, then a prefill GEMM, then the reference).
+`select(spec, platform, capability)` walks the platform's list and keeps every backend whose
+`is_supported` and `can_implement` pass, that serves some M no earlier candidate serves
+(`LinearBackend.min_m` / `max_m`), and, for a kernel backend, whose self-test against
+`vllm_mxplus.formats` passes (`selftest.py`, once per process). It stops as soon as the
+candidates together serve every M; only if they never do is the reference backend (any M,
+any device, but a 4-byte fp32 weight copy per layer) appended. It logs once per distinct
+situation what it chose, for which M, and why each better backend was rejected.
+
+A `LinearDispatch` then picks per call the first candidate that serves the activation's row
+count M (e.g. a decode GEMV for small M, then a prefill GEMM). With more than one candidate
+that choice runs inside one registered custom op (`linear_op.py`), so vLLM's compiled graph
+(dynamic token count, guards dropped) and CUDA graphs take the right backend for every M.
 
 Backends are registered by import path so that a Triton / CUTLASS module is imported only on
 the platform that may use it.
@@ -19,12 +25,15 @@ from typing import Optional, Union
 
 import torch
 
+from vllm_mxplus.ops import selftest
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+from vllm_mxplus.ops.linear_op import register_layer
 from vllm_mxplus.ops.reference import ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
 BackendRef = Union[str, type[LinearBackend]]  # "package.module:ClassName" or the class
+MRange = tuple[int, Optional[int]]  # (min_m, max_m), max_m None = no upper bound
 
 # Priority order per platform; the reference backend is appended by the selector.
 _REGISTRY: dict[str, list[BackendRef]] = {
@@ -74,15 +83,44 @@ def _log_once(key: tuple, level: int, msg: str, *args) -> None:
         logger.log(level, msg, *args)
 
 
+def first_uncovered_m(ranges: list[MRange], lo: int = 1,
+                      hi: Optional[int] = None) -> Optional[int]:
+    """The smallest M in [lo, hi] (hi None: unbounded) that no range serves; None if all are."""
+    cur = lo
+    for a, b in sorted(ranges, key=lambda r: r[0]):
+        if b is not None and b < cur:
+            continue
+        if a > cur:
+            break
+        if b is None:
+            return None
+        cur = b + 1
+        if hi is not None and cur > hi:
+            return None
+    return cur if hi is None or cur <= hi else None
+
+
+def _describe_m(r: Optional[MRange]) -> str:
+    if r is None:
+        return "M: see supports_m"
+    lo, hi = r
+    if hi is None:
+        return "any M" if lo <= 1 else f"M >= {lo}"
+    return f"M <= {hi}" if lo <= 1 else f"{lo} <= M <= {hi}"
+
+
 def select(
     spec: LinearSpec, platform: str, capability: Optional[int]
 ) -> list[LinearBackend]:
-    """Candidates for this layer in priority order; the last one serves every M.
+    """Candidates for this layer in priority order; together they serve every M.
 
-    Backends after the first that serves every M are never called, so they are not kept
-    (their weights would only cost memory, e.g. the reference's fp32 copy)."""
+    A backend whose M range earlier candidates already serve is never called, and the
+    reference backend is kept only when the others leave some M uncovered: both would only
+    cost memory (the reference holds a 4-byte fp32 copy of the weight)."""
     chosen: list[LinearBackend] = []
+    served: list[MRange] = []  # the known ranges of the chosen backends
     rejected: list[str] = []
+    notes: list[str] = []
     for ref in _REGISTRY.get(platform, []):
         try:
             cls = _resolve(ref)
@@ -92,25 +130,42 @@ def select(
         ok, why = cls.is_supported(platform, capability)
         if ok:
             ok, why = cls.can_implement(spec)
-        if ok:
-            chosen.append(cls())
-            if cls.covers_all_m:
-                break
-        else:
+        if not ok:
             rejected.append(f"{cls.name}: {why}")
-    if not chosen or not chosen[-1].covers_all_m:
+            continue
+        r = cls.m_range()
+        if r is not None and first_uncovered_m(served, *r) is None:
+            notes.append(f"{cls.name}: {_describe_m(r)} already served")
+            continue
+        if cls.kernel and selftest.enabled():
+            ok, why = selftest.verdict(cls, spec, platform, capability)
+            if not ok:
+                rejected.append(f"{cls.name}: {why}")
+                continue
+        chosen.append(cls())
+        if r is not None:
+            served.append(r)
+        if first_uncovered_m(served) is None:
+            break
+    gap = first_uncovered_m(served)
+    if gap is not None:
         chosen.append(ReferenceBackend())
     names = tuple(b.name for b in chosen)
     key = (platform, capability, spec.scheme, names, tuple(rejected))
-    if rejected and len(chosen) == 1:
+    if rejected and len(chosen) == 1 and gap is not None:
         _log_once(key, logging.WARNING,
                   "mxplus %s on %s (capability %s): falling back to the reference backend "
                   "(dequantized fp32 weights, fake-quant activations) because %s",
                   spec.scheme, platform, capability, "; ".join(rejected))
     else:
+        ranges = [_describe_m(type(b).m_range()) if not isinstance(b, ReferenceBackend)
+                  else (f"M >= {gap}" if gap > 1 else "any M") for b in chosen]
         _log_once(key, logging.INFO, "mxplus %s on %s (capability %s): backends %s%s",
-                  spec.scheme, platform, capability, " > ".join(names),
-                  f" (rejected: {'; '.join(rejected)})" if rejected else "")
+                  spec.scheme, platform, capability,
+                  " > ".join(f"{n} ({d})" if len(chosen) > 1 else n
+                             for n, d in zip(names, ranges)),
+                  "".join(f" ({label}: {'; '.join(items)})" for label, items in
+                          (("rejected", rejected), ("not needed", notes)) if items))
     return chosen
 
 
@@ -122,10 +177,13 @@ class LinearDispatch:
             raise ValueError("LinearDispatch needs at least one backend")
         self.spec = spec
         self.candidates = candidates
+        self.key: Optional[str] = None  # the layer's key in linear_op's registry
 
     def process_weights_after_loading(self, layer: torch.nn.Module, qweight) -> None:
         for backend in self.candidates:
             backend.process_weights_after_loading(layer, qweight, self.spec)
+        if len(self.candidates) > 1:
+            self.key = register_layer(layer, self)
 
     def pick(self, m: int) -> LinearBackend:
         for backend in self.candidates:
@@ -140,9 +198,10 @@ class LinearDispatch:
         bias: Optional[torch.Tensor],
         act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        # With one candidate, do not touch x.shape: keeps torch.compile free of shape guards.
+        # One candidate: call it directly (no registry lookup, no op boundary, and no read of
+        # x.shape that could put a shape guard into a compiled graph).
         if len(self.candidates) == 1:
-            backend = self.candidates[0]
-        else:
-            backend = self.pick(x.numel() // max(x.shape[-1], 1))
-        return backend.apply(layer, x, bias, self.spec, act_global_scale)
+            return self.candidates[0].apply(layer, x, bias, self.spec, act_global_scale)
+        if self.key is None:
+            raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
+        return torch.ops.vllm_mxplus.linear_dispatch(x, bias, act_global_scale, self.key)

@@ -1,6 +1,6 @@
 """The reference backend: dequantize the weight once, fake-quantize activations, torch GEMM.
 
-Numerics (DESIGN.md §3, CPU path): the weight is dequantized ONCE after loading into an fp32
+Numerics (docs/numerics.md, "Kernel numerics and error bounds"; the CPU path): the weight is dequantized ONCE after loading into an fp32
 tensor W_hat (MBS-dequantized values v·X/F are not representable in bf16, fp32 keeps them
 exact); each call fake-quantizes the activation rows with the scheme's activation format
 (exact fp32 values) and computes F.linear in fp32, adds the bias in fp32, then casts to the
