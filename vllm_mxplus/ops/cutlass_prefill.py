@@ -31,7 +31,8 @@ class CutlassPrefillBackend(LinearBackend):
 
     name = "cutlass_prefill"
     WEIGHT_ATTR = "mxplus_cutlass_weight"
-    covers_all_m = False
+    min_m, max_m = PREFILL_MIN_M, None
+    kernel = True  # self-tested against `formats` at first use
 
     @classmethod
     def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
@@ -50,10 +51,6 @@ class CutlassPrefillBackend(LinearBackend):
         if spec.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
         return True, ""
-
-    @classmethod
-    def supports_m(cls, m: int) -> bool:
-        return m >= PREFILL_MIN_M
 
     def process_weights_after_loading(self, layer: torch.nn.Module, qweight: QuantizedTensor,
                                       spec: LinearSpec) -> None:

@@ -55,11 +55,16 @@ class TritonDecodeBackend(LinearBackend):
                            f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))})")
         return True, ""
 
-    covers_all_m = False
+    min_m, max_m = 1, DECODE_MAX_M
+    kernel = True  # self-tested against `formats` at first use
 
-    @classmethod
-    def supports_m(cls, m: int) -> bool:
-        return m <= DECODE_MAX_M
+    def selftest_activation(self, x: torch.Tensor, spec: LinearSpec) -> QuantizedTensor:
+        """The fused quantizer's codes, compared bit for bit by the self-test."""
+        from vllm_mxplus.ops.custom_ops import act_quant_op
+
+        c, s, m, _ = act_quant_op(x, spec.activation_format, macro_block=spec.macro_block)
+        return QuantizedTensor(codes=c, scales=s, fmt=spec.activation_format, shape=x.shape,
+                               mbs=m, macro_block=spec.macro_block)
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
