@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_mxplus.integration.tiny_model import POISON
+from tiny_models import POISON
 
 pytestmark = pytest.mark.vllm
 
