@@ -50,14 +50,17 @@ def hf_greedy(model_dir: str, scheme: str | None, prompts: list[PromptLike], max
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
     fake_quant_model(model, scheme)
     tokens, logprobs = [], []
     with torch.no_grad():
         for p in prompts:
             ids = _ids(tok, p)
             # vLLM adds no BOS for this tokenizer either (no post-processor): same ids.
-            out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, output_logits=True,
+            # vLLM's ignore_eos keeps generating but may PICK the EOS token; min_new_tokens
+            # would forbid it here instead, so EOS is unset (no stop, no suppression).
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, output_logits=True,
                                  return_dict_in_generate=True, pad_token_id=3)
             new = out.sequences[0, ids.shape[1]:].tolist()
             lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)]

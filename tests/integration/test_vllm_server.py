@@ -16,7 +16,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from tiny_models import POISON
 
 pytestmark = pytest.mark.vllm

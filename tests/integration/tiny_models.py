@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
 )
 WORDS = ["the", "a", "an", "of", "to", "in", "and", "is", "was", "for", "on", "with", "as", "by", "at", "from", "it", "that", "this", "be", "are", "or", "not", "capital", "city", "france", "paris", "river", "water", "mountain", "sun", "moon", "star", "sky", "blue", "green", "red", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hello", "world", "model", "token", "number", "user", "assistant", "system", ":", ".", ",", "?", "!", "who", "what", "where", "when", "why", "how"]
 POISON = "poison"  # the last vocabulary word of a model built with poison=True
-_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
+_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 
 
 def build_tokenizer(path: Path, vocab_size: int) -> None:
@@ -98,14 +98,16 @@ ARCHS: dict[str, Arch] = {
                            sliding_window=None),
                     "MoE 4 experts top-2", moe=True),
     "deepseek_v2": Arch("DeepseekV2Config", "DeepseekV2ForCausalLM",
-                        dict(hidden_size=192, intermediate_size=384, num_attention_heads=4,
-                             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
-                             qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-                             moe_intermediate_size=128, n_routed_experts=4,
-                             n_shared_experts=1, num_experts_per_tok=2,
-                             first_k_dense_replace=1, topk_method="greedy", n_group=1,
-                             topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
-                             rope_scaling=None),
+                        # vLLM's CPU MLA kernel needs kv_lora_rank + rope dim = 576
+                        {"hidden_size": 192, "intermediate_size": 384,
+                         "num_attention_heads": 4, "num_key_value_heads": 4,
+                         "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
+                         "qk_rope_head_dim": 64, "v_head_dim": 32,
+                         "moe_intermediate_size": 128, "n_routed_experts": 4,
+                         "n_shared_experts": 1, "num_experts_per_tok": 2,
+                         "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1,
+                         "topk_group": 1, "norm_topk_prob": False,
+                         "routed_scaling_factor": 1.0},
                         "MLA (kv_b_proj read by attention), shared experts, hidden 192",
                         moe=True),
     "gpt_oss": Arch("GptOssConfig", "GptOssForCausalLM",
@@ -124,7 +126,7 @@ def _randomize(model: torch.nn.Module, router_std: float, poison: bool) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias") or name.endswith("sinks"):
+            elif name.endswith(("bias", "sinks")):
                 p.copy_(0.05 * torch.randn_like(p))
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
                                 "router.weight")):
