@@ -20,6 +20,7 @@ MATRIX_JSON = REPO / "docs" / "model_matrix.json"
 README = REPO / "README.md"
 START, END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 SHOWN = {"ok": "yes", "refused": "refused at load", "error": "vLLM CPU error",
+         "reference-differs": "runs; not judged",
          "mismatch": "MISMATCH"}
 
 
