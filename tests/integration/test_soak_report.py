@@ -19,7 +19,8 @@ _spec.loader.exec_module(soak)
 @pytest.mark.parametrize("kind,status,accepted", [
     ("completion", 200, True), ("completion", 500, False), ("completion", 0, False),
     ("stream-chat", 400, False), ("malformed-json", 400, True), ("wrong-types", 422, True),
-    ("nan-params", 500, False), ("huge-max-tokens", 200, False),
+    ("nan-params", 500, False), ("nan-params", 200, True), ("nan-params", 0, False),
+    ("huge-max-tokens", 200, True), ("huge-max-tokens", 422, True),
     ("disconnect-mid-stream", -1, True), ("disconnect-mid-stream", 503, False),
 ], ids=lambda v: str(v))
 def test_pass_criteria(kind, status, accepted):
@@ -35,4 +36,5 @@ def test_percentile_nearest_rank(q, want):
 
 def test_every_kind_is_weighted_and_judged():
     assert set(soak.WEIGHTS) == set(soak.KINDS)
-    assert set(soak.VALID) | set(soak.INVALID) | {"disconnect-mid-stream"} == set(soak.KINDS)
+    assert (set(soak.VALID) | set(soak.INVALID) | set(soak.EDGE)
+            | {"disconnect-mid-stream"}) == set(soak.KINDS)

@@ -16,11 +16,11 @@ Two load paths, as for linears (linear.py):
 - pre-quantized: `w13_weight_packed`, `w13_weight_scale`, ... with a leading expert dim; the
   uint8 / e4m3 tensors load through vLLM's own MoE loader (N-sharded for w13, K-sharded for
   w2), the nvfp4 global scales as per-tensor scales [E, 2] / [E].
-Execution: on the CPU, for the E8M0 formats, the experts stay packed and each expert GEMM runs
-the C++ kernels (`ops.moe_cpu`); otherwise (NVFP4 / MX+, other devices) the reference path,
-weights dequantized once to fp32 per expert, activations fake-quantized per token before each
-expert GEMM (`ops.moe_reference`). Both compute with the same values; on CUDA the reference is
-correct but slow; a grouped Triton/CUTLASS path is future work.
+Execution: the expert backend comes from a per-platform priority list
+(`moe_backends.select_expert_backend`; today `cpu-packed` C++ kernels for the E8M0 formats on
+the CPU, else the fp32 reference, `moe_cpu_backend.py`); a grouped GPU kernel registers
+itself there. Expert biases and activations other than the gated ones are refused at load,
+naming the layer.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from vllm_mxplus.integration.moe_backends import (
     MoESpec,
     select_expert_backend,
 )
-from vllm_mxplus.integration.moe_cpu_backend import _tp_max
+from vllm_mxplus.integration.moe_cpu_backend import moe_tp_max
 from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs
 from vllm_mxplus.ops.dispatch import current_platform_of
 from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS
@@ -237,7 +237,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return q.dequantize(torch.float32).reshape(e, n, k)
         n_shards = 2 if stem == "w13" else 1
         parts = w.reshape(e, n_shards, n // n_shards, k)
-        amax = _tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
+        amax = moe_tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
         g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
         return _nvfp4_fake(w.reshape(e * n, k), g_rows.reshape(e * n, 1)).reshape(e, n, k)
 

@@ -15,7 +15,6 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -81,7 +80,7 @@ class ExpertBackend(ABC):
         """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
 
 
-BackendRef = Union[str, type[ExpertBackend]]
+BackendRef = str | type[ExpertBackend]  # "package.module:Class" or the class
 _REGISTRY: dict[str, list[BackendRef]] = {
     "cuda": [],  # a grouped Triton / CUTLASS expert kernel goes here
     "rocm": [],
@@ -119,7 +118,7 @@ def select_expert_backend(spec: MoESpec, platform: str,
     for ref in _REGISTRY.get(platform, []):
         try:
             cls = _resolve(ref)
-        except Exception as e:  # a kernel module that cannot import is a rejection
+        except Exception as e:  # noqa: BLE001 - a kernel module that cannot import is a rejection
             rejected.append(f"{ref}: import failed ({type(e).__name__}: {e})")
             continue
         ok, why = cls.is_supported(platform, capability)

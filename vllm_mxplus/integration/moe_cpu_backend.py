@@ -24,7 +24,7 @@ from vllm_mxplus.integration.moe_backends import (
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
 
 
-def _tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+def moe_tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """Elementwise max over the MoE TP group (each rank holds a slice of every expert)."""
     if layer.moe_config.tp_size > 1:
         from vllm.distributed import get_tp_group
@@ -96,7 +96,7 @@ class ReferenceExperts(ExpertBackend):
         row_g = None
         if layer.mxplus_row_amax_reduce:
             def row_g(h: torch.Tensor) -> torch.Tensor:
-                return _tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
+                return moe_tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
         return moe_experts_reference(
             x, getattr(layer, W13_FP32), getattr(layer, W2_FP32), topk_weights, topk_ids,
             spec.activation_format, per_row=spec.activation_per_row, activation=activation,
