@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default eval/results/soak-YYYYMMDD-HHMM.md)")
+    p.add_argument("--server-log", help="where the server's output goes (default: temp dir)")
     args = p.parse_args(argv)
 
     import torch
@@ -283,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                   str(args.clients), "--dtype", "bfloat16"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    log_path = out.with_suffix(".server.log")
+    # the server's own log stays out of the repository (it is large and machine-specific)
+    log_path = Path(args.server_log or Path(tempfile.gettempdir()) / f"{out.stem}.server.log")
     out.parent.mkdir(parents=True, exist_ok=True)
     load_start = f"{os.getloadavg()[0]:.1f}"
     t_start = time.time()
