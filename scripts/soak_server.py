@@ -200,15 +200,15 @@ def render(meta: dict, results: list[Result], rss: list[tuple[float, float]],
     by_kind: dict[str, list[Result]] = defaultdict(list)
     for r in results:
         by_kind[r.kind].append(r)
-    lines = [f"# Soak test: `vllm serve` {meta['model_name']} `--quantization "
-             f"{meta['quantization']}`", "",
-             f"Command: `{meta['command']}`", "",
-             f"Machine: {meta['machine']}; load average at start {meta['load_start']}, at end "
-             f"{meta['load_end']}. vLLM {meta['vllm']}, torch {meta['torch']}.", "",
-             f"Server: `{meta['server_cmd']}` (loopback only).", "",
-             f"Duration {meta['duration']:.0f} s, {meta['clients']} concurrent clients, "
-             f"{len(results)} requests answered or refused, "
-             f"{sum(not ok(r) for r in results)} outside the pass criteria.", "",
+    title = (f"# Soak test: `vllm serve` {meta['model_name']} `--quantization "
+             f"{meta['quantization']}`")
+    machine = (f"Machine: {meta['machine']}; load average at start {meta['load_start']}, at "
+               f"end {meta['load_end']}. vLLM {meta['vllm']}, torch {meta['torch']}.")
+    summary = (f"Duration {meta['duration']:.0f} s, {meta['clients']} concurrent clients, "
+               f"{len(results)} requests answered or refused, "
+               f"{sum(not ok(r) for r in results)} outside the pass criteria.")
+    lines = [title, "", f"Command: `{meta['command']}`", "", machine, "",
+             f"Server: `{meta['server_cmd']}` (loopback only).", "", summary, "",
              "| kind | requests | status codes | p50 s | p99 s | accepted |",
              "|---|---|---|---|---|---|"]
     for kind in KINDS:
@@ -224,13 +224,15 @@ def render(meta: dict, results: list[Result], rss: list[tuple[float, float]],
                      f"{sum(ok(r) for r in rs)}/{len(rs)} |")
     valid = [r.seconds for r in results if r.kind in VALID and r.status == 200]
     if valid:
-        lines += ["", f"Latency of the answered valid requests: p50 "
-                  f"{percentile(valid, 50):.3f} s, p99 {percentile(valid, 99):.3f} s."]
-    lines += ["", f"Server RSS (process tree): start {verdict['rss_start']:.0f} MiB (after "
-              f"warm-up), end {verdict['rss_end']:.0f} MiB, max {verdict['rss_max']:.0f} MiB; "
-              f"growth {verdict['rss_growth']:+.0f} MiB, bound {meta['rss_bound']:.0f} MiB.",
-              f"Server process alive at the end: {verdict['alive']}; /health at the end: "
-              f"{verdict['health']}; crashes: {verdict['crashes']}.", "",
+        lines += ["", (f"Latency of the answered valid requests: p50 "
+                       f"{percentile(valid, 50):.3f} s, p99 {percentile(valid, 99):.3f} s.")]
+    rss_line = (f"Server RSS (process tree): start {verdict['rss_start']:.0f} MiB (after "
+                f"warm-up), end {verdict['rss_end']:.0f} MiB, max {verdict['rss_max']:.0f} "
+                f"MiB; growth {verdict['rss_growth']:+.0f} MiB, bound "
+                f"{meta['rss_bound']:.0f} MiB.")
+    alive_line = (f"Server process alive at the end: {verdict['alive']}; /health at the end: "
+                  f"{verdict['health']}; crashes: {verdict['crashes']}.")
+    lines += ["", rss_line, alive_line, "",
               f"Verdict: **{'PASS' if verdict['pass'] else 'FAIL'}**"]
     bad = [r for r in results if not ok(r)][:10]
     if bad:
@@ -373,9 +375,10 @@ def _soak(args, proc, port, model, out, log_path, server_cmd, load_start, t_star
 
 def _cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown CPU"

@@ -1,4 +1,4 @@
-"""MoE experts (issue 8): vLLM FusedMoE method vs the transformers fake-quant reference.
+"""MoE experts: vLLM FusedMoE method vs the transformers fake-quant reference.
 
 Tiny random Qwen3-MoE (8 experts, top-2, norm_topk_prob) and Mixtral (4 experts, top-2)
 models in fp32: vLLM + plugin must be token-identical to transformers with every expert and

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def run_job(job: dict) -> dict:
@@ -37,7 +38,7 @@ def run_job(job: dict) -> dict:
             tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
             distributed_executor_backend=job.get("backend"),
         )
-    except Exception as e:  # load failures are results too (bad-checkpoint tests)
+    except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
     t1 = time.time()
     sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
@@ -45,7 +46,7 @@ def run_job(job: dict) -> dict:
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]]
     try:
         outs = llm.generate(prompts, sp, use_tqdm=False)
-    except Exception as e:  # e.g. an architecture vLLM's CPU build loads but cannot run
+    except Exception as e:  # noqa: BLE001 - e.g. an engine vLLM's CPU build loads, cannot run
         del llm
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
     res = {"tokens": [], "logprobs": [], "error": None, "load_s": t1 - t0,
@@ -59,7 +60,7 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> None:
-    jobs = json.loads(open(sys.argv[1]).read())
+    jobs = json.loads(Path(sys.argv[1]).read_text())
     from vllm.distributed import cleanup_dist_env_and_memory
 
     results = {}
@@ -70,7 +71,7 @@ def main() -> None:
         with open(sys.argv[2], "w") as f:  # partial results survive a crash at shutdown
             json.dump(results, f)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (SIGABRT seen at vLLM shutdown, DESIGN.md §5)
+    os._exit(0)  # skip interpreter teardown (vLLM 0.32 CPU sometimes SIGABRTs at shutdown)
 
 
 if __name__ == "__main__":
