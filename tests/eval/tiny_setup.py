@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Words of the tiny model's word-level vocabulary (vllm_mxplus.integration.tiny_model.WORDS).
+# Words of the tiny model's word-level vocabulary (tests/integration/tiny_models.py, WORDS).
 ITEMS = [
     ("the capital of france is", ["paris", "water", "blue"], 0),
     ("one two three", ["four", "moon", "city"], 0),

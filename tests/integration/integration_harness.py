@@ -28,24 +28,23 @@ PRE_SCHEMES = ["mxfp4-ocp", "mxplus", "mxfp4-mbs", "nvfp4"]
 
 def build_models(root: Path) -> dict[str, str]:
     """Build every checkpoint the integration tests use; returns name -> directory."""
-    from vllm_mxplus.integration.tiny_model import build_tiny_llama, write_prequantized
+    from tiny_models import build_tiny_llama, prequantize, tamper_checkpoint
 
     m: dict[str, str] = {}
     m["tiny256"] = str(build_tiny_llama(root / "tiny256", poison=True))
     # hidden 320 / intermediate 576: partial macro blocks (K % 128 = 64) in every linear.
     m["tiny320"] = str(build_tiny_llama(root / "tiny320", hidden=320, intermediate=576,
                                         heads=5, kv_heads=1, seed=1))
+    # pre-quantized checkpoints: the offline quantizer's own code path (`mxplus quantize`)
     for scheme in PRE_SCHEMES:
-        m[f"tiny256-{scheme}"] = str(write_prequantized(m["tiny256"], root / f"q256-{scheme}",
-                                                        scheme))
-    m["tiny320-mxfp4-mbs"] = str(write_prequantized(m["tiny320"], root / "q320-mbs",
-                                                    "mxfp4-mbs"))
-    m["bad-missing"] = str(write_prequantized(
-        m["tiny256"], root / "bad-missing", "mxfp4-mbs",
-        tamper={"drop": ["model.layers.0.self_attn.k_proj.weight_scale"]}))
-    m["bad-shape"] = str(write_prequantized(
-        m["tiny256"], root / "bad-shape", "mxfp4-mbs",
-        tamper={"reshape": {"model.layers.1.mlp.down_proj.weight_scale": [256, 7]}}))
+        m[f"tiny256-{scheme}"] = str(prequantize(m["tiny256"], root / f"q256-{scheme}", scheme))
+    m["tiny320-mxfp4-mbs"] = str(prequantize(m["tiny320"], root / "q320-mbs", "mxfp4-mbs"))
+    m["bad-missing"] = str(tamper_checkpoint(
+        prequantize(m["tiny256"], root / "bad-missing", "mxfp4-mbs"),
+        drop=["model.layers.0.self_attn.k_proj.weight_scale"]))
+    m["bad-shape"] = str(tamper_checkpoint(
+        prequantize(m["tiny256"], root / "bad-shape", "mxfp4-mbs"),
+        reshape={"model.layers.1.mlp.down_proj.weight_scale": [256, 7]}))
     return m
 
 
@@ -61,7 +60,7 @@ def run_driver(jobs: list[dict], workdir: Path, env: dict, tp: bool = False,
     jobs_file.write_text(json.dumps(jobs))
     env = dict(env)
     if tp:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (DESIGN.md §5)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (vLLM CPU needs one NUMA/core binding per rank)
     else:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in-process, one after another
     with open(log_file, "w") as log:

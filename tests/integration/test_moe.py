@@ -1,4 +1,4 @@
-"""MoE experts (issue 8): vLLM FusedMoE method vs the transformers fake-quant reference.
+"""MoE experts: vLLM FusedMoE method vs the transformers fake-quant reference.
 
 Tiny random Qwen3-MoE (8 experts, top-2, norm_topk_prob) and Mixtral (4 experts, top-2)
 models in fp32: vLLM + plugin must be token-identical to transformers with every expert and
@@ -9,7 +9,6 @@ All single-process engines run in one driver process; TP=2 is a separate, slow p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -58,9 +57,9 @@ def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
 
 def _build(root: Path) -> dict[str, str]:
     import torch
+    from tiny_models import build_tiny_mixtral, build_tiny_qwen3_moe, tamper_checkpoint
 
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
-    from vllm_mxplus.integration.tiny_model import build_tiny_mixtral, build_tiny_qwen3_moe
 
     m = {"q3": str(build_tiny_qwen3_moe(root / "q3")),
          "mx": str(build_tiny_mixtral(root / "mx", layers=1, seed=1, dtype=torch.float32))}
@@ -71,24 +70,9 @@ def _build(root: Path) -> dict[str, str]:
     # a pre-quantized checkpoint that lost one expert's down_proj scales
     bad = root / "q3-bad"
     quantize_checkpoint(m["q3"], bad, "mxfp4-mbs", progress=False)
-    _drop_tensor(bad, "model.layers.1.mlp.experts.5.down_proj.weight_scale")
+    tamper_checkpoint(bad, drop=["model.layers.1.mlp.experts.5.down_proj.weight_scale"])
     m["q3-bad"] = str(bad)
     return m
-
-
-def _drop_tensor(ckpt: Path, name: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in ckpt.glob("*.safetensors"):
-        t = load_file(f)
-        if name in t:
-            del t[name]
-            save_file(t, f, metadata={"format": "pt"})
-    idx = ckpt / "model.safetensors.index.json"
-    if idx.exists():
-        j = json.loads(idx.read_text())
-        j["weight_map"].pop(name, None)
-        idx.write_text(json.dumps(j))
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +129,9 @@ def test_moe_tp2_experts_sharded(tmp_path_factory, subprocess_env):
     """TP=2: w13 N-sharded, w2 K-sharded (128 per rank: whole macro blocks); online
     mxfp4-mbs and pre-quantized nvfp4 (per-expert global scales, activation row amax
     reduced over ranks) equal the unsharded reference."""
+    from tiny_models import build_tiny_qwen3_moe
+
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
-    from vllm_mxplus.integration.tiny_model import build_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("moe-tp")
     src = str(build_tiny_qwen3_moe(root / "q3tp", hidden=256, moe_intermediate=256,
@@ -216,4 +201,4 @@ def test_moe_execution_path_is_logged(moe_run):
     if shutil.which("c++"):
         assert "mxplus mxfp4-mbs MoE experts on cpu: cpu-packed C++ kernels" in log
     assert ("mxplus nvfp4 MoE experts on cpu: reference path (dequantized fp32 experts, "
-            "fake-quant activations) because no CPU kernel for weights nvfp4") in log
+            "fake-quant activations) because cpu-packed: no CPU kernel for weights nvfp4") in log

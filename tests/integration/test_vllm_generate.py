@@ -16,7 +16,7 @@ from vllm_mxplus.formats import SCHEMES
 
 pytestmark = pytest.mark.vllm
 
-# W4A4 makes greedy decoding of a random tiny model chaotic (DESIGN.md §5): vLLM and
+# W4A4 makes greedy decoding of a random tiny model chaotic (docs/numerics.md, QSNR): vLLM and
 # transformers differ by fp32 accumulation order (~1e-6 nats on the chosen tokens), and now
 # and then that noise moves one activation across a 4-bit rounding boundary (a "flip"), after
 # which logprobs jump by ~0.1 nats and the sequences may part. So the check is:
@@ -55,7 +55,8 @@ def test_online_quantization_matches_reference(driver_run, tiny_models, scheme):
 
 @pytest.mark.parametrize("scheme", PRE_SCHEMES)
 def test_prequantized_checkpoint_matches_reference(driver_run, tiny_models, scheme):
-    """Checkpoint in the DESIGN §2 layout, detected from config.json with no flag."""
+    """`mxplus quantize` output (docs/numerics.md, Packing and checkpoint layout), detected
+    from config.json with no flag."""
     results, _ = driver_run
     _check_against_reference(results[f"pre-{scheme}"], tiny_models["tiny256"], scheme)
 

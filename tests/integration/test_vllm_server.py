@@ -16,8 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from vllm_mxplus.integration.tiny_model import POISON
+from tiny_models import POISON
 
 pytestmark = pytest.mark.vllm
 

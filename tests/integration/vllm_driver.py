@@ -7,9 +7,11 @@ engine they need into one driver run: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the 
 built one after another in this process (a few seconds each). Tensor-parallel jobs need the
 multiprocess executor and run in a separate driver invocation.
 
-A job: {"id", "model", "quantization" (or null), "dtype", "prompts", "max_tokens",
-"tp" (default 1), "logprobs" (default 1), "eager" (default true; false = vLLM's
-torch.compile mode)}. A result: {"tokens": [[int]], "logprobs":
+A job: {"id", "model", "quantization" (or null), "dtype", "prompts" (strings, or lists of
+token ids: some tokenizer classes that transformers forces by model type cannot encode the
+test vocabulary), "max_tokens", "tp" (default 1), "pp" (default 1), "logprobs" (default 1),
+"eager" (default true; false = vLLM's torch.compile mode), "backend" (distributed executor,
+default vLLM's choice)}. A result: {"tokens": [[int]], "logprobs":
 [[float]] (of the chosen tokens), "error": str or null, "load_s", "gen_s"}.
 """
 
@@ -21,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def run_job(job: dict) -> dict:
@@ -32,14 +35,20 @@ def run_job(job: dict) -> dict:
             model=job["model"], quantization=job.get("quantization"), dtype=job["dtype"],
             enforce_eager=job.get("eager", True), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
             seed=0,
-            tensor_parallel_size=job.get("tp", 1),
+            tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
+            distributed_executor_backend=job.get("backend"),
         )
-    except Exception as e:  # load failures are results too (bad-checkpoint tests)
+    except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
     t1 = time.time()
     sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
                         logprobs=job.get("logprobs", 1))
-    outs = llm.generate(job["prompts"], sp, use_tqdm=False)
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]]
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    except Exception as e:  # noqa: BLE001 - e.g. an engine vLLM's CPU build loads, cannot run
+        del llm
+        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
     res = {"tokens": [], "logprobs": [], "error": None, "load_s": t1 - t0,
            "gen_s": time.time() - t1}
     for o in outs:
@@ -51,7 +60,7 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> None:
-    jobs = json.loads(open(sys.argv[1]).read())
+    jobs = json.loads(Path(sys.argv[1]).read_text())
     from vllm.distributed import cleanup_dist_env_and_memory
 
     results = {}
@@ -62,7 +71,7 @@ def main() -> None:
         with open(sys.argv[2], "w") as f:  # partial results survive a crash at shutdown
             json.dump(results, f)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (SIGABRT seen at vLLM shutdown, DESIGN.md §5)
+    os._exit(0)  # skip interpreter teardown (vLLM 0.32 CPU sometimes SIGABRTs at shutdown)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,25 @@ Two load paths, as for linears (linear.py):
 - pre-quantized: `w13_weight_packed`, `w13_weight_scale`, ... with a leading expert dim; the
   uint8 / e4m3 tensors load through vLLM's own MoE loader (N-sharded for w13, K-sharded for
   w2), the nvfp4 global scales as per-tensor scales [E, 2] / [E].
-Execution: on the CPU, for the E8M0 formats, the experts stay packed and each expert GEMM runs
-the C++ kernels (`ops.moe_cpu`); otherwise (NVFP4 / MX+, other devices) the reference path,
-weights dequantized once to fp32 per expert, activations fake-quantized per token before each
-expert GEMM (`ops.moe_reference`). Both compute with the same values; on CUDA the reference is
-correct but slow; a grouped Triton/CUTLASS path is future work.
+Execution: the expert backend comes from a per-platform priority list
+(`moe_backends.select_expert_backend`; today `cpu-packed` C++ kernels for the E8M0 formats on
+the CPU, else the fp32 reference, `moe_cpu_backend.py`); a grouped GPU kernel registers
+itself there. Expert biases and activations other than the gated ones are refused at load,
+naming the layer.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
+    FusedMoEMethodBase,
+)
+from vllm.model_executor.layers.fused_moe.routed_experts import (
+    FusedMoeWeightScaleSupported,
+)
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_mxplus.checkpoint.layout import SUFFIX_BM_INDEX, SUFFIX_GLOBAL, SUFFIX_MBS
@@ -42,26 +46,19 @@ from vllm_mxplus.formats.nvfp4 import (
     dequantize_nvfp4_blocks,
     quantize_nvfp4_blocks,
 )
+from vllm_mxplus.integration.moe_backends import (
+    ExpertWeights,
+    MoESpec,
+    select_expert_backend,
+)
+from vllm_mxplus.integration.moe_cpu_backend import moe_tp_max
 from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs, tp_hint
-from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS, moe_experts_reference
-from vllm_mxplus.ops.reference import nvfp4_row_global_scale
+from vllm_mxplus.ops.dispatch import current_platform_of
+from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS
 
 if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig
 
-logger = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
-W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
-
-
-def _tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """Elementwise max over the MoE TP group (each rank holds a slice of every expert)."""
-    if layer.moe_config.tp_size > 1:
-        from vllm.distributed import get_tp_group
-
-        torch.distributed.all_reduce(
-            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
-    return t
 
 
 def _finite_amax(w: torch.Tensor) -> torch.Tensor:
@@ -80,19 +77,14 @@ def _nvfp4_fake(w: torch.Tensor, g_rows: torch.Tensor) -> torch.Tensor:
 class MxplusFusedMoEMethod(FusedMoEMethodBase):
     """W4A4 routed experts of one vllm-mxplus scheme (reference execution)."""
 
-    def __init__(self, quant_config: "MxplusConfig", moe: Any):
+    def __init__(self, quant_config: MxplusConfig, moe: Any):
         super().__init__(moe)
         self.quant_config = quant_config
         self.scheme = quant_config.scheme
         self.macro_block = quant_config.macro_block
         self.fmt = self.scheme.weight_format
         self.act_per_row = get_format(self.scheme.activation_format).scale_rule == "e4m3"
-        act = moe.activation.value
-        if act not in GATED_ACTIVATIONS:
-            raise NotImplementedError(
-                f"vllm-mxplus MoE: activation {act!r} is not supported "
-                f"(supported: {', '.join(GATED_ACTIVATIONS)})")
-        self.act_fn = GATED_ACTIVATIONS[act]
+        self.act_fn = GATED_ACTIVATIONS.get(moe.activation.value)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -105,9 +97,18 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
+        # Refused at load, naming the layer: never wrong numbers (e.g. gpt-oss experts have
+        # biases and the clamped, interleaved 'swigluoai' activation).
+        act = self.moe.activation.value
+        if self.act_fn is None:
+            raise NotImplementedError(
+                f"{layer.layer_name}: vllm-mxplus MoE does not support the expert activation "
+                f"{act!r} (supported: {', '.join(GATED_ACTIVATIONS)}); serve this model "
+                f"without --quantization or keep its experts unquantized")
         if self.moe.has_bias:
             raise NotImplementedError(
-                f"{layer.layer_name}: vllm-mxplus MoE does not support expert biases yet")
+                f"{layer.layer_name}: vllm-mxplus MoE does not support expert biases; serve "
+                f"this model without --quantization or keep its experts unquantized")
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(
                 f"{layer.layer_name}: apply_router_weight_on_input is not supported")
@@ -235,61 +236,30 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return q.dequantize(torch.float32).reshape(e, n, k)
         n_shards = 2 if stem == "w13" else 1
         parts = w.reshape(e, n_shards, n // n_shards, k)
-        amax = _tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
+        amax = moe_tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
         g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
         return _nvfp4_fake(w.reshape(e * n, k), g_rows.reshape(e * n, 1)).reshape(e, n, k)
-
-    def _packed_cpu(self, device: torch.device) -> tuple[bool, str]:
-        """Whether the experts run on the packed C++ CPU kernels, else why not."""
-        if device.type != "cpu":
-            return False, f"no packed expert kernel on {device.type} yet"
-        from vllm_mxplus.ops import cpu_kernels
-        from vllm_mxplus.ops.backend import check_e8m0_pair
-
-        ok, why = check_e8m0_pair(self.scheme.weight_format, self.scheme.activation_format,
-                                  "CPU kernel")
-        return cpu_kernels.load() if ok else (ok, why)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
-        packed, why = self._packed_cpu(device)
-        layer.mxplus_packed = None
-        if packed:
-            from vllm_mxplus.ops.moe_cpu import PackedExperts
-
-            experts = {}
-            for stem in ("w13", "w2"):
-                q, e = self._loaded_rows(layer, stem) if pre else self._quantized_rows(layer,
-                                                                                        stem)
-                experts[stem] = PackedExperts.from_rows(q, e, self.scheme.activation_format,
-                                                        self.macro_block)
-                for name in [n for n in list(layer._parameters) if n.startswith(f"{stem}_weight")]:
-                    delattr(layer, name)
-            layer.mxplus_packed = experts
-            self._log_once(f"{self.scheme.name}/{device.type}/packed",
-                           "mxplus %s MoE experts on %s: cpu-packed C++ kernels (packed FP4 "
-                           "experts)", self.scheme.name, device.type)
-            return
-        for stem in ("w13", "w2"):
-            w = self._dequantize_loaded(layer, stem) if pre else self._quantize_loaded(layer, stem)
-            for name in [n for n in list(layer._parameters) if n.startswith(f"{stem}_weight")]:
-                delattr(layer, name)
-            layer.register_parameter(
-                W13_FP32 if stem == "w13" else W2_FP32,
-                torch.nn.Parameter(w.contiguous(), requires_grad=False))
-        layer.mxplus_row_amax_reduce = self.act_per_row and self.moe.tp_size > 1
-        self._log_once(f"{self.scheme.name}/{device.type}",
-                       "mxplus %s MoE experts on %s: reference path (dequantized fp32 experts, "
-                       "fake-quant activations) because %s", self.scheme.name, device.type, why)
-
-    @staticmethod
-    def _log_once(key: str, msg: str, *args) -> None:
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            logger.info(msg, *args)
+        spec = MoESpec(scheme=self.scheme.name, weight_format=self.fmt,
+                       activation_format=self.scheme.activation_format,
+                       macro_block=self.macro_block, device_type=device.type)
+        weights = ExpertWeights(
+            quantized=lambda stem: (self._loaded_rows if pre else self._quantized_rows)(
+                layer, stem),
+            dequantized=lambda stem: (self._dequantize_loaded if pre else
+                                      self._quantize_loaded)(layer, stem))
+        platform, capability = current_platform_of(device)
+        self.backend = select_expert_backend(spec, platform, capability)
+        self.spec = spec
+        self.backend.process_weights_after_loading(layer, spec, weights)
+        for name in [n for n in list(layer._parameters)
+                     if n.startswith(("w13_weight", "w2_weight"))]:
+            delattr(layer, name)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no modular kernel: apply() computes the experts itself
@@ -302,22 +272,8 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        shared_experts: Optional[Any] = None,
-        shared_experts_input: Optional[torch.Tensor] = None,
+        shared_experts: Any | None = None,
+        shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Shared experts (if any) run in the MoERunner (moe_kernel is None: NO_OVERLAP order).
-        if layer.mxplus_packed is not None:
-            from vllm_mxplus.ops.moe_cpu import moe_experts_packed
-
-            return moe_experts_packed(
-                x, layer.mxplus_packed["w13"], layer.mxplus_packed["w2"], topk_weights,
-                topk_ids, activation=self.act_fn, expert_map=layer.expert_map)
-        row_g = None
-        if layer.mxplus_row_amax_reduce:
-            def row_g(h: torch.Tensor) -> torch.Tensor:
-                return _tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
-        return moe_experts_reference(
-            x, getattr(layer, W13_FP32), getattr(layer, W2_FP32), topk_weights, topk_ids,
-            self.scheme.activation_format, per_row=self.act_per_row, activation=self.act_fn,
-            macro_block=self.macro_block, expert_map=layer.expert_map,
-            row_global_scale=row_g)
+        return self.backend.apply(layer, self.spec, x, topk_weights, topk_ids, self.act_fn)

@@ -32,6 +32,12 @@ from vllm_mxplus.checkpoint.layout import (
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
 from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, NVFP4_BLOCK, quantize_nvfp4_blocks
+from vllm_mxplus.integration.mla import (
+    apply_weight_only,
+    install_dequantized_weight,
+    is_weight_only,
+    weight_read_by_attention,
+)
 from vllm_mxplus.integration.params import (
     check_all_loaded,
     create_quantized_params,
@@ -150,6 +156,9 @@ class MxplusLinearMethod(LinearMethodBase):
         else:
             qweight = self._quantize_loaded(layer)
             device = layer.weight.device
+        if weight_read_by_attention(layer):  # MLA kv_b_proj: weight-only (integration/mla.py)
+            install_dequantized_weight(layer, qweight)
+            return
         spec = LinearSpec(
             scheme=self.scheme.name, n=layer.output_size_per_partition,
             k=layer.input_size_per_partition, out_dtype=layer.orig_dtype,
@@ -171,6 +180,8 @@ class MxplusLinearMethod(LinearMethodBase):
         x: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if is_weight_only(layer):
+            return apply_weight_only(layer, x, bias)
         g = None
         if layer.mxplus_row_amax_reduce:
             # NVFP4 activations on a row-parallel shard: the per-token global scale must come

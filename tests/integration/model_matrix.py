@@ -1,0 +1,154 @@
+"""The architecture coverage matrix: build, run and judge, shared by the test and the script.
+
+One tiny random checkpoint per architecture of `tiny_models.ARCHS` (bf16 on disk), served
+by vLLM in fp32 with `--quantization mxfp4-mbs` (online) and from an `mxplus quantize`
+checkpoint (pre-quantized, no flag); every engine runs in ONE driver process (vllm_driver.py)
+because engine start-up dominates on a 2-core box. Each run is judged against the
+transformers fake-quant reference (hf_reference.py) with the rule of test_vllm_generate.py.
+
+The results go to docs/model_matrix.json (committed); scripts/supported_models.py renders
+the README "Supported models" table from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from integration_harness import run_driver
+from tiny_models import ARCHS, build_tiny, prequantize, word_ids
+
+REPO = Path(__file__).resolve().parents[2]
+MATRIX_JSON = REPO / "docs" / "model_matrix.json"
+SCHEME = "mxfp4-mbs"
+# Token ids: transformers forces its own tokenizer class for some model types (Qwen2's
+# byte-level BPE), which cannot encode the word-level test vocabulary.
+PROMPTS = [word_ids("the capital of france is"), word_ids("hello world"),
+           word_ids("one two three four five")]
+TOKENS = 12
+LOGPROB_ATOL = 1e-4  # nats: fp32 accumulation-order noise is ~1e-6 (test_vllm_generate.py)
+KINDS = ("online", "prequantized")
+
+# Architectures also served WITHOUT quantization and compared with unquantized transformers:
+# where even that differs, the quantized comparison cannot judge the plugin, and the row
+# says "reference-differs" with the unquantized numbers.
+CONTROL = ("deepseek_v2",)
+
+# Outcomes other than "ok" that the matrix expects, with a phrase of the error. Anything
+# else that is not "ok" fails the test.
+EXPECTED = {
+    # vLLM 0.32 (CPU MLA) and transformers 5 already differ unquantized on this model.
+    ("deepseek_v2", "online"): ("reference-differs", "without quantization"),
+    ("deepseek_v2", "prequantized"): ("reference-differs", "without quantization"),
+    ("gpt_oss", "online"): ("refused", "does not support the expert activation 'swigluoai'"),
+    ("gpt_oss", "prequantized"): ("refused", "does not support the expert activation"),
+}
+
+
+def build_all(root: Path, archs: list[str]) -> dict[str, dict[str, str]]:
+    """arch -> {"src": bf16 checkpoint, "prequantized": `mxplus quantize` output}."""
+    out = {}
+    for i, arch in enumerate(archs):
+        src = build_tiny(arch, root / arch, seed=i)
+        out[arch] = {"src": str(src),
+                     "prequantized": str(prequantize(src, root / f"{arch}-{SCHEME}", SCHEME))}
+    return out
+
+
+def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
+    jobs = []
+    for arch, m in models.items():
+        for kind in KINDS:
+            jobs.append({"id": f"{kind}-{arch}", "dtype": "float32", "prompts": PROMPTS,
+                         "max_tokens": TOKENS,
+                         "model": m["src"] if kind == "online" else m["prequantized"],
+                         "quantization": SCHEME if kind == "online" else None})
+        if arch in CONTROL:
+            jobs.append({"id": f"control-{arch}", "dtype": "float32", "prompts": PROMPTS,
+                         "max_tokens": TOKENS, "model": m["src"], "quantization": None})
+    return jobs
+
+
+def judge(res: dict, ref: tuple[list[list[int]], list[list[float]]]) -> tuple[str, str]:
+    """("ok", "") or (status, reason). The rule of test_vllm_generate.py: tokens identical
+    and |dlogprob| <= LOGPROB_ATOL up to a rare 4-bit rounding flip, which may part at most
+    one prompt and never at the first token (a real bug breaks every prompt there)."""
+    if res.get("error"):
+        return _classify_error(res["error"]), _short(res["error"])
+    ref_tokens, ref_lps = ref
+    identical = 0
+    for i in range(len(PROMPTS)):
+        toks, lps = res["tokens"][i], res["logprobs"][i]
+        flip = next((j for j in range(TOKENS) if toks[j] != ref_tokens[i][j]
+                     or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL), TOKENS)
+        if flip == 0:
+            return "mismatch", (f"prompt {i} differs at the first token: {toks[0]} vs "
+                                f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
+                                f"{ref_lps[i][0]:.6f}")
+        identical += flip == TOKENS
+    if identical < len(PROMPTS) - 1:
+        return "mismatch", f"only {identical}/{len(PROMPTS)} prompts token-identical"
+    return "ok", ""
+
+
+def _classify_error(err: str) -> str:
+    return "refused" if "vllm-mxplus" in err or "mxplus" in err.split(":", 1)[0] else "error"
+
+
+def _short(err: str) -> str:
+    """First line, without temporary paths (the committed matrix must be reproducible)."""
+    line = err.strip().splitlines()[0]
+    return re.sub(r"/\S*/", "", line)[:300]
+
+
+def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[str, Any]:
+    """Build, serve and judge every architecture; returns the matrix document."""
+    from hf_reference import hf_greedy
+
+    archs = list(archs or ARCHS)
+    t0 = time.time()
+    models = build_all(root / "models", archs)
+    results, log = run_driver(jobs_for(models), root, env, timeout=1800)
+    t_vllm = time.time() - t0
+    doc: dict[str, Any] = {"scheme": SCHEME, "prompts": len(PROMPTS), "tokens": TOKENS,
+                           "archs": {}}
+    for arch in archs:
+        a = ARCHS[arch]
+        row: dict[str, Any] = {"architecture": a.model_cls, "what": a.what,
+                               "hidden_size": a.config["hidden_size"]}
+        control = ""
+        if arch in CONTROL:
+            res = results.get(f"control-{arch}", {"error": "no result (driver crashed)"})
+            status, why = judge(res, hf_greedy(models[arch]["src"], None, PROMPTS, TOKENS)
+                                if not res.get("error") else ([], []))
+            row["unquantized"] = status
+            if status != "ok":
+                control = f"vLLM and transformers differ without quantization: {why}"
+        ref = None
+        for kind in KINDS:
+            res = results.get(f"{kind}-{arch}", {"error": "no result (driver crashed)"})
+            if not res.get("error") and ref is None:
+                ref = hf_greedy(models[arch]["src"], SCHEME, PROMPTS, TOKENS)
+            status, why = judge(res, ref) if not res.get("error") else judge(res, ([], []))
+            if control and not res.get("error"):
+                status, why = "reference-differs", control
+            row[kind] = status
+            if why:
+                row[f"{kind}_note"] = why
+        doc["archs"][arch] = row
+    doc["seconds"] = {"build_and_vllm": round(t_vllm, 1), "total": round(time.time() - t0, 1)}
+    (root / "log.txt").write_text(log)
+    return doc
+
+
+def expected_status(arch: str, kind: str) -> tuple[str, str]:
+    return EXPECTED.get((arch, kind), ("ok", ""))
+
+
+def write_matrix(doc: dict[str, Any], path: Path = MATRIX_JSON) -> None:
+    """The committed form: statuses and notes, no timings (they vary run to run)."""
+    keep = {k: v for k, v in doc.items() if k != "seconds"}
+    path.write_text(json.dumps(keep, indent=2) + "\n")

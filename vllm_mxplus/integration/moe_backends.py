@@ -1,0 +1,139 @@
+"""Expert backends of the FusedMoE method: a priority list per platform, like ops/dispatch.py.
+
+A backend turns one MoE layer's expert weights into its runtime form once
+(`process_weights_after_loading`) and computes the routed experts (`apply`). The selector
+walks the platform's list, takes the first backend whose `is_supported` and `can_implement`
+pass, falls back to the reference (fp32 experts, any device), and logs once per situation
+what it chose and why each better backend was rejected. A grouped GPU kernel slots in with
+`register_expert_backend("cuda", "package.module:Class", priority=0)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mxplus.formats import QuantizedTensor, get_format
+from vllm_mxplus.log_once import log_once
+
+logger = logging.getLogger(__name__)
+STEMS = ("w13", "w2")  # gate|up stacked [E, 2I, H]; down [E, H, I]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What an expert backend needs to know about one MoE layer (per TP partition)."""
+
+    scheme: str
+    weight_format: str
+    activation_format: str
+    macro_block: int
+    device_type: str
+
+    @property
+    def activation_per_row(self) -> bool:
+        """NVFP4 activations take one global scale per token (docs/numerics.md, NVFP4)."""
+        return get_format(self.activation_format).scale_rule == "e4m3"
+
+
+@dataclass
+class ExpertWeights:
+    """The loaded experts, in the two forms a backend may want (computed on demand).
+
+    quantized(stem) -> (QuantizedTensor of all local experts' rows [E*N, K], E)
+    dequantized(stem) -> fp32 [E, N, K] (NVFP4: one global scale per logical weight)
+    """
+
+    quantized: Callable[[str], tuple[QuantizedTensor, int]]
+    dequantized: Callable[[str], torch.Tensor]
+
+
+class ExpertBackend(ABC):
+    """One way to run a layer's routed experts."""
+
+    name: str = "base"
+    summary: str = ""  # what the selection log says when chosen (default: name)
+
+    @classmethod
+    @abstractmethod
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
+        """(True, "") when the backend runs on this platform / capability, else the reason."""
+
+    @classmethod
+    def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
+        return True, ""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: torch.nn.Module, spec: MoESpec,
+                                      weights: ExpertWeights) -> None:
+        """Store the runtime expert tensors on `layer` (once, after loading)."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, spec: MoESpec, x: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
+
+
+BackendRef = str | type[ExpertBackend]  # "package.module:Class" or the class
+_REGISTRY: dict[str, list[BackendRef]] = {
+    "cuda": [],  # a grouped Triton / CUTLASS expert kernel goes here
+    "rocm": [],
+    "xpu": [],
+    "cpu": ["vllm_mxplus.integration.moe_cpu_backend:CpuPackedExperts"],
+}
+REFERENCE: BackendRef = "vllm_mxplus.integration.moe_cpu_backend:ReferenceExperts"
+
+
+def register_expert_backend(platform: str, backend: BackendRef,
+                            priority: int | None = None) -> None:
+    """Add an expert backend for a platform at `priority` (0 = first; None = last)."""
+    entries = _REGISTRY.setdefault(platform, [])
+    if backend in entries:
+        entries.remove(backend)
+    entries.insert(len(entries) if priority is None else priority, backend)
+
+
+def registered_expert_backends(platform: str) -> list[BackendRef]:
+    return list(_REGISTRY.get(platform, []))
+
+
+def _resolve(ref: BackendRef) -> type[ExpertBackend]:
+    if isinstance(ref, str):
+        module, _, cls = ref.partition(":")
+        return getattr(importlib.import_module(module), cls)
+    return ref
+
+
+def select_expert_backend(spec: MoESpec, platform: str,
+                          capability: int | None) -> ExpertBackend:
+    """The first registered backend that runs here and implements spec, else the reference;
+    logs the choice (and every rejection) once per situation."""
+    rejected: list[str] = []
+    for ref in _REGISTRY.get(platform, []):
+        try:
+            cls = _resolve(ref)
+        except Exception as e:  # noqa: BLE001 - a kernel module that cannot import is a rejection
+            rejected.append(f"{ref}: import failed ({type(e).__name__}: {e})")
+            continue
+        ok, why = cls.is_supported(platform, capability)
+        if ok:
+            ok, why = cls.can_implement(spec)
+        if ok:
+            log_once(logger, ("moe", spec.scheme, platform, cls.name), logging.INFO,
+                     "mxplus %s MoE experts on %s: %s", spec.scheme, platform,
+                     cls.summary or cls.name)
+            return cls()
+        rejected.append(f"{cls.name}: {why}")
+    if not _REGISTRY.get(platform):
+        rejected.append(f"no expert backend registered for {platform}")
+    log_once(logger, ("moe", spec.scheme, platform, "reference", tuple(rejected)), logging.INFO,
+             "mxplus %s MoE experts on %s: reference path (dequantized fp32 experts, "
+             "fake-quant activations) because %s", spec.scheme, platform, "; ".join(rejected))
+    return _resolve(REFERENCE)()
+
