@@ -82,7 +82,20 @@ inline int mbs_static_byte(float a) {
   return static_cast<int>((f2u(6.0f / a) & kMbsStaticMask) >> kMbsStaticShift);
 }
 
+// max |v| over n values, NaN if any is NaN.
 inline float nan_absmax(const float* v, int64_t n) {
+#ifdef MXPLUS_AVX512
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lm = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 a = _mm512_and_ps(_mm512_maskz_loadu_ps(lm, v + i), absmask);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, a);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+#else
   float a = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float t = std::fabs(v[i]);
@@ -90,6 +103,7 @@ inline float nan_absmax(const float* v, int64_t n) {
     a = t > a ? t : a;
   }
   return a;
+#endif
 }
 
 inline void check_rule(int64_t block, int64_t rule, bool mbs, int64_t macro) {
@@ -114,9 +128,10 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Quantize one activation row to what the integer GEMM multiplies (docs/numerics.md,
 // "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get
 // 2 * value(code) (zero past K and in NaN blocks), `scales` [cdiv(K, block)] the E8M0 codes,
-// `mbs` [cdiv(K, macro)] the MBS-S bytes (only when `mbs_on`). Bit-exact with
-// formats.quantize(x, fmt); `ybuf` holds `macro` (or `block`) floats of scratch.
+// `mbs` [cdiv(K, macro)] the MBS-S bytes (only when `mbs_on`), `sums` (if not null) the sum
+// of each block's codes. Bit-exact with formats.quantize(x, fmt); `ybuf` holds `macro` (or
+// `block`) floats of scratch.
 void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
-               int8_t* codes, uint8_t* scales, uint8_t* mbs, float* ybuf);
+               int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf);
 
 }  // namespace mxplus_cpu

@@ -100,72 +100,109 @@ inline __m512i nib_lo(__m512i p, __m512i lut) {
 
 inline __m512i nib_hi(__m512i p, __m512i lut) { return nib_lo(_mm512_srli_epi16(p, 4), lut); }
 
-// yacc[m] (16 rows of tile t) for activation rows m0 .. m0 + MT.
-template <int MT, bool MBS>
-void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t,
+// The E8M0 exponents ew - 0 of one block of the tile's 16 rows as fp32 (NaN for code 255).
+inline __m512 weight_exponents(const uint8_t* p) {
+  const __m512i ewi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_mask_mov_ps(_mm512_cvtepi32_ps(ewi),
+                            _mm512_cmpeq_epi32_mask(ewi, _mm512_set1_epi32(kE8m0Nan)),
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// iacc[j][m] += group g (elements koff .. koff+15) of rows m against NTP weight tiles.
+template <int MT, int NTP>
+inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
+                       __m512i lut, __m512i (*iacc)[MT]) {
+  __m512i wv[NTP][4];
+  _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+    const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
+    wv[j][0] = nib_lo(p0, lut);
+    wv[j][1] = nib_hi(p0, lut);
+    wv[j][2] = nib_lo(p1, lut);
+    wv[j][3] = nib_hi(p1, lut);
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+    const int32_t* x4 = reinterpret_cast<const int32_t*>(xr[m] + koff);
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+      const __m512i xb = _mm512_set1_epi32(x4[q]);  // one broadcast serves NTP tiles
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+        iacc[j][m] = dot4(iacc[j][m], wv[j][q], xb);
+    }
+  }
+}
+
+// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block.
+template <int MT, int NTP, int GPB, bool MBS>
+void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
                  int64_t m0, float* y, const float* bias) {
-  const uint8_t* wc = w.codes + t * w.groups * kGroupBytes;
-  const uint8_t* ws = w.scales + t * w.nb * kTileN;
   const __m512i lut = weight_lut();
-  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
-  __m512 yacc[MT], cacc[MT];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) yacc[m] = _mm512_setzero_ps();
+  const int8_t* xr[MT];
+  const int32_t* cr[MT];
+  const float* er[MT];
+  for (int m = 0; m < MT; ++m) {
+    xr[m] = a.codes + (m0 + m) * a.kp;
+    cr[m] = a.corr + (m0 + m) * a.nb;
+    er[m] = a.ea + (m0 + m) * a.nb;
+  }
+  // With MBS the chunk sums live in registers and the row sums in memory (updated once per
+  // chunk): keeping both in zmm registers spills.
+  alignas(64) float ysum[NTP][MT][kTileN];
+  __m512 acc[NTP][MT];
+  for (int j = 0; j < NTP; ++j)
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      acc[j][m] = _mm512_setzero_ps();
+      if (MBS) _mm512_store_ps(ysum[j][m], acc[j][m]);
+    }
   for (int64_t c = 0; c < s.nc; ++c) {
     const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
-    if (MBS) {
-      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) cacc[m] = _mm512_setzero_ps();
-    }
     for (int64_t b = c * s.bpc; b < b1; ++b) {
-      const __m512i ewi = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b * kTileN)));
-      const __m512 ew = _mm512_mask_mov_ps(_mm512_cvtepi32_ps(ewi),
-                                           _mm512_cmpeq_epi32_mask(ewi, _mm512_set1_epi32(255)),
-                                           nan);
-      __m512i iacc[MT];
-      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
-        iacc[m] = _mm512_set1_epi32(a.corr[(m0 + m) * a.nb + b]);
-      for (int64_t g = b * s.gpb; g < (b + 1) * s.gpb; ++g) {
-        const __m512i p0 = _mm512_loadu_si512(wc + g * kGroupBytes);
-        const __m512i p1 = _mm512_loadu_si512(wc + g * kGroupBytes + 64);
-        const __m512i w0 = nib_lo(p0, lut), w1 = nib_hi(p0, lut);
-        const __m512i w2 = nib_lo(p1, lut), w3 = nib_hi(p1, lut);
-        const int8_t* xg = a.codes + m0 * a.kp + g * kGroupK;
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(xg + m * a.kp);
-          iacc[m] = dot4(iacc[m], w0, _mm512_set1_epi32(x4[0]));
-          iacc[m] = dot4(iacc[m], w1, _mm512_set1_epi32(x4[1]));
-          iacc[m] = dot4(iacc[m], w2, _mm512_set1_epi32(x4[2]));
-          iacc[m] = dot4(iacc[m], w3, _mm512_set1_epi32(x4[3]));
-        }
+      __m512 ew[NTP];
+      __m512i iacc[NTP][MT];
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+        ew[j] = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
+          iacc[j][m] = _mm512_set1_epi32(cr[m][b]);
+      }
+      _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
+        const int64_t g = b * GPB + gg;
+        const uint8_t* wg[NTP];
+        for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
+        group_dots<MT, NTP>(wg, xr, g * kGroupK, lut, iacc);
       }
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512 e = _mm512_add_ps(ew, _mm512_set1_ps(a.ea[(m0 + m) * a.nb + b]));
-        const __m512 term = _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[m]), e);  // I * 2^e
-        if (MBS) cacc[m] = _mm512_add_ps(cacc[m], term);
-        else yacc[m] = _mm512_add_ps(yacc[m], term);
+        const __m512 ea = _mm512_set1_ps(er[m][b]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
+          acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
+                                                                _mm512_add_ps(ew[j], ea)));
       }
     }
     if (MBS) {
-      __m512 fw = _mm512_set1_ps(1.0f);
-      if (w.mbs) {
-        const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(w.mbs + (t * w.nm + c) * kTileN)));
-        fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
-                           _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
-      }
-      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512 f = a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
-        yacc[m] = _mm512_add_ps(yacc[m], _mm512_div_ps(cacc[m], f));
+      for (int j = 0; j < NTP; ++j) {
+        __m512 fw = _mm512_set1_ps(1.0f);
+        if (w.mbs) {
+          const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
+          fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
+                             _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        }
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+          const __m512 f =
+              a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
+          _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
+                                                    _mm512_div_ps(acc[j][m], f)));
+          acc[j][m] = _mm512_setzero_ps();
+        }
       }
     }
   }
-  const int64_t n0 = t * kTileN;
-  const int64_t valid = std::min<int64_t>(kTileN, w.n - n0);
-  const __mmask16 lm = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(lm, bias + n0) : _mm512_setzero_ps();
-  _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-    const __m512 v = bias ? _mm512_add_ps(yacc[m], bv) : yacc[m];
-    _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, v);
+  for (int j = 0; j < NTP; ++j) {
+    const int64_t n0 = (t0 + j) * kTileN;
+    const int64_t valid = std::min<int64_t>(kTileN, w.n - n0);
+    const __mmask16 lm = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(lm, bias + n0) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      const __m512 v = MBS ? _mm512_load_ps(ysum[j][m]) : acc[j][m];
+      _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
+    }
   }
 }
 #endif
@@ -215,27 +252,46 @@ void tile_scalar(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
   }
 }
 
-template <int MT, bool MBS>
-inline void tile(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
-                 float* y, const float* bias) {
 #ifdef MXPLUS_AVX512
-  tile_avx512<MT, MBS>(w, a, s, t, m0, y, bias);
-#else
-  tile_scalar<MT, MBS>(w, a, s, t, m0, y, bias);
-#endif
-}
-
-template <bool MBS>
+// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t.
+template <int MT, int NTP, bool MBS>
 void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
                int64_t mt, float* y, const float* bias) {
-  switch (mt) {
-#define MXPLUS_TILE(T) case T: tile<T, MBS>(w, a, s, t, m0, y, bias); break;
-    MXPLUS_TILE(1) MXPLUS_TILE(2) MXPLUS_TILE(3) MXPLUS_TILE(4) MXPLUS_TILE(5) MXPLUS_TILE(6)
-    MXPLUS_TILE(7)
-#undef MXPLUS_TILE
-    default: tile<kMaxTileM, MBS>(w, a, s, t, m0, y, bias); break;
+  if constexpr (MT > 1) {
+    if (mt < MT) return tile_rows<MT - 1, NTP, MBS>(w, a, s, t, m0, mt, y, bias);
+  }
+  if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS>(w, a, s, t, m0, y, bias);
+  else tile_avx512<MT, NTP, 2, MBS>(w, a, s, t, m0, y, bias);
+}
+
+// Pairs of weight tiles share each activation broadcast (half the loads per product); an odd
+// last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8.
+template <bool MBS>
+void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
+                int64_t m0, int64_t mt, float* y, const float* bias) {
+  for (int64_t mm = m0; mm < m0 + mt; mm += 4) {
+    int64_t tt = t;
+    for (; tt + 2 <= tend; tt += 2)
+      tile_rows<4, 2, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+    if (tt < tend)
+      tile_rows<4, 1, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
   }
 }
+#else
+template <bool MBS>
+void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
+                int64_t m0, int64_t mt, float* y, const float* bias) {
+  for (int64_t tt = t; tt < tend; ++tt) {
+    switch (mt) {
+#define MXPLUS_TILE(T) case T: tile_scalar<T, MBS>(w, a, s, tt, m0, y, bias); break;
+      MXPLUS_TILE(1) MXPLUS_TILE(2) MXPLUS_TILE(3) MXPLUS_TILE(4) MXPLUS_TILE(5)
+      MXPLUS_TILE(6) MXPLUS_TILE(7)
+#undef MXPLUS_TILE
+      default: tile_scalar<kMaxTileM, MBS>(w, a, s, tt, m0, y, bias); break;
+    }
+  }
+}
+#endif
 
 // Threads over N (weight tiles); each thread walks its tiles kTilesPerPass at a time, and
 // for each activation row tile runs those weight tiles, so the row tile is read from cache.
@@ -245,10 +301,8 @@ void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, flo
   at::parallel_for(0, w.nt, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
       const int64_t tend = std::min(tp + kTilesPerPass, t1);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM) {
-        const int64_t mt = std::min<int64_t>(kMaxTileM, M - m0);
-        for (int64_t t = tp; t < tend; ++t) tile_rows<MBS>(w, a, s, t, m0, mt, y, bias);
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
+        tiles_rows<MBS>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y, bias);
     }
   });
 }
@@ -376,16 +430,14 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* cr = acodes.data_ptr<int8_t>() + r * kp;
+      int32_t* sums = corr.data_ptr<int32_t>() + r * nb;
       quant_row(xf.data_ptr<float>() + r * k, k, block, static_cast<int>(act_rule), act_mbs,
-                macro, cr, sc.data(), mb.data(), ybuf.data());
+                macro, cr, sc.data(), mb.data(), sums, ybuf.data());
       for (int64_t b = 0; b < nb; ++b) {
-        int32_t sum = 0;
         int big = 0;
-        for (int64_t i = 0; i < block; ++i) {
-          sum += cr[b * block + i];
+        for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
           big = std::max(big, std::abs(static_cast<int>(cr[b * block + i])));
-        }
-        corr.data_ptr<int32_t>()[r * nb + b] = -kOffset * sum;
+        sums[b] *= -kOffset;
         ea.data_ptr<float>()[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
             ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(sc[b]) - 256.0f;
       }

@@ -19,9 +19,11 @@ namespace mxplus_cpu {
 
 namespace {
 
-// Quantize one block of len <= 32 values y to doubled E2M1 codes; returns the E8M0 code.
-inline int quant_block(const float* y, int64_t len, int rule, int8_t* out) {
+// Quantize one block of len <= 32 values y to doubled E2M1 codes; returns the E8M0 code and
+// adds the codes into *sum.
+inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32_t* sum) {
   const int code = scale_code(nan_absmax(y, len), rule);
+  *sum = 0;
   if (code == kE8m0Nan) {
     std::memset(out, 0, len);
     return code;
@@ -47,12 +49,14 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out) {
     __m512i d = _mm512_permutexvar_epi32(mag, table);
     const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
     d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+    *sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
     _mm512_mask_cvtepi32_storeu_epi8(out + i, lm, d);
   }
 #else
   for (int64_t i = 0; i < len; ++i) {
     const int mag = e2m1_mag(std::fabs(y[i]) * recip);
     out[i] = kE2M1x2[mag | (std::signbit(y[i]) ? 8 : 0)];
+    *sum += out[i];
   }
 #endif
   return code;
@@ -61,7 +65,7 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out) {
 }  // namespace
 
 void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
-               int8_t* codes, uint8_t* scales, uint8_t* mbs, float* ybuf) {
+               int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf) {
   const int64_t unit = mbs_on ? macro : block;
   for (int64_t u0 = 0; u0 < K; u0 += unit) {
     const int64_t ulen = std::min(unit, K - u0);
@@ -75,8 +79,10 @@ void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, 
     }
     for (int64_t b0 = 0; b0 < ulen; b0 += block) {
       const int64_t blen = std::min(block, ulen - b0);
+      int32_t sum;
       scales[(u0 + b0) / block] = static_cast<uint8_t>(quant_block(y + b0, blen, rule,
-                                                                   codes + u0 + b0));
+                                                                   codes + u0 + b0, &sum));
+      if (sums) sums[(u0 + b0) / block] = sum;
     }
   }
   const int64_t kp = cdiv(K, block) * block;
@@ -89,7 +95,7 @@ namespace {
 void fake_quant_row(const float* x, float* out, int64_t K, int64_t block, int rule, bool mbs,
                     int64_t macro, int8_t* codes, uint8_t* scales, uint8_t* mbytes,
                     float* ybuf) {
-  quant_row(x, K, block, rule, mbs, macro, codes, scales, mbytes, ybuf);
+  quant_row(x, K, block, rule, mbs, macro, codes, scales, mbytes, nullptr, ybuf);
   for (int64_t k = 0; k < K; ++k) {
     const int sc = scales[k / block];
     if (sc == kE8m0Nan) {
@@ -146,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> act_quant(const at::Tensor& x, in
     for (int64_t r = r0; r < r1; ++r)
       quant_row(xf.data_ptr<float>() + r * K, K, block, static_cast<int>(rule), mbs, macro,
                 codes.data_ptr<int8_t>() + r * kp, scales.data_ptr<uint8_t>() + r * nb,
-                mbs ? mbytes.data_ptr<uint8_t>() + r * mbytes.size(1) : nullptr, ybuf.data());
+                mbs ? mbytes.data_ptr<uint8_t>() + r * mbytes.size(1) : nullptr, nullptr,
+                ybuf.data());
   });
   return {codes.narrow(1, 0, K).contiguous(), scales, mbytes};
 }
