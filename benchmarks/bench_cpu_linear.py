@@ -43,17 +43,22 @@ def _flush_caches() -> None:
     _FLUSH[0].fill_(1.0)
 
 
-def _median_us(fn, cold: bool, min_time: float = 0.3, min_iters: int = 3) -> float:
-    fn()
-    times = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < min_iters or time.perf_counter() < t_end:
-        if cold:
-            _flush_caches()
-        t0 = time.perf_counter()
+def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5
+                ) -> list[float]:
+    """Median wall time of each callable, timed in alternation (a, b, c, a, b, c, ...) so
+    that load from other processes on a shared machine falls on all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    times: list[list[float]] = [[] for _ in fns]
+    t_end = time.perf_counter() + min_time * len(fns)
+    while len(times[0]) < min_iters or time.perf_counter() < t_end:
+        for fn, ts in zip(fns, times):
+            if cold:
+                _flush_caches()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e6 for ts in times]
 
 
 def cpu_description() -> str:
@@ -126,10 +131,12 @@ def main() -> int:
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-                t_b = _median_us(lambda: torch.nn.functional.linear(x, wb), cold)
-                t_r = (_median_us(lambda: ref.apply(ref_layer, x, None, spec), cold)
-                       if args.reference else float("nan"))
-                t_p = _median_us(lambda: packed.apply(packed_layer, x, None, spec), cold)
+                fns = [lambda: torch.nn.functional.linear(x, wb),
+                       lambda: packed.apply(packed_layer, x, None, spec)]
+                if args.reference:
+                    fns.append(lambda: ref.apply(ref_layer, x, None, spec))
+                t_b, t_p, *t_r = _medians_us(fns, cold)
+                t_r = t_r[0] if t_r else float("nan")
                 tot["bf16"] += t_b
                 tot["ref"] += t_r
                 tot["packed"] += t_p

@@ -7,7 +7,7 @@
                                   *packed, bias, torch.bfloat16)
 
 The library is compiled with the host C++ compiler for this CPU (-march=native: AVX-512 with
-VNNI / VBMI where the CPU has them; a portable path otherwise) through
+VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable C++) through
 torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
 VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the sources, the flags, torch's version and this
 CPU's feature flags, so a cache shared between different machines never runs code built for
@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp")
-HEADERS = (CSRC / "mx_cpu_common.h",)
+HEADERS = tuple(CSRC / h for h in ("mx_cpu_common.h", "mx_tiles.h", "mx_tile_avx512.h",
+                                    "mx_tile_avx2.h", "mx_tile_scalar.h"))
 ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
 _BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
