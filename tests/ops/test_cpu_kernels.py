@@ -5,11 +5,12 @@ within its derived error bound of the float64 product of the spec's values.
 The bound (derived in csrc/mx_gemm_cpu.cpp; docs/numerics.md, "Kernel numerics and error
 bounds"): with x_hat, w_hat the spec's fp32 values, y64 their float64 product plus the bias,
 u = 2^-24, n_b blocks and n_c MBS chunks in K (n_c = 1 without MBS),
-    |y - y64| <= (n_b + n_c + 4) u (|x_hat| |w_hat|^T + |b|)
+    |y - y64| <= (n_b + n_c + 5) u (|x_hat| |w_hat|^T + |b|)
                  + 2^-146 (||x_hat_m||_1 + ||w_hat_n||_1 + n_b)
 (plus one rounding to a bf16 / fp16 output). Block sums are exact integers; the 2u covers the
 spec's two fp32 divisions by F that the integer path does not make, the rest the fp32
-additions, the one division per chunk and the roundings below fp32's normal range. A wrong
+additions, the one division per chunk, second-order terms and the roundings below fp32's
+normal range. A wrong
 code, scale or MBS byte moves the terms it touches by at least 2^-9 of themselves, far above
 the bound; outputs whose float64 value exceeds fp32's range must be +-Inf or NaN.
 """
@@ -183,7 +184,7 @@ def _assert_within_bound(y, ref, out_dtype, k, wf, af):
     n_b = ceil_div(k, spec_a.block_size)
     n_c = ceil_div(k, MACRO_BLOCK) if (spec_w.mbs or spec_a.mbs) else 1
     rel = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
-    bound = (n_b + n_c + 4) * 2.0**-24 * scale + 2.0**-146 * (l1 + n_b) + rel * y_ref.abs()
+    bound = (n_b + n_c + 5) * 2.0**-24 * scale + 2.0**-146 * (l1 + n_b) + rel * y_ref.abs()
     yd = y.double()
     nan_ref = torch.isnan(y_ref)
     over = ~nan_ref & (y_ref.abs() > torch.finfo(torch.float32).max)
@@ -215,6 +216,29 @@ def test_linear_matches_float64(ck, pair, m, k):
     bias = torch.randn(45, generator=g)
     y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32)
     _assert_within_bound(y, _reference(x, q, af, bias), torch.float32, k, wf, af)
+
+
+@pytest.mark.parametrize("wrong", ["mbs byte", "scale code", "one code"])
+def test_bound_catches_a_wrong_weight(ck, wrong):
+    """The bound is tight enough to fail: one weight MBS byte off by one, one E8M0 code off by
+    one or one E2M1 code changed in a layer's packed weight is caught."""
+    k = 576
+    g = torch.Generator().manual_seed(1)
+    q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
+    x = torch.randn(8, k, generator=g).to(torch.bfloat16)
+    ref = _reference(x, q, "mxfp4-mbs-s", None)
+    bad = type(q)(codes=q.codes.clone(), scales=q.scales.clone(), fmt=q.fmt, shape=q.shape,
+                  mbs=q.mbs.clone())
+    if wrong == "mbs byte":
+        bad.mbs[3, 1] ^= 1
+    elif wrong == "scale code":
+        bad.scales[3, 9] += 1
+    else:
+        bad.codes[3, 70] ^= 0x01
+    y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", bad.codes, bad.scales, bad.mbs, k, None,
+                     torch.float32)
+    with pytest.raises(AssertionError, match="out of bound"):
+        _assert_within_bound(y, ref, torch.float32, k, "mxfp4-mbs-d", "mxfp4-mbs-s")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -24,13 +24,16 @@
 // Error bound against the spec (u = 2^-24; x_hat, w_hat the spec's fp32 values, e.g.
 // x_hat = fp32((va * Xa) / Fa); y64 = the float64 sum of x_hat * w_hat + b; n_b blocks and
 // n_c chunks in K; no partial sum overflowing fp32):
-//   |y - y64| <= (n_b + n_c + 4) * u * (sum_k |x_hat_k| |w_hat_k| + |b|)
+//   |y - y64| <= (n_b + n_c + 5) * u * (sum_k |x_hat_k| |w_hat_k| + |b|)
 //                + 2^-146 * (sum_k |x_hat_k| + sum_k |w_hat_k| + n_b)
-// The first term: 2u from the two spec divisions (x_hat and w_hat are the quotients rounded
-// once each; the integer path uses the exact quotients), n_b + n_c + 1 fp32 additions of
-// terms bounded by the same magnitudes, one division and the bias addition. The second
-// (absolute) term covers roundings below the fp32 normal range (subnormal x_hat, w_hat or
-// block terms), each at most 2^-150 per element or per block.
+// The first term: 2u from the two spec divisions by F (x_hat and w_hat are the quotients
+// rounded once each; the integer path divides the exact sum once per chunk instead), at most
+// n_b + n_c + 1 fp32 additions (block terms, chunk quotients, bias), each off by u of a partial
+// sum bounded by the same magnitudes, u for the division per chunk, and u more for the
+// second-order terms while (n_b + n_c) u < 2^-10. Without MBS the spec's values are exact
+// products and the 2u is not needed; the bound keeps it. The second (absolute) term covers
+// roundings below the fp32 normal range (subnormal x_hat, w_hat, block terms or quotients),
+// each at most 2^-150 per element, block or chunk.
 // Compiled with -ffp-contract=off: no multiply-add is fused.
 
 #include <ATen/Parallel.h>
