@@ -1,6 +1,6 @@
 """The cpu-packed backend in the dispatch: chosen on CPU for the E8M0 schemes, the reference
-for NVFP4 / MX+ (with the reason), and the same numbers as the reference backend up to fp32
-accumulation order."""
+for NVFP4 / MX+ (with the reason), only packed uint8 weight bytes on the layer, and the same
+numbers as the reference backend within the integer GEMM's bound (csrc/mx_gemm_cpu.cpp)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,10 @@ def test_same_numbers_as_reference_backend(scheme, m):
     d = LinearDispatch(spec, chosen)
     d.process_weights_after_loading(layer, q)
     assert not hasattr(layer, WEIGHT_ATTR)  # no fp32 copy kept
+    held = dict(layer.named_buffers())
+    assert held and all(t.dtype == torch.uint8 for t in held.values()), held.keys()
+    rows = -(-n // 16) * 16  # rows padded to whole 16-row tiles
+    assert sum(t.numel() for t in held.values()) <= rows * (k / 2 + k / 16 + k / 128 + 3)
     y = d.apply(layer, x, bias)
     ref_layer = torch.nn.Module()
     ReferenceBackend().process_weights_after_loading(ref_layer, q, spec)
