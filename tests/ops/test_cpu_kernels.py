@@ -357,6 +357,14 @@ for wf, af in t.PAIRS:
         for m in (1, 3, 9, 11):
             y = ck.mx_linear(x[:m], wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32)
             t._assert_within_bound(y, t._reference(x[:m], q, af, None), torch.float32, k, wf, af)
+import test_cpu_nvfp4 as tn
+for k in (33, 577):
+    q = quantize(tn._weight(21, k, k), "nvfp4")
+    x = tn._special_rows(torch.randn(11, k) * 3)[[8, 9, 10, 4, 7, 6, 1, 0, 2, 3, 5]]
+    assert torch.equal(ck.nvfp4_act_quant(x)[0], tn._doubled(quantize(x, "nvfp4", per_row=True).codes, k))
+    for m in (1, 3, 9, 11):
+        y = ck.nvfp4_linear_packed(x[:m], 21, k, *ck.pack_nvfp4(q), None, torch.float32)
+        tn._check(y, x[:m], q, None)
 print("PORTABLE-OK", ck.cflags()[0])
 """
 
@@ -365,7 +373,8 @@ print("PORTABLE-OK", ck.cflags()[0])
                          ids=["avx2", "avx512-no-vnni", "portable"])
 def test_other_instruction_sets(march):
     """The AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512)
-    and the portable C++ (x86-64) give values within the same bound, in a subprocess each
+    and the portable C++ (x86-64) give values within the same bounds (E8M0 and NVFP4,
+    tests/ops/test_cpu_nvfp4.py), in a subprocess each
     (one process loads one build of the ops). Builds are cached per -march like any other."""
     import os
     import platform

@@ -10,7 +10,8 @@ backend's values is in csrc/mx_gemm_cpu.cpp (docs/numerics.md, "Kernel numerics 
 bounds").
 
 Formats it takes: the E8M0 family with or without MBS (mxfp4-ocp, mxfp4-16, mxfp4-16-oas,
-mxfp4-mbs-s, mxfp4-mbs-d weights). MX+ and NVFP4 fall back to the reference backend.
+mxfp4-mbs-s, mxfp4-mbs-d weights) and NVFP4 (E4M3 block scales, per-row / per-tensor global
+scales: csrc/mx_nvfp4_cpu.cpp). MX+ falls back to the reference backend.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from vllm_mxplus.ops.backend import (
     set_packed_buffers,
 )
 
+# codes, scales, and the MBS bytes (E8M0 formats) or the fp32 global scales (NVFP4)
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
+NVFP4_PAIR = ("nvfp4", "nvfp4")
 
 
 class CpuPackedBackend(LinearBackend):
@@ -43,15 +46,21 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if (spec.weight_format, spec.activation_format) == NVFP4_PAIR:
+            return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
     ) -> None:
-        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_weight
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_nvfp4, pack_weight
 
         if qweight.codes.dim() != 2:
             raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
+        if qweight.fmt == "nvfp4":
+            set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
+            layer.mxplus_cpu_args = ("nvfp4", qweight.codes.shape[0], spec.k)
+            return
         packed = pack_weight(qweight.codes, qweight.scales, qweight.mbs, spec.k,
                              spec.weight_format, spec.macro_block)
         set_packed_buffers(layer, ATTRS, packed)
@@ -67,7 +76,12 @@ class CpuPackedBackend(LinearBackend):
         spec: LinearSpec,
         act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import linear_packed
+        from vllm_mxplus.ops.cpu_kernels import linear_packed, nvfp4_linear_packed
 
-        return linear_packed(x, layer.mxplus_cpu_args, layer.mxplus_cpu_codes,
+        args = layer.mxplus_cpu_args
+        if args[0] == "nvfp4":
+            return nvfp4_linear_packed(x, args[1], args[2], layer.mxplus_cpu_codes,
+                                       layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias,
+                                       spec.out_dtype, act_global_scale)
+        return linear_packed(x, args, layer.mxplus_cpu_codes,
                              layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias, spec.out_dtype)

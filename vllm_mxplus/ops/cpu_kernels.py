@@ -39,14 +39,14 @@ from typing import Optional
 
 import torch
 
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.ops.library import op_name
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp")
+SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp", CSRC / "mx_nvfp4_cpu.cpp")
 HEADERS = tuple(CSRC / h for h in ("mx_cpu_common.h", "mx_tiles.h", "mx_tile_avx512.h",
                                     "mx_tile_avx2.h", "mx_tile_scalar.h"))
 ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
@@ -56,6 +56,7 @@ ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
 ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
 TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
+NVFP4_BLOCK = 16
 
 _lock = threading.Lock()
 _state: dict[str, Optional[str]] = {"error": None, "loaded": None}
@@ -167,6 +168,18 @@ def _register_fakes() -> None:
                 codes.new_empty((nt, nb * TILE_N)),
                 codes.new_empty((nt if mbs.numel() else 0, ceil_div(k, macro) * TILE_N)))
 
+    @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
+    def _(x):
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (x.new_empty((m, k), dtype=torch.int8),
+                x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
+                x.new_empty((m,), dtype=torch.float32))
+
+    @torch.library.register_fake(op_name("cpu_nvfp4_linear"))
+    def _(x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
     @torch.library.register_fake(op_name("cpu_mx_linear"))
     def _(x, act_block, act_rule, act_mbs, macro, wcodes, wscales, wmbs, n, k, w_block, bias,
           out_dtype):
@@ -255,6 +268,40 @@ def linear_packed(x: torch.Tensor, args: tuple, wcodes: torch.Tensor, wscales: t
     a_block, a_rule, a_mbs, macro, n, k, w_block = args
     return torch.ops.vllm_mxplus.cpu_mx_linear(x, a_block, a_rule, a_mbs, macro, wcodes, wscales,
                                                wmbs, n, k, w_block, bias, out_dtype)
+
+
+def nvfp4_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 activation rows as the integer GEMM takes them: (2 * E2M1 value as int8 [M, K],
+    E4M3 scale bytes [M, ceil(K/16)], per-row global scale fp32 [M]), bit-exact with
+    formats.quantize(x, "nvfp4", per_row=True)."""
+    _require()
+    return torch.ops.vllm_mxplus.cpu_nvfp4_act_quant(x)
+
+
+def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NVFP4 weight [N, K] in the GEMM's 16-row tiles: (codes, E4M3 scale bytes, fp32 global
+    scale per row [ceil(N/16) * 16]); the global scale is the tensor's (or each row's)."""
+    _require()
+    if q.fmt != "nvfp4" or q.codes.dim() != 2:
+        raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
+    n, k = q.shape
+    codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
+        q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK,
+        MACRO_BLOCK)
+    g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
+    g[:n] = q.global_scale.to(torch.float32).reshape(-1).expand(n) if q.global_scale.numel() == 1 \
+        else q.global_scale.to(torch.float32).reshape(n)
+    return codes, scales, g
+
+
+def nvfp4_linear_packed(x: torch.Tensor, n: int, k: int, wcodes: torch.Tensor,
+                        wscales: torch.Tensor, wglobal: torch.Tensor,
+                        bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                        act_global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """NVFP4 W4A4 on integer dot products (csrc/mx_nvfp4_cpu.cpp) with `pack_nvfp4` tensors;
+    act_global_scale: per-row global scales [..., 1] to use instead of x's own rows'."""
+    return torch.ops.vllm_mxplus.cpu_nvfp4_linear(x, wcodes, wscales, wglobal, n, k,
+                                                  act_global_scale, bias, out_dtype)
 
 
 def mx_linear(x: torch.Tensor, weight_format: str, activation_format: str,
