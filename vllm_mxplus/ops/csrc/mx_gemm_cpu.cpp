@@ -115,7 +115,7 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 template <bool MBS>
 void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
           const float* bias) {
-  at::parallel_for(0, w.nt, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
       const int64_t tend = std::min(tp + kTilesPerPass, t1);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)

@@ -230,7 +230,7 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const float* gw = wglobal.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, nt, tile_grain(M, kp), [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
       for (int64_t t = t0; t < t1; ++t)
         nvfp4_rows<kMaxTileM>(w, gw, a, t, m0, std::min<int64_t>(kMaxTileM, M - m0), yp, bp);
