@@ -36,11 +36,12 @@ struct Shape {
   bool mbs;     // divide each chunk by Fa * Fw
 };
 
-// Weight tiles per thread chunk: enough that each thread gets >= kMinParallelMacs products,
+// Weight tiles per thread chunk: enough that each thread gets >= kMinParallelMacs products
+// (~40 us of work),
 // so a small GEMM (decode on a small model) runs on one thread. On a busy machine every
 // parallel region waits for its slowest thread: measured, 2-thread regions of a few
 // microseconds of work each stalled for milliseconds at a time (bench_serve_cpu.py).
-constexpr int64_t kMinParallelMacs = int64_t{1} << 21;
+constexpr int64_t kMinParallelMacs = int64_t{1} << 23;
 inline int64_t tile_grain(int64_t M, int64_t K) {
   return std::max<int64_t>(1, kMinParallelMacs / std::max<int64_t>(1, kTileN * K * M));
 }
