@@ -309,6 +309,9 @@ def test_ops_trace_and_check(ck):
     x = torch.randn(3, 130, dtype=torch.bfloat16)
     ops = torch.ops.vllm_mxplus
     torch.library.opcheck(ops.cpu_pack_weight.default, (q.codes, q.scales, q.mbs, 130, 16, 128))
+    q32 = quantize(torch.randn(20, 130), "mxfp4-ocp")  # no MBS bytes, block 32
+    torch.library.opcheck(ops.cpu_pack_weight.default,
+                          (q32.codes, q32.scales, ck.empty_mbs(), 130, 32, 128))
     wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 130, "mxfp4-mbs-d")
     args = (x, 16, 2, True, 128, wc, ws, wm, 20, 130, 16, None, torch.bfloat16)
     torch.library.opcheck(ops.cpu_mx_linear.default, args)

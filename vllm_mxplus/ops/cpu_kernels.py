@@ -166,7 +166,7 @@ def _register_fakes() -> None:
         nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
         return (codes.new_empty((nt, nb * block // 2 * TILE_N)),
                 codes.new_empty((nt, nb * TILE_N)),
-                codes.new_empty((nt if mbs.numel() else 0, ceil_div(k, macro) * TILE_N)))
+                codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)))
 
     @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
     def _(x):
