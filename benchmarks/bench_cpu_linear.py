@@ -1,16 +1,17 @@
-"""One quantized linear on CPU: the cpu-packed backend (C++ kernels) vs bf16 F.linear and vs
-the pure-torch reference backend, in one run.
+"""One quantized linear on CPU: the cpu-packed backend (C++ integer-dot-product GEMM) vs bf16
+F.linear (and, with --reference, the pure-torch reference backend), in one run.
 
     python benchmarks/bench_cpu_linear.py [--scheme mxfp4-mbs] [--model smollm2|llama8b|all]
-                                          [--m 1,4,16,64] [--threads N]
+                                          [--m 1,4,16,64,256,1024] [--threads N] [--reference]
 
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
-  bf16      torch.nn.functional.linear on bf16 weights (the unquantized baseline)
-  reference ReferenceBackend.apply (fp32 dequantized weight, torch activation fake-quant)
-  packed    CpuPackedBackend.apply (packed FP4 weight, C++ fake-quant + GEMV / GEMM)
-and the ratios bf16/packed (>= 1: packed is faster than bf16) and reference/packed.
-Weight bytes per element: bf16 2, reference 4, packed ~0.57.
+  bf16      torch.nn.functional.linear on bf16 weights (the unquantized baseline; oneDNN)
+  packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
+  reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
+and the ratio bf16/packed (>= 1: packed is faster than bf16). Weight bytes per element:
+bf16 2, reference 4, packed ~0.57. The CPU model, its SIMD flags and the load average (before
+and after) are printed: on a shared machine only the ratios measured in one run mean much.
 """
 
 from __future__ import annotations
@@ -31,15 +32,49 @@ SHAPES = {
 }
 
 
-def _median_us(fn, min_time: float = 0.3, min_iters: int = 5) -> float:
-    fn()
-    times = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < min_iters or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+_FLUSH: list[torch.Tensor] = []
+
+
+def _flush_caches() -> None:
+    """Write 96 MiB (3x this machine's 32 MiB L3) so the next call reads its weights from DRAM,
+    as in a model whose weights exceed the caches (each layer's are read once per step)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(96 << 18, dtype=torch.float32))
+    _FLUSH[0].fill_(1.0)
+
+
+def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5
+                ) -> list[float]:
+    """Median wall time of each callable, timed in alternation (a, b, c, a, b, c, ...) so
+    that load from other processes on a shared machine falls on all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    times: list[list[float]] = [[] for _ in fns]
+    t_end = time.perf_counter() + min_time * len(fns)
+    while len(times[0]) < min_iters or time.perf_counter() < t_end:
+        for fn, ts in zip(fns, times):
+            if cold:
+                _flush_caches()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e6 for ts in times]
+
+
+def cpu_description() -> str:
+    """The CPU model and the flags that matter for these kernels (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    keep = ("avx2", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi",
+            "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+    return f"{model} [{' '.join(f for f in keep if f in flags)}]"
 
 
 def main() -> int:
@@ -47,8 +82,13 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", default="mxfp4-mbs")
     ap.add_argument("--model", default="smollm2", choices=[*SHAPES, "all"])
-    ap.add_argument("--m", default="1,4,16,64", help="comma-separated row counts")
+    ap.add_argument("--m", default="1,4,16,64,256,1024", help="comma-separated row counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--warm", action="store_true",
+                    help="keep the weights in cache between calls (default: evict the caches "
+                         "before each timed call, as serving a model larger than L3 does)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the reference backend (fp32 weight copy; slow at large M)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,10 +102,13 @@ def main() -> int:
     ok, why = cpu_kernels.load()
     if not ok:
         raise SystemExit(f"CPU kernels unavailable: {why}")
-    print(f"machine : {platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} "
-          f"torch_threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()}")
+    print(f"machine : {cpu_description()} cores={os.cpu_count()} "
+          f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()} "
+          f"torch_cpu={torch.backends.cpu.get_cpu_capability()}")
     print(f"versions: torch {torch.__version__}; scheme {args.scheme}; build {cpu_kernels.build_name()}")
+    cold = not args.warm
+    print(f"caches  : {'warm (weights stay cached)' if args.warm else 'evicted before each call'}")
     models = list(SHAPES) if args.model == "all" else [args.model]
     ms = [int(v) for v in args.m.split(",")]
     print(f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'ref us':>9s} "
@@ -82,14 +125,18 @@ def main() -> int:
             ok, why = packed.can_implement(spec)
             if not ok:
                 raise SystemExit(why)
-            ref.process_weights_after_loading(ref_layer, q, spec)
+            if args.reference:
+                ref.process_weights_after_loading(ref_layer, q, spec)
             packed.process_weights_after_loading(packed_layer, q, spec)
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-                t_b = _median_us(lambda: torch.nn.functional.linear(x, wb))
-                t_r = _median_us(lambda: ref.apply(ref_layer, x, None, spec))
-                t_p = _median_us(lambda: packed.apply(packed_layer, x, None, spec))
+                fns = [lambda: torch.nn.functional.linear(x, wb),
+                       lambda: packed.apply(packed_layer, x, None, spec)]
+                if args.reference:
+                    fns.append(lambda: ref.apply(ref_layer, x, None, spec))
+                t_b, t_p, *t_r = _medians_us(fns, cold)
+                t_r = t_r[0] if t_r else float("nan")
                 tot["bf16"] += t_b
                 tot["ref"] += t_r
                 tot["packed"] += t_p
@@ -98,8 +145,11 @@ def main() -> int:
             del ref_layer, packed_layer
     print(f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
           f"reference/packed = {tot['ref'] / tot['packed']:.2f}x")
+    print(f"load average after: {os.getloadavg()}")
     print("rerun: python benchmarks/bench_cpu_linear.py " + " ".join(
-        f"--{a} {v}" for a, v in (("scheme", args.scheme), ("model", args.model), ("m", args.m))))
+        f"--{a} {v}" for a, v in (("scheme", args.scheme), ("model", args.model), ("m", args.m)))
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (" --reference" if args.reference else "") + (" --warm" if args.warm else ""))
     return 0
 
 

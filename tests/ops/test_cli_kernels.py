@@ -21,7 +21,8 @@ def test_kernels_check(capsys):
     assert main(["kernels", "--check"]) == 0
     out = capsys.readouterr().out
     assert "CPU kernels: " in out and "mxplus_cpu_" in out
-    assert "mxfp4-mbs      -> cpu-packed" in out and "nvfp4          -> reference" in out
+    assert "mxfp4-mbs      -> cpu-packed" in out and "nvfp4          -> cpu-packed" in out
+    assert "mxplus         -> reference" in out
     assert "self-test: bit-exact, linear within bound" in out
 
 

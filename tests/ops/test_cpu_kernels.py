@@ -1,10 +1,18 @@
-"""The C++ CPU kernels against `vllm_mxplus.formats`: activation and weight values bit for bit,
-the linear within an fp32-accumulation bound of a float64 reference.
+"""The C++ CPU kernels against `vllm_mxplus.formats`: activation codes, scales and MBS bytes
+and the dequantized activation / weight values bit for bit; the integer-dot-product linear
+within its derived error bound of the float64 product of the spec's values.
 
-Stated bound (fp32 output): |y - y64| <= 2^-16 * (|x_hat| |W_hat|^T + |b|), where y64 is the
-float64 product of the formats' fake-quantized activations and dequantized weights. Any K
-here is < 2^8, ... 2^12, so n * 2^-24 with n <= K is far inside 2^-16; a wrong code, scale
-or MBS factor moves an output by at least 2^-5 of its term and cannot pass.
+The bound (derived in csrc/mx_gemm_cpu.cpp; docs/numerics.md, "Kernel numerics and error
+bounds"): with x_hat, w_hat the spec's fp32 values, y64 their float64 product plus the bias,
+u = 2^-24, n_b blocks and n_c MBS chunks in K (n_c = 1 without MBS),
+    |y - y64| <= (n_b + n_c + 5) u (|x_hat| |w_hat|^T + |b|)
+                 + 2^-146 (||x_hat_m||_1 + ||w_hat_n||_1 + n_b)
+(plus one rounding to a bf16 / fp16 output). Block sums are exact integers; the 2u covers the
+spec's two fp32 divisions by F that the integer path does not make, the rest the fp32
+additions, the one division per chunk, second-order terms and the roundings below fp32's
+normal range. A wrong
+code, scale or MBS byte moves the terms it touches by at least 2^-9 of themselves, far above
+the bound; outputs whose float64 value exceeds fp32's range must be +-Inf or NaN.
 """
 
 from __future__ import annotations
@@ -14,13 +22,15 @@ import shutil
 import pytest
 import torch
 
-from vllm_mxplus.formats import fake_quantize, quantize
+from vllm_mxplus.ops.backend import E8M0_PAIRS
+from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, quantize
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
 ACT_FORMATS = ["mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s"]
-PAIRS = [("mxfp4-ocp", "mxfp4-ocp"), ("mxfp4-16-oas", "mxfp4-16-oas"),
-         ("mxfp4-mbs-s", "mxfp4-mbs-s"), ("mxfp4-mbs-d", "mxfp4-mbs-s")]
+PAIRS = sorted(E8M0_PAIRS)  # every E8M0 scheme the CPU kernels serve
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +56,7 @@ def _special_rows(x: torch.Tensor) -> torch.Tensor:
     x[4] *= 1e-39  # subnormal block absmax
     x[5, : min(k, 20)] = 3.0e38  # x * F overflows to Inf in MBS-S
     x[6, :: max(k // 3, 1)] = -x[6, :: max(k // 3, 1)]
+    x[7] = torch.linspace(-3, 3, k) * 2.0**124  # scale codes >= 250, x * F still finite
     return x
 
 
@@ -87,13 +98,14 @@ def test_act_leading_dims(ck):
 def _weight(k: int, n: int = 40, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, k)[None, :].clamp(1e-2, 1e2)
-    w[0] *= 2.0**-130  # scale codes below the fast range (subnormal products)
+    w[0] *= 2.0**-140  # scale codes at the bottom of the E8M0 range (subnormal values)
     w[1] *= 2.0**-118
     w[2] *= 2.0**100  # near the top of the E8M0 range
     w[3, : min(k, 7)] = 0.0
     w[4] = 0.0
     w[5, k // 2] = float("nan")
     w[6, -1] = float("inf")
+    w[7] *= 2.0**125  # scale codes 250..254
     return w
 
 
@@ -106,14 +118,51 @@ def test_dequant_weight_bit_exact(ck, fmt, k):
     assert _bits_equal(got, q.dequantize())
 
 
-def test_dequant_weight_huge_scales(ck):
-    """Scale codes 251..254 take the exact path (fast (v/F)*X could differ from (v*X)/F)."""
-    w = torch.randn(8, 256) * 2.0**126
-    w[:, ::7] *= 1.9
-    q = quantize(w, "mxfp4-mbs-d")
-    assert int(q.scales.max()) > 250
-    assert _bits_equal(ck.dequant_weight(q.codes, q.scales, q.mbs, 256, "mxfp4-mbs-d"),
-                       q.dequantize())
+def _doubled_values(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """2 * E2M1 value of packed codes, as the integer GEMM's int8 operand."""
+    return (2 * e2m1_decode(unpack_fp4(codes, k))).to(torch.int8)
+
+
+@pytest.mark.parametrize("fmt", ACT_FORMATS)
+@pytest.mark.parametrize("k", [1, 15, 17, 33, 100, 577, 1536], ids=lambda k: f"K{k}")
+def test_act_quant_codes_bit_exact(ck, fmt, k):
+    """The GEMM's activation operand: codes, E8M0 codes and MBS bytes equal formats.quantize."""
+    g = torch.Generator().manual_seed(k)
+    x = _special_rows(torch.randn(9, k, generator=g) * torch.logspace(-6, 6, 9)[:, None])
+    codes, scales, mbs = ck.act_quant(x, fmt)
+    q = quantize(x, fmt)
+    assert torch.equal(codes, _doubled_values(q.codes, k))
+    assert torch.equal(scales, q.scales)
+    assert torch.equal(mbs, q.mbs if q.mbs is not None else torch.empty(9, 0, dtype=torch.uint8))
+    assert int(scales.min()) == 0 and int(scales[scales < 255].max()) >= 248  # both range ends
+
+
+def test_act_quant_all_bf16_patterns(ck):
+    """Every bf16 bit pattern once: every scale code and every rounding case, codes bit-exact."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x.reshape(-1, 1024)
+    for fmt in ACT_FORMATS:
+        codes, scales, mbs = ck.act_quant(x, fmt)
+        q = quantize(x, fmt)
+        assert torch.equal(codes, _doubled_values(q.codes, 1024)), fmt
+        assert torch.equal(scales, q.scales), fmt
+
+
+def test_pack_weight_holds_the_same_codes(ck):
+    """The tile layout documented in csrc/mx_gemm_cpu.cpp (pack_weight), decoded in Python."""
+    n, k = 37, 50
+    q = quantize(torch.randn(n, k), "mxfp4-mbs-d")
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, k, "mxfp4-mbs-d")
+    nt, groups = 3, 4  # ceil(37 / 16), ceil(50 / 16)
+    b = wc.view(nt, groups, 2, 16, 4).long()  # [tile, group, half q, row i, j]
+    lo, hi = b & 15, b >> 4
+    # element 16g + 8q + j (low nibble) and 16g + 8q + 4 + j (high nibble)
+    codes = torch.stack([lo, hi], dim=-2).permute(0, 3, 1, 2, 4, 5).reshape(nt * 16, groups * 16)
+    want = torch.zeros(nt * 16, groups * 16, dtype=torch.long)
+    want[:n, :k] = unpack_fp4(q.codes, k).long()
+    assert torch.equal(codes, want)
+    assert torch.equal(ws.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)[:n], q.scales)
+    assert torch.equal(wm.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)[:n], q.mbs)
 
 
 def _reference(x, q, act_fmt, bias):
@@ -124,31 +173,72 @@ def _reference(x, q, act_fmt, bias):
     if bias is not None:
         y = y + bias.double()
         scale = scale + bias.double().abs()
-    return y, scale
+    l1 = xq.abs().nan_to_num().sum(-1, keepdim=True) + w.abs().nan_to_num().sum(-1)[None, :]
+    return y, scale, l1
 
 
-def _assert_within_bound(y, y_ref, scale, out_dtype):
+def _assert_within_bound(y, ref, out_dtype, k, wf, af):
+    """The bound of the module docstring; NaN exactly where the float64 product is NaN."""
+    y_ref, scale, l1 = ref
+    spec_w, spec_a = get_format(wf), get_format(af)
+    n_b = ceil_div(k, spec_a.block_size)
+    n_c = ceil_div(k, MACRO_BLOCK) if (spec_w.mbs or spec_a.mbs) else 1
     rel = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
-    err = (y.double() - y_ref).abs()
-    bound = 2.0**-16 * scale + rel * y_ref.abs() + 1e-30
+    bound = (n_b + n_c + 5) * 2.0**-24 * scale + 2.0**-146 * (l1 + n_b) + rel * y_ref.abs()
+    yd = y.double()
     nan_ref = torch.isnan(y_ref)
-    assert torch.equal(torch.isnan(y.double()), nan_ref), "NaN pattern differs"
-    bad = (err > bound) & ~nan_ref
-    assert not bad.any(), (f"{int(bad.sum())} outputs out of bound: err {err[bad].max():.3g}, "
+    over = ~nan_ref & (y_ref.abs() > torch.finfo(torch.float32).max)
+    assert torch.isnan(yd[nan_ref]).all(), "an output is not NaN where the product is NaN"
+    # +-Inf in the spec (a dequantized value or the sum overflows fp32): +-Inf or NaN here
+    assert not torch.isfinite(yd[over]).any(), "an overflowing output is finite"
+    check = ~nan_ref & ~over & (scale <= torch.finfo(torch.float32).max)
+    err = (yd - y_ref).abs()
+    bad = check & ~(err <= bound)
+    assert not bad.any(), (f"{int(bad.sum())} outputs out of bound, first at "
+                           f"{bad.nonzero()[0].tolist()}: err {err[bad].max():.3g}, "
                            f"bound {bound[bad].min():.3g}")
+    assert check.float().mean() > 0.3  # the comparison covers much of the output
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40], ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("k", [33, 576, 1536], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 64, 333], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("k", [33, 577, 1536], ids=lambda k: f"K{k}")
 def test_linear_matches_float64(ck, pair, m, k):
+    """Every E8M0 scheme, odd K, N not a multiple of 16, special weight rows (scale codes at
+    both ends of the E8M0 range, NaN and Inf blocks) and activation rows (NaN, Inf, zero,
+    subnormal, huge)."""
     wf, af = pair
     g = torch.Generator().manual_seed(m * 1000 + k)
-    q = quantize(torch.randn(48, k, generator=g) * 0.05, wf)
-    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
-    bias = torch.randn(48, generator=g)
+    q = quantize(_weight(k, n=45, seed=m + k) * 0.05, wf)
+    x = _special_rows(torch.randn(max(m, 9), k, generator=g) * 3)
+    order = [8, 4, 7, 1, 0, 2, 3, 5, 6] + list(range(9, m))  # a plain row first
+    x = x[order[:m]].to(torch.bfloat16)
+    bias = torch.randn(45, generator=g)
     y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32)
-    _assert_within_bound(y, *_reference(x, q, af, bias), torch.float32)
+    _assert_within_bound(y, _reference(x, q, af, bias), torch.float32, k, wf, af)
+
+
+@pytest.mark.parametrize("wrong", ["mbs byte", "scale code", "one code"])
+def test_bound_catches_a_wrong_weight(ck, wrong):
+    """The bound is tight enough to fail: one weight MBS byte off by one, one E8M0 code off by
+    one or one E2M1 code changed in a layer's packed weight is caught."""
+    k = 576
+    g = torch.Generator().manual_seed(1)
+    q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
+    x = torch.randn(8, k, generator=g).to(torch.bfloat16)
+    ref = _reference(x, q, "mxfp4-mbs-s", None)
+    bad = type(q)(codes=q.codes.clone(), scales=q.scales.clone(), fmt=q.fmt, shape=q.shape,
+                  mbs=q.mbs.clone())
+    if wrong == "mbs byte":
+        bad.mbs[3, 1] ^= 1
+    elif wrong == "scale code":
+        bad.scales[3, 9] += 1
+    else:
+        bad.codes[3, 70] ^= 0x01
+    y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", bad.codes, bad.scales, bad.mbs, k, None,
+                     torch.float32)
+    with pytest.raises(AssertionError, match="out of bound"):
+        _assert_within_bound(y, ref, torch.float32, k, "mxfp4-mbs-d", "mxfp4-mbs-s")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -159,22 +249,25 @@ def test_linear_dtypes_no_bias_leading_dims(ck, out_dtype, m):
     y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 576, None,
                      out_dtype)
     assert y.shape == (2, m // 2, 24) and y.dtype == out_dtype
-    _assert_within_bound(y.reshape(m, 24), *_reference(x.reshape(m, 576), q, "mxfp4-mbs-s", None),
-                         out_dtype)
+    _assert_within_bound(y.reshape(m, 24), _reference(x.reshape(m, 576), q, "mxfp4-mbs-s", None),
+                         out_dtype, 576, "mxfp4-mbs-d", "mxfp4-mbs-s")
 
 
-@pytest.mark.parametrize("gemv_max_m", [16, 0], ids=["gemv", "gemm"])
-def test_linear_nan_row_and_special_weights(ck, gemv_max_m):
-    """A NaN / Inf token poisons only its own row; odd weight scales stay exact."""
+@pytest.mark.parametrize("m", [3, 40], ids=lambda m: f"M{m}")
+def test_linear_nan_row_and_special_weights(ck, m):
+    """A NaN / Inf token poisons only its own row; a NaN weight block only its own column."""
     q = quantize(_weight(300, n=40, seed=3), "mxfp4-mbs-d")
-    x = torch.randn(6, 300)
+    x = torch.randn(m, 300)
     x[2, 5] = float("nan")
-    x[4, 0] = float("inf")
-    x[5] = 0.0
+    x[1, 0] = float("inf")
+    x[0] = 0.0
     y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 300, None,
-                     torch.float32, gemv_max_m=gemv_max_m)
-    assert torch.isnan(y[2]).all() and torch.isnan(y[4]).all()
-    _assert_within_bound(y, *_reference(x, q, "mxfp4-mbs-s", None), torch.float32)
+                     torch.float32)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[1]).all()
+    assert torch.isnan(y[:, 5:8]).all()  # NaN, Inf, and values beyond fp32 in weight rows 5..7
+    assert torch.isfinite(y[0, 8:]).all() and torch.isfinite(y[3:, 8:]).all()
+    _assert_within_bound(y, _reference(x, q, "mxfp4-mbs-s", None), torch.float32, 300,
+                         "mxfp4-mbs-d", "mxfp4-mbs-s")
 
 
 def test_empty_rows(ck):
@@ -198,25 +291,38 @@ def test_bad_inputs_name_the_tensor(ck):
     with pytest.raises(RuntimeError, match="bias has 3 elements"):
         ck.mx_linear(torch.randn(2, 64), "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs,
                      64, torch.randn(3), torch.float32)
-    with pytest.raises(ValueError, match="do not fake-quantize activations as 'nvfp4'"):
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 64, "mxfp4-mbs-d")
+    args = ck.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", 8, 64)
+    with pytest.raises(RuntimeError, match="packed weight codes must be"):
+        ck.linear_packed(torch.randn(2, 64), args, q.codes, ws, wm, None, torch.float32)
+    with pytest.raises(ValueError, match="do not quantize activations as 'nvfp4'"):
         ck.act_fake_quant(torch.randn(2, 64), "nvfp4")
     with pytest.raises(ValueError, match="do not read weights stored as 'mxplus'"):
         ck.dequant_weight(q.codes, q.scales, q.mbs, 64, "mxplus")
+    with pytest.raises(ValueError, match="need the same block size"):
+        ck.linear_args("mxfp4-ocp", "mxfp4-16-oas", 8, 64)
 
 
 def test_ops_trace_and_check(ck):
     """Fake implementations: opcheck, and a fullgraph compile that calls the op."""
-    q = quantize(torch.randn(16, 128), "mxfp4-mbs-d")
-    x = torch.randn(3, 128, dtype=torch.bfloat16)
-    args = (x, 16, 2, True, 128, q.codes, q.scales, q.mbs, 128, 16, None, torch.bfloat16, 16)
-    torch.library.opcheck(torch.ops.mxplus_cpu.mx_linear.default, args)
-    torch.library.opcheck(torch.ops.mxplus_cpu.act_fake_quant.default, (x, 16, 2, True, 128))
+    q = quantize(torch.randn(20, 130), "mxfp4-mbs-d")
+    x = torch.randn(3, 130, dtype=torch.bfloat16)
+    ops = torch.ops.vllm_mxplus
+    torch.library.opcheck(ops.cpu_pack_weight.default, (q.codes, q.scales, q.mbs, 130, 16, 128))
+    q32 = quantize(torch.randn(20, 130), "mxfp4-ocp")  # no MBS bytes, block 32
+    torch.library.opcheck(ops.cpu_pack_weight.default,
+                          (q32.codes, q32.scales, ck.empty_mbs(), 130, 32, 128))
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 130, "mxfp4-mbs-d")
+    args = (x, 16, 2, True, 128, wc, ws, wm, 20, 130, 16, None, torch.bfloat16)
+    torch.library.opcheck(ops.cpu_mx_linear.default, args)
+    torch.library.opcheck(ops.cpu_act_fake_quant.default, (x, 16, 2, True, 128))
+    torch.library.opcheck(ops.cpu_act_quant.default, (x, 16, 2, True, 128))
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(x):
-        return torch.ops.mxplus_cpu.mx_linear(*((x,) + args[1:])) * 2
+        return ops.cpu_mx_linear(*((x,) + args[1:])) * 2
 
-    assert torch.equal(f(x), torch.ops.mxplus_cpu.mx_linear(*args) * 2)
+    assert torch.equal(f(x), ops.cpu_mx_linear(*args) * 2)
 
 
 def test_build_name_tracks_source_flags_and_cpu(ck, monkeypatch):
@@ -235,46 +341,53 @@ def test_disabled_by_env(monkeypatch):
 
 
 _PORTABLE_SCRIPT = r"""
+import sys
 import torch
-from vllm_mxplus.formats import fake_quantize, quantize
+sys.path.insert(0, sys.argv[1])
+import test_cpu_kernels as t
+from vllm_mxplus.formats import quantize
 from vllm_mxplus.ops import cpu_kernels as ck
 ok, why = ck.load()
 assert ok, why
-for wf, af in [("mxfp4-ocp", "mxfp4-ocp"), ("mxfp4-mbs-d", "mxfp4-mbs-s")]:
-    for k in (33, 576):
-        w = torch.randn(20, k) * 0.05
-        w[0] *= 2.0**-130
-        w[1, 3] = float("nan")
-        q = quantize(w, wf)
-        assert torch.equal(ck.dequant_weight(q.codes, q.scales, q.mbs, k, wf).view(torch.int32),
-                           q.dequantize().view(torch.int32))
-        x = torch.randn(5, k)
-        x[1, 0] = 1e-39
-        xq = fake_quantize(x, af)
-        assert torch.equal(ck.act_fake_quant(x, af).view(torch.int32), xq.view(torch.int32))
-        ref = xq.double() @ q.dequantize().double().T
-        scale = xq.abs().double() @ q.dequantize().abs().double().T
-        for m in (1, 3, 5):
+for wf, af in t.PAIRS:
+    for k in (33, 577):
+        q = quantize(t._weight(k, n=21, seed=k) * 0.05, wf)
+        assert t._bits_equal(ck.dequant_weight(q.codes, q.scales, q.mbs, k, wf), q.dequantize())
+        x = t._special_rows(torch.randn(11, k) * 3)[[8, 9, 10, 4, 7, 1, 0, 2, 3, 5, 6]]
+        codes, scales, mbs = ck.act_quant(x, af)
+        assert torch.equal(codes, t._doubled_values(quantize(x, af).codes, k)), (af, k)
+        assert t._bits_equal(ck.act_fake_quant(x, af), t.fake_quantize(x, af))
+        for m in (1, 3, 9, 11):
             y = ck.mx_linear(x[:m], wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32)
-            err = (y.double() - ref[:m]).abs()
-            ok_ = (err <= 2.0**-16 * scale[:m]) | (torch.isnan(y) & torch.isnan(ref[:m]))
-            assert bool(ok_.all()), (wf, k, m)
+            t._assert_within_bound(y, t._reference(x[:m], q, af, None), torch.float32, k, wf, af)
+import test_cpu_nvfp4 as tn
+for k in (33, 577):
+    q = quantize(tn._weight(21, k, k), "nvfp4")
+    x = tn._special_rows(torch.randn(11, k) * 3)[[8, 9, 10, 4, 7, 6, 1, 0, 2, 3, 5]]
+    assert torch.equal(ck.nvfp4_act_quant(x)[0], tn._doubled(quantize(x, "nvfp4", per_row=True).codes, k))
+    for m in (1, 3, 9, 11):
+        y = ck.nvfp4_linear_packed(x[:m], 21, k, *ck.pack_nvfp4(q), None, torch.float32)
+        tn._check(y, x[:m], q, None)
 print("PORTABLE-OK", ck.cflags()[0])
 """
 
 
-def test_portable_path_without_avx512(tmp_path):
-    """The non-AVX-512 code path (built for x86-64-v3) gives the same values, in a subprocess
-    (one process can load only one build of the `mxplus_cpu` op library)."""
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512", "x86-64"],
+                         ids=["avx2", "avx512-no-vnni", "portable"])
+def test_other_instruction_sets(march):
+    """The AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512)
+    and the portable C++ (x86-64) give values within the same bounds (E8M0 and NVFP4,
+    tests/ops/test_cpu_nvfp4.py), in a subprocess each
+    (one process loads one build of the ops). Builds are cached per -march like any other."""
     import os
     import platform
     import subprocess
     import sys
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64-v3 target only exists on x86-64")
-    env = dict(os.environ, VLLM_MXPLUS_CPU_MARCH="x86-64-v3",
-               VLLM_MXPLUS_CPU_BUILD_DIR=str(tmp_path / "build"), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", _PORTABLE_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "PORTABLE-OK -march=x86-64-v3" in r.stdout, r.stdout + r.stderr
+        pytest.skip("these -march targets only exist on x86-64")
+    env = dict(os.environ, VLLM_MXPLUS_CPU_MARCH=march, OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _PORTABLE_SCRIPT, here], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and f"PORTABLE-OK -march={march}" in r.stdout, r.stdout + r.stderr

@@ -1,14 +1,17 @@
 """The CPU backend: packed FP4 weights + the C++ kernels of `cpu_kernels` (any M).
 
-The layer keeps the checkpoint's packed tensors (codes, E8M0 scales, MBS bytes: ~0.57 bytes
-per weight instead of the reference backend's 4-byte fp32 copy). Each call fake-quantizes
-the activation rows in C++ (bit-exact to `formats`) and either streams the packed weight,
-dequantizing it in registers (M <= cpu_kernels.GEMV_MAX_M, decode), or dequantizes it once
-per call into fp32 and runs torch's GEMM (prefill). Every product is between the same fp32
-values the reference backend uses; only the accumulation order differs.
+The layer keeps the checkpoint's packed bytes re-ordered into 16-row tiles (codes, E8M0
+scales, MBS bytes: ~0.57 bytes per weight instead of the reference backend's 4-byte fp32
+copy; no fp32 weight exists at any time). Each call quantizes the activation rows once in C++
+(codes bit-exact with `formats`) and runs one integer-dot-product GEMM for every M: exact
+int32 block sums, power-of-two block scales, the MBS factors once per 128-element chunk, fp32
+accumulation across blocks. Its error bound against the float64 product of the reference
+backend's values is in csrc/mx_gemm_cpu.cpp (docs/numerics.md, "Kernel numerics and error
+bounds").
 
 Formats it takes: the E8M0 family with or without MBS (mxfp4-ocp, mxfp4-16, mxfp4-16-oas,
-mxfp4-mbs-s, mxfp4-mbs-d weights). MX+ and NVFP4 fall back to the reference backend.
+mxfp4-mbs-s, mxfp4-mbs-d weights) and NVFP4 (E4M3 block scales, per-row / per-tensor global
+scales: csrc/mx_nvfp4_cpu.cpp). MX+ falls back to the reference backend.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from vllm_mxplus.ops.backend import (
     set_packed_buffers,
 )
 
+# codes, scales, and the MBS bytes (E8M0 formats) or the fp32 global scales (NVFP4)
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
+NVFP4_PAIR = ("nvfp4", "nvfp4")
 
 
 class CpuPackedBackend(LinearBackend):
@@ -41,20 +46,27 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        if (spec.weight_format, spec.activation_format) == NVFP4_PAIR:
+            return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
     ) -> None:
-        from vllm_mxplus.ops.cpu_kernels import empty_mbs, linear_args
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_nvfp4, pack_weight
 
         if qweight.codes.dim() != 2:
             raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
-        mbs = qweight.mbs if qweight.mbs is not None else empty_mbs(qweight.codes.device)
-        set_packed_buffers(layer, ATTRS, (qweight.codes, qweight.scales, mbs))
+        if qweight.fmt == "nvfp4":
+            set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
+            layer.mxplus_cpu_args = ("nvfp4", qweight.codes.shape[0], spec.k)
+            return
+        packed = pack_weight(qweight.codes, qweight.scales, qweight.mbs, spec.k,
+                             spec.weight_format, spec.macro_block)
+        set_packed_buffers(layer, ATTRS, packed)
         # Resolved once here, so a decode step pays one C++ op call per linear and no lookups.
-        layer.mxplus_cpu_args = linear_args(spec.weight_format, spec.activation_format, spec.k,
-                                            spec.macro_block)
+        layer.mxplus_cpu_args = linear_args(spec.weight_format, spec.activation_format,
+                                            qweight.codes.shape[0], spec.k, spec.macro_block)
 
     def apply(
         self,
@@ -64,7 +76,12 @@ class CpuPackedBackend(LinearBackend):
         spec: LinearSpec,
         act_global_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import linear_packed
+        from vllm_mxplus.ops.cpu_kernels import linear_packed, nvfp4_linear_packed
 
-        return linear_packed(x, layer.mxplus_cpu_args, layer.mxplus_cpu_codes,
+        args = layer.mxplus_cpu_args
+        if args[0] == "nvfp4":
+            return nvfp4_linear_packed(x, args[1], args[2], layer.mxplus_cpu_codes,
+                                       layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias,
+                                       spec.out_dtype, act_global_scale)
+        return linear_packed(x, args, layer.mxplus_cpu_codes,
                              layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias, spec.out_dtype)

@@ -1,23 +1,28 @@
-"""The CPU C++ kernels (`csrc/mx_linear_cpu.cpp`): built at first use, cached, loaded once.
+"""The CPU C++ kernels (`csrc/*.cpp`): built at first use, cached, loaded once.
 
     from vllm_mxplus.ops import cpu_kernels
-    ok, why = cpu_kernels.load()          # builds on first call (~10 s), then cached
-    y = cpu_kernels.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", codes, scales, mbs, k, bias,
-                              torch.bfloat16)
+    ok, why = cpu_kernels.load()          # builds on first call (~20 s), then cached
+    packed = cpu_kernels.pack_weight(codes, scales, mbs, k, "mxfp4-mbs-d")   # once, at load
+    y = cpu_kernels.linear_packed(x, cpu_kernels.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", n, k),
+                                  *packed, bias, torch.bfloat16)
 
-The library is compiled with the host C++ compiler for this CPU (-march=native, so the
-AVX-512 path is used where the CPU has it; a portable path otherwise) through
+The library is compiled with the host C++ compiler for this CPU (-march=native: AVX-512 with
+VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable C++) through
 torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
-VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the source, the flags, torch's version and this
+VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the sources, the flags, torch's version and this
 CPU's feature flags, so a cache shared between different machines never runs code built for
 another CPU. VLLM_MXPLUS_CPU_MARCH=x86-64-v3 (say) builds for another target instead of
-`native` (the tests use it to run the portable path). VLLM_MXPLUS_CPU_KERNELS=0 disables the kernels (the dispatch then uses the pure
-torch reference backend and logs why).
+`native` (the tests use it to run the portable path). VLLM_MXPLUS_CPU_KERNELS=0 disables the
+kernels (the dispatch then uses the pure torch reference backend and logs why).
 
-Ops (namespace `mxplus_cpu`, each with a fake implementation for torch.compile):
-  act_fake_quant(x, block, rule, mbs, macro)          -> fp32, bit-exact to formats.fake_quantize
-  dequant_weight(codes, scales, mbs, k, block, macro)  -> fp32 [N, K], bit-exact to dequantize()
-  mx_linear(x, ..., gemv_max_m)                        -> fake-quant x, then x_hat @ W_hat^T + b
+Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile):
+  cpu_act_quant(x, block, rule, mbs, macro)    -> (2*value int8, E8M0, MBS bytes), = formats
+  cpu_act_fake_quant(x, block, rule, mbs, macro)        -> fp32, = formats.fake_quantize
+  cpu_dequant_weight(codes, scales, mbs, k, block, macro) -> fp32 [N, K], = dequantize()
+  cpu_pack_weight(codes, scales, mbs, k, block, macro)  -> the GEMM's 16-row tile layout
+  cpu_mx_linear(x, ..., packed weight, n, k, ...)        -> integer-dot-product W4A4 linear
+The numerics and the error bound of cpu_mx_linear: csrc/mx_gemm_cpu.cpp (docs/numerics.md,
+"Kernel numerics and error bounds").
 """
 
 from __future__ import annotations
@@ -34,20 +39,24 @@ from typing import Optional
 
 import torch
 
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.ops.library import op_name
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "mx_linear_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp", CSRC / "mx_nvfp4_cpu.cpp")
+HEADERS = tuple(CSRC / h for h in ("mx_cpu_common.h", "mx_tiles.h", "mx_tile_avx512.h",
+                                    "mx_tile_avx2.h", "mx_tile_scalar.h"))
 ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
 _BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
 ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
 ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
-# Up to this many rows the linear streams the packed weight (memory-bound decode); above it,
-# the weight is dequantized once per call to fp32 and torch's GEMM runs (compute-bound).
-GEMV_MAX_M = 16
+TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
+NVFP4_BLOCK = 16
 
 _lock = threading.Lock()
 _state: dict[str, Optional[str]] = {"error": None, "loaded": None}
@@ -70,7 +79,7 @@ def _cpu_signature() -> str:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(cflags() + LDFLAGS).encode(),
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(cflags() + LDFLAGS).encode(),
                  torch.__version__.encode(), _cpu_signature().encode()):
         h.update(part)
     return f"mxplus_cpu_{h.hexdigest()[:16]}"
@@ -111,8 +120,9 @@ def load() -> tuple[bool, str]:
 
 
 def _build_and_load() -> None:
-    if not SOURCE.exists():
-        raise FileNotFoundError(f"{SOURCE} is missing from the installation")
+    for src in SOURCES + HEADERS:
+        if not src.exists():
+            raise FileNotFoundError(f"{src} is missing from the installation")
     if _compiler() is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     from torch.utils.cpp_extension import load as cpp_load
@@ -123,9 +133,9 @@ def _build_and_load() -> None:
     lib = out / f"{name}.so"
     fresh = not lib.exists()
     if fresh:
-        logger.info("mxplus: building the CPU kernels into %s (once per machine, ~10 s)", out)
+        logger.info("mxplus: building the CPU kernels into %s (once per machine, ~20 s)", out)
     t0 = time.time()
-    cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
+    cpp_load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
              build_directory=str(out), is_python_module=False, verbose=False)
     if fresh:
         logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
@@ -135,18 +145,45 @@ def _build_and_load() -> None:
 def _register_fakes() -> None:
     """Shape-only implementations so torch.compile / FakeTensor tracing can use the ops."""
 
-    @torch.library.register_fake("mxplus_cpu::act_fake_quant")
+    @torch.library.register_fake(op_name("cpu_act_fake_quant"))
     def _(x, block, rule, mbs, macro):
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
-    @torch.library.register_fake("mxplus_cpu::dequant_weight")
+    @torch.library.register_fake(op_name("cpu_act_quant"))
+    def _(x, block, rule, mbs, macro):
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (x.new_empty((m, k), dtype=torch.int8),
+                x.new_empty((m, ceil_div(k, block)), dtype=torch.uint8),
+                x.new_empty((m, ceil_div(k, macro) if mbs else 0), dtype=torch.uint8))
+
+    @torch.library.register_fake(op_name("cpu_dequant_weight"))
     def _(codes, scales, mbs, k, block, macro):
         return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
 
-    @torch.library.register_fake("mxplus_cpu::mx_linear")
-    def _(x, act_block, act_rule, act_mbs, macro, codes, scales, mbs, k, w_block, bias,
-          out_dtype, gemv_max_m):
-        return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=out_dtype)
+    @torch.library.register_fake(op_name("cpu_pack_weight"))
+    def _(codes, scales, mbs, k, block, macro):
+        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
+        return (codes.new_empty((nt, nb * block // 2 * TILE_N)),
+                codes.new_empty((nt, nb * TILE_N)),
+                codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)))
+
+    @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
+    def _(x):
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (x.new_empty((m, k), dtype=torch.int8),
+                x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
+                x.new_empty((m,), dtype=torch.float32))
+
+    @torch.library.register_fake(op_name("cpu_nvfp4_linear"))
+    def _(x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+    @torch.library.register_fake(op_name("cpu_mx_linear"))
+    def _(x, act_block, act_rule, act_mbs, macro, wcodes, wscales, wmbs, n, k, w_block, bias,
+          out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
 
 def _require() -> None:
@@ -158,7 +195,7 @@ def _require() -> None:
 def _act_args(fmt: str) -> tuple[int, int, bool]:
     spec = get_format(fmt)
     if spec.scale_rule not in RULE_IDS or spec.block_max_mantissa or spec.mbs == "dynamic":
-        raise ValueError(f"the CPU kernels do not fake-quantize activations as {fmt!r}")
+        raise ValueError(f"the CPU kernels do not quantize activations as {fmt!r}")
     return spec.block_size, RULE_IDS[spec.scale_rule], spec.mbs == "static"
 
 
@@ -174,11 +211,21 @@ def empty_mbs(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.empty((0, 0), dtype=torch.uint8, device=device)
 
 
+def act_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer GEMM's activation operand for rows x [..., K]: (2 * E2M1 value as int8
+    [M, K], E8M0 codes [M, ceil(K/block)], MBS-S bytes [M, ceil(K/macro)] or [M, 0]),
+    bit-exact with formats.quantize(x, fmt)."""
+    _require()
+    block, rule, mbs = _act_args(fmt)
+    return torch.ops.vllm_mxplus.cpu_act_quant(x, block, rule, mbs, macro_block)
+
+
 def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) -> torch.Tensor:
     """formats.fake_quantize(x, fmt) in fp32 (same bits), for the E8M0 activation formats."""
     _require()
     block, rule, mbs = _act_args(fmt)
-    return torch.ops.mxplus_cpu.act_fake_quant(x, block, rule, mbs, macro_block)
+    return torch.ops.vllm_mxplus.cpu_act_fake_quant(x, block, rule, mbs, macro_block)
 
 
 def dequant_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor],
@@ -186,33 +233,84 @@ def dequant_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torc
     """QuantizedTensor.dequantize() in fp32 (same bits) for a 2-D packed weight."""
     _require()
     mbs_t = empty_mbs(codes.device) if mbs is None else mbs
-    return torch.ops.mxplus_cpu.dequant_weight(codes, scales, mbs_t, k, _weight_block(fmt),
-                                               macro_block)
+    return torch.ops.vllm_mxplus.cpu_dequant_weight(codes, scales, mbs_t, k, _weight_block(fmt),
+                                                    macro_block)
 
 
-def linear_args(weight_format: str, activation_format: str, k: int,
+def pack_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int,
+                fmt: str, macro_block: int = MACRO_BLOCK
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A checkpoint-layout weight (codes [N, ceil(K/2)], E8M0 scales, MBS bytes or None) in
+    the GEMM's 16-row tile layout: the same bytes re-ordered (N padded to a multiple of 16)."""
+    _require()
+    mbs_t = empty_mbs(codes.device) if mbs is None else mbs
+    return torch.ops.vllm_mxplus.cpu_pack_weight(codes, scales, mbs_t, k, _weight_block(fmt),
+                                                 macro_block)
+
+
+def linear_args(weight_format: str, activation_format: str, n: int, k: int,
                 macro_block: int = MACRO_BLOCK) -> tuple:
-    """The constant arguments of `mxplus_cpu::mx_linear` for one layer (see `mx_linear`)."""
+    """The constant arguments of `cpu_mx_linear` for one layer (see `linear_packed`)."""
     a_block, a_rule, a_mbs = _act_args(activation_format)
-    return a_block, a_rule, a_mbs, macro_block, k, _weight_block(weight_format)
+    w_block = _weight_block(weight_format)
+    if w_block != a_block:
+        raise ValueError(f"weights {weight_format} (block {w_block}) and activations "
+                         f"{activation_format} (block {a_block}) need the same block size")
+    return a_block, a_rule, a_mbs, macro_block, n, k, w_block
 
 
-def linear_packed(x: torch.Tensor, args: tuple, codes: torch.Tensor, scales: torch.Tensor,
-                  mbs: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-                  gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
-    """`mxplus_cpu::mx_linear` with a layer's `linear_args` (kernels already loaded; `mbs`
-    is `empty_mbs()` for formats without MBS bytes). The per-call path of the backends."""
-    a_block, a_rule, a_mbs, macro, k, w_block = args
-    return torch.ops.mxplus_cpu.mx_linear(x, a_block, a_rule, a_mbs, macro, codes, scales, mbs,
-                                          k, w_block, bias, out_dtype, gemv_max_m)
+def linear_packed(x: torch.Tensor, args: tuple, wcodes: torch.Tensor, wscales: torch.Tensor,
+                  wmbs: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """`cpu_mx_linear` with a layer's `linear_args` and `pack_weight` tensors (kernels already
+    loaded). The per-call path of the backends: quantizes x's rows once, then integer dot
+    products against the packed weight, any number of rows."""
+    a_block, a_rule, a_mbs, macro, n, k, w_block = args
+    return torch.ops.vllm_mxplus.cpu_mx_linear(x, a_block, a_rule, a_mbs, macro, wcodes, wscales,
+                                               wmbs, n, k, w_block, bias, out_dtype)
+
+
+def nvfp4_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 activation rows as the integer GEMM takes them: (2 * E2M1 value as int8 [M, K],
+    E4M3 scale bytes [M, ceil(K/16)], per-row global scale fp32 [M]), bit-exact with
+    formats.quantize(x, "nvfp4", per_row=True)."""
+    _require()
+    return torch.ops.vllm_mxplus.cpu_nvfp4_act_quant(x)
+
+
+def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NVFP4 weight [N, K] in the GEMM's 16-row tiles: (codes, E4M3 scale bytes, fp32 global
+    scale per row [ceil(N/16) * 16]); the global scale is the tensor's (or each row's)."""
+    _require()
+    if q.fmt != "nvfp4" or q.codes.dim() != 2:
+        raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
+    n, k = q.shape
+    codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
+        q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK,
+        MACRO_BLOCK)
+    g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
+    g[:n] = q.global_scale.to(torch.float32).reshape(-1).expand(n) if q.global_scale.numel() == 1 \
+        else q.global_scale.to(torch.float32).reshape(n)
+    return codes, scales, g
+
+
+def nvfp4_linear_packed(x: torch.Tensor, n: int, k: int, wcodes: torch.Tensor,
+                        wscales: torch.Tensor, wglobal: torch.Tensor,
+                        bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                        act_global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """NVFP4 W4A4 on integer dot products (csrc/mx_nvfp4_cpu.cpp) with `pack_nvfp4` tensors;
+    act_global_scale: per-row global scales [..., 1] to use instead of x's own rows'."""
+    return torch.ops.vllm_mxplus.cpu_nvfp4_linear(x, wcodes, wscales, wglobal, n, k,
+                                                  act_global_scale, bias, out_dtype)
 
 
 def mx_linear(x: torch.Tensor, weight_format: str, activation_format: str,
               codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-              macro_block: int = MACRO_BLOCK, gemv_max_m: int = GEMV_MAX_M) -> torch.Tensor:
-    """fake_quantize(x, activation_format) @ W_hat^T + bias, fp32 accumulation, out_dtype."""
+              macro_block: int = MACRO_BLOCK) -> torch.Tensor:
+    """fake_quantize(x, activation_format) @ W_hat^T + bias for a checkpoint-layout weight
+    (packs it on every call: for tests and one-off use; layers pack once at load)."""
     _require()
-    return linear_packed(x, linear_args(weight_format, activation_format, k, macro_block),
-                         codes, scales, empty_mbs(codes.device) if mbs is None else mbs, bias,
-                         out_dtype, gemv_max_m)
+    packed = pack_weight(codes, scales, mbs, k, weight_format, macro_block)
+    args = linear_args(weight_format, activation_format, codes.shape[0], k, macro_block)
+    return linear_packed(x, args, *packed, bias, out_dtype)

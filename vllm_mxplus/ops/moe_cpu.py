@@ -2,10 +2,11 @@
 
 The same computation and order as `moe_experts_reference` (routing, the gated activation in
 the model dtype, the weighted fp32 sum over sorted experts); each expert GEMM is
-`mxplus_cpu::mx_linear` on that expert's packed weight, which fake-quantizes the rows it is
-given (per row, so per-expert quantization equals quantizing all rows at once) and uses the
-same fp32 activation and weight values as the reference. Experts stay packed (~0.57 bytes
-per weight instead of the reference's 4-byte fp32 copy).
+`vllm_mxplus::cpu_mx_linear` on that expert's packed weight, which quantizes the rows it is
+given (per row, so per-expert quantization equals quantizing all rows at once) and multiplies
+with integer dot products (the same values as the reference up to the bound of
+csrc/mx_gemm_cpu.cpp). Experts stay packed (~0.57 bytes per weight instead of the
+reference's 4-byte fp32 copy), in the 16-row tiles of `cpu_kernels.pack_weight`.
 """
 
 from __future__ import annotations
@@ -22,35 +23,38 @@ from vllm_mxplus.ops.moe_reference import route
 
 @dataclass
 class PackedExperts:
-    """One stacked expert weight [E, N, K] in the kernels' layout."""
+    """One stacked expert weight [E, N, K] in the kernels' tile layout (pack_weight per
+    expert, stacked)."""
 
-    codes: torch.Tensor  # uint8 [E, N, ceil(K/2)]
-    scales: torch.Tensor  # uint8 [E, N, ceil(K/block)]
-    mbs: torch.Tensor  # uint8 [E, N, ceil(K/macro)] or [E, 0, 0]
+    codes: torch.Tensor  # uint8 [E, ceil(N/16), ...]
+    scales: torch.Tensor  # uint8 [E, ceil(N/16), ...]
+    mbs: torch.Tensor  # uint8 [E, ceil(N/16), ...] or [E, 0, ...]
     args: tuple  # cpu_kernels.linear_args(...)
+    n: int  # rows per expert
 
     @classmethod
     def from_rows(cls, q: QuantizedTensor, experts: int, activation_format: str,
                   macro_block: int) -> "PackedExperts":
         """From a QuantizedTensor of all experts' rows [E*N, K]."""
-        from vllm_mxplus.ops.cpu_kernels import linear_args
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_weight
 
         n = q.shape[0] // experts
         k = q.shape[-1]
 
-        def stack(t: Optional[torch.Tensor]) -> torch.Tensor:
-            if t is None:
-                return torch.empty((experts, 0, 0), dtype=torch.uint8, device=q.codes.device)
-            return t.reshape(experts, n, t.shape[-1]).contiguous()
+        def rows(t: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
+            return None if t is None else t[e * n:(e + 1) * n]
 
-        return cls(stack(q.codes), stack(q.scales), stack(q.mbs),
-                   linear_args(q.fmt, activation_format, k, macro_block))
+        packed = [pack_weight(rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt,
+                              macro_block) for e in range(experts)]
+        codes, scales, mbs = (torch.stack([p[i] for p in packed]) for i in range(3))
+        return cls(codes, scales, mbs, linear_args(q.fmt, activation_format, n, k, macro_block),
+                   n)
 
     def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from vllm_mxplus.ops.cpu_kernels import linear_packed
 
-        mbs = self.mbs[e] if self.mbs.shape[1] else self.mbs[0]
-        return linear_packed(x, self.args, self.codes[e], self.scales[e], mbs, None, out_dtype)
+        return linear_packed(x, self.args, self.codes[e], self.scales[e], self.mbs[e], None,
+                             out_dtype)
 
 
 def moe_experts_packed(
@@ -66,12 +70,12 @@ def moe_experts_packed(
     """Routed-expert output [M, H] in x's dtype (see moe_experts_reference for the math)."""
     m = topk_ids.shape[0]
     out_dtype = x.dtype
-    hidden = w2.codes.shape[1]
+    hidden = w2.n
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     if m == 0:
         return out.to(out_dtype)
     tok, weights, experts, rows = route(topk_weights, topk_ids, expert_map)
-    h = torch.zeros(tok.shape[0], w13.codes.shape[1] // 2, dtype=out_dtype, device=x.device)
+    h = torch.zeros(tok.shape[0], w13.n // 2, dtype=out_dtype, device=x.device)
     for e, sel in zip(experts, rows):
         gate, up = w13.linear(e, x[tok[sel]], out_dtype).chunk(2, dim=-1)
         h[sel] = activation(gate) * up

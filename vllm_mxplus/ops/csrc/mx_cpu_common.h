@@ -1,0 +1,137 @@
+// Shared scalar helpers of the CPU kernels (the E8M0 formats of docs/numerics.md): fp32 bit
+// access, exact powers of two, the E8M0 scale rules, E2M1 rounding and the MBS factors.
+// Every function here is the scalar form of a `vllm_mxplus.formats` function, bit for bit.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MXPLUS_AVX512 1
+#endif
+
+namespace mxplus_cpu {
+
+constexpr int kRuleOcp = 0, kRuleFloor = 1, kRuleOas = 2;  // cpu_kernels.RULE_IDS
+constexpr int kE8m0Nan = 255;                               // E8M0_NAN
+constexpr int kE8m0Bias = 127;                              // E8M0_BIAS
+constexpr uint32_t kFloorMantissa = 0x400000;               // FLOOR_MANTISSA
+constexpr uint32_t kOasMantissa = 0x600000;                 // OAS_MANTISSA
+constexpr int kMbsDenom = 256;                              // MBS_DENOM
+constexpr uint32_t kMbsStaticMask = 0x007F8000;             // MBS_STATIC_MASK
+constexpr int kMbsStaticShift = 15;                         // MBS_STATIC_SHIFT
+
+alignas(64) inline const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                            4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                            -2.0f, -3.0f, -4.0f, -6.0f};
+// 2 * value(code): an exact integer in [-12, 12] (the integer GEMM's element).
+alignas(16) inline const int8_t kE2M1x2[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                               0, -1, -2, -3, -4, -6, -8, -12};
+
+inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// Exact fp32 2^k for integer k in [-149, 127].
+inline float pow2f(int k) {
+  if (k >= -126) return u2f(static_cast<uint32_t>(k + 127) << 23);
+  return u2f(1u << (k + 149));
+}
+
+// fp32 value of an E8M0 code (255 = NaN).
+inline float e8m0_value(int code) {
+  return code == kE8m0Nan ? std::numeric_limits<float>::quiet_NaN() : pow2f(code - kE8m0Bias);
+}
+
+// E8M0 code of a block absmax under a scale rule (formats/e8m0.py: e8m0_block_scale).
+inline int scale_code(float absmax, int rule) {
+  if (!std::isfinite(absmax)) return kE8m0Nan;
+  if (absmax == 0.0f) return 0;
+  float an = absmax;
+  int sub = 0;
+  if (an < 1.17549435e-38f) { an *= 18446744073709551616.0f; sub = 64; }  // 2^64, exact
+  const uint32_t b = f2u(an);
+  const int e = static_cast<int>((b >> 23) & 0xFF) - 127 - sub;
+  const uint32_t man = b & 0x7FFFFF;
+  int d = 0;
+  if (rule == kRuleFloor) d = man > kFloorMantissa;
+  if (rule == kRuleOas) d = man > kOasMantissa;
+  return std::min(std::max(e - 2 + d + kE8m0Bias, 0), 254);
+}
+
+// E2M1 magnitude code of a non-negative scaled value (round to nearest, ties to even code).
+inline int e2m1_mag(float v) {
+  return (v > 0.25f) + (v >= 0.75f) + (v > 1.25f) + (v >= 1.75f) + (v > 2.5f) + (v >= 3.5f) +
+         (v > 5.0f);
+}
+
+// The MBS factor F = 1 + m/256 of a byte m (exact in fp32).
+inline float mbs_factor(int m) {
+  return (static_cast<float>(m) + kMbsDenom) / static_cast<float>(kMbsDenom);
+}
+
+// The MBS-S byte of a macro block with absmax a (paper eq. 3; 0 for a = 0, NaN or Inf).
+inline int mbs_static_byte(float a) {
+  if (!std::isfinite(a)) return 0;
+  return static_cast<int>((f2u(6.0f / a) & kMbsStaticMask) >> kMbsStaticShift);
+}
+
+// max |v| over n values, NaN if any is NaN.
+inline float nan_absmax(const float* v, int64_t n) {
+#ifdef MXPLUS_AVX512
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lm = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 a = _mm512_and_ps(_mm512_maskz_loadu_ps(lm, v + i), absmask);
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, a);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+#else
+  float a = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = std::fabs(v[i]);
+    if (std::isnan(t)) return t;
+    a = t > a ? t : a;
+  }
+  return a;
+#endif
+}
+
+inline void check_rule(int64_t block, int64_t rule, bool mbs, int64_t macro) {
+  TORCH_CHECK(block == 16 || block == 32, "mxplus CPU kernels: block size must be 16 or 32, got ",
+              block);
+  TORCH_CHECK(rule >= kRuleOcp && rule <= kRuleOas, "mxplus CPU kernels: unknown scale rule ",
+              rule);
+  TORCH_CHECK(!mbs || (macro > 0 && macro % block == 0), "mxplus CPU kernels: macro block ",
+              macro, " must be a positive multiple of ", block);
+}
+
+// Whether value(code) * 2^(scale - 127) overflows fp32 (to +-Inf in the spec: E8M0 codes 253
+// and 254 with |value| >= 4 and >= 2). `twice` = 2 * |value|.
+inline bool overflows(int scale, int twice) {
+  return (scale == 254 && twice >= 4) || (scale == 253 && twice >= 8);
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- shared between the quantization and the GEMM translation units ----------------------
+
+// Quantize one activation row to what the integer GEMM multiplies (docs/numerics.md,
+// "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get
+// 2 * value(code) (zero past K and in NaN blocks), `scales` [cdiv(K, block)] the E8M0 codes,
+// `mbs` [cdiv(K, macro)] the MBS-S bytes (only when `mbs_on`), `sums` (if not null) the sum
+// of each block's codes. Bit-exact with formats.quantize(x, fmt); `ybuf` holds `macro` (or
+// `block`) floats of scratch.
+void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
+               int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf);
+
+}  // namespace mxplus_cpu

@@ -1,0 +1,292 @@
+// The CPU W4A4 linear of the E8M0 formats on integer dot products (docs/numerics.md,
+// "Kernel numerics and error bounds"):
+//
+//   y[m, n] = sum over macro chunks c of  S_c / (Fa[m,c] * Fw[n,c])  (+ bias[n])
+//   S_c     = sum over blocks b in c of   I_b * 2^(ea[m,b] + ew[n,b] - 256)
+//   I_b     = sum over k in b of          (2 va_k) * (2 vw_k)        (exact int32)
+//
+// with va, vw the E2M1 values of the activation and weight codes, ea, ew their E8M0 codes and
+// F = 1 + m/256 the MBS factors (1 for a side without MBS; without MBS on either side the
+// whole row is one chunk and there is no division). The activation rows are quantized once
+// per call (quant_row, bit-exact with formats.quantize); the weight stays packed (0.5 byte
+// per element + one E8M0 byte per block + one MBS byte per macro block), re-ordered at load
+// by cpu_pack_weight into 16-row tiles. No fp32 copy of the weight exists at any time.
+//
+// What is computed, exactly: I_b is exact (|I_b| <= 32 * 144). I_b * 2^e is formed by
+// vscalefps (scalar: ldexpf), exact unless it leaves the fp32 normal range (then correctly
+// rounded, to a subnormal, 0 or Inf); S_c adds those terms in fp32 in block order; Fa * Fw
+// is exact (a product of two 9-bit significands); S_c / (Fa * Fw) is one IEEE division; y
+// adds the chunks in fp32 in order, then the bias. A NaN scale code (255) on either side
+// makes its terms NaN; so does a block holding an element whose spec value overflows fp32
+// (E8M0 code 253 or 254 with a large code: the spec's x_hat or w_hat is +-Inf there, and
+// every output it touches is +-Inf or NaN; here NaN).
+//
+// Error bound against the spec (u = 2^-24; x_hat, w_hat the spec's fp32 values, e.g.
+// x_hat = fp32((va * Xa) / Fa); y64 = the float64 sum of x_hat * w_hat + b; n_b blocks and
+// n_c chunks in K; no partial sum overflowing fp32):
+//   |y - y64| <= (n_b + n_c + 5) * u * (sum_k |x_hat_k| |w_hat_k| + |b|)
+//                + 2^-146 * (sum_k |x_hat_k| + sum_k |w_hat_k| + n_b)
+// The first term: 2u from the two spec divisions by F (x_hat and w_hat are the quotients
+// rounded once each; the integer path divides the exact sum once per chunk instead), at most
+// n_b + n_c + 1 fp32 additions (block terms, chunk quotients, bias), each off by u of a partial
+// sum bounded by the same magnitudes, u for the division per chunk, and u more for the
+// second-order terms while (n_b + n_c) u < 2^-10. Without MBS the spec's values are exact
+// products and the 2u is not needed; the bound keeps it. The second (absolute) term covers
+// roundings below the fp32 normal range (subnormal x_hat, w_hat, block terms or quotients),
+// each at most 2^-150 per element, block or chunk.
+// Compiled with -ffp-contract=off: no multiply-add is fused.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "mx_tile_avx2.h"
+#include "mx_tile_avx512.h"
+#include "mx_tile_scalar.h"
+
+namespace mxplus_cpu {
+namespace {
+
+using namespace gemm_detail;
+
+#ifdef MXPLUS_AVX512
+// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t.
+template <int MT, int NTP, bool MBS>
+void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
+               int64_t mt, float* y, const float* bias) {
+  if constexpr (MT > 1) {
+    if (mt < MT) return tile_rows<MT - 1, NTP, MBS>(w, a, s, t, m0, mt, y, bias);
+  }
+  if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS>(w, a, s, t, m0, y, bias);
+  else tile_avx512<MT, NTP, 2, MBS>(w, a, s, t, m0, y, bias);
+}
+
+// Pairs of weight tiles share each activation broadcast (half the loads per product); an odd
+// last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8.
+template <bool MBS>
+void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
+                int64_t m0, int64_t mt, float* y, const float* bias) {
+  for (int64_t mm = m0; mm < m0 + mt; mm += 4) {
+    int64_t tt = t;
+    for (; tt + 2 <= tend; tt += 2)
+      tile_rows<4, 2, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+    if (tt < tend)
+      tile_rows<4, 1, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+  }
+}
+#elif defined(MXPLUS_AVX2)
+template <int MT, bool MBS>
+void half_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
+               int64_t m0, int64_t mt, float* y, const float* bias) {
+  if constexpr (MT > 1) {
+    if (mt < MT) return half_rows<MT - 1, MBS>(w, a, s, t, h, m0, mt, y, bias);
+  }
+  if (s.gpb == 1) tile_avx2<MT, 1, MBS>(w, a, s, t, h, m0, y, bias);
+  else tile_avx2<MT, 2, MBS>(w, a, s, t, h, m0, y, bias);
+}
+
+template <bool MBS>
+void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
+                int64_t m0, int64_t mt, float* y, const float* bias) {
+  for (int64_t mm = m0; mm < m0 + mt; mm += 4)
+    for (int64_t tt = t; tt < tend; ++tt)
+      for (int h = 0; h < 2 && tt * kTileN + 8 * h < w.n; ++h)
+        half_rows<4, MBS>(w, a, s, tt, h, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+}
+#else
+template <bool MBS>
+void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
+                int64_t m0, int64_t mt, float* y, const float* bias) {
+  for (int64_t tt = t; tt < tend; ++tt) {
+    switch (mt) {
+#define MXPLUS_TILE(T) case T: tile_scalar<T, MBS>(w, a, s, tt, m0, y, bias); break;
+      MXPLUS_TILE(1) MXPLUS_TILE(2) MXPLUS_TILE(3) MXPLUS_TILE(4) MXPLUS_TILE(5)
+      MXPLUS_TILE(6) MXPLUS_TILE(7)
+#undef MXPLUS_TILE
+      default: tile_scalar<kMaxTileM, MBS>(w, a, s, tt, m0, y, bias); break;
+    }
+  }
+}
+#endif
+
+// Threads over N (weight tiles); each thread walks its tiles kTilesPerPass at a time, and
+// for each activation row tile runs those weight tiles, so the row tile is read from cache.
+template <bool MBS>
+void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
+          const float* bias) {
+  at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
+    for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
+      const int64_t tend = std::min(tp + kTilesPerPass, t1);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
+        tiles_rows<MBS>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y, bias);
+    }
+  });
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+// Checkpoint layout (codes [N, ceil(K/2)], scales [N, nb], mbs [N, nm]) -> tiles. The scales
+// are copied, except that a block whose dequantized values overflow fp32 gets code 255. Tile t,
+// group g (elements 16g .. 16g+15 of rows 16t .. 16t+15), 128 bytes: byte 64q + 4i + j holds
+// row 16t+i's element 16g + 8q + j in its low nibble and 16g + 8q + 4 + j in its high nibble,
+// so the low / high nibbles of each 64-byte half are vpdpbusd operands (4 elements per row
+// lane). Rows past N and elements past K are code 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight(const at::Tensor& codes,
+                                                           const at::Tensor& scales,
+                                                           const at::Tensor& mbs, int64_t k,
+                                                           int64_t block, int64_t macro) {
+  TORCH_CHECK(block == 16 || block == 32, "vllm_mxplus::cpu_pack_weight: block must be 16 or "
+              "32, got ", block);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && k > 0 &&
+                  codes.size(1) == (k + 1) / 2 && codes.device().is_cpu(),
+              "vllm_mxplus::cpu_pack_weight: weight codes must be CPU uint8 [N, ceil(K/2)] for "
+              "K=", k, ", got ", codes.sizes(), " ", codes.scalar_type());
+  const int64_t N = codes.size(0), nb = cdiv(k, block), nt = cdiv(N, kTileN);
+  const int64_t groups = nb * block / kGroupK;
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kByte && scales.size(0) == N &&
+                  scales.size(1) == nb,
+              "vllm_mxplus::cpu_pack_weight: weight scales must be uint8 [", N, ", ", nb,
+              "], got ", scales.sizes(), " ", scales.scalar_type());
+  const bool has_mbs = mbs.numel() > 0;
+  const int64_t nm = has_mbs ? cdiv(k, macro) : 0;
+  TORCH_CHECK(!has_mbs || (macro > 0 && macro % block == 0 && mbs.dim() == 2 &&
+                           mbs.scalar_type() == at::kByte && mbs.size(0) == N &&
+                           mbs.size(1) == nm),
+              "vllm_mxplus::cpu_pack_weight: weight MBS bytes must be uint8 [", N, ", ",
+              cdiv(k, std::max<int64_t>(macro, 1)), "] with a macro block multiple of ", block,
+              ", got ", mbs.sizes(), " (macro ", macro, ")");
+  const at::Tensor c = codes.contiguous(), s = scales.contiguous(), mb = mbs.contiguous();
+  auto opts = codes.options();
+  at::Tensor wc = at::zeros({nt, groups * kGroupBytes}, opts);
+  at::Tensor ws = at::zeros({nt, nb * kTileN}, opts);
+  at::Tensor wm = at::zeros({has_mbs ? nt : 0, nm * kTileN}, opts);
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const int64_t kc = c.size(1);
+  auto code_at = [&](int64_t n, int64_t kk) -> int {
+    if (n >= N || kk >= k) return 0;
+    const uint8_t byte = cp[n * kc + (kk >> 1)];
+    return (kk & 1) ? (byte >> 4) : (byte & 0xF);
+  };
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* out = wc.data_ptr<uint8_t>() + t * groups * kGroupBytes;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int q = 0; q < 2; ++q)
+          for (int i = 0; i < kTileN; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const int64_t n = t * kTileN + i, kk = g * kGroupK + 8 * q + j;
+              out[g * kGroupBytes + 64 * q + 4 * i + j] =
+                  static_cast<uint8_t>(code_at(n, kk) | (code_at(n, kk + 4) << 4));
+            }
+      for (int i = 0; i < kTileN && t * kTileN + i < N; ++i) {
+        const int64_t n = t * kTileN + i;
+        for (int64_t b = 0; b < nb; ++b) {
+          int sc = s.data_ptr<uint8_t>()[n * nb + b];
+          int big = 0;
+          for (int64_t kk = b * block; sc >= 253 && kk < (b + 1) * block; ++kk)
+            big = std::max(big, static_cast<int>(std::abs(kE2M1x2[code_at(n, kk)])));
+          if (overflows(sc, big)) sc = kE8m0Nan;  // the spec's w_hat is +-Inf: NaN outputs
+          ws.data_ptr<uint8_t>()[(t * nb + b) * kTileN + i] = static_cast<uint8_t>(sc);
+        }
+        for (int64_t cc = 0; cc < nm; ++cc)
+          wm.data_ptr<uint8_t>()[(t * nm + cc) * kTileN + i] = mb.data_ptr<uint8_t>()[n * nm + cc];
+      }
+    }
+  });
+  return {wc, ws, wm};
+}
+
+at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, bool act_mbs,
+                     int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
+                     const at::Tensor& wmbs, int64_t n, int64_t k, int64_t w_block,
+                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  check_rule(act_block, act_rule, act_mbs, macro);
+  TORCH_CHECK(w_block == act_block, "vllm_mxplus::cpu_mx_linear: weight block ", w_block,
+              " differs from the activation block ", act_block);
+  TORCH_CHECK(x.device().is_cpu(), "vllm_mxplus::cpu_mx_linear: x must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "vllm_mxplus::cpu_mx_linear: x has last dim ",
+              x.size(-1), " but the weight has K=", k);
+  const int64_t block = act_block, nb = cdiv(k, block), kp = nb * block, nt = cdiv(n, kTileN);
+  const bool w_mbs = wmbs.numel() > 0;
+  const int64_t nm = cdiv(k, macro);
+  TORCH_CHECK(wcodes.scalar_type() == at::kByte && wcodes.is_contiguous() &&
+                  wcodes.sizes() == at::IntArrayRef({nt, kp / kGroupK * kGroupBytes}),
+              "vllm_mxplus::cpu_mx_linear: packed weight codes must be contiguous uint8 [", nt,
+              ", ", kp / kGroupK * kGroupBytes, "] (cpu_pack_weight), got ", wcodes.sizes());
+  TORCH_CHECK(wscales.scalar_type() == at::kByte && wscales.is_contiguous() &&
+                  wscales.sizes() == at::IntArrayRef({nt, nb * kTileN}),
+              "vllm_mxplus::cpu_mx_linear: packed weight scales must be contiguous uint8 [", nt,
+              ", ", nb * kTileN, "] (cpu_pack_weight), got ", wscales.sizes());
+  TORCH_CHECK(!w_mbs || (wmbs.scalar_type() == at::kByte && wmbs.is_contiguous() &&
+                         wmbs.sizes() == at::IntArrayRef({nt, nm * kTileN})),
+              "vllm_mxplus::cpu_mx_linear: packed weight MBS bytes must be contiguous uint8 [",
+              nt, ", ", nm * kTileN, "] (cpu_pack_weight), got ", wmbs.sizes());
+  TORCH_CHECK(wcodes.device().is_cpu() && wscales.device().is_cpu() && wmbs.device().is_cpu(),
+              "vllm_mxplus::cpu_mx_linear: weights must be on the CPU");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  const int64_t M = x.numel() / k;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "vllm_mxplus::cpu_mx_linear: bias has ", bias->numel(),
+                " elements, expected N=", n);
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (M == 0) return at::empty(out_shape, x.options().dtype(out_dtype));
+
+  // Activation rows, quantized once per call.
+  const at::Tensor xf = x.reshape({M, k}).to(at::kFloat).contiguous();
+  const auto o = xf.options();
+  at::Tensor acodes = at::empty({M, kp}, o.dtype(at::kChar));
+  at::Tensor corr = at::empty({M, nb}, o.dtype(at::kInt));
+  at::Tensor ea = at::empty({M, nb}, o);
+  at::Tensor fa = at::empty({act_mbs ? M : 0, nm}, o);
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block));
+    std::vector<uint8_t> sc(nb), mb(nm);
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* cr = acodes.data_ptr<int8_t>() + r * kp;
+      int32_t* sums = corr.data_ptr<int32_t>() + r * nb;
+      quant_row(xf.data_ptr<float>() + r * k, k, block, static_cast<int>(act_rule), act_mbs,
+                macro, cr, sc.data(), mb.data(), sums, ybuf.data());
+      for (int64_t b = 0; b < nb; ++b) {
+        int big = 0;
+        for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
+          big = std::max(big, std::abs(static_cast<int>(cr[b * block + i])));
+        sums[b] *= -kOffset;
+        ea.data_ptr<float>()[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
+            ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(sc[b]) - 256.0f;
+      }
+      for (int64_t c = 0; act_mbs && c < nm; ++c) fa.data_ptr<float>()[r * nm + c] = mbs_factor(mb[c]);
+    }
+  });
+  const bool any_mbs = act_mbs || w_mbs;
+  const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(),
+                      w_mbs ? wmbs.data_ptr<uint8_t>() : nullptr, nt, kp / kGroupK, nb, nm, n};
+  const ActRows a{acodes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), ea.data_ptr<float>(),
+                  act_mbs ? fa.data_ptr<float>() : nullptr, kp, nb, nm};
+  const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
+  at::Tensor y = at::empty({M, n}, o);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (any_mbs) gemm<true>(w, a, s, M, y.data_ptr<float>(), bp);
+  else gemm<false>(w, a, s, M, y.data_ptr<float>(), bp);
+  return y.to(out_dtype).view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
+  m.def("cpu_pack_weight(Tensor codes, Tensor scales, Tensor mbs, int k, int block, int macro)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("cpu_mx_linear(Tensor x, int act_block, int act_rule, bool act_mbs, int macro, "
+        "Tensor wcodes, Tensor wscales, Tensor wmbs, int n, int k, int w_block, Tensor? bias, "
+        "ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
+  m.impl("cpu_pack_weight", &pack_weight);
+  m.impl("cpu_mx_linear", &mx_linear);
+}
+
+}  // namespace mxplus_cpu

@@ -1,0 +1,215 @@
+// CPU quantization ops of the E8M0 formats (docs/numerics.md, "E2M1 elements", "E8M0 block
+// scales", "Macro Block Scaling"):
+//  - cpu_act_quant: activation rows -> the integer GEMM's input (2 * E2M1 value as int8,
+//    E8M0 codes, MBS-S bytes), bit-exact with formats.quantize;
+//  - cpu_act_fake_quant: the dequantized activation value*X/F in fp32, bit-exact with
+//    formats.fake_quantize (the `mxplus kernels --check` self-test and the tests use it);
+//  - cpu_dequant_weight: a checkpoint-layout packed weight dequantized to fp32, bit-exact with
+//    QuantizedTensor.dequantize (tests and self-test only: no serving path keeps fp32 weights).
+// Compiled with -ffp-contract=off: each fp32 operation rounds exactly as torch's does.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "mx_cpu_common.h"
+
+namespace mxplus_cpu {
+
+namespace {
+
+// Quantize one block of len <= 32 values y to doubled E2M1 codes; returns the E8M0 code and
+// adds the codes into *sum.
+inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32_t* sum) {
+  const int code = scale_code(nan_absmax(y, len), rule);
+  *sum = 0;
+  if (code == kE8m0Nan) {
+    std::memset(out, 0, len);
+    return code;
+  }
+  const float recip = pow2f(kE8m0Bias - code);  // exact power of two, as formats does
+#ifdef MXPLUS_AVX512
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i table = _mm512_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 lm = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
+    const __m512 yv = _mm512_maskz_loadu_ps(lm, y + i);
+    const __m512 v = _mm512_mul_ps(_mm512_and_ps(yv, absmask), _mm512_set1_ps(recip));
+    __m512i mag = _mm512_setzero_si512();
+    // The thresholds of e2m1_mag: > at the ties that round down, >= at those that round up.
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(0.25f), _CMP_GT_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(0.75f), _CMP_GE_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.25f), _CMP_GT_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.75f), _CMP_GE_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(2.5f), _CMP_GT_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(3.5f), _CMP_GE_OQ), mag, one);
+    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(5.0f), _CMP_GT_OQ), mag, one);
+    __m512i d = _mm512_permutexvar_epi32(mag, table);
+    const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
+    d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+    *sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
+    _mm512_mask_cvtepi32_storeu_epi8(out + i, lm, d);
+  }
+#else
+  for (int64_t i = 0; i < len; ++i) {
+    const int mag = e2m1_mag(std::fabs(y[i]) * recip);
+    out[i] = kE2M1x2[mag | (std::signbit(y[i]) ? 8 : 0)];
+    *sum += out[i];
+  }
+#endif
+  return code;
+}
+
+}  // namespace
+
+void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
+               int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf) {
+  const int64_t unit = mbs_on ? macro : block;
+  for (int64_t u0 = 0; u0 < K; u0 += unit) {
+    const int64_t ulen = std::min(unit, K - u0);
+    const float* y = x + u0;
+    if (mbs_on) {
+      const int m = mbs_static_byte(nan_absmax(x + u0, ulen));
+      mbs[u0 / macro] = static_cast<uint8_t>(m);
+      const float F = mbs_factor(m);
+      for (int64_t i = 0; i < ulen; ++i) ybuf[i] = x[u0 + i] * F;  // y = fp32(x * F)
+      y = ybuf;
+    }
+    for (int64_t b0 = 0; b0 < ulen; b0 += block) {
+      const int64_t blen = std::min(block, ulen - b0);
+      int32_t sum;
+      scales[(u0 + b0) / block] = static_cast<uint8_t>(quant_block(y + b0, blen, rule,
+                                                                   codes + u0 + b0, &sum));
+      if (sums) sums[(u0 + b0) / block] = sum;
+    }
+  }
+  const int64_t kp = cdiv(K, block) * block;
+  if (kp > K) std::memset(codes + K, 0, kp - K);
+}
+
+namespace {
+
+// One row of fake-quantization (fp32 in and out): quant_row, then value * X / F.
+void fake_quant_row(const float* x, float* out, int64_t K, int64_t block, int rule, bool mbs,
+                    int64_t macro, int8_t* codes, uint8_t* scales, uint8_t* mbytes,
+                    float* ybuf) {
+  quant_row(x, K, block, rule, mbs, macro, codes, scales, mbytes, nullptr, ybuf);
+  for (int64_t k = 0; k < K; ++k) {
+    const int sc = scales[k / block];
+    if (sc == kE8m0Nan) {
+      out[k] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // value(code) = codes/2 exactly; a zero code keeps the sign of y = x * F, i.e. of x
+    // (formats' -0.0).
+    float val = 0.5f * static_cast<float>(codes[k]);
+    if (codes[k] == 0 && std::signbit(x[k])) val = -0.0f;
+    const float q = val * pow2f(sc - kE8m0Bias);
+    out[k] = mbs ? q / mbs_factor(mbytes[k / macro]) : q;
+  }
+}
+
+at::Tensor act_fake_quant(const at::Tensor& x, int64_t block, int64_t rule, bool mbs,
+                          int64_t macro) {
+  check_rule(block, rule, mbs, macro);
+  TORCH_CHECK(x.device().is_cpu(), "vllm_mxplus::cpu_act_fake_quant: x must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "vllm_mxplus::cpu_act_fake_quant: empty last dim");
+  const int64_t K = x.size(-1);
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor out = at::empty({M, K}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block));
+    std::vector<int8_t> codes(cdiv(K, block) * block);
+    std::vector<uint8_t> scales(cdiv(K, block)), mbytes(cdiv(K, macro));
+    for (int64_t r = r0; r < r1; ++r)
+      fake_quant_row(xp + r * K, op + r * K, K, block, static_cast<int>(rule), mbs, macro,
+                     codes.data(), scales.data(), mbytes.data(), ybuf.data());
+  });
+  return out.view(x.sizes());
+}
+
+// x [..., K] -> (codes int8 [M, K] = 2 * value, scales uint8 [M, nb], mbs uint8 [M, nm] or
+// [M, 0]): the integer GEMM's activation operand, exposed so tests compare it with formats.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> act_quant(const at::Tensor& x, int64_t block,
+                                                         int64_t rule, bool mbs,
+                                                         int64_t macro) {
+  check_rule(block, rule, mbs, macro);
+  TORCH_CHECK(x.device().is_cpu(), "vllm_mxplus::cpu_act_quant: x must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "vllm_mxplus::cpu_act_quant: empty last dim");
+  const int64_t K = x.size(-1), nb = cdiv(K, block), kp = nb * block;
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor codes = at::empty({M, kp}, xf.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M, nb}, xf.options().dtype(at::kByte));
+  at::Tensor mbytes = at::zeros({M, mbs ? cdiv(K, macro) : 0}, xf.options().dtype(at::kByte));
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block));
+    for (int64_t r = r0; r < r1; ++r)
+      quant_row(xf.data_ptr<float>() + r * K, K, block, static_cast<int>(rule), mbs, macro,
+                codes.data_ptr<int8_t>() + r * kp, scales.data_ptr<uint8_t>() + r * nb,
+                mbs ? mbytes.data_ptr<uint8_t>() + r * mbytes.size(1) : nullptr, nullptr,
+                ybuf.data());
+  });
+  return {codes.narrow(1, 0, K).contiguous(), scales, mbytes};
+}
+
+// ---- checkpoint-layout weights (tests and the self-test) --------------------------------
+
+at::Tensor dequant_weight(const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mbs, int64_t k, int64_t block, int64_t macro) {
+  TORCH_CHECK(block == 16 || block == 32, "vllm_mxplus::cpu_dequant_weight: block must be 16 or "
+              "32, got ", block);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && k > 0 &&
+                  codes.size(1) == (k + 1) / 2,
+              "vllm_mxplus::cpu_dequant_weight: weight codes must be uint8 [N, ceil(K/2)] for K=",
+              k, ", got ", codes.sizes(), " ", codes.scalar_type());
+  const int64_t N = codes.size(0), nb = cdiv(k, block);
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kByte && scales.size(0) == N &&
+                  scales.size(1) == nb,
+              "vllm_mxplus::cpu_dequant_weight: weight scales must be uint8 [", N, ", ", nb,
+              "], got ", scales.sizes());
+  const bool has_mbs = mbs.numel() > 0;
+  TORCH_CHECK(!has_mbs || (mbs.dim() == 2 && mbs.size(0) == N && mbs.size(1) == cdiv(k, macro)),
+              "vllm_mxplus::cpu_dequant_weight: weight MBS bytes must be uint8 [", N, ", ",
+              cdiv(k, macro), "], got ", mbs.sizes());
+  const at::Tensor c = codes.contiguous(), s = scales.contiguous(), mb = mbs.contiguous();
+  at::Tensor out = at::empty({N, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const uint8_t* mp = has_mbs ? mb.data_ptr<uint8_t>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t kc = c.size(1), nm = has_mbs ? mb.size(1) : 0;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const uint8_t byte = cp[n * kc + (kk >> 1)];
+        const int code = (kk & 1) ? (byte >> 4) : (byte & 0xF);
+        const float q = kE2M1[code] * e8m0_value(sp[n * nb + kk / block]);  // (value * X) / F
+        op[n * k + kk] = mp ? q / mbs_factor(mp[n * nm + kk / macro]) : q;
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
+  m.def("cpu_act_fake_quant(Tensor x, int block, int rule, bool mbs, int macro) -> Tensor");
+  m.def("cpu_act_quant(Tensor x, int block, int rule, bool mbs, int macro) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("cpu_dequant_weight(Tensor codes, Tensor scales, Tensor mbs, int k, int block, "
+        "int macro) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
+  m.impl("cpu_act_fake_quant", &act_fake_quant);
+  m.impl("cpu_act_quant", &act_quant);
+  m.impl("cpu_dequant_weight", &dequant_weight);
+}
+
+}  // namespace mxplus_cpu

@@ -1,0 +1,120 @@
+// The AVX2 tile kernel of the integer GEMM, for x86-64 CPUs without AVX-512 (mx_gemm_cpu.cpp
+// states what it computes). Half a weight tile (8 rows, one ymm lane each) per call: AVX2 has
+// 16 vector registers. Integer dot products with AVX-VNNI vpdpbusd where present, else
+// vpmaddubsw + vpmaddwd. I * 2^e is an fp32 multiply by 2^e built from its bits (exact: the
+// same value as vscalefps) when e is in the normal range; other lanes (NaN scale codes,
+// exponents below 2^-126) take ldexpf, as the portable kernel does.
+#pragma once
+
+#include "mx_tiles.h"
+
+#if defined(__AVX2__) && !defined(MXPLUS_AVX512)
+#include <immintrin.h>
+#define MXPLUS_AVX2 1
+
+namespace mxplus_cpu {
+namespace gemm_detail {
+
+inline __m256i dot4_avx2(__m256i acc, __m256i w_u8, __m256i x_s8) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, w_u8, x_s8);
+#else
+  // u8 * s8 pair sums are at most 2 * 24 * 12 = 576: vpmaddubsw cannot saturate here.
+  const __m256i p = _mm256_maddubs_epi16(w_u8, x_s8);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc += I * 2^(ew + ea - 256) for the 8 lanes; ew the lanes' E8M0 codes, ea the row's float
+// exponent (ea - 256, NaN for code 255).
+inline __m256 scaled_term(__m256 acc, __m256i iacc, __m256i ew, float ea) {
+  if (!std::isnan(ea)) {
+    const __m256i e = _mm256_add_epi32(ew, _mm256_set1_epi32(static_cast<int>(ea)));
+    const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(ew, _mm256_set1_epi32(kE8m0Nan)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), e));
+    const __m256i hi = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(127));
+    if (_mm256_testz_si256(_mm256_or_si256(bad, hi), _mm256_set1_epi32(-1))) {
+      const __m256 p2 = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+      return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(iacc), p2));
+    }
+  }
+  alignas(32) int32_t iv[8], ev[8];
+  alignas(32) float av[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(iv), iacc);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ev), ew);
+  _mm256_store_ps(av, acc);
+  for (int i = 0; i < 8; ++i) {
+    const float e = (ev[i] == kE8m0Nan ? std::numeric_limits<float>::quiet_NaN()
+                                       : static_cast<float>(ev[i])) + ea;
+    av[i] += std::isnan(e) ? e : std::ldexp(static_cast<float>(iv[i]), static_cast<int>(e));
+  }
+  return _mm256_load_ps(av);
+}
+
+// y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block.
+template <int MT, int GPB, bool MBS>
+void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
+               int64_t m0, float* y, const float* bias) {
+  const __m256i lut = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  alignas(32) float ysum[MT][8];
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    _mm256_store_ps(ysum[m], acc[m]);
+  }
+  for (int64_t c = 0; c < s.nc; ++c) {
+    const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
+    for (int64_t b = c * s.bpc; b < b1; ++b) {
+      const __m256i ew = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * kTileN + 8 * h)));
+      __m256i iacc[MT];
+      for (int m = 0; m < MT; ++m) iacc[m] = _mm256_set1_epi32(a.corr[(m0 + m) * a.nb + b]);
+      for (int gg = 0; gg < GPB; ++gg) {
+        const int64_t g = b * GPB + gg;
+        const uint8_t* wg = w.codes + (t * w.groups + g) * kGroupBytes + 32 * h;
+        const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+        const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64));
+        const __m256i wv[4] = {
+            _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, lo4)),
+            _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), lo4)),
+            _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, lo4)),
+            _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), lo4))};
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.codes + (m0 + m) * a.kp +
+                                                               g * kGroupK);
+          for (int q = 0; q < 4; ++q)
+            iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
+        }
+      }
+      for (int m = 0; m < MT; ++m) acc[m] = scaled_term(acc[m], iacc[m], ew, a.ea[(m0 + m) * a.nb + b]);
+    }
+    if (MBS) {
+      __m256 fw = _mm256_set1_ps(1.0f);
+      if (w.mbs) {
+        const __m256i mw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+            w.mbs + (t * w.nm + c) * kTileN + 8 * h)));
+        fw = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw), _mm256_set1_ps(kMbsDenom)),
+                           _mm256_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256 f = a.fa ? _mm256_mul_ps(fw, _mm256_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
+        _mm256_store_ps(ysum[m], _mm256_add_ps(_mm256_load_ps(ysum[m]), _mm256_div_ps(acc[m], f)));
+        acc[m] = _mm256_setzero_ps();
+      }
+    }
+  }
+  const int64_t n0 = t * kTileN + 8 * h;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, MBS ? _mm256_load_ps(ysum[m]) : acc[m]);
+    for (int64_t i = 0; i < 8 && n0 + i < w.n; ++i)
+      y[(m0 + m) * w.n + n0 + i] = bias ? v[i] + bias[n0 + i] : v[i];
+  }
+}
+
+}  // namespace gemm_detail
+}  // namespace mxplus_cpu
+#endif

@@ -1,0 +1,146 @@
+// The AVX-512 tile kernel of the integer GEMM (mx_gemm_cpu.cpp states what it computes).
+#pragma once
+
+#include "mx_tiles.h"
+
+namespace mxplus_cpu {
+namespace gemm_detail {
+
+// ---- the AVX-512 kernel (VNNI vpdpbusd where present, vpmaddubsw + vpmaddwd otherwise) ----
+#ifdef MXPLUS_AVX512
+inline __m512i dot4(__m512i acc, __m512i w_u8, __m512i x_s8) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, w_u8, x_s8);
+#else
+  // u8 * s8 pair sums are at most 2 * 24 * 12 = 576: vpmaddubsw cannot saturate here.
+  const __m512i p = _mm512_maddubs_epi16(w_u8, x_s8);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
+
+// The 16-entry table of unsigned weight bytes, as vpermb / vpshufb wants it.
+inline __m512i weight_lut() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                              12, 11, 10, 9, 8, 6, 4, 0));
+}
+
+inline __m512i nib_lo(__m512i p, __m512i lut) {
+#ifdef __AVX512VBMI__
+  return _mm512_permutexvar_epi8(p, lut);  // reads bits 0..5: the table repeats every 16
+#else
+  return _mm512_shuffle_epi8(lut, _mm512_and_si512(p, _mm512_set1_epi8(0x0F)));
+#endif
+}
+
+inline __m512i nib_hi(__m512i p, __m512i lut) { return nib_lo(_mm512_srli_epi16(p, 4), lut); }
+
+// The E8M0 exponents ew - 0 of one block of the tile's 16 rows as fp32 (NaN for code 255).
+inline __m512 weight_exponents(const uint8_t* p) {
+  const __m512i ewi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_mask_mov_ps(_mm512_cvtepi32_ps(ewi),
+                            _mm512_cmpeq_epi32_mask(ewi, _mm512_set1_epi32(kE8m0Nan)),
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// iacc[j][m] += group g (elements koff .. koff+15) of rows m against NTP weight tiles.
+template <int MT, int NTP>
+inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
+                       __m512i lut, __m512i (*iacc)[MT]) {
+  __m512i wv[NTP][4];
+  _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+    const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
+    wv[j][0] = nib_lo(p0, lut);
+    wv[j][1] = nib_hi(p0, lut);
+    wv[j][2] = nib_lo(p1, lut);
+    wv[j][3] = nib_hi(p1, lut);
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+    const int32_t* x4 = reinterpret_cast<const int32_t*>(xr[m] + koff);
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+      const __m512i xb = _mm512_set1_epi32(x4[q]);  // one broadcast serves NTP tiles
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+        iacc[j][m] = dot4(iacc[j][m], wv[j][q], xb);
+    }
+  }
+}
+
+// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block.
+template <int MT, int NTP, int GPB, bool MBS>
+void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
+                 int64_t m0, float* y, const float* bias) {
+  const __m512i lut = weight_lut();
+  const int8_t* xr[MT];
+  const int32_t* cr[MT];
+  const float* er[MT];
+  for (int m = 0; m < MT; ++m) {
+    xr[m] = a.codes + (m0 + m) * a.kp;
+    cr[m] = a.corr + (m0 + m) * a.nb;
+    er[m] = a.ea + (m0 + m) * a.nb;
+  }
+  // With MBS the chunk sums live in registers and the row sums in memory (updated once per
+  // chunk): keeping both in zmm registers spills.
+  alignas(64) float ysum[NTP][MT][kTileN];
+  __m512 acc[NTP][MT];
+  for (int j = 0; j < NTP; ++j)
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      acc[j][m] = _mm512_setzero_ps();
+      if (MBS) _mm512_store_ps(ysum[j][m], acc[j][m]);
+    }
+  for (int64_t c = 0; c < s.nc; ++c) {
+    const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
+    for (int64_t b = c * s.bpc; b < b1; ++b) {
+      __m512 ew[NTP];
+      __m512i iacc[NTP][MT];
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+        ew[j] = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
+          iacc[j][m] = _mm512_set1_epi32(cr[m][b]);
+      }
+      _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
+        const int64_t g = b * GPB + gg;
+        const uint8_t* wg[NTP];
+        for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
+        group_dots<MT, NTP>(wg, xr, g * kGroupK, lut, iacc);
+      }
+      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+        const __m512 ea = _mm512_set1_ps(er[m][b]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
+          acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
+                                                                _mm512_add_ps(ew[j], ea)));
+      }
+    }
+    if (MBS) {
+      for (int j = 0; j < NTP; ++j) {
+        __m512 fw = _mm512_set1_ps(1.0f);
+        if (w.mbs) {
+          const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
+          fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
+                             _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        }
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+          const __m512 f =
+              a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
+          _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
+                                                    _mm512_div_ps(acc[j][m], f)));
+          acc[j][m] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NTP; ++j) {
+    const int64_t n0 = (t0 + j) * kTileN;
+    const int64_t valid = std::min<int64_t>(kTileN, w.n - n0);
+    const __mmask16 lm = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(lm, bias + n0) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      const __m512 v = MBS ? _mm512_load_ps(ysum[j][m]) : acc[j][m];
+      _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
+    }
+  }
+}
+#endif
+
+
+}  // namespace gemm_detail
+}  // namespace mxplus_cpu
