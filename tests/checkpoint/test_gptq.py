@@ -179,3 +179,12 @@ def test_bad_input_names_the_tensor(bad: str) -> None:
         h = torch.eye(31)
     with pytest.raises(ValueError, match="layers.3.q_proj"):
         gptq(w, h, "mxfp4-mbs-d", name="layers.3.q_proj")
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_value_path_equals_quantize_columns(fmt: str) -> None:
+    from vllm_mxplus.checkpoint.group_params import _values
+
+    w = _weight(40, 256, seed=13)
+    p = spec_params(fmt, w, quantize(w, fmt).global_scale)
+    assert torch.equal(_values(fmt, w, p), quantize_columns(fmt, w, p, 0)[1])

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.gptq import gptq, rtn_aware
+from vllm_mxplus.checkpoint.gptq import gptq, prepare_hessian, rtn_aware
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 from vllm_mxplus.ops.reference import fake_quant_activation
 
@@ -114,12 +114,15 @@ def calibrate_and_quantize(
                 names = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules()
                          if isinstance(m, nn.Linear) and f"{prefix}.{i}.{n}" in targets}
                 hess = _collect_hessians(layer, names, batches, afmt, per_row)
+                prepared: dict[int, tuple] = {}  # per shared H (q/k/v, gate/up)
                 for name, mod in names.items():
                     h, n_tok = hess[name]
                     w = mod.weight.detach().to("cpu", torch.float32)
                     try:
                         if method == "gptq":
-                            q = gptq(w, h, wfmt, name=name)
+                            if id(h) not in prepared:
+                                prepared[id(h)] = prepare_hessian(h, h.shape[0], name)
+                            q = gptq(w, h, wfmt, name=name, prepared=prepared[id(h)])
                         else:
                             q = rtn_aware(w, torch.diagonal(h) / max(n_tok, 1), wfmt, name=name)
                     except ValueError as e:
@@ -161,19 +164,18 @@ class _act_quant:
     def _hook(self, name: str) -> Callable:
         def hook(_mod: nn.Module, args: tuple) -> tuple:
             x = args[0]
-            if self._last[0] is x:
-                _, xq, gram = self._last
+            if self._last[0] is x:  # a sibling of `owner`: share its accumulator
+                _, xq, owner = self._last
+                if self.hess is not None:
+                    self.hess[name] = self.hess[owner]
             else:
                 xq = fake_quant_activation(x, self.afmt, self.per_row, MACRO_BLOCK)
-                gram = None
                 if self.hess is not None:
                     flat = xq.reshape(-1, xq.shape[-1]).to("cpu", torch.float32)
-                    gram = (flat.T @ flat).double()
-                self._last = (x, xq, gram)
-            if self.hess is not None:
-                acc = self.hess[name]
-                acc[0] += gram
-                acc[1] += xq.numel() // xq.shape[-1]
+                    acc = self.hess[name]
+                    acc[0] += (flat.T @ flat).double()
+                    acc[1] += flat.shape[0]
+                self._last = (x, xq, name)
             return (xq.to(x.dtype), *args[1:])
         return hook
 
@@ -186,4 +188,5 @@ def _collect_hessians(layer: nn.Module, mods: dict[str, nn.Linear],
     with _act_quant(mods, afmt, per_row, hess):
         for hs, kw in batches:
             _layer_out(layer, hs, kw)
-    return {n: (h, c) for n, (h, c) in hess.items()}
+    # siblings share one accumulator list, hence one H tensor object
+    return {n: (acc[0], acc[1]) for n, acc in hess.items()}

@@ -34,6 +34,10 @@ from vllm_mxplus.checkpoint.group_params import (
     weighted_params,
 )
 from vllm_mxplus.formats import get_format
+from vllm_mxplus.formats.constants import MACRO_BLOCK
+from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
+from vllm_mxplus.formats.mx import mbs_factor
+from vllm_mxplus.ops.act_fake_quant import e2m1_round
 
 Rule = Literal["spec", "weighted"]
 LAZY_BLOCK = 128  # GPTQ's lazy batch; a multiple of every group width (16, 32, 128)
@@ -74,45 +78,106 @@ def rtn_aware(w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted
     return to_quantized_tensor(fmt, codes, p, (n, k))
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, rule: Rule = "weighted",
-         name: str = "weight", damp: float = DAMP) -> QuantizedTensor:
-    """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order."""
-    w = _check(w, name)
-    n, k = w.shape
+def prepare_hessian(h: torch.Tensor, k: int, name: str = "weight",
+                    damp: float = DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(upper Cholesky factor of the damped H^-1 padded to whole groups fp32, dead columns).
+
+    Depends on H only: linears that share their input (q/k/v, gate/up) compute it once.
+    """
     if h.shape != (k, k):
         raise ValueError(f"{name}: Hessian shape {tuple(h.shape)} does not match K = {k}")
+    h = h.to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
+    return _inverse_cholesky_upper(h, name).to(torch.float32), dead
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, rule: Rule = "weighted",
+         name: str = "weight", damp: float = DAMP,
+         prepared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QuantizedTensor:
+    """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order.
+
+    prepared: prepare_hessian(h, K) when the caller already has it.
+    """
+    w = _check(w, name)
+    n, k = w.shape
+    hinv, dead = prepared if prepared is not None else prepare_hessian(h, k, name, damp)
+    d_diag = torch.diagonal(h).to(torch.float32)
     g = _global(fmt, w)  # fixed from the original weight
     kp = padded_k(fmt, k)
     gw = group_width(fmt)
-    h = h.to(torch.float64).clone()
-    d_orig = torch.diagonal(h).clone()
-    dead = d_orig == 0
-    h[dead, dead] = 1.0
-    wq = F.pad(w.masked_fill(dead[None, :], 0.0), (0, kp - k))
-    h = F.pad(h, (0, kp - k, 0, kp - k))
-    h[torch.arange(k, kp), torch.arange(k, kp)] = 1.0  # padding columns: zero, independent
-    d = F.pad(d_orig, (0, kp - k)).to(torch.float32)
-    h += damp * torch.diagonal(h)[:k].mean() * torch.eye(kp, dtype=h.dtype)
-    hinv = _inverse_cholesky_upper(h, name).to(torch.float32)
-
+    # padding columns are zero and independent (identity in H^-1): they quantize to 0
+    hinv = F.pad(hinv, (0, kp - k, 0, kp - k))
+    hinv[torch.arange(k, kp), torch.arange(k, kp)] = 1.0
+    d = F.pad(d_diag, (0, kp - k))
+    # transposed ([K, N]): one column of W is one contiguous row here
+    wt = F.pad(w.masked_fill(dead[None, :], 0.0), (0, kp - k)).t().contiguous()
+    qt = torch.empty_like(wt)
     p = empty_params(fmt, n, kp, g)
-    codes = torch.zeros(n, kp, dtype=torch.uint8)
     for i1 in range(0, kp, LAZY_BLOCK):
         i2 = min(i1 + LAZY_BLOCK, kp)
-        w1 = wq[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
+        w1 = wt[i1:i2].clone()
+        err1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if col % gw == 0:
-                set_group(p, fmt, col, _choose(rule, fmt, w1[:, i : i + gw], d[col : col + gw], g))
-            c, q = quantize_columns(fmt, w1[:, i : i + 1], p, col)
-            codes[:, col] = c[:, 0]
-            e = (w1[:, i] - q[:, 0]) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        wq[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+                slab = w1[i : i + gw].t().contiguous()
+                set_group(p, fmt, col, _choose(rule, fmt, slab, d[col : col + gw], g))
+                cq = _ColumnQuantizer(fmt, p, col, gw)
+            q = cq(w1[i], col)
+            qt[col] = q
+            e = (w1[i] - q) / hinv1[i, i]
+            w1[i + 1 :].sub_(torch.outer(hinv1[i, i + 1 :], e))
+            err1[i] = e
+        wt[i2:].sub_(hinv[i1:i2, i2:].t() @ err1)
+    w_hat = qt.t()
+    codes, again = quantize_columns(fmt, w_hat, p, 0)
+    if not torch.equal(again, w_hat):  # the fast column path must be the spec's rounding
+        raise RuntimeError(f"{name}: GPTQ column quantizer disagrees with the format's "
+                           "rounding (a bug; please report it)")
     return to_quantized_tensor(fmt, codes, p, (n, k))
+
+
+class _ColumnQuantizer:
+    """Round one column to its group's grid with the parameters gathered once per group.
+
+    Same fp32 operations as group_params.quantize_columns (checked after the run): E8M0
+    y = fp32(w F), v = |y| 2^-s, x_hat = (value X) / F; nvfp4 v = |w| / (s g), x_hat = value s g.
+    """
+
+    def __init__(self, fmt: str, p: GroupParams, col0: int, width: int):
+        spec = get_format(fmt)
+        self.fmt, self.p, self.generic = fmt, p, spec.block_max_mantissa
+        blk = torch.arange(col0, col0 + width) // spec.block_size
+        self.col0 = col0
+        self.f = None
+        if spec.scale_rule == "e4m3":
+            sf = p.scales[:, blk].to(torch.float32).t().contiguous()  # [width, N]
+            self.zero = (sf == 0) | ~torch.isfinite(sf)
+            self.div_in = torch.where(self.zero, torch.ones_like(sf), sf * p.global_scale)
+            self.sf, self.g = sf, p.global_scale
+            self.nv = True
+            return
+        self.nv = False
+        sc = p.scales[:, blk].t().contiguous()
+        self.recip = e8m0_reciprocal(sc)
+        self.x = e8m0_to_float(sc)
+        if spec.mbs:
+            self.f = mbs_factor(p.mbs[:, col0 // MACRO_BLOCK]).expand(width, -1)
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        i = col - self.col0
+        if self.generic:  # MX+: the block-max element has its own grid
+            return quantize_columns(self.fmt, w[:, None], self.p, col)[1][:, 0]
+        if self.nv:
+            v = w.abs() / self.div_in[i]
+            q = torch.copysign(e2m1_round(v), w)
+            return torch.where(self.zero[i], torch.zeros_like(q), (q * self.sf[i]) * self.g)
+        y = w if self.f is None else w * self.f[i]
+        q = torch.copysign(e2m1_round(y.abs() * self.recip[i]), y) * self.x[i]
+        return q if self.f is None else q / self.f[i]
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, name: str) -> torch.Tensor:

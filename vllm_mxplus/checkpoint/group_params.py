@@ -48,6 +48,7 @@ from vllm_mxplus.formats.mx import mbs_factor
 from vllm_mxplus.formats.mxplus import quantize_mxplus_blocks
 from vllm_mxplus.formats.nvfp4 import nvfp4_global_scale, quantize_nvfp4_blocks
 from vllm_mxplus.checkpoint.weighted_mbs import weighted_mbs_dynamic
+from vllm_mxplus.ops.act_fake_quant import e2m1_round
 
 E4M3_MAX_CODE = 126  # uint8 bits of float8_e4m3fn 448.0; 127 is NaN
 E4M3_SEARCH = 4  # nvfp4: codes c0 - 4 .. c0 + 4 (one code = 1/8 of a binade)
@@ -216,10 +217,36 @@ def weighted_params(
     return _weighted_e8m0(fmt, w, d, base)
 
 
+def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
+    """quantize_columns(fmt, w, p, 0)[1] by a shorter path (value rounding, no codes), for
+    the formats without a block-max element; the same fp32 operations."""
+    spec = get_format(fmt)
+    if spec.block_max_mantissa:
+        return quantize_columns(fmt, w, p, 0)[1]
+    n = w.shape[0]
+    wb = w.reshape(n, -1, spec.block_size)
+    if spec.scale_rule == "e4m3":
+        sf = p.scales.to(torch.float32)[..., None]
+        zero = (sf == 0) | ~torch.isfinite(sf)
+        denom = torch.where(zero, torch.ones_like(sf), sf * p.global_scale)
+        q = torch.copysign(e2m1_round(wb.abs() / denom), wb)
+        return torch.where(zero, torch.zeros_like(q), (q * sf) * p.global_scale).reshape(w.shape)
+    if spec.mbs:
+        f = mbs_factor(p.mbs)[..., None]
+        y = (w.reshape(n, -1, MACRO_BLOCK) * f).reshape(wb.shape)
+    else:
+        y = wb
+    q = torch.copysign(e2m1_round(y.abs() * e8m0_reciprocal(p.scales)[..., None]), y)
+    q = q * e8m0_to_float(p.scales)[..., None]
+    if spec.mbs:
+        q = q.reshape(n, -1, MACRO_BLOCK) / f
+    return q.reshape(w.shape)
+
+
 def _block_err(fmt: str, w: torch.Tensor, d: torch.Tensor, p: GroupParams) -> torch.Tensor:
     """sum_k d_k (w_k - w_hat_k)^2 per block [N, nb] (fp64 sums of fp32 terms)."""
     block = get_format(fmt).block_size
-    _, w_hat = quantize_columns(fmt, w, p, 0)
+    w_hat = _values(fmt, w, p)
     e = (w - w_hat).square() * d
     return e.reshape(w.shape[0], -1, block).sum(-1, dtype=torch.float64)
 
