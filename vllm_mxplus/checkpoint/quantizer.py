@@ -2,7 +2,10 @@
 
 Streaming: the output headers are planned from the source headers, then each source tensor
 is read, quantized (or copied byte for byte) and written before the next is read, so peak
-memory is about the largest tensor plus its temporaries, not the model.
+memory is about the largest tensor plus its temporaries, not the model. The calibrated
+methods (--method rtn-aware | gptq, calibration.py) are the exception: they first run the
+model in transformers layer by layer and keep the quantized linears (4-bit, ~1/4 of bf16)
+until they are written.
 
 Atomic: everything is written into a hidden temporary directory next to DST (config.json
 last) and renamed to DST at the end; a failure or Ctrl-C removes it, so no DST that looks
