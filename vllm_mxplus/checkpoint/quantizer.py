@@ -1,4 +1,5 @@
-"""The offline quantizer: a bf16/fp16/fp32 HF model dir -> the DESIGN.md §2 checkpoint.
+"""The offline quantizer: a bf16/fp16/fp32 HF model dir -> the stored layout of docs/numerics.md
+("Packing and checkpoint layout").
 
 Streaming: the output headers are planned from the source headers, then each source tensor
 is read, quantized (or copied byte for byte) and written before the next is read, so peak
