@@ -8,6 +8,8 @@ import re
 import signal
 import sys
 
+from vllm_mxplus.checkpoint.calib_data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
+from vllm_mxplus.checkpoint.calibration import METHODS
 from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
 from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
 from vllm_mxplus.formats import SCHEMES
@@ -25,12 +27,24 @@ Linear weights (attention, MLP, MoE experts) are quantized with the scheme's wei
 lm_head, embeddings and MoE routers stay in their original dtype, as do modules matched by
 --ignore. Tokenizer and other non-weight files are copied. The run streams tensor by tensor
 (memory ~ the largest tensor) and writes into a temporary directory renamed to DST at the end.
+
+Methods (--method): `rtn` (default) rounds to nearest with the parameters the format's
+specification picks (docs/numerics.md). `rtn-aware` and `gptq` first run the model in
+transformers (fp32) layer by layer on calibration text, each layer seeing the outputs of the
+already-quantized earlier layers with activations quantized as served: `rtn-aware` chooses
+every group parameter (E8M0 / E4M3 block scales, the MBS-D byte) to minimise the error
+weighted by E[x^2] of the layer's inputs, still rounding to nearest; `gptq` also corrects
+each column's rounding error on the columns not yet quantized (GPTQ, 1% damping, natural
+order). Both write the same checkpoint layout, served by vLLM unchanged; they need a
+transformers-loadable decoder (Llama-like) and take minutes on a small model on CPU.
 """
 
 EPILOG = """\
 examples:
   mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs --scheme mxfp4-mbs
   mxplus quantize ./llama ./llama-nvfp4 --scheme nvfp4 --ignore 're:layers\\.0\\.' --force
+  mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs-gptq --scheme mxfp4-mbs --method gptq
+  mxplus quantize ./llama ./llama-aware --method rtn-aware --calib my_text.txt --nsamples 64
 """
 
 
@@ -67,6 +81,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                    metavar="SIZE", help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--method", default="rtn", choices=list(METHODS),
+                   help="rtn: the specification's parameters, round to nearest; rtn-aware: "
+                        "group parameters chosen input-weighted on calibration text; gptq: "
+                        "GPTQ error compensation with those parameters (default: %(default)s)")
+    p.add_argument("--calib", default=None, metavar="FILE",
+                   help="calibration text (UTF-8) for rtn-aware / gptq (default: the embedded "
+                        "Wikipedia text, held out from the evaluation text; needs mxplus prepare)")
+    p.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES, metavar="N",
+                   help="calibration windows (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN, metavar="T",
+                   help="tokens per calibration window (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -89,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         report = quantize_checkpoint(
             args.src, args.dst, args.scheme, ignore=args.ignore, device=args.device,
             force=args.force, max_shard_bytes=args.max_shard_size,
-            progress=not args.no_progress,
+            progress=not args.no_progress, method=args.method, calib=args.calib,
+            nsamples=args.nsamples, seqlen=args.seqlen,
         )
     except UsageError as e:
         print(f"mxplus quantize: error: {e}", file=sys.stderr)

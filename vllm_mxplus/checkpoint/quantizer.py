@@ -1,8 +1,12 @@
-"""The offline quantizer: a bf16/fp16/fp32 HF model dir -> the DESIGN.md §2 checkpoint.
+"""The offline quantizer: a bf16/fp16/fp32 HF model dir -> the stored layout of docs/numerics.md
+("Packing and checkpoint layout").
 
 Streaming: the output headers are planned from the source headers, then each source tensor
 is read, quantized (or copied byte for byte) and written before the next is read, so peak
-memory is about the largest tensor plus its temporaries, not the model.
+memory is about the largest tensor plus its temporaries, not the model. The calibrated
+methods (--method rtn-aware | gptq, calibration.py) are the exception: they first run the
+model in transformers layer by layer and keep the quantized linears (4-bit, ~1/4 of bf16)
+until they are written.
 
 Atomic: everything is written into a hidden temporary directory next to DST (config.json
 last) and renamed to DST at the end; a failure or Ctrl-C removes it, so no DST that looks
@@ -26,6 +30,8 @@ from typing import Iterable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from vllm_mxplus.checkpoint.calib_data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
+from vllm_mxplus.checkpoint.calibration import METHODS, calibrate_and_quantize
 from vllm_mxplus.checkpoint.codec import (
     WEIGHTS_METADATA_KEY,
     encode,
@@ -43,7 +49,7 @@ from vllm_mxplus.checkpoint.safetensors_io import (
     read_tensor,
 )
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, SourceModel, open_source
-from vllm_mxplus.formats import get_scheme
+from vllm_mxplus.formats import QuantizedTensor, get_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +92,19 @@ def quantize_checkpoint(
     force: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
+    method: str = "rtn",
+    calib: Optional[str | os.PathLike[str]] = None,
+    nsamples: int = DEFAULT_NSAMPLES,
+    seqlen: int = DEFAULT_SEQLEN,
 ) -> QuantizeReport:
     """Quantize the HF model dir `src` into `dst` with `scheme` (any name in formats.SCHEMES).
 
-    ignore: module-name patterns kept in high precision (rules.IgnoreMatcher). Raises
-    UsageError for a bad request and CheckpointError for a source or write failure.
+    ignore: module-name patterns kept in high precision (rules.IgnoreMatcher).
+    method: "rtn" (the spec's parameters, round to nearest), "rtn-aware" (group parameters
+    chosen input-weighted on calibration text, round to nearest) or "gptq"; the calibrated
+    methods read `calib` (a text file; default: the held-out embedded Wikipedia text),
+    `nsamples` windows of `seqlen` tokens (calibration.py). Raises UsageError for a bad
+    request and CheckpointError for a source or write failure.
     """
     t0 = time.perf_counter()
     try:
@@ -109,6 +123,8 @@ def quantize_checkpoint(
         raise UsageError(f"--device {device}: torch sees no CUDA device")
     if max_shard_bytes <= 0:
         raise UsageError(f"max shard size must be positive, got {max_shard_bytes}")
+    if method not in METHODS:
+        raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
     try:
         matcher = IgnoreMatcher(list(ignore))
     except ValueError as e:  # an invalid regular expression
@@ -119,6 +135,10 @@ def quantize_checkpoint(
     _warn_split_fused_groups(items)
     shards = _split_shards(items, max_shard_bytes)
     _check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
+    precomputed: dict[str, QuantizedTensor] = {}
+    if method != "rtn":
+        precomputed = _calibrated_weights(src_p, items, s.name, method, calib, nsamples,
+                                          seqlen, device, progress)
 
     report = QuantizeReport(src=str(src_p), dst=str(dst_p), scheme=s.name, weight_format=fmt,
                             device=device, unquantized_modules=unquantized,
@@ -127,11 +147,15 @@ def quantize_checkpoint(
     _warn_stale_tmp(dst_p)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}{TMP_TAG}", dir=dst_p.parent))
     try:
-        _write_all(source, shards, fmt, tmp, device, report, progress)
+        _write_all(source, shards, fmt, tmp, device, report, progress, precomputed)
         for f in source.other_files:
             shutil.copy2(f, tmp / f.name)
         config = dict(source.config)
         config["quantization_config"] = make_quantization_config(s.name, unquantized)
+        if method != "rtn":  # provenance only; loaders ignore it
+            config["quantization_config"]["calibration"] = {
+                "method": method, "nsamples": nsamples, "seqlen": seqlen,
+                "text": str(calib) if calib is not None else "embedded Wikipedia (held out)"}
         # config.json last: a directory without it is never taken for a finished checkpoint.
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _swap_in(tmp, dst_p)
@@ -141,6 +165,30 @@ def quantize_checkpoint(
     report.seconds = time.perf_counter() - t0
     report.peak_rss = peak_rss_bytes()
     return report
+
+
+def _calibrated_weights(src: Path, items: list[_Item], scheme: str, method: str,
+                        calib: Optional[str | os.PathLike[str]], nsamples: int, seqlen: int,
+                        device: str, progress: bool) -> dict[str, QuantizedTensor]:
+    """Run calibration (calibration.py) over the source model; QuantizedTensors by module."""
+    targets = {i.decision.module for i in items
+               if i.decision.quantize and len(i.info.shape) == 2}
+    tokens = calibration_tokens(src, calib, nsamples, seqlen)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device)
+    except Exception as e:  # transformers raises many kinds for an unloadable model
+        raise UsageError(f"{src}: transformers cannot load it for --method {method} ({e}); "
+                         "use --method rtn") from None
+    res = calibrate_and_quantize(model, tokens, scheme, method, targets,  # type: ignore[arg-type]
+                                 device=device, progress=progress)
+    del model
+    missed = sorted(targets - set(res.weights))
+    if missed:
+        logger.warning("--method %s: %d weight(s) outside the decoder layers get plain RTN "
+                       "(e.g. %s)", method, len(missed), missed[0])
+    return res.weights
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
@@ -221,7 +269,8 @@ def _warn_stale_tmp(dst: Path) -> None:
 
 
 def _write_all(source: SourceModel, shards: list[_Shard], fmt: str, tmp: Path,
-               device: str, report: QuantizeReport, progress: bool) -> None:
+               device: str, report: QuantizeReport, progress: bool,
+               precomputed: dict[str, QuantizedTensor]) -> None:
     total_in = sum(i.info.nbytes for s in shards for i in s.items)
     n_tensors = sum(len(s.items) for s in shards)
     qsnrs: dict[str, list[float]] = defaultdict(list)
@@ -238,7 +287,8 @@ def _write_all(source: SourceModel, shards: list[_Shard], fmt: str, tmp: Path,
                 for it in shard.items:
                     f = handles.get(it.info.path) or handles.setdefault(it.info.path, open(it.info.path, "rb"))
                     if it.decision.quantize:
-                        q_db = _quantize_one(it, f, fmt, device, writer, bar)
+                        q_db = _quantize_one(it, f, fmt, device, writer, bar,
+                                             precomputed.pop(it.decision.module, None))
                         qsnrs[fmt].append(q_db)
                         report.n_quantized += 1
                         report.weights_quantized += math.prod(it.info.shape)
@@ -268,8 +318,17 @@ def _write_all(source: SourceModel, shards: list[_Shard], fmt: str, tmp: Path,
 
 
 def _quantize_one(it: _Item, f: object, fmt: str, device: str,
-                  writer: StreamingWriter, bar: tqdm) -> float:
+                  writer: StreamingWriter, bar: tqdm,
+                  done: Optional[QuantizedTensor] = None) -> float:
     w = read_tensor(it.info, f)  # type: ignore[arg-type]
+    if done is not None:  # quantized by calibration: only its error is measured here
+        x32 = w.float()
+        sig = float(torch.sum(x32.square(), dtype=torch.float64))
+        err = float(torch.sum((x32 - done.dequantize()).square_(), dtype=torch.float64))
+        bar.update(it.info.nbytes)
+        for sfx, t in encode(done).items():
+            writer.write(f"{it.decision.module}.{sfx}", t)
+        return math.nan if sig == 0 else (math.inf if err == 0 else 10.0 * math.log10(sig / err))
     done_bytes = 0
 
     def on_progress(frac: float) -> None:

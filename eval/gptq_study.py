@@ -1,0 +1,223 @@
+"""Study: SmolLM2 perplexity per scheme x weight method (rtn, rtn-aware, gptq).
+
+Each row quantizes SmolLM2 with `vllm_mxplus.checkpoint.quantize_checkpoint` (the code behind
+`mxplus quantize --method ...`), reads the checkpoint back with `vllm_mxplus.checkpoint.load`
+and computes perplexity in-process with transformers using the plugin's reference numerics
+(ops.reference.reference_linear: the stored weight dequantized to fp32, activations
+fake-quantized per token with the scheme's activation format, fp32 GEMM, bf16 model), which
+is what vLLM's reference backend computes on CPU, up to GEMM accumulation order.
+
+Text: eval/tasks/wiki_ppl.jsonl (and news_ppl.jsonl with --tasks news), the documents of the
+`mxplus eval` study; each document is scored in one window after the tokenizer's BOS token
+(lm-eval's loglikelihood_rolling). Word perplexity = exp(sum NLL / sum words), token
+perplexity = exp(sum NLL / sum tokens). Calibration: the held-out Wikipedia text (default).
+
+  python eval/gptq_study.py --rows mxfp4-mbs-h:gptq nvfp4:rtn ...   # append rows
+  python eval/gptq_study.py --table-only                             # table + chart
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "gptq-smollm2-135m"
+SCHEMES = ("mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "nvfp4")
+LABELS = {"mxfp4-ocp": "MXFP4-OCP", "mxfp4-16-oas": "MXFP4-16-OAS", "mxfp4-mbs-s": "MBS-S",
+          "mxfp4-mbs-h": "MBS-H", "nvfp4": "NVFP4", "bf16": "BF16"}
+METHODS = ("rtn", "rtn-aware", "gptq")
+
+
+def _docs(task: str, n: int) -> list[str]:
+    """The first n documents of the task (all 20 / 71 when n is 0)."""
+    path = HERE / "tasks" / f"{task}_ppl.jsonl"
+    docs = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+    return docs[:n] if n else docs
+
+
+def _quantized_model(src: Path, ckpt: Path | None, scheme: str | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from vllm_mxplus.checkpoint import load
+    from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+    from vllm_mxplus.ops.reference import reference_linear
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    if ckpt is None:
+        return model
+    afmt = get_scheme(scheme).activation_format
+    per_row = get_format(afmt).scale_rule == "e4m3"
+    weights = load(ckpt)
+    mods = dict(model.named_modules())
+    for name, q in weights.items():
+        lin = mods[name]
+        w = q.dequantize(torch.float32)
+
+        def forward(x: torch.Tensor, _w: torch.Tensor = w, _b=lin.bias) -> torch.Tensor:  # noqa: ANN001
+            return reference_linear(x, _w, _b, afmt, per_row=per_row, out_dtype=x.dtype,
+                                    macro_block=MACRO_BLOCK)
+
+        lin.forward = forward
+        lin.weight = None  # the bf16 weight is not what the served model computes with
+    return model
+
+
+def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: ANN001
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    nll = 0.0
+    n_tok = n_words = 0
+    with torch.no_grad():
+        for text in docs:
+            ids = [prefix] + tok(text, add_special_tokens=False)["input_ids"]
+            x = torch.tensor([ids])
+            logits = model(input_ids=x).logits[0, :-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            n_tok += len(ids) - 1
+            n_words += len(text.split())
+    return {"word_ppl": math.exp(nll / n_words), "token_ppl": math.exp(nll / n_tok),
+            "tokens": n_tok, "words": n_words}
+
+
+def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
+    from vllm_mxplus.checkpoint import quantize_checkpoint
+
+    scheme, _, method = row.partition(":")
+    t0 = time.perf_counter()
+    ckpt = None
+    if scheme != "bf16":
+        ckpt = Path(args.work) / f"{scheme}-{method}"
+        quantize_checkpoint(args.model, ckpt, scheme, method=method, force=True,
+                            nsamples=args.nsamples, seqlen=args.seqlen, progress=False)
+    t_quant = time.perf_counter() - t0
+    model = _quantized_model(Path(args.model), ckpt, scheme)
+    rec = {"row": row, "scheme": scheme, "method": method or None, "docs": args.docs,
+           "nsamples": args.nsamples, "seqlen": args.seqlen,
+           "quantize_s": round(t_quant, 1), "load_avg": os.getloadavg()[0]}
+    for task in args.tasks:
+        rec[task] = perplexity(model, tok, _docs(task, args.docs))
+    rec["total_s"] = round(time.perf_counter() - t0, 1)
+    if ckpt is not None and not args.keep:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return rec
+
+
+def _results_path(docs: int) -> Path:
+    return OUT / f"results-docs{docs}.jsonl"
+
+
+def _load_results(docs: int) -> dict[str, dict]:
+    path = _results_path(docs)
+    if not path.is_file():
+        return {}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["row"]: r for r in recs}
+
+
+def write_table(command: str, docs: int) -> None:
+    res = _load_results(docs)
+    lines = ["# SmolLM2-135M: weight method x scheme (W4A4, in-process reference numerics)", "",
+             f"- command: `{command}` (rows), then `python eval/gptq_study.py --table-only`",
+             f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+             f"torch {torch.__version__}",
+             "- perplexity: transformers bf16 model, every decoder linear replaced by the "
+             "plugin's reference numerics on the written checkpoint (not vLLM); "
+             f"the first {docs or 'all'} documents of eval/tasks/wiki_ppl.jsonl", ""]
+    tasks = sorted({t for r in res.values() for t in ("wiki", "news") if t in r})
+    head = "| scheme | " + " | ".join(f"{m} ({t})" for t in tasks for m in METHODS) + " |"
+    lines += [f"Word perplexity (lower is better); BF16: "
+              + ", ".join(f"{t} {res['bf16'][t]['word_ppl']:.2f}" for t in tasks if 'bf16' in res), "",
+              head, "|---|" + "---:|" * (len(tasks) * len(METHODS))]
+    for s in SCHEMES:
+        cells = []
+        for t in tasks:
+            for m in METHODS:
+                r = res.get(f"{s}:{m}")
+                cells.append(f"{r[t]['word_ppl']:.2f}" if r and t in r else "–")
+        lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
+    lines += ["", "Token perplexity (wiki):", "", "| scheme | " + " | ".join(METHODS) + " |",
+              "|---|---:|---:|---:|"]
+    for s in SCHEMES:
+        cells = [f"{res[f'{s}:{m}']['wiki']['token_ppl']:.2f}" if f"{s}:{m}" in res else "–"
+                 for m in METHODS]
+        lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
+    lines += ["", "Per row: quantize seconds / total seconds / load average at the start:", ""]
+    for r in res.values():
+        lines.append(f"- {r['row']}: {r['quantize_s']} s / {r['total_s']} s / load "
+                     f"{r['load_avg']:.1f} (calibration {r['nsamples']} x {r['seqlen']} tokens)")
+    (OUT / f"table-docs{docs}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _chart(res, docs)
+
+
+def _chart(res: dict[str, dict], docs: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.26
+    for j, m in enumerate(METHODS):
+        xs, ys = [], []
+        for i, s in enumerate(SCHEMES):
+            r = res.get(f"{s}:{m}")
+            if r and "wiki" in r:
+                xs.append(i + (j - 1) * width)
+                ys.append(r["wiki"]["word_ppl"])
+        ax.bar(xs, ys, width, label=m)
+    if "bf16" in res:
+        ax.axhline(res["bf16"]["wiki"]["word_ppl"], color="k", ls="--", lw=1, label="BF16")
+    ax.set_xticks(range(len(SCHEMES)), [LABELS[s] for s in SCHEMES])
+    ax.set_ylabel("Wikipedia word perplexity (lower is better)")
+    ax.set_title("SmolLM2-135M W4A4: weight quantization method per scheme")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / f"chart-docs{docs}.png", dpi=120)
+
+
+def main() -> int:
+    from vllm_mxplus.assets.smollm2 import smollm2_dir
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="*", default=[],
+                    help="SCHEME:METHOD (methods rtn, rtn-aware, gptq) or bf16")
+    ap.add_argument("--model", default=str(smollm2_dir()))
+    ap.add_argument("--tasks", nargs="+", default=["wiki"], choices=["wiki", "news"])
+    ap.add_argument("--docs", type=int, default=0, help="first N documents only (0: all)")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--work", default="/tmp/gptq-study", help="where checkpoints are written")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--table-only", action="store_true")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    command = "python eval/gptq_study.py --rows ... --docs {} --nsamples {} --seqlen {}".format(
+        args.docs, args.nsamples, args.seqlen)
+    if not args.table_only:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        done = _load_results(args.docs)
+        for row in args.rows:
+            if row in done:
+                print(f"{row}: done already, skipped", flush=True)
+                continue
+            rec = run_row(row, args, tok)
+            with open(_results_path(args.docs), "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            print(json.dumps(rec), flush=True)
+    write_table(command, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
