@@ -35,6 +35,7 @@ NVFP4_PAIR = ("nvfp4", "nvfp4")
 
 class CpuPackedBackend(LinearBackend):
     name = "cpu-packed"
+    kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
 
     @classmethod
     def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
