@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,10 +25,14 @@ def banner(name: str) -> None:
 
     dev = torch.cuda.get_device_properties(0)
     print(f"# {name}")
-    print(f"# machine: {platform.node()} | {dev.name} ({dev.multi_processor_count} SMs, "
-          f"{dev.total_memory / 2**30:.0f} GiB) | cc {dev.major}.{dev.minor}")
-    print(f"# versions: python {platform.python_version()} | torch {torch.__version__} | "
-          f"cuda {torch.version.cuda} | triton {triton.__version__}")
+    print(
+        f"# machine: {platform.node()} | {dev.name} ({dev.multi_processor_count} SMs, "
+        f"{dev.total_memory / 2**30:.0f} GiB) | cc {dev.major}.{dev.minor}"
+    )
+    print(
+        f"# versions: python {platform.python_version()} | torch {torch.__version__} | "
+        f"cuda {torch.version.cuda} | triton {triton.__version__}"
+    )
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> float:

@@ -26,8 +26,10 @@ def main() -> None:
 
     banner("act_quant vs torch.clone (baseline), GB/s and ratio")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    print(f"{'format':14s} {'M':>6s} {'K':>6s} {'quant us':>9s} {'GB/s':>7s} "
-          f"{'clone us':>9s} {'GB/s':>7s} {'ratio':>6s}")
+    print(
+        f"{'format':14s} {'M':>6s} {'K':>6s} {'quant us':>9s} {'GB/s':>7s} "
+        f"{'clone us':>9s} {'GB/s':>7s} {'ratio':>6s}"
+    )
     for fmt in args.formats.split(","):
         for m, k in SHAPES:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -36,8 +38,10 @@ def main() -> None:
             t_c = bench_ms(lambda: x.clone())
             gb_q = (nbytes(x) + nbytes(*outs)) / t_q / 1e6
             gb_c = 2 * nbytes(x) / t_c / 1e6
-            print(f"{fmt:14s} {m:6d} {k:6d} {t_q * 1e3:9.1f} {gb_q:7.0f} "
-                  f"{t_c * 1e3:9.1f} {gb_c:7.0f} {gb_q / gb_c:6.2f}")
+            print(
+                f"{fmt:14s} {m:6d} {k:6d} {t_q * 1e3:9.1f} {gb_q:7.0f} "
+                f"{t_c * 1e3:9.1f} {gb_c:7.0f} {gb_q / gb_c:6.2f}"
+            )
 
 
 if __name__ == "__main__":

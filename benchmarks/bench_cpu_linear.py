@@ -43,8 +43,7 @@ def _flush_caches() -> None:
     _FLUSH[0].fill_(1.0)
 
 
-def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5
-                ) -> list[float]:
+def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5) -> list[float]:
     """Median wall time of each callable, timed in alternation (a, b, c, a, b, c, ...) so
     that load from other processes on a shared machine falls on all of them alike."""
     for fn in fns:
@@ -65,30 +64,47 @@ def cpu_description() -> str:
     """The CPU model and the flags that matter for these kernels (from /proc/cpuinfo)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
-        for line in open("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):  # noqa: SIM115
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    keep = ("avx2", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512vbmi",
-            "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+    keep = (
+        "avx2",
+        "avx_vnni",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx512vbmi",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_int8",
+        "amx_tile",
+    )
     return f"{model} [{' '.join(f for f in keep if f in flags)}]"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--scheme", default="mxfp4-mbs")
     ap.add_argument("--model", default="smollm2", choices=[*SHAPES, "all"])
     ap.add_argument("--m", default="1,4,16,64,256,1024", help="comma-separated row counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--warm", action="store_true",
-                    help="keep the weights in cache between calls (default: evict the caches "
-                         "before each timed call, as serving a model larger than L3 does)")
-    ap.add_argument("--reference", action="store_true",
-                    help="also time the reference backend (fp32 weight copy; slow at large M)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="keep the weights in cache between calls (default: evict the caches "
+        "before each timed call, as serving a model larger than L3 does)",
+    )
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the reference backend (fp32 weight copy; slow at large M)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,17 +118,23 @@ def main() -> int:
     ok, why = cpu_kernels.load()
     if not ok:
         raise SystemExit(f"CPU kernels unavailable: {why}")
-    print(f"machine : {cpu_description()} cores={os.cpu_count()} "
-          f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()} "
-          f"torch_cpu={torch.backends.cpu.get_cpu_capability()}")
-    print(f"versions: torch {torch.__version__}; scheme {args.scheme}; build {cpu_kernels.build_name()}")
+    print(
+        f"machine : {cpu_description()} cores={os.cpu_count()} "
+        f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()} "
+        f"torch_cpu={torch.backends.cpu.get_cpu_capability()}"
+    )
+    print(
+        f"versions: torch {torch.__version__}; scheme {args.scheme}; build {cpu_kernels.build_name()}"
+    )
     cold = not args.warm
     print(f"caches  : {'warm (weights stay cached)' if args.warm else 'evicted before each call'}")
     models = list(SHAPES) if args.model == "all" else [args.model]
     ms = [int(v) for v in args.m.split(",")]
-    print(f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'ref us':>9s} "
-          f"{'packed us':>9s} {'bf16/packed':>11s} {'ref/packed':>10s}")
+    print(
+        f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'ref us':>9s} "
+        f"{'packed us':>9s} {'bf16/packed':>11s} {'ref/packed':>10s}"
+    )
     g = torch.Generator().manual_seed(0)
     tot = {"bf16": 0.0, "ref": 0.0, "packed": 0.0}
     for model in models:
@@ -131,8 +153,10 @@ def main() -> int:
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-                fns = [lambda: torch.nn.functional.linear(x, wb),
-                       lambda: packed.apply(packed_layer, x, None, spec)]
+                fns = [
+                    lambda: torch.nn.functional.linear(x, wb),
+                    lambda: packed.apply(packed_layer, x, None, spec),
+                ]
                 if args.reference:
                     fns.append(lambda: ref.apply(ref_layer, x, None, spec))
                 t_b, t_p, *t_r = _medians_us(fns, cold)
@@ -140,16 +164,25 @@ def main() -> int:
                 tot["bf16"] += t_b
                 tot["ref"] += t_r
                 tot["packed"] += t_p
-                print(f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_r:9.1f} {t_p:9.1f} "
-                      f"{t_b / t_p:11.2f} {t_r / t_p:10.2f}", flush=True)
-            del ref_layer, packed_layer
-    print(f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
-          f"reference/packed = {tot['ref'] / tot['packed']:.2f}x")
+                print(
+                    f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_r:9.1f} {t_p:9.1f} "
+                    f"{t_b / t_p:11.2f} {t_r / t_p:10.2f}",
+                    flush=True,
+                )
+    print(
+        f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
+        f"reference/packed = {tot['ref'] / tot['packed']:.2f}x"
+    )
     print(f"load average after: {os.getloadavg()}")
-    print("rerun: python benchmarks/bench_cpu_linear.py " + " ".join(
-        f"--{a} {v}" for a, v in (("scheme", args.scheme), ("model", args.model), ("m", args.m)))
+    print(
+        "rerun: python benchmarks/bench_cpu_linear.py "
+        + " ".join(
+            f"--{a} {v}" for a, v in (("scheme", args.scheme), ("model", args.model), ("m", args.m))
+        )
         + (f" --threads {args.threads}" if args.threads else "")
-        + (" --reference" if args.reference else "") + (" --warm" if args.warm else ""))
+        + (" --reference" if args.reference else "")
+        + (" --warm" if args.warm else "")
+    )
     return 0
 
 

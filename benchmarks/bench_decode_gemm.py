@@ -36,8 +36,10 @@ def main() -> None:
     from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
 
     banner("decode_gemm vs bf16 F.linear (baseline); ratio = t_linear / t_kernel")
-    print(f"{'pair':6s} {'K':>6s} {'N':>6s} {'M':>3s} {'gemm us':>8s} {'w GB/s':>7s} "
-          f"{'linear us':>9s} {'ratio':>6s} {'+quant us':>9s} {'ratio':>6s}")
+    print(
+        f"{'pair':6s} {'K':>6s} {'N':>6s} {'M':>3s} {'gemm us':>8s} {'w GB/s':>7s} "
+        f"{'linear us':>9s} {'ratio':>6s} {'+quant us':>9s} {'ratio':>6s}"
+    )
     for pair in args.pairs.split(","):
         wf, xf = PAIRS[pair]
         for k, n in SHAPES:
@@ -55,10 +57,11 @@ def main() -> None:
                     return decode_gemm(c, s, mb, qw.codes, qw.scales, qw.mbs, k)
 
                 t_f = bench_ms(full)
-                print(f"{pair:6s} {k:6d} {n:6d} {m:3d} {t_g * 1e3:8.1f} "
-                      f"{w_bytes / t_g / 1e6:7.0f} {t_l * 1e3:9.1f} {t_l / t_g:6.2f} "
-                      f"{t_f * 1e3:9.1f} {t_l / t_f:6.2f}")
-            del w, qw
+                print(
+                    f"{pair:6s} {k:6d} {n:6d} {m:3d} {t_g * 1e3:8.1f} "
+                    f"{w_bytes / t_g / 1e6:7.0f} {t_l * 1e3:9.1f} {t_l / t_g:6.2f} "
+                    f"{t_f * 1e3:9.1f} {t_l / t_f:6.2f}"
+                )
 
 
 if __name__ == "__main__":

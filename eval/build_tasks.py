@@ -106,8 +106,14 @@ def ppl_docs(text_path: Path, tokenizer, total_tokens: int, doc_tokens: int) -> 
         if not kept:
             continue
         text = "\n".join(kept)
-        docs.append({"text": text, "article": i, "tokens": len(tokenizer(text).input_ids),
-                     "words": len(text.split())})
+        docs.append(
+            {
+                "text": text,
+                "article": i,
+                "tokens": len(tokenizer(text).input_ids),
+                "words": len(text.split()),
+            }
+        )
         total += docs[-1]["tokens"]
         if total >= total_tokens:
             break
@@ -141,27 +147,50 @@ def mc_records(task: dict) -> list[dict]:
         if sum(1 for v in scores.values() if v == best) != 1:
             continue  # several correct answers: not a single-label item
         prompt = (prefix + q + ex["input"].strip() + a).strip()
-        out.append({"prompt": prompt, "choices": [c.strip() for c in choices],
-                    "gold": choices.index(next(c for c in choices if scores[c] == best)),
-                    "canary": task.get("canary", "")})
+        out.append(
+            {
+                "prompt": prompt,
+                "choices": [c.strip() for c in choices],
+                "gold": choices.index(next(c for c in choices if scores[c] == best)),
+                "canary": task.get("canary", ""),
+            }
+        )
     random.Random(SEED).shuffle(out)
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bigbench", type=Path, required=True,
-                    help="bigbench-1.0.0.tar.gz (PyPI sdist) or its extracted directory")
-    ap.add_argument("--ppl-tokens", type=int, default=16000,
-                    help="SmolLM2 tokens per perplexity set (default 16000)")
-    ap.add_argument("--doc-tokens", type=int, default=1024,
-                    help="cap per article (default 1024 tokens)")
-    ap.add_argument("--mc-items", type=int, default=100,
-                    help="items kept per multiple-choice set after the seeded shuffle "
-                         "(default 100; 0: all)")
-    ap.add_argument("--tasks", nargs="+", default=list(BIGBENCH_TASKS), metavar="BB_TASK",
-                    help=f"BIG-bench tasks (default: {' '.join(BIGBENCH_TASKS)})")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--bigbench",
+        type=Path,
+        required=True,
+        help="bigbench-1.0.0.tar.gz (PyPI sdist) or its extracted directory",
+    )
+    ap.add_argument(
+        "--ppl-tokens",
+        type=int,
+        default=16000,
+        help="SmolLM2 tokens per perplexity set (default 16000)",
+    )
+    ap.add_argument(
+        "--doc-tokens", type=int, default=1024, help="cap per article (default 1024 tokens)"
+    )
+    ap.add_argument(
+        "--mc-items",
+        type=int,
+        default=100,
+        help="items kept per multiple-choice set after the seeded shuffle (default 100; 0: all)",
+    )
+    ap.add_argument(
+        "--tasks",
+        nargs="+",
+        default=list(BIGBENCH_TASKS),
+        metavar="BB_TASK",
+        help=f"BIG-bench tasks (default: {' '.join(BIGBENCH_TASKS)})",
+    )
     ap.add_argument("--out", type=Path, default=TASKS_DIR)
     args = ap.parse_args()
 
@@ -176,29 +205,41 @@ def main() -> int:
         docs = ppl_docs(path, tok, args.ppl_tokens, args.doc_tokens)
         write_jsonl(args.out / f"{name}.jsonl", docs)
         (args.out / f"{name}.yaml").write_text(
-            PPL_YAML.format(name=name, file=f"{name}.jsonl", source=path.name))
+            PPL_YAML.format(name=name, file=f"{name}.jsonl", source=path.name)
+        )
         manifest["tasks"][name] = {
-            "source": str(path.name), "source_sha256": sha256(path), "docs": len(docs),
-            "tokens": sum(d["tokens"] for d in docs), "words": sum(d["words"] for d in docs)}
-    manifest["bigbench"] = {"archive": args.bigbench.name,
-                            "sha256": sha256(args.bigbench) if args.bigbench.is_file() else None}
+            "source": str(path.name),
+            "source_sha256": sha256(path),
+            "docs": len(docs),
+            "tokens": sum(d["tokens"] for d in docs),
+            "words": sum(d["words"] for d in docs),
+        }
+    manifest["bigbench"] = {
+        "archive": args.bigbench.name,
+        "sha256": sha256(args.bigbench) if args.bigbench.is_file() else None,
+    }
     for bb in args.tasks:
         task = load_bigbench(args.bigbench, bb)
         recs = mc_records(task)
         available = len(recs)
         if args.mc_items:
-            recs = recs[:args.mc_items]
+            recs = recs[: args.mc_items]
         name = f"bb_{bb}"
         write_jsonl(args.out / f"{name}.jsonl", recs)
-        (args.out / f"{name}.yaml").write_text(MC_YAML.format(name=name, file=f"{name}.jsonl",
-                                                              bb=bb))
+        (args.out / f"{name}.yaml").write_text(
+            MC_YAML.format(name=name, file=f"{name}.jsonl", bb=bb)
+        )
         n_choices = sorted({len(r["choices"]) for r in recs})
         chance = sum(1 / len(r["choices"]) for r in recs) / len(recs)
-        manifest["tasks"][name] = {"bigbench_task": bb, "items": len(recs),
-                                   "single_answer_items_available": available,
-                                   "choices": n_choices, "chance_acc": round(chance, 4),
-                                   "canary": task.get("canary", ""),
-                                   "description": task.get("description", "")}
+        manifest["tasks"][name] = {
+            "bigbench_task": bb,
+            "items": len(recs),
+            "single_answer_items_available": available,
+            "choices": n_choices,
+            "chance_acc": round(chance, 4),
+            "canary": task.get("canary", ""),
+            "description": task.get("description", ""),
+        }
     (args.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(json.dumps(manifest, indent=2))
     return 0

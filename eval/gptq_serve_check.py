@@ -24,16 +24,20 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-PROMPTS = ["The capital of France is", "Water boils at a temperature of",
-           "The largest planet in the solar system is"]
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+]
 
 
 def main() -> int:
     from vllm_mxplus.assets.smollm2 import smollm2_dir
     from vllm_mxplus.checkpoint import quantize_checkpoint
 
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--scheme", default="mxfp4-mbs-h")
     ap.add_argument("--method", default="rtn-aware")
     ap.add_argument("--nsamples", type=int, default=4)
@@ -44,17 +48,43 @@ def main() -> int:
     src = smollm2_dir()
     ckpt = Path(args.out) / f"{args.scheme}-{args.method}"
     if not (ckpt / "config.json").is_file():
-        quantize_checkpoint(src, ckpt, args.scheme, method=args.method, force=True,
-                            nsamples=args.nsamples, seqlen=args.seqlen, progress=False)
-    jobs = [{"id": "calibrated", "model": str(ckpt), "quantization": None, "dtype": "bfloat16",
-             "prompts": PROMPTS, "max_tokens": args.max_tokens}]
+        quantize_checkpoint(
+            src,
+            ckpt,
+            args.scheme,
+            method=args.method,
+            force=True,
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            progress=False,
+        )
+    jobs = [
+        {
+            "id": "calibrated",
+            "model": str(ckpt),
+            "quantization": None,
+            "dtype": "bfloat16",
+            "prompts": PROMPTS,
+            "max_tokens": args.max_tokens,
+        }
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         jf, of = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
         jf.write_text(json.dumps(jobs))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                   HF_HUB_OFFLINE="1")
-        cmd = ["flock", "/tmp/mxplus-vllm.lock", sys.executable,
-               str(REPO / "tests" / "integration" / "vllm_driver.py"), str(jf), str(of)]
+        env = dict(
+            os.environ,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            HF_HUB_OFFLINE="1",
+        )
+        cmd = [
+            "flock",
+            "/tmp/mxplus-vllm.lock",
+            sys.executable,
+            str(REPO / "tests" / "integration" / "vllm_driver.py"),
+            str(jf),
+            str(of),
+        ]
         subprocess.run(cmd, env=env, check=False)
         served = json.loads(of.read_text())["calibrated"]
     if served.get("error"):
@@ -80,9 +110,11 @@ def main() -> int:
                 ids = torch.cat([ids, torch.tensor([[t]])], 1)
         print(f"{p!r} -> vLLM {tok.decode(v_tokens)!r}")
     total = sum(len(t) for t in served["tokens"])
-    print(f"{ckpt.name}: vLLM served it (load {served['load_s']:.0f} s); greedy tokens equal to "
-          f"the transformers reference at {agree}/{total} steps; max |logprob difference| of "
-          f"the chosen tokens {max_dlp:.4f}")
+    print(
+        f"{ckpt.name}: vLLM served it (load {served['load_s']:.0f} s); greedy tokens equal to "
+        f"the transformers reference at {agree}/{total} steps; max |logprob difference| of "
+        f"the chosen tokens {max_dlp:.4f}"
+    )
     return 0 if agree == total else 1
 
 

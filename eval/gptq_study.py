@@ -32,8 +32,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "gptq-smollm2-135m"
 SCHEMES = ("mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "nvfp4")
-LABELS = {"mxfp4-ocp": "MXFP4-OCP", "mxfp4-16-oas": "MXFP4-16-OAS", "mxfp4-mbs-s": "MBS-S",
-          "mxfp4-mbs-h": "MBS-H", "nvfp4": "NVFP4", "bf16": "BF16"}
+LABELS = {
+    "mxfp4-ocp": "MXFP4-OCP",
+    "mxfp4-16-oas": "MXFP4-16-OAS",
+    "mxfp4-mbs-s": "MBS-S",
+    "mxfp4-mbs-h": "MBS-H",
+    "nvfp4": "NVFP4",
+    "bf16": "BF16",
+}
 METHODS = ("rtn", "rtn-aware", "gptq")
 
 
@@ -63,8 +69,9 @@ def _quantized_model(src: Path, ckpt: Path | None, scheme: str | None) -> torch.
         w = q.dequantize(torch.float32)
 
         def forward(x: torch.Tensor, _w: torch.Tensor = w, _b=lin.bias) -> torch.Tensor:  # noqa: ANN001
-            return reference_linear(x, _w, _b, afmt, per_row=per_row, out_dtype=x.dtype,
-                                    macro_block=MACRO_BLOCK)
+            return reference_linear(
+                x, _w, _b, afmt, per_row=per_row, out_dtype=x.dtype, macro_block=MACRO_BLOCK
+            )
 
         lin.forward = forward
         lin.weight = None  # the bf16 weight is not what the served model computes with
@@ -83,8 +90,12 @@ def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: A
             nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
             n_tok += len(ids) - 1
             n_words += len(text.split())
-    return {"word_ppl": math.exp(nll / n_words), "token_ppl": math.exp(nll / n_tok),
-            "tokens": n_tok, "words": n_words}
+    return {
+        "word_ppl": math.exp(nll / n_words),
+        "token_ppl": math.exp(nll / n_tok),
+        "tokens": n_tok,
+        "words": n_words,
+    }
 
 
 def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
@@ -95,13 +106,28 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     ckpt = None
     if scheme != "bf16":
         ckpt = Path(args.work) / f"{scheme}-{method}"
-        quantize_checkpoint(args.model, ckpt, scheme, method=method, force=True,
-                            nsamples=args.nsamples, seqlen=args.seqlen, progress=False)
+        quantize_checkpoint(
+            args.model,
+            ckpt,
+            scheme,
+            method=method,
+            force=True,
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            progress=False,
+        )
     t_quant = time.perf_counter() - t0
     model = _quantized_model(Path(args.model), ckpt, scheme)
-    rec = {"row": row, "scheme": scheme, "method": method or None, "docs": args.docs,
-           "nsamples": args.nsamples, "seqlen": args.seqlen,
-           "quantize_s": round(t_quant, 1), "load_avg": os.getloadavg()[0]}
+    rec = {
+        "row": row,
+        "scheme": scheme,
+        "method": method or None,
+        "docs": args.docs,
+        "nsamples": args.nsamples,
+        "seqlen": args.seqlen,
+        "quantize_s": round(t_quant, 1),
+        "load_avg": os.getloadavg()[0],
+    }
     for task in args.tasks:
         rec[task] = perplexity(model, tok, _docs(task, args.docs))
     rec["total_s"] = round(time.perf_counter() - t0, 1)
@@ -124,18 +150,26 @@ def _load_results(docs: int) -> dict[str, dict]:
 
 def write_table(command: str, docs: int) -> None:
     res = _load_results(docs)
-    lines = ["# SmolLM2-135M: weight method x scheme (W4A4, in-process reference numerics)", "",
-             f"- command: `{command}` (rows), then `python eval/gptq_study.py --table-only`",
-             f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-             f"torch {torch.__version__}",
-             "- perplexity: transformers bf16 model, every decoder linear replaced by the "
-             "plugin's reference numerics on the written checkpoint (not vLLM); "
-             f"the first {docs or 'all'} documents of eval/tasks/wiki_ppl.jsonl", ""]
+    lines = [
+        "# SmolLM2-135M: weight method x scheme (W4A4, in-process reference numerics)",
+        "",
+        f"- command: `{command}` (rows), then `python eval/gptq_study.py --table-only`",
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}",
+        "- perplexity: transformers bf16 model, every decoder linear replaced by the "
+        "plugin's reference numerics on the written checkpoint (not vLLM); "
+        f"the first {docs or 'all'} documents of eval/tasks/wiki_ppl.jsonl",
+        "",
+    ]
     tasks = sorted({t for r in res.values() for t in ("wiki", "news") if t in r})
     head = "| scheme | " + " | ".join(f"{m} ({t})" for t in tasks for m in METHODS) + " |"
-    lines += [f"Word perplexity (lower is better); BF16: "
-              + ", ".join(f"{t} {res['bf16'][t]['word_ppl']:.2f}" for t in tasks if 'bf16' in res), "",
-              head, "|---|" + "---:|" * (len(tasks) * len(METHODS))]
+    lines += [
+        "Word perplexity (lower is better); BF16: "
+        + ", ".join(f"{t} {res['bf16'][t]['word_ppl']:.2f}" for t in tasks if "bf16" in res),
+        "",
+        head,
+        "|---|" + "---:|" * (len(tasks) * len(METHODS)),
+    ]
     for s in SCHEMES:
         cells = []
         for t in tasks:
@@ -143,16 +177,25 @@ def write_table(command: str, docs: int) -> None:
                 r = res.get(f"{s}:{m}")
                 cells.append(f"{r[t]['word_ppl']:.2f}" if r and t in r else "–")
         lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
-    lines += ["", "Token perplexity (wiki):", "", "| scheme | " + " | ".join(METHODS) + " |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "Token perplexity (wiki):",
+        "",
+        "| scheme | " + " | ".join(METHODS) + " |",
+        "|---|---:|---:|---:|",
+    ]
     for s in SCHEMES:
-        cells = [f"{res[f'{s}:{m}']['wiki']['token_ppl']:.2f}" if f"{s}:{m}" in res else "–"
-                 for m in METHODS]
+        cells = [
+            f"{res[f'{s}:{m}']['wiki']['token_ppl']:.2f}" if f"{s}:{m}" in res else "–"
+            for m in METHODS
+        ]
         lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
     lines += ["", "Per row: quantize seconds / total seconds / load average at the start:", ""]
     for r in res.values():
-        lines.append(f"- {r['row']}: {r['quantize_s']} s / {r['total_s']} s / load "
-                     f"{r['load_avg']:.1f} (calibration {r['nsamples']} x {r['seqlen']} tokens)")
+        lines.append(
+            f"- {r['row']}: {r['quantize_s']} s / {r['total_s']} s / load "
+            f"{r['load_avg']:.1f} (calibration {r['nsamples']} x {r['seqlen']} tokens)"
+        )
     (OUT / f"table-docs{docs}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _chart(res, docs)
 
@@ -186,10 +229,12 @@ def _chart(res: dict[str, dict], docs: int) -> None:
 def main() -> int:
     from vllm_mxplus.assets.smollm2 import smollm2_dir
 
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="*", default=[],
-                    help="SCHEME:METHOD (methods rtn, rtn-aware, gptq) or bf16")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--rows", nargs="*", default=[], help="SCHEME:METHOD (methods rtn, rtn-aware, gptq) or bf16"
+    )
     ap.add_argument("--model", default=str(smollm2_dir()))
     ap.add_argument("--tasks", nargs="+", default=["wiki"], choices=["wiki", "news"])
     ap.add_argument("--docs", type=int, default=0, help="first N documents only (0: all)")
@@ -200,8 +245,7 @@ def main() -> int:
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    command = "python eval/gptq_study.py --rows ... --docs {} --nsamples {} --seqlen {}".format(
-        args.docs, args.nsamples, args.seqlen)
+    command = f"python eval/gptq_study.py --rows ... --docs {args.docs} --nsamples {args.nsamples} --seqlen {args.seqlen}"
     if not args.table_only:
         from transformers import AutoTokenizer
 

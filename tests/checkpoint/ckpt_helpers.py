@@ -36,8 +36,12 @@ def make_llama(
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, vocab_size=96,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=96,
         tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -47,8 +51,9 @@ def make_llama(
     return path
 
 
-def make_custom(path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None,
-                shards: int = 1) -> Path:
+def make_custom(
+    path: Path, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1
+) -> Path:
     """A model dir with the given tensors (split over `shards` files + index when > 1)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "custom", "architectures": ["CustomForCausalLM"]}
@@ -65,7 +70,8 @@ def make_custom(path: Path, tensors: dict[str, torch.Tensor], config: dict | Non
         save_file(part, str(path / file), metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return path
 
 

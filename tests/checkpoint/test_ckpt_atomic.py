@@ -29,10 +29,12 @@ def _siblings(dst: Path) -> list[str]:
     return sorted(p.name for p in dst.parent.iterdir())
 
 
-@pytest.mark.parametrize("exc", [KeyboardInterrupt(), MemoryError("simulated crash")],
-                         ids=["ctrl-c", "crash"])
-def test_interrupted_run_leaves_nothing(llama_dir: Path, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
+@pytest.mark.parametrize(
+    "exc", [KeyboardInterrupt(), MemoryError("simulated crash")], ids=["ctrl-c", "crash"]
+)
+def test_interrupted_run_leaves_nothing(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: BaseException
+) -> None:
     _fail_on_third_call(monkeypatch, exc)
     dst = tmp_path / "out" / "q"
     with pytest.raises(type(exc)):
@@ -41,8 +43,9 @@ def test_interrupted_run_leaves_nothing(llama_dir: Path, tmp_path: Path,
     assert _siblings(dst) == []  # the temporary dir next to DST is gone too
 
 
-def test_writer_failure_leaves_nothing(llama_dir: Path, tmp_path: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_writer_failure_leaves_nothing(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = quantizer_mod.StreamingWriter.write
 
     def broken(self, name, tensor):
@@ -58,7 +61,8 @@ def test_writer_failure_leaves_nothing(llama_dir: Path, tmp_path: Path,
 
 
 def test_temp_dir_is_next_to_dst_and_lacks_config_until_done(
-        llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen = []
     real = quantizer_mod._swap_in
 
@@ -82,8 +86,9 @@ def test_temp_dir_is_next_to_dst_and_lacks_config_until_done(
     assert _siblings(dst) == ["q"]
 
 
-def test_existing_dst_needs_force(llama_dir: Path, tmp_path: Path,
-                                  capsys: pytest.CaptureFixture) -> None:
+def test_existing_dst_needs_force(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     dst = tmp_path / "q"
     dst.mkdir()
     (dst / "precious.txt").write_text("keep me")
@@ -99,8 +104,9 @@ def test_existing_dst_needs_force(llama_dir: Path, tmp_path: Path,
     assert _siblings(dst) == ["q"]  # the moved-aside old DST was deleted
 
 
-def test_force_keeps_old_dst_when_run_fails(llama_dir: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_force_keeps_old_dst_when_run_fails(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dst = tmp_path / "q"
     quantize_checkpoint(llama_dir, dst, "mxfp4-ocp", progress=False)
     _fail_on_third_call(monkeypatch, RuntimeError("boom"))
@@ -130,8 +136,9 @@ def test_sigterm_cleans_up(tmp_path: Path) -> None:
 
     # Each weight takes >= 0.5 s (a sleep patched in), so the signal lands mid-run however
     # fast the quantizer becomes.
-    src = make_custom(tmp_path / "src", {f"l.{i}.proj.weight": torch.randn(16, 64)
-                                         for i in range(8)})
+    src = make_custom(
+        tmp_path / "src", {f"l.{i}.proj.weight": torch.randn(16, 64) for i in range(8)}
+    )
     out = tmp_path / "out"
     out.mkdir()
     dst = out / "q"
@@ -147,9 +154,21 @@ def test_sigterm_cleans_up(tmp_path: Path) -> None:
         "sys.exit(main(sys.argv[1:]))\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", child, str(src), str(dst), "--scheme", "mxfp4-mbs-s",
-         "--no-progress", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            child,
+            str(src),
+            str(dst),
+            "--scheme",
+            "mxfp4-mbs-s",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
     )
     deadline = time.monotonic() + 60

@@ -46,8 +46,12 @@ def _requantized_codes(q, k: int) -> torch.Tensor:  # noqa: ANN001
         fill = torch.full((t.shape[0], n - t.shape[-1]), value, dtype=torch.uint8)
         return torch.cat([t.view(torch.uint8), fill], -1).view(t.dtype)
 
-    p = GroupParams(pad(q.scales, nb), pad(q.mbs, kp // MACRO_BLOCK),
-                    pad(q.block_max_index, nb, 255), q.global_scale)
+    p = GroupParams(
+        pad(q.scales, nb),
+        pad(q.mbs, kp // MACRO_BLOCK),
+        pad(q.block_max_index, nb, 255),
+        q.global_scale,
+    )
     codes, _ = quantize_columns(q.fmt, F.pad(q.dequantize(), (0, kp - k)), p, 0)
     return codes[:, :k]
 
@@ -58,8 +62,9 @@ def test_calibrated_checkpoint_is_exact_and_differs_from_rtn(
     llama_dir: Path, tmp_path: Path, random_tokens: None, scheme: str, method: str
 ) -> None:
     dst = tmp_path / "out"
-    report = quantize_checkpoint(llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16,
-                                 progress=False)
+    report = quantize_checkpoint(
+        llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16, progress=False
+    )
     assert report.n_quantized == 7
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == scheme
@@ -75,21 +80,38 @@ def test_calibrated_checkpoint_is_exact_and_differs_from_rtn(
     assert changed >= 4, f"{method} left {7 - changed} of 7 weights equal to RTN"
 
 
-def test_cli_method_gptq(llama_dir: Path, tmp_path: Path, random_tokens: None,
-                         capsys: pytest.CaptureFixture) -> None:
+def test_cli_method_gptq(
+    llama_dir: Path, tmp_path: Path, random_tokens: None, capsys: pytest.CaptureFixture
+) -> None:
     dst = tmp_path / "cli"
-    code = run(cli_args(str(llama_dir), str(dst), "--method", "gptq", "--nsamples", "2",
-                        "--seqlen", "8", "--no-progress"))
+    code = run(
+        cli_args(
+            str(llama_dir),
+            str(dst),
+            "--method",
+            "gptq",
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "8",
+            "--no-progress",
+        )
+    )
     assert code == 0, capsys.readouterr().err
     assert len(load(dst)) == 7
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--method", "gptq", "--nsamples", "0"], "--nsamples"),
-    (["--method", "rtn-aware", "--calib", "/nonexistent/calib.txt"], "--calib"),
-], ids=["nsamples0", "missing-calib"])
-def test_cli_bad_calibration_options(llama_dir: Path, tmp_path: Path, argv: list[str],
-                                     message: str, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "gptq", "--nsamples", "0"], "--nsamples"),
+        (["--method", "rtn-aware", "--calib", "/nonexistent/calib.txt"], "--calib"),
+    ],
+    ids=["nsamples0", "missing-calib"],
+)
+def test_cli_bad_calibration_options(
+    llama_dir: Path, tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
     code = run(cli_args(str(llama_dir), str(tmp_path / "bad"), *argv, "--no-progress"))
     assert code == 2
     assert message in capsys.readouterr().err

@@ -12,7 +12,7 @@ from test_ckpt_roundtrip import check_round_trip
 
 from vllm_mxplus.checkpoint import load, load_unquantized, open_checkpoint, quantize_checkpoint
 
-E, H, I = 4, 64, 48  # experts, hidden, expert intermediate (K = 48: a partial macro block)
+E, H, I = 4, 64, 48  # experts, hidden, expert intermediate (K = 48: a partial macro block)  # noqa: E741
 
 
 def moe_tensors() -> dict[str, torch.Tensor]:
@@ -41,17 +41,23 @@ def test_moe_round_trip(tmp_path: Path, scheme: str) -> None:
     check_round_trip(src, dst, scheme)
     q = load(dst)
     assert set(q) == {
-        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
         "model.layers.1.block_sparse_moe.experts.0.w1",
-        "model.layers.1.block_sparse_moe.experts.1.w1", "model.layers.1.stacked",
+        "model.layers.1.block_sparse_moe.experts.1.w1",
+        "model.layers.1.stacked",
     }
     assert (report.n_quantized, report.n_kept) == (5, 4)
     kept = load_unquantized(dst)
-    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight",
-            "model.layers.0.mlp.shared_expert_gate.weight"} <= set(kept)
+    assert {
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.layers.0.mlp.shared_expert_gate.weight",
+    } <= set(kept)
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["modules_to_not_convert"] == [
-        "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.shared_expert_gate",
         "model.layers.1.block_sparse_moe.gate",
     ]
     ck = open_checkpoint(dst)
@@ -60,16 +66,19 @@ def test_moe_round_trip(tmp_path: Path, scheme: str) -> None:
     if scheme == "nvfp4":  # one global scale per expert, each its own logical weight
         assert stored["weight_global_scale"].shape == (E, 1)
         assert ck.modules["model.layers.1.block_sparse_moe.experts.0.w1"].tensors[
-            "weight_global_scale"].shape == (1,)
+            "weight_global_scale"
+        ].shape == (1,)
     if scheme == "mxfp4-mbs":
         assert stored["weight_mbs"].shape == (E, 2 * I, 1)
 
 
 def test_transposed_expert_layout_is_kept(tmp_path: Path) -> None:
     """gpt-oss stores experts [E, K, N]: quantizing the last dim would be wrong, so keep them."""
-    tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
-               "model.layers.0.mlp.experts.down_proj.weight": torch.randn(2, 32, 32),
-               "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32)}
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
+        "model.layers.0.mlp.experts.down_proj.weight": torch.randn(2, 32, 32),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
+    }
     src = make_custom(tmp_path / "src", tensors, {"model_type": "gpt_oss"})
     quantize_checkpoint(src, tmp_path / "q", "mxfp4-mbs-s", progress=False)
     assert set(load(tmp_path / "q")) == {"model.layers.0.self_attn.q_proj"}

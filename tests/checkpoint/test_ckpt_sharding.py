@@ -32,7 +32,9 @@ def test_sharded_source_equals_single(llama_dir: Path, tmp_path: Path) -> None:
 
 def test_sharded_output_has_index(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    tensors = {f"layers.{i}.proj.weight": torch.randn(64, 256, dtype=torch.bfloat16) for i in range(4)}
+    tensors = {
+        f"layers.{i}.proj.weight": torch.randn(64, 256, dtype=torch.bfloat16) for i in range(4)
+    }
     tensors["embed_tokens.weight"] = torch.randn(32, 256, dtype=torch.bfloat16)
     tensors["norm.weight"] = torch.ones(256, dtype=torch.bfloat16)
     src = make_custom(tmp_path / "src", tensors, shards=2)

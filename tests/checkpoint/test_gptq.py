@@ -83,13 +83,20 @@ def _own_params(q: QuantizedTensor, kp: int) -> GroupParams:
         if t is None:
             return None
         extra = n - t.shape[-1]
-        return torch.cat([t, torch.full((t.shape[0], extra), value, dtype=t.dtype)], -1) if extra else t
+        return (
+            torch.cat([t, torch.full((t.shape[0], extra), value, dtype=t.dtype)], -1)
+            if extra
+            else t
+        )
 
     spec = q.spec
     nb = kp // spec.block_size
-    return GroupParams(pad(q.scales.view(torch.uint8), nb).view(q.scales.dtype),
-                       pad(q.mbs, kp // MACRO_BLOCK), pad(q.block_max_index, nb, 255),
-                       q.global_scale)
+    return GroupParams(
+        pad(q.scales.view(torch.uint8), nb).view(q.scales.dtype),
+        pad(q.mbs, kp // MACRO_BLOCK),
+        pad(q.block_max_index, nb, 255),
+        q.global_scale,
+    )
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -125,7 +132,9 @@ def test_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
     e_gptq = out_err(gptq(w, h, fmt))
     e_gptq_spec = out_err(gptq(w, h, fmt, "spec"))
     assert e_gptq <= e_rtn, f"{fmt}: GPTQ {e_gptq:.4g} > RTN {e_rtn:.4g}"
-    assert e_gptq_spec <= e_rtn, f"{fmt}: GPTQ (spec parameters) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
+    assert e_gptq_spec <= e_rtn, (
+        f"{fmt}: GPTQ (spec parameters) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
+    )
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -159,7 +168,7 @@ def test_weighted_mbs_byte_equals_bruteforce(k: int) -> None:
     for m in range(256):
         mm = torch.full((n, nm), m, dtype=torch.uint8)
         codes, scale = quantize_mbs(wp, mm)
-        err = ((wp.double() - dequantize_mbs(codes, scale, mm).double()).square() * dp.double())
+        err = (wp.double() - dequantize_mbs(codes, scale, mm).double()).square() * dp.double()
         err = err.reshape(n, nm, MACRO_BLOCK).sum(-1)
         better = err < best * (1 - 1e-9)  # ties (to fp32 rounding) keep the smaller m
         best = torch.where(better, err, best)

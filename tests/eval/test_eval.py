@@ -213,8 +213,7 @@ def test_runner_smoke_tiny_model(tmp_path: Path, subprocess_env) -> None:
     from tiny_models import build_tiny_llama
     from tiny_setup import write_tiny_config, write_tiny_task
 
-    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4,
-                             kv_heads=2)
+    model = build_tiny_llama(tmp_path / "model", hidden=128, intermediate=256, heads=4, kv_heads=2)
     tasks = write_tiny_task(tmp_path / "tasks")
     cfg = write_tiny_config(tmp_path / "cfg.yaml", tasks, model)
     out = tmp_path / "out"

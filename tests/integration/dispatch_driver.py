@@ -55,23 +55,35 @@ def main() -> None:
         seen["decode_m"].clear()
         seen["ref_m"].clear()
         try:
-            llm = LLM(model=model, quantization="mxfp4-mbs", dtype="float32",
-                      enforce_eager=eager, max_model_len=256, max_num_seqs=8,
-                      max_num_batched_tokens=256, seed=0)
+            llm = LLM(
+                model=model,
+                quantization="mxfp4-mbs",
+                dtype="float32",
+                enforce_eager=eager,
+                max_model_len=256,
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+                seed=0,
+            )
             after_load = {k: len(v) for k, v in seen.items()}
-            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0,
-                                                        ignore_eos=True), use_tqdm=False)
+            outs = llm.generate(
+                PROMPTS,
+                SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )
             results[mode] = {
                 "error": None,
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 # only the calls made while generating (start-up runs dummy batches too)
-                "decode_m": sorted(set(seen["decode_m"][after_load["decode_m"]:])),
-                "ref_m": sorted(set(seen["ref_m"][after_load["ref_m"]:])),
+                "decode_m": sorted(set(seen["decode_m"][after_load["decode_m"] :])),
+                "ref_m": sorted(set(seen["ref_m"][after_load["ref_m"] :])),
             }
             del llm
         except Exception as e:
-            results[mode] = {"error": f"{type(e).__name__}: {e}",
-                             "trace": traceback.format_exc()[-4000:]}
+            results[mode] = {
+                "error": f"{type(e).__name__}: {e}",
+                "trace": traceback.format_exc()[-4000:],
+            }
         gc.collect()
         cleanup_dist_env_and_memory()
         with open(out_path, "w") as f:

@@ -43,8 +43,13 @@ def _ids(tok, prompt: PromptLike) -> torch.Tensor:
     return torch.tensor([prompt])
 
 
-def hf_greedy(model_dir: str, scheme: str | None, prompts: list[PromptLike], max_tokens: int,
-              dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    model_dir: str,
+    scheme: str | None,
+    prompts: list[PromptLike],
+    max_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy continuation of each prompt (no batching) and the chosen tokens' logprobs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,19 +64,29 @@ def hf_greedy(model_dir: str, scheme: str | None, prompts: list[PromptLike], max
             # vLLM adds no BOS for this tokenizer either (no post-processor): same ids.
             # vLLM's ignore_eos keeps generating but may PICK the EOS token; min_new_tokens
             # would forbid it here instead, so EOS is unset (no stop, no suppression).
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=3)
-            new = out.sequences[0, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=3,
+            )
+            new = out.sequences[0, ids.shape[1] :].tolist()
             lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)]
             tokens.append(new)
             logprobs.append(lps)
     return tokens, logprobs
 
 
-def hf_teacher_forced(model_dir: str, scheme: str | None, prompts: list[str],
-                      continuations: list[list[int]], dtype: torch.dtype = torch.float32
-                      ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+def hf_teacher_forced(
+    model_dir: str,
+    scheme: str | None,
+    prompts: list[str],
+    continuations: list[list[int]],
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
     """Feed prompt + given continuation in one forward; per continuation position return the
     reference's greedy token, the logprob of the given token and the top-2 logprob margin."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,7 +99,7 @@ def hf_teacher_forced(model_dir: str, scheme: str | None, prompts: list[str],
         for p, cont in zip(prompts, continuations):
             ids = _ids(tok, p)
             full = torch.cat([ids, torch.tensor([cont])], dim=1)
-            logits = model(full).logits[0, ids.shape[1] - 1: -1].float()
+            logits = model(full).logits[0, ids.shape[1] - 1 : -1].float()
             lp = torch.log_softmax(logits, -1)
             top2 = lp.topk(2, dim=-1).values
             greedy.append(lp.argmax(-1).tolist())

@@ -33,18 +33,27 @@ def build_models(root: Path) -> dict[str, str]:
     m: dict[str, str] = {}
     m["tiny256"] = str(build_tiny_llama(root / "tiny256", poison=True))
     # hidden 320 / intermediate 576: partial macro blocks (K % 128 = 64) in every linear.
-    m["tiny320"] = str(build_tiny_llama(root / "tiny320", hidden=320, intermediate=576,
-                                        heads=5, kv_heads=1, seed=1))
+    m["tiny320"] = str(
+        build_tiny_llama(
+            root / "tiny320", hidden=320, intermediate=576, heads=5, kv_heads=1, seed=1
+        )
+    )
     # pre-quantized checkpoints: the offline quantizer's own code path (`mxplus quantize`)
     for scheme in PRE_SCHEMES:
         m[f"tiny256-{scheme}"] = str(prequantize(m["tiny256"], root / f"q256-{scheme}", scheme))
     m["tiny320-mxfp4-mbs"] = str(prequantize(m["tiny320"], root / "q320-mbs", "mxfp4-mbs"))
-    m["bad-missing"] = str(tamper_checkpoint(
-        prequantize(m["tiny256"], root / "bad-missing", "mxfp4-mbs"),
-        drop=["model.layers.0.self_attn.k_proj.weight_scale"]))
-    m["bad-shape"] = str(tamper_checkpoint(
-        prequantize(m["tiny256"], root / "bad-shape", "mxfp4-mbs"),
-        reshape={"model.layers.1.mlp.down_proj.weight_scale": [256, 7]}))
+    m["bad-missing"] = str(
+        tamper_checkpoint(
+            prequantize(m["tiny256"], root / "bad-missing", "mxfp4-mbs"),
+            drop=["model.layers.0.self_attn.k_proj.weight_scale"],
+        )
+    )
+    m["bad-shape"] = str(
+        tamper_checkpoint(
+            prequantize(m["tiny256"], root / "bad-shape", "mxfp4-mbs"),
+            reshape={"model.layers.1.mlp.down_proj.weight_scale": [256, 7]},
+        )
+    )
     return m
 
 
@@ -53,27 +62,42 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return build_models(tmp_path_factory.mktemp("models"))
 
 
-def run_driver(jobs: list[dict], workdir: Path, env: dict, tp: bool = False,
-               timeout: int = 900) -> tuple[dict, str]:
+def run_driver(
+    jobs: list[dict], workdir: Path, env: dict, tp: bool = False, timeout: int = 900
+) -> tuple[dict, str]:
     """Run vllm_driver.py on jobs; returns (results by id, combined log text)."""
     jobs_file, out_file, log_file = (workdir / n for n in ("jobs.json", "out.json", "log.txt"))
     jobs_file.write_text(json.dumps(jobs))
     env = dict(env)
     if tp:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (vLLM CPU needs one NUMA/core binding per rank)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = (
+            "0|1"  # one core per rank (vLLM CPU needs one NUMA/core binding per rank)
+        )
     else:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in-process, one after another
     with open(log_file, "w") as log:
-        subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file),
-                        str(out_file)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=timeout, check=False)
+        subprocess.run(
+            [sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file), str(out_file)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
     results = json.loads(out_file.read_text()) if out_file.exists() else {}
     return results, log_file.read_text(errors="replace")
 
 
 def gen_job(job_id: str, model: str, quantization: str | None, tp: int = 1) -> dict:
-    return {"id": job_id, "model": model, "quantization": quantization, "dtype": "float32",
-            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tp": tp}
+    return {
+        "id": job_id,
+        "model": model,
+        "quantization": quantization,
+        "dtype": "float32",
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "tp": tp,
+    }
 
 
 @pytest.fixture(scope="session")

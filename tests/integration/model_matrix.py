@@ -26,8 +26,11 @@ MATRIX_JSON = REPO / "docs" / "model_matrix.json"
 SCHEME = "mxfp4-mbs"
 # Token ids: transformers forces its own tokenizer class for some model types (Qwen2's
 # byte-level BPE), which cannot encode the word-level test vocabulary.
-PROMPTS = [word_ids("the capital of france is"), word_ids("hello world"),
-           word_ids("one two three four five")]
+PROMPTS = [
+    word_ids("the capital of france is"),
+    word_ids("hello world"),
+    word_ids("one two three four five"),
+]
 TOKENS = 12
 LOGPROB_ATOL = 1e-4  # nats: fp32 accumulation-order noise is ~1e-6 (test_vllm_generate.py)
 KINDS = ("online", "prequantized")
@@ -53,8 +56,10 @@ def build_all(root: Path, archs: list[str]) -> dict[str, dict[str, str]]:
     out = {}
     for i, arch in enumerate(archs):
         src = build_tiny(arch, root / arch, seed=i)
-        out[arch] = {"src": str(src),
-                     "prequantized": str(prequantize(src, root / f"{arch}-{SCHEME}", SCHEME))}
+        out[arch] = {
+            "src": str(src),
+            "prequantized": str(prequantize(src, root / f"{arch}-{SCHEME}", SCHEME)),
+        }
     return out
 
 
@@ -62,13 +67,27 @@ def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
     jobs = []
     for arch, m in models.items():
         for kind in KINDS:
-            jobs.append({"id": f"{kind}-{arch}", "dtype": "float32", "prompts": PROMPTS,
-                         "max_tokens": TOKENS,
-                         "model": m["src"] if kind == "online" else m["prequantized"],
-                         "quantization": SCHEME if kind == "online" else None})
+            jobs.append(
+                {
+                    "id": f"{kind}-{arch}",
+                    "dtype": "float32",
+                    "prompts": PROMPTS,
+                    "max_tokens": TOKENS,
+                    "model": m["src"] if kind == "online" else m["prequantized"],
+                    "quantization": SCHEME if kind == "online" else None,
+                }
+            )
         if arch in CONTROL:
-            jobs.append({"id": f"control-{arch}", "dtype": "float32", "prompts": PROMPTS,
-                         "max_tokens": TOKENS, "model": m["src"], "quantization": None})
+            jobs.append(
+                {
+                    "id": f"control-{arch}",
+                    "dtype": "float32",
+                    "prompts": PROMPTS,
+                    "max_tokens": TOKENS,
+                    "model": m["src"],
+                    "quantization": None,
+                }
+            )
     return jobs
 
 
@@ -82,12 +101,20 @@ def judge(res: dict, ref: tuple[list[list[int]], list[list[float]]]) -> tuple[st
     identical = 0
     for i in range(len(PROMPTS)):
         toks, lps = res["tokens"][i], res["logprobs"][i]
-        flip = next((j for j in range(TOKENS) if toks[j] != ref_tokens[i][j]
-                     or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL), TOKENS)
+        flip = next(
+            (
+                j
+                for j in range(TOKENS)
+                if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL
+            ),
+            TOKENS,
+        )
         if flip == 0:
-            return "mismatch", (f"prompt {i} differs at the first token: {toks[0]} vs "
-                                f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
-                                f"{ref_lps[i][0]:.6f}")
+            return "mismatch", (
+                f"prompt {i} differs at the first token: {toks[0]} vs "
+                f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
+                f"{ref_lps[i][0]:.6f}"
+            )
         identical += flip == TOKENS
     if identical < len(PROMPTS) - 1:
         return "mismatch", f"only {identical}/{len(PROMPTS)} prompts token-identical"
@@ -113,17 +140,23 @@ def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[st
     models = build_all(root / "models", archs)
     results, log = run_driver(jobs_for(models), root, env, timeout=1800)
     t_vllm = time.time() - t0
-    doc: dict[str, Any] = {"scheme": SCHEME, "prompts": len(PROMPTS), "tokens": TOKENS,
-                           "archs": {}}
+    doc: dict[str, Any] = {"scheme": SCHEME, "prompts": len(PROMPTS), "tokens": TOKENS, "archs": {}}
     for arch in archs:
         a = ARCHS[arch]
-        row: dict[str, Any] = {"architecture": a.model_cls, "what": a.what,
-                               "hidden_size": a.config["hidden_size"]}
+        row: dict[str, Any] = {
+            "architecture": a.model_cls,
+            "what": a.what,
+            "hidden_size": a.config["hidden_size"],
+        }
         control = ""
         if arch in CONTROL:
             res = results.get(f"control-{arch}", {"error": "no result (driver crashed)"})
-            status, why = judge(res, hf_greedy(models[arch]["src"], None, PROMPTS, TOKENS)
-                                if not res.get("error") else ([], []))
+            status, why = judge(
+                res,
+                hf_greedy(models[arch]["src"], None, PROMPTS, TOKENS)
+                if not res.get("error")
+                else ([], []),
+            )
             row["unquantized"] = status
             if status != "ok":
                 control = f"vLLM and transformers differ without quantization: {why}"

@@ -26,8 +26,10 @@ TIMEOUT_S = 900
 
 
 def _bf16_jobs(model: str) -> list[dict]:
-    jobs = [dict(gen_job("bf16-mxfp4-mbs", model, "mxfp4-mbs"), dtype="bfloat16"),
-            dict(gen_job("bf16-unquantized", model, None), dtype="bfloat16")]
+    jobs = [
+        dict(gen_job("bf16-mxfp4-mbs", model, "mxfp4-mbs"), dtype="bfloat16"),
+        dict(gen_job("bf16-unquantized", model, None), dtype="bfloat16"),
+    ]
     return jobs
 
 
@@ -37,9 +39,14 @@ def _run_multiprocess(jobs: list[dict], workdir, env: dict) -> tuple[dict, str]:
     jobs_file, out_file, log_file = (workdir / n for n in ("jobs.json", "out.json", "log.txt"))
     jobs_file.write_text(json.dumps(jobs))
     with open(log_file, "w") as log:
-        subprocess.run([sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file),
-                        str(out_file)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=TIMEOUT_S, check=False)
+        subprocess.run(
+            [sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file), str(out_file)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
     results = json.loads(out_file.read_text()) if out_file.exists() else {}
     return results, log_file.read_text(errors="replace")
 
@@ -49,10 +56,10 @@ def bf16_runs(tiny_models, tmp_path_factory, subprocess_env) -> dict[str, tuple[
     model = tiny_models["tiny256"]  # hidden 256, 4 heads: head_dim 64, saved in bf16
     jobs = _bf16_jobs(model)
     return {
-        "in-process": run_driver(jobs, tmp_path_factory.mktemp("bf16-inproc"), subprocess_env,
-                                 timeout=TIMEOUT_S),
-        "multiprocess": _run_multiprocess(jobs, tmp_path_factory.mktemp("bf16-mp"),
-                                          subprocess_env),
+        "in-process": run_driver(
+            jobs, tmp_path_factory.mktemp("bf16-inproc"), subprocess_env, timeout=TIMEOUT_S
+        ),
+        "multiprocess": _run_multiprocess(jobs, tmp_path_factory.mktemp("bf16-mp"), subprocess_env),
     }
 
 

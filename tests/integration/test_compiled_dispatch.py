@@ -25,9 +25,14 @@ def routed(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str]:
     out, log = work / "out.json", work / "log.txt"
     env = {**subprocess_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "w") as f:
-        subprocess.run([sys.executable, str(HERE / "dispatch_driver.py"), tiny_models["tiny256"],
-                        str(out)], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900,
-                       check=False)
+        subprocess.run(
+            [sys.executable, str(HERE / "dispatch_driver.py"), tiny_models["tiny256"], str(out)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            check=False,
+        )
     results = json.loads(out.read_text()) if out.exists() else {}
     return results, log.read_text(errors="replace")
 
@@ -46,5 +51,7 @@ def test_each_call_routed_by_its_own_m(routed, mode):
 def test_compiled_mode_really_compiled(routed):
     _, log = routed
     assert log.count("Warming up model for the compilation") == 1, log[-3000:]
-    assert "mxplus mxfp4-mbs on cpu (capability None): backends cpu-decode-test (M <= 16)" \
+    assert (
+        "mxplus mxfp4-mbs on cpu (capability None): backends cpu-decode-test (M <= 16)"
         " > reference (M >= 17)" in log
+    )

@@ -24,19 +24,27 @@ def _layer(prefix: str, scheme: str, seed: int = 0) -> tuple[torch.nn.Module, to
     layer = torch.nn.Module()
     layer.prefix = prefix
     layer.input_size_per_partition = K
-    layer.register_parameter("weight_packed", torch.nn.Parameter(
-        torch.zeros(N, K // 2, dtype=torch.uint8), requires_grad=False))
+    layer.register_parameter(
+        "weight_packed",
+        torch.nn.Parameter(torch.zeros(N, K // 2, dtype=torch.uint8), requires_grad=False),
+    )
     w = torch.randn(N, K) * 0.05
     q = quantize(w, get_scheme(scheme).weight_format)
     install_dequantized_weight(layer, q)
     return layer, q.dequantize(torch.float32)
 
 
-@pytest.mark.parametrize("prefix,want", [
-    ("model.layers.0.self_attn.kv_b_proj", True), ("kv_b_proj", True),
-    ("model.layers.0.self_attn.q_proj", False), ("model.layers.0.self_attn.kv_a_proj_with_mqa",
-                                                 False), ("", False)],
-    ids=["mla", "bare", "q_proj", "kv_a", "empty"])
+@pytest.mark.parametrize(
+    "prefix,want",
+    [
+        ("model.layers.0.self_attn.kv_b_proj", True),
+        ("kv_b_proj", True),
+        ("model.layers.0.self_attn.q_proj", False),
+        ("model.layers.0.self_attn.kv_a_proj_with_mqa", False),
+        ("", False),
+    ],
+    ids=["mla", "bare", "q_proj", "kv_a", "empty"],
+)
 def test_which_layers_attention_reads(prefix, want):
     layer = torch.nn.Module()
     layer.prefix = prefix

@@ -46,5 +46,7 @@ def test_committed_matrix_is_current(matrix):
     committed = json.loads(MATRIX_JSON.read_text())
     got = {a: {k: r[k] for k in KINDS} for a, r in matrix["archs"].items()}
     want = {a: {k: r[k] for k in KINDS} for a, r in committed["archs"].items()}
-    assert got == want, ("docs/model_matrix.json is stale: rerun with MXPLUS_UPDATE_MATRIX=1 "
-                         "and `python scripts/supported_models.py`")
+    assert got == want, (
+        "docs/model_matrix.json is stale: rerun with MXPLUS_UPDATE_MATRIX=1 "
+        "and `python scripts/supported_models.py`"
+    )

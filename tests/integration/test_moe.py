@@ -46,13 +46,22 @@ def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
     for i, prompt in enumerate(PROMPTS):
         toks, lps = res["tokens"][i], res["logprobs"][i]
         assert len(toks) == MOE_TOKENS
-        flip = next((j for j in range(MOE_TOKENS) if toks[j] != ref_tokens[i][j]
-                     or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL), MOE_TOKENS)
-        assert flip > 0, (f"{scheme}: {prompt!r} differs at the first token: {toks[0]} vs "
-                          f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs {ref_lps[i][0]:.6f}")
+        flip = next(
+            (
+                j
+                for j in range(MOE_TOKENS)
+                if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL
+            ),
+            MOE_TOKENS,
+        )
+        assert flip > 0, (
+            f"{scheme}: {prompt!r} differs at the first token: {toks[0]} vs "
+            f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs {ref_lps[i][0]:.6f}"
+        )
         identical += flip == MOE_TOKENS
     assert identical >= len(PROMPTS) - 1, (
-        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference")
+        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference"
+    )
 
 
 def _build(root: Path) -> dict[str, str]:
@@ -61,8 +70,10 @@ def _build(root: Path) -> dict[str, str]:
 
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 
-    m = {"q3": str(build_tiny_qwen3_moe(root / "q3")),
-         "mx": str(build_tiny_mixtral(root / "mx", layers=1, seed=1, dtype=torch.float32))}
+    m = {
+        "q3": str(build_tiny_qwen3_moe(root / "q3")),
+        "mx": str(build_tiny_mixtral(root / "mx", layers=1, seed=1, dtype=torch.float32)),
+    }
     for model, scheme in PRE:
         dst = root / f"{model}-{scheme}"
         quantize_checkpoint(m[model], dst, scheme, progress=False)
@@ -134,22 +145,36 @@ def test_moe_tp2_experts_sharded(tmp_path_factory, subprocess_env):
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("moe-tp")
-    src = str(build_tiny_qwen3_moe(root / "q3tp", hidden=256, moe_intermediate=256,
-                                   layers=1, experts=4, seed=2))
+    src = str(
+        build_tiny_qwen3_moe(
+            root / "q3tp", hidden=256, moe_intermediate=256, layers=1, experts=4, seed=2
+        )
+    )
     quantize_checkpoint(src, root / "q3tp-nvfp4", "nvfp4", progress=False)
-    jobs = [_job("tp-online-mbs", src, "mxfp4-mbs", tp=2),
-            _job("tp-pre-nvfp4", str(root / "q3tp-nvfp4"), None, tp=2),
-            # 64 of 128 expert columns per rank: not whole macro blocks -> clear error
-            _job("tp-bad", str(build_tiny_qwen3_moe(root / "q3odd", hidden=256,
-                                                       moe_intermediate=128, layers=1,
-                                                       experts=4)), "mxfp4-mbs", tp=2)]
+    jobs = [
+        _job("tp-online-mbs", src, "mxfp4-mbs", tp=2),
+        _job("tp-pre-nvfp4", str(root / "q3tp-nvfp4"), None, tp=2),
+        # 64 of 128 expert columns per rank: not whole macro blocks -> clear error
+        _job(
+            "tp-bad",
+            str(
+                build_tiny_qwen3_moe(
+                    root / "q3odd", hidden=256, moe_intermediate=128, layers=1, experts=4
+                )
+            ),
+            "mxfp4-mbs",
+            tp=2,
+        ),
+    ]
     res, log = run_driver(jobs, root, subprocess_env, tp=True)
     _check_against_reference(res["tp-online-mbs"], src, "mxfp4-mbs")
     _check_against_reference(res["tp-pre-nvfp4"], src, "nvfp4")
     # the worker's ValueError reaches the driver only as "Engine core initialization failed"
     assert res["tp-bad"]["error"], res["tp-bad"]
-    assert ("model.layers.0.mlp.experts: expert intermediate size per TP partition 64 "
-            "(moe_intermediate_size=128) is not a multiple of 128") in log
+    assert (
+        "model.layers.0.mlp.experts: expert intermediate size per TP partition 64 "
+        "(moe_intermediate_size=128) is not a multiple of 128"
+    ) in log
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4"])
@@ -182,12 +207,21 @@ def test_moe_reference_equals_per_token_linears(scheme):
     for t in range(m):
         for j in range(k):
             ex = int(ids[t, j])
-            gu = reference_linear(x[t:t + 1], w13[ex], None, s.activation_format,
-                                  per_row=per_row, out_dtype=torch.float32)
+            gu = reference_linear(
+                x[t : t + 1],
+                w13[ex],
+                None,
+                s.activation_format,
+                per_row=per_row,
+                out_dtype=torch.float32,
+            )
             act = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-            want[t] += wts[t, j] * reference_linear(
-                act, w2[ex], None, s.activation_format, per_row=per_row,
-                out_dtype=torch.float32)[0]
+            want[t] += (
+                wts[t, j]
+                * reference_linear(
+                    act, w2[ex], None, s.activation_format, per_row=per_row, out_dtype=torch.float32
+                )[0]
+            )
     # fp32 GEMM accumulation order (rows batched vs one row) is the only difference
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
@@ -200,5 +234,7 @@ def test_moe_execution_path_is_logged(moe_run):
     log = moe_run[1]
     if shutil.which("c++"):
         assert "mxplus mxfp4-mbs MoE experts on cpu: cpu-packed C++ kernels" in log
-    assert ("mxplus nvfp4 MoE experts on cpu: reference path (dequantized fp32 experts, "
-            "fake-quant activations) because cpu-packed: no CPU kernel for weights nvfp4") in log
+    assert (
+        "mxplus nvfp4 MoE experts on cpu: reference path (dequantized fp32 experts, "
+        "fake-quant activations) because cpu-packed: no CPU kernel for weights nvfp4"
+    ) in log

@@ -11,10 +11,12 @@ from vllm_mxplus.integration import moe_backends as mb
 from vllm_mxplus.integration.moe_cpu_backend import CpuPackedExperts, ReferenceExperts
 
 
-def _spec(scheme: str = "mxfp4-mbs", w: str = "mxfp4-mbs-d", a: str = "mxfp4-mbs-s",
-          device: str = "cpu") -> mb.MoESpec:
-    return mb.MoESpec(scheme=scheme, weight_format=w, activation_format=a, macro_block=128,
-                      device_type=device)
+def _spec(
+    scheme: str = "mxfp4-mbs", w: str = "mxfp4-mbs-d", a: str = "mxfp4-mbs-s", device: str = "cpu"
+) -> mb.MoESpec:
+    return mb.MoESpec(
+        scheme=scheme, weight_format=w, activation_format=a, macro_block=128, device_type=device
+    )
 
 
 class _Grouped(mb.ExpertBackend):
@@ -50,8 +52,11 @@ def test_grouped_kernel_slots_in_first(registry):
 def test_unsupported_capability_falls_back_to_reference_with_reason(registry, caplog):
     registry.register_expert_backend("cuda", _Grouped, priority=0)
     with caplog.at_level(logging.INFO, logger=mb.__name__):
-        got = registry.select_expert_backend(_spec(scheme="mxfp4-16-oas", w="mxfp4-16-oas",
-                                                   a="mxfp4-16-oas", device="cuda"), "cuda", 80)
+        got = registry.select_expert_backend(
+            _spec(scheme="mxfp4-16-oas", w="mxfp4-16-oas", a="mxfp4-16-oas", device="cuda"),
+            "cuda",
+            80,
+        )
     assert isinstance(got, ReferenceExperts)
     assert "grouped-test: needs sm_90" in caplog.text
 
@@ -59,15 +64,18 @@ def test_unsupported_capability_falls_back_to_reference_with_reason(registry, ca
 def test_import_failure_is_a_rejection(registry, caplog):
     registry.register_expert_backend("xpu", "no_such_module_xyz:Backend")
     with caplog.at_level(logging.INFO, logger=mb.__name__):
-        got = registry.select_expert_backend(_spec(scheme="mxfp4-ocp", w="mxfp4-ocp",
-                                                   a="mxfp4-ocp", device="xpu"), "xpu", None)
+        got = registry.select_expert_backend(
+            _spec(scheme="mxfp4-ocp", w="mxfp4-ocp", a="mxfp4-ocp", device="xpu"), "xpu", None
+        )
     assert isinstance(got, ReferenceExperts)
     assert "no_such_module_xyz:Backend: import failed (ModuleNotFoundError" in caplog.text
 
 
-@pytest.mark.parametrize("w,a,ok", [("mxfp4-mbs-d", "mxfp4-mbs-s", True),
-                                    ("nvfp4", "nvfp4", False), ("mxplus", "mxplus", False)],
-                         ids=["mbs", "nvfp4", "mxplus"])
+@pytest.mark.parametrize(
+    "w,a,ok",
+    [("mxfp4-mbs-d", "mxfp4-mbs-s", True), ("nvfp4", "nvfp4", False), ("mxplus", "mxplus", False)],
+    ids=["mbs", "nvfp4", "mxplus"],
+)
 def test_cpu_packed_takes_the_e8m0_pairs_only(w, a, ok):
     got, why = CpuPackedExperts.can_implement(_spec(w=w, a=a))
     assert got is ok

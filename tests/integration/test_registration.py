@@ -73,9 +73,12 @@ def test_from_config_rejects_mismatches(registered):
 
 def test_unquantized_modules_honored(registered):
     qc = registered["mxfp4-mbs"].from_config(
-        make_quantization_config("mxfp4-mbs", ["model.layers.1.mlp.down_proj", "o_proj"]))
-    qc.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                 "gate_up_proj": ["gate_proj", "up_proj"]}
+        make_quantization_config("mxfp4-mbs", ["model.layers.1.mlp.down_proj", "o_proj"])
+    )
+    qc.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     assert qc.is_skipped("lm_head")
     assert qc.is_skipped("model.layers.1.mlp.down_proj")
     assert not qc.is_skipped("model.layers.0.mlp.down_proj")

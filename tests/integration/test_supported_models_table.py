@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _script():
     spec = importlib.util.spec_from_file_location(
-        "supported_models", REPO / "scripts" / "supported_models.py")
+        "supported_models", REPO / "scripts" / "supported_models.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -19,7 +20,8 @@ def _script():
 
 def test_readme_table_is_current():
     assert _script().main(["--check"]) == 0, (
-        "README.md's Supported models table is stale: run `python scripts/supported_models.py`")
+        "README.md's Supported models table is stale: run `python scripts/supported_models.py`"
+    )
 
 
 def test_every_architecture_has_a_row():
@@ -32,8 +34,20 @@ def test_every_architecture_has_a_row():
 
 
 def test_render_marks_a_mismatch_loudly():
-    doc = {"scheme": "s", "prompts": 1, "tokens": 1, "archs": {"x": {
-        "architecture": "XForCausalLM", "what": "w", "hidden_size": 8, "online": "mismatch",
-        "online_note": "prompt 0 differs", "prequantized": "ok"}}}
+    doc = {
+        "scheme": "s",
+        "prompts": 1,
+        "tokens": 1,
+        "archs": {
+            "x": {
+                "architecture": "XForCausalLM",
+                "what": "w",
+                "hidden_size": 8,
+                "online": "mismatch",
+                "online_note": "prompt 0 differs",
+                "prequantized": "ok",
+            }
+        },
+    }
     row = _script().render(doc).splitlines()[-1]
     assert row == "| `XForCausalLM` | w | 8 | MISMATCH | yes | prompt 0 differs |"

@@ -35,15 +35,23 @@ def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
     for i, prompt in enumerate(PROMPTS):
         toks, lps = res["tokens"][i], res["logprobs"][i]
         assert len(toks) == MAX_TOKENS
-        flip = next((j for j in range(MAX_TOKENS)
-                     if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL),
-                    MAX_TOKENS)
-        assert flip > 0, (f"{scheme}: prompt {prompt!r} differs at the first token: "
-                          f"{toks[0]} vs {ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
-                          f"{ref_lps[i][0]:.6f}")
+        flip = next(
+            (
+                j
+                for j in range(MAX_TOKENS)
+                if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL
+            ),
+            MAX_TOKENS,
+        )
+        assert flip > 0, (
+            f"{scheme}: prompt {prompt!r} differs at the first token: "
+            f"{toks[0]} vs {ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
+            f"{ref_lps[i][0]:.6f}"
+        )
         identical += flip == MAX_TOKENS and toks == ref_tokens[i]
     assert identical >= MIN_IDENTICAL, (
-        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference")
+        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference"
+    )
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -66,8 +74,7 @@ def test_torch_compile_mode_matches_reference(driver_run, tiny_models):
     implementations and runs them: same tokens as the reference."""
     results, log = driver_run
     assert log.count("Warming up model for the compilation") == 1  # only this job compiles
-    _check_against_reference(results["compiled-mxfp4-mbs"], tiny_models["tiny256"],
-                             "mxfp4-mbs")
+    _check_against_reference(results["compiled-mxfp4-mbs"], tiny_models["tiny256"], "mxfp4-mbs")
 
 
 @pytest.mark.parametrize("kind", ["online320", "pre320"])

@@ -34,9 +34,11 @@ def pp_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pp_run(pp_models, tmp_path_factory, subprocess_env):
-    jobs = [{**gen_job("pp2-none", pp_models["src"], None), "pp": 2},
-            {**gen_job("pp2-online", pp_models["src"], "mxfp4-mbs"), "pp": 2},
-            {**gen_job("pp2-pre", pp_models["pre"], None), "pp": 2}]
+    jobs = [
+        {**gen_job("pp2-none", pp_models["src"], None), "pp": 2},
+        {**gen_job("pp2-online", pp_models["src"], "mxfp4-mbs"), "pp": 2},
+        {**gen_job("pp2-pre", pp_models["pre"], None), "pp": 2},
+    ]
     return run_driver(jobs, tmp_path_factory.mktemp("pp"), subprocess_env, tp=True)
 
 
@@ -47,8 +49,10 @@ def test_pp2_matches_single_process_reference(pp_run, pp_models, kind):
         # vLLM itself cannot run PP here: the quantized engines must fail the same way.
         assert VLLM_CPU_PP_FAILURE in log, log[-3000:]
         assert results[kind].get("error"), results[kind]
-        pytest.xfail("vLLM 0.32 CPU cannot run pipeline_parallel_size=2, also unquantized: "
-                     f"{results['pp2-none']['error']} (worker: assert "
-                     "self.intermediate_tensors is not None in "
-                     f"{VLLM_CPU_PP_FAILURE})")
+        pytest.xfail(
+            "vLLM 0.32 CPU cannot run pipeline_parallel_size=2, also unquantized: "
+            f"{results['pp2-none']['error']} (worker: assert "
+            "self.intermediate_tensors is not None in "
+            f"{VLLM_CPU_PP_FAILURE})"
+        )
     _check_against_reference(results[kind], pp_models["src"], "mxfp4-mbs")

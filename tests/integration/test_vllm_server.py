@@ -50,19 +50,38 @@ def _request(url: str, body=None, timeout: float = 120.0, raw: bytes | None = No
 def server(tiny_models, tmp_path_factory, subprocess_env):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_models["tiny256"],
-           "--quantization", "mxfp4-mbs", "--served-model-name", MODEL_NAME,
-           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--max-model-len", "256", "--max-num-seqs", "16", "--dtype", "bfloat16"]
-    log = open(log_path, "w")
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        tiny_models["tiny256"],
+        "--quantization",
+        "mxfp4-mbs",
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "16",
+        "--dtype",
+        "bfloat16",
+    ]
+    log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=subprocess_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + STARTUP_TIMEOUT_S
     try:
         while time.time() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n"
-                            f"{log_path.read_text()[-4000:]}")
+                pytest.fail(
+                    f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                )
             try:
                 if _request(base + "/health", timeout=5)[0] == 200:
                     break
@@ -70,8 +89,9 @@ def server(tiny_models, tmp_path_factory, subprocess_env):
                 pass
             time.sleep(1)
         else:
-            pytest.fail(f"vllm serve not ready in {STARTUP_TIMEOUT_S}s:\n"
-                        f"{log_path.read_text()[-4000:]}")
+            pytest.fail(
+                f"vllm serve not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}"
+            )
         yield base, proc, log_path
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -84,8 +104,14 @@ def server(tiny_models, tmp_path_factory, subprocess_env):
 
 
 def _completion(base: str, prompt: str, max_tokens: int = 16, **kw):
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, **kw}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **kw,
+    }
     return _request(base + "/v1/completions", body)
 
 
@@ -100,8 +126,12 @@ def test_completions(server):
 
 def test_chat_completions(server):
     base, _, _ = server
-    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0.0,
-            "messages": [{"role": "user", "content": "hello world"}]}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": "hello world"}],
+    }
     status, out = _request(base + "/v1/chat/completions", body)
     assert status == 200, out
     assert out["choices"][0]["message"]["role"] == "assistant"
@@ -128,8 +158,10 @@ def test_nan_request_does_not_disturb_others(server):
 def test_bounded_load_with_malformed_requests(server):
     """64 concurrent completions on loopback with 8 malformed requests among them."""
     base, proc, _ = server
-    valid = [{"prompt": f"one two {w} the", "max_tokens": 8 + i % 9}
-             for i, w in enumerate(["sun", "moon", "star", "sky"] * 14)]
+    valid = [
+        {"prompt": f"one two {w} the", "max_tokens": 8 + i % 9}
+        for i, w in enumerate(["sun", "moon", "star", "sky"] * 14)
+    ]
     malformed = [
         {"raw": b"{not json"},
         {"body": {"model": MODEL_NAME, "prompt": "hello", "max_tokens": -3}},

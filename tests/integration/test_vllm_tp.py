@@ -28,8 +28,7 @@ def tp_run(tiny_models, tmp_path_factory, subprocess_env):
 
 
 def test_tp2_online_mxfp4_mbs(tp_run, tiny_models):
-    _check_against_reference(tp_run[0]["tp-online-mxfp4-mbs"], tiny_models["tiny256"],
-                             "mxfp4-mbs")
+    _check_against_reference(tp_run[0]["tp-online-mxfp4-mbs"], tiny_models["tiny256"], "mxfp4-mbs")
 
 
 def test_tp2_prequantized_nvfp4(tp_run, tiny_models):

@@ -22,7 +22,74 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
-WORDS = ["the", "a", "an", "of", "to", "in", "and", "is", "was", "for", "on", "with", "as", "by", "at", "from", "it", "that", "this", "be", "are", "or", "not", "capital", "city", "france", "paris", "river", "water", "mountain", "sun", "moon", "star", "sky", "blue", "green", "red", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hello", "world", "model", "token", "number", "user", "assistant", "system", ":", ".", ",", "?", "!", "who", "what", "where", "when", "why", "how"]
+WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "and",
+    "is",
+    "was",
+    "for",
+    "on",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "it",
+    "that",
+    "this",
+    "be",
+    "are",
+    "or",
+    "not",
+    "capital",
+    "city",
+    "france",
+    "paris",
+    "river",
+    "water",
+    "mountain",
+    "sun",
+    "moon",
+    "star",
+    "sky",
+    "blue",
+    "green",
+    "red",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "hello",
+    "world",
+    "model",
+    "token",
+    "number",
+    "user",
+    "assistant",
+    "system",
+    ":",
+    ".",
+    ",",
+    "?",
+    "!",
+    "who",
+    "what",
+    "where",
+    "when",
+    "why",
+    "how",
+]
 POISON = "poison"  # the last vocabulary word of a model built with poison=True
 _IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 
@@ -40,8 +107,12 @@ def build_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<pad>")
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
@@ -58,64 +129,148 @@ class Arch:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _dense(hidden: int, inter: int, heads: int, kv: int, head_dim: int | None = None,
-           **kw: Any) -> dict[str, Any]:
-    return dict(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                num_key_value_heads=kv, head_dim=head_dim or hidden // heads, **kw)
+def _dense(
+    hidden: int, inter: int, heads: int, kv: int, head_dim: int | None = None, **kw: Any
+) -> dict[str, Any]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim or hidden // heads,
+        **kw,
+    )
 
 
 # Hidden sizes 192 / 320 (not multiples of 128: partial macro blocks) among them.
 ARCHS: dict[str, Arch] = {
-    "llama": Arch("LlamaConfig", "LlamaForCausalLM", _dense(256, 512, 4, 2),
-                  "baseline"),
-    "mistral": Arch("MistralConfig", "MistralForCausalLM",
-                    _dense(320, 576, 5, 1, 64, sliding_window=None), "GQA 5:1, hidden 320"),
-    "qwen2": Arch("Qwen2Config", "Qwen2ForCausalLM", _dense(320, 576, 5, 1, 64),
-                  "q/k/v bias, hidden 320"),
-    "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", _dense(256, 512, 4, 2, 64),
-                  "q/k norm"),
-    "gemma3": Arch("Gemma3TextConfig", "Gemma3ForCausalLM",
-                   _dense(320, 576, 4, 2, 64, sliding_window=16, query_pre_attn_scalar=64,
-                          layer_types=["sliding_attention", "full_attention"],
-                          tie_word_embeddings=True),
-                   "tied embeddings, GeGLU, sliding window, hidden 320"),
-    "phi3": Arch("Phi3Config", "Phi3ForCausalLM", _dense(320, 576, 5, 5, 64),
-                 "fused qkv_proj / gate_up_proj in the checkpoint, hidden 320"),
-    "olmo2": Arch("Olmo2Config", "Olmo2ForCausalLM", _dense(256, 512, 4, 4),
-                  "q/k norm over all heads, post-norms"),
-    "granite": Arch("GraniteConfig", "GraniteForCausalLM",
-                    _dense(192, 384, 3, 1, 64, embedding_multiplier=2.0,
-                           residual_multiplier=0.5, attention_multiplier=0.1,
-                           logits_scaling=2.0),
-                    "embedding / residual / logit multipliers, hidden 192"),
-    "qwen3_moe": Arch("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                      _dense(128, 256, 4, 2, 32, moe_intermediate_size=128, num_experts=8,
-                             num_experts_per_tok=2, norm_topk_prob=True,
-                             decoder_sparse_step=1, mlp_only_layers=[]),
-                      "MoE 8 experts top-2", moe=True),
-    "mixtral": Arch("MixtralConfig", "MixtralForCausalLM",
-                    _dense(128, 128, 4, 2, 32, num_local_experts=4, num_experts_per_tok=2,
-                           sliding_window=None),
-                    "MoE 4 experts top-2", moe=True),
-    "deepseek_v2": Arch("DeepseekV2Config", "DeepseekV2ForCausalLM",
-                        # vLLM's CPU MLA kernel needs kv_lora_rank + rope dim = 576
-                        {"hidden_size": 192, "intermediate_size": 384,
-                         "num_attention_heads": 4, "num_key_value_heads": 4,
-                         "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
-                         "qk_rope_head_dim": 64, "v_head_dim": 32,
-                         "moe_intermediate_size": 128, "n_routed_experts": 4,
-                         "n_shared_experts": 1, "num_experts_per_tok": 2,
-                         "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1,
-                         "topk_group": 1, "norm_topk_prob": False,
-                         "routed_scaling_factor": 1.0},
-                        "MLA (kv_b_proj read by attention), shared experts, hidden 192",
-                        moe=True),
-    "gpt_oss": Arch("GptOssConfig", "GptOssForCausalLM",
-                    _dense(192, 128, 4, 2, 64, num_local_experts=4, experts_per_token=2,
-                           sliding_window=16,
-                           layer_types=["sliding_attention", "full_attention"],
-                           rope_scaling=None),
-                    "MoE with expert biases, attention sinks, hidden 192", moe=True),
+    "llama": Arch("LlamaConfig", "LlamaForCausalLM", _dense(256, 512, 4, 2), "baseline"),
+    "mistral": Arch(
+        "MistralConfig",
+        "MistralForCausalLM",
+        _dense(320, 576, 5, 1, 64, sliding_window=None),
+        "GQA 5:1, hidden 320",
+    ),
+    "qwen2": Arch(
+        "Qwen2Config", "Qwen2ForCausalLM", _dense(320, 576, 5, 1, 64), "q/k/v bias, hidden 320"
+    ),
+    "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", _dense(256, 512, 4, 2, 64), "q/k norm"),
+    "gemma3": Arch(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _dense(
+            320,
+            576,
+            4,
+            2,
+            64,
+            sliding_window=16,
+            query_pre_attn_scalar=64,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+        ),
+        "tied embeddings, GeGLU, sliding window, hidden 320",
+    ),
+    "phi3": Arch(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        _dense(320, 576, 5, 5, 64),
+        "fused qkv_proj / gate_up_proj in the checkpoint, hidden 320",
+    ),
+    "olmo2": Arch(
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        _dense(256, 512, 4, 4),
+        "q/k norm over all heads, post-norms",
+    ),
+    "granite": Arch(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        _dense(
+            192,
+            384,
+            3,
+            1,
+            64,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+        "embedding / residual / logit multipliers, hidden 192",
+    ),
+    "qwen3_moe": Arch(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        _dense(
+            128,
+            256,
+            4,
+            2,
+            32,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "MoE 8 experts top-2",
+        moe=True,
+    ),
+    "mixtral": Arch(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        _dense(128, 128, 4, 2, 32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        "MoE 4 experts top-2",
+        moe=True,
+    ),
+    "deepseek_v2": Arch(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        # vLLM's CPU MLA kernel needs kv_lora_rank + rope dim = 576
+        {
+            "hidden_size": 192,
+            "intermediate_size": 384,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 32,
+            "moe_intermediate_size": 128,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+        },
+        "MLA (kv_b_proj read by attention), shared experts, hidden 192",
+        moe=True,
+    ),
+    "gpt_oss": Arch(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        _dense(
+            192,
+            128,
+            4,
+            2,
+            64,
+            num_local_experts=4,
+            experts_per_token=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_scaling=None,
+        ),
+        "MoE with expert biases, attention sinks, hidden 192",
+        moe=True,
+    ),
 }
 
 
@@ -128,8 +283,9 @@ def _randomize(model: torch.nn.Module, router_std: float, poison: bool) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith(("bias", "sinks")):
                 p.copy_(0.05 * torch.randn_like(p))
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
-                                "router.weight")):
+            elif name.endswith(
+                ("mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight")
+            ):
                 # wide router logits: top-k choices are not decided by rounding noise
                 p.copy_(router_std * torch.randn_like(p))
         if poison:
@@ -161,8 +317,14 @@ def build_tiny(
     a = ARCHS[arch]
     kw = {"tie_word_embeddings": False, **a.config, **overrides}
     cfg = getattr(transformers, a.config_cls)(
-        vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=512,
-        initializer_range=init_std, torch_dtype=dtype, **_IDS, **kw)
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        max_position_embeddings=512,
+        initializer_range=init_std,
+        torch_dtype=dtype,
+        **_IDS,
+        **kw,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, a.model_cls)(cfg).to(dtype)
     _randomize(model, router_std, poison)
@@ -173,36 +335,91 @@ def build_tiny(
     return path
 
 
-def build_tiny_llama(path: str | Path, *, hidden: int = 256, intermediate: int = 512,
-                     layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 512,
-                     **kw: Any) -> Path:
+def build_tiny_llama(
+    path: str | Path,
+    *,
+    hidden: int = 256,
+    intermediate: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    **kw: Any,
+) -> Path:
     """A random LlamaForCausalLM (see build_tiny for the other options)."""
-    return build_tiny("llama", path, layers=layers, vocab=vocab,
-                      **_dense(hidden, intermediate, heads, kv_heads), **kw)
+    return build_tiny(
+        "llama",
+        path,
+        layers=layers,
+        vocab=vocab,
+        **_dense(hidden, intermediate, heads, kv_heads),
+        **kw,
+    )
 
 
-def build_tiny_qwen3_moe(path: str | Path, *, hidden: int = 128, moe_intermediate: int = 128,
-                         layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 8,
-                         top_k: int = 2, **kw: Any) -> Path:
+def build_tiny_qwen3_moe(
+    path: str | Path,
+    *,
+    hidden: int = 128,
+    moe_intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    **kw: Any,
+) -> Path:
     """A random Qwen3MoeForCausalLM, every layer MoE, no shared expert; on disk
     `mlp.experts.{e}.{gate,up,down}_proj.weight` per expert and the router `mlp.gate`."""
-    return build_tiny("qwen3_moe", path, layers=layers, **_dense(
-        hidden, 2 * moe_intermediate, heads, kv_heads, hidden // heads,
-        moe_intermediate_size=moe_intermediate, num_experts=experts,
-        num_experts_per_tok=top_k), **kw)
+    return build_tiny(
+        "qwen3_moe",
+        path,
+        layers=layers,
+        **_dense(
+            hidden,
+            2 * moe_intermediate,
+            heads,
+            kv_heads,
+            hidden // heads,
+            moe_intermediate_size=moe_intermediate,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+        ),
+        **kw,
+    )
 
 
-def build_tiny_mixtral(path: str | Path, *, hidden: int = 128, intermediate: int = 128,
-                       layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 4,
-                       top_k: int = 2, **kw: Any) -> Path:
+def build_tiny_mixtral(
+    path: str | Path,
+    *,
+    hidden: int = 128,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 4,
+    top_k: int = 2,
+    **kw: Any,
+) -> Path:
     """A random MixtralForCausalLM (`block_sparse_moe.experts.{e}.w1/w2/w3` on disk)."""
-    return build_tiny("mixtral", path, layers=layers, **_dense(
-        hidden, intermediate, heads, kv_heads, hidden // heads, num_local_experts=experts,
-        num_experts_per_tok=top_k), **kw)
+    return build_tiny(
+        "mixtral",
+        path,
+        layers=layers,
+        **_dense(
+            hidden,
+            intermediate,
+            heads,
+            kv_heads,
+            hidden // heads,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+        ),
+        **kw,
+    )
 
 
-def prequantize(src: str | Path, dst: str | Path, scheme: str,
-                ignore: Iterable[str] = ()) -> Path:
+def prequantize(src: str | Path, dst: str | Path, scheme: str, ignore: Iterable[str] = ()) -> Path:
     """`mxplus quantize SRC DST --scheme SCHEME`: the offline quantizer's own code path."""
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 
@@ -210,8 +427,9 @@ def prequantize(src: str | Path, dst: str | Path, scheme: str,
     return Path(dst)
 
 
-def tamper_checkpoint(ckpt: str | Path, *, drop: Iterable[str] = (),
-                      reshape: dict[str, list[int]] | None = None) -> Path:
+def tamper_checkpoint(
+    ckpt: str | Path, *, drop: Iterable[str] = (), reshape: dict[str, list[int]] | None = None
+) -> Path:
     """Break a checkpoint on purpose: drop tensors, or replace them by zeros of a new shape
     (tests of the load-time errors)."""
     from safetensors.torch import load_file, save_file

@@ -32,25 +32,40 @@ def run_job(job: dict) -> dict:
     t0 = time.time()
     try:
         llm = LLM(
-            model=job["model"], quantization=job.get("quantization"), dtype=job["dtype"],
-            enforce_eager=job.get("eager", True), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+            model=job["model"],
+            quantization=job.get("quantization"),
+            dtype=job["dtype"],
+            enforce_eager=job.get("eager", True),
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
             seed=0,
-            tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
+            tensor_parallel_size=job.get("tp", 1),
+            pipeline_parallel_size=job.get("pp", 1),
             distributed_executor_backend=job.get("backend"),
         )
     except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
     t1 = time.time()
-    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
-                        logprobs=job.get("logprobs", 1))
+    sp = SamplingParams(
+        max_tokens=job["max_tokens"],
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=job.get("logprobs", 1),
+    )
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]]
     try:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     except Exception as e:  # noqa: BLE001 - e.g. an engine vLLM's CPU build loads, cannot run
         del llm
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
-    res = {"tokens": [], "logprobs": [], "error": None, "load_s": t1 - t0,
-           "gen_s": time.time() - t1}
+    res = {
+        "tokens": [],
+        "logprobs": [],
+        "error": None,
+        "load_s": t1 - t0,
+        "gen_s": time.time() - t1,
+    }
     for o in outs:
         c = o.outputs[0]
         res["tokens"].append(list(c.token_ids))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
@@ -14,9 +12,14 @@ from vllm_mxplus.ops.cutlass_prefill import CutlassPrefillBackend
 from vllm_mxplus.ops.fp8_chunks import CHUNK, Fp8ChunkLayout
 
 
-def emulated_fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor,
-                      b_scale: torch.Tensor, bias: Optional[torch.Tensor],
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def emulated_fp8_gemm(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_fp8: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The sm_90a kernel's arithmetic in fp64: sum_c sa[c,m] sb[c,n] (A_c B_c^T), + bias,
     rounded once to out_dtype (the bf16 epilogue, or the fp32 one then a cast)."""
     a = a_fp8.to(torch.float64).view(a_fp8.shape[0], -1, CHUNK)
@@ -40,7 +43,8 @@ def dequantize_folded(layout: Fp8ChunkLayout) -> torch.Tensor:
     """fp8 · scale, what the kernel multiplies by (fp32(1/F) folded): equal to x_hat within
     one fp32 rounding."""
     return (layout.fp8.to(torch.float32) * layout.scale.t().repeat_interleave(CHUNK, -1))[
-        :, : layout.k]
+        :, : layout.k
+    ]
 
 
 def scheme_supported(scheme: str) -> bool:

@@ -38,8 +38,10 @@ def test_bit_exact(fmt, m, k, dtype):
 @pytest.mark.parametrize("macro", [32, 64, 256])
 def test_macro_block_sizes(macro):
     x = torch.randn(4, 700)
-    assert _bits_equal(fast_fake_quantize(x, "mxfp4-mbs-s", macro),
-                       fake_quantize(x, "mxfp4-mbs-s", macro_block=macro))
+    assert _bits_equal(
+        fast_fake_quantize(x, "mxfp4-mbs-s", macro),
+        fake_quantize(x, "mxfp4-mbs-s", macro_block=macro),
+    )
 
 
 def test_leading_dims():

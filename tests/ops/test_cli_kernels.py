@@ -41,8 +41,12 @@ def test_aot_enumerates_configs_from_the_launchers():
 
     quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
     kernels = {c.kernel for cs in quick.values() for c in cs}
-    assert kernels == {"_mx_act_quant_kernel", "_nvfp4_act_quant_kernel",
-                       "_act_fp8_chunks_kernel", "_decode_gemm_kernel"}
+    assert kernels == {
+        "_mx_act_quant_kernel",
+        "_nvfp4_act_quant_kernel",
+        "_act_fp8_chunks_kernel",
+        "_decode_gemm_kernel",
+    }
     for name in aot.DRIVERS:
         assert set(quick[name]) <= set(full[name]) and len(full[name]) > len(quick[name])
     mx = [dict(c.constexprs) for c in full["act_quant"] if c.kernel == "_mx_act_quant_kernel"]
@@ -67,13 +71,15 @@ def test_aot_failure_rules():
     lines = aot.failures([ok, spill, smem, err])
     assert len(lines) == 3 and "84 bytes spilled" in lines[0] and "shared memory" in lines[1]
     table = aot.summarize([ok, spill, smem, err])
-    assert any(line.split()[:2] == ["_decode_gemm_kernel", "100"] and line.split()[-1] == "1"
-               for line in table)
+    assert any(
+        line.split()[:2] == ["_decode_gemm_kernel", "100"] and line.split()[-1] == "1"
+        for line in table
+    )
     with pytest.raises(ValueError, match="--targets"):
         aot.parse_targets("90,75")
 
 
-SPILLER = '''
+SPILLER = """
 import triton
 import triton.language as tl
 
@@ -85,7 +91,7 @@ def spiller(x_ptr, out_ptr, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs[:, None] * BLOCK + offs[None, :])
     s = tl.sum(x, axis=0)
     tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], x / s[None, :] + tl.exp(x))
-'''
+"""
 
 
 def _aot_env(tmp_path) -> dict:
@@ -107,9 +113,15 @@ def test_aot_reports_a_real_spill(tmp_path):
         "('out_ptr', '*fp32'), ('BLOCK', 'constexpr')), (('BLOCK', 128),), (0, 1), "
         "(('num_warps', 1),))\n"
         "r = aot.compile_config(cfg, 90)\n"
-        "print('RESULT', r.regs, r.spill_bytes, r.failed, repr(r.error))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=_aot_env(tmp_path), timeout=300)
+        "print('RESULT', r.regs, r.spill_bytes, r.failed, repr(r.error))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_aot_env(tmp_path),
+        timeout=300,
+    )
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, proc.stdout + proc.stderr[-3000:]
     _, regs, spill, failed, error = line[0].split(maxsplit=4)
@@ -123,13 +135,31 @@ def test_aot_quick_passes_for_hopper_and_blackwell(tmp_path):
     family with no spill and no shared-memory overflow (about 1-2 min on 2 cores), and
     leaves no private Triton cache behind."""
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_mxplus.cli", "kernels", "--aot", "--targets", "90,100",
-         "--quick", "--jobs", "2"], capture_output=True, text=True, env=_aot_env(tmp_path),
-        timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "vllm_mxplus.cli",
+            "kernels",
+            "--aot",
+            "--targets",
+            "90,100",
+            "--quick",
+            "--jobs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=_aot_env(tmp_path),
+        timeout=900,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    for kernel in ("_mx_act_quant_kernel", "_nvfp4_act_quant_kernel", "_act_fp8_chunks_kernel",
-                   "_decode_gemm_kernel"):
+    for kernel in (
+        "_mx_act_quant_kernel",
+        "_nvfp4_act_quant_kernel",
+        "_act_fp8_chunks_kernel",
+        "_decode_gemm_kernel",
+    ):
         rows = [ln.split() for ln in out.splitlines() if ln.startswith(kernel)]
         assert sorted(int(r[1]) for r in rows) == [90, 100], out
         assert all(r[4] == "0" and r[-1] == "0" for r in rows), out  # no spill, no failure

@@ -48,8 +48,9 @@ def test_reference_for_other_formats_with_reason(scheme, fresh_log, caplog):
 def test_disabled_kernels_fall_back_with_reason(monkeypatch, fresh_log, caplog):
     monkeypatch.setenv(cpu_kernels.ENV_DISABLE, "0")
     caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
-    chosen = select(LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu",
-                    None)
+    chosen = select(
+        LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu", None
+    )
     assert [b.name for b in chosen] == ["reference"]
     assert "VLLM_MXPLUS_CPU_KERNELS=0" in caplog.records[0].getMessage()
 
@@ -59,8 +60,9 @@ def test_failed_build_falls_back_with_reason(monkeypatch, fresh_log, caplog):
     monkeypatch.setattr(cpu_kernels, "_state", {"error": None, "loaded": None})
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
     caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
-    chosen = select(LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu",
-                    None)
+    chosen = select(
+        LinearSpec(scheme="mxfp4-mbs", n=8, k=64, out_dtype=torch.bfloat16), "cpu", None
+    )
     assert [b.name for b in chosen] == ["reference"]
     assert "no C++ compiler found" in caplog.records[0].getMessage()
 
@@ -84,7 +86,8 @@ def test_same_numbers_as_reference_backend(scheme, m):
     # packed bytes only (NVFP4: plus one fp32 global scale per row)
     assert held and all(t.dtype == torch.uint8 or t.numel() <= rows for t in held.values())
     assert sum(t.numel() * t.element_size() for t in held.values()) <= rows * (
-        k / 2 + k / 16 + k / 128 + 4)
+        k / 2 + k / 16 + k / 128 + 4
+    )
     y = d.apply(layer, x, bias)
     ref_layer = torch.nn.Module()
     ReferenceBackend().process_weights_after_loading(ref_layer, q, spec)

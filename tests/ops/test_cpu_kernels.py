@@ -22,10 +22,10 @@ import shutil
 import pytest
 import torch
 
-from vllm_mxplus.ops.backend import E8M0_PAIRS
 from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, quantize
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
+from vllm_mxplus.ops.backend import E8M0_PAIRS
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
@@ -86,8 +86,10 @@ def test_act_fake_quant_all_bf16_patterns(ck):
 @pytest.mark.parametrize("macro", [32, 64, 256])
 def test_act_macro_block_sizes(ck, macro):
     x = torch.randn(4, 700)
-    assert _bits_equal(ck.act_fake_quant(x, "mxfp4-mbs-s", macro),
-                       fake_quantize(x, "mxfp4-mbs-s", macro_block=macro))
+    assert _bits_equal(
+        ck.act_fake_quant(x, "mxfp4-mbs-s", macro),
+        fake_quantize(x, "mxfp4-mbs-s", macro_block=macro),
+    )
 
 
 def test_act_leading_dims(ck):
@@ -109,8 +111,9 @@ def _weight(k: int, n: int = 40, seed: int = 0) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s",
-                                 "mxfp4-mbs-d"])
+@pytest.mark.parametrize(
+    "fmt", ["mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-d"]
+)
 @pytest.mark.parametrize("k", [1, 16, 33, 100, 576, 1536], ids=lambda k: f"K{k}")
 def test_dequant_weight_bit_exact(ck, fmt, k):
     q = quantize(_weight(k, seed=k), fmt)
@@ -194,9 +197,11 @@ def _assert_within_bound(y, ref, out_dtype, k, wf, af):
     check = ~nan_ref & ~over & (scale <= torch.finfo(torch.float32).max)
     err = (yd - y_ref).abs()
     bad = check & ~(err <= bound)
-    assert not bad.any(), (f"{int(bad.sum())} outputs out of bound, first at "
-                           f"{bad.nonzero()[0].tolist()}: err {err[bad].max():.3g}, "
-                           f"bound {bound[bad].min():.3g}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} outputs out of bound, first at "
+        f"{bad.nonzero()[0].tolist()}: err {err[bad].max():.3g}, "
+        f"bound {bound[bad].min():.3g}"
+    )
     assert check.float().mean() > 0.3  # the comparison covers much of the output
 
 
@@ -227,16 +232,18 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
     q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     ref = _reference(x, q, "mxfp4-mbs-s", None)
-    bad = type(q)(codes=q.codes.clone(), scales=q.scales.clone(), fmt=q.fmt, shape=q.shape,
-                  mbs=q.mbs.clone())
+    bad = type(q)(
+        codes=q.codes.clone(), scales=q.scales.clone(), fmt=q.fmt, shape=q.shape, mbs=q.mbs.clone()
+    )
     if wrong == "mbs byte":
         bad.mbs[3, 1] ^= 1
     elif wrong == "scale code":
         bad.scales[3, 9] += 1
     else:
         bad.codes[3, 70] ^= 0x01
-    y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", bad.codes, bad.scales, bad.mbs, k, None,
-                     torch.float32)
+    y = ck.mx_linear(
+        x, "mxfp4-mbs-d", "mxfp4-mbs-s", bad.codes, bad.scales, bad.mbs, k, None, torch.float32
+    )
     with pytest.raises(AssertionError, match="out of bound"):
         _assert_within_bound(y, ref, torch.float32, k, "mxfp4-mbs-d", "mxfp4-mbs-s")
 
@@ -246,11 +253,18 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
 def test_linear_dtypes_no_bias_leading_dims(ck, out_dtype, m):
     q = quantize(torch.randn(24, 576) * 0.1, "mxfp4-mbs-d")
     x = torch.randn(2, m // 2, 576, dtype=torch.bfloat16)
-    y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 576, None,
-                     out_dtype)
+    y = ck.mx_linear(
+        x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 576, None, out_dtype
+    )
     assert y.shape == (2, m // 2, 24) and y.dtype == out_dtype
-    _assert_within_bound(y.reshape(m, 24), _reference(x.reshape(m, 576), q, "mxfp4-mbs-s", None),
-                         out_dtype, 576, "mxfp4-mbs-d", "mxfp4-mbs-s")
+    _assert_within_bound(
+        y.reshape(m, 24),
+        _reference(x.reshape(m, 576), q, "mxfp4-mbs-s", None),
+        out_dtype,
+        576,
+        "mxfp4-mbs-d",
+        "mxfp4-mbs-s",
+    )
 
 
 @pytest.mark.parametrize("m", [3, 40], ids=lambda m: f"M{m}")
@@ -261,36 +275,83 @@ def test_linear_nan_row_and_special_weights(ck, m):
     x[2, 5] = float("nan")
     x[1, 0] = float("inf")
     x[0] = 0.0
-    y = ck.mx_linear(x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 300, None,
-                     torch.float32)
+    y = ck.mx_linear(
+        x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 300, None, torch.float32
+    )
     assert torch.isnan(y[2]).all() and torch.isnan(y[1]).all()
     assert torch.isnan(y[:, 5:8]).all()  # NaN, Inf, and values beyond fp32 in weight rows 5..7
     assert torch.isfinite(y[0, 8:]).all() and torch.isfinite(y[3:, 8:]).all()
-    _assert_within_bound(y, _reference(x, q, "mxfp4-mbs-s", None), torch.float32, 300,
-                         "mxfp4-mbs-d", "mxfp4-mbs-s")
+    _assert_within_bound(
+        y, _reference(x, q, "mxfp4-mbs-s", None), torch.float32, 300, "mxfp4-mbs-d", "mxfp4-mbs-s"
+    )
 
 
 def test_empty_rows(ck):
     q = quantize(torch.randn(8, 64), "mxfp4-16-oas")
-    y = ck.mx_linear(torch.empty(0, 64), "mxfp4-16-oas", "mxfp4-16-oas", q.codes, q.scales, None,
-                     64, None, torch.bfloat16)
+    y = ck.mx_linear(
+        torch.empty(0, 64),
+        "mxfp4-16-oas",
+        "mxfp4-16-oas",
+        q.codes,
+        q.scales,
+        None,
+        64,
+        None,
+        torch.bfloat16,
+    )
     assert y.shape == (0, 8) and y.dtype == torch.bfloat16
 
 
 def test_bad_inputs_name_the_tensor(ck):
     q = quantize(torch.randn(8, 64), "mxfp4-mbs-d")
     with pytest.raises(RuntimeError, match="last dim 32 but the weight has K=64"):
-        ck.mx_linear(torch.randn(2, 32), "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs,
-                     64, None, torch.float32)
+        ck.mx_linear(
+            torch.randn(2, 32),
+            "mxfp4-mbs-d",
+            "mxfp4-mbs-s",
+            q.codes,
+            q.scales,
+            q.mbs,
+            64,
+            None,
+            torch.float32,
+        )
     with pytest.raises(RuntimeError, match="weight scales"):
-        ck.mx_linear(torch.randn(2, 64), "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales[:, :2],
-                     q.mbs, 64, None, torch.float32)
+        ck.mx_linear(
+            torch.randn(2, 64),
+            "mxfp4-mbs-d",
+            "mxfp4-mbs-s",
+            q.codes,
+            q.scales[:, :2],
+            q.mbs,
+            64,
+            None,
+            torch.float32,
+        )
     with pytest.raises(RuntimeError, match="MBS bytes"):
-        ck.mx_linear(torch.randn(2, 64), "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales,
-                     q.mbs[:4], 64, None, torch.float32)
+        ck.mx_linear(
+            torch.randn(2, 64),
+            "mxfp4-mbs-d",
+            "mxfp4-mbs-s",
+            q.codes,
+            q.scales,
+            q.mbs[:4],
+            64,
+            None,
+            torch.float32,
+        )
     with pytest.raises(RuntimeError, match="bias has 3 elements"):
-        ck.mx_linear(torch.randn(2, 64), "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs,
-                     64, torch.randn(3), torch.float32)
+        ck.mx_linear(
+            torch.randn(2, 64),
+            "mxfp4-mbs-d",
+            "mxfp4-mbs-s",
+            q.codes,
+            q.scales,
+            q.mbs,
+            64,
+            torch.randn(3),
+            torch.float32,
+        )
     wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 64, "mxfp4-mbs-d")
     args = ck.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", 8, 64)
     with pytest.raises(RuntimeError, match="packed weight codes must be"):
@@ -310,8 +371,9 @@ def test_ops_trace_and_check(ck):
     ops = torch.ops.vllm_mxplus
     torch.library.opcheck(ops.cpu_pack_weight.default, (q.codes, q.scales, q.mbs, 130, 16, 128))
     q32 = quantize(torch.randn(20, 130), "mxfp4-ocp")  # no MBS bytes, block 32
-    torch.library.opcheck(ops.cpu_pack_weight.default,
-                          (q32.codes, q32.scales, ck.empty_mbs(), 130, 32, 128))
+    torch.library.opcheck(
+        ops.cpu_pack_weight.default, (q32.codes, q32.scales, ck.empty_mbs(), 130, 32, 128)
+    )
     wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 130, "mxfp4-mbs-d")
     args = (x, 16, 2, True, 128, wc, ws, wm, 20, 130, 16, None, torch.bfloat16)
     torch.library.opcheck(ops.cpu_mx_linear.default, args)
@@ -372,8 +434,9 @@ print("PORTABLE-OK", ck.cflags()[0])
 """
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512", "x86-64"],
-                         ids=["avx2", "avx512-no-vnni", "portable"])
+@pytest.mark.parametrize(
+    "march", ["x86-64-v3", "skylake-avx512", "x86-64"], ids=["avx2", "avx512-no-vnni", "portable"]
+)
 def test_other_instruction_sets(march):
     """The AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512)
     and the portable C++ (x86-64) give values within the same bounds (E8M0 and NVFP4,
@@ -388,6 +451,11 @@ def test_other_instruction_sets(march):
         pytest.skip("these -march targets only exist on x86-64")
     env = dict(os.environ, VLLM_MXPLUS_CPU_MARCH=march, OMP_NUM_THREADS="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", _PORTABLE_SCRIPT, here], env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", _PORTABLE_SCRIPT, here],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0 and f"PORTABLE-OK -march={march}" in r.stdout, r.stdout + r.stderr

@@ -83,8 +83,11 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _check(y, x, q, bias, act_g=None):
-    xq = (fake_quantize(x, "nvfp4", per_row=True) if act_g is None
-          else fake_quant_nvfp4_rows(x, act_g)).double()
+    xq = (
+        fake_quantize(x, "nvfp4", per_row=True)
+        if act_g is None
+        else fake_quant_nvfp4_rows(x, act_g)
+    ).double()
     w = q.dequantize().double()
     ref = xq @ w.T + (0 if bias is None else bias.double())
     scale = xq.abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
@@ -98,8 +101,10 @@ def _check(y, x, q, bias, act_g=None):
     assert torch.equal(torch.isnan(y), nan_ref), "NaN pattern differs"
     err = (y.double() - ref).abs()
     bad = ~nan_ref & ~(err <= bound)
-    assert not bad.any(), (f"{int(bad.sum())} outputs out of bound: err {err[bad].max():.3g}, "
-                           f"bound {bound[bad].min():.3g}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} outputs out of bound: err {err[bad].max():.3g}, "
+        f"bound {bound[bad].min():.3g}"
+    )
     assert (~nan_ref).float().mean() > 0.3
 
 
@@ -132,8 +137,13 @@ def test_bound_catches_a_wrong_scale(ck):
     k = 256
     q = quantize(torch.randn(24, k) * 0.05, "nvfp4")
     x = torch.randn(6, k)
-    bad = type(q)(codes=q.codes, scales=q.scales.clone(), fmt=q.fmt, shape=q.shape,
-                  global_scale=q.global_scale)
+    bad = type(q)(
+        codes=q.codes,
+        scales=q.scales.clone(),
+        fmt=q.fmt,
+        shape=q.shape,
+        global_scale=q.global_scale,
+    )
     bad.scales.view(torch.uint8)[3, 5] += 1  # the next E4M3 value
     y = ck.nvfp4_linear_packed(x, 24, k, *ck.pack_nvfp4(bad), None, torch.float32)
     with pytest.raises(AssertionError, match="out of bound"):
@@ -156,7 +166,8 @@ def test_bad_inputs_name_the_tensor(ck):
     with pytest.raises(RuntimeError, match="weight global scales"):
         ck.nvfp4_linear_packed(torch.randn(2, 64), 8, 64, wc, ws, wg[:3], None, torch.float32)
     with pytest.raises(RuntimeError, match="act_global_scale has 1 elements"):
-        ck.nvfp4_linear_packed(torch.randn(2, 64), 8, 64, wc, ws, wg, None, torch.float32,
-                               torch.ones(1))
+        ck.nvfp4_linear_packed(
+            torch.randn(2, 64), 8, 64, wc, ws, wg, None, torch.float32, torch.ones(1)
+        )
     with pytest.raises(ValueError, match="2-D nvfp4 weight"):
         ck.pack_nvfp4(quantize(torch.randn(8, 64), "mxfp4-ocp"))

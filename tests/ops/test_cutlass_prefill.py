@@ -13,12 +13,12 @@ import os
 
 import pytest
 import torch
-
 from cutlass_helpers import (  # tests/ops, on sys.path under pytest
     dequantize_folded,
     emulated_sm90,  # noqa: F401  (a fixture, used through pytest.mark.usefixtures)
     scheme_supported,
 )
+
 from vllm_mxplus.formats import qsnr, quantize
 from vllm_mxplus.formats.e2m1 import pack_fp4
 from vllm_mxplus.ops import cutlass_ext, cutlass_gemm, cutlass_ops
@@ -75,7 +75,7 @@ def test_folded_scale_within_one_rounding():
     q = quantize(torch.randn(16, 512), "mxfp4-mbs-d")
     lay = fc.encode_fp8_chunks(q.codes, q.scales, q.mbs, 512)
     x_hat = q.dequantize()
-    rel = ((dequantize_folded(lay) - x_hat).abs() / x_hat.abs().clamp_min(1e-30))
+    rel = (dequantize_folded(lay) - x_hat).abs() / x_hat.abs().clamp_min(1e-30)
     assert rel.max().item() <= 2.0**-23
 
 
@@ -120,8 +120,11 @@ def test_detector_flags_nan_blocks():
 
 @pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m,n,k", [(33, 40, 576), (100, 64, 256), (5, 24, 1000)],
-                         ids=["M33-K576", "M100-K256", "M5-K1000"])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(33, 40, 576), (100, 64, 256), (5, 24, 1000)],
+    ids=["M33-K576", "M100-K256", "M5-K1000"],
+)
 def test_prefill_fallback_matches_reference(monkeypatch, m, n, k, with_bias):
     """Out-of-span activation rows (split into two FP8 operands) and weight rows take the
     exact fallback; the rest goes through the (emulated) kernel. Compared with the fp64
@@ -173,8 +176,9 @@ def test_prefill_fallback_overflow_is_nan_not_wrong(monkeypatch, cap):
 
 
 @pytest.mark.usefixtures("emulated_sm90")
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_prefill_produces_model_dtype(out_dtype):
     """The output is the model's dtype, rounded once from the fp32 result: an fp16 / fp32
     model never sees bf16 rounding (nor a bf16-rounded bias)."""
@@ -201,11 +205,19 @@ def test_fake_impls_give_shapes():
         a = torch.empty(10, 256, dtype=torch.float8_e4m3fn)
         b = torch.empty(24, 256, dtype=torch.float8_e4m3fn)
         y = torch.ops.vllm_mxplus.cutlass_fp8_chunk_gemm(
-            a, torch.empty(2, 10), b, torch.empty(2, 24), None, torch.bfloat16)
+            a, torch.empty(2, 10), b, torch.empty(2, 24), None, torch.bfloat16
+        )
         z = torch.ops.vllm_mxplus.cutlass_fp4_mbs_gemm(
-            torch.empty(10, 128, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8),
-            torch.empty(24, 128, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8),
-            torch.empty(2, 10), torch.empty(2, 24), None, True, torch.float16)
+            torch.empty(10, 128, dtype=torch.uint8),
+            torch.empty(1, dtype=torch.uint8),
+            torch.empty(24, 128, dtype=torch.uint8),
+            torch.empty(1, dtype=torch.uint8),
+            torch.empty(2, 10),
+            torch.empty(2, 24),
+            None,
+            True,
+            torch.float16,
+        )
     assert y.shape == (10, 24) and y.dtype == torch.bfloat16
     assert z.shape == (10, 24) and z.dtype == torch.float16
 
@@ -218,8 +230,10 @@ def test_backend_reports_why_unavailable_on_cpu():
         assert not ok and "CUDA" in why
 
 
-@pytest.mark.parametrize("scheme,ok", [("mxfp4-mbs", True), ("mxfp4-mbs-s", True),
-                                       ("mxfp4-ocp", False), ("nvfp4", False)])
+@pytest.mark.parametrize(
+    "scheme,ok",
+    [("mxfp4-mbs", True), ("mxfp4-mbs-s", True), ("mxfp4-ocp", False), ("nvfp4", False)],
+)
 def test_backend_scheme_support(scheme, ok):
     assert scheme_supported(scheme) == ok
 
@@ -261,8 +275,10 @@ def test_gpu_prefill_vs_fp64_reference(kernel_arch, m, n, k, with_bias):
 @pytest.mark.gpu
 def test_gpu_out_of_span_rows_fall_back(kernel_arch):
     m, n, k = 64, 256, 1024
-    qx, qw = quantize(_data(m, k, 3).cuda(), "mxfp4-mbs-s"), quantize(_data(n, k, 4).cuda(),
-                                                                     "mxfp4-mbs-d")
+    qx, qw = (
+        quantize(_data(m, k, 3).cuda(), "mxfp4-mbs-s"),
+        quantize(_data(n, k, 4).cuda(), "mxfp4-mbs-d"),
+    )
     w = cutlass_gemm.prepare_weight(qw, kernel_arch)
     y = cutlass_gemm.prefill_gemm(qx.codes, qx.scales, qx.mbs, k, w, None, torch.bfloat16)
     ref = qx.dequantize().double() @ qw.dequantize().double().T
@@ -282,15 +298,24 @@ def test_gpu_sm100_mbs_vs_plain(kernel_arch):
     assert not w.use_mbs  # no MBS on either side: one full-K launch
     w_mbs = cutlass_gemm.prepare_weight(qw, "sm100a", activation_mbs=True)
     sig_x = cutlass_ops.sigma_chunks(None, m, k, qx.codes.device)
-    y_mbs = cutlass_ops.fp4_mbs_gemm(qx.codes, cutlass_ops.pack_scales_sm100(qx.scales, k),
-                                     w_mbs.codes, w_mbs.sf, sig_x, w_mbs.sigma, None, True,
-                                     torch.bfloat16)
+    y_mbs = cutlass_ops.fp4_mbs_gemm(
+        qx.codes,
+        cutlass_ops.pack_scales_sm100(qx.scales, k),
+        w_mbs.codes,
+        w_mbs.sf,
+        sig_x,
+        w_mbs.sigma,
+        None,
+        True,
+        torch.bfloat16,
+    )
     assert qsnr(y_plain.double(), y_mbs.double()) >= 45.0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_gpu_prefill_output_dtype(kernel_arch, out_dtype):
     """The kernels produce the model's dtype (no bf16 detour for fp16 / fp32 models)."""
     m, n, k = 64, 256, 1024
@@ -300,7 +325,7 @@ def test_gpu_prefill_output_dtype(kernel_arch, out_dtype):
     bias = (torch.randn(n, generator=g) * 3).to(out_dtype).cuda()
     w = cutlass_gemm.prepare_weight(qw, kernel_arch)
     y = cutlass_gemm.prefill_gemm(qx.codes, qx.scales, qx.mbs, k, w, bias, out_dtype)
-    ref = (qx.dequantize().double() @ qw.dequantize().double().T + bias.double())
+    ref = qx.dequantize().double() @ qw.dequantize().double().T + bias.double()
     mag = qx.dequantize().double().abs() @ qw.dequantize().double().abs().T + bias.double().abs()
     half_ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
     assert y.dtype == out_dtype
@@ -337,7 +362,19 @@ def test_prefill_op_passes_opcheck():
     m, n, k = 9, 16, 256
     qx, qw = quantize(_data(m, k, 5), "mxfp4-mbs-s"), quantize(_data(n, k, 6), "mxfp4-mbs-d")
     w = cutlass_gemm.prepare_weight(qw, "sm90a")
-    args = (qx.codes, qx.scales, qx.mbs, k, w.layout.fp8, w.layout.scale, w.fallback_idx,
-            w.fallback_w, None, w.n, torch.bfloat16)
-    torch.library.opcheck(torch.ops.vllm_mxplus.cutlass_prefill_sm90.default, args,
-                          test_utils=("test_faketensor",))  # test_schema: no fp8 compare on CPU
+    args = (
+        qx.codes,
+        qx.scales,
+        qx.mbs,
+        k,
+        w.layout.fp8,
+        w.layout.scale,
+        w.fallback_idx,
+        w.fallback_w,
+        None,
+        w.n,
+        torch.bfloat16,
+    )
+    torch.library.opcheck(
+        torch.ops.vllm_mxplus.cutlass_prefill_sm90.default, args, test_utils=("test_faketensor",)
+    )  # test_schema: no fp8 compare on CPU

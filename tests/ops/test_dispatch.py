@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ class _Decode(LinearBackend):
     covers_all_m = False
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]):
+    def is_supported(cls, platform: str, capability: int | None):
         if capability is None or capability < 90:
             return False, f"needs capability >= 90, got {capability}"
         return True, ""
@@ -121,7 +120,8 @@ def test_backend_serving_every_m_ends_the_list(registry):
     assert [b.name for b in chosen] == ["fake-decode", "fake-all-m"]
     layer = torch.nn.Module()
     LinearDispatch(SPEC, chosen).process_weights_after_loading(
-        layer, quantize(torch.randn(32, 256), "mxfp4-mbs-d"))
+        layer, quantize(torch.randn(32, 256), "mxfp4-mbs-d")
+    )
     assert not hasattr(layer, "mxplus_weight_fp32")  # the reference never prepared weights
 
 
@@ -137,18 +137,21 @@ class _Packed(LinearBackend):
     name = "packed"
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]):
+    def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
     def process_weights_after_loading(self, layer, qweight, spec):
-        set_packed_buffers(layer, tuple(f"{self.name}_{a}" for a in ("codes", "scales", "mbs")),
-                           (qweight.codes.clone(), qweight.scales.clone(), qweight.mbs.clone()))
+        set_packed_buffers(
+            layer,
+            tuple(f"{self.name}_{a}" for a in ("codes", "scales", "mbs")),
+            (qweight.codes.clone(), qweight.scales.clone(), qweight.mbs.clone()),
+        )
 
     def apply(self, layer, x, bias, spec, act_global_scale=None):
         return torch.zeros((*x.shape[:-1], spec.n))
 
 
-def _packed(name: str, lo: int, hi: Optional[int]) -> type[LinearBackend]:
+def _packed(name: str, lo: int, hi: int | None) -> type[LinearBackend]:
     return type(name, (_Packed,), {"name": name, "min_m": lo, "max_m": hi})
 
 
@@ -170,12 +173,21 @@ COMBOS = {
     "decode+prefill": ([DEC, PRE], ["decode", "prefill"], 2 * PACKED_BPW),
     "all-m": ([_packed("all", 1, None), DEC], ["all"], PACKED_BPW),
     "shadowed": ([DEC, _packed("decode8", 1, 8), PRE], ["decode", "prefill"], 2 * PACKED_BPW),
-    "three-ranges": ([DEC, _packed("mid", 17, 64), _packed("big", 65, None)],
-                     ["decode", "mid", "big"], 3 * PACKED_BPW),
-    "gap-17-32": ([DEC, _packed("big", 33, None)], ["decode", "big", "reference"],
-                  2 * PACKED_BPW + FP32_BPW),
-    "legacy+prefill": ([_LegacyDecode, PRE], ["legacy-decode", "prefill", "reference"],
-                       2 * PACKED_BPW + FP32_BPW),
+    "three-ranges": (
+        [DEC, _packed("mid", 17, 64), _packed("big", 65, None)],
+        ["decode", "mid", "big"],
+        3 * PACKED_BPW,
+    ),
+    "gap-17-32": (
+        [DEC, _packed("big", 33, None)],
+        ["decode", "big", "reference"],
+        2 * PACKED_BPW + FP32_BPW,
+    ),
+    "legacy+prefill": (
+        [_LegacyDecode, PRE],
+        ["legacy-decode", "prefill", "reference"],
+        2 * PACKED_BPW + FP32_BPW,
+    ),
 }
 
 
@@ -189,7 +201,8 @@ def test_bytes_per_weight_by_backend_combination(registry, combo):
     assert [b.name for b in chosen] == want_names
     layer = torch.nn.Module()
     LinearDispatch(spec, chosen).process_weights_after_loading(
-        layer, quantize(torch.randn(spec.n, spec.k), "mxfp4-mbs-d"))
+        layer, quantize(torch.randn(spec.n, spec.k), "mxfp4-mbs-d")
+    )
     held = sum(t.nbytes for t in [*layer.parameters(), *layer.buffers()])
     assert held / (spec.n * spec.k) == pytest.approx(want_bpw)
     assert hasattr(layer, WEIGHT_ATTR) == ("reference" in want_names)
@@ -200,7 +213,13 @@ def test_gap_is_served_by_the_reference(registry):
     register_backend("cuda", _packed("big", 33, None))
     d = LinearDispatch(SPEC, select(SPEC, "cuda", 90))
     assert [d.pick(m).name for m in (1, 16, 17, 32, 33, 4096)] == [
-        "decode", "decode", "reference", "reference", "big", "big"]
+        "decode",
+        "decode",
+        "reference",
+        "reference",
+        "big",
+        "big",
+    ]
 
 
 def test_selection_log_names_the_m_ranges(registry, caplog):
@@ -212,18 +231,32 @@ def test_selection_log_names_the_m_ranges(registry, caplog):
     assert "decode (M <= 16) > big (M >= 33) > reference (M >= 17)" in msg
 
 
-@pytest.mark.parametrize("ranges,lo,hi,want", [
-    ([], 1, None, 1),
-    ([(1, None)], 1, None, None),
-    ([(1, 16)], 1, None, 17),
-    ([(17, None)], 1, None, 1),
-    ([(17, None), (1, 16)], 1, None, None),
-    ([(1, 16), (33, None)], 1, None, 17),
-    ([(1, 16), (10, 40), (41, None)], 1, None, None),
-    ([(1, 16)], 1, 8, None),
-    ([(1, 16)], 10, 20, 17),
-    ([(5, 9)], 1, 4, 1),
-], ids=["none", "all", "decode", "prefill", "both", "gap", "overlap", "inside", "straddle",
-        "below"])
+@pytest.mark.parametrize(
+    "ranges,lo,hi,want",
+    [
+        ([], 1, None, 1),
+        ([(1, None)], 1, None, None),
+        ([(1, 16)], 1, None, 17),
+        ([(17, None)], 1, None, 1),
+        ([(17, None), (1, 16)], 1, None, None),
+        ([(1, 16), (33, None)], 1, None, 17),
+        ([(1, 16), (10, 40), (41, None)], 1, None, None),
+        ([(1, 16)], 1, 8, None),
+        ([(1, 16)], 10, 20, 17),
+        ([(5, 9)], 1, 4, 1),
+    ],
+    ids=[
+        "none",
+        "all",
+        "decode",
+        "prefill",
+        "both",
+        "gap",
+        "overlap",
+        "inside",
+        "straddle",
+        "below",
+    ],
+)
 def test_first_uncovered_m(ranges, lo, hi, want):
     assert first_uncovered_m(ranges, lo, hi) == want

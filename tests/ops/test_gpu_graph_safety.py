@@ -32,14 +32,25 @@ from vllm_mxplus.ops.fp8_chunks import Fp8ChunkLayout
 
 aten = torch.ops.aten
 HOST_SYNC_OPS = {
-    aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,
-    aten.is_nonzero.default, aten.equal.default, aten._unique2.default, aten.unique_dim.default,
-    aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.allclose.default,
+    aten.nonzero.default,
+    aten._local_scalar_dense.default,
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.allclose.default,
     aten._assert_async.default,
 }
 
-MASK_INDEX_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-                  aten._index_put_impl_.default}
+MASK_INDEX_OPS = {
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+    aten._index_put_impl_.default,
+}
 
 
 class GraphSafetyViolation(AssertionError):
@@ -59,13 +70,18 @@ class GraphSafetyGuard(TorchDispatchMode):
         if func in HOST_SYNC_OPS:
             raise GraphSafetyViolation(f"host sync: {func}")
         if func in MASK_INDEX_OPS and any(
-                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                for i in (args[1] or ())):
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in (args[1] or ())
+        ):
             raise GraphSafetyViolation(f"boolean-mask indexing (a nonzero inside): {func}")
-        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)]
+        inputs = [
+            t
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
         if any(t.device.type == DEVICE for t in inputs) and any(
-                t.device.type == "cpu" and t.dim() > 0 for t in inputs):
+            t.device.type == "cpu" and t.dim() > 0 for t in inputs
+        ):
             raise GraphSafetyViolation(f"CPU tensor fed to a CUDA op (host-to-device): {func}")
         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
@@ -92,20 +108,29 @@ def _e(shape, dtype=torch.float32):
 
 def _sm90_weight(n: int, k: int, with_fallback: bool) -> PreparedWeight:
     nc, npad = -(-k // 128), -(-n // 8) * 8
-    lay = Fp8ChunkLayout(fp8=_e((npad, nc * 128), torch.float8_e4m3fn), scale=_e((nc, npad)),
-                         ref=_e((npad, nc), torch.int32), mbs=_e((npad, nc), torch.uint8),
-                         exact=_e((npad, nc), torch.bool), k=k)
+    lay = Fp8ChunkLayout(
+        fp8=_e((npad, nc * 128), torch.float8_e4m3fn),
+        scale=_e((nc, npad)),
+        ref=_e((npad, nc), torch.int32),
+        mbs=_e((npad, nc), torch.uint8),
+        exact=_e((npad, nc), torch.bool),
+        k=k,
+    )
     idx = _e((3,), torch.int64) if with_fallback else _e((0,), torch.int64)
     fw = _e((3, k)) if with_fallback else None
     return PreparedWeight("sm90a", n, k, True, layout=lay, fallback_idx=idx, fallback_w=fw)
 
 
-SM90_CASES = [("mxfp4-mbs-s", True, True), ("mxfp4-16-oas", False, False),
-              ("mxfp4-mbs-s", False, True)]
+SM90_CASES = [
+    ("mxfp4-mbs-s", True, True),
+    ("mxfp4-16-oas", False, False),
+    ("mxfp4-mbs-s", False, True),
+]
 
 
-@pytest.mark.parametrize("fmt,with_fallback,with_bias", SM90_CASES,
-                         ids=["mbs-fallbackw-bias", "oas-plain", "mbs-bias"])
+@pytest.mark.parametrize(
+    "fmt,with_fallback,with_bias", SM90_CASES, ids=["mbs-fallbackw-bias", "oas-plain", "mbs-bias"]
+)
 @pytest.mark.parametrize("m", [1, 33, 100], ids=["M1", "M33", "M100"])
 def test_sm90_prefill_from_codes_is_graph_safe(fmt, with_fallback, with_bias, m):
     k, n = 576, 40
@@ -114,9 +139,20 @@ def test_sm90_prefill_from_codes_is_graph_safe(fmt, with_fallback, with_bias, m)
         w = _sm90_weight(n, k, with_fallback)
         bias = _e((n,), torch.bfloat16) if with_bias else None
         x_mbs = _e((m, nc), torch.uint8) if "mbs" in fmt else None
-        y, ops = _checked(cutlass_gemm.prefill_sm90_impl, _e((m, k // 2), torch.uint8),
-                          _e((m, k // 16), torch.uint8), x_mbs, k, w.layout.fp8,
-                          w.layout.scale, w.fallback_idx, w.fallback_w, bias, n, torch.float16)
+        y, ops = _checked(
+            cutlass_gemm.prefill_sm90_impl,
+            _e((m, k // 2), torch.uint8),
+            _e((m, k // 16), torch.uint8),
+            x_mbs,
+            k,
+            w.layout.fp8,
+            w.layout.scale,
+            w.fallback_idx,
+            w.fallback_w,
+            bias,
+            n,
+            torch.float16,
+        )
     assert y.shape == (m, n) and y.dtype == torch.float16 and y.device.type == DEVICE
     assert "aten.nonzero_static.default" in ops  # the fallback ran (not skipped)
 
@@ -128,11 +164,23 @@ def test_sm90_fused_prefill_is_graph_safe(fmt, m):
     nc = -(-k // 128)
     if True:  # the tensors below live on DEVICE
         w = _sm90_weight(n, k, True)
-        y, ops = _checked(cutlass_gemm.prefill_sm90_fused_impl, _e((m, k), torch.bfloat16), fmt,
-                          _e((m, nc * 128), torch.float8_e4m3fn), _e((nc, m)),
-                          _e((m, nc), torch.int32), _e((m, nc), torch.uint8),
-                          _e((m, nc), torch.bool), w.layout.fp8, w.layout.scale, w.fallback_idx,
-                          w.fallback_w, _e((n,), torch.bfloat16), n, torch.bfloat16)
+        y, ops = _checked(
+            cutlass_gemm.prefill_sm90_fused_impl,
+            _e((m, k), torch.bfloat16),
+            fmt,
+            _e((m, nc * 128), torch.float8_e4m3fn),
+            _e((nc, m)),
+            _e((m, nc), torch.int32),
+            _e((m, nc), torch.uint8),
+            _e((m, nc), torch.bool),
+            w.layout.fp8,
+            w.layout.scale,
+            w.fallback_idx,
+            w.fallback_w,
+            _e((n,), torch.bfloat16),
+            n,
+            torch.bfloat16,
+        )
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
 
 
@@ -144,22 +192,35 @@ def test_sm100_prefill_is_graph_safe(monkeypatch, use_mbs, m):
     from vllm_mxplus.ops import cutlass_ops
 
     # the SF packer is a CUDA kernel of the extension: a fake stand-in of its output shape
-    monkeypatch.setattr(cutlass_gemm, "pack_scales_sm100",
-                        lambda s, k, chunk=128: torch.empty(s.shape[0] * k // 16,
-                                                            dtype=torch.uint8, device=s.device))
+    monkeypatch.setattr(
+        cutlass_gemm,
+        "pack_scales_sm100",
+        lambda s, k, chunk=128: torch.empty(
+            s.shape[0] * k // 16, dtype=torch.uint8, device=s.device
+        ),
+    )
     calls = []
     real = cutlass_ops.fp4_mbs_gemm
-    monkeypatch.setattr(cutlass_gemm, "fp4_mbs_gemm",
-                        lambda *a: calls.append(a[7]) or real(*a))
+    monkeypatch.setattr(cutlass_gemm, "fp4_mbs_gemm", lambda *a: calls.append(a[7]) or real(*a))
     k, n = 576, 40
     kp, nc = 640, 5
     if True:  # the tensors below live on DEVICE
         x_mbs = _e((m, nc), torch.uint8) if use_mbs else None
         w_sigma = _e((nc, 40)) if use_mbs else _e((0,))
-        y, _ = _checked(cutlass_gemm.prefill_sm100_impl, _e((m, k // 2), torch.uint8),
-                        _e((m, k // 16), torch.uint8), x_mbs, k, _e((40, kp // 2), torch.uint8),
-                        _e((40 * kp // 16,), torch.uint8), w_sigma, _e((n,), torch.float16), n,
-                        use_mbs, torch.float32)
+        y, _ = _checked(
+            cutlass_gemm.prefill_sm100_impl,
+            _e((m, k // 2), torch.uint8),
+            _e((m, k // 16), torch.uint8),
+            x_mbs,
+            k,
+            _e((40, kp // 2), torch.uint8),
+            _e((40 * kp // 16,), torch.uint8),
+            w_sigma,
+            _e((n,), torch.float16),
+            n,
+            use_mbs,
+            torch.float32,
+        )
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert calls == [use_mbs]
 
@@ -170,8 +231,9 @@ def test_cutlass_backend_apply_is_graph_safe(scheme):
     if True:  # the tensors below live on DEVICE
         layer = types.SimpleNamespace()
         setattr(layer, CutlassPrefillBackend.WEIGHT_ATTR, _sm90_weight(40, 576, True))
-        y, ops = _checked(CutlassPrefillBackend().apply, layer, _e((2, 50, 576), torch.bfloat16),
-                          None, spec)
+        y, ops = _checked(
+            CutlassPrefillBackend().apply, layer, _e((2, 50, 576), torch.bfloat16), None, spec
+        )
     assert y.shape == (2, 50, 40)
     assert any("vllm_mxplus" in op for op in ops)  # went through the custom ops
 
@@ -192,10 +254,23 @@ def test_triton_decode_is_graph_safe(scheme, m):
     with capture_launches() as launches:
         x = _e((m, k), torch.bfloat16)
         (codes, scales, mbs, _), _ = _checked(lambda t: act_quant(t, s.activation_format), x)
-        w = (_e((n, k // 2), torch.uint8), _e((n, k // wf.block_size), torch.uint8),
-             _e((n, 5), torch.uint8) if wf.mbs else None)
-        y, _ = _checked(lambda: decode_gemm(codes, scales, mbs, *w, k, _e((n,), torch.bfloat16),
-                                            torch.bfloat16, block_size=wf.block_size))
+        w = (
+            _e((n, k // 2), torch.uint8),
+            _e((n, k // wf.block_size), torch.uint8),
+            _e((n, 5), torch.uint8) if wf.mbs else None,
+        )
+        y, _ = _checked(
+            lambda: decode_gemm(
+                codes,
+                scales,
+                mbs,
+                *w,
+                k,
+                _e((n,), torch.bfloat16),
+                torch.bfloat16,
+                block_size=wf.block_size,
+            )
+        )
     assert y.shape == (m, n) and len(launches) == 2
     assert (mbs is not None) == bool(af.mbs)
 
@@ -206,13 +281,17 @@ def _old_sigma_chunks(mbs, rows, k):
     return m
 
 
-@pytest.mark.parametrize("bad", [
-    lambda x: x[x > 0],                      # boolean mask: a sync
-    lambda x: (x > 0).nonzero(),             # the old sm_90a fallback
-    lambda x: x.sum().item(),                # .item()
-    lambda x: x + torch.ones(x.shape[-1]),   # a CPU tensor into a CUDA op
-    lambda x: _old_sigma_chunks(None, x.shape[0], 576),  # the old sm_100a sigma_chunks
-], ids=["mask", "nonzero", "item", "h2d", "cpu-alloc"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x: x[x > 0],  # boolean mask: a sync
+        lambda x: (x > 0).nonzero(),  # the old sm_90a fallback
+        lambda x: x.sum().item(),  # .item()
+        lambda x: x + torch.ones(x.shape[-1]),  # a CPU tensor into a CUDA op
+        lambda x: _old_sigma_chunks(None, x.shape[0], 576),  # the old sm_100a sigma_chunks
+    ],
+    ids=["mask", "nonzero", "item", "h2d", "cpu-alloc"],
+)
 def test_guard_catches_unsafe_patterns(bad):
     with pytest.raises(GraphSafetyViolation):
         _checked(bad, _e((4, 8)))
@@ -228,10 +307,24 @@ def test_triton_backend_apply_is_graph_safe(scheme):
     wf = get_format(s.weight_format)
     n, k = 256, 576
     spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16, device_type="cuda")
-    layer = types.SimpleNamespace(**dict(zip(ATTRS, (
-        _e((n, k // 2), torch.uint8), _e((n, k // wf.block_size), torch.uint8),
-        _e((n, 5), torch.uint8) if wf.mbs else None))))
-    y, ops = _checked(TritonDecodeBackend().apply, layer, _e((3, k), torch.bfloat16),
-                      _e((n,), torch.bfloat16), spec)
+    layer = types.SimpleNamespace(
+        **dict(
+            zip(
+                ATTRS,
+                (
+                    _e((n, k // 2), torch.uint8),
+                    _e((n, k // wf.block_size), torch.uint8),
+                    _e((n, 5), torch.uint8) if wf.mbs else None,
+                ),
+            )
+        )
+    )
+    y, ops = _checked(
+        TritonDecodeBackend().apply,
+        layer,
+        _e((3, k), torch.bfloat16),
+        _e((n,), torch.bfloat16),
+        spec,
+    )
     assert y.shape == (3, n)
     assert any("triton_decode_gemm" in op for op in ops)

@@ -9,7 +9,6 @@ traced at one M runs for every M. `compile_like_vllm` does the same.
 from __future__ import annotations
 
 import gc
-from typing import Optional
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ class _Marker(LinearBackend):
     calls: list[int] = []
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]):
+    def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
     def process_weights_after_loading(self, layer, qweight, spec):
@@ -67,8 +66,11 @@ def _layer(candidates, prefix: str = "") -> tuple[torch.nn.Module, LinearDispatc
 
 def _dispatch_calls(gm: torch.fx.GraphModule) -> int:
     """How many linear_dispatch calls a Dynamo graph holds (packet or overload)."""
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
-               and "vllm_mxplus.linear_dispatch" in str(n.target))
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "vllm_mxplus.linear_dispatch" in str(n.target)
+    )
 
 
 def _marked(m: int) -> torch.Tensor:
@@ -98,9 +100,11 @@ def test_python_branch_is_frozen_by_this_compile_setup():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("first,then", [(100, 1), (1, 100), (16, 17), (17, 16)],
-                         ids=["trace100-run1", "trace1-run100", "trace16-run17",
-                              "trace17-run16"])
+@pytest.mark.parametrize(
+    "first,then",
+    [(100, 1), (1, 100), (16, 17), (17, 16)],
+    ids=["trace100-run1", "trace1-run100", "trace16-run17", "trace17-run16"],
+)
 def test_compiled_dispatch_picks_by_m_on_every_call(first, then):
     layer, d = _layer([_Decode(), _Prefill()], prefix="model.layers.0.mlp.down_proj")
     fn, counter = compile_like_vllm(lambda x: d.apply(layer, x, None))
@@ -121,8 +125,12 @@ def test_one_op_in_the_graph_and_fake_gives_shape_and_dtype():
     layer, d = _layer([_Decode(), _Prefill()])
     spec16 = LinearSpec(scheme="mxfp4-mbs", n=24, k=64, out_dtype=torch.bfloat16)
     d.spec = spec16
-    fn = torch.compile(lambda x: d.apply(layer, x, None) + 1, fullgraph=True, backend=grab,
-                       options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+    fn = torch.compile(
+        lambda x: d.apply(layer, x, None) + 1,
+        fullgraph=True,
+        backend=grab,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+    )
     y = fn(_marked(5))
     assert y.dtype == torch.bfloat16 and y.shape == (5, 24)
     assert _dispatch_calls(graphs[0]) == 1

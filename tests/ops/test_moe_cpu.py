@@ -38,19 +38,30 @@ def test_packed_experts_match_reference(scheme, m, with_map):
     def rows(q, n):
         return q.dequantize().reshape(e, n, -1)[local]
 
-    want = moe_experts_reference(x, rows(q13, 2 * i), rows(q2, h), wts, ids,
-                                 s.activation_format, per_row=False, expert_map=expert_map)
+    want = moe_experts_reference(
+        x,
+        rows(q13, 2 * i),
+        rows(q2, h),
+        wts,
+        ids,
+        s.activation_format,
+        per_row=False,
+        expert_map=expert_map,
+    )
 
     def packed(q, n):
-        sub = type(q)(codes=q.codes.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
-                      scales=q.scales.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
-                      fmt=q.fmt, shape=torch.Size((len(local) * n, q.shape[-1])),
-                      mbs=None if q.mbs is None else
-                      q.mbs.reshape(e, n, -1)[local].reshape(len(local) * n, -1))
+        sub = type(q)(
+            codes=q.codes.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
+            scales=q.scales.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
+            fmt=q.fmt,
+            shape=torch.Size((len(local) * n, q.shape[-1])),
+            mbs=None
+            if q.mbs is None
+            else q.mbs.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
+        )
         return PackedExperts.from_rows(sub, len(local), s.activation_format, 128)
 
-    got = moe_experts_packed(x, packed(q13, 2 * i), packed(q2, h), wts, ids,
-                             expert_map=expert_map)
+    got = moe_experts_packed(x, packed(q13, 2 * i), packed(q2, h), wts, ids, expert_map=expert_map)
     assert got.dtype == torch.bfloat16 and got.shape == (m, h)
     assert not torch.equal(got, torch.zeros_like(got))
     # bf16 outputs: equal up to one bf16 rounding of the intermediate casts (h, y) that

@@ -50,8 +50,10 @@ def _assert_within_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bi
     bound = (k + 1) * 2.0**-24 * scale + rel * y64.abs()
     err = (out.double() - y64).abs()
     bad = err > bound
-    assert not bad.any(), (f"{int(bad.sum())} outputs out of bound, first at "
-                           f"{tuple(bad.nonzero()[0].tolist())}: err {err[bad].max():.3g}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} outputs out of bound, first at "
+        f"{tuple(bad.nonzero()[0].tolist())}: err {err[bad].max():.3g}"
+    )
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -70,8 +72,10 @@ def test_reference_backend_equals_spec(scheme, m, k, n):
     assert torch.equal(getattr(layer, WEIGHT_ATTR), _independent(w, spec.weight_format))
     s = get_scheme(scheme)
     per_row = s.activation_format == "nvfp4"
-    assert torch.equal(fake_quant_activation(x, s.activation_format, per_row, 128),
-                       _independent(x, s.activation_format, per_row=True))
+    assert torch.equal(
+        fake_quant_activation(x, s.activation_format, per_row, 128),
+        _independent(x, s.activation_format, per_row=True),
+    )
     out = backend.apply(layer, x, bias, spec)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     _assert_within_bound(out, x, w, bias, scheme)
@@ -94,8 +98,13 @@ def test_fake_quant_linear_matches_reference_backend(scheme):
 
 
 def test_apply_fake_quant_skips_lm_head():
-    model = nn.ModuleDict({"layer": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
-                           "lm_head": nn.Linear(64, 10), "embed": nn.Embedding(10, 64)})
+    model = nn.ModuleDict(
+        {
+            "layer": nn.ModuleDict({"q_proj": nn.Linear(64, 64)}),
+            "lm_head": nn.Linear(64, 10),
+            "embed": nn.Embedding(10, 64),
+        }
+    )
     replaced = apply_fake_quant(model, "mxfp4-mbs")
     assert replaced == ["layer.q_proj"]
     assert isinstance(model["layer"]["q_proj"], FakeQuantLinear)
@@ -130,8 +139,9 @@ def test_empty_batch():
 def test_nvfp4_rows_with_own_global_equals_per_row_format():
     x = torch.randn(33, 200)
     g = nvfp4_row_global_scale(x)
-    torch.testing.assert_close(fake_quant_nvfp4_rows(x, g),
-                               fake_quantize(x, "nvfp4", per_row=True), atol=0, rtol=0)
+    torch.testing.assert_close(
+        fake_quant_nvfp4_rows(x, g), fake_quantize(x, "nvfp4", per_row=True), atol=0, rtol=0
+    )
 
 
 def test_nvfp4_shard_with_whole_row_global_equals_unsharded():
@@ -139,8 +149,9 @@ def test_nvfp4_shard_with_whole_row_global_equals_unsharded():
     x = torch.randn(5, 256)
     g = nvfp4_row_global_scale(x)
     halves = [fake_quant_nvfp4_rows(h.contiguous(), g) for h in x.split(128, dim=-1)]
-    torch.testing.assert_close(torch.cat(halves, -1), fake_quantize(x, "nvfp4", per_row=True),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        torch.cat(halves, -1), fake_quantize(x, "nvfp4", per_row=True), atol=0, rtol=0
+    )
 
 
 def test_custom_op_traces_under_torch_compile():

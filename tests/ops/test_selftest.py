@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Optional
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ class _Exact(LinearBackend):
     runs = 0
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]):
+    def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
     def process_weights_after_loading(self, layer, qweight, spec):
@@ -39,8 +38,12 @@ class _Exact(LinearBackend):
 
     def apply(self, layer, x, bias, spec, act_global_scale=None):
         type(self).runs += 1
-        xq = fake_quantize(x.float(), spec.activation_format, macro_block=spec.macro_block,
-                           per_row=spec.activation_per_row).double()
+        xq = fake_quantize(
+            x.float(),
+            spec.activation_format,
+            macro_block=spec.macro_block,
+            per_row=spec.activation_per_row,
+        ).double()
         w = layer.w_hat.double()
         b = bias.double()
         y64 = xq @ w.T + b
@@ -51,8 +54,9 @@ class _Exact(LinearBackend):
         return y
 
 
-def _step_out(y: torch.Tensor, y64: torch.Tensor, bound: torch.Tensor, r: int, c: int,
-              beyond: bool) -> torch.Tensor:
+def _step_out(
+    y: torch.Tensor, y64: torch.Tensor, bound: torch.Tensor, r: int, c: int, beyond: bool
+) -> torch.Tensor:
     """Move y[r, c] up one output-dtype ulp at a time: to the first value beyond the bound
     (beyond=True) or the last one within it."""
     inf = torch.tensor(float("inf"), dtype=y.dtype)
@@ -269,10 +273,17 @@ def triton_decode(triton_device):
         def selftest_activation(self, x, spec):
             from vllm_mxplus.ops.custom_ops import act_quant_op
 
-            codes, scales, mbs, _ = act_quant_op(x, spec.activation_format,
-                                                 macro_block=spec.macro_block)
-            return QuantizedTensor(codes=codes, scales=scales, fmt=spec.activation_format,
-                                   shape=x.shape, mbs=mbs, macro_block=spec.macro_block)
+            codes, scales, mbs, _ = act_quant_op(
+                x, spec.activation_format, macro_block=spec.macro_block
+            )
+            return QuantizedTensor(
+                codes=codes,
+                scales=scales,
+                fmt=spec.activation_format,
+                shape=x.shape,
+                mbs=mbs,
+                macro_block=spec.macro_block,
+            )
 
     return _SelfTested, triton_device
 

@@ -18,13 +18,13 @@ import types
 
 import pytest
 import torch
+from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/ops on sys.path)
 
 from vllm_mxplus.formats import quantize
-from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/ops on sys.path)
 from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
 from vllm_mxplus.ops import fp8_chunks as fc
-from vllm_mxplus.ops.cutlass_prefill import CutlassPrefillBackend
 from vllm_mxplus.ops.backend import LinearSpec
+from vllm_mxplus.ops.cutlass_prefill import CutlassPrefillBackend
 from vllm_mxplus.ops.triton_act_fp8 import (
     SUPPORTED_FORMATS,
     act_quant_fp8_chunks,
@@ -90,8 +90,12 @@ def activations(m: int, k: int, dtype: torch.dtype, device, seed: int = 0) -> to
     blk = (torch.rand(m, nb, generator=gen) * (spread + 1)).floor() - spread // 2
     x *= torch.exp2(blk).repeat_interleave(16, -1)[:, :k]
     grid = torch.randint(-63, 64, (m, k), generator=gen) / 8.0
-    grid = grid * torch.exp2(torch.randint(-4, 4, (m, nb), generator=gen).float()
-                             ).repeat_interleave(16, -1)[:, :k]
+    grid = (
+        grid
+        * torch.exp2(torch.randint(-4, 4, (m, nb), generator=gen).float()).repeat_interleave(
+            16, -1
+        )[:, :k]
+    )
     x = torch.where(torch.rand(m, k, generator=gen) < 0.3, grid, x)
     x = torch.where(torch.rand(m, k, generator=gen) < 0.002, x * 50.0, x)
     x = torch.where(torch.rand(m, k, generator=gen) < 0.01, torch.full_like(x, -0.0), x)
@@ -103,16 +107,16 @@ def activations(m: int, k: int, dtype: torch.dtype, device, seed: int = 0) -> to
 CASES = list(itertools.product(FORMATS, MS, KS, DTYPES))
 
 
-@pytest.mark.parametrize("fmt,m,k,dtype", CASES,
-                         ids=[f"{f}-M{m}-K{k}-{d}" for f, m, k, d in CASES])
+@pytest.mark.parametrize("fmt,m,k,dtype", CASES, ids=[f"{f}-M{m}-K{k}-{d}" for f, m, k, d in CASES])
 def test_bit_exact_random(fmt, m, k, dtype, triton_device):
     check_bit_exact(activations(m, k, DTYPES[dtype], triton_device, seed=m * k + 1), fmt)
 
 
 def test_random_data_hits_both_kinds_of_chunk():
     """The random cases above exercise exact and inexact chunks (else they prove less)."""
-    want = reference_layout(activations(100, 1536, torch.bfloat16, "cpu", seed=100 * 1536 + 1),
-                            "mxfp4-mbs-s")
+    want = reference_layout(
+        activations(100, 1536, torch.bfloat16, "cpu", seed=100 * 1536 + 1), "mxfp4-mbs-s"
+    )
     assert want.exact.any() and (~want.exact).any()
     assert (want.mbs != 0).any()
 
@@ -138,7 +142,7 @@ def special_rows(dtype: torch.dtype, k: int = 576) -> torch.Tensor:
     x[7, 1::2] = -info.max
     x[8] = x[8] * info.tiny  # smallest normals: ref < MIN_EXACT_REF
     x[9, 100:200] = float("nan")  # crosses a chunk boundary
-    x[10, k - 20:] = 0.0  # zero tail in the partial chunk
+    x[10, k - 20 :] = 0.0  # zero tail in the partial chunk
     x[11] = torch.linspace(-6.0, 6.0, k)  # many E2M1 ties
     x[12, :16] = 1.75 * 2.0**3  # OAS / floor edges
     x[12, 16:32] = 1.5 * 2.0**-5
@@ -225,8 +229,11 @@ def test_custom_op_matches_and_traces(triton_device):
     x = activations(3, 160, torch.bfloat16, triton_device, seed=2)
     for fmt in FORMATS:
         assert_same_layout(act_quant_fp8_chunks_op(x, fmt), act_quant_fp8_chunks(x, fmt))
-        torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_fp8_chunks.default,
-                              (x, fmt, 128), test_utils=("test_faketensor",))
+        torch.library.opcheck(
+            torch.ops.vllm_mxplus.triton_act_fp8_chunks.default,
+            (x, fmt, 128),
+            test_utils=("test_faketensor",),
+        )
 
     def fn(t):
         lay = act_quant_fp8_chunks_op(t, "mxfp4-mbs-s")
@@ -240,11 +247,14 @@ def test_custom_op_matches_and_traces(triton_device):
 
 # ----------------------------------------------------------------------------- prefill wiring
 
+
 @pytest.mark.usefixtures("emulated_sm90")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("fmt,dtype", [("mxfp4-mbs-s", torch.bfloat16),
-                                       ("mxfp4-16-oas", torch.float16)],
-                         ids=["mbs-s-bf16", "oas-fp16"])
+@pytest.mark.parametrize(
+    "fmt,dtype",
+    [("mxfp4-mbs-s", torch.bfloat16), ("mxfp4-16-oas", torch.float16)],
+    ids=["mbs-s-bf16", "oas-fp16"],
+)
 def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_device):
     """prefill_gemm_from_x (fused encoder, fallback from fake_quantize(x_rows)) gives the
     same bf16 output, bit for bit, as act-quant + prefill_gemm (torch encoder, fallback from
@@ -256,8 +266,9 @@ def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_devic
     x[17, 500:516] *= 2.0**-18
     g = torch.Generator().manual_seed(22)
     e = torch.randint(-12, 12, (n, k // 16), generator=g).repeat_interleave(16, -1)
-    qw = quantize((torch.randn(n, k, generator=g) * torch.exp2(e.float())).to(triton_device),
-                  "mxfp4-mbs-d")
+    qw = quantize(
+        (torch.randn(n, k, generator=g) * torch.exp2(e.float())).to(triton_device), "mxfp4-mbs-d"
+    )
     w = cutlass_gemm.prepare_weight(qw, "sm90a")
     bias = torch.randn(n, generator=g).to(torch.bfloat16).to(triton_device) if with_bias else None
     xl = act_quant_fp8_chunks(x, fmt)
@@ -282,8 +293,9 @@ def test_backend_apply_uses_fused_path(monkeypatch, triton_device):
     setattr(layer, CutlassPrefillBackend.WEIGHT_ATTR, cutlass_gemm.prepare_weight(qw, "sm90a"))
     x = activations(2 * 9, k, torch.bfloat16, triton_device, seed=4).reshape(2, 9, k)
     q = quantize(x.reshape(-1, k), spec.activation_format)
-    want = cutlass_gemm.prefill_gemm(q.codes, q.scales, q.mbs, k, layer.mxplus_cutlass_weight, None,
-                           torch.float16)
+    want = cutlass_gemm.prefill_gemm(
+        q.codes, q.scales, q.mbs, k, layer.mxplus_cutlass_weight, None, torch.float16
+    )
 
     def no_torch_encoder(*args, **kwargs):
         raise AssertionError("activations went through encode_fp8_chunks")
@@ -301,15 +313,35 @@ def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     qw = quantize(torch.randn(16, 256).to(triton_device), "mxfp4-mbs-d")
     w = cutlass_gemm.prepare_weight(qw, "sm90a")
     x = activations(20, 256, torch.bfloat16, triton_device, seed=3)
-    compiled = torch.compile(lambda t: cutlass_gemm.prefill_gemm_from_x(t, "mxfp4-mbs-s", w, None),
-                             backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda t: cutlass_gemm.prefill_gemm_from_x(t, "mxfp4-mbs-s", w, None),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     want = cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
     assert torch.equal(compiled(x).view(torch.int16), want.view(torch.int16))
     xl = act_quant_fp8_chunks(x, "mxfp4-mbs-s")
-    args = (x, "mxfp4-mbs-s", xl.fp8, xl.scale, xl.ref, xl.mbs, xl.exact, w.layout.fp8,
-            w.layout.scale, w.fallback_idx, w.fallback_w, None, w.n, torch.bfloat16)
-    torch.library.opcheck(torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused.default, args,
-                          test_utils=("test_faketensor",))
+    args = (
+        x,
+        "mxfp4-mbs-s",
+        xl.fp8,
+        xl.scale,
+        xl.ref,
+        xl.mbs,
+        xl.exact,
+        w.layout.fp8,
+        w.layout.scale,
+        w.fallback_idx,
+        w.fallback_w,
+        None,
+        w.n,
+        torch.bfloat16,
+    )
+    torch.library.opcheck(
+        torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused.default,
+        args,
+        test_utils=("test_faketensor",),
+    )
 
 
 def test_fused_prefill_op_fake():
@@ -318,11 +350,24 @@ def test_fused_prefill_op_fake():
     with FakeTensorMode():
         x = torch.empty(10, 300, dtype=torch.bfloat16)
         fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(
-            x, "mxfp4-mbs-s", 128)
+            x, "mxfp4-mbs-s", 128
+        )
         y = torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
-            x, "mxfp4-mbs-s", fp8, scale, ref, mbs, exact,
-            torch.empty(24, 384, dtype=torch.float8_e4m3fn), torch.empty(3, 24),
-            None, None, None, 20, torch.bfloat16)
+            x,
+            "mxfp4-mbs-s",
+            fp8,
+            scale,
+            ref,
+            mbs,
+            exact,
+            torch.empty(24, 384, dtype=torch.float8_e4m3fn),
+            torch.empty(3, 24),
+            None,
+            None,
+            None,
+            20,
+            torch.bfloat16,
+        )
     assert fp8.shape == (10, 384) and fp8.dtype == torch.float8_e4m3fn
     assert scale.shape == (3, 10) and ref.dtype == torch.int32 and exact.dtype == torch.bool
     assert y.shape == (10, 20) and y.dtype == torch.bfloat16

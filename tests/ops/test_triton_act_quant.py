@@ -57,8 +57,12 @@ def activations(m: int, k: int, dtype: torch.dtype, device, seed: int = 0) -> to
     x *= torch.exp2(torch.randint(-12, 6, (m, 1), generator=gen).float())
     x *= torch.exp2(torch.randint(-3, 4, (m, k), generator=gen).float())  # spread inside rows
     grid = torch.randint(-63, 64, (m, k), generator=gen) / 8.0
-    grid = grid * torch.exp2(torch.randint(-4, 4, (m, k // 16 + 1), generator=gen).float()
-                             ).repeat_interleave(16, -1)[:, :k]
+    grid = (
+        grid
+        * torch.exp2(
+            torch.randint(-4, 4, (m, k // 16 + 1), generator=gen).float()
+        ).repeat_interleave(16, -1)[:, :k]
+    )
     use_grid = torch.rand(m, k, generator=gen) < 0.3
     x = torch.where(use_grid, grid, x)
     outliers = torch.rand(m, k, generator=gen) < 0.002
@@ -72,9 +76,7 @@ def activations(m: int, k: int, dtype: torch.dtype, device, seed: int = 0) -> to
 # interpreter's runtime modest (each listed M, K and dtype still appears for every format).
 _FULL = list(itertools.product(MS, KS, DTYPES))
 _SUB = [(m, k, d) for i, (m, k, d) in enumerate(_FULL) if i % 3 == 0 or (m, k) == (33, 576)]
-CASES = [("mxfp4-mbs-s", *c) for c in _FULL] + [
-    (f, *c) for f in FORMATS[1:] for c in _SUB
-]
+CASES = [("mxfp4-mbs-s", *c) for c in _FULL] + [(f, *c) for f in FORMATS[1:] for c in _SUB]
 
 
 def _covers_all() -> bool:
@@ -89,9 +91,7 @@ def _covers_all() -> bool:
 assert _covers_all(), "subsampling dropped a listed M, K or dtype for some format"
 
 
-@pytest.mark.parametrize(
-    "fmt,m,k,dtype", CASES, ids=[f"{f}-M{m}-K{k}-{d}" for f, m, k, d in CASES]
-)
+@pytest.mark.parametrize("fmt,m,k,dtype", CASES, ids=[f"{f}-M{m}-K{k}-{d}" for f, m, k, d in CASES])
 def test_bit_exact_random(fmt, m, k, dtype, triton_device):
     check_bit_exact(activations(m, k, DTYPES[dtype], triton_device, seed=m * k), fmt)
 
@@ -192,8 +192,9 @@ def test_custom_op_matches_and_traces(triton_device):
                 assert_same_bits(fmt, g, w)
         torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_quant.default, (x, fmt, 128))
 
-    compiled = torch.compile(lambda t: act_quant_op(t, "mxfp4-mbs-s"), backend="aot_eager",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda t: act_quant_op(t, "mxfp4-mbs-s"), backend="aot_eager", fullgraph=True
+    )
     for g, w in zip(compiled(x), act_quant(x, "mxfp4-mbs-s")):
         if g is not None:
             assert_same_bits("compiled", g, w)
@@ -202,8 +203,11 @@ def test_custom_op_matches_and_traces(triton_device):
 # ----------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,k", [(1, 4096), (16, 14336), (8192, 4096), (4093, 5120 + 64)],
-                         ids=["M1-K4096", "M16-K14336", "M8192-K4096", "M4093-K5184"])
+@pytest.mark.parametrize(
+    "m,k",
+    [(1, 4096), (16, 14336), (8192, 4096), (4093, 5120 + 64)],
+    ids=["M1-K4096", "M16-K14336", "M8192-K4096", "M4093-K5184"],
+)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_gpu_bit_exact_real_sizes(fmt, m, k, dtype, cuda_device):
     x = activations(m, k, DTYPES[dtype], cuda_device, seed=m + k)

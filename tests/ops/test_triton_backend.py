@@ -27,8 +27,9 @@ def test_rejections_name_the_reason():
     assert TritonDecodeBackend.supports_m(16) and not TritonDecodeBackend.supports_m(17)
 
 
-@pytest.mark.parametrize("macro_block,ok", [(128, True), (1024, True), (2048, True),
-                                            (4096, False), (96, False)])
+@pytest.mark.parametrize(
+    "macro_block,ok", [(128, True), (1024, True), (2048, True), (4096, False), (96, False)]
+)
 def test_macro_blocks_the_kernels_cannot_tile_are_rejected(macro_block, ok):
     """can_implement rejects what the kernels cannot compile, so the selector falls back."""
     spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
@@ -40,8 +41,7 @@ def test_macro_blocks_the_kernels_cannot_tile_are_rejected(macro_block, ok):
 
 
 def test_cpu_selection_has_no_triton():
-    chosen = [b.name for b in select(LinearSpec("mxfp4-mbs", 64, 576, torch.bfloat16), "cpu",
-                                     None)]
+    chosen = [b.name for b in select(LinearSpec("mxfp4-mbs", 64, 576, torch.bfloat16), "cpu", None)]
     assert chosen in (["cpu-packed"], ["reference"]) and "triton-decode" not in chosen
 
 

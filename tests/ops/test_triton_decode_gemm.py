@@ -28,8 +28,11 @@ PAIRS = {
     "ocp32": ("mxfp4-ocp", "mxfp4-ocp"),
 }
 ACC_BOUND = 2.0**-16  # relative to |x_hat| @ |W_hat|^T; see the module docstring
-OUT_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 0.0),
-                torch.float16: (2.0**-10, 2.0**-24)}
+OUT_ROUNDING = {
+    torch.float32: (0.0, 0.0),
+    torch.bfloat16: (2.0**-8, 0.0),
+    torch.float16: (2.0**-10, 2.0**-24),
+}
 
 # Every listed M, K and N appears; the largest products only for the cheaper formats
 # (MBS-D's exact search on a 1536 x 4096 weight takes ~40 s on this CPU).
@@ -141,8 +144,16 @@ def test_block_size_inference_and_errors(triton_device):
     with pytest.raises(ValueError, match="fit no block size"):
         decode_gemm(qx.codes, qx.scales[:, :5], None, qw.codes, qw.scales, None, 256)
     with pytest.raises(ValueError, match="bias"):
-        decode_gemm(qx.codes, qx.scales, None, qw.codes, qw.scales, None, 256,
-                    bias=torch.zeros(7, device=triton_device))
+        decode_gemm(
+            qx.codes,
+            qx.scales,
+            None,
+            qw.codes,
+            qw.scales,
+            None,
+            256,
+            bias=torch.zeros(7, device=triton_device),
+        )
 
 
 def test_custom_op_matches_and_traces(triton_device):
@@ -154,10 +165,14 @@ def test_custom_op_matches_and_traces(triton_device):
     want = decode_gemm(*args, bias=bias, out_dtype=torch.float32)
     got = decode_gemm_op(*args, bias=bias, out_dtype=torch.float32)
     assert torch.equal(got, want)
-    torch.library.opcheck(torch.ops.vllm_mxplus.triton_decode_gemm.default,
-                          (*args, bias, torch.bfloat16, 16))
-    compiled = torch.compile(lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32),
-                             backend="aot_eager", fullgraph=True)
+    torch.library.opcheck(
+        torch.ops.vllm_mxplus.triton_decode_gemm.default, (*args, bias, torch.bfloat16, 16)
+    )
+    compiled = torch.compile(
+        lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     assert torch.equal(compiled(*args), want)
 
 
@@ -208,8 +223,9 @@ def test_weight_row_offsets_are_64_bit(triton_device):
     base = torch.empty((n - 1) * pitch + k // 2, dtype=torch.uint8)
     w_codes = base.as_strided((n, k // 2), (pitch, 1))
     w_codes.copy_(qw.codes)
-    y = decode_gemm(qx.codes, qx.scales, qx.mbs, w_codes, qw.scales, qw.mbs, k,
-                    out_dtype=torch.float32)
+    y = decode_gemm(
+        qx.codes, qx.scales, qx.mbs, w_codes, qw.scales, qw.mbs, k, out_dtype=torch.float32
+    )
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
@@ -223,8 +239,17 @@ def test_macro_block_wider_than_k_step(macro_block, triton_device):
     w = torch.randn(n, k, generator=gen).to(triton_device)
     qx = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
     qw = quantize(w, "mxfp4-mbs-s", macro_block=macro_block)
-    y = decode_gemm(qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, k,
-                    out_dtype=torch.float32, macro_block=macro_block)
+    y = decode_gemm(
+        qx.codes,
+        qx.scales,
+        qx.mbs,
+        qw.codes,
+        qw.scales,
+        qw.mbs,
+        k,
+        out_dtype=torch.float32,
+        macro_block=macro_block,
+    )
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 

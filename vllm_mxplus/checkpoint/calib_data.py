@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -39,7 +38,7 @@ def default_calibration_text() -> str:
 
 def calibration_tokens(
     tokenizer_dir: str | os.PathLike[str],
-    calib: Optional[str | os.PathLike[str]] = None,
+    calib: str | os.PathLike[str] | None = None,
     nsamples: int = DEFAULT_NSAMPLES,
     seqlen: int = DEFAULT_SEQLEN,
 ) -> torch.Tensor:
@@ -69,6 +68,8 @@ def _tokenize(tokenizer_dir: str | os.PathLike[str], text: str) -> torch.Tensor:
     try:
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except Exception as e:  # transformers raises many kinds for a missing/broken tokenizer
-        raise UsageError(f"{tokenizer_dir}: cannot load its tokenizer for calibration ({e})") from None
+        raise UsageError(
+            f"{tokenizer_dir}: cannot load its tokenizer for calibration ({e})"
+        ) from None
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.int64)

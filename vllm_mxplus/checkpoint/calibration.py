@@ -13,8 +13,9 @@ plus one layer's Hessians (K x K each).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -51,12 +52,15 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             mod = getattr(mod, part, None)
         if isinstance(mod, nn.ModuleList):
             return prefix, mod
-    raise UsageError("calibrated methods need a decoder-only transformers model with "
-                     "model.layers (Llama-like); use --method rtn for this model")
+    raise UsageError(
+        "calibrated methods need a decoder-only transformers model with "
+        "model.layers (Llama-like); use --method rtn for this model"
+    )
 
 
-def _capture_first_inputs(model: nn.Module, layer0: nn.Module, tokens: torch.Tensor,
-                          device: str) -> list[tuple[torch.Tensor, dict]]:
+def _capture_first_inputs(
+    model: nn.Module, layer0: nn.Module, tokens: torch.Tensor, device: str
+) -> list[tuple[torch.Tensor, dict]]:
     """(hidden_states, kwargs) that reach layer 0, per batch of samples."""
     seen: list[tuple[torch.Tensor, dict]] = []
 
@@ -68,7 +72,7 @@ def _capture_first_inputs(model: nn.Module, layer0: nn.Module, tokens: torch.Ten
     handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for b in tokens.split(BATCH):
-            try:
+            try:  # noqa: SIM105
                 model(input_ids=b.to(device), use_cache=False)
             except _Stop:
                 pass
@@ -107,12 +111,20 @@ def calibrate_and_quantize(
     result = CalibrationResult(tokens=int(tokens.numel()))
     with torch.no_grad():
         batches = _capture_first_inputs(model, layers[0], tokens, device)
-        bar = tqdm(total=len(layers), desc=f"{method} {wfmt}", unit="layer",
-                   disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(layers),
+            desc=f"{method} {wfmt}",
+            unit="layer",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         try:
             for i, layer in enumerate(layers):
-                names = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules()
-                         if isinstance(m, nn.Linear) and f"{prefix}.{i}.{n}" in targets}
+                names = {
+                    f"{prefix}.{i}.{n}": m
+                    for n, m in layer.named_modules()
+                    if isinstance(m, nn.Linear) and f"{prefix}.{i}.{n}" in targets
+                }
                 hess = _collect_hessians(layer, names, batches, afmt, per_row)
                 prepared: dict[int, tuple] = {}  # per shared H (q/k/v, gate/up)
                 for name, mod in names.items():
@@ -128,8 +140,9 @@ def calibrate_and_quantize(
                     except ValueError as e:
                         raise UsageError(str(e)) from None
                     result.weights[name] = q
-                    mod.weight.data = q.dequantize(torch.float32).to(mod.weight.device,
-                                                                     mod.weight.dtype)
+                    mod.weight.data = q.dequantize(torch.float32).to(
+                        mod.weight.device, mod.weight.dtype
+                    )
                 del hess
                 with _act_quant(names, afmt, per_row):
                     batches = [(_layer_out(layer, hs, kw), kw) for hs, kw in batches]
@@ -144,15 +157,20 @@ def calibrate_and_quantize(
 class _act_quant:
     """Context: the named linears fake-quantize their inputs (as served); optional H sums."""
 
-    def __init__(self, mods: dict[str, nn.Linear], afmt: str, per_row: bool,
-                 hess: dict[str, list] | None = None):
+    def __init__(
+        self,
+        mods: dict[str, nn.Linear],
+        afmt: str,
+        per_row: bool,
+        hess: dict[str, list] | None = None,
+    ):
         self.mods, self.afmt, self.per_row, self.hess = mods, afmt, per_row, hess
         self.handles: list = []
         # q/k/v (and gate/up) receive the same input tensor object: quantize it and form
         # its x^T x once (the reference held here keeps that object alive, so `is` is safe).
         self._last: tuple = (None, None, None)
 
-    def __enter__(self) -> "_act_quant":
+    def __enter__(self) -> _act_quant:
         for name, mod in self.mods.items():
             self.handles.append(mod.register_forward_pre_hook(self._hook(name)))
         return self
@@ -177,14 +195,21 @@ class _act_quant:
                     acc[1] += flat.shape[0]
                 self._last = (x, xq, name)
             return (xq.to(x.dtype), *args[1:])
+
         return hook
 
 
-def _collect_hessians(layer: nn.Module, mods: dict[str, nn.Linear],
-                      batches: list[tuple[torch.Tensor, dict]], afmt: str,
-                      per_row: bool) -> dict[str, tuple[torch.Tensor, int]]:
-    hess: dict[str, list] = {n: [torch.zeros(m.in_features, m.in_features, dtype=torch.float64), 0]
-                             for n, m in mods.items()}
+def _collect_hessians(
+    layer: nn.Module,
+    mods: dict[str, nn.Linear],
+    batches: list[tuple[torch.Tensor, dict]],
+    afmt: str,
+    per_row: bool,
+) -> dict[str, tuple[torch.Tensor, int]]:
+    hess: dict[str, list] = {
+        n: [torch.zeros(m.in_features, m.in_features, dtype=torch.float64), 0]
+        for n, m in mods.items()
+    }
     with _act_quant(mods, afmt, per_row, hess):
         for hs, kw in batches:
             _layer_out(layer, hs, kw)

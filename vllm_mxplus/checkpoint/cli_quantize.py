@@ -15,8 +15,16 @@ from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_c
 from vllm_mxplus.formats import SCHEMES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 DESCRIPTION = """\
 Quantize a local Hugging Face model directory (safetensors, single file or sharded) into the
@@ -62,36 +70,73 @@ def parse_size(text: str) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the `quantize` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
-        "quantize", help="quantize a Hugging Face checkpoint offline",
-        description=DESCRIPTION, epilog=EPILOG,
+        "quantize",
+        help="quantize a Hugging Face checkpoint offline",
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="SRC", help="local Hugging Face model directory (safetensors)")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
-    p.add_argument("--scheme", default="mxfp4-mbs", choices=list(SCHEMES), metavar="NAME",
-                   help="quantization scheme: " + ", ".join(SCHEMES) + " (default: %(default)s)")
-    p.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
-                   help="keep modules matching PATTERN in high precision (repeatable): an "
-                        "fnmatch glob on the module name or a dotted suffix of it "
-                        "(e.g. 'down_proj', 'model.layers.0.*'), or 're:REGEX' (re.search)")
-    p.add_argument("--device", default=None,
-                   help="device that quantizes: cpu, cuda, cuda:N "
-                        "(default: cuda if available, else cpu)")
+    p.add_argument(
+        "--scheme",
+        default="mxfp4-mbs",
+        choices=list(SCHEMES),
+        metavar="NAME",
+        help="quantization scheme: " + ", ".join(SCHEMES) + " (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep modules matching PATTERN in high precision (repeatable): an "
+        "fnmatch glob on the module name or a dotted suffix of it "
+        "(e.g. 'down_proj', 'model.layers.0.*'), or 're:REGEX' (re.search)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="device that quantizes: cpu, cuda, cuda:N (default: cuda if available, else cpu)",
+    )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
-                   metavar="SIZE", help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="SIZE",
+        help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--method", default="rtn", choices=list(METHODS),
-                   help="rtn: the specification's parameters, round to nearest; rtn-aware: "
-                        "group parameters chosen input-weighted on calibration text; gptq: "
-                        "GPTQ error compensation with those parameters (default: %(default)s)")
-    p.add_argument("--calib", default=None, metavar="FILE",
-                   help="calibration text (UTF-8) for rtn-aware / gptq (default: the embedded "
-                        "Wikipedia text, held out from the evaluation text; needs mxplus prepare)")
-    p.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES, metavar="N",
-                   help="calibration windows (default: %(default)s)")
-    p.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN, metavar="T",
-                   help="tokens per calibration window (default: %(default)s)")
+    p.add_argument(
+        "--method",
+        default="rtn",
+        choices=list(METHODS),
+        help="rtn: the specification's parameters, round to nearest; rtn-aware: "
+        "group parameters chosen input-weighted on calibration text; gptq: "
+        "GPTQ error compensation with those parameters (default: %(default)s)",
+    )
+    p.add_argument(
+        "--calib",
+        default=None,
+        metavar="FILE",
+        help="calibration text (UTF-8) for rtn-aware / gptq (default: the embedded "
+        "Wikipedia text, held out from the evaluation text; needs mxplus prepare)",
+    )
+    p.add_argument(
+        "--nsamples",
+        type=int,
+        default=DEFAULT_NSAMPLES,
+        metavar="N",
+        help="calibration windows (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seqlen",
+        type=int,
+        default=DEFAULT_SEQLEN,
+        metavar="T",
+        help="tokens per calibration window (default: %(default)s)",
+    )
     p.set_defaults(func=run)
 
 
@@ -112,10 +157,18 @@ def run(args: argparse.Namespace) -> int:
         previous = None
     try:
         report = quantize_checkpoint(
-            args.src, args.dst, args.scheme, ignore=args.ignore, device=args.device,
-            force=args.force, max_shard_bytes=args.max_shard_size,
-            progress=not args.no_progress, method=args.method, calib=args.calib,
-            nsamples=args.nsamples, seqlen=args.seqlen,
+            args.src,
+            args.dst,
+            args.scheme,
+            ignore=args.ignore,
+            device=args.device,
+            force=args.force,
+            max_shard_bytes=args.max_shard_size,
+            progress=not args.no_progress,
+            method=args.method,
+            calib=args.calib,
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
         )
     except UsageError as e:
         print(f"mxplus quantize: error: {e}", file=sys.stderr)

@@ -15,12 +15,11 @@ same parameter rule, bit for bit (tests/checkpoint/test_gptq.py).
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats import QuantizedTensor
 from vllm_mxplus.checkpoint.group_params import (
     GroupParams,
     empty_params,
@@ -33,7 +32,7 @@ from vllm_mxplus.checkpoint.group_params import (
     to_quantized_tensor,
     weighted_params,
 )
-from vllm_mxplus.formats import get_format
+from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import MACRO_BLOCK
 from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
 from vllm_mxplus.formats.mx import mbs_factor
@@ -44,12 +43,13 @@ LAZY_BLOCK = 128  # GPTQ's lazy batch; a multiple of every group width (16, 32, 
 DAMP = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
 
 
-def _global(fmt: str, w: torch.Tensor) -> Optional[torch.Tensor]:
+def _global(fmt: str, w: torch.Tensor) -> torch.Tensor | None:
     return nvfp4_weight_global(w) if get_format(fmt).scale_rule == "e4m3" else None
 
 
-def _choose(rule: Rule, fmt: str, w: torch.Tensor, d: torch.Tensor,
-            g: Optional[torch.Tensor]) -> GroupParams:
+def _choose(
+    rule: Rule, fmt: str, w: torch.Tensor, d: torch.Tensor, g: torch.Tensor | None
+) -> GroupParams:
     if rule == "spec":
         return spec_params(fmt, w, g)
     return weighted_params(fmt, w, d, g)
@@ -57,16 +57,21 @@ def _choose(rule: Rule, fmt: str, w: torch.Tensor, d: torch.Tensor,
 
 def _check(w: torch.Tensor, what: str) -> torch.Tensor:
     if w.dim() != 2:
-        raise ValueError(f"{what}: calibrated methods take a 2-D weight, got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"{what}: calibrated methods take a 2-D weight, got shape {tuple(w.shape)}"
+        )
     w = w.to(torch.float32)
     if not bool(torch.isfinite(w).all()):
-        raise ValueError(f"{what}: the weight holds NaN/Inf; calibrated methods need finite "
-                         "weights (use --method rtn)")
+        raise ValueError(
+            f"{what}: the weight holds NaN/Inf; calibrated methods need finite "
+            "weights (use --method rtn)"
+        )
     return w
 
 
-def rtn_aware(w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted",
-              name: str = "weight") -> QuantizedTensor:
+def rtn_aware(
+    w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted", name: str = "weight"
+) -> QuantizedTensor:
     """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K])."""
     w = _check(w, name)
     n, k = w.shape
@@ -78,8 +83,9 @@ def rtn_aware(w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted
     return to_quantized_tensor(fmt, codes, p, (n, k))
 
 
-def prepare_hessian(h: torch.Tensor, k: int, name: str = "weight",
-                    damp: float = DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_hessian(
+    h: torch.Tensor, k: int, name: str = "weight", damp: float = DAMP
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(upper Cholesky factor of the damped H^-1 padded to whole groups fp32, dead columns).
 
     Depends on H only: linears that share their input (q/k/v, gate/up) compute it once.
@@ -93,9 +99,15 @@ def prepare_hessian(h: torch.Tensor, k: int, name: str = "weight",
     return _inverse_cholesky_upper(h, name).to(torch.float32), dead
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, rule: Rule = "weighted",
-         name: str = "weight", damp: float = DAMP,
-         prepared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> QuantizedTensor:
+def gptq(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    fmt: str,
+    rule: Rule = "weighted",
+    name: str = "weight",
+    damp: float = DAMP,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> QuantizedTensor:
     """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order.
 
     prepared: prepare_hessian(h, K) when the caller already has it.
@@ -135,8 +147,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, rule: Rule = "weighted",
     w_hat = qt.t()
     codes, again = quantize_columns(fmt, w_hat, p, 0)
     if not torch.equal(again, w_hat):  # the fast column path must be the spec's rounding
-        raise RuntimeError(f"{name}: GPTQ column quantizer disagrees with the format's "
-                           "rounding (a bug; please report it)")
+        raise RuntimeError(
+            f"{name}: GPTQ column quantizer disagrees with the format's "
+            "rounding (a bug; please report it)"
+        )
     return to_quantized_tensor(fmt, codes, p, (n, k))
 
 
@@ -187,5 +201,7 @@ def _inverse_cholesky_upper(h: torch.Tensor, name: str) -> torch.Tensor:
         hinv = torch.cholesky_inverse(lower)
         return torch.linalg.cholesky(hinv, upper=True)
     except RuntimeError:
-        raise ValueError(f"{name}: the damped Hessian is not positive definite "
-                         "(too few calibration tokens? raise --nsamples)") from None
+        raise ValueError(
+            f"{name}: the damped Hessian is not positive definite "
+            "(too few calibration tokens? raise --nsamples)"
+        ) from None

@@ -23,13 +23,12 @@ again with the same parameters returns the same codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
+from vllm_mxplus.checkpoint.weighted_mbs import weighted_mbs_dynamic
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import (
-    E8M0_BIAS,
     E8M0_NAN,
     MACRO_BLOCK,
     NO_BLOCK_MAX,
@@ -47,7 +46,6 @@ from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.mx import mbs_factor
 from vllm_mxplus.formats.mxplus import quantize_mxplus_blocks
 from vllm_mxplus.formats.nvfp4 import nvfp4_global_scale, quantize_nvfp4_blocks
-from vllm_mxplus.checkpoint.weighted_mbs import weighted_mbs_dynamic
 from vllm_mxplus.ops.act_fake_quant import e2m1_round
 
 E4M3_MAX_CODE = 126  # uint8 bits of float8_e4m3fn 448.0; 127 is NaN
@@ -64,9 +62,9 @@ class GroupParams:
     """
 
     scales: torch.Tensor
-    mbs: Optional[torch.Tensor] = None
-    bm_index: Optional[torch.Tensor] = None
-    global_scale: Optional[torch.Tensor] = None
+    mbs: torch.Tensor | None = None
+    bm_index: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
 
 def group_width(fmt: str) -> int:
@@ -79,7 +77,7 @@ def padded_k(fmt: str, k: int) -> int:
     return ceil_div(k, group_width(fmt)) * group_width(fmt)
 
 
-def empty_params(fmt: str, n: int, kp: int, global_scale: Optional[torch.Tensor]) -> GroupParams:
+def empty_params(fmt: str, n: int, kp: int, global_scale: torch.Tensor | None) -> GroupParams:
     """Parameters to be filled group by group (gptq): zero scales, no block max."""
     spec = get_format(fmt)
     nb = kp // spec.block_size
@@ -109,7 +107,7 @@ def nvfp4_weight_global(w: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(w.to(torch.float32), per_row=False)
 
 
-def spec_params(fmt: str, w: torch.Tensor, global_scale: Optional[torch.Tensor] = None) -> GroupParams:
+def spec_params(fmt: str, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> GroupParams:
     """The parameters `formats.quantize` chooses for fp32 w [N, Kp] (Kp whole groups)."""
     spec = get_format(fmt)
     if spec.scale_rule == "e4m3":
@@ -204,7 +202,7 @@ def to_quantized_tensor(
 
 
 def weighted_params(
-    fmt: str, w: torch.Tensor, d: torch.Tensor, global_scale: Optional[torch.Tensor] = None
+    fmt: str, w: torch.Tensor, d: torch.Tensor, global_scale: torch.Tensor | None = None
 ) -> GroupParams:
     """Input-weighted parameters for fp32 w [N, Kp] (whole groups, finite), d [Kp] >= 0."""
     spec = get_format(fmt)
@@ -213,7 +211,9 @@ def weighted_params(
         return GroupParams(_weighted_e4m3(w, d, base), global_scale=global_scale)
     if spec.mbs == "dynamic":
         m = weighted_mbs_dynamic(w, d)
-        base = GroupParams(_e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"), mbs=m)
+        base = GroupParams(
+            _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"), mbs=m
+        )
     return _weighted_e8m0(fmt, w, d, base)
 
 
@@ -290,7 +290,9 @@ def _weighted_e4m3(w: torch.Tensor, d: torch.Tensor, base: GroupParams) -> torch
     best_err = _block_err("nvfp4", w, d, base)
     for delta in [s * k for k in range(1, E4M3_SEARCH + 1) for s in (-1, 1)]:
         c = torch.where(movable, (c0 + delta).clamp(1, E4M3_MAX_CODE), c0)
-        cand = GroupParams(c.to(torch.uint8).view(torch.float8_e4m3fn), global_scale=base.global_scale)
+        cand = GroupParams(
+            c.to(torch.uint8).view(torch.float8_e4m3fn), global_scale=base.global_scale
+        )
         err = _block_err("nvfp4", w, d, cand)
         better = err < best_err
         best_err = torch.where(better, err, best_err)

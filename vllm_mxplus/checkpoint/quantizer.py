@@ -23,9 +23,9 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -88,12 +88,12 @@ def quantize_checkpoint(
     scheme: str = "mxfp4-mbs",
     *,
     ignore: Iterable[str] = (),
-    device: Optional[str] = None,
+    device: str | None = None,
     force: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
     method: str = "rtn",
-    calib: Optional[str | os.PathLike[str]] = None,
+    calib: str | os.PathLike[str] | None = None,
     nsamples: int = DEFAULT_NSAMPLES,
     seqlen: int = DEFAULT_SEQLEN,
 ) -> QuantizeReport:
@@ -137,12 +137,19 @@ def quantize_checkpoint(
     _check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
     precomputed: dict[str, QuantizedTensor] = {}
     if method != "rtn":
-        precomputed = _calibrated_weights(src_p, items, s.name, method, calib, nsamples,
-                                          seqlen, device, progress)
+        precomputed = _calibrated_weights(
+            src_p, items, s.name, method, calib, nsamples, seqlen, device, progress
+        )
 
-    report = QuantizeReport(src=str(src_p), dst=str(dst_p), scheme=s.name, weight_format=fmt,
-                            device=device, unquantized_modules=unquantized,
-                            unused_ignore=matcher.unused())
+    report = QuantizeReport(
+        src=str(src_p),
+        dst=str(dst_p),
+        scheme=s.name,
+        weight_format=fmt,
+        device=device,
+        unquantized_modules=unquantized,
+        unused_ignore=matcher.unused(),
+    )
     dst_p.parent.mkdir(parents=True, exist_ok=True)
     _warn_stale_tmp(dst_p)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}{TMP_TAG}", dir=dst_p.parent))
@@ -154,8 +161,11 @@ def quantize_checkpoint(
         config["quantization_config"] = make_quantization_config(s.name, unquantized)
         if method != "rtn":  # provenance only; loaders ignore it
             config["quantization_config"]["calibration"] = {
-                "method": method, "nsamples": nsamples, "seqlen": seqlen,
-                "text": str(calib) if calib is not None else "embedded Wikipedia (held out)"}
+                "method": method,
+                "nsamples": nsamples,
+                "seqlen": seqlen,
+                "text": str(calib) if calib is not None else "embedded Wikipedia (held out)",
+            }
         # config.json last: a directory without it is never taken for a finished checkpoint.
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _swap_in(tmp, dst_p)
@@ -167,27 +177,46 @@ def quantize_checkpoint(
     return report
 
 
-def _calibrated_weights(src: Path, items: list[_Item], scheme: str, method: str,
-                        calib: Optional[str | os.PathLike[str]], nsamples: int, seqlen: int,
-                        device: str, progress: bool) -> dict[str, QuantizedTensor]:
+def _calibrated_weights(
+    src: Path,
+    items: list[_Item],
+    scheme: str,
+    method: str,
+    calib: str | os.PathLike[str] | None,
+    nsamples: int,
+    seqlen: int,
+    device: str,
+    progress: bool,
+) -> dict[str, QuantizedTensor]:
     """Run calibration (calibration.py) over the source model; QuantizedTensors by module."""
-    targets = {i.decision.module for i in items
-               if i.decision.quantize and len(i.info.shape) == 2}
+    targets = {i.decision.module for i in items if i.decision.quantize and len(i.info.shape) == 2}
     tokens = calibration_tokens(src, calib, nsamples, seqlen)
     try:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device)
     except Exception as e:  # transformers raises many kinds for an unloadable model
-        raise UsageError(f"{src}: transformers cannot load it for --method {method} ({e}); "
-                         "use --method rtn") from None
-    res = calibrate_and_quantize(model, tokens, scheme, method, targets,  # type: ignore[arg-type]
-                                 device=device, progress=progress)
+        raise UsageError(
+            f"{src}: transformers cannot load it for --method {method} ({e}); use --method rtn"
+        ) from None
+    res = calibrate_and_quantize(
+        model,
+        tokens,
+        scheme,
+        method,
+        targets,  # type: ignore[arg-type]
+        device=device,
+        progress=progress,
+    )
     del model
     missed = sorted(targets - set(res.weights))
     if missed:
-        logger.warning("--method %s: %d weight(s) outside the decoder layers get plain RTN "
-                       "(e.g. %s)", method, len(missed), missed[0])
+        logger.warning(
+            "--method %s: %d weight(s) outside the decoder layers get plain RTN (e.g. %s)",
+            method,
+            len(missed),
+            missed[0],
+        )
     return res.weights
 
 
@@ -197,7 +226,7 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
     rs, rd = src.resolve(), dst.resolve()
     if rs == rd or rd in rs.parents:
         raise UsageError(f"{dst}: DST would overwrite SRC {src}")
-    if dst.exists() or dst.is_symlink():
+    if dst.exists() or dst.is_symlink():  # noqa: SIM102
         if not force:
             raise UsageError(f"{dst}: DST exists; pass --force to replace it")
 
@@ -208,8 +237,10 @@ def _plan(source: SourceModel, fmt: str, matcher: IgnoreMatcher) -> list[_Item]:
         d = classify(t.name, t.dtype, t.shape, matcher, source.model_type)
         if d.quantize:
             assert d.module is not None
-            outs = [PlannedTensor(f"{d.module}.{sfx}", dt, shp)
-                    for sfx, (dt, shp) in stored_layout(fmt, t.shape).items()]
+            outs = [
+                PlannedTensor(f"{d.module}.{sfx}", dt, shp)
+                for sfx, (dt, shp) in stored_layout(fmt, t.shape).items()
+            ]
         else:
             outs = [PlannedTensor(t.name, t.dtype, t.shape)]
         items.append(_Item(t, d, outs))
@@ -229,15 +260,19 @@ def _unquantized_modules(items: list[_Item], config: dict) -> list[str]:
 
 def _warn_split_fused_groups(items: list[_Item]) -> None:
     status = {i.decision.module: i.decision.quantize for i in items if i.decision.module}
-    for mod, q in status.items():
+    for mod, q in status.items():  # noqa: B007
         parent, _, leaf = mod.rpartition(".")
         for group in FUSED_GROUPS:
             if leaf != group[0]:
                 continue
             states = {status.get(f"{parent}.{g}") for g in group} - {None}
             if len(states) > 1:
-                logger.warning("%s.{%s}: some quantized, some kept; vLLM fuses them into one "
-                               "layer, which cannot mix the two", parent, ",".join(group))
+                logger.warning(
+                    "%s.{%s}: some quantized, some kept; vLLM fuses them into one "
+                    "layer, which cannot mix the two",
+                    parent,
+                    ",".join(group),
+                )
 
 
 def _split_shards(items: list[_Item], max_bytes: int) -> list[_Shard]:
@@ -250,7 +285,9 @@ def _split_shards(items: list[_Item], max_bytes: int) -> list[_Shard]:
         groups[-1].append(it)
         size += it.out_bytes
     n = len(groups)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = (
+        [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     return [_Shard(name, g) for name, g in zip(names, groups)]
 
 
@@ -260,7 +297,9 @@ def _check_disk_space(parent: Path, need: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise CheckpointError(f"{probe}: {need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free")
+        raise CheckpointError(
+            f"{probe}: {need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free"
+        )
 
 
 def _warn_stale_tmp(dst: Path) -> None:
@@ -268,27 +307,53 @@ def _warn_stale_tmp(dst: Path) -> None:
         logger.warning("%s: left by an interrupted run (incomplete, safe to delete)", p)
 
 
-def _write_all(source: SourceModel, shards: list[_Shard], fmt: str, tmp: Path,
-               device: str, report: QuantizeReport, progress: bool,
-               precomputed: dict[str, QuantizedTensor]) -> None:
+def _write_all(
+    source: SourceModel,
+    shards: list[_Shard],
+    fmt: str,
+    tmp: Path,
+    device: str,
+    report: QuantizeReport,
+    progress: bool,
+    precomputed: dict[str, QuantizedTensor],
+) -> None:
     total_in = sum(i.info.nbytes for s in shards for i in s.items)
     n_tensors = sum(len(s.items) for s in shards)
     qsnrs: dict[str, list[float]] = defaultdict(list)
     weight_map: dict[str, str] = {}
     done = 0
-    bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"quantize {fmt}", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=total_in,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"quantize {fmt}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     handles: dict[Path, object] = {}
     try:
         for shard in shards:
             meta = _shard_metadata(shard, fmt)
-            writer = StreamingWriter(tmp / shard.file, [p for i in shard.items for p in i.outputs], meta)
+            writer = StreamingWriter(
+                tmp / shard.file, [p for i in shard.items for p in i.outputs], meta
+            )
             try:
                 for it in shard.items:
-                    f = handles.get(it.info.path) or handles.setdefault(it.info.path, open(it.info.path, "rb"))
+                    f = handles.get(it.info.path) or handles.setdefault(
+                        it.info.path,
+                        open(it.info.path, "rb"),  # noqa: SIM115
+                    )
                     if it.decision.quantize:
-                        q_db = _quantize_one(it, f, fmt, device, writer, bar,
-                                             precomputed.pop(it.decision.module, None))
+                        q_db = _quantize_one(
+                            it,
+                            f,
+                            fmt,
+                            device,
+                            writer,
+                            bar,
+                            precomputed.pop(it.decision.module, None),
+                        )
                         qsnrs[fmt].append(q_db)
                         report.n_quantized += 1
                         report.weights_quantized += math.prod(it.info.shape)
@@ -317,9 +382,15 @@ def _write_all(source: SourceModel, shards: list[_Shard], fmt: str, tmp: Path,
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
-def _quantize_one(it: _Item, f: object, fmt: str, device: str,
-                  writer: StreamingWriter, bar: tqdm,
-                  done: Optional[QuantizedTensor] = None) -> float:
+def _quantize_one(
+    it: _Item,
+    f: object,
+    fmt: str,
+    device: str,
+    writer: StreamingWriter,
+    bar: tqdm,
+    done: QuantizedTensor | None = None,
+) -> float:
     w = read_tensor(it.info, f)  # type: ignore[arg-type]
     if done is not None:  # quantized by calibration: only its error is measured here
         x32 = w.float()
@@ -340,7 +411,9 @@ def _quantize_one(it: _Item, f: object, fmt: str, device: str,
     try:
         q, sig, err = quantize_weight(w, fmt, device, on_progress)
     except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{it.info.path}: cannot quantize tensor {it.info.name!r} ({e})") from None
+        raise CheckpointError(
+            f"{it.info.path}: cannot quantize tensor {it.info.name!r} ({e})"
+        ) from None
     del w
     module = it.decision.module
     for sfx, t in encode(q).items():
@@ -356,8 +429,11 @@ def _mean_finite(v: list[float]) -> float:
 
 
 def _shard_metadata(shard: _Shard, fmt: str) -> dict[str, str]:
-    weights = {i.decision.module: {"shape": list(i.info.shape), "dtype": i.info.dtype}
-               for i in shard.items if i.decision.quantize}
+    weights = {
+        i.decision.module: {"shape": list(i.info.shape), "dtype": i.info.dtype}
+        for i in shard.items
+        if i.decision.quantize
+    }
     return {
         "format": "pt",
         "producer": "vllm-mxplus",
@@ -379,7 +455,9 @@ def _swap_in(tmp: Path, dst: Path) -> None:
     except OSError as e:
         if old is not None:
             os.rename(old, dst)
-        raise CheckpointError(f"{dst}: cannot move the finished checkpoint into place ({e})") from None
+        raise CheckpointError(
+            f"{dst}: cannot move the finished checkpoint into place ({e})"
+        ) from None
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)

@@ -109,7 +109,12 @@ def weighted_mbs_dynamic(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n, kp = w.shape
     nm = kp // MACRO_BLOCK
     xm = w.reshape(-1, MACRO_BLOCK)
-    dm = d.to(torch.float32).reshape(1, nm, MACRO_BLOCK).expand(n, nm, MACRO_BLOCK).reshape(-1, MACRO_BLOCK)
+    dm = (
+        d.to(torch.float32)
+        .reshape(1, nm, MACRO_BLOCK)
+        .expand(n, nm, MACRO_BLOCK)
+        .reshape(-1, MACRO_BLOCK)
+    )
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=w.device)
     a = xm.reshape(xm.shape[0], -1, SMALL_BLOCK).abs().amax(-1)
     nonzero = (a > 0).any(-1)

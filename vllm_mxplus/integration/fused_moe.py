@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig
 
 
-
 def _finite_amax(w: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax(-1).amax(-1)
 
@@ -104,14 +103,17 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             raise NotImplementedError(
                 f"{layer.layer_name}: vllm-mxplus MoE does not support the expert activation "
                 f"{act!r} (supported: {', '.join(GATED_ACTIVATIONS)}); serve this model "
-                f"without --quantization or keep its experts unquantized")
+                f"without --quantization or keep its experts unquantized"
+            )
         if self.moe.has_bias:
             raise NotImplementedError(
                 f"{layer.layer_name}: vllm-mxplus MoE does not support expert biases; serve "
-                f"this model without --quantization or keep its experts unquantized")
+                f"this model without --quantization or keep its experts unquantized"
+            )
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(
-                f"{layer.layer_name}: apply_router_weight_on_input is not supported")
+                f"{layer.layer_name}: apply_router_weight_on_input is not supported"
+            )
         s = self.scheme
         i_part = intermediate_size_per_partition
         i_full = self.moe.intermediate_size
@@ -121,15 +123,19 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 f"{layer.layer_name}: expert intermediate size per TP partition {i_part} "
                 f"(moe_intermediate_size={i_full}) is not a multiple of {unit}; scheme "
                 f"{s.name} needs whole {'macro ' if unit == self.macro_block else ''}blocks "
-                f"on every rank for the down projection (K-sharded). {tp_hint(i_full, unit)}")
-        layer.mxplus_dims = {"w13": (2 * i_part, hidden_size, hidden_size),
-                             "w2": (hidden_size, i_part, i_full)}
+                f"on every rank for the down projection (K-sharded). {tp_hint(i_full, unit)}"
+            )
+        layer.mxplus_dims = {
+            "w13": (2 * i_part, hidden_size, hidden_size),
+            "w2": (hidden_size, i_part, i_full),
+        }
         layer.orig_dtype = params_dtype
         loader = extra_weight_attrs["weight_loader"]
         if not self.quant_config.is_checkpoint_quantized:
             for stem, (n, k, _) in layer.mxplus_dims.items():
-                p = torch.nn.Parameter(torch.empty(num_experts, n, k, dtype=params_dtype),
-                                       requires_grad=False)
+                p = torch.nn.Parameter(
+                    torch.empty(num_experts, n, k, dtype=params_dtype), requires_grad=False
+                )
                 layer.register_parameter(f"{stem}_weight", p)
                 set_weight_attrs(p, extra_weight_attrs)
             return
@@ -145,35 +151,47 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                     method = FusedMoeWeightScaleSupported.GROUP.value
                 p = torch.nn.Parameter(data, requires_grad=False)
                 layer.register_parameter(f"{stem}_{tspec.suffix}", p)
-                set_weight_attrs(p, {**extra_weight_attrs, "quant_method": method,
-                                     "weight_loader": self._checked_loader(
-                                         layer, stem, tspec, k_full, loader)})
+                set_weight_attrs(
+                    p,
+                    {
+                        **extra_weight_attrs,
+                        "quant_method": method,
+                        "weight_loader": self._checked_loader(layer, stem, tspec, k_full, loader),
+                    },
+                )
 
-    def _checked_loader(self, layer: torch.nn.Module, stem: str, tspec: TensorSpec,
-                        k_full: int, inner: Callable) -> Callable:
+    def _checked_loader(
+        self, layer: torch.nn.Module, stem: str, tspec: TensorSpec, k_full: int, inner: Callable
+    ) -> Callable:
         """vLLM's MoE loader, after checking dtype and K-derived width; records arrivals."""
 
-        def loader(param, loaded_weight, weight_name, shard_id, expert_id,
-                   return_success: bool = False):
+        def loader(
+            param, loaded_weight, weight_name, shard_id, expert_id, return_success: bool = False
+        ):
             proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(shard_id, shard_id)
             name = f"{layer.layer_name}.{expert_id}.{proj}.{tspec.suffix}"
             if loaded_weight.dtype != tspec.dtype:
-                raise ValueError(f"checkpoint tensor {name} has dtype {loaded_weight.dtype}, "
-                                 f"expected {tspec.dtype}")
+                raise ValueError(
+                    f"checkpoint tensor {name} has dtype {loaded_weight.dtype}, "
+                    f"expected {tspec.dtype}"
+                )
             if tspec.k_per_col and loaded_weight.dim() == 2:
                 want = tspec.cols(k_full)
                 if loaded_weight.shape[1] != want:
                     raise ValueError(
                         f"checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, "
-                        f"expected [N, {want}] (K={k_full}, {tspec.k_per_col} per column)")
+                        f"expected [N, {want}] (K={k_full}, {tspec.k_per_col} per column)"
+                    )
             elif not tspec.k_per_col and loaded_weight.numel() != 1:
-                raise ValueError(f"checkpoint tensor {name} has shape "
-                                 f"{tuple(loaded_weight.shape)}, expected one fp32 value")
-            ok = inner(param, loaded_weight, weight_name, shard_id, expert_id,
-                       return_success=True)
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape "
+                    f"{tuple(loaded_weight.shape)}, expected one fp32 value"
+                )
+            ok = inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
             if ok:
                 layer.mxplus_loaded.setdefault(f"{stem}_{tspec.suffix}", set()).add(
-                    (expert_id, shard_id))
+                    (expert_id, shard_id)
+                )
             return ok if return_success else None
 
         return loader
@@ -191,7 +209,8 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"{layer.layer_name}: checkpoint tensors *.{proj}.{tspec.suffix} "
                             f"arrived for {len(experts)} of {n_local} local experts "
                             f"(format {self.fmt} stores "
-                            f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})")
+                            f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})"
+                        )
 
     def _loaded_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
         """All local experts at once: every tensor is per row, so [E, N, .] -> [E*N, .]."""
@@ -206,15 +225,25 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         g = None
         if get_format(self.fmt).scale_rule == "e4m3":
             per_shard = getattr(layer, f"{stem}_{SUFFIX_GLOBAL}").data.reshape(e, -1)
-            g = per_shard.to(torch.float32).repeat_interleave(
-                n // per_shard.shape[1], dim=1).reshape(e * n, 1)
-        extra = {field: rows(suffix)
-                 for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
-                 if hasattr(layer, f"{stem}_{suffix}")}
+            g = (
+                per_shard.to(torch.float32)
+                .repeat_interleave(n // per_shard.shape[1], dim=1)
+                .reshape(e * n, 1)
+            )
+        extra = {
+            field: rows(suffix)
+            for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
+            if hasattr(layer, f"{stem}_{suffix}")
+        }
         q = QuantizedTensor(
-            codes=rows("weight_packed"), scales=rows("weight_scale"), fmt=self.fmt,
-            shape=torch.Size((e * n, k)), global_scale=g, macro_block=self.macro_block,
-            **extra)
+            codes=rows("weight_packed"),
+            scales=rows("weight_scale"),
+            fmt=self.fmt,
+            shape=torch.Size((e * n, k)),
+            global_scale=g,
+            macro_block=self.macro_block,
+            **extra,
+        )
         return q, e
 
     def _quantized_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
@@ -245,20 +274,28 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
-        spec = MoESpec(scheme=self.scheme.name, weight_format=self.fmt,
-                       activation_format=self.scheme.activation_format,
-                       macro_block=self.macro_block, device_type=device.type)
+        spec = MoESpec(
+            scheme=self.scheme.name,
+            weight_format=self.fmt,
+            activation_format=self.scheme.activation_format,
+            macro_block=self.macro_block,
+            device_type=device.type,
+        )
         weights = ExpertWeights(
             quantized=lambda stem: (self._loaded_rows if pre else self._quantized_rows)(
-                layer, stem),
-            dequantized=lambda stem: (self._dequantize_loaded if pre else
-                                      self._quantize_loaded)(layer, stem))
+                layer, stem
+            ),
+            dequantized=lambda stem: (self._dequantize_loaded if pre else self._quantize_loaded)(
+                layer, stem
+            ),
+        )
         platform, capability = current_platform_of(device)
         self.backend = select_expert_backend(spec, platform, capability)
         self.spec = spec
         self.backend.process_weights_after_loading(layer, spec, weights)
-        for name in [n for n in list(layer._parameters)
-                     if n.startswith(("w13_weight", "w2_weight"))]:
+        for name in [
+            n for n in list(layer._parameters) if n.startswith(("w13_weight", "w2_weight"))
+        ]:
             delattr(layer, name)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:

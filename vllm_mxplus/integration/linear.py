@@ -12,7 +12,7 @@ Either way the result is one `QuantizedTensor` per layer, handed to the selected
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.model_executor.layers.linear import (
@@ -57,7 +57,8 @@ def _tp_amax_max(amax: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         from vllm.distributed import get_tp_group
 
         torch.distributed.all_reduce(
-            amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+            amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+        )
     return amax
 
 
@@ -69,21 +70,26 @@ def quantize_nvfp4_logical(
     kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
     x = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))
     parts = torch.split(x, widths, dim=0)
-    amax = torch.stack([
-        torch.where(torch.isfinite(p), p.abs(), torch.zeros_like(p)).amax() for p in parts])
+    amax = torch.stack(
+        [torch.where(torch.isfinite(p), p.abs(), torch.zeros_like(p)).amax() for p in parts]
+    )
     g = _tp_amax_max(amax, layer) / (E2M1_MAX * F8E4M3_MAX)
     g_rows = torch.repeat_interleave(g, torch.tensor(widths, device=g.device))[:, None]
     codes, scales = quantize_nvfp4_blocks(x, g_rows)
     return QuantizedTensor(
-        codes=pack_fp4(codes[..., :k]), scales=scales[..., : -(-k // NVFP4_BLOCK)].contiguous(),
-        fmt="nvfp4", shape=torch.Size((n, k)), global_scale=g_rows)
+        codes=pack_fp4(codes[..., :k]),
+        scales=scales[..., : -(-k // NVFP4_BLOCK)].contiguous(),
+        fmt="nvfp4",
+        shape=torch.Size((n, k)),
+        global_scale=g_rows,
+    )
 
 
 @register_weight_loader_v2_supported_method
 class MxplusLinearMethod(LinearMethodBase):
     """W4A4 linear of one vllm-mxplus scheme (weights and activations in block FP4)."""
 
-    def __init__(self, quant_config: "MxplusConfig"):
+    def __init__(self, quant_config: MxplusConfig):
         self.quant_config = quant_config
         self.scheme = quant_config.scheme
         self.macro_block = quant_config.macro_block
@@ -105,7 +111,8 @@ class MxplusLinearMethod(LinearMethodBase):
                 f"{getattr(layer, 'prefix', 'linear')}: row-parallel K per partition "
                 f"{input_size_per_partition} (K={input_size}) is not a multiple of {unit}; "
                 f"scheme {s.name} needs whole {'macro ' if unit == self.macro_block else ''}"
-                f"blocks on every rank. {tp_hint(input_size, unit)}")
+                f"blocks on every rank. {tp_hint(input_size, unit)}"
+            )
         weight_loader = extra_weight_attrs.get("weight_loader")
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = input_size_per_partition
@@ -113,14 +120,24 @@ class MxplusLinearMethod(LinearMethodBase):
         layer.orig_dtype = params_dtype
         if self.quant_config.is_checkpoint_quantized:
             create_quantized_params(
-                layer, s.weight_format, list(output_partition_sizes), input_size_per_partition,
-                input_size, weight_loader, self.quant_config.packed_modules_mapping,
-                self.macro_block)
+                layer,
+                s.weight_format,
+                list(output_partition_sizes),
+                input_size_per_partition,
+                input_size,
+                weight_loader,
+                self.quant_config.packed_modules_mapping,
+                self.macro_block,
+            )
         else:
             weight = ModelWeightParameter(
-                data=torch.empty(sum(output_partition_sizes), input_size_per_partition,
-                                 dtype=params_dtype),
-                input_dim=1, output_dim=0, weight_loader=weight_loader)
+                data=torch.empty(
+                    sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
+                ),
+                input_dim=1,
+                output_dim=0,
+                weight_loader=weight_loader,
+            )
             layer.register_parameter("weight", weight)
 
     def _loaded_qweight(self, layer: torch.nn.Module) -> QuantizedTensor:
@@ -131,15 +148,23 @@ class MxplusLinearMethod(LinearMethodBase):
         if get_format(fmt).scale_rule == "e4m3":
             per_shard = layer.weight_global_scale.data.to(torch.float32)
             g = torch.repeat_interleave(
-                per_shard, torch.tensor(layer.logical_widths, device=per_shard.device))[:, None]
+                per_shard, torch.tensor(layer.logical_widths, device=per_shard.device)
+            )[:, None]
         opt = {SUFFIX_MBS: "mbs", SUFFIX_BM_INDEX: "block_max_index"}
         extra = {
             field: getattr(layer, suffix).data
-            for suffix, field in opt.items() if suffix in weight_suffixes(fmt)
+            for suffix, field in opt.items()
+            if suffix in weight_suffixes(fmt)
         }
         return QuantizedTensor(
-            codes=layer.weight_packed.data, scales=layer.weight_scale.data, fmt=fmt,
-            shape=torch.Size((n, k)), global_scale=g, macro_block=self.macro_block, **extra)
+            codes=layer.weight_packed.data,
+            scales=layer.weight_scale.data,
+            fmt=fmt,
+            shape=torch.Size((n, k)),
+            global_scale=g,
+            macro_block=self.macro_block,
+            **extra,
+        )
 
     def _quantize_loaded(self, layer: torch.nn.Module) -> QuantizedTensor:
         w = layer.weight.data
@@ -160,17 +185,29 @@ class MxplusLinearMethod(LinearMethodBase):
             install_dequantized_weight(layer, qweight)
             return
         spec = LinearSpec(
-            scheme=self.scheme.name, n=layer.output_size_per_partition,
-            k=layer.input_size_per_partition, out_dtype=layer.orig_dtype,
-            device_type=device.type, macro_block=self.macro_block)
+            scheme=self.scheme.name,
+            n=layer.output_size_per_partition,
+            k=layer.input_size_per_partition,
+            out_dtype=layer.orig_dtype,
+            device_type=device.type,
+            macro_block=self.macro_block,
+        )
         platform, capability = current_platform_of(device)
         layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability))
         layer.mxplus_row_amax_reduce = (
-            spec.activation_per_row and getattr(layer, "tp_size", 1) > 1
-            and layer.input_size_per_partition != getattr(layer, "input_size", spec.k))
+            spec.activation_per_row
+            and getattr(layer, "tp_size", 1) > 1
+            and layer.input_size_per_partition != getattr(layer, "input_size", spec.k)
+        )
         layer.mxplus_dispatch.process_weights_after_loading(layer, qweight)
-        for name in ("weight", SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL,
-                     SUFFIX_BM_INDEX):
+        for name in (
+            "weight",
+            SUFFIX_PACKED,
+            SUFFIX_SCALE,
+            SUFFIX_MBS,
+            SUFFIX_GLOBAL,
+            SUFFIX_BM_INDEX,
+        ):
             if name in layer._parameters:
                 delattr(layer, name)
 
@@ -178,7 +215,7 @@ class MxplusLinearMethod(LinearMethodBase):
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if is_weight_only(layer):
             return apply_weight_only(layer, x, bias)

@@ -48,8 +48,9 @@ def is_weight_only(layer: torch.nn.Module) -> bool:
     return getattr(layer, WEIGHT_ONLY_ATTR, False)
 
 
-def apply_weight_only(layer: torch.nn.Module, x: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+def apply_weight_only(
+    layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ W_hat^T (+ bias) in fp32, cast to x's dtype: the input is not quantized."""
     b = None if bias is None else bias.to(torch.float32)
     return F.linear(x.to(torch.float32), layer.weight, b).to(x.dtype)

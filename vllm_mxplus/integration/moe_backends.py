@@ -69,14 +69,21 @@ class ExpertBackend(ABC):
         return True, ""
 
     @abstractmethod
-    def process_weights_after_loading(self, layer: torch.nn.Module, spec: MoESpec,
-                                      weights: ExpertWeights) -> None:
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
+    ) -> None:
         """Store the runtime expert tensors on `layer` (once, after loading)."""
 
     @abstractmethod
-    def apply(self, layer: torch.nn.Module, spec: MoESpec, x: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        spec: MoESpec,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
 
 
@@ -90,8 +97,9 @@ _REGISTRY: dict[str, list[BackendRef]] = {
 REFERENCE: BackendRef = "vllm_mxplus.integration.moe_cpu_backend:ReferenceExperts"
 
 
-def register_expert_backend(platform: str, backend: BackendRef,
-                            priority: int | None = None) -> None:
+def register_expert_backend(
+    platform: str, backend: BackendRef, priority: int | None = None
+) -> None:
     """Add an expert backend for a platform at `priority` (0 = first; None = last)."""
     entries = _REGISTRY.setdefault(platform, [])
     if backend in entries:
@@ -110,8 +118,7 @@ def _resolve(ref: BackendRef) -> type[ExpertBackend]:
     return ref
 
 
-def select_expert_backend(spec: MoESpec, platform: str,
-                          capability: int | None) -> ExpertBackend:
+def select_expert_backend(spec: MoESpec, platform: str, capability: int | None) -> ExpertBackend:
     """The first registered backend that runs here and implements spec, else the reference;
     logs the choice (and every rejection) once per situation."""
     rejected: list[str] = []
@@ -125,15 +132,27 @@ def select_expert_backend(spec: MoESpec, platform: str,
         if ok:
             ok, why = cls.can_implement(spec)
         if ok:
-            log_once(logger, ("moe", spec.scheme, platform, cls.name), logging.INFO,
-                     "mxplus %s MoE experts on %s: %s", spec.scheme, platform,
-                     cls.summary or cls.name)
+            log_once(
+                logger,
+                ("moe", spec.scheme, platform, cls.name),
+                logging.INFO,
+                "mxplus %s MoE experts on %s: %s",
+                spec.scheme,
+                platform,
+                cls.summary or cls.name,
+            )
             return cls()
         rejected.append(f"{cls.name}: {why}")
     if not _REGISTRY.get(platform):
         rejected.append(f"no expert backend registered for {platform}")
-    log_once(logger, ("moe", spec.scheme, platform, "reference", tuple(rejected)), logging.INFO,
-             "mxplus %s MoE experts on %s: reference path (dequantized fp32 experts, "
-             "fake-quant activations) because %s", spec.scheme, platform, "; ".join(rejected))
+    log_once(
+        logger,
+        ("moe", spec.scheme, platform, "reference", tuple(rejected)),
+        logging.INFO,
+        "mxplus %s MoE experts on %s: reference path (dequantized fp32 experts, "
+        "fake-quant activations) because %s",
+        spec.scheme,
+        platform,
+        "; ".join(rejected),
+    )
     return _resolve(REFERENCE)()
-

@@ -30,7 +30,8 @@ def moe_tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         from vllm.distributed import get_tp_group
 
         torch.distributed.all_reduce(
-            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+        )
     return t
 
 
@@ -52,25 +53,37 @@ class CpuPackedExperts(ExpertBackend):
 
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
-    def process_weights_after_loading(self, layer: torch.nn.Module, spec: MoESpec,
-                                      weights: ExpertWeights) -> None:
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
+    ) -> None:
         from vllm_mxplus.ops.moe_cpu import PackedExperts
 
         experts = {}
         for stem in STEMS:
             q, e = weights.quantized(stem)
-            experts[stem] = PackedExperts.from_rows(q, e, spec.activation_format,
-                                                    spec.macro_block)
+            experts[stem] = PackedExperts.from_rows(q, e, spec.activation_format, spec.macro_block)
         layer.mxplus_packed = experts
 
-    def apply(self, layer: torch.nn.Module, spec: MoESpec, x: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        spec: MoESpec,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         from vllm_mxplus.ops.moe_cpu import moe_experts_packed
 
         return moe_experts_packed(
-            x, layer.mxplus_packed["w13"], layer.mxplus_packed["w2"], topk_weights,
-            topk_ids, activation=activation, expert_map=layer.expert_map)
+            x,
+            layer.mxplus_packed["w13"],
+            layer.mxplus_packed["w2"],
+            topk_weights,
+            topk_ids,
+            activation=activation,
+            expert_map=layer.expert_map,
+        )
 
 
 class ReferenceExperts(ExpertBackend):
@@ -80,24 +93,42 @@ class ReferenceExperts(ExpertBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         return True, ""
 
-    def process_weights_after_loading(self, layer: torch.nn.Module, spec: MoESpec,
-                                      weights: ExpertWeights) -> None:
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
+    ) -> None:
         fp32 = {stem: weights.dequantized(stem).contiguous() for stem in STEMS}
         for stem, attr in zip(STEMS, (W13_FP32, W2_FP32)):
             layer.register_parameter(attr, torch.nn.Parameter(fp32[stem], requires_grad=False))
         layer.mxplus_row_amax_reduce = spec.activation_per_row and layer.moe_config.tp_size > 1
 
-    def apply(self, layer: torch.nn.Module, spec: MoESpec, x: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        spec: MoESpec,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         from vllm_mxplus.ops.moe_reference import moe_experts_reference
         from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
         row_g = None
         if layer.mxplus_row_amax_reduce:
+
             def row_g(h: torch.Tensor) -> torch.Tensor:
                 return moe_tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
+
         return moe_experts_reference(
-            x, getattr(layer, W13_FP32), getattr(layer, W2_FP32), topk_weights, topk_ids,
-            spec.activation_format, per_row=spec.activation_per_row, activation=activation,
-            macro_block=spec.macro_block, expert_map=layer.expert_map, row_global_scale=row_g)
+            x,
+            getattr(layer, W13_FP32),
+            getattr(layer, W2_FP32),
+            topk_weights,
+            topk_ids,
+            spec.activation_format,
+            per_row=spec.activation_per_row,
+            activation=activation,
+            macro_block=spec.macro_block,
+            expert_map=layer.expert_map,
+            row_global_scale=row_g,
+        )

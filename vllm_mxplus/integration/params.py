@@ -44,8 +44,9 @@ def tensor_specs(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTensor]
     return stored_tensors(fmt, macro_block)
 
 
-def row_parallel_unit(weight_format: str, activation_format: str,
-                      macro_block: int = MACRO_BLOCK) -> int:
+def row_parallel_unit(
+    weight_format: str, activation_format: str, macro_block: int = MACRO_BLOCK
+) -> int:
     """K per TP partition of a row-parallel layer must be a multiple of this.
 
     The rule: a partition holds whole quantization groups of both operands, so sharding
@@ -61,16 +62,21 @@ def row_parallel_unit(weight_format: str, activation_format: str,
 def working_tp_sizes(k_full: int, unit: int, limit: int = 64) -> list[int]:
     """tensor_parallel_size values up to `limit` that give every rank a whole number of
     `unit`-element groups of a row-parallel K (vLLM splits K evenly: K / tp per rank)."""
-    return [tp for tp in range(1, limit + 1)
-            if tp == 1 or (k_full % tp == 0 and (k_full // tp) % unit == 0)]
+    return [
+        tp
+        for tp in range(1, limit + 1)
+        if tp == 1 or (k_full % tp == 0 and (k_full // tp) % unit == 0)
+    ]
 
 
 def tp_hint(k_full: int, unit: int) -> str:
     """The end of a row-parallel sharding error: which tensor_parallel_size values work."""
     sizes = working_tp_sizes(k_full, unit)
     if sizes == [1]:
-        return (f"No tensor_parallel_size above 1 gives every rank whole groups of {unit} "
-                f"out of {k_full}: use tensor_parallel_size=1.")
+        return (
+            f"No tensor_parallel_size above 1 gives every rank whole groups of {unit} "
+            f"out of {k_full}: use tensor_parallel_size=1."
+        )
     return f"tensor_parallel_size values that work: {', '.join(map(str, sizes))}."
 
 
@@ -105,24 +111,28 @@ def _make_loader(
         name = f"{names[idx] if idx is not None and idx < len(names) else names[0]}.{tspec.suffix}"
         if loaded.dtype != tspec.dtype:
             raise ValueError(
-                f"checkpoint tensor {name} has dtype {loaded.dtype}, expected {tspec.dtype}")
+                f"checkpoint tensor {name} has dtype {loaded.dtype}, expected {tspec.dtype}"
+            )
         if tspec.k_per_col:
             want = tspec.cols(k_full)
             if loaded.dim() != 2 or loaded.shape[1] != want:
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected "
-                    f"[N, {want}] (K={k_full}, {tspec.k_per_col} elements per column)")
+                    f"[N, {want}] (K={k_full}, {tspec.k_per_col} elements per column)"
+                )
         elif loaded.numel() != 1:
             raise ValueError(
                 f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected one "
-                "fp32 value per logical weight")
+                "fp32 value per logical weight"
+            )
         try:
             out = inner(param, loaded, *args, **kwargs)
         except (AssertionError, RuntimeError) as e:
             raise ValueError(
                 f"checkpoint tensor {name} of shape {tuple(loaded.shape)} does not fit "
                 f"parameter {getattr(layer, 'prefix', '')}.{tspec.suffix} of shape "
-                f"{tuple(param.shape)}: {e}") from None
+                f"{tuple(param.shape)}: {e}"
+            ) from None
         layer.mxplus_loaded.setdefault(tspec.suffix, set()).add(idx)
         return out
 
@@ -147,7 +157,8 @@ def create_quantized_params(
         loader = _make_loader(layer, tspec, weight_loader, names, k_full)
         if tspec.k_per_col == 0:
             param = PerTensorScaleParameter(
-                data=torch.zeros(len(n_per_partition), dtype=tspec.dtype), weight_loader=loader)
+                data=torch.zeros(len(n_per_partition), dtype=tspec.dtype), weight_loader=loader
+            )
         else:
             packed = tspec.suffix == SUFFIX_PACKED
             cls = ModelWeightParameter if packed else GroupQuantScaleParameter
@@ -156,8 +167,9 @@ def create_quantized_params(
         layer.register_parameter(tspec.suffix, param)
 
 
-def check_all_loaded(layer: torch.nn.Module, weight_format: str,
-                     packed_mapping: dict[str, list[str]]) -> None:
+def check_all_loaded(
+    layer: torch.nn.Module, weight_format: str, packed_mapping: dict[str, list[str]]
+) -> None:
     """Raise ValueError naming the first checkpoint tensor that never arrived."""
     names = shard_names(layer, packed_mapping)
     n_logical = len(layer.logical_widths)
@@ -170,4 +182,5 @@ def check_all_loaded(layer: torch.nn.Module, weight_format: str,
                 shard = names[i] if len(names) == n_logical else names[0]
                 raise ValueError(
                     f"checkpoint tensor {shard}.{tspec.suffix} is missing "
-                    f"(format {weight_format} stores {', '.join(weight_suffixes(weight_format))})")
+                    f"(format {weight_format} stores {', '.join(weight_suffixes(weight_format))})"
+                )

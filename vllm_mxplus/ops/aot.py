@@ -28,8 +28,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,9 +38,16 @@ import torch
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 DEFAULT_TARGETS = (80, 90, 100)
 _DTYPE = {
-    torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
-    torch.int64: "i64", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-    torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
@@ -85,8 +93,9 @@ def _drive_act_quant(quick: bool) -> None:
     from vllm_mxplus.formats import get_format
     from vllm_mxplus.ops import triton_act_quant as aq
 
-    dtypes = (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16,
-                                                            torch.float32)
+    dtypes = (
+        (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    )
     ms = (1, 64) if quick else (1, 2, 3, 4, 64)
     ks = (4096,) if quick else (16, 48, 64, 128, 256, 576, 4096, 4104)
     for fmt in aq.SUPPORTED_FORMATS:
@@ -117,20 +126,33 @@ def _drive_decode_gemm(quick: bool) -> None:
     out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
     shapes = ((4096, 4096),) if quick else ((4096, 4096), (576, 1536), (100, 72))
     for (wf, af), out_dtype, (n, k), bias, split in itertools.product(
-            sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4)):
+        sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4)
+    ):
         if quick and bias:
             continue
         bs = get_format(wf).block_size
 
         def operand(rows: int, fmt: str) -> tuple[torch.Tensor, ...]:
-            mbs = (_meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8)
-                   if get_format(fmt).mbs else None)
-            return (_meta((rows, ceil_div(k, 2)), torch.uint8),
-                    _meta((rows, ceil_div(k, bs)), torch.uint8), mbs)
+            mbs = (
+                _meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8)
+                if get_format(fmt).mbs
+                else None
+            )
+            return (
+                _meta((rows, ceil_div(k, 2)), torch.uint8),
+                _meta((rows, ceil_div(k, bs)), torch.uint8),
+                mbs,
+            )
 
-        decode_gemm(*operand(16, af), *operand(n, wf), k,
-                    _meta((n,), out_dtype) if bias else None, out_dtype, block_size=bs,
-                    split_k=split)
+        decode_gemm(
+            *operand(16, af),
+            *operand(n, wf),
+            k,
+            _meta((n,), out_dtype) if bias else None,
+            out_dtype,
+            block_size=bs,
+            split_k=split,
+        )
 
 
 #: The launchers, by the kernels they launch; each driver calls its wrapper over its domain.
@@ -147,7 +169,7 @@ def _type_of(value: Any) -> str:
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"aot: cannot type kernel argument {value!r}")
@@ -177,12 +199,13 @@ def config_of(launch: Any) -> KernelConfig:
         value = positional[name]
         signature.append((name, _type_of(value)))
         # Triton specializes pointers (16-byte aligned allocations) and ints % 16 == 0.
-        if isinstance(value, torch.Tensor) or (isinstance(value, int)
-                                               and not isinstance(value, bool)
-                                               and value % 16 == 0):
+        if isinstance(value, torch.Tensor) or (
+            isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+        ):
             divisible.append(i)
-    return KernelConfig(fn.__module__, fn.__name__, tuple(signature), tuple(constexprs),
-                        tuple(divisible), options)
+    return KernelConfig(
+        fn.__module__, fn.__name__, tuple(signature), tuple(constexprs), tuple(divisible), options
+    )
 
 
 def enumerate_configs(quick: bool = False) -> dict[str, list[KernelConfig]]:
@@ -219,16 +242,21 @@ def _ptxas_stats(ptx: str, target: int, workdir: str) -> tuple[int, int]:
     with open(path, "w") as f:
         f.write(ptx)
     try:
-        proc = subprocess.run([_ptxas_path(target), "-v", f"--gpu-name=sm_{target}{suffix}",
-                               path, "-o", os.devnull], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [_ptxas_path(target), "-v", f"--gpu-name=sm_{target}{suffix}", path, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         os.unlink(path)
     if proc.returncode:
         raise RuntimeError(f"ptxas failed: {proc.stderr.strip()[-400:]}")
     regs = re.findall(r"Used (\d+) registers", proc.stderr)
-    spills = [int(a) + int(b) for a, b in
-              re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)]
+    spills = [
+        int(a) + int(b)
+        for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    ]
     if not regs:
         raise RuntimeError(f"no register count in ptxas output: {proc.stderr.strip()[-400:]}")
     return max(map(int, regs)), max(spills, default=0)
@@ -247,14 +275,17 @@ def compile_config(config: KernelConfig, target: int) -> CompileResult:
     t0 = time.time()
     try:
         kernel = getattr(importlib.import_module(config.module), config.kernel)
-        constexprs = {k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",)
-                      else v for k, v in config.constexprs}
+        constexprs = {
+            k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
+            for k, v in config.constexprs
+        }
         attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
         src = ASTSource(kernel, dict(config.signature), constexprs, attrs)
         ck = triton.compile(src, target=GPUTarget("cuda", target, 32), options=dict(config.options))
         res.smem = int(getattr(ck.metadata, "shared", 0))
-        res.regs, res.spill_bytes = _ptxas_stats(ck.asm["ptx"], target,
-                                                 os.environ["TRITON_CACHE_DIR"])
+        res.regs, res.spill_bytes = _ptxas_stats(
+            ck.asm["ptx"], target, os.environ["TRITON_CACHE_DIR"]
+        )
     except Exception as e:  # reported per config; the run fails at the end
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e) else ''}"
     res.seconds = time.time() - t0
@@ -266,8 +297,9 @@ def _init_worker(cache_dir: str) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
-def compile_all(configs: list[KernelConfig], targets: list[int], jobs: int,
-                progress: bool = True) -> list[CompileResult]:
+def compile_all(
+    configs: list[KernelConfig], targets: list[int], jobs: int, progress: bool = True
+) -> list[CompileResult]:
     """Compile configs x targets in `jobs` spawned workers with a private Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="mxplus-aot-triton-")
     env_interp = os.environ.pop("TRITON_INTERPRET", None)  # spawned workers inherit os.environ
@@ -275,8 +307,9 @@ def compile_all(configs: list[KernelConfig], targets: list[int], jobs: int,
     results: list[CompileResult] = []
     try:
         ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(cache_dir,)) as pool:
+        with cf.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(cache_dir,)
+        ) as pool:
             futures = [pool.submit(compile_config, c, t) for c, t in work]
             bar = _progress(len(futures)) if progress else None
             for fut in cf.as_completed(futures):
@@ -306,15 +339,19 @@ def summarize(results: list[CompileResult]) -> list[str]:
     groups: dict[tuple[str, int], list[CompileResult]] = defaultdict(list)
     for r in results:
         groups[(r.config.kernel, r.target)].append(r)
-    lines = [f"{'kernel':26s} {'sm':>4s} {'configs':>7s} {'regs':>9s} {'spill B':>7s} "
-             f"{'smem B':>7s} {'limit':>7s} {'fail':>4s}"]
+    lines = [
+        f"{'kernel':26s} {'sm':>4s} {'configs':>7s} {'regs':>9s} {'spill B':>7s} "
+        f"{'smem B':>7s} {'limit':>7s} {'fail':>4s}"
+    ]
     for (kernel, target), rs in sorted(groups.items()):
         ok = [r for r in rs if not r.error]
         regs = f"{min(r.regs for r in ok)}-{max(r.regs for r in ok)}" if ok else "-"
-        lines.append(f"{kernel:26s} {target:>4d} {len(rs):>7d} {regs:>9s} "
-                     f"{max((r.spill_bytes for r in ok), default=0):>7d} "
-                     f"{max((r.smem for r in ok), default=0):>7d} {SMEM_LIMIT[target]:>7d} "
-                     f"{sum(r.failed for r in rs):>4d}")
+        lines.append(
+            f"{kernel:26s} {target:>4d} {len(rs):>7d} {regs:>9s} "
+            f"{max((r.spill_bytes for r in ok), default=0):>7d} "
+            f"{max((r.smem for r in ok), default=0):>7d} {SMEM_LIMIT[target]:>7d} "
+            f"{sum(r.failed for r in rs):>4d}"
+        )
     return lines
 
 
@@ -323,8 +360,11 @@ def failures(results: list[CompileResult]) -> list[str]:
     for r in results:
         if not r.failed:
             continue
-        why = r.error or (f"{r.spill_bytes} bytes spilled ({r.regs} registers)"
-                          if r.spill_bytes else f"shared memory {r.smem} > {SMEM_LIMIT[r.target]}")
+        why = r.error or (
+            f"{r.spill_bytes} bytes spilled ({r.regs} registers)"
+            if r.spill_bytes
+            else f"shared memory {r.smem} > {SMEM_LIMIT[r.target]}"
+        )
         out.append(f"sm_{r.target} {r.config.kernel} {r.config.label()}: {why}")
     return out
 
@@ -334,23 +374,31 @@ def parse_targets(text: str) -> list[int]:
     try:
         targets = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ValueError(f"--targets: expected compute capabilities like 80,90,100, got {text!r}")
+        raise ValueError(f"--targets: expected compute capabilities like 80,90,100, got {text!r}")  # noqa: B904
     bad = [t for t in targets if t not in SMEM_LIMIT]
     if bad or not targets:
-        raise ValueError(f"--targets: unsupported {bad or text!r}; choose from "
-                         f"{sorted(SMEM_LIMIT)}")
+        raise ValueError(
+            f"--targets: unsupported {bad or text!r}; choose from {sorted(SMEM_LIMIT)}"
+        )
     return targets
 
 
-def run_aot(targets: list[int], quick: bool, jobs: int, print_fn: Callable[[str], None] = print,
-            progress: bool = True) -> int:
+def run_aot(
+    targets: list[int],
+    quick: bool,
+    jobs: int,
+    print_fn: Callable[[str], None] = print,
+    progress: bool = True,
+) -> int:
     """The `--aot` command: enumerate, compile, print the table; 0 when everything passes."""
     t0 = time.time()
     per_launcher = enumerate_configs(quick)
     configs = [c for cs in per_launcher.values() for c in cs]
     counts = ", ".join(f"{k}: {len(v)}" for k, v in per_launcher.items())
-    print_fn(f"aot: {len(configs)} configurations ({counts}) x targets {targets}"
-             f"{' (quick subset)' if quick else ''}, {jobs} jobs")
+    print_fn(
+        f"aot: {len(configs)} configurations ({counts}) x targets {targets}"
+        f"{' (quick subset)' if quick else ''}, {jobs} jobs"
+    )
     results = compile_all(configs, targets, jobs, progress)
     for line in summarize(results):
         print_fn(line)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
@@ -22,13 +21,15 @@ from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_sc
 # (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
 # decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
 # MBS on either side optional. NVFP4 and MX+ are not among them.
-E8M0_PAIRS = frozenset({
-    ("mxfp4-ocp", "mxfp4-ocp"),
-    ("mxfp4-16", "mxfp4-16"),
-    ("mxfp4-16-oas", "mxfp4-16-oas"),
-    ("mxfp4-mbs-s", "mxfp4-mbs-s"),
-    ("mxfp4-mbs-d", "mxfp4-mbs-s"),
-})
+E8M0_PAIRS = frozenset(
+    {
+        ("mxfp4-ocp", "mxfp4-ocp"),
+        ("mxfp4-16", "mxfp4-16"),
+        ("mxfp4-16-oas", "mxfp4-16-oas"),
+        ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+        ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class LinearBackend(ABC):
     #: reference backend (a 4-byte-per-weight fp32 copy) only when the candidates' ranges
     #: together leave some M uncovered, and drops a candidate whose range earlier ones cover.
     min_m: int = 1
-    max_m: Optional[int] = None
+    max_m: int | None = None
     #: Legacy declaration: False for a backend whose `supports_m` rejects some M without
     #: declaring `min_m` / `max_m`; its range is then unknown and the reference is kept.
     covers_all_m: bool = True
@@ -80,7 +81,7 @@ class LinearBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         """(True, "") when the backend can run on this platform / device capability
         (e.g. 90 for sm_90); otherwise (False, the reason)."""
 
@@ -90,7 +91,7 @@ class LinearBackend(ABC):
         return True, ""
 
     @classmethod
-    def m_range(cls) -> Optional[tuple[int, Optional[int]]]:
+    def m_range(cls) -> tuple[int, int | None] | None:
         """(min_m, max_m) served, or None when unknown (only `covers_all_m = False` and an
         overridden `supports_m`, no declared range): the selector then relies on it for no M."""
         if not cls.covers_all_m and cls.min_m == 1 and cls.max_m is None:
@@ -104,7 +105,7 @@ class LinearBackend(ABC):
 
     def selftest_activation(
         self, x: torch.Tensor, spec: LinearSpec
-    ) -> Union[QuantizedTensor, torch.Tensor, None]:
+    ) -> QuantizedTensor | torch.Tensor | None:
         """The backend's own activation quantization of rows x, for the self-test to compare
         bit for bit with `formats.quantize` (a QuantizedTensor: codes, scales, MBS bytes) or
         `formats.fake_quantize` (an fp32 tensor: the values). None: not exposed."""
@@ -122,9 +123,9 @@ class LinearBackend(ABC):
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor],
+        bias: torch.Tensor | None,
         spec: LinearSpec,
-        act_global_scale: Optional[torch.Tensor] = None,
+        act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n].
 
@@ -132,8 +133,7 @@ class LinearBackend(ABC):
         instead of x's own (row-parallel TP shards pass the whole row's)."""
 
 
-def check_e8m0_pair(weight_format: str, activation_format: str,
-                    kernel: str) -> tuple[bool, str]:
+def check_e8m0_pair(weight_format: str, activation_format: str, kernel: str) -> tuple[bool, str]:
     """Whether the packed E8M0 kernels take this pair: (True, "") or (False, why) naming
     `kernel`. The `can_implement` of those backends, also used for MoE experts."""
     if (weight_format, activation_format) not in E8M0_PAIRS:
@@ -141,8 +141,9 @@ def check_e8m0_pair(weight_format: str, activation_format: str,
     return True, ""
 
 
-def set_packed_buffers(layer: torch.nn.Module, attrs: tuple[str, ...],
-                       tensors: tuple[Optional[torch.Tensor], ...]) -> None:
+def set_packed_buffers(
+    layer: torch.nn.Module, attrs: tuple[str, ...], tensors: tuple[torch.Tensor | None, ...]
+) -> None:
     """Register a backend's runtime tensors on `layer` as non-persistent buffers (contiguous;
     None allowed), replacing earlier ones of the same names."""
     for attr, t in zip(attrs, tensors):

@@ -19,23 +19,41 @@ import time
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "kernels", help="build the C++ CPU kernels and show the CPU backend per scheme",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true",
-                   help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats")
+        "kernels",
+        help="build the C++ CPU kernels and show the CPU backend per scheme",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats",
+    )
     g = p.add_argument_group("ahead-of-time GPU compilation (no GPU needed)")
-    g.add_argument("--aot", action="store_true",
-                   help="compile every Triton kernel configuration the launchers can launch to "
-                        "machine code with ptxas -v; exit 1 on a compile failure, a spill or "
-                        "shared memory over the target's limit")
-    g.add_argument("--targets", default="80,90,100",
-                   help="compute capabilities to compile for, comma-separated (default: "
-                        "80,90,100)")
-    g.add_argument("--quick", action="store_true",
-                   help="a representative subset (every kernel, format and flag; fewer shapes "
-                        "and dtypes): a few minutes on 2 cores, what CI runs")
-    g.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                   help="parallel compile processes (default: CPU count, at most 8)")
+    g.add_argument(
+        "--aot",
+        action="store_true",
+        help="compile every Triton kernel configuration the launchers can launch to "
+        "machine code with ptxas -v; exit 1 on a compile failure, a spill or "
+        "shared memory over the target's limit",
+    )
+    g.add_argument(
+        "--targets",
+        default="80,90,100",
+        help="compute capabilities to compile for, comma-separated (default: 80,90,100)",
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="a representative subset (every kernel, format and flag; fewer shapes "
+        "and dtypes): a few minutes on 2 cores, what CI runs",
+    )
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="parallel compile processes (default: CPU count, at most 8)",
+    )
 
 
 def _self_test() -> list[str]:
@@ -52,18 +70,22 @@ def _self_test() -> list[str]:
         x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
         q = quantize(w, wf)
         xq = fake_quantize(x, af)
-        if not torch.equal(cpu_kernels.act_fake_quant(x, af).view(torch.int32),
-                           xq.view(torch.int32)):
+        if not torch.equal(
+            cpu_kernels.act_fake_quant(x, af).view(torch.int32), xq.view(torch.int32)
+        ):
             bad.append(f"activation fake-quant {af}")
         w_hat = q.dequantize()
-        if not torch.equal(cpu_kernels.dequant_weight(q.codes, q.scales, q.mbs, 576, wf)
-                           .view(torch.int32), w_hat.view(torch.int32)):
+        if not torch.equal(
+            cpu_kernels.dequant_weight(q.codes, q.scales, q.mbs, 576, wf).view(torch.int32),
+            w_hat.view(torch.int32),
+        ):
             bad.append(f"weight dequantization {wf}")
         ref = xq.double() @ w_hat.double().T
         bound = 2.0**-16 * (xq.abs().double() @ w_hat.abs().double().T)
         for m in (1, 5):
-            y = cpu_kernels.mx_linear(x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None,
-                                      torch.float32)
+            y = cpu_kernels.mx_linear(
+                x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32
+            )
             if not bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()):
                 bad.append(f"linear {wf} x {af}, M={m}")
     return bad
@@ -100,21 +122,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"CPU kernels: unavailable: {why}")
         print("CPU backend for every scheme: reference (pure torch)")
         return 1
-    print(f"CPU kernels: {cpu_kernels.build_dir()} ({time.time() - t0:.1f} s; "
-          f"{' '.join(cpu_kernels.cflags()[:1])}, torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()})")
+    print(
+        f"CPU kernels: {cpu_kernels.build_dir()} ({time.time() - t0:.1f} s; "
+        f"{' '.join(cpu_kernels.cflags()[:1])}, torch CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()})"
+    )
     quiet = logging.getLogger("vllm_mxplus.ops.dispatch")
     level, quiet.level = quiet.level, logging.ERROR  # the listing below says it all
     try:
         for name in SCHEMES:
-            chosen = select(LinearSpec(scheme=name, n=16, k=128, out_dtype=torch.bfloat16),
-                            "cpu", None)
+            chosen = select(
+                LinearSpec(scheme=name, n=16, k=128, out_dtype=torch.bfloat16), "cpu", None
+            )
             print(f"  {name:14s} -> {' > '.join(b.name for b in chosen)}")
     finally:
         quiet.setLevel(level)
     if args.check:
         bad = _self_test()
-        print("self-test: " + ("bit-exact, linear within bound" if not bad else
-                               "FAILED: " + "; ".join(bad)))
+        print(
+            "self-test: "
+            + ("bit-exact, linear within bound" if not bad else "FAILED: " + "; ".join(bad))
+        )
         return 1 if bad else 0
     return 0

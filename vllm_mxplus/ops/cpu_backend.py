@@ -16,8 +16,6 @@ scales: csrc/mx_nvfp4_cpu.cpp). MX+ falls back to the reference backend.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor
@@ -38,7 +36,7 @@ class CpuPackedBackend(LinearBackend):
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cpu":
             return False, f"the C++ kernels run on the CPU, not {platform}"
         from vllm_mxplus.ops import cpu_kernels
@@ -57,32 +55,55 @@ class CpuPackedBackend(LinearBackend):
         from vllm_mxplus.ops.cpu_kernels import linear_args, pack_nvfp4, pack_weight
 
         if qweight.codes.dim() != 2:
-            raise ValueError(f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}")
+            raise ValueError(
+                f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}"
+            )
         if qweight.fmt == "nvfp4":
             set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
             layer.mxplus_cpu_args = ("nvfp4", qweight.codes.shape[0], spec.k)
             return
-        packed = pack_weight(qweight.codes, qweight.scales, qweight.mbs, spec.k,
-                             spec.weight_format, spec.macro_block)
+        packed = pack_weight(
+            qweight.codes, qweight.scales, qweight.mbs, spec.k, spec.weight_format, spec.macro_block
+        )
         set_packed_buffers(layer, ATTRS, packed)
         # Resolved once here, so a decode step pays one C++ op call per linear and no lookups.
-        layer.mxplus_cpu_args = linear_args(spec.weight_format, spec.activation_format,
-                                            qweight.codes.shape[0], spec.k, spec.macro_block)
+        layer.mxplus_cpu_args = linear_args(
+            spec.weight_format,
+            spec.activation_format,
+            qweight.codes.shape[0],
+            spec.k,
+            spec.macro_block,
+        )
 
     def apply(
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor],
+        bias: torch.Tensor | None,
         spec: LinearSpec,
-        act_global_scale: Optional[torch.Tensor] = None,
+        act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from vllm_mxplus.ops.cpu_kernels import linear_packed, nvfp4_linear_packed
 
         args = layer.mxplus_cpu_args
         if args[0] == "nvfp4":
-            return nvfp4_linear_packed(x, args[1], args[2], layer.mxplus_cpu_codes,
-                                       layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias,
-                                       spec.out_dtype, act_global_scale)
-        return linear_packed(x, args, layer.mxplus_cpu_codes,
-                             layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs, bias, spec.out_dtype)
+            return nvfp4_linear_packed(
+                x,
+                args[1],
+                args[2],
+                layer.mxplus_cpu_codes,
+                layer.mxplus_cpu_scales,
+                layer.mxplus_cpu_mbs,
+                bias,
+                spec.out_dtype,
+                act_global_scale,
+            )
+        return linear_packed(
+            x,
+            args,
+            layer.mxplus_cpu_codes,
+            layer.mxplus_cpu_scales,
+            layer.mxplus_cpu_mbs,
+            bias,
+            spec.out_dtype,
+        )

@@ -35,7 +35,6 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -47,8 +46,16 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp", CSRC / "mx_nvfp4_cpu.cpp")
-HEADERS = tuple(CSRC / h for h in ("mx_cpu_common.h", "mx_tiles.h", "mx_tile_avx512.h",
-                                    "mx_tile_avx2.h", "mx_tile_scalar.h"))
+HEADERS = tuple(
+    CSRC / h
+    for h in (
+        "mx_cpu_common.h",
+        "mx_tiles.h",
+        "mx_tile_avx512.h",
+        "mx_tile_avx2.h",
+        "mx_tile_scalar.h",
+    )
+)
 ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
 _BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
@@ -59,7 +66,7 @@ TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
 NVFP4_BLOCK = 16
 
 _lock = threading.Lock()
-_state: dict[str, Optional[str]] = {"error": None, "loaded": None}
+_state: dict[str, str | None] = {"error": None, "loaded": None}
 
 
 def cflags() -> list[str]:
@@ -79,8 +86,12 @@ def _cpu_signature() -> str:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(cflags() + LDFLAGS).encode(),
-                 torch.__version__.encode(), _cpu_signature().encode()):
+    for part in (
+        *(p.read_bytes() for p in SOURCES + HEADERS),
+        " ".join(cflags() + LDFLAGS).encode(),
+        torch.__version__.encode(),
+        _cpu_signature().encode(),
+    ):
         h.update(part)
     return f"mxplus_cpu_{h.hexdigest()[:16]}"
 
@@ -91,7 +102,7 @@ def build_dir() -> Path:
     return base / build_name()
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
@@ -110,10 +121,15 @@ def load() -> tuple[bool, str]:
             _build_and_load()
         except Exception as e:  # noqa: BLE001 - any failure means: use the reference path
             msg = str(e).strip().splitlines()
-            logger.warning("mxplus: the CPU kernels could not be built; the reference backend "
-                           "serves instead. Build output:\n%s", "\n".join(msg[-40:]))
-            _state["error"] = (f"building the CPU kernels failed ({type(e).__name__}: "
-                               f"{msg[-1] if msg else ''}); set {ENV_DISABLE}=0 to skip them")
+            logger.warning(
+                "mxplus: the CPU kernels could not be built; the reference backend "
+                "serves instead. Build output:\n%s",
+                "\n".join(msg[-40:]),
+            )
+            _state["error"] = (
+                f"building the CPU kernels failed ({type(e).__name__}: "
+                f"{msg[-1] if msg else ''}); set {ENV_DISABLE}=0 to skip them"
+            )
             return False, _state["error"]
         _state["loaded"] = build_name()
         return True, ""
@@ -135,8 +151,15 @@ def _build_and_load() -> None:
     if fresh:
         logger.info("mxplus: building the CPU kernels into %s (once per machine, ~20 s)", out)
     t0 = time.time()
-    cpp_load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
-             build_directory=str(out), is_python_module=False, verbose=False)
+    cpp_load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=cflags(),
+        extra_ldflags=LDFLAGS,
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=False,
+    )
     if fresh:
         logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
     _register_fakes()
@@ -153,9 +176,11 @@ def _register_fakes() -> None:
     def _(x, block, rule, mbs, macro):
         k = x.shape[-1]
         m = x.numel() // k
-        return (x.new_empty((m, k), dtype=torch.int8),
-                x.new_empty((m, ceil_div(k, block)), dtype=torch.uint8),
-                x.new_empty((m, ceil_div(k, macro) if mbs else 0), dtype=torch.uint8))
+        return (
+            x.new_empty((m, k), dtype=torch.int8),
+            x.new_empty((m, ceil_div(k, block)), dtype=torch.uint8),
+            x.new_empty((m, ceil_div(k, macro) if mbs else 0), dtype=torch.uint8),
+        )
 
     @torch.library.register_fake(op_name("cpu_dequant_weight"))
     def _(codes, scales, mbs, k, block, macro):
@@ -164,25 +189,42 @@ def _register_fakes() -> None:
     @torch.library.register_fake(op_name("cpu_pack_weight"))
     def _(codes, scales, mbs, k, block, macro):
         nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
-        return (codes.new_empty((nt, nb * block // 2 * TILE_N)),
-                codes.new_empty((nt, nb * TILE_N)),
-                codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)))
+        return (
+            codes.new_empty((nt, nb * block // 2 * TILE_N)),
+            codes.new_empty((nt, nb * TILE_N)),
+            codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)),
+        )
 
     @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
     def _(x):
         k = x.shape[-1]
         m = x.numel() // k
-        return (x.new_empty((m, k), dtype=torch.int8),
-                x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
-                x.new_empty((m,), dtype=torch.float32))
+        return (
+            x.new_empty((m, k), dtype=torch.int8),
+            x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
+            x.new_empty((m,), dtype=torch.float32),
+        )
 
     @torch.library.register_fake(op_name("cpu_nvfp4_linear"))
     def _(x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
     @torch.library.register_fake(op_name("cpu_mx_linear"))
-    def _(x, act_block, act_rule, act_mbs, macro, wcodes, wscales, wmbs, n, k, w_block, bias,
-          out_dtype):
+    def _(
+        x,
+        act_block,
+        act_rule,
+        act_mbs,
+        macro,
+        wcodes,
+        wscales,
+        wmbs,
+        n,
+        k,
+        w_block,
+        bias,
+        out_dtype,
+    ):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
 
@@ -211,8 +253,9 @@ def empty_mbs(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.empty((0, 0), dtype=torch.uint8, device=device)
 
 
-def act_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def act_quant(
+    x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integer GEMM's activation operand for rows x [..., K]: (2 * E2M1 value as int8
     [M, K], E8M0 codes [M, ceil(K/block)], MBS-S bytes [M, ceil(K/macro)] or [M, 0]),
     bit-exact with formats.quantize(x, fmt)."""
@@ -228,46 +271,69 @@ def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) ->
     return torch.ops.vllm_mxplus.cpu_act_fake_quant(x, block, rule, mbs, macro_block)
 
 
-def dequant_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor],
-                   k: int, fmt: str, macro_block: int = MACRO_BLOCK) -> torch.Tensor:
+def dequant_weight(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    fmt: str,
+    macro_block: int = MACRO_BLOCK,
+) -> torch.Tensor:
     """QuantizedTensor.dequantize() in fp32 (same bits) for a 2-D packed weight."""
     _require()
     mbs_t = empty_mbs(codes.device) if mbs is None else mbs
-    return torch.ops.vllm_mxplus.cpu_dequant_weight(codes, scales, mbs_t, k, _weight_block(fmt),
-                                                    macro_block)
+    return torch.ops.vllm_mxplus.cpu_dequant_weight(
+        codes, scales, mbs_t, k, _weight_block(fmt), macro_block
+    )
 
 
-def pack_weight(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int,
-                fmt: str, macro_block: int = MACRO_BLOCK
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_weight(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    fmt: str,
+    macro_block: int = MACRO_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A checkpoint-layout weight (codes [N, ceil(K/2)], E8M0 scales, MBS bytes or None) in
     the GEMM's 16-row tile layout: the same bytes re-ordered (N padded to a multiple of 16)."""
     _require()
     mbs_t = empty_mbs(codes.device) if mbs is None else mbs
-    return torch.ops.vllm_mxplus.cpu_pack_weight(codes, scales, mbs_t, k, _weight_block(fmt),
-                                                 macro_block)
+    return torch.ops.vllm_mxplus.cpu_pack_weight(
+        codes, scales, mbs_t, k, _weight_block(fmt), macro_block
+    )
 
 
-def linear_args(weight_format: str, activation_format: str, n: int, k: int,
-                macro_block: int = MACRO_BLOCK) -> tuple:
+def linear_args(
+    weight_format: str, activation_format: str, n: int, k: int, macro_block: int = MACRO_BLOCK
+) -> tuple:
     """The constant arguments of `cpu_mx_linear` for one layer (see `linear_packed`)."""
     a_block, a_rule, a_mbs = _act_args(activation_format)
     w_block = _weight_block(weight_format)
     if w_block != a_block:
-        raise ValueError(f"weights {weight_format} (block {w_block}) and activations "
-                         f"{activation_format} (block {a_block}) need the same block size")
+        raise ValueError(
+            f"weights {weight_format} (block {w_block}) and activations "
+            f"{activation_format} (block {a_block}) need the same block size"
+        )
     return a_block, a_rule, a_mbs, macro_block, n, k, w_block
 
 
-def linear_packed(x: torch.Tensor, args: tuple, wcodes: torch.Tensor, wscales: torch.Tensor,
-                  wmbs: torch.Tensor, bias: Optional[torch.Tensor],
-                  out_dtype: torch.dtype) -> torch.Tensor:
+def linear_packed(
+    x: torch.Tensor,
+    args: tuple,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wmbs: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """`cpu_mx_linear` with a layer's `linear_args` and `pack_weight` tensors (kernels already
     loaded). The per-call path of the backends: quantizes x's rows once, then integer dot
     products against the packed weight, any number of rows."""
     a_block, a_rule, a_mbs, macro, n, k, w_block = args
-    return torch.ops.vllm_mxplus.cpu_mx_linear(x, a_block, a_rule, a_mbs, macro, wcodes, wscales,
-                                               wmbs, n, k, w_block, bias, out_dtype)
+    return torch.ops.vllm_mxplus.cpu_mx_linear(
+        x, a_block, a_rule, a_mbs, macro, wcodes, wscales, wmbs, n, k, w_block, bias, out_dtype
+    )
 
 
 def nvfp4_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,28 +352,47 @@ def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
     n, k = q.shape
     codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
-        q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK,
-        MACRO_BLOCK)
+        q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK, MACRO_BLOCK
+    )
     g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
-    g[:n] = q.global_scale.to(torch.float32).reshape(-1).expand(n) if q.global_scale.numel() == 1 \
+    g[:n] = (
+        q.global_scale.to(torch.float32).reshape(-1).expand(n)
+        if q.global_scale.numel() == 1
         else q.global_scale.to(torch.float32).reshape(n)
+    )
     return codes, scales, g
 
 
-def nvfp4_linear_packed(x: torch.Tensor, n: int, k: int, wcodes: torch.Tensor,
-                        wscales: torch.Tensor, wglobal: torch.Tensor,
-                        bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-                        act_global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def nvfp4_linear_packed(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wglobal: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    act_global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """NVFP4 W4A4 on integer dot products (csrc/mx_nvfp4_cpu.cpp) with `pack_nvfp4` tensors;
     act_global_scale: per-row global scales [..., 1] to use instead of x's own rows'."""
-    return torch.ops.vllm_mxplus.cpu_nvfp4_linear(x, wcodes, wscales, wglobal, n, k,
-                                                  act_global_scale, bias, out_dtype)
+    return torch.ops.vllm_mxplus.cpu_nvfp4_linear(
+        x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype
+    )
 
 
-def mx_linear(x: torch.Tensor, weight_format: str, activation_format: str,
-              codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int,
-              bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-              macro_block: int = MACRO_BLOCK) -> torch.Tensor:
+def mx_linear(
+    x: torch.Tensor,
+    weight_format: str,
+    activation_format: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    macro_block: int = MACRO_BLOCK,
+) -> torch.Tensor:
     """fake_quantize(x, activation_format) @ W_hat^T + bias for a checkpoint-layout weight
     (packs it on every call: for tests and one-off use; layers pack once at load)."""
     _require()

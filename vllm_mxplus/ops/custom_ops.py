@@ -12,8 +12,6 @@ inputs alone, which is what torch.compile needs.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
@@ -50,36 +48,48 @@ def _act_quant_op(
 
 @_act_quant_op.register_fake
 def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
-    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in
-                 _act_quant_shapes(x, fmt, macro_block))
+    return tuple(
+        x.new_empty(shape, dtype=dtype) for shape, dtype in _act_quant_shapes(x, fmt, macro_block)
+    )
 
 
 @torch.library.custom_op(op_name("triton_decode_gemm"), mutates_args=())
 def _decode_gemm_op(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,
-    x_mbs: Optional[torch.Tensor],
+    x_mbs: torch.Tensor | None,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
-    w_mbs: Optional[torch.Tensor],
+    w_mbs: torch.Tensor | None,
     K: int,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     block_size: int,
 ) -> torch.Tensor:
-    return decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype,
-                       block_size=block_size or None)
+    return decode_gemm(
+        x_codes,
+        x_scales,
+        x_mbs,
+        w_codes,
+        w_scales,
+        w_mbs,
+        K,
+        bias,
+        out_dtype,
+        block_size=block_size or None,
+    )
 
 
 @_decode_gemm_op.register_fake
-def _decode_gemm_fake(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype,
-                      block_size):
+def _decode_gemm_fake(
+    x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size
+):
     return x_codes.new_empty((x_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
 
 
 def act_quant_op(
     x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`triton_act_quant.act_quant` through the custom op (traceable); same return values."""
     spec = get_format(fmt)
     codes, scales, mbs, gs = torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block)
@@ -89,16 +99,17 @@ def act_quant_op(
 def decode_gemm_op(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,
-    x_mbs: Optional[torch.Tensor],
+    x_mbs: torch.Tensor | None,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
-    w_mbs: Optional[torch.Tensor],
+    w_mbs: torch.Tensor | None,
     K: int,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """`triton_decode_gemm.decode_gemm` through the custom op (traceable)."""
     return torch.ops.vllm_mxplus.triton_decode_gemm(
-        x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size or 0)
+        x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size or 0
+    )

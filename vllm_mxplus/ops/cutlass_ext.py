@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
 
 import torch
 
@@ -40,8 +39,15 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cutlass_src"
 SOURCES = {"90a": "sm90_fp8_chunk_scaled.cu", "100a": "sm100_fp4_mbs.cu"}
 BINDINGS = "torch_bindings.cpp"
 HEADERS = ("mxplus_launchers.h",)
-NVCC_FLAGS = ["-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG",
-              "-Xcompiler", "-fPIC", "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1"]
+NVCC_FLAGS = [
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-O3",
+    "-DNDEBUG",
+    "-Xcompiler",
+    "-fPIC",
+    "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
+]
 EXT_ENV = "VLLM_MXPLUS_CUTLASS_EXT"  # path of a built mxplus_cutlass*.so
 BUILD_ENV = "VLLM_MXPLUS_CUTLASS_BUILD_DIR"
 ARCH_OF_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a"}
@@ -61,8 +67,10 @@ def cutlass_include_dirs() -> list[Path]:
         try:
             import cutlass_library
         except ImportError as e:
-            raise BuildError("CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 "
-                             "(or set CUTLASS_DIR)") from e
+            raise BuildError(
+                "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 "
+                "(or set CUTLASS_DIR)"
+            ) from e
         base = Path(cutlass_library.__file__).parent / "source"
     dirs = [base / "include", base / "tools" / "util" / "include"]
     missing = [str(d) for d in dirs if not (d / "cutlass").is_dir()]
@@ -80,16 +88,15 @@ def nvcc_path() -> str:
     return path
 
 
-def nvcc_command(src: Path, obj: Path, arch: Optional[str],
-                 extra: tuple[str, ...] = ()) -> list[str]:
+def nvcc_command(src: Path, obj: Path, arch: str | None, extra: tuple[str, ...] = ()) -> list[str]:
     """nvcc -c for one file: arch like '90a' builds the kernel, None builds the stub (which
     needs no CUTLASS headers)."""
     inc = ([f"-I{d}" for d in cutlass_include_dirs()] if arch else []) + [f"-I{SOURCE_DIR}"]
-    gen = (["-gencode", f"arch=compute_{arch},code=sm_{arch}"] if arch else ["-DMXPLUS_STUB"])
+    gen = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"] if arch else ["-DMXPLUS_STUB"]
     return [nvcc_path(), "-c", *NVCC_FLAGS, *gen, *inc, *extra, str(src), "-o", str(obj)]
 
 
-def requested_archs(cli: Optional[str]) -> list[str]:
+def requested_archs(cli: str | None) -> list[str]:
     """'90a,100a' from --archs, else from TORCH_CUDA_ARCH_LIST ('9.0a;10.0a'), else both."""
     if cli:
         archs = [a.strip() for a in cli.replace(";", ",").split(",") if a.strip()]
@@ -124,7 +131,7 @@ def default_build_dir(archs: list[str]) -> Path:
     return base / build_key(archs)
 
 
-def build(out: Optional[Path], archs: list[str], jobs: int = 2, verbose: bool = False) -> Path:
+def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = False) -> Path:
     """Compile the kernels for `archs` (stubs for the others) and link the extension; returns
     the .so path. Raises BuildError naming the step that failed."""
     missing = [str(p) for p in source_files() if not p.is_file()]
@@ -151,17 +158,22 @@ def build(out: Optional[Path], archs: list[str], jobs: int = 2, verbose: bool = 
     from torch.utils.cpp_extension import load
 
     defines = [f"-DMXPLUS_HAVE_SM{a.upper()}" for a in archs]
-    mod = load(name="mxplus_cutlass", sources=[str(SOURCE_DIR / BINDINGS)],
-               extra_cflags=["-O3", f"-I{SOURCE_DIR}", *defines],
-               extra_ldflags=[*objs, "-lcudart"], build_directory=str(out), with_cuda=True,
-               verbose=verbose)
+    mod = load(
+        name="mxplus_cutlass",
+        sources=[str(SOURCE_DIR / BINDINGS)],
+        extra_cflags=["-O3", f"-I{SOURCE_DIR}", *defines],
+        extra_ldflags=[*objs, "-lcudart"],
+        build_directory=str(out),
+        with_cuda=True,
+        verbose=verbose,
+    )
     path = Path(mod.__file__)
     print(f"[build] {path} (archs {archs}); found automatically, or set {EXT_ENV}={path}")
     return path
 
 
 # ----------------------------------------------------------------------------- load
-_EXT: Optional[ModuleType] = None
+_EXT: ModuleType | None = None
 _EXT_ERROR = "not loaded yet"
 
 
@@ -177,13 +189,15 @@ def candidate_paths() -> list[Path]:
     return paths + sorted(checkout.glob("mxplus_cutlass*.so"))
 
 
-def load_extension() -> Optional[ModuleType]:
+def load_extension() -> ModuleType | None:
     """The compiled module, or None; the reason is kept for `is_available`."""
     global _EXT, _EXT_ERROR
     if _EXT is not None or _EXT_ERROR != "not loaded yet":
         return _EXT
-    _EXT_ERROR = ("no mxplus_cutlass extension found (build it: python -m "
-                  f"vllm_mxplus.ops.cutlass_ext; or set {EXT_ENV})")
+    _EXT_ERROR = (
+        "no mxplus_cutlass extension found (build it: python -m "
+        f"vllm_mxplus.ops.cutlass_ext; or set {EXT_ENV})"
+    )
     for path in candidate_paths():
         if not path.is_file():
             continue
@@ -199,14 +213,14 @@ def load_extension() -> Optional[ModuleType]:
     return None
 
 
-def arch_of(device: Optional[torch.device] = None) -> Optional[str]:
+def arch_of(device: torch.device | None = None) -> str | None:
     """'sm90a' / 'sm100a' when the device runs one of the kernels, else None."""
     if not torch.cuda.is_available() or torch.version.hip:
         return None
     return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device))
 
 
-def is_available(device: Optional[torch.device] = None) -> tuple[bool, str]:
+def is_available(device: torch.device | None = None) -> tuple[bool, str]:
     """(True, "") when a CUTLASS prefill kernel can run on `device`; else (False, why)."""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
@@ -222,15 +236,22 @@ def is_available(device: Optional[torch.device] = None) -> tuple[bool, str]:
     return True, ""
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_mxplus.ops.cutlass_ext",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--archs",
-                    help="comma list of 90a, 100a (default: TORCH_CUDA_ARCH_LIST, else both)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help=f"build directory (default: ~/.cache/vllm-mxplus/cutlass/<key>, "
-                         f"root from {BUILD_ENV})")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_mxplus.ops.cutlass_ext",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--archs", help="comma list of 90a, 100a (default: TORCH_CUDA_ARCH_LIST, else both)"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"build directory (default: ~/.cache/vllm-mxplus/cutlass/<key>, "
+        f"root from {BUILD_ENV})",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)

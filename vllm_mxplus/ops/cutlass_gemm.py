@@ -24,8 +24,8 @@ with an inexact chunk are known at load and recomputed against the spec's x_hat.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ from vllm_mxplus.ops.fp8_chunks import (
 from vllm_mxplus.ops.library import op_name
 
 FALLBACK_ROWS = int(os.environ.get("VLLM_MXPLUS_SM90_FALLBACK_ROWS", "64"))
-RowsQuant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+RowsQuant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -64,16 +64,17 @@ class PreparedWeight:
     n: int
     k: int
     use_mbs: bool = True  # False: neither operand has MBS (sm_100a: one full-K launch)
-    layout: Optional[Fp8ChunkLayout] = None  # sm90a
-    codes: Optional[torch.Tensor] = None  # sm100a: [Np, Kp/2]
-    sf: Optional[torch.Tensor] = None  # sm100a: packed per chunk (or for the whole K)
-    sigma: Optional[torch.Tensor] = None  # sm100a: [Kp/128, Np] fp32 (empty without MBS)
-    fallback_idx: Optional[torch.Tensor] = None  # sm90a: rows with an inexact chunk
-    fallback_w: Optional[torch.Tensor] = None  # their exact fp32 W_hat rows
+    layout: Fp8ChunkLayout | None = None  # sm90a
+    codes: torch.Tensor | None = None  # sm100a: [Np, Kp/2]
+    sf: torch.Tensor | None = None  # sm100a: packed per chunk (or for the whole K)
+    sigma: torch.Tensor | None = None  # sm100a: [Kp/128, Np] fp32 (empty without MBS)
+    fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
+    fallback_w: torch.Tensor | None = None  # their exact fp32 W_hat rows
 
 
-def prepare_weight(qweight: QuantizedTensor, arch: str,
-                   activation_mbs: bool = True) -> PreparedWeight:
+def prepare_weight(
+    qweight: QuantizedTensor, arch: str, activation_mbs: bool = True
+) -> PreparedWeight:
     """QuantizedTensor [N, K] (E8M0 block 16, optional MBS) -> PreparedWeight for `arch`.
     activation_mbs: whether the activations will carry MBS bytes (sm_100a packs the weight
     scales per 128-K chunk then, else for one full-K launch)."""
@@ -91,18 +92,34 @@ def prepare_weight(qweight: QuantizedTensor, arch: str,
     if arch == "sm100a":
         dev = codes.device
         return PreparedWeight(
-            arch, n, k, use_mbs, codes=pad_last(codes, kp // 2).contiguous(),
+            arch,
+            n,
+            k,
+            use_mbs,
+            codes=pad_last(codes, kp // 2).contiguous(),
             sf=pack_scales_sm100(scales, kp, CHUNK if use_mbs else kp),
-            sigma=(sigma_chunks(mbs, npad, k, dev) if use_mbs
-                   else torch.empty(0, dtype=torch.float32, device=dev)))
+            sigma=(
+                sigma_chunks(mbs, npad, k, dev)
+                if use_mbs
+                else torch.empty(0, dtype=torch.float32, device=dev)
+            ),
+        )
     raise ValueError(f"unknown arch {arch!r} (expected 'sm90a' or 'sm100a')")
 
 
 # ----------------------------------------------------------------------------- sm_90a
-def _sm90_gemm(xl: Fp8ChunkLayout, rows_quant: RowsQuant, x_hat_all: Callable[[], torch.Tensor],
-               w_fp8: torch.Tensor, w_scale: torch.Tensor, fallback_idx: Optional[torch.Tensor],
-               fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor], n: int,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def _sm90_gemm(
+    xl: Fp8ChunkLayout,
+    rows_quant: RowsQuant,
+    x_hat_all: Callable[[], torch.Tensor],
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    fallback_idx: torch.Tensor | None,
+    fallback_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """The sm_90a GEMM on an activation layout with both exact fallbacks (module docstring).
     rows_quant(idx) gives (codes, scales, mbs) of activation rows idx; x_hat_all() the spec's
     fp32 x_hat of every row (used only when the weight has inexact rows)."""
@@ -127,8 +144,10 @@ def _sm90_gemm(xl: Fp8ChunkLayout, rows_quant: RowsQuant, x_hat_all: Callable[[]
         # that row gets, so duplicate indices in index_put_ agree
         idx = torch.where(valid, found, found[:1].clamp(min=0))
         hi, lo, exact = split_fp8_chunks(*rows_quant(idx), k)
-        v = (fp8_chunk_gemm(hi.fp8, hi.scale, w_fp8, w_scale, b32, torch.float32)
-             + fp8_chunk_gemm(lo.fp8, lo.scale, w_fp8, w_scale, None, torch.float32))[:, :n]
+        v = (
+            fp8_chunk_gemm(hi.fp8, hi.scale, w_fp8, w_scale, b32, torch.float32)
+            + fp8_chunk_gemm(lo.fp8, lo.scale, w_fp8, w_scale, None, torch.float32)
+        )[:, :n]
         v = torch.where(exact[:, None], v, nan)
         v = torch.where(valid[:, None], v, v[:1])
         v = torch.where(valid[:1, None], v.to(y.dtype), y[idx])  # none found: a no-op write
@@ -141,37 +160,56 @@ def _sm90_gemm(xl: Fp8ChunkLayout, rows_quant: RowsQuant, x_hat_all: Callable[[]
     return y
 
 
-def _codes_x_hat(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
-                 k: int) -> torch.Tensor:
+def _codes_x_hat(
+    x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: torch.Tensor | None, k: int
+) -> torch.Tensor:
     """The spec's fp32 x_hat [M, K] from codes / E8M0 scales / MBS bytes (F = 1 without)."""
     kp = ceil_to(k, CHUNK)
     c = F.pad(unpack_fp4(x_codes, k), (0, kp - k))
     s = pad_last(x_scales, kp // BLOCK)
-    mb = (pad_last(x_mbs, kp // CHUNK) if x_mbs is not None
-          else x_codes.new_zeros((x_codes.shape[0], kp // CHUNK)))
+    mb = (
+        pad_last(x_mbs, kp // CHUNK)
+        if x_mbs is not None
+        else x_codes.new_zeros((x_codes.shape[0], kp // CHUNK))
+    )
     return dequantize_mbs(c, s, mb, BLOCK)[:, :k]
 
 
-def prefill_sm90_impl(x_codes: torch.Tensor, x_scales: torch.Tensor,
-                      x_mbs: Optional[torch.Tensor], k: int, w_fp8: torch.Tensor,
-                      w_scale: torch.Tensor, fallback_idx: Optional[torch.Tensor],
-                      fallback_w: Optional[torch.Tensor], bias: Optional[torch.Tensor], n: int,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+def prefill_sm90_impl(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: torch.Tensor | None,
+    k: int,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    fallback_idx: torch.Tensor | None,
+    fallback_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda idx: (x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx]),
         lambda: _codes_x_hat(x_codes, x_scales, x_mbs, k),
-        w_fp8, w_scale, fallback_idx, fallback_w, bias, n, out_dtype)
+        w_fp8,
+        w_scale,
+        fallback_idx,
+        fallback_w,
+        bias,
+        n,
+        out_dtype,
+    )
 
 
-_prefill_sm90 = torch.library.custom_op(op_name("cutlass_prefill_sm90"), prefill_sm90_impl,
-                                        mutates_args=())
+_prefill_sm90 = torch.library.custom_op(
+    op_name("cutlass_prefill_sm90"), prefill_sm90_impl, mutates_args=()
+)
 
 
 @_prefill_sm90.register_fake
-def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, fallback_idx, fallback_w, bias, n,
-      out_dtype):
+def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, fallback_idx, fallback_w, bias, n, out_dtype):
     return x_codes.new_empty((x_codes.shape[0], n), dtype=out_dtype)
 
 
@@ -179,50 +217,104 @@ def _x_rows_quant(x: torch.Tensor, fmt: str) -> RowsQuant:
     def rows_quant(idx: torch.Tensor):
         q = quantize(x[idx], fmt)
         return q.codes, q.scales, q.mbs
+
     return rows_quant
 
 
-def prefill_sm90_fused_impl(x: torch.Tensor, fmt: str, x_fp8: torch.Tensor, x_scale: torch.Tensor,
-                        x_ref: torch.Tensor, x_mbs: torch.Tensor, x_exact: torch.Tensor,
-                        w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                        fallback_idx: Optional[torch.Tensor], fallback_w: Optional[torch.Tensor],
-                        bias: Optional[torch.Tensor], n: int,
-                        out_dtype: torch.dtype) -> torch.Tensor:
+def prefill_sm90_fused_impl(
+    x: torch.Tensor,
+    fmt: str,
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_ref: torch.Tensor,
+    x_mbs: torch.Tensor,
+    x_exact: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    fallback_idx: torch.Tensor | None,
+    fallback_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """From activation rows x [M, K] and their fused FP8 layout (`triton_act_fp8`): GEMM;
     inexact rows are re-quantized from x by `formats.quantize` and split."""
-    xl = Fp8ChunkLayout(fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact,
-                        k=x.shape[-1])
-    return _sm90_gemm(xl, _x_rows_quant(x, fmt), lambda: fake_quantize(x, fmt), w_fp8, w_scale,
-                      fallback_idx, fallback_w, bias, n, out_dtype)
+    xl = Fp8ChunkLayout(
+        fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
+    )
+    return _sm90_gemm(
+        xl,
+        _x_rows_quant(x, fmt),
+        lambda: fake_quantize(x, fmt),
+        w_fp8,
+        w_scale,
+        fallback_idx,
+        fallback_w,
+        bias,
+        n,
+        out_dtype,
+    )
 
 
-_prefill_sm90_fused = torch.library.custom_op(op_name("cutlass_prefill_sm90_fused"),
-                                              prefill_sm90_fused_impl, mutates_args=())
+_prefill_sm90_fused = torch.library.custom_op(
+    op_name("cutlass_prefill_sm90_fused"), prefill_sm90_fused_impl, mutates_args=()
+)
 
 
 @_prefill_sm90_fused.register_fake
-def _(x, fmt, x_fp8, x_scale, x_ref, x_mbs, x_exact, w_fp8, w_scale, fallback_idx, fallback_w,
-      bias, n, out_dtype):
+def _(
+    x,
+    fmt,
+    x_fp8,
+    x_scale,
+    x_ref,
+    x_mbs,
+    x_exact,
+    w_fp8,
+    w_scale,
+    fallback_idx,
+    fallback_w,
+    bias,
+    n,
+    out_dtype,
+):
     return x.new_empty((x.shape[0], n), dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- sm_100a
-def prefill_sm100_impl(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
-                   k: int, w_codes: torch.Tensor, w_sf: torch.Tensor, w_sigma: torch.Tensor,
-                   bias: Optional[torch.Tensor], n: int, use_mbs: bool,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def prefill_sm100_impl(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: torch.Tensor | None,
+    k: int,
+    w_codes: torch.Tensor,
+    w_sf: torch.Tensor,
+    w_sigma: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    use_mbs: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     kp = ceil_to(k, CHUNK)
     m = x_codes.shape[0]
     sig = sigma_chunks(x_mbs, m, k, x_codes.device) if use_mbs else w_sigma
-    y = fp4_mbs_gemm(pad_last(x_codes, kp // 2).contiguous(),
-                     pack_scales_sm100(x_scales, kp, CHUNK if use_mbs else kp),
-                     w_codes, w_sf, sig, w_sigma, bias_f32(bias, w_codes.shape[0]), use_mbs,
-                     out_dtype)
+    y = fp4_mbs_gemm(
+        pad_last(x_codes, kp // 2).contiguous(),
+        pack_scales_sm100(x_scales, kp, CHUNK if use_mbs else kp),
+        w_codes,
+        w_sf,
+        sig,
+        w_sigma,
+        bias_f32(bias, w_codes.shape[0]),
+        use_mbs,
+        out_dtype,
+    )
     return y[:, :n].contiguous() if y.shape[1] != n else y
 
 
-_prefill_sm100 = torch.library.custom_op(op_name("cutlass_prefill_sm100"), prefill_sm100_impl,
-                                         mutates_args=())
+_prefill_sm100 = torch.library.custom_op(
+    op_name("cutlass_prefill_sm100"), prefill_sm100_impl, mutates_args=()
+)
 
 
 @_prefill_sm100.register_fake
@@ -231,26 +323,49 @@ def _(x_codes, x_scales, x_mbs, k, w_codes, w_sf, w_sigma, bias, n, use_mbs, out
 
 
 # ----------------------------------------------------------------------------- API
-def prefill_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: Optional[torch.Tensor],
-                 k: int, w: PreparedWeight, bias: Optional[torch.Tensor],
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def prefill_gemm(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: torch.Tensor | None,
+    k: int,
+    w: PreparedWeight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """y [M, N] = x_hat W_hat^T (+ bias) in out_dtype from quantized activations (codes /
     E8M0 scales / MBS bytes, [M, ...]) and a prepared weight. One opaque custom op per arch,
     so torch.compile never traces into the fallback."""
     if x_mbs is not None and not w.use_mbs:
-        raise ValueError("prefill_gemm: activations carry MBS bytes but the weight was prepared "
-                         "without MBS (prepare_weight(..., activation_mbs=True))")
+        raise ValueError(
+            "prefill_gemm: activations carry MBS bytes but the weight was prepared "
+            "without MBS (prepare_weight(..., activation_mbs=True))"
+        )
     if w.arch == "sm90a":
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90(
-            x_codes, x_scales, x_mbs, k, w.layout.fp8, w.layout.scale, w.fallback_idx,
-            w.fallback_w, bias, w.n, out_dtype)
+            x_codes,
+            x_scales,
+            x_mbs,
+            k,
+            w.layout.fp8,
+            w.layout.scale,
+            w.fallback_idx,
+            w.fallback_w,
+            bias,
+            w.n,
+            out_dtype,
+        )
     return torch.ops.vllm_mxplus.cutlass_prefill_sm100(
-        x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.sigma, bias, w.n, w.use_mbs, out_dtype)
+        x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.sigma, bias, w.n, w.use_mbs, out_dtype
+    )
 
 
-def prefill_gemm_from_x(x: torch.Tensor, fmt: str, w: PreparedWeight,
-                        bias: Optional[torch.Tensor],
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def prefill_gemm_from_x(
+    x: torch.Tensor,
+    fmt: str,
+    w: PreparedWeight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """y [M, N] = Q(x) W_hat^T (+ bias) from activation rows x [M, K] (bf16/fp16/fp32).
 
     sm_90a with an activation format of the fused kernel (`triton_act_fp8.supports`): one
@@ -261,10 +376,24 @@ def prefill_gemm_from_x(x: torch.Tensor, fmt: str, w: PreparedWeight,
     if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
         xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
-            x, fmt, xl.fp8, xl.scale, xl.ref, xl.mbs, xl.exact, w.layout.fp8, w.layout.scale,
-            w.fallback_idx, w.fallback_w, bias, w.n, out_dtype)
+            x,
+            fmt,
+            xl.fp8,
+            xl.scale,
+            xl.ref,
+            xl.mbs,
+            xl.exact,
+            w.layout.fp8,
+            w.layout.scale,
+            w.fallback_idx,
+            w.fallback_w,
+            bias,
+            w.n,
+            out_dtype,
+        )
     from vllm_mxplus.ops.custom_ops import act_quant_op
 
     codes, scales, mbs, _ = act_quant_op(x, fmt)
-    return prefill_gemm(codes, scales, mbs if get_format(fmt).mbs else None, x.shape[-1], w,
-                        bias, out_dtype)
+    return prefill_gemm(
+        codes, scales, mbs if get_format(fmt).mbs else None, x.shape[-1], w, bias, out_dtype
+    )

@@ -13,14 +13,13 @@ the pieces behind it are one job per module:
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
 from vllm_mxplus.ops.cutlass_ext import arch_of, is_available
-from vllm_mxplus.ops.cutlass_gemm import prepare_weight, prefill_gemm_from_x
+from vllm_mxplus.ops.cutlass_gemm import prefill_gemm_from_x, prepare_weight
 from vllm_mxplus.ops.fp8_chunks import BLOCK, CHUNK
 
 PREFILL_MIN_M = int(os.environ.get("VLLM_MXPLUS_PREFILL_MIN_M", "17"))  # decode: M <= 16
@@ -35,7 +34,7 @@ class CutlassPrefillBackend(LinearBackend):
     kernel = True  # self-tested against `formats` at first use
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cuda" or capability not in (90, 100):
             return False, f"needs CUDA capability 90 or 100, got {platform} {capability}"
         return is_available()
@@ -52,15 +51,30 @@ class CutlassPrefillBackend(LinearBackend):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
         return True, ""
 
-    def process_weights_after_loading(self, layer: torch.nn.Module, qweight: QuantizedTensor,
-                                      spec: LinearSpec) -> None:
+    def process_weights_after_loading(
+        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
+    ) -> None:
         act_mbs = bool(get_format(spec.activation_format).mbs)
-        setattr(layer, self.WEIGHT_ATTR,
-                prepare_weight(qweight, arch_of(qweight.codes.device), activation_mbs=act_mbs))
+        setattr(
+            layer,
+            self.WEIGHT_ATTR,
+            prepare_weight(qweight, arch_of(qweight.codes.device), activation_mbs=act_mbs),
+        )
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
-              spec: LinearSpec, act_global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: LinearSpec,
+        act_global_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        y = prefill_gemm_from_x(x.reshape(-1, k), spec.activation_format,
-                                getattr(layer, self.WEIGHT_ATTR), bias, spec.out_dtype)
+        y = prefill_gemm_from_x(
+            x.reshape(-1, k),
+            spec.activation_format,
+            getattr(layer, self.WEIGHT_ATTR),
+            bias,
+            spec.out_dtype,
+        )
         return y.reshape(*lead, spec.n)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Optional, Union
 
 import torch
 
@@ -32,8 +31,8 @@ from vllm_mxplus.ops.reference import ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
-BackendRef = Union[str, type[LinearBackend]]  # "package.module:ClassName" or the class
-MRange = tuple[int, Optional[int]]  # (min_m, max_m), max_m None = no upper bound
+BackendRef = str | type[LinearBackend]  # "package.module:ClassName" or the class
+MRange = tuple[int, int | None]  # (min_m, max_m), max_m None = no upper bound
 
 # Priority order per platform; the reference backend is appended by the selector.
 _REGISTRY: dict[str, list[BackendRef]] = {
@@ -50,7 +49,7 @@ _REGISTRY: dict[str, list[BackendRef]] = {
 _LOGGED: set[tuple] = set()
 
 
-def register_backend(platform: str, backend: BackendRef, priority: Optional[int] = None) -> None:
+def register_backend(platform: str, backend: BackendRef, priority: int | None = None) -> None:
     """Add a backend for a platform at position `priority` (0 = first; None = last)."""
     entries = _REGISTRY.setdefault(platform, [])
     if backend in entries:
@@ -62,7 +61,7 @@ def registered_backends(platform: str) -> list[BackendRef]:
     return list(_REGISTRY.get(platform, []))
 
 
-def current_platform_of(device: torch.device) -> tuple[str, Optional[int]]:
+def current_platform_of(device: torch.device) -> tuple[str, int | None]:
     """(platform name, capability as 10*major+minor or None) for a device."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -83,8 +82,7 @@ def _log_once(key: tuple, level: int, msg: str, *args) -> None:
         logger.log(level, msg, *args)
 
 
-def first_uncovered_m(ranges: list[MRange], lo: int = 1,
-                      hi: Optional[int] = None) -> Optional[int]:
+def first_uncovered_m(ranges: list[MRange], lo: int = 1, hi: int | None = None) -> int | None:
     """The smallest M in [lo, hi] (hi None: unbounded) that no range serves; None if all are."""
     cur = lo
     for a, b in sorted(ranges, key=lambda r: r[0]):
@@ -100,7 +98,7 @@ def first_uncovered_m(ranges: list[MRange], lo: int = 1,
     return cur if hi is None or cur <= hi else None
 
 
-def _describe_m(r: Optional[MRange]) -> str:
+def _describe_m(r: MRange | None) -> str:
     if r is None:
         return "M: see supports_m"
     lo, hi = r
@@ -109,9 +107,7 @@ def _describe_m(r: Optional[MRange]) -> str:
     return f"M <= {hi}" if lo <= 1 else f"{lo} <= M <= {hi}"
 
 
-def select(
-    spec: LinearSpec, platform: str, capability: Optional[int]
-) -> list[LinearBackend]:
+def select(spec: LinearSpec, platform: str, capability: int | None) -> list[LinearBackend]:
     """Candidates for this layer in priority order; together they serve every M.
 
     A backend whose M range earlier candidates already serve is never called, and the
@@ -153,19 +149,37 @@ def select(
     names = tuple(b.name for b in chosen)
     key = (platform, capability, spec.scheme, names, tuple(rejected))
     if rejected and len(chosen) == 1 and gap is not None:
-        _log_once(key, logging.WARNING,
-                  "mxplus %s on %s (capability %s): falling back to the reference backend "
-                  "(dequantized fp32 weights, fake-quant activations) because %s",
-                  spec.scheme, platform, capability, "; ".join(rejected))
+        _log_once(
+            key,
+            logging.WARNING,
+            "mxplus %s on %s (capability %s): falling back to the reference backend "
+            "(dequantized fp32 weights, fake-quant activations) because %s",
+            spec.scheme,
+            platform,
+            capability,
+            "; ".join(rejected),
+        )
     else:
-        ranges = [_describe_m(type(b).m_range()) if not isinstance(b, ReferenceBackend)
-                  else (f"M >= {gap}" if gap > 1 else "any M") for b in chosen]
-        _log_once(key, logging.INFO, "mxplus %s on %s (capability %s): backends %s%s",
-                  spec.scheme, platform, capability,
-                  " > ".join(f"{n} ({d})" if len(chosen) > 1 else n
-                             for n, d in zip(names, ranges)),
-                  "".join(f" ({label}: {'; '.join(items)})" for label, items in
-                          (("rejected", rejected), ("not needed", notes)) if items))
+        ranges = [
+            _describe_m(type(b).m_range())
+            if not isinstance(b, ReferenceBackend)
+            else (f"M >= {gap}" if gap > 1 else "any M")
+            for b in chosen
+        ]
+        _log_once(
+            key,
+            logging.INFO,
+            "mxplus %s on %s (capability %s): backends %s%s",
+            spec.scheme,
+            platform,
+            capability,
+            " > ".join(f"{n} ({d})" if len(chosen) > 1 else n for n, d in zip(names, ranges)),
+            "".join(
+                f" ({label}: {'; '.join(items)})"
+                for label, items in (("rejected", rejected), ("not needed", notes))
+                if items
+            ),
+        )
     return chosen
 
 
@@ -177,7 +191,7 @@ class LinearDispatch:
             raise ValueError("LinearDispatch needs at least one backend")
         self.spec = spec
         self.candidates = candidates
-        self.key: Optional[str] = None  # the layer's key in linear_op's registry
+        self.key: str | None = None  # the layer's key in linear_op's registry
 
     def process_weights_after_loading(self, layer: torch.nn.Module, qweight) -> None:
         for backend in self.candidates:
@@ -195,8 +209,8 @@ class LinearDispatch:
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        act_global_scale: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None,
+        act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # One candidate: call it directly (no registry lookup, no op boundary, and no read of
         # x.shape that could put a shape guard into a compiled graph).

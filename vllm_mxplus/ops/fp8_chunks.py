@@ -23,7 +23,6 @@ chunk whose block exponents span up to 28 binades). Only what still fails after 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +72,7 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, rows - t.shape[0])) if t.shape[0] < rows else t
 
 
-def _unpacked(codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int):
+def _unpacked(codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int):
     """(codes [R, Kp] 0..15, scales int32 [R, Kp/16], mbs uint8 [R, nc]) padded to chunks."""
     r = codes.shape[0]
     kp = ceil_to(k, CHUNK)
@@ -105,13 +104,14 @@ def _encode(c: torch.Tensor, s: torch.Tensor, m: torch.Tensor, live: torch.Tenso
     exact = survives & no_nan & (ref >= MIN_EXACT_REF)
     sigma = 1.0 / mbs_factor(m)  # fp32(1/F); the kernel folds it with the power of two
     scale = pow2_f32((ref - E8M0_BIAS).clamp(_EXP_LO, _EXP_HI)) * sigma
-    lay = Fp8ChunkLayout(fp8=fp8, scale=scale.t().contiguous(), ref=ref, mbs=m.to(torch.uint8),
-                         exact=exact, k=k)
+    lay = Fp8ChunkLayout(
+        fp8=fp8, scale=scale.t().contiguous(), ref=ref, mbs=m.to(torch.uint8), exact=exact, k=k
+    )
     return lay, ok
 
 
 def encode_fp8_chunks(
-    codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
 ) -> Fp8ChunkLayout:
     """E2M1 codes [R, ceil(K/2)] + E8M0 scales [R, ceil(K/16)] + MBS bytes [R, ceil(K/128)]
     (None: F = 1) -> the FP8 per-(row, chunk) layout."""
@@ -121,7 +121,7 @@ def encode_fp8_chunks(
 
 
 def split_fp8_chunks(
-    codes: torch.Tensor, scales: torch.Tensor, mbs: Optional[torch.Tensor], k: int
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
 ) -> tuple[Fp8ChunkLayout, Fp8ChunkLayout, torch.Tensor]:
     """Two FP8 layouts whose sum is the operand, for rows with inexact chunks: (high, low,
     exact rows [R]). `high` keeps the blocks whose every element survives the plain encoding

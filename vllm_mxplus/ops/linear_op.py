@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from vllm_mxplus.ops.dispatch import LinearDispatch
 
 # key -> (weak reference to the layer, its dispatch)
-_LAYERS: dict[str, tuple[weakref.ref, "LinearDispatch"]] = {}
+_LAYERS: dict[str, tuple[weakref.ref, LinearDispatch]] = {}
 _ANON = itertools.count()
 
 
-def register_layer(layer: torch.nn.Module, dispatch: "LinearDispatch") -> str:
+def register_layer(layer: torch.nn.Module, dispatch: LinearDispatch) -> str:
     """Make (layer, dispatch) reachable from the op; returns the key to pass to it.
 
     The key is the layer's vLLM prefix when it has one. A prefix already held by another live
@@ -56,22 +56,23 @@ def _forget(key: str, ref: weakref.ref) -> None:
         del _LAYERS[key]
 
 
-def lookup(key: str) -> tuple[torch.nn.Module, "LinearDispatch"]:
+def lookup(key: str) -> tuple[torch.nn.Module, LinearDispatch]:
     """The (layer, dispatch) registered under key; a clear error when there is none."""
     entry = _LAYERS.get(key)
     layer = entry[0]() if entry is not None else None
     if layer is None:
         raise RuntimeError(
             f"vllm_mxplus.linear_dispatch: no live quantized linear registered as {key!r} "
-            f"(layers are registered by MxplusLinearMethod.process_weights_after_loading)")
+            f"(layers are registered by MxplusLinearMethod.process_weights_after_loading)"
+        )
     return layer, entry[1]
 
 
 @torch.library.custom_op(op_name("linear_dispatch"), mutates_args=())
 def linear_dispatch(
     x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    act_global_scale: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    act_global_scale: torch.Tensor | None,
     key: str,
 ) -> torch.Tensor:
     """y = Q_act(x) W_hat^T + bias by the layer's first candidate backend serving M rows."""
@@ -81,7 +82,8 @@ def linear_dispatch(
 
 
 @linear_dispatch.register_fake
-def _(x: torch.Tensor, bias: Optional[torch.Tensor], act_global_scale: Optional[torch.Tensor],
-      key: str) -> torch.Tensor:
+def _(
+    x: torch.Tensor, bias: torch.Tensor | None, act_global_scale: torch.Tensor | None, key: str
+) -> torch.Tensor:
     spec = lookup(key)[1].spec
     return x.new_empty((*x.shape[:-1], spec.n), dtype=spec.out_dtype)

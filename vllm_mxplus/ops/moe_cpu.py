@@ -11,8 +11,8 @@ reference's 4-byte fp32 copy), in the 16-row tiles of `cpu_kernels.pack_weight`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,28 +33,31 @@ class PackedExperts:
     n: int  # rows per expert
 
     @classmethod
-    def from_rows(cls, q: QuantizedTensor, experts: int, activation_format: str,
-                  macro_block: int) -> "PackedExperts":
+    def from_rows(
+        cls, q: QuantizedTensor, experts: int, activation_format: str, macro_block: int
+    ) -> PackedExperts:
         """From a QuantizedTensor of all experts' rows [E*N, K]."""
         from vllm_mxplus.ops.cpu_kernels import linear_args, pack_weight
 
         n = q.shape[0] // experts
         k = q.shape[-1]
 
-        def rows(t: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
-            return None if t is None else t[e * n:(e + 1) * n]
+        def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+            return None if t is None else t[e * n : (e + 1) * n]
 
-        packed = [pack_weight(rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt,
-                              macro_block) for e in range(experts)]
+        packed = [
+            pack_weight(rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt, macro_block)
+            for e in range(experts)
+        ]
         codes, scales, mbs = (torch.stack([p[i] for p in packed]) for i in range(3))
-        return cls(codes, scales, mbs, linear_args(q.fmt, activation_format, n, k, macro_block),
-                   n)
+        return cls(codes, scales, mbs, linear_args(q.fmt, activation_format, n, k, macro_block), n)
 
     def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from vllm_mxplus.ops.cpu_kernels import linear_packed
 
-        return linear_packed(x, self.args, self.codes[e], self.scales[e], self.mbs[e], None,
-                             out_dtype)
+        return linear_packed(
+            x, self.args, self.codes[e], self.scales[e], self.mbs[e], None, out_dtype
+        )
 
 
 def moe_experts_packed(
@@ -65,7 +68,7 @@ def moe_experts_packed(
     topk_ids: torch.Tensor,
     *,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-    expert_map: Optional[torch.Tensor] = None,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype (see moe_experts_reference for the math)."""
     m = topk_ids.shape[0]

@@ -16,7 +16,7 @@ quantizing each expert's rows apart (the nvfp4 global scale is per row: DESIGN.m
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def route(
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[torch.Tensor]]:
     """(token of each (token, slot) pair [M*k], its routing weight fp32 [M*k], the local
     experts that got pairs in ascending order, each one's pair indices).
@@ -62,8 +62,8 @@ def moe_experts_reference(
     per_row: bool,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
     macro_block: int = MACRO_BLOCK,
-    expert_map: Optional[torch.Tensor] = None,
-    row_global_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    expert_map: torch.Tensor | None = None,
+    row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype.
 

@@ -13,8 +13,6 @@ vLLM's torch.compile treats it as one opaque node instead of tracing the bit tri
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -75,13 +73,13 @@ def nvfp4_row_global_scale(x: torch.Tensor) -> torch.Tensor:
 def reference_linear(
     x: torch.Tensor,
     weight_fp32: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     act_format: str,
     *,
     per_row: bool,
     out_dtype: torch.dtype,
     macro_block: int = MACRO_BLOCK,
-    act_global_scale: Optional[torch.Tensor] = None,
+    act_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Q_act(x) @ W_hat^T (+ bias) in fp32, cast to out_dtype. Shared with FakeQuantLinear.
 
@@ -101,7 +99,7 @@ class ReferenceBackend(LinearBackend):
     name = "reference"
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         return True, ""
 
     def process_weights_after_loading(
@@ -114,9 +112,9 @@ class ReferenceBackend(LinearBackend):
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor],
+        bias: torch.Tensor | None,
         spec: LinearSpec,
-        act_global_scale: Optional[torch.Tensor] = None,
+        act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return reference_linear(
             x,

@@ -31,7 +31,6 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Optional
 
 import torch
 
@@ -62,13 +61,21 @@ def _device(spec: LinearSpec) -> torch.device:
     return torch.device(spec.device_type)
 
 
-def verdict(cls: type[LinearBackend], spec: LinearSpec, platform: str,
-            capability: Optional[int]) -> tuple[bool, str]:
+def verdict(
+    cls: type[LinearBackend], spec: LinearSpec, platform: str, capability: int | None
+) -> tuple[bool, str]:
     """(True, "") when the backend passed its self-test for this (device, scheme, dtype),
     else (False, why). Runs the test the first time only; logs a failure as an ERROR."""
     device = _device(spec)
-    key = (f"{cls.__module__}.{cls.__qualname__}", str(device), platform, capability,
-           spec.scheme, spec.out_dtype, spec.macro_block)
+    key = (
+        f"{cls.__module__}.{cls.__qualname__}",
+        str(device),
+        platform,
+        capability,
+        spec.scheme,
+        spec.out_dtype,
+        spec.macro_block,
+    )
     if key in _VERDICTS:
         return _VERDICTS[key]
     t0 = time.perf_counter()
@@ -78,14 +85,27 @@ def verdict(cls: type[LinearBackend], spec: LinearSpec, platform: str,
         failure = f"raised {type(e).__name__}: {e}"
     ms = 1e3 * (time.perf_counter() - t0)
     if failure is None:
-        logger.info("mxplus self-test: %s passed for %s, %s on %s (%.0f ms)", cls.name,
-                    spec.scheme, spec.out_dtype, device, ms)
+        logger.info(
+            "mxplus self-test: %s passed for %s, %s on %s (%.0f ms)",
+            cls.name,
+            spec.scheme,
+            spec.out_dtype,
+            device,
+            ms,
+        )
         result = (True, "")
     else:
-        logger.error("mxplus self-test: %s REJECTED for %s, %s on %s: %s. The next backend "
-                     "serves; please report this with the GPU / CPU model and versions "
-                     "(%s=0 skips the self-test).", cls.name, spec.scheme, spec.out_dtype,
-                     device, failure, ENV_VAR)
+        logger.error(
+            "mxplus self-test: %s REJECTED for %s, %s on %s: %s. The next backend "
+            "serves; please report this with the GPU / CPU model and versions "
+            "(%s=0 skips the self-test).",
+            cls.name,
+            spec.scheme,
+            spec.out_dtype,
+            device,
+            failure,
+            ENV_VAR,
+        )
         result = (False, f"self-test failed: {failure}")
     _VERDICTS[key] = result
     return result
@@ -114,8 +134,7 @@ def _test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> tor
     return base * torch.exp2(e.repeat_interleave(SMALL_BLOCK, dim=1)[:, :k].to(torch.float32))
 
 
-def run_self_test(cls: type[LinearBackend], spec: LinearSpec,
-                  device: torch.device) -> Optional[str]:
+def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.device) -> str | None:
     """None when the backend agrees with `formats` on the test problem, else what differed."""
     small = _test_spec(cls, spec)
     ms = _test_ms(cls)
@@ -153,25 +172,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(view)
 
 
-def first_bit_difference(name: str, got: Optional[torch.Tensor],
-                         want: Optional[torch.Tensor]) -> Optional[str]:
+def first_bit_difference(
+    name: str, got: torch.Tensor | None, want: torch.Tensor | None
+) -> str | None:
     """None when got and want are bit-identical, else the first differing element."""
     if got is None or want is None:
-        return None if got is None and want is None else (
-            f"{name}: got {'None' if got is None else tuple(got.shape)}, "
-            f"want {'None' if want is None else tuple(want.shape)}")
+        return (
+            None
+            if got is None and want is None
+            else (
+                f"{name}: got {'None' if got is None else tuple(got.shape)}, "
+                f"want {'None' if want is None else tuple(want.shape)}"
+            )
+        )
     if got.shape != want.shape or got.dtype != want.dtype:
-        return (f"{name}: got {tuple(got.shape)} {got.dtype}, "
-                f"want {tuple(want.shape)} {want.dtype}")
+        return f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
     diff = _bits(got.cpu()) != _bits(want.cpu())
     if not bool(diff.any()):
         return None
     idx = tuple(int(i) for i in diff.nonzero()[0])
-    return (f"{name}{list(idx)} = {got.cpu()[idx].item()!r}, want {want.cpu()[idx].item()!r} "
-            f"(bit for bit; elements differing: {int(diff.sum())})")
+    return (
+        f"{name}{list(idx)} = {got.cpu()[idx].item()!r}, want {want.cpu()[idx].item()!r} "
+        f"(bit for bit; elements differing: {int(diff.sum())})"
+    )
 
 
-def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> Optional[str]:
+def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> str | None:
     """Compare a backend's activation quantization with `formats`, bit for bit."""
     fmt = spec.activation_format
     x32 = x.to(torch.float32)
@@ -182,15 +208,20 @@ def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> Optional[str]:
             if failure:
                 return failure
         return None
-    want = fake_quantize(x32, fmt, macro_block=spec.macro_block,
-                         per_row=spec.activation_per_row)
+    want = fake_quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
     return first_bit_difference("values", act, want)
 
 
-def output_bound(a: torch.Tensor, y64: torch.Tensor, bias64: torch.Tensor, k: int,
-                 out_dtype: torch.dtype, accumulator_bits: int = 24) -> torch.Tensor:
+def output_bound(
+    a: torch.Tensor,
+    y64: torch.Tensor,
+    bias64: torch.Tensor,
+    k: int,
+    out_dtype: torch.dtype,
+    accumulator_bits: int = 24,
+) -> torch.Tensor:
     """The per-element bound on |y - y64| of the module docstring (float64)."""
-    u = 2.0 ** -accumulator_bits
+    u = 2.0**-accumulator_bits
     fi = torch.finfo(out_dtype)
     u_out = fi.eps / 2
     n = k + EXTRA_ROUNDINGS
@@ -199,19 +230,27 @@ def output_bound(a: torch.Tensor, y64: torch.Tensor, bias64: torch.Tensor, k: in
     return gamma * a + 2 * (u + u_out) * (1 + u_out) * r + fi.smallest_normal * fi.eps
 
 
-def check_output(y: torch.Tensor, x: torch.Tensor, w_hat64: torch.Tensor,
-                 bias: Optional[torch.Tensor], spec: LinearSpec,
-                 accumulator_bits: int = 24) -> Optional[str]:
+def check_output(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w_hat64: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: LinearSpec,
+    accumulator_bits: int = 24,
+) -> str | None:
     """None when y is within `output_bound` of float64 x̂ Ŵᵀ + b everywhere, else the first
     element outside it (a NaN where a number is expected is outside)."""
     m = x.shape[0]
     if tuple(y.shape) != (m, spec.n) or y.dtype != spec.out_dtype:
         return f"y is {tuple(y.shape)} {y.dtype}, want {(m, spec.n)} {spec.out_dtype}"
-    xq = fake_quantize(x.to(torch.float32), spec.activation_format,
-                       macro_block=spec.macro_block, per_row=spec.activation_per_row)
+    xq = fake_quantize(
+        x.to(torch.float32),
+        spec.activation_format,
+        macro_block=spec.macro_block,
+        per_row=spec.activation_per_row,
+    )
     xq64, w64 = xq.to(torch.float64).cpu(), w_hat64.cpu()
-    b64 = (torch.zeros(spec.n, dtype=torch.float64) if bias is None
-           else bias.to(torch.float64).cpu())
+    b64 = torch.zeros(spec.n, dtype=torch.float64) if bias is None else bias.to(torch.float64).cpu()
     y64 = xq64 @ w64.T + b64
     a = xq64.abs() @ w64.abs().T
     bound = output_bound(a, y64, b64, spec.k, spec.out_dtype, accumulator_bits)
@@ -221,6 +260,8 @@ def check_output(y: torch.Tensor, x: torch.Tensor, w_hat64: torch.Tensor,
     if not bool(bad.any()):
         return None
     r, c = (int(i) for i in bad.nonzero()[0])
-    return (f"y[{r}, {c}] = {got[r, c].item()!r}, want {y64[r, c].item()!r} "
-            f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} elements "
-            f"outside the bound)")
+    return (
+        f"y[{r}, {c}] = {got[r, c].item()!r}, want {y64[r, c].item()!r} "
+        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} elements "
+        f"outside the bound)"
+    )

@@ -29,7 +29,6 @@ Per program: a tile of BLOCK_M rows x BLOCK_K columns, BLOCK_K a whole number of
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -92,11 +91,25 @@ def pow2_f32(k):
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _act_fp8_chunks_kernel(
-    x_ptr, fp8_ptr, scale_ptr, ref_ptr, mbs_ptr, exact_ptr,
-    M, K, KP, NCH,
-    stride_xm, stride_fm, stride_sc, stride_cm,
-    MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    fp8_ptr,
+    scale_ptr,
+    ref_ptr,
+    mbs_ptr,
+    exact_ptr,
+    M,
+    K,
+    KP,
+    NCH,
+    stride_xm,
+    stride_fm,
+    stride_sc,
+    stride_cm,
+    MANT_THRESHOLD: tl.constexpr,
+    HAS_MBS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
     NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
@@ -140,16 +153,20 @@ def _act_fp8_chunks_kernel(
     scale = pow2_f32(tl.minimum(tl.maximum(ref - 127, -149), 127)) * sigma
 
     # offs_m is int64 (load_row_tile): M * Kp and Kp/128 * M may pass 2^31
-    tl.store(fp8_ptr + offs_m[:, None] * stride_fm + offs_k[None, :], fp8.to(tl.uint8),
-             mask=mask_m[:, None] & (offs_k[None, :] < KP))
+    tl.store(
+        fp8_ptr + offs_m[:, None] * stride_fm + offs_k[None, :],
+        fp8.to(tl.uint8),
+        mask=mask_m[:, None] & (offs_k[None, :] < KP),
+    )
     offs_c = pid_k * NC + tl.arange(0, NC)
     cmask = mask_m[:, None] & (offs_c[None, :] < NCH)
     cptr = offs_m[:, None] * stride_cm + offs_c[None, :]
     tl.store(ref_ptr + cptr, ref, mask=cmask)
     tl.store(mbs_ptr + cptr, m.to(tl.uint8), mask=cmask)
     tl.store(exact_ptr + cptr, exact.to(tl.uint8), mask=cmask)
-    tl.store(scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_m[:, None], scale,
-             mask=cmask)
+    tl.store(
+        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_m[:, None], scale, mask=cmask
+    )
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -165,17 +182,21 @@ def _tile_sizes(m: int, kp: int) -> tuple[int, int]:
 def _check(x: torch.Tensor, fmt: str, macro_block: int) -> None:
     spec = get_format(fmt)
     if fmt not in SUPPORTED_FORMATS:
-        raise ValueError(f"act_quant_fp8_chunks: format {fmt!r} has no fused kernel; "
-                         f"supported: {', '.join(SUPPORTED_FORMATS)}")
+        raise ValueError(
+            f"act_quant_fp8_chunks: format {fmt!r} has no fused kernel; "
+            f"supported: {', '.join(SUPPORTED_FORMATS)}"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"act_quant_fp8_chunks: unsupported dtype {x.dtype} "
-                         "(bf16, fp16 or fp32)")
+        raise ValueError(f"act_quant_fp8_chunks: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
     if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"act_quant_fp8_chunks: cannot quantize shape {tuple(x.shape)}: "
-                         "empty last dim")
+        raise ValueError(
+            f"act_quant_fp8_chunks: cannot quantize shape {tuple(x.shape)}: empty last dim"
+        )
     if spec.mbs and macro_block != CHUNK:
-        raise ValueError(f"act_quant_fp8_chunks: the FP8 layout's chunk is the MBS macro block "
-                         f"({CHUNK}), got macro_block={macro_block}")
+        raise ValueError(
+            f"act_quant_fp8_chunks: the FP8 layout's chunk is the MBS macro block "
+            f"({CHUNK}), got macro_block={macro_block}"
+        )
 
 
 def _fields(x: torch.Tensor, fmt: str, macro_block: int):
@@ -201,14 +222,27 @@ def _fields(x: torch.Tensor, fmt: str, macro_block: int):
         block_m, block_k = _tile_sizes(m, kp)
         grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
         launch(
-            _act_fp8_chunks_kernel, grid,
-            x2.view(torch.int16) if bf16_bits else x2, fp8, scale, ref, mbs, exact,
-            m, k, kp, nc,
-            x2.stride(0), fp8.stride(0), scale.stride(0), ref.stride(0),
+            _act_fp8_chunks_kernel,
+            grid,
+            x2.view(torch.int16) if bf16_bits else x2,
+            fp8,
+            scale,
+            ref,
+            mbs,
+            exact,
+            m,
+            k,
+            kp,
+            nc,
+            x2.stride(0),
+            fp8.stride(0),
+            scale.stride(0),
+            ref.stride(0),
             MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
             HAS_MBS=bool(spec.mbs),
             BF16_BITS=bf16_bits,
-            BLOCK_M=block_m, BLOCK_K=block_k,
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
         )
     return fp8.view(torch.float8_e4m3fn), scale, ref, mbs, exact.view(torch.bool)
 
@@ -256,11 +290,10 @@ def act_quant_fp8_chunks_op(
     x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
 ) -> Fp8ChunkLayout:
     """`act_quant_fp8_chunks` through the custom op (traceable by torch.compile)."""
-    fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(
-        x, fmt, macro_block)
+    fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, fmt, macro_block)
     return Fp8ChunkLayout(fp8=fp8, scale=scale, ref=ref, mbs=mbs, exact=exact, k=x.shape[-1])
 
 
-def supports(fmt: Optional[str]) -> bool:
+def supports(fmt: str | None) -> bool:
     """Whether the fused kernel handles activation format `fmt`."""
     return fmt in SUPPORTED_FORMATS

@@ -23,8 +23,6 @@ Numerics that the GPU could get wrong and how they are avoided:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
@@ -128,16 +126,20 @@ def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
-def load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def load_row_tile(
+    x_ptr, M, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """This program's tile: (offs_m, offs_k, row mask, fp32 x [BLOCK_M, BLOCK_K]), zeros past
     M and K (zeros change no absmax and encode as +0, like the torch path's padding)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     offs_m = offs_m.to(tl.int64)  # row * stride overflows int32 for M*K >= 2^31
-    x = load_f32(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                 mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+    x = load_f32(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask_m[:, None] & (offs_k[None, :] < K),
+        BF16_BITS,
+    )
     return offs_m, offs_k, mask_m, x
 
 
@@ -154,14 +156,16 @@ def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.const
     m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
     m = tl.where(finite, m, 0)
     f = (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM  # F = 1 + m/256, exact
-    y = tl.reshape(tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None],
-                   (BLOCK_M, NM * MACRO))  # one fp32 multiply (RNE)
+    y = tl.reshape(
+        tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, NM * MACRO)
+    )  # one fp32 multiply (RNE)
     return m, f, y
 
 
 @triton.jit
-def e8m0_block_quant(y, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     NB: tl.constexpr, BLOCK: tl.constexpr):
+def e8m0_block_quant(
+    y, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr
+):
     """E8M0 block quantization of fp32 y [BLOCK_M, NB*BLOCK]: (scale codes int32 [BM, NB],
     255 = NaN block; magnitude codes [BM, NB, BLOCK]; sign bits [BM, NB, BLOCK]). Elements
     of a NaN block get magnitude and sign 0."""
@@ -175,11 +179,23 @@ def e8m0_block_quant(y, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _mx_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, mbs_ptr,
-    M, K,
-    stride_xm, stride_cm, stride_sm, stride_mm,
-    BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
-    MACRO: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    mbs_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_cm,
+    stride_sm,
+    stride_mm,
+    BLOCK: tl.constexpr,
+    MANT_THRESHOLD: tl.constexpr,
+    HAS_MBS: tl.constexpr,
+    MACRO: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
@@ -238,10 +254,18 @@ def e4m3_round(s):
 
 @triton.jit
 def _nvfp4_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, gs_ptr,
-    M, K,
-    stride_xm, stride_cm, stride_sm,
-    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    gs_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_cm,
+    stride_sm,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     BLOCK: tl.constexpr = 16
     NB: tl.constexpr = BLOCK_K // BLOCK
@@ -274,8 +298,10 @@ def _nvfp4_act_quant_kernel(
         nonfinite = has_nan | (bmax == float("inf"))
         bmax = tl.where(nonfinite, 0.0, bmax)
         gb = tl.broadcast_to(g[:, None], bmax.shape)
-        s32 = tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
-                             tl.where(gb > 0.0, gb, 1.0))
+        s32 = tl.math.div_rn(
+            tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
+            tl.where(gb > 0.0, gb, 1.0),
+        )
         s32 = tl.where(gb > 0.0, s32, 0.0)
         s32 = tl.where(nonfinite, float("nan"), s32)  # NaN/Inf block: NaN scale (formats.nvfp4)
         s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
@@ -288,11 +314,17 @@ def _nvfp4_act_quant_kernel(
         packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
 
         offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :], packed,
-                 mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)))
+        tl.store(
+            codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
+            packed,
+            mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
+        )
         offs_s = k0 // BLOCK + tl.arange(0, NB)
-        tl.store(scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :], sbyte.to(tl.uint8),
-                 mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)))
+        tl.store(
+            scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
+            sbyte.to(tl.uint8),
+            mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
+        )
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -312,13 +344,14 @@ def check_macro_block(macro_block: int, who: str) -> None:
     """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
     if macro_block not in SUPPORTED_MACRO_BLOCKS:
         # the kernel reshapes tiles into macro blocks (a power of two) held in registers
-        raise ValueError(f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS}, "
-                         f"got {macro_block}")
+        raise ValueError(
+            f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS}, got {macro_block}"
+        )
 
 
 def act_quant(
     x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Quantize activations x [..., K] (bf16/fp16/fp32) along K in one fused kernel.
 
     Returns (codes uint8 [..., ceil(K/2)], scales [..., ceil(K/block)] (uint8 E8M0, or
@@ -328,8 +361,10 @@ def act_quant(
     """
     spec = get_format(fmt)
     if fmt not in SUPPORTED_FORMATS:
-        raise ValueError(f"act_quant: format {fmt!r} has no Triton kernel; "
-                         f"supported: {', '.join(SUPPORTED_FORMATS)}")
+        raise ValueError(
+            f"act_quant: format {fmt!r} has no Triton kernel; "
+            f"supported: {', '.join(SUPPORTED_FORMATS)}"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"act_quant: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
     if x.dim() == 0 or x.shape[-1] == 0:
@@ -355,11 +390,20 @@ def act_quant(
         if m:
             block_m, block_k = tile_sizes(m, k, 16)
             launch(
-                _nvfp4_act_quant_kernel, (triton.cdiv(m, block_m),),
-                x_arg, codes, scales.view(torch.uint8), gs,
-                m, k,
-                x2.stride(0), codes.stride(0), scales.stride(0),
-                BF16_BITS=bf16_bits, BLOCK_M=block_m, BLOCK_K=block_k,
+                _nvfp4_act_quant_kernel,
+                (triton.cdiv(m, block_m),),
+                x_arg,
+                codes,
+                scales.view(torch.uint8),
+                gs,
+                m,
+                k,
+                x2.stride(0),
+                codes.stride(0),
+                scales.stride(0),
+                BF16_BITS=bf16_bits,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
             )
         gs = gs.reshape(*lead, 1)
     else:
@@ -372,16 +416,25 @@ def act_quant(
             block_m, block_k = tile_sizes(m, k, max(unit, 32))
             grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
             launch(
-                _mx_act_quant_kernel, grid,
-                x_arg, codes, scales, mbs_arg,
-                m, k,
-                x2.stride(0), codes.stride(0), scales.stride(0), mbs_arg.stride(0),
+                _mx_act_quant_kernel,
+                grid,
+                x_arg,
+                codes,
+                scales,
+                mbs_arg,
+                m,
+                k,
+                x2.stride(0),
+                codes.stride(0),
+                scales.stride(0),
+                mbs_arg.stride(0),
                 BLOCK=spec.block_size,
                 MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
                 HAS_MBS=bool(spec.mbs),
                 MACRO=macro_block,
                 BF16_BITS=bf16_bits,
-                BLOCK_M=block_m, BLOCK_K=block_k,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
             )
         if mbs is not None:
             mbs = mbs.reshape(*lead, mbs.shape[-1])

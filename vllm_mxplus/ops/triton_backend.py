@@ -9,8 +9,6 @@ CUTLASS prefill GEMM where built, else the reference).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
@@ -29,7 +27,7 @@ class TritonDecodeBackend(LinearBackend):
     name = "triton-decode"
 
     @classmethod
-    def is_supported(cls, platform: str, capability: Optional[int]) -> tuple[bool, str]:
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cuda":
             return False, f"Triton kernels are built for CUDA, not {platform}"
         from vllm_mxplus.ops.triton_utils import is_available
@@ -49,10 +47,13 @@ class TritonDecodeBackend(LinearBackend):
         from vllm_mxplus.ops.triton_decode_gemm import supports_macro_block
 
         mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
-        if mbs and not (spec.macro_block in SUPPORTED_MACRO_BLOCKS
-                        and supports_macro_block(spec.macro_block)):
-            return False, (f"macro block {spec.macro_block} (the Triton kernels take "
-                           f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))})")
+        if mbs and not (
+            spec.macro_block in SUPPORTED_MACRO_BLOCKS and supports_macro_block(spec.macro_block)
+        ):
+            return False, (
+                f"macro block {spec.macro_block} (the Triton kernels take "
+                f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))})"
+            )
         return True, ""
 
     min_m, max_m = 1, DECODE_MAX_M
@@ -63,8 +64,14 @@ class TritonDecodeBackend(LinearBackend):
         from vllm_mxplus.ops.custom_ops import act_quant_op
 
         c, s, m, _ = act_quant_op(x, spec.activation_format, macro_block=spec.macro_block)
-        return QuantizedTensor(codes=c, scales=s, fmt=spec.activation_format, shape=x.shape,
-                               mbs=m, macro_block=spec.macro_block)
+        return QuantizedTensor(
+            codes=c,
+            scales=s,
+            fmt=spec.activation_format,
+            shape=x.shape,
+            mbs=m,
+            macro_block=spec.macro_block,
+        )
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
@@ -75,16 +82,26 @@ class TritonDecodeBackend(LinearBackend):
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
-        bias: Optional[torch.Tensor],
+        bias: torch.Tensor | None,
         spec: LinearSpec,
-        act_global_scale: Optional[torch.Tensor] = None,
+        act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from vllm_mxplus.ops.custom_ops import act_quant_op, decode_gemm_op
 
         x2 = x.reshape(-1, x.shape[-1])
-        a_codes, a_scales, a_mbs, _ = act_quant_op(x2, spec.activation_format,
-                                                   macro_block=spec.macro_block)
-        y = decode_gemm_op(a_codes, a_scales, a_mbs, layer.mxplus_w_codes, layer.mxplus_w_scales,
-                           layer.mxplus_w_mbs, spec.k, bias, spec.out_dtype,
-                           block_size=get_format(spec.weight_format).block_size)
+        a_codes, a_scales, a_mbs, _ = act_quant_op(
+            x2, spec.activation_format, macro_block=spec.macro_block
+        )
+        y = decode_gemm_op(
+            a_codes,
+            a_scales,
+            a_mbs,
+            layer.mxplus_w_codes,
+            layer.mxplus_w_scales,
+            layer.mxplus_w_mbs,
+            spec.k,
+            bias,
+            spec.out_dtype,
+            block_size=get_format(spec.weight_format).block_size,
+        )
         return y.reshape(*x.shape[:-1], spec.n)

@@ -24,8 +24,6 @@ dot(x_lo, W_lo^T) + dot(x_hi, W_hi^T) over the even and the odd elements.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK
@@ -78,15 +76,36 @@ def mbs_factor(m):
 
 @triton.jit
 def _decode_gemm_kernel(
-    xc_ptr, xs_ptr, xmbs_ptr, wc_ptr, ws_ptr, wmbs_ptr, bias_ptr, out_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_xcm, stride_xsm, stride_xmm,
-    stride_wcn, stride_wsn, stride_wmn,
-    stride_os, stride_om,
-    BS: tl.constexpr, MACRO: tl.constexpr,
-    X_MBS: tl.constexpr, W_MBS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    xc_ptr,
+    xs_ptr,
+    xmbs_ptr,
+    wc_ptr,
+    ws_ptr,
+    wmbs_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xcm,
+    stride_xsm,
+    stride_xmm,
+    stride_wcn,
+    stride_wsn,
+    stride_wmn,
+    stride_os,
+    stride_om,
+    BS: tl.constexpr,
+    MACRO: tl.constexpr,
+    X_MBS: tl.constexpr,
+    W_MBS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
@@ -140,8 +159,9 @@ def _decode_gemm_kernel(
             part = tl.math.div_rn(part, fx[:, None] * fw[None, :])  # exact F product
         acc += part
 
-    out_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_os + rows_m[:, None] * stride_om
-                + offs_n[None, :])
+    out_ptrs = (
+        out_ptr + pid_s.to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :]
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -163,23 +183,37 @@ def _infer_block_size(k: int, n_scales: int) -> int:
     )
 
 
-def _check_operand(name: str, codes: torch.Tensor, scales: torch.Tensor,
-                   mbs: Optional[torch.Tensor], k: int, bs: int, macro: int) -> None:
+def _check_operand(
+    name: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    bs: int,
+    macro: int,
+) -> None:
     rows = codes.shape[0]
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] != ceil_div(k, 2):
-        raise ValueError(f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)="
-                         f"{ceil_div(k, 2)}], got {codes.dtype} {tuple(codes.shape)}")
+        raise ValueError(
+            f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)="
+            f"{ceil_div(k, 2)}], got {codes.dtype} {tuple(codes.shape)}"
+        )
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, ceil_div(k, bs)):
-        raise ValueError(f"decode_gemm: {name}_scales must be uint8 E8M0 "
-                         f"[{rows}, {ceil_div(k, bs)}],"
-                         f" got {scales.dtype} {tuple(scales.shape)}")
-    if mbs is not None and (mbs.dtype != torch.uint8
-                            or tuple(mbs.shape) != (rows, ceil_div(k, macro))):
-        raise ValueError(f"decode_gemm: {name}_mbs must be uint8 [{rows}, {ceil_div(k, macro)}],"
-                         f" got {mbs.dtype} {tuple(mbs.shape)}")
+        raise ValueError(
+            f"decode_gemm: {name}_scales must be uint8 E8M0 "
+            f"[{rows}, {ceil_div(k, bs)}],"
+            f" got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if mbs is not None and (
+        mbs.dtype != torch.uint8 or tuple(mbs.shape) != (rows, ceil_div(k, macro))
+    ):
+        raise ValueError(
+            f"decode_gemm: {name}_mbs must be uint8 [{rows}, {ceil_div(k, macro)}],"
+            f" got {mbs.dtype} {tuple(mbs.shape)}"
+        )
 
 
-def _row_major(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
@@ -197,18 +231,18 @@ def _default_split_k(n_tiles: int, k_tiles: int, device: torch.device) -> int:
 def decode_gemm(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,
-    x_mbs: Optional[torch.Tensor],
+    x_mbs: torch.Tensor | None,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
-    w_mbs: Optional[torch.Tensor],
+    w_mbs: torch.Tensor | None,
     K: int,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
     macro_block: int = MACRO_BLOCK,
-    block_n: Optional[int] = None,
-    split_k: Optional[int] = None,
+    block_n: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
 
@@ -223,12 +257,14 @@ def decode_gemm(
         raise ValueError(f"decode_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     if bs not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, "
-                         f"got {bs}")
+        raise ValueError(
+            f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}"
+        )
     has_mbs = x_mbs is not None or w_mbs is not None
     if has_mbs and not supports_macro_block(macro_block):
-        raise ValueError(f"decode_gemm: macro_block must be a power of two >= {GPU_BLOCK_K}, "
-                         f"got {macro_block}")
+        raise ValueError(
+            f"decode_gemm: macro_block must be a power of two >= {GPU_BLOCK_K}, got {macro_block}"
+        )
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
     m, n = x_codes.shape[0], w_codes.shape[0]
@@ -236,7 +272,8 @@ def decode_gemm(
         raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
     check_available(w_codes)
     x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias = map(
-        _row_major, (x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias))
+        _row_major, (x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias)
+    )
 
     interp = interpreting()
     # GPU: 16 rows (tl.dot's minimum; rows past M are masked), 64-wide N tiles, 128 of K per
@@ -262,8 +299,9 @@ def decode_gemm(
         bias = bias.to(torch.float32)  # the interpreter's bf16/fp16 conversions are not exact
     if split == 1:
         # The interpreter's fp32 -> bf16 cast does not round to nearest even: cast outside.
-        out = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype,
-                          device=w_codes.device)
+        out = torch.empty(
+            (m, n), dtype=torch.float32 if interp else out_dtype, device=w_codes.device
+        )
         stride_os = 0
     else:  # fp32 partials per K slice, summed below (deterministic, unlike atomics)
         out = torch.empty((split, m, n), dtype=torch.float32, device=w_codes.device)
@@ -272,19 +310,36 @@ def decode_gemm(
     grid = (n_tiles, split, triton.cdiv(m, block_m))
     dummy = w_scales  # stands in for absent optional pointers; never dereferenced
     launch(
-        _decode_gemm_kernel, grid,
-        x_codes, x_scales, x_mbs if x_mbs is not None else dummy,
-        w_codes, w_scales, w_mbs if w_mbs is not None else dummy,
+        _decode_gemm_kernel,
+        grid,
+        x_codes,
+        x_scales,
+        x_mbs if x_mbs is not None else dummy,
+        w_codes,
+        w_scales,
+        w_mbs if w_mbs is not None else dummy,
         bias if (bias is not None and split == 1) else dummy,
         out,
-        m, n, K, k_per_split,
-        x_codes.stride(0), x_scales.stride(0), x_mbs.stride(0) if x_mbs is not None else 0,
-        w_codes.stride(0), w_scales.stride(0), w_mbs.stride(0) if w_mbs is not None else 0,
-        stride_os, out.stride(-2),
-        BS=bs, MACRO=macro_block,
-        X_MBS=x_mbs is not None, W_MBS=w_mbs is not None,
+        m,
+        n,
+        K,
+        k_per_split,
+        x_codes.stride(0),
+        x_scales.stride(0),
+        x_mbs.stride(0) if x_mbs is not None else 0,
+        w_codes.stride(0),
+        w_scales.stride(0),
+        w_mbs.stride(0) if w_mbs is not None else 0,
+        stride_os,
+        out.stride(-2),
+        BS=bs,
+        MACRO=macro_block,
+        X_MBS=x_mbs is not None,
+        W_MBS=w_mbs is not None,
         HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         # The interpreter's bf16 is wrong: it multiplies in fp32 ("ieee").
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
         DOT_PRECISION="ieee" if interp else None,  # None: bf16 operands, no fp32 mode

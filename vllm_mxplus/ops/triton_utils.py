@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import types
-from collections.abc import Iterator
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,7 +74,7 @@ class Launch(NamedTuple):
     kwargs: dict
 
 
-_CAPTURE: Optional[list[Launch]] = None
+_CAPTURE: list[Launch] | None = None
 
 
 @contextlib.contextmanager
@@ -132,5 +132,17 @@ def check_available(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {reason}")
 
 
-__all__ = ["HAS_TRITON", "INTERPRET", "Launch", "capture_launches", "capturing", "ceil_div",
-           "check_available", "interpreting", "is_available", "launch", "tl", "triton"]
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "Launch",
+    "capture_launches",
+    "capturing",
+    "ceil_div",
+    "check_available",
+    "interpreting",
+    "is_available",
+    "launch",
+    "tl",
+    "triton",
+]
