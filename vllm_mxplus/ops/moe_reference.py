@@ -11,7 +11,7 @@ Per token t and each of its top-k (expert e, weight w):
   y  += w * (Q_act(h) @ W2_hat[e]^T)             fp32 GEMM, cast, weighted, summed in fp32
 W13_hat / W2_hat are the scheme's dequantized weights (fp32, exact), dequantized once.
 Both activations are quantized along K per row, so quantizing all rows at once equals
-quantizing each expert's rows apart (the nvfp4 global scale is per row: DESIGN.md §1).
+quantizing each expert's rows apart (the nvfp4 global scale is per row: docs/numerics.md, NVFP4).
 """
 
 from __future__ import annotations
