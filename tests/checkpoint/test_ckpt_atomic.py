@@ -7,13 +7,19 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import cli_args
 
-from vllm_mxplus.checkpoint import CheckpointError, UsageError, load, quantize_checkpoint
+from vllm_mxplus.checkpoint import (
+    CheckpointError,
+    UsageError,
+    load,
+    quantize_checkpoint,
+    shard_writer,
+)
 from vllm_mxplus.checkpoint import quantizer as quantizer_mod
 from vllm_mxplus.checkpoint.cli_quantize import EXIT_USAGE, run
 
 
 def _fail_on_third_call(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
-    real = quantizer_mod.quantize_weight
+    real = shard_writer.quantize_weight
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -22,7 +28,7 @@ def _fail_on_third_call(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> 
             raise exc
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantizer_mod, "quantize_weight", flaky)
+    monkeypatch.setattr(shard_writer, "quantize_weight", flaky)
 
 
 def _siblings(dst: Path) -> list[str]:
@@ -46,14 +52,14 @@ def test_interrupted_run_leaves_nothing(
 def test_writer_failure_leaves_nothing(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = quantizer_mod.StreamingWriter.write
+    real = shard_writer.StreamingWriter.write
 
     def broken(self, name, tensor):
         if name.endswith("mlp.up_proj.weight_scale"):
             raise OSError(28, "No space left on device")
         return real(self, name, tensor)
 
-    monkeypatch.setattr(quantizer_mod.StreamingWriter, "write", broken)
+    monkeypatch.setattr(shard_writer.StreamingWriter, "write", broken)
     dst = tmp_path / "q"
     rc = run(cli_args(str(llama_dir), str(dst), "--scheme", "mxfp4-16-oas", "--no-progress"))
     assert rc == 1
@@ -64,20 +70,20 @@ def test_temp_dir_is_next_to_dst_and_lacks_config_until_done(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = []
-    real = quantizer_mod._swap_in
+    real = quantizer_mod.swap_in
 
     def spy(tmp: Path, dst: Path) -> None:
         seen.append((tmp.parent, tmp.name, (tmp / "config.json").is_file()))
         real(tmp, dst)
 
-    real_write_all = quantizer_mod._write_all
+    real_write_all = quantizer_mod.write_all
 
     def spy_write_all(source, shards, fmt, tmp, *args):
         real_write_all(source, shards, fmt, tmp, *args)
         seen.append(("after-shards", (tmp / "config.json").exists()))
 
-    monkeypatch.setattr(quantizer_mod, "_swap_in", spy)
-    monkeypatch.setattr(quantizer_mod, "_write_all", spy_write_all)
+    monkeypatch.setattr(quantizer_mod, "swap_in", spy)
+    monkeypatch.setattr(quantizer_mod, "write_all", spy_write_all)
     dst = tmp_path / "q"
     quantize_checkpoint(llama_dir, dst, "mxfp4-ocp", progress=False)
     assert seen[0] == ("after-shards", False)  # config.json comes last
@@ -144,7 +150,7 @@ def test_sigterm_cleans_up(tmp_path: Path) -> None:
     dst = out / "q"
     child = (
         "import sys, time\n"
-        "import vllm_mxplus.checkpoint.quantizer as q\n"
+        "import vllm_mxplus.checkpoint.shard_writer as q\n"
         "real = q.quantize_weight\n"
         "def slow(*a, **k):\n"
         "    time.sleep(0.5)\n"
