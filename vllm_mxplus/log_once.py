@@ -11,10 +11,19 @@ from collections.abc import Hashable
 _SEEN: set[Hashable] = set()
 
 
-def log_once(logger: logging.Logger, key: Hashable, level: int, msg: str, *args: object) -> bool:
-    """Log `msg % args` at `level` the first time `key` is seen; True when it was logged."""
-    if key in _SEEN:
+def log_once(
+    logger: logging.Logger,
+    key: Hashable,
+    level: int,
+    msg: str,
+    *args: object,
+    seen: set[Hashable] | None = None,
+) -> bool:
+    """Log `msg % args` at `level` the first time `key` is seen; True when it was logged.
+    seen: the set of keys to consult (default: the package's one registry)."""
+    seen = _SEEN if seen is None else seen
+    if key in seen:
         return False
-    _SEEN.add(key)
+    seen.add(key)
     logger.log(level, msg, *args)
     return True

@@ -10,7 +10,6 @@ what it chose and why each better backend was rejected. A grouped GPU kernel slo
 
 from __future__ import annotations
 
-import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.log_once import log_once
+from vllm_mxplus.ops import registry
 
 logger = logging.getLogger(__name__)
 STEMS = ("w13", "w2")  # gate|up stacked [E, 2I, H]; down [E, H, I]
@@ -101,48 +101,28 @@ def register_expert_backend(
     platform: str, backend: BackendRef, priority: int | None = None
 ) -> None:
     """Add an expert backend for a platform at `priority` (0 = first; None = last)."""
-    entries = _REGISTRY.setdefault(platform, [])
-    if backend in entries:
-        entries.remove(backend)
-    entries.insert(len(entries) if priority is None else priority, backend)
+    registry.register(_REGISTRY, platform, backend, priority)
 
 
 def registered_expert_backends(platform: str) -> list[BackendRef]:
     return list(_REGISTRY.get(platform, []))
 
 
-def _resolve(ref: BackendRef) -> type[ExpertBackend]:
-    if isinstance(ref, str):
-        module, _, cls = ref.partition(":")
-        return getattr(importlib.import_module(module), cls)
-    return ref
-
-
 def select_expert_backend(spec: MoESpec, platform: str, capability: int | None) -> ExpertBackend:
     """The first registered backend that runs here and implements spec, else the reference;
     logs the choice (and every rejection) once per situation."""
     rejected: list[str] = []
-    for ref in _REGISTRY.get(platform, []):
-        try:
-            cls = _resolve(ref)
-        except Exception as e:  # noqa: BLE001 - a kernel module that cannot import is a rejection
-            rejected.append(f"{ref}: import failed ({type(e).__name__}: {e})")
-            continue
-        ok, why = cls.is_supported(platform, capability)
-        if ok:
-            ok, why = cls.can_implement(spec)
-        if ok:
-            log_once(
-                logger,
-                ("moe", spec.scheme, platform, cls.name),
-                logging.INFO,
-                "mxplus %s MoE experts on %s: %s",
-                spec.scheme,
-                platform,
-                cls.summary or cls.name,
-            )
-            return cls()
-        rejected.append(f"{cls.name}: {why}")
+    for cls in registry.screen(_REGISTRY, platform, capability, spec, rejected):
+        log_once(
+            logger,
+            ("moe", spec.scheme, platform, cls.name),
+            logging.INFO,
+            "mxplus %s MoE experts on %s: %s",
+            spec.scheme,
+            platform,
+            cls.summary or cls.name,
+        )
+        return cls()
     if not _REGISTRY.get(platform):
         rejected.append(f"no expert backend registered for {platform}")
     log_once(
@@ -155,4 +135,4 @@ def select_expert_backend(spec: MoESpec, platform: str, capability: int | None) 
         platform,
         "; ".join(rejected),
     )
-    return _resolve(REFERENCE)()
+    return registry.resolve(REFERENCE)()

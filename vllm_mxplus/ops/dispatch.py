@@ -19,12 +19,13 @@ the platform that may use it.
 
 from __future__ import annotations
 
-import importlib
 import logging
+from collections.abc import Hashable
 
 import torch
 
-from vllm_mxplus.ops import selftest
+from vllm_mxplus.log_once import log_once
+from vllm_mxplus.ops import registry, selftest
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
 from vllm_mxplus.ops.linear_op import register_layer
 from vllm_mxplus.ops.reference import ReferenceBackend
@@ -46,15 +47,12 @@ _REGISTRY: dict[str, list[BackendRef]] = {
         "vllm_mxplus.ops.cpu_backend:CpuPackedBackend",  # C++ kernels, any M, E8M0 formats
     ],
 }
-_LOGGED: set[tuple] = set()
+_LOGGED: set[Hashable] = set()  # the selector's situations already logged (tests reset it)
 
 
 def register_backend(platform: str, backend: BackendRef, priority: int | None = None) -> None:
     """Add a backend for a platform at position `priority` (0 = first; None = last)."""
-    entries = _REGISTRY.setdefault(platform, [])
-    if backend in entries:
-        entries.remove(backend)
-    entries.insert(len(entries) if priority is None else priority, backend)
+    registry.register(_REGISTRY, platform, backend, priority)
 
 
 def registered_backends(platform: str) -> list[BackendRef]:
@@ -67,19 +65,6 @@ def current_platform_of(device: torch.device) -> tuple[str, int | None]:
         major, minor = torch.cuda.get_device_capability(device)
         return ("rocm" if torch.version.hip else "cuda"), 10 * major + minor
     return device.type, None
-
-
-def _resolve(ref: BackendRef) -> type[LinearBackend]:
-    if isinstance(ref, str):
-        module, _, cls = ref.partition(":")
-        return getattr(importlib.import_module(module), cls)
-    return ref
-
-
-def _log_once(key: tuple, level: int, msg: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.log(level, msg, *args)
 
 
 def first_uncovered_m(ranges: list[MRange], lo: int = 1, hi: int | None = None) -> int | None:
@@ -117,18 +102,7 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
     served: list[MRange] = []  # the known ranges of the chosen backends
     rejected: list[str] = []
     notes: list[str] = []
-    for ref in _REGISTRY.get(platform, []):
-        try:
-            cls = _resolve(ref)
-        except Exception as e:  # a kernel module that cannot import is a rejection
-            rejected.append(f"{ref}: import failed ({type(e).__name__}: {e})")
-            continue
-        ok, why = cls.is_supported(platform, capability)
-        if ok:
-            ok, why = cls.can_implement(spec)
-        if not ok:
-            rejected.append(f"{cls.name}: {why}")
-            continue
+    for cls in registry.screen(_REGISTRY, platform, capability, spec, rejected):
         r = cls.m_range()
         if r is not None and first_uncovered_m(served, *r) is None:
             notes.append(f"{cls.name}: {_describe_m(r)} already served")
@@ -149,7 +123,8 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
     names = tuple(b.name for b in chosen)
     key = (platform, capability, spec.scheme, names, tuple(rejected))
     if rejected and len(chosen) == 1 and gap is not None:
-        _log_once(
+        log_once(
+            logger,
             key,
             logging.WARNING,
             "mxplus %s on %s (capability %s): falling back to the reference backend "
@@ -158,15 +133,17 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
             platform,
             capability,
             "; ".join(rejected),
+            seen=_LOGGED,
         )
     else:
         ranges = [
             _describe_m(type(b).m_range())
             if not isinstance(b, ReferenceBackend)
-            else (f"M >= {gap}" if gap > 1 else "any M")
+            else (f"M >= {gap}" if gap is not None and gap > 1 else "any M")
             for b in chosen
         ]
-        _log_once(
+        log_once(
+            logger,
             key,
             logging.INFO,
             "mxplus %s on %s (capability %s): backends %s%s",
@@ -179,6 +156,7 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
                 for label, items in (("rejected", rejected), ("not needed", notes))
                 if items
             ),
+            seen=_LOGGED,
         )
     return chosen
 
