@@ -166,12 +166,14 @@ class _ColumnQuantizer:
         self.fmt, self.p, self.generic = fmt, p, spec.block_max_mantissa
         blk = torch.arange(col0, col0 + width) // spec.block_size
         self.col0 = col0
-        self.f = None
+        self.f: torch.Tensor | None = None
         if spec.scale_rule == "e4m3":
+            g = p.global_scale
+            assert g is not None  # nvfp4 parameters carry the global scale
             sf = p.scales[:, blk].to(torch.float32).t().contiguous()  # [width, N]
             self.zero = (sf == 0) | ~torch.isfinite(sf)
-            self.div_in = torch.where(self.zero, torch.ones_like(sf), sf * p.global_scale)
-            self.sf, self.g = sf, p.global_scale
+            self.div_in = torch.where(self.zero, torch.ones_like(sf), sf * g)
+            self.sf, self.g = sf, g
             self.nv = True
             return
         self.nv = False
@@ -179,6 +181,7 @@ class _ColumnQuantizer:
         self.recip = e8m0_reciprocal(sc)
         self.x = e8m0_to_float(sc)
         if spec.mbs:
+            assert p.mbs is not None  # MBS formats' parameters carry the bytes
             self.f = mbs_factor(p.mbs[:, col0 // MACRO_BLOCK]).expand(width, -1)
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:

@@ -96,9 +96,11 @@ def set_group(p: GroupParams, fmt: str, col0: int, g: GroupParams) -> None:
     b0 = col0 // spec.block_size
     p.scales[:, b0 : b0 + g.scales.shape[1]] = g.scales
     if p.mbs is not None:
+        assert g.mbs is not None  # same format: the group has MBS bytes too
         m0 = col0 // MACRO_BLOCK
         p.mbs[:, m0 : m0 + g.mbs.shape[1]] = g.mbs
     if p.bm_index is not None:
+        assert g.bm_index is not None
         p.bm_index[:, b0 : b0 + g.bm_index.shape[1]] = g.bm_index
 
 
@@ -111,6 +113,7 @@ def spec_params(fmt: str, w: torch.Tensor, global_scale: torch.Tensor | None = N
     """The parameters `formats.quantize` chooses for fp32 w [N, Kp] (Kp whole groups)."""
     spec = get_format(fmt)
     if spec.scale_rule == "e4m3":
+        assert global_scale is not None  # nvfp4 callers pass the weight's global scale
         _, s = quantize_nvfp4_blocks(w, global_scale)
         return GroupParams(s, global_scale=global_scale)
     if spec.block_max_mantissa:
@@ -150,6 +153,7 @@ def quantize_columns(
     if spec.scale_rule == "e4m3":
         sf = p.scales[:, blk].to(torch.float32)
         g = p.global_scale
+        assert g is not None  # nvfp4 parameters carry the global scale
         zero = (sf == 0) | ~torch.isfinite(sf)
         denom = torch.where(zero, torch.ones_like(sf), sf * g)
         codes = e2m1_magnitude_code(w.abs() / denom) | neg
@@ -157,6 +161,7 @@ def quantize_columns(
         return codes, (e2m1_decode(codes) * sf) * g
     sc = p.scales[:, blk]
     if spec.mbs:
+        assert p.mbs is not None  # MBS formats' parameters carry the bytes
         f = mbs_factor(p.mbs[:, cols // MACRO_BLOCK])
         y = w * f
     else:
@@ -167,6 +172,7 @@ def quantize_columns(
     codes = torch.where(is_nan, torch.zeros_like(codes), codes)
     x = e8m0_to_float(sc)
     if spec.block_max_mantissa:
+        assert p.bm_index is not None  # MX+ parameters carry the block-max index
         is_bm = p.bm_index[:, blk].long() == (cols % spec.block_size)
         j = torch.round(2.0 * v - 8.0).clamp(0, 7).to(torch.uint8)
         codes = torch.where(is_bm & ~is_nan, j | neg, codes)
@@ -208,12 +214,14 @@ def weighted_params(
     spec = get_format(fmt)
     base = spec_params(fmt, w, global_scale) if spec.mbs != "dynamic" else None
     if spec.scale_rule == "e4m3":
+        assert base is not None  # nvfp4 has no MBS
         return GroupParams(_weighted_e4m3(w, d, base), global_scale=global_scale)
     if spec.mbs == "dynamic":
         m = weighted_mbs_dynamic(w, d)
         base = GroupParams(
             _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"), mbs=m
         )
+    assert base is not None
     return _weighted_e8m0(fmt, w, d, base)
 
 
@@ -226,12 +234,14 @@ def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
     n = w.shape[0]
     wb = w.reshape(n, -1, spec.block_size)
     if spec.scale_rule == "e4m3":
+        assert p.global_scale is not None
         sf = p.scales.to(torch.float32)[..., None]
         zero = (sf == 0) | ~torch.isfinite(sf)
         denom = torch.where(zero, torch.ones_like(sf), sf * p.global_scale)
         q = torch.copysign(e2m1_round(wb.abs() / denom), wb)
         return torch.where(zero, torch.zeros_like(q), (q * sf) * p.global_scale).reshape(w.shape)
     if spec.mbs:
+        assert p.mbs is not None
         f = mbs_factor(p.mbs)[..., None]
         y = (w.reshape(n, -1, MACRO_BLOCK) * f).reshape(wb.shape)
     else:
@@ -269,6 +279,7 @@ def _weighted_e8m0(fmt: str, w: torch.Tensor, d: torch.Tensor, base: GroupParams
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, c, best)
         if bm is not None:
+            assert best_bm is not None  # MX+: the base choice has a block-max index too
             best_bm = torch.where(better, bm, best_bm)
     return GroupParams(best, base.mbs, best_bm)
 

@@ -23,11 +23,12 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from vllm_mxplus.checkpoint.calib_data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
-from vllm_mxplus.checkpoint.calibration import METHODS, calibrate_and_quantize
+from vllm_mxplus.checkpoint.calibration import METHODS, Method, calibrate_and_quantize
 from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
@@ -118,7 +119,7 @@ def quantize_checkpoint(
     precomputed: dict[str, QuantizedTensor] = {}
     if method != "rtn":
         precomputed = _calibrated_weights(
-            src_p, items, s.name, method, calib, nsamples, seqlen, device, progress
+            src_p, items, s.name, cast(Method, method), calib, nsamples, seqlen, device, progress
         )
 
     report = QuantizeReport(
@@ -161,7 +162,7 @@ def _calibrated_weights(
     src: Path,
     items: list[Item],
     scheme: str,
-    method: str,
+    method: Method,
     calib: str | os.PathLike[str] | None,
     nsamples: int,
     seqlen: int,
@@ -169,12 +170,17 @@ def _calibrated_weights(
     progress: bool,
 ) -> dict[str, QuantizedTensor]:
     """Run calibration (calibration.py) over the source model; QuantizedTensors by module."""
-    targets = {i.decision.module for i in items if i.decision.quantize and len(i.info.shape) == 2}
+    targets = {
+        i.decision.module
+        for i in items
+        if i.decision.module is not None and i.decision.quantize and len(i.info.shape) == 2
+    }
     tokens = calibration_tokens(src, calib, nsamples, seqlen)
     try:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        model.to(device)
     except Exception as e:  # transformers raises many kinds for an unloadable model
         raise UsageError(
             f"{src}: transformers cannot load it for --method {method} ({e}); use --method rtn"
@@ -184,7 +190,7 @@ def _calibrated_weights(
         tokens,
         scheme,
         method,
-        targets,  # type: ignore[arg-type]
+        targets,
         device=device,
         progress=progress,
     )
