@@ -7,12 +7,12 @@ Each subcommand lives next to its code as a module with `add_parser(subparsers)`
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import logging
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 # command -> the module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS = {
@@ -51,6 +51,14 @@ def _unavailable(
     return run
 
 
+class _RawDescriptionParser(argparse.ArgumentParser):
+    """A subcommand's parser: its --help keeps the line breaks of its description."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mxplus",
@@ -59,11 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints offline, analyse fidelity and run the paper's evaluations.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    # every subcommand's --help keeps the line breaks of its description
-    raw = functools.partial(
-        argparse.ArgumentParser, formatter_class=argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_RawDescriptionParser
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=raw)
     for command, name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(name)
