@@ -222,10 +222,12 @@ def test_producer_version_comes_from_package_metadata() -> None:
 
 def test_vllm_parameters_use_the_layout_table() -> None:
     pytest.importorskip("vllm", reason="vLLM not installed")
-    from vllm_mxplus.integration.params import tensor_specs
+    from vllm_mxplus.checkpoint import layout
+    from vllm_mxplus.integration import params
 
+    assert params.stored_tensors is layout.stored_tensors  # the parameters read the one table
     for fmt in FORMATS:
-        specs = tensor_specs(fmt)
+        specs = layout.stored_tensors(fmt)
         assert [t.suffix for t in specs] == list(weight_suffixes(fmt))
         assert all(
             t.dtype

@@ -12,8 +12,9 @@ block holding NaN or Inf gets the e4m3 NaN scale, so it dequantizes to NaN like 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, SMALL_BLOCK
+from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, SMALL_BLOCK, ceil_div
 from vllm_mxplus.formats.e2m1 import e2m1_decode, e2m1_magnitude_code, sign_bit
 
 NVFP4_BLOCK = SMALL_BLOCK
@@ -51,3 +52,23 @@ def dequantize_nvfp4_blocks(codes: torch.Tensor, s: torch.Tensor, g: torch.Tenso
     sg = s.to(torch.float32)[..., None]
     g_b = g[..., None] if g.dim() else g
     return ((vals * sg) * g_b).reshape(codes.shape)
+
+
+def _pad_blocks(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x, its last dim zero-padded to whole blocks of 16."""
+    k = x.shape[-1]
+    return F.pad(x.to(torch.float32), (0, ceil_div(k, NVFP4_BLOCK) * NVFP4_BLOCK - k))
+
+
+def quantize_nvfp4_given(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of x [..., K] (any K: a partial last block is zero-padded) with a GIVEN global
+    scale g ([] or [..., 1]): (unpacked codes [..., K], e4m3 scales [..., ceil(K/16)])."""
+    codes, scales = quantize_nvfp4_blocks(_pad_blocks(x), g)
+    return codes[..., : x.shape[-1]], scales
+
+
+def fake_quantize_nvfp4_given(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """quantize_nvfp4_given, dequantized: fp32 [..., K] (rows whose global scale comes from
+    the whole unsharded row, or from one logical weight of a fused weight)."""
+    codes, scales = quantize_nvfp4_blocks(_pad_blocks(x), g)
+    return dequantize_nvfp4_blocks(codes, scales, g)[..., : x.shape[-1]].contiguous()

@@ -37,22 +37,22 @@ from vllm.model_executor.layers.fused_moe.routed_experts import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_mxplus.checkpoint.layout import SUFFIX_BM_INDEX, SUFFIX_GLOBAL, SUFFIX_MBS
+from vllm_mxplus.checkpoint.layout import (
+    SUFFIX_BM_INDEX,
+    SUFFIX_GLOBAL,
+    SUFFIX_MBS,
+    StoredTensor,
+    stored_tensors,
+)
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 from vllm_mxplus.formats.e2m1 import E2M1_MAX
-from vllm_mxplus.formats.nvfp4 import (
-    F8E4M3_MAX,
-    NVFP4_BLOCK,
-    dequantize_nvfp4_blocks,
-    quantize_nvfp4_blocks,
-)
+from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, fake_quantize_nvfp4_given
 from vllm_mxplus.integration.moe_backends import (
     ExpertWeights,
     MoESpec,
     select_expert_backend,
 )
-from vllm_mxplus.integration.moe_cpu_backend import moe_tp_max
-from vllm_mxplus.integration.params import TensorSpec, row_parallel_unit, tensor_specs, tp_hint
+from vllm_mxplus.integration.params import check_row_parallel, tp_max
 from vllm_mxplus.ops.dispatch import current_platform_of
 from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS
 
@@ -62,15 +62,6 @@ if TYPE_CHECKING:
 
 def _finite_amax(w: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax(-1).amax(-1)
-
-
-def _nvfp4_fake(w: torch.Tensor, g_rows: torch.Tensor) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of w [N, K] with per-row global scales g_rows [N, 1]."""
-    k = w.shape[-1]
-    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
-    x = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))
-    codes, scales = quantize_nvfp4_blocks(x, g_rows)
-    return dequantize_nvfp4_blocks(codes, scales, g_rows)[..., :k].contiguous()
 
 
 class MxplusFusedMoEMethod(FusedMoEMethodBase):
@@ -114,17 +105,17 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             raise NotImplementedError(
                 f"{layer.layer_name}: apply_router_weight_on_input is not supported"
             )
-        s = self.scheme
         i_part = intermediate_size_per_partition
         i_full = self.moe.intermediate_size
-        unit = row_parallel_unit(s.weight_format, s.activation_format, self.macro_block)
-        if i_part != i_full and i_part % unit:
-            raise ValueError(
-                f"{layer.layer_name}: expert intermediate size per TP partition {i_part} "
-                f"(moe_intermediate_size={i_full}) is not a multiple of {unit}; scheme "
-                f"{s.name} needs whole {'macro ' if unit == self.macro_block else ''}blocks "
-                f"on every rank for the down projection (K-sharded). {tp_hint(i_full, unit)}"
-            )
+        # the down projection is K-sharded
+        check_row_parallel(
+            layer.layer_name,
+            ("expert intermediate size per TP partition", "moe_intermediate_size"),
+            i_part,
+            i_full,
+            self.scheme,
+            self.macro_block,
+        )
         layer.mxplus_dims = {
             "w13": (2 * i_part, hidden_size, hidden_size),
             "w2": (hidden_size, i_part, i_full),
@@ -141,7 +132,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return
         layer.mxplus_loaded = {}
         for stem, (n, k, k_full) in layer.mxplus_dims.items():
-            for tspec in tensor_specs(self.fmt, self.macro_block):
+            for tspec in stored_tensors(self.fmt, self.macro_block):
                 if tspec.k_per_col == 0:  # nvfp4: one fp32 global scale per logical weight
                     shape = (num_experts, 2) if stem == "w13" else (num_experts,)
                     data = torch.zeros(shape, dtype=tspec.dtype)
@@ -161,7 +152,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 )
 
     def _checked_loader(
-        self, layer: torch.nn.Module, stem: str, tspec: TensorSpec, k_full: int, inner: Callable
+        self, layer: torch.nn.Module, stem: str, tspec: StoredTensor, k_full: int, inner: Callable
     ) -> Callable:
         """vLLM's MoE loader, after checking dtype and K-derived width; records arrivals."""
 
@@ -199,7 +190,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
     def _check_all_loaded(self, layer: torch.nn.Module) -> None:
         n_local = self.moe.num_local_experts
         for stem, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
-            for tspec in tensor_specs(self.fmt, self.macro_block):
+            for tspec in stored_tensors(self.fmt, self.macro_block):
                 got = layer.mxplus_loaded.get(f"{stem}_{tspec.suffix}", set())
                 per_shard = {sh: {e for e, s in got if s == sh} for sh in shards}
                 for sh, experts in per_shard.items():
@@ -209,7 +200,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"{layer.layer_name}: checkpoint tensors *.{proj}.{tspec.suffix} "
                             f"arrived for {len(experts)} of {n_local} local experts "
                             f"(format {self.fmt} stores "
-                            f"{', '.join(t.suffix for t in tensor_specs(self.fmt))})"
+                            f"{', '.join(t.suffix for t in stored_tensors(self.fmt))})"
                         )
 
     def _loaded_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
@@ -265,9 +256,10 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return q.dequantize(torch.float32).reshape(e, n, k)
         n_shards = 2 if stem == "w13" else 1
         parts = w.reshape(e, n_shards, n // n_shards, k)
-        amax = moe_tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer)  # [E, S]
+        amax = tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer.moe_config.tp_size)
         g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
-        return _nvfp4_fake(w.reshape(e * n, k), g_rows.reshape(e * n, 1)).reshape(e, n, k)
+        rows = fake_quantize_nvfp4_given(w.reshape(e * n, k), g_rows.reshape(e * n, 1))
+        return rows.reshape(e, n, k)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized

@@ -31,7 +31,7 @@ from vllm_mxplus.checkpoint.layout import (
 )
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
-from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, NVFP4_BLOCK, quantize_nvfp4_blocks
+from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
 from vllm_mxplus.integration.mla import (
     apply_weight_only,
     install_dequantized_weight,
@@ -40,9 +40,9 @@ from vllm_mxplus.integration.mla import (
 )
 from vllm_mxplus.integration.params import (
     check_all_loaded,
+    check_row_parallel,
     create_quantized_params,
-    row_parallel_unit,
-    tp_hint,
+    tp_max,
 )
 from vllm_mxplus.ops import LinearDispatch, LinearSpec, current_platform_of, select
 from vllm_mxplus.ops.reference import nvfp4_row_global_scale
@@ -51,34 +51,21 @@ if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig
 
 
-def _tp_amax_max(amax: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """Max of per-rank amax over the TP group: every shard sees the whole-weight amax."""
-    if getattr(layer, "tp_size", 1) > 1:
-        from vllm.distributed import get_tp_group
-
-        torch.distributed.all_reduce(
-            amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
-        )
-    return amax
-
-
 def quantize_nvfp4_logical(
     w: torch.Tensor, widths: list[int], layer: torch.nn.Module
 ) -> QuantizedTensor:
     """NVFP4 of a fused weight with one global scale per logical weight (per-row g [N, 1])."""
     n, k = w.shape
-    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
-    x = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))
-    parts = torch.split(x, widths, dim=0)
+    parts = torch.split(w.to(torch.float32), widths, dim=0)
     amax = torch.stack(
         [torch.where(torch.isfinite(p), p.abs(), torch.zeros_like(p)).amax() for p in parts]
     )
-    g = _tp_amax_max(amax, layer) / (E2M1_MAX * F8E4M3_MAX)
+    g = tp_max(amax, getattr(layer, "tp_size", 1)) / (E2M1_MAX * F8E4M3_MAX)
     g_rows = torch.repeat_interleave(g, torch.tensor(widths, device=g.device))[:, None]
-    codes, scales = quantize_nvfp4_blocks(x, g_rows)
+    codes, scales = quantize_nvfp4_given(w, g_rows)
     return QuantizedTensor(
-        codes=pack_fp4(codes[..., :k]),
-        scales=scales[..., : -(-k // NVFP4_BLOCK)].contiguous(),
+        codes=pack_fp4(codes),
+        scales=scales,
         fmt="nvfp4",
         shape=torch.Size((n, k)),
         global_scale=g_rows,
@@ -105,14 +92,14 @@ class MxplusLinearMethod(LinearMethodBase):
         **extra_weight_attrs,
     ) -> None:
         s = self.scheme
-        unit = row_parallel_unit(s.weight_format, s.activation_format, self.macro_block)
-        if input_size_per_partition != input_size and input_size_per_partition % unit:
-            raise ValueError(
-                f"{getattr(layer, 'prefix', 'linear')}: row-parallel K per partition "
-                f"{input_size_per_partition} (K={input_size}) is not a multiple of {unit}; "
-                f"scheme {s.name} needs whole {'macro ' if unit == self.macro_block else ''}"
-                f"blocks on every rank. {tp_hint(input_size, unit)}"
-            )
+        check_row_parallel(
+            getattr(layer, "prefix", "linear"),
+            ("row-parallel K per partition", "K"),
+            input_size_per_partition,
+            input_size,
+            s,
+            self.macro_block,
+        )
         weight_loader = extra_weight_attrs.get("weight_loader")
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = input_size_per_partition
@@ -223,5 +210,5 @@ class MxplusLinearMethod(LinearMethodBase):
         if layer.mxplus_row_amax_reduce:
             # NVFP4 activations on a row-parallel shard: the per-token global scale must come
             # from the whole row (all ranks), as without TP (docs/numerics.md, NVFP4).
-            g = _tp_amax_max(nvfp4_row_global_scale(x), layer)
+            g = tp_max(nvfp4_row_global_scale(x), getattr(layer, "tp_size", 1))
         return layer.mxplus_dispatch.apply(layer, x, bias, g)

@@ -20,19 +20,9 @@ from vllm_mxplus.integration.moe_backends import (
     ExpertWeights,
     MoESpec,
 )
+from vllm_mxplus.integration.params import tp_max
 
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
-
-
-def moe_tp_max(t: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """Elementwise max over the MoE TP group (each rank holds a slice of every expert)."""
-    if layer.moe_config.tp_size > 1:
-        from vllm.distributed import get_tp_group
-
-        torch.distributed.all_reduce(
-            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
-        )
-    return t
 
 
 class CpuPackedExperts(ExpertBackend):
@@ -117,7 +107,7 @@ class ReferenceExperts(ExpertBackend):
         if layer.mxplus_row_amax_reduce:
 
             def row_g(h: torch.Tensor) -> torch.Tensor:
-                return moe_tp_max(nvfp4_row_global_scale(h).contiguous(), layer)
+                return tp_max(nvfp4_row_global_scale(h).contiguous(), layer.moe_config.tp_size)
 
         return moe_experts_reference(
             x,

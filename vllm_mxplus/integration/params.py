@@ -9,7 +9,8 @@ row-parallel partition always holds whole blocks and whole macro blocks (see
 `row_parallel_unit`). The nvfp4 global scale is a `PerTensorScaleParameter`: one fp32 value
 per logical weight (q, k, v kept apart).
 
-Our loader wraps the layer's v2 loader to check dtype and shape against the full checkpoint
+Which tensors a format stores, with their dtypes and widths, comes from the checkpoint layout's
+one table (`checkpoint.layout.stored_tensors`). Our loader wraps the layer's v2 loader to check dtype and shape against the full checkpoint
 tensor and to record which shards arrived, so that a missing or misshapen tensor fails at load
 with its checkpoint name.
 """
@@ -34,14 +35,6 @@ from vllm_mxplus.checkpoint.layout import (
 )
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
 from vllm_mxplus.formats.constants import MX_BLOCK
-
-# The vLLM parameters mirror the checkpoint layout's one table (checkpoint/layout.py).
-TensorSpec = StoredTensor
-
-
-def tensor_specs(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTensor]:
-    """The checkpoint tensors of one quantized weight of format fmt, in layout order."""
-    return stored_tensors(fmt, macro_block)
 
 
 def row_parallel_unit(
@@ -80,6 +73,33 @@ def tp_hint(k_full: int, unit: int) -> str:
     return f"tensor_parallel_size values that work: {', '.join(map(str, sizes))}."
 
 
+def check_row_parallel(
+    where: str, what: tuple[str, str], k_part: int, k_full: int, scheme: Any, macro_block: int
+) -> None:
+    """Refuse a row-parallel K partition that would split a quantization group, naming the
+    layer (`where`), the dimension (`what`: its per-partition and full names) and the
+    tensor_parallel_size values that work."""
+    unit = row_parallel_unit(scheme.weight_format, scheme.activation_format, macro_block)
+    if k_part != k_full and k_part % unit:
+        raise ValueError(
+            f"{where}: {what[0]} {k_part} ({what[1]}={k_full}) is not a multiple of {unit}; "
+            f"scheme {scheme.name} needs whole {'macro ' if unit == macro_block else ''}"
+            f"blocks on every rank. {tp_hint(k_full, unit)}"
+        )
+
+
+def tp_max(t: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Elementwise max of t over the TP group, in place (a no-op without TP): every shard
+    then sees the whole-weight (or whole-row) amax."""
+    if tp_size > 1:
+        from vllm.distributed import get_tp_group
+
+        torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+        )
+    return t
+
+
 def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) -> list[str]:
     """Checkpoint module names of the logical weights of a (possibly fused) layer."""
     prefix = getattr(layer, "prefix", "") or "<linear>"
@@ -101,7 +121,7 @@ def _shard_index(shard_id: Any) -> int | None:
 
 
 def _make_loader(
-    layer: torch.nn.Module, tspec: TensorSpec, inner: Callable, names: list[str], k_full: int
+    layer: torch.nn.Module, tspec: StoredTensor, inner: Callable, names: list[str], k_full: int
 ) -> Callable:
     """Wrap the layer's v2 loader: check dtype and the K-derived width, record the shard."""
 
@@ -153,7 +173,7 @@ def create_quantized_params(
     names = shard_names(layer, packed_mapping)
     layer.mxplus_loaded = {}
     n = sum(n_per_partition)
-    for tspec in tensor_specs(weight_format, macro_block):
+    for tspec in stored_tensors(weight_format, macro_block):
         loader = _make_loader(layer, tspec, weight_loader, names, k_full)
         if tspec.k_per_col == 0:
             param = PerTensorScaleParameter(
@@ -173,7 +193,7 @@ def check_all_loaded(
     """Raise ValueError naming the first checkpoint tensor that never arrived."""
     names = shard_names(layer, packed_mapping)
     n_logical = len(layer.logical_widths)
-    for tspec in tensor_specs(weight_format):
+    for tspec in stored_tensors(weight_format):
         got = layer.mxplus_loaded.get(tspec.suffix, set())
         if None in got:
             continue  # fused on disk: one tensor carried every shard

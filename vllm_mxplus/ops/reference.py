@@ -7,7 +7,7 @@ exact); each call fake-quantizes the activation rows with the scheme's activatio
 model dtype. `vllm_mxplus.ops.fake_quant.FakeQuantLinear` does exactly the same, so vLLM and
 the transformers reference differ only by GEMM accumulation order.
 
-The activation fake-quant is a torch custom op (`mxplus::fake_quant_activation`) so that
+The activation fake-quant is a torch custom op (`vllm_mxplus::fake_quant_activation`) so that
 vLLM's torch.compile treats it as one opaque node instead of tracing the bit tricks.
 """
 
@@ -17,19 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
-from vllm_mxplus.formats.nvfp4 import (
-    NVFP4_BLOCK,
-    dequantize_nvfp4_blocks,
-    nvfp4_global_scale,
-    quantize_nvfp4_blocks,
-)
+from vllm_mxplus.formats.nvfp4 import fake_quantize_nvfp4_given, nvfp4_global_scale
 from vllm_mxplus.ops.act_fake_quant import FAST_FORMATS, fast_fake_quantize
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+from vllm_mxplus.ops.library import op_name
 
 WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
 
 
-@torch.library.custom_op("mxplus::fake_quant_activation", mutates_args=())
+@torch.library.custom_op(op_name("fake_quant_activation"), mutates_args=())
 def fake_quant_activation(
     x: torch.Tensor, fmt: str, per_row: bool, macro_block: int
 ) -> torch.Tensor:
@@ -46,18 +42,14 @@ def _(x: torch.Tensor, fmt: str, per_row: bool, macro_block: int) -> torch.Tenso
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
-@torch.library.custom_op("mxplus::fake_quant_nvfp4_rows", mutates_args=())
+@torch.library.custom_op(op_name("fake_quant_nvfp4_rows"), mutates_args=())
 def fake_quant_nvfp4_rows(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """NVFP4 fake quant of x's rows with GIVEN per-row global scales g [..., 1] (fp32).
 
     Used for row-parallel shards under TP: g comes from the whole row's amax (reduced over
     ranks), so each shard quantizes exactly as the unsharded row would.
     """
-    k = x.shape[-1]
-    kp = -(-k // NVFP4_BLOCK) * NVFP4_BLOCK
-    xp = F.pad(x.to(torch.float32), (0, kp - k))
-    codes, scales = quantize_nvfp4_blocks(xp, global_scale)
-    return dequantize_nvfp4_blocks(codes, scales, global_scale)[..., :k].contiguous()
+    return fake_quantize_nvfp4_given(x, global_scale)
 
 
 @fake_quant_nvfp4_rows.register_fake
