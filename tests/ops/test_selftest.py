@@ -262,30 +262,11 @@ def test_real_cpu_kernels_pass(cpu_packed, scheme, dtype):
 
 @pytest.fixture(scope="module")
 def triton_decode(triton_device):
-    """The Triton decode backend as a self-tested kernel exposing its activation codes
+    """The Triton decode backend, a self-tested kernel that exposes its activation codes
     (interpreter off-GPU, compiled kernels on CUDA)."""
-    from vllm_mxplus.formats import QuantizedTensor
-    from vllm_mxplus.ops.triton_backend import DECODE_MAX_M, TritonDecodeBackend
+    from vllm_mxplus.ops.triton_backend import TritonDecodeBackend
 
-    class _SelfTested(TritonDecodeBackend):
-        min_m, max_m, kernel = 1, DECODE_MAX_M, True
-
-        def selftest_activation(self, x, spec):
-            from vllm_mxplus.ops.custom_ops import act_quant_op
-
-            codes, scales, mbs, _ = act_quant_op(
-                x, spec.activation_format, macro_block=spec.macro_block
-            )
-            return QuantizedTensor(
-                codes=codes,
-                scales=scales,
-                fmt=spec.activation_format,
-                shape=x.shape,
-                mbs=mbs,
-                macro_block=spec.macro_block,
-            )
-
-    return _SelfTested, triton_device
+    return TritonDecodeBackend, triton_device
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/ops on sys.path)
+from graph_helpers import replay_with
 
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
@@ -324,15 +325,8 @@ def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     args = (
         x,
         "mxfp4-mbs-s",
-        xl.fp8,
-        xl.scale,
-        xl.ref,
-        xl.mbs,
-        xl.exact,
-        w.layout.fp8,
-        w.layout.scale,
-        w.fallback_idx,
-        w.fallback_w,
+        *xl.fields(),
+        *w.sm90_operands(),
         None,
         w.n,
         torch.bfloat16,
@@ -398,12 +392,8 @@ def test_gpu_bit_exact(fmt, dtype, cuda_device):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture(cuda_device):
     x = activations(16, 4096, torch.bfloat16, cuda_device)
-    act_quant_fp8_chunks_op(x, "mxfp4-mbs-s")  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = act_quant_fp8_chunks_op(x, "mxfp4-mbs-s")
-    x.copy_(activations(16, 4096, torch.bfloat16, cuda_device, seed=9))
-    graph.replay()
+    fresh = activations(16, 4096, torch.bfloat16, cuda_device, seed=9)
+    out = replay_with(lambda t: act_quant_fp8_chunks_op(t, "mxfp4-mbs-s"), x, fresh)
     assert_same_layout(out, reference_layout(x, "mxfp4-mbs-s"))
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,15 @@ FALLBACK_ROWS = int(os.environ.get("VLLM_MXPLUS_SM90_FALLBACK_ROWS", "64"))
 RowsQuant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
+class Sm90Weight(NamedTuple):
+    """The weight arguments of the sm_90a ops, in their order."""
+
+    fp8: torch.Tensor  # float8_e4m3fn [Np, Kp]
+    scale: torch.Tensor  # fp32 [Kp/128, Np]
+    fallback_idx: torch.Tensor | None  # rows with an inexact chunk (known at load)
+    fallback_w: torch.Tensor | None  # their exact fp32 W_hat rows
+
+
 @dataclass
 class PreparedWeight:
     """A weight [N, K] in the kernel's runtime layout (built once at load)."""
@@ -70,6 +80,11 @@ class PreparedWeight:
     sigma: torch.Tensor | None = None  # sm100a: [Kp/128, Np] fp32 (empty without MBS)
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
     fallback_w: torch.Tensor | None = None  # their exact fp32 W_hat rows
+
+    def sm90_operands(self) -> Sm90Weight:
+        """The sm_90a ops' weight arguments (w_fp8, w_scale, fallback_idx, fallback_w)."""
+        assert self.layout is not None, "sm90_operands of a weight not prepared for sm90a"
+        return Sm90Weight(self.layout.fp8, self.layout.scale, self.fallback_idx, self.fallback_w)
 
 
 def prepare_weight(
@@ -112,10 +127,7 @@ def _sm90_gemm(
     xl: Fp8ChunkLayout,
     rows_quant: RowsQuant,
     x_hat_all: Callable[[], torch.Tensor],
-    w_fp8: torch.Tensor,
-    w_scale: torch.Tensor,
-    fallback_idx: torch.Tensor | None,
-    fallback_w: torch.Tensor | None,
+    w: Sm90Weight,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
@@ -124,7 +136,7 @@ def _sm90_gemm(
     rows_quant(idx) gives (codes, scales, mbs) of activation rows idx; x_hat_all() the spec's
     fp32 x_hat of every row (used only when the weight has inexact rows)."""
     m, k = xl.fp8.shape[0], xl.k
-    b32 = bias_f32(bias, w_fp8.shape[0])
+    b32 = bias_f32(bias, w.fp8.shape[0])
     nan = float("nan")  # a Python scalar: no tensor built on (or copied from) the host
     bad = ~xl.exact_rows  # [M]
     cap = min(FALLBACK_ROWS, m)
@@ -137,7 +149,7 @@ def _sm90_gemm(
         lost = bad & ~patched.index_fill_(0, slot, True)[:m]
     # rows that stay inexact come out NaN: poison their scales ([nc, M], cheap) up front
     scale = torch.where(lost[None, :], nan, xl.scale)
-    y = fp8_chunk_gemm(xl.fp8, scale, w_fp8, w_scale, b32, out_dtype)
+    y = fp8_chunk_gemm(xl.fp8, scale, w.fp8, w.scale, b32, out_dtype)
     y = y[:, :n].contiguous() if y.shape[1] != n else y
     if cap:
         # unused slots repeat the first found row (or row 0 when none) and write exactly what
@@ -145,18 +157,18 @@ def _sm90_gemm(
         idx = torch.where(valid, found, found[:1].clamp(min=0))
         hi, lo, exact = split_fp8_chunks(*rows_quant(idx), k)
         v = (
-            fp8_chunk_gemm(hi.fp8, hi.scale, w_fp8, w_scale, b32, torch.float32)
-            + fp8_chunk_gemm(lo.fp8, lo.scale, w_fp8, w_scale, None, torch.float32)
+            fp8_chunk_gemm(hi.fp8, hi.scale, w.fp8, w.scale, b32, torch.float32)
+            + fp8_chunk_gemm(lo.fp8, lo.scale, w.fp8, w.scale, None, torch.float32)
         )[:, :n]
         v = torch.where(exact[:, None], v, nan)
         v = torch.where(valid[:, None], v, v[:1])
         v = torch.where(valid[:1, None], v.to(y.dtype), y[idx])  # none found: a no-op write
         y.index_put_((idx,), v)
-    if fallback_idx is not None and fallback_idx.numel():  # static (load time): no sync
-        cols = F.linear(x_hat_all(), fallback_w)
+    if w.fallback_idx is not None and w.fallback_idx.numel():  # static (load time): no sync
+        cols = F.linear(x_hat_all(), w.fallback_w)
         if b32 is not None:
-            cols = cols + b32[fallback_idx]
-        y[:, fallback_idx] = cols.to(y.dtype)
+            cols = cols + b32[w.fallback_idx]
+        y[:, w.fallback_idx] = cols.to(y.dtype)
     return y
 
 
@@ -193,10 +205,7 @@ def prefill_sm90_impl(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda idx: (x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx]),
         lambda: _codes_x_hat(x_codes, x_scales, x_mbs, k),
-        w_fp8,
-        w_scale,
-        fallback_idx,
-        fallback_w,
+        Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w),
         bias,
         n,
         out_dtype,
@@ -242,17 +251,9 @@ def prefill_sm90_fused_impl(
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
     )
+    w = Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w)
     return _sm90_gemm(
-        xl,
-        _x_rows_quant(x, fmt),
-        lambda: fake_quantize(x, fmt),
-        w_fp8,
-        w_scale,
-        fallback_idx,
-        fallback_w,
-        bias,
-        n,
-        out_dtype,
+        xl, _x_rows_quant(x, fmt), lambda: fake_quantize(x, fmt), w, bias, n, out_dtype
     )
 
 
@@ -342,17 +343,7 @@ def prefill_gemm(
         )
     if w.arch == "sm90a":
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90(
-            x_codes,
-            x_scales,
-            x_mbs,
-            k,
-            w.layout.fp8,
-            w.layout.scale,
-            w.fallback_idx,
-            w.fallback_w,
-            bias,
-            w.n,
-            out_dtype,
+            x_codes, x_scales, x_mbs, k, *w.sm90_operands(), bias, w.n, out_dtype
         )
     return torch.ops.vllm_mxplus.cutlass_prefill_sm100(
         x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.sigma, bias, w.n, w.use_mbs, out_dtype
@@ -376,20 +367,7 @@ def prefill_gemm_from_x(
     if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
         xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
-            x,
-            fmt,
-            xl.fp8,
-            xl.scale,
-            xl.ref,
-            xl.mbs,
-            xl.exact,
-            w.layout.fp8,
-            w.layout.scale,
-            w.fallback_idx,
-            w.fallback_w,
-            bias,
-            w.n,
-            out_dtype,
+            x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype
         )
     from vllm_mxplus.ops.custom_ops import act_quant_op
 

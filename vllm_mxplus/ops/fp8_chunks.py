@@ -27,7 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats.constants import E8M0_BIAS, E8M0_NAN, MACRO_BLOCK, SMALL_BLOCK
+from vllm_mxplus.formats.constants import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    MACRO_BLOCK,
+    SMALL_BLOCK,
+    ceil_div,
+)
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.e8m0 import pow2_f32
 from vllm_mxplus.formats.mx import mbs_factor
@@ -59,9 +65,14 @@ class Fp8ChunkLayout:
     def exact_rows(self) -> torch.Tensor:
         return self.exact.all(dim=-1)
 
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        """(fp8, scale, ref, mbs, exact): the tensors, in the order the custom ops take them."""
+        return self.fp8, self.scale, self.ref, self.mbs, self.exact
+
 
 def ceil_to(a: int, b: int) -> int:
-    return -(-a // b) * b
+    """a rounded up to a multiple of b."""
+    return ceil_div(a, b) * b
 
 
 def pad_last(t: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:

@@ -42,8 +42,8 @@ from vllm_mxplus.ops.fp8_chunks import (
     Fp8ChunkLayout,
 )
 from vllm_mxplus.ops.library import op_name
-from vllm_mxplus.ops.triton_act_quant import (
-    GPU_BLOCK_K,
+from vllm_mxplus.ops.triton_act_quant import GPU_BLOCK_K, check_act_input
+from vllm_mxplus.ops.triton_quant_blocks import (
     MANTISSA_THRESHOLD,
     e4m3_round,
     e8m0_block_quant,
@@ -180,18 +180,7 @@ def _tile_sizes(m: int, kp: int) -> tuple[int, int]:
 
 
 def _check(x: torch.Tensor, fmt: str, macro_block: int) -> None:
-    spec = get_format(fmt)
-    if fmt not in SUPPORTED_FORMATS:
-        raise ValueError(
-            f"act_quant_fp8_chunks: format {fmt!r} has no fused kernel; "
-            f"supported: {', '.join(SUPPORTED_FORMATS)}"
-        )
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"act_quant_fp8_chunks: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(
-            f"act_quant_fp8_chunks: cannot quantize shape {tuple(x.shape)}: empty last dim"
-        )
+    spec = check_act_input(x, fmt, SUPPORTED_FORMATS, "act_quant_fp8_chunks", "fused kernel")
     if spec.mbs and macro_block != CHUNK:
         raise ValueError(
             f"act_quant_fp8_chunks: the FP8 layout's chunk is the MBS macro block "
