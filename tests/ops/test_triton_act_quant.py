@@ -14,6 +14,7 @@ import torch
 from graph_helpers import replay_with
 
 from vllm_mxplus.formats import quantize
+from vllm_mxplus.ops.triton_act_fp8 import act_quant_fp8_chunks
 from vllm_mxplus.ops.triton_act_quant import act_quant
 
 FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4")
@@ -166,16 +167,22 @@ def test_non_contiguous_rows(triton_device):
     check_bit_exact(x, "mxfp4-mbs-s")
 
 
-def test_rejects_bad_input(triton_device):
+@pytest.mark.parametrize(
+    "quantize,no_kernel",
+    [(act_quant, "no Triton kernel"), (act_quant_fp8_chunks, "no fused kernel")],
+    ids=["act_quant", "act_quant_fp8_chunks"],
+)
+def test_rejects_bad_input(triton_device, quantize, no_kernel):
+    """The input checks both fused quantizers share (triton_act_quant.check_act_input)."""
     x = torch.zeros(2, 32, device=triton_device)
-    with pytest.raises(ValueError, match="no Triton kernel"):
-        act_quant(x, "mxplus")
+    with pytest.raises(ValueError, match=no_kernel):
+        quantize(x, "mxplus")
     with pytest.raises(ValueError, match="unsupported dtype"):
-        act_quant(x.to(torch.int32), "mxfp4-mbs-s")
+        quantize(x.to(torch.int32), "mxfp4-mbs-s")
     with pytest.raises(ValueError, match="empty last dim"):
-        act_quant(torch.zeros(2, 0, device=triton_device), "mxfp4-mbs-s")
+        quantize(torch.zeros(2, 0, device=triton_device), "mxfp4-mbs-s")
     with pytest.raises(ValueError, match="unknown format"):
-        act_quant(x, "fp5")
+        quantize(x, "fp5")
 
 
 def test_custom_op_matches_and_traces(triton_device):
