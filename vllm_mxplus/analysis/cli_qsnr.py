@@ -6,9 +6,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_mxplus.formats.constants import MACRO_BLOCK
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_FORMATS = ["mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-d", "nvfp4"]
 
@@ -96,9 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     progress = not args.no_progress
+    weights: Iterable[tuple[str, torch.Tensor]]
     if args.model is None:
-        weights, pairs = sources.synthetic_tensors()
-        n_weights, title = len(weights), "synthetic tensors"
+        synthetic, pairs = sources.synthetic_tensors()
+        weights, n_weights, title = synthetic, len(synthetic), "synthetic tensors"
     else:
         weights = sources.checkpoint_linear_weights(args.model)
         n_weights, title = sources.count_linear_weights(args.model), args.model.name

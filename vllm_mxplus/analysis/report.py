@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -36,12 +37,12 @@ class Report:
     oas_takeup: dict[str, float] = field(default_factory=dict)  # kind -> share of blocks
     meta: dict[str, object] = field(default_factory=dict)
 
-    def summary(self) -> list[dict[str, object]]:
+    def summary(self) -> list[dict[str, Any]]:
         """Mean and worst QSNR (and mean flush-to-zero) per (kind, format)."""
         groups: dict[tuple[str, str], list[Record]] = {}
         for r in self.records:
             groups.setdefault((r.kind, r.fmt), []).append(r)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for (kind, fmt), rs in groups.items():
             q = [r.qsnr for r in rs if math.isfinite(r.qsnr)]
             ftz = [r.ftz for r in rs if r.ftz is not None]

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_mxplus.evaluation.config import KINDS, EvalConfig, TaskSpec
 from vllm_mxplus.evaluation.runner import saved_results, task_done
@@ -33,7 +34,7 @@ class Value:
 
 def _stderr(res: dict, metric: str) -> float | None:
     name, _, filt = metric.partition(",")
-    v = res.get(f"{name}_stderr,{filt}")
+    v: Any = res.get(f"{name}_stderr,{filt}")
     try:
         v = float(v)
     except (TypeError, ValueError):
@@ -73,7 +74,7 @@ def _avg(
 ) -> float | None:
     if row is None or not tasks:
         return None
-    got = [values.get((model, row, t.task)) for t in tasks]
+    got: list[Any] = [values.get((model, row, t.task)) for t in tasks]
     if any(v is None for v in got):
         return None
     return sum(v.value for v in got) / len(got)
@@ -93,7 +94,12 @@ def summarize(cfg: EvalConfig, values: dict) -> dict:
                 avg = _avg(cfg, values, model.id, row.id, tasks)
                 gap = None if avg is None or tgt is None else avg - tgt
                 closed = None
-                if None not in (avg, base, tgt) and abs(tgt - base) > 1e-12:
+                if (
+                    avg is not None
+                    and base is not None
+                    and tgt is not None
+                    and abs(tgt - base) > 1e-12
+                ):
                     closed = 100.0 * (avg - base) / (tgt - base)
                 out.setdefault(model.id, {}).setdefault(kind, {})[row.id] = {
                     "avg": avg,
@@ -304,7 +310,7 @@ def plot_chart(cfg: EvalConfig, values: dict, path: Path) -> Path:
 
     panels = [(m, k) for m in cfg.models for k in KINDS if any(t.kind == k for t in cfg.tasks)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]  # a ListedColormap
     for ax, (model, kind) in zip(axes[0], panels):
         tasks = [t for t in cfg.tasks if t.kind == kind]
         width = 0.8 / len(cfg.rows)
