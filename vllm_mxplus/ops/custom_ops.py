@@ -2,7 +2,7 @@
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
-                                           K, bias, out_dtype, block_size) -> y
+                                           K, bias=None, out_dtype=bf16, block_size=0) -> y
 
 A custom op returns tensors only, so absent outputs (mbs without MBS, global_scale outside
 nvfp4) come back as empty tensors with a last dim of 0; the Python wrappers below map them
@@ -54,7 +54,7 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
 
 
 @torch.library.custom_op(op_name("triton_decode_gemm"), mutates_args=())
-def _decode_gemm_op(
+def decode_gemm_op(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,
     x_mbs: torch.Tensor | None,
@@ -62,10 +62,12 @@ def _decode_gemm_op(
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
     K: int,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    block_size: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 0,
 ) -> torch.Tensor:
+    """`triton_decode_gemm.decode_gemm` as a custom op (traceable); block_size 0: the one
+    the scale shapes imply."""
     return decode_gemm(
         x_codes,
         x_scales,
@@ -80,9 +82,18 @@ def _decode_gemm_op(
     )
 
 
-@_decode_gemm_op.register_fake
+@decode_gemm_op.register_fake
 def _decode_gemm_fake(
-    x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size
+    x_codes,
+    x_scales,
+    x_mbs,
+    w_codes,
+    w_scales,
+    w_mbs,
+    K,
+    bias=None,
+    out_dtype=torch.bfloat16,
+    block_size=0,
 ):
     return x_codes.new_empty((x_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
 
@@ -94,22 +105,3 @@ def act_quant_op(
     spec = get_format(fmt)
     codes, scales, mbs, gs = torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block)
     return codes, scales, mbs if spec.mbs else None, gs if spec.scale_rule == "e4m3" else None
-
-
-def decode_gemm_op(
-    x_codes: torch.Tensor,
-    x_scales: torch.Tensor,
-    x_mbs: torch.Tensor | None,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_mbs: torch.Tensor | None,
-    K: int,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    block_size: int | None = None,
-) -> torch.Tensor:
-    """`triton_decode_gemm.decode_gemm` through the custom op (traceable)."""
-    return torch.ops.vllm_mxplus.triton_decode_gemm(
-        x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, K, bias, out_dtype, block_size or 0
-    )
