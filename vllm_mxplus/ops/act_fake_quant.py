@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.formats import fake_quantize, get_format
-from vllm_mxplus.formats.e2m1 import E2M1_MAX
+from vllm_mxplus.formats.constants import (
+    E2M1_MAX,
+    FLOOR_MANTISSA,
+    FP32_MANTISSA_BITS,
+    OAS_MANTISSA,
+)
 
 FAST_FORMATS = ("mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s")
 
@@ -27,7 +32,8 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp_max(torch.round(v / step) * step, E2M1_MAX)
 
 
-_D_THRESHOLD = {"ocp": 0x7FFFFF + 1, "floor": 0x400000, "oas": 0x600000}  # d = [man > thr]
+# d = [fp32 mantissa bits of the block absmax > threshold]; ocp: never
+_D_THRESHOLD = {"ocp": 1 << FP32_MANTISSA_BITS, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
 
 
 def fast_fake_quantize(x: torch.Tensor, fmt: str, macro_block: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
 from vllm_mxplus.ops.library import op_name
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
 ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
 TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
-NVFP4_BLOCK = 16
 
 _lock = threading.Lock()
 _state: dict[str, str | None] = {"error": None, "loaded": None}
