@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_mxplus.checkpoint.safetensors_io import read_header, read_tensor  # noqa: E402
+from vllm_mxplus.platform_amx import cpu_model_name  # noqa: E402
 
 BASELINE, CANDIDATE = "mxfp4-mbs-s", "mxfp4-mbs"  # weight formats mxfp4-mbs-s / mxfp4-mbs-d
 LLAMA3_8B = {"hidden": 4096, "intermediate": 14336, "kv": 1024, "vocab": 128256}
@@ -69,14 +70,7 @@ print("RESULT", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name(platform.processor() or "?")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return (

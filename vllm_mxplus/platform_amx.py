@@ -60,6 +60,15 @@ def _read_cpuinfo() -> str:
         return ""
 
 
+def cpu_model_name(default: str) -> str:
+    """This CPU's model name from /proc/cpuinfo (for benchmark and report headers), else
+    `default`."""
+    for line in _read_cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return default
+
+
 def cpu_has_amx_tile(cpuinfo: str) -> bool:
     """Whether a /proc/cpuinfo text lists the `amx_tile` flag on a `flags` line."""
     for line in cpuinfo.splitlines():

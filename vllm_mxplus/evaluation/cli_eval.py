@@ -81,14 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def machine_line() -> str:
     import os
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from vllm_mxplus.platform_amx import cpu_model_name
+
+    cpu = cpu_model_name(platform.processor() or platform.machine())
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         mem_s = f", {mem:.0f} GiB RAM"
