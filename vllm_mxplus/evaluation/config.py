@@ -8,6 +8,7 @@ and the key at fault, so that a typo never costs a multi-hour run.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,20 +129,17 @@ class EvalConfig:
     source: Path | None = None
 
     def row(self, row_id: str) -> RowSpec:
-        for r in self.rows:
-            if r.id == row_id:
-                return r
-        raise ConfigError(
-            f"{self.source}: unknown row {row_id!r}; rows: {', '.join(r.id for r in self.rows)}"
-        )
+        return self._by_id(self.rows, row_id, "row")
 
     def model(self, model_id: str) -> ModelSpec:
-        for m in self.models:
-            if m.id == model_id:
-                return m
+        return self._by_id(self.models, model_id, "model")
+
+    def _by_id(self, entries: tuple[Any, ...], ident: str, what: str) -> Any:
+        for e in entries:
+            if e.id == ident:
+                return e
         raise ConfigError(
-            f"{self.source}: unknown model {model_id!r}; models: "
-            f"{', '.join(m.id for m in self.models)}"
+            f"{self.source}: unknown {what} {ident!r}; {what}s: {', '.join(e.id for e in entries)}"
         )
 
 
@@ -211,17 +209,31 @@ def _parse_models(raw: Any, where: str) -> tuple[ModelSpec, ...]:
     return tuple(out)
 
 
-def _parse_rows(raw: Any, where: str) -> tuple[RowSpec, ...]:
+def _unique_entries(
+    raw: Any, where: str, shape: str, keys: set[str], key: str, what: str, ident: bool
+) -> Iterator[tuple[str, dict, str]]:
+    """(where, entry, its `key` value) for each entry of raw, which must be a non-empty list
+    of mappings (`shape` in the message) with allowed keys `keys` and unique `key` values (a
+    file-naming identifier when `ident`)."""
     if not isinstance(raw, list) or not raw:
-        raise _fail(where, "must be a non-empty list of {id, label, quantization}")
-    out, seen = [], set()
+        raise _fail(where, f"must be a non-empty list of {shape}")
+    seen = set()
     for i, spec in enumerate(raw):
         w = f"{where}[{i}]"
-        _check_keys(spec, ROW_KEYS, w)
-        rid = _ident(_req(spec, "id", str, w), f"{w}.id")
-        if rid in seen:
-            raise _fail(f"{w}.id", f"duplicate row id {rid!r}")
-        seen.add(rid)
+        _check_keys(spec, keys, w)
+        value = _req(spec, key, str, w)
+        if ident:
+            _ident(value, f"{w}.{key}")
+        if value in seen:
+            raise _fail(f"{w}.{key}", f"duplicate {what} {value!r}")
+        seen.add(value)
+        yield w, spec, value
+
+
+def _parse_rows(raw: Any, where: str) -> tuple[RowSpec, ...]:
+    out = []
+    shape = "{id, label, quantization}"
+    for w, spec, rid in _unique_entries(raw, where, shape, ROW_KEYS, "id", "row id", True):
         if "quantization" not in spec:
             raise _fail(w, "missing required key 'quantization' (a scheme name, or null for bf16)")
         q = spec["quantization"]
@@ -238,16 +250,9 @@ def _parse_rows(raw: Any, where: str) -> tuple[RowSpec, ...]:
 
 
 def _parse_tasks(raw: Any, where: str) -> tuple[TaskSpec, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise _fail(where, "must be a non-empty list of {task, metric, kind, ...}")
-    out, seen = [], set()
-    for i, spec in enumerate(raw):
-        w = f"{where}[{i}]"
-        _check_keys(spec, TASK_KEYS, w)
-        name = _req(spec, "task", str, w)
-        if name in seen:
-            raise _fail(f"{w}.task", f"duplicate task {name!r}")
-        seen.add(name)
+    out = []
+    shape = "{task, metric, kind, ...}"
+    for w, spec, name in _unique_entries(raw, where, shape, TASK_KEYS, "task", "task", False):
         metric = _req(spec, "metric", str, w)
         if "," not in metric:
             raise _fail(
