@@ -1,4 +1,4 @@
-"""Quantize time per format on a 4096x4096 bf16 tensor on this CPU (issue: foundation).
+"""Quantize time per format on a 4096x4096 bf16 tensor on this CPU.
 
 Prints each format's time as a ratio to torch.clone of the same tensor and to mxfp4-mbs-s,
 all measured in the same run. Goal: exhaustive MBS-D within 10x of MBS-S.

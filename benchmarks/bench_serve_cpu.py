@@ -159,49 +159,27 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory()
     # the tiny random checkpoints are test fixtures (tests/integration/tiny_models.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-    if not args.no_tiny:
-        from tiny_models import build_tiny_llama
+    import tiny_models
 
-        models.append(("tiny-llama-256", str(build_tiny_llama(Path(tmp.name) / "tiny"))))
-    if args.moe:
-        from tiny_models import build_tiny_qwen3_moe
-
-        models.append(
-            (
-                "tiny-qwen3-moe-16x512",
-                str(
-                    build_tiny_qwen3_moe(
-                        Path(tmp.name) / "moe",
-                        hidden=512,
-                        moe_intermediate=512,
-                        layers=4,
-                        heads=8,
-                        kv_heads=4,
-                        experts=16,
-                        top_k=2,
-                    )
-                ),
-            )
-        )
-    if args.llama8b_shaped:
-        from vllm_mxplus.integration.tiny_model import build_tiny_llama
-
-        models.append(
-            (
-                "llama3-8b-shaped-2layer",
-                str(
-                    build_tiny_llama(
-                        Path(tmp.name) / "l8b",
-                        hidden=4096,
-                        intermediate=14336,
-                        layers=2,
-                        heads=32,
-                        kv_heads=8,
-                        init_std=0.02,
-                    )
-                ),
-            )
-        )
+    # (flag, name, builder, its options)
+    tiny = [
+        (not args.no_tiny, "tiny-llama-256", tiny_models.build_tiny_llama, {}),
+        (
+            args.moe,
+            "tiny-qwen3-moe-16x512",
+            tiny_models.build_tiny_qwen3_moe,
+            dict(hidden=512, moe_intermediate=512, layers=4, heads=8, kv_heads=4, experts=16),
+        ),
+        (
+            args.llama8b_shaped,
+            "llama3-8b-shaped-2layer",
+            tiny_models.build_tiny_llama,
+            dict(hidden=4096, intermediate=14336, layers=2, heads=32, kv_heads=8, init_std=0.02),
+        ),
+    ]
+    for wanted, name, build, options in tiny:
+        if wanted:
+            models.append((name, str(build(Path(tmp.name) / name, **options))))
     model = args.model or _smollm2_dir()
     if model:
         models.append((Path(model).name, model))

@@ -32,13 +32,20 @@ TASKS_DIR = HERE / "tasks"
 BIGBENCH_TASKS = ("disambiguation_qa", "hindu_knowledge", "phrase_relatedness")
 SEED = 1234
 
-PPL_YAML = """task: {name}
+# A task YAML: the local JSONL file, then the task kind's own lines.
+TASK_YAML = """task: {{name}}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {file}  # relative to this directory: `mxplus eval` runs lm-eval from here
+    test: {{file}}  # relative to this directory: `mxplus eval` runs lm-eval from here
 test_split: test
-output_type: loglikelihood_rolling
+{body}
+metadata:
+  version: 1.0
+  source: "{source}"
+"""
+PPL_YAML = TASK_YAML.format(
+    body="""output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 metric_list:
@@ -50,19 +57,11 @@ metric_list:
     higher_is_better: false
   - metric: bits_per_byte
     aggregation: bits_per_byte
-    higher_is_better: false
-metadata:
-  version: 1.0
-  source: "{source}"
-"""
-
-MC_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {file}  # relative to this directory: `mxplus eval` runs lm-eval from here
-test_split: test
-output_type: multiple_choice
+    higher_is_better: false""",
+    source="{source}",
+)
+MC_YAML = TASK_YAML.format(
+    body="""output_type: multiple_choice
 doc_to_text: "{{{{prompt}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{gold}}}}"
@@ -72,11 +71,9 @@ metric_list:
     higher_is_better: true
   - metric: acc_norm
     aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-  source: "BIG-bench 1.0.0 (PyPI sdist) benchmark_tasks/{bb}/task.json, Apache-2.0"
-"""
+    higher_is_better: true""",
+    source="BIG-bench 1.0.0 (PyPI sdist) benchmark_tasks/{bb}/task.json, Apache-2.0",
+)
 
 
 def sha256(path: Path) -> str:
