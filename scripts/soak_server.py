@@ -81,7 +81,26 @@ class Result:
     detail: str = ""
 
 
-def _free_port() -> int:
+def serve_command(
+    model: str,
+    quantization: str,
+    name: str,
+    port: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> list[str]:
+    """`vllm serve` of model on loopback, eager, bf16 (also the server of
+    tests/integration/test_vllm_server.py)."""
+    return [
+        *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model),
+        *("--quantization", quantization),
+        *("--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)),
+        *("--enforce-eager", "--max-model-len", str(max_model_len)),
+        *("--max-num-seqs", str(max_num_seqs), "--dtype", "bfloat16"),
+    ]
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -387,29 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out
         or REPO / "eval" / "results" / f"soak-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.md"
     )
-    port = _free_port()
-    server_cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        model,
-        "--quantization",
-        args.quantization,
-        "--served-model-name",
-        NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-num-seqs",
-        str(args.clients),
-        "--dtype",
-        "bfloat16",
-    ]
+    port = free_port()
+    server_cmd = serve_command(
+        model, args.quantization, NAME, port, args.max_model_len, args.clients
+    )
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -529,14 +529,9 @@ def _soak(
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    from vllm_mxplus.platform_amx import cpu_model_name
+
+    return cpu_model_name(platform.processor() or "unknown CPU")
 
 
 if __name__ == "__main__":

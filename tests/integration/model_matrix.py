@@ -4,7 +4,7 @@ One tiny random checkpoint per architecture of `tiny_models.ARCHS` (bf16 on disk
 by vLLM in fp32 with `--quantization mxfp4-mbs` (online) and from an `mxplus quantize`
 checkpoint (pre-quantized, no flag); every engine runs in ONE driver process (vllm_driver.py)
 because engine start-up dominates on a 2-core box. Each run is judged against the
-transformers fake-quant reference (hf_reference.py) with the rule of test_vllm_generate.py.
+transformers fake-quant reference (hf_reference.py) with the rule of `integration_harness.greedy_mismatch`.
 
 The results go to docs/model_matrix.json (committed); scripts/supported_models.py renders
 the README "Supported models" table from it.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integration_harness import run_driver
+from integration_harness import greedy_mismatch, run_driver
 from tiny_models import ARCHS, build_tiny, prequantize, word_ids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,6 @@ PROMPTS = [
     word_ids("one two three four five"),
 ]
 TOKENS = 12
-LOGPROB_ATOL = 1e-4  # nats: fp32 accumulation-order noise is ~1e-6 (test_vllm_generate.py)
 KINDS = ("online", "prequantized")
 
 # Architectures also served WITHOUT quantization and compared with unquantized transformers:
@@ -92,33 +91,14 @@ def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
 
 
 def judge(res: dict, ref: tuple[list[list[int]], list[list[float]]]) -> tuple[str, str]:
-    """("ok", "") or (status, reason). The rule of test_vllm_generate.py: tokens identical
-    and |dlogprob| <= LOGPROB_ATOL up to a rare 4-bit rounding flip, which may part at most
-    one prompt and never at the first token (a real bug breaks every prompt there)."""
+    """("ok", "") or (status, reason). The rule of `integration_harness.greedy_mismatch`:
+    tokens identical and |dlogprob| <= LOGPROB_ATOL up to a rare 4-bit rounding flip, which
+    may part at most one prompt and never at the first token (a real bug breaks every prompt
+    there)."""
     if res.get("error"):
         return _classify_error(res["error"]), _short(res["error"])
-    ref_tokens, ref_lps = ref
-    identical = 0
-    for i in range(len(PROMPTS)):
-        toks, lps = res["tokens"][i], res["logprobs"][i]
-        flip = next(
-            (
-                j
-                for j in range(TOKENS)
-                if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL
-            ),
-            TOKENS,
-        )
-        if flip == 0:
-            return "mismatch", (
-                f"prompt {i} differs at the first token: {toks[0]} vs "
-                f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs "
-                f"{ref_lps[i][0]:.6f}"
-            )
-        identical += flip == TOKENS
-    if identical < len(PROMPTS) - 1:
-        return "mismatch", f"only {identical}/{len(PROMPTS)} prompts token-identical"
-    return "ok", ""
+    why = greedy_mismatch(res, *ref, TOKENS)
+    return ("ok", "") if why is None else ("mismatch", why)
 
 
 def _classify_error(err: str) -> str:

@@ -12,13 +12,10 @@ plain bf16 generation tests.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
-from integration_harness import HERE, MAX_TOKENS, PROMPTS, gen_job, run_driver
+from integration_harness import MAX_TOKENS, PROMPTS, gen_job, run_driver
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,24 +30,6 @@ def _bf16_jobs(model: str) -> list[dict]:
     return jobs
 
 
-def _run_multiprocess(jobs: list[dict], workdir, env: dict) -> tuple[dict, str]:
-    """vllm_driver.py with vLLM's default multiprocess engine (run_driver forces it off)."""
-    env = {k: v for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    jobs_file, out_file, log_file = (workdir / n for n in ("jobs.json", "out.json", "log.txt"))
-    jobs_file.write_text(json.dumps(jobs))
-    with open(log_file, "w") as log:
-        subprocess.run(
-            [sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file), str(out_file)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-    results = json.loads(out_file.read_text()) if out_file.exists() else {}
-    return results, log_file.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def bf16_runs(tiny_models, tmp_path_factory, subprocess_env) -> dict[str, tuple[dict, str]]:
     model = tiny_models["tiny256"]  # hidden 256, 4 heads: head_dim 64, saved in bf16
@@ -59,7 +38,13 @@ def bf16_runs(tiny_models, tmp_path_factory, subprocess_env) -> dict[str, tuple[
         "in-process": run_driver(
             jobs, tmp_path_factory.mktemp("bf16-inproc"), subprocess_env, timeout=TIMEOUT_S
         ),
-        "multiprocess": _run_multiprocess(jobs, tmp_path_factory.mktemp("bf16-mp"), subprocess_env),
+        "multiprocess": run_driver(
+            jobs,
+            tmp_path_factory.mktemp("bf16-mp"),
+            subprocess_env,
+            timeout=TIMEOUT_S,
+            multiprocess=True,
+        ),
     }
 
 

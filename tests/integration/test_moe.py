@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from integration_harness import PROMPTS, gen_job, run_driver
+from integration_harness import PROMPTS, gen_job, greedy_mismatch, run_driver
 
 # Engines are the cost (2-core CI): the paper's format and the NVFP4 baseline online on
 # Qwen3-MoE, MBS on Mixtral, and one offline-quantizer checkpoint per tensor set that
@@ -20,7 +20,6 @@ from integration_harness import PROMPTS, gen_job, run_driver
 ONLINE = [("q3", "mxfp4-mbs"), ("q3", "nvfp4"), ("mx", "mxfp4-mbs")]
 PRE = [("q3", "mxfp4-mbs"), ("mx", "nvfp4")]
 MOE_TOKENS = 16
-LOGPROB_ATOL = 1e-4  # nats, as test_vllm_generate: fp32 accumulation-order noise is ~1e-6
 _HF: dict = {}
 
 
@@ -31,9 +30,9 @@ def _job(job_id: str, model: str, quantization, tp: int = 1) -> dict:
 def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
     """Greedy tokens identical to transformers + fake-quant experts and linears.
 
-    As in test_vllm_generate: a rare 4-bit rounding flip from accumulation-order noise may
-    part one prompt late; a real bug (wrong scale, misplaced expert / shard, wrong routing
-    weights) breaks every prompt at the first token.
+    The flip rule of `greedy_mismatch`: a rare 4-bit rounding flip from accumulation-order
+    noise may part one prompt late; a real bug (wrong scale, misplaced expert / shard, wrong
+    routing weights) breaks every prompt at the first token.
     """
     from hf_reference import hf_greedy
 
@@ -42,26 +41,8 @@ def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
     if key not in _HF:
         _HF[key] = hf_greedy(model_dir, scheme, PROMPTS, MOE_TOKENS)
     ref_tokens, ref_lps = _HF[key]
-    identical = 0
-    for i, prompt in enumerate(PROMPTS):
-        toks, lps = res["tokens"][i], res["logprobs"][i]
-        assert len(toks) == MOE_TOKENS
-        flip = next(
-            (
-                j
-                for j in range(MOE_TOKENS)
-                if toks[j] != ref_tokens[i][j] or abs(lps[j] - ref_lps[i][j]) > LOGPROB_ATOL
-            ),
-            MOE_TOKENS,
-        )
-        assert flip > 0, (
-            f"{scheme}: {prompt!r} differs at the first token: {toks[0]} vs "
-            f"{ref_tokens[i][0]}, logprob {lps[0]:.6f} vs {ref_lps[i][0]:.6f}"
-        )
-        identical += flip == MOE_TOKENS
-    assert identical >= len(PROMPTS) - 1, (
-        f"{scheme}: only {identical}/{len(PROMPTS)} prompts token-identical to the reference"
-    )
+    why = greedy_mismatch(res, ref_tokens, ref_lps, MOE_TOKENS)
+    assert why is None, f"{scheme}: {why}"
 
 
 def _build(root: Path) -> dict[str, str]:

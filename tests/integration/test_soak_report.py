@@ -3,17 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from integration_harness import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("soak_server", REPO / "scripts" / "soak_server.py")
-soak = importlib.util.module_from_spec(_spec)
-sys.modules["soak_server"] = soak  # dataclasses look their module up there
-_spec.loader.exec_module(soak)
+soak = load_script("soak_server")
 
 
 @pytest.mark.parametrize(

@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from integration_harness import load_script
 from tiny_models import POISON
 
 pytestmark = pytest.mark.vllm
 
 MODEL_NAME = "tiny-mxfp4-mbs"
 STARTUP_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body=None, timeout: float = 120.0, raw: bytes | None = None):
@@ -48,30 +41,10 @@ def _request(url: str, body=None, timeout: float = 120.0, raw: bytes | None = No
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory, subprocess_env):
-    port = _free_port()
+    soak = load_script("soak_server")
+    port = soak.free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        tiny_models["tiny256"],
-        "--quantization",
-        "mxfp4-mbs",
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--max-num-seqs",
-        "16",
-        "--dtype",
-        "bfloat16",
-    ]
+    cmd = soak.serve_command(tiny_models["tiny256"], "mxfp4-mbs", MODEL_NAME, port, 256, 16)
     log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=subprocess_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -357,39 +357,8 @@ def build_tiny_llama(
     )
 
 
-def build_tiny_qwen3_moe(
-    path: str | Path,
-    *,
-    hidden: int = 128,
-    moe_intermediate: int = 128,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    experts: int = 8,
-    top_k: int = 2,
-    **kw: Any,
-) -> Path:
-    """A random Qwen3MoeForCausalLM, every layer MoE, no shared expert; on disk
-    `mlp.experts.{e}.{gate,up,down}_proj.weight` per expert and the router `mlp.gate`."""
-    return build_tiny(
-        "qwen3_moe",
-        path,
-        layers=layers,
-        **_dense(
-            hidden,
-            2 * moe_intermediate,
-            heads,
-            kv_heads,
-            hidden // heads,
-            moe_intermediate_size=moe_intermediate,
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-        ),
-        **kw,
-    )
-
-
-def build_tiny_mixtral(
+def build_tiny_moe(
+    arch: str,
     path: str | Path,
     *,
     hidden: int = 128,
@@ -397,26 +366,36 @@ def build_tiny_mixtral(
     layers: int = 2,
     heads: int = 4,
     kv_heads: int = 2,
-    experts: int = 4,
+    experts: int = 8,
     top_k: int = 2,
     **kw: Any,
 ) -> Path:
-    """A random MixtralForCausalLM (`block_sparse_moe.experts.{e}.w1/w2/w3` on disk)."""
+    """A random MoE model of `arch` ("qwen3_moe" or "mixtral"), every layer MoE, experts of
+    width `intermediate` (see build_tiny for the other options)."""
+    if arch == "qwen3_moe":  # its dense MLP width (unused: every layer is MoE) is 2x
+        dense, moe = 2 * intermediate, dict(moe_intermediate_size=intermediate, num_experts=experts)
+    else:
+        dense, moe = intermediate, dict(num_local_experts=experts)
     return build_tiny(
-        "mixtral",
+        arch,
         path,
         layers=layers,
-        **_dense(
-            hidden,
-            intermediate,
-            heads,
-            kv_heads,
-            hidden // heads,
-            num_local_experts=experts,
-            num_experts_per_tok=top_k,
-        ),
+        **_dense(hidden, dense, heads, kv_heads, hidden // heads, num_experts_per_tok=top_k, **moe),
         **kw,
     )
+
+
+def build_tiny_qwen3_moe(
+    path: str | Path, *, moe_intermediate: int = 128, experts: int = 8, **kw: Any
+) -> Path:
+    """A random Qwen3MoeForCausalLM, no shared expert; on disk
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` per expert and the router `mlp.gate`."""
+    return build_tiny_moe("qwen3_moe", path, intermediate=moe_intermediate, experts=experts, **kw)
+
+
+def build_tiny_mixtral(path: str | Path, *, experts: int = 4, **kw: Any) -> Path:
+    """A random MixtralForCausalLM (`block_sparse_moe.experts.{e}.w1/w2/w3` on disk)."""
+    return build_tiny_moe("mixtral", path, experts=experts, **kw)
 
 
 def prequantize(src: str | Path, dst: str | Path, scheme: str, ignore: Iterable[str] = ()) -> Path:
