@@ -52,8 +52,40 @@ inline __m256 scaled_term(__m256 acc, __m256i iacc, __m256i ew, float ea) {
   return _mm256_load_ps(av);
 }
 
-// y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block.
-template <int MT, int GPB, bool MBS>
+// MX+ weight block maxima of one block for 8 tile rows (WeightTiles::bm): byte-shuffle
+// selectors that put x[index] into byte 1 of each 32-bit lane (x * 256 as its low int16),
+// one for indices 0..15 and one for 16..31, and the 2 * values as int16 in the low halves.
+struct BlockMax8 {
+  __m256i sel_lo, sel_hi, w16;
+};
+
+inline BlockMax8 block_max8(const uint8_t* p) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i zero_bytes = _mm256_set1_epi32(static_cast<int>(0x80808080u));  // vpshufb: 0
+  const __m256i sel = _mm256_or_si256(_mm256_slli_epi32(idx, 8),
+                                      _mm256_set1_epi32(static_cast<int>(0x80800080u)));
+  const __m256i hi = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(15));
+  const __m256i w = _mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileN)));
+  return {_mm256_or_si256(sel, _mm256_and_si256(hi, zero_bytes)),
+          _mm256_or_si256(sel, _mm256_andnot_si256(hi, zero_bytes)),
+          _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF))};
+}
+
+// iacc + x[index] * (2 * value) per lane, x the 32 activation codes of the block: exact
+// ((x * 256) * w fits int32 and is a multiple of 256).
+inline __m256i block_max_term(__m256i iacc, const BlockMax8& bm, const int8_t* x) {
+  const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i xh =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+  const __m256i g = _mm256_or_si256(_mm256_shuffle_epi8(xl, bm.sel_lo),
+                                    _mm256_shuffle_epi8(xh, bm.sel_hi));
+  return _mm256_add_epi32(iacc, _mm256_srai_epi32(_mm256_madd_epi16(g, bm.w16), 8));
+}
+
+// y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block; BM: MX+
+// block maxima (GPB = 2).
+template <int MT, int GPB, bool MBS, bool BM>
 void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
                int64_t m0, float* y, const float* bias) {
   const __m256i lut = _mm256_broadcastsi128_si256(
@@ -88,6 +120,11 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
           for (int q = 0; q < 4; ++q)
             iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
         }
+      }
+      if constexpr (BM) {
+        const BlockMax8 bm = block_max8(w.bm + (t * w.nb + b) * 2 * kTileN + 8 * h);
+        for (int m = 0; m < MT; ++m)
+          iacc[m] = block_max_term(iacc[m], bm, a.codes + (m0 + m) * a.kp + b * 32);
       }
       for (int m = 0; m < MT; ++m) acc[m] = scaled_term(acc[m], iacc[m], ew, a.ea[(m0 + m) * a.nb + b]);
     }
