@@ -269,7 +269,9 @@ def test_empty_rows_and_bad_inputs(ck):
     with pytest.raises(RuntimeError, match="packed block maxima"):
         ck.mxplus_linear_packed(torch.randn(2, 64), 8, 64, wc, ws, ws, None, torch.float32)
     with pytest.raises(RuntimeError, match="bias has 3 elements"):
-        ck.mxplus_linear_packed(torch.randn(2, 64), 8, 64, wc, ws, wbm, torch.ones(3), torch.float32)
+        ck.mxplus_linear_packed(
+            torch.randn(2, 64), 8, 64, wc, ws, wbm, torch.ones(3), torch.float32
+        )
     bad = q.block_max_index.clone()
     bad[1, 1] = 40
     with pytest.raises(RuntimeError, match="block_max_index 40 at row 1, block 1"):

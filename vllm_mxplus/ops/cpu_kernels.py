@@ -43,13 +43,13 @@ import torch
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
-from vllm_mxplus.ops.library import op_name
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
-    CSRC / f for f in ("mx_quant_cpu.cpp", "mx_gemm_cpu.cpp", "mx_nvfp4_cpu.cpp", "mx_mxplus_cpu.cpp")
+    CSRC / f
+    for f in ("mx_quant_cpu.cpp", "mx_gemm_cpu.cpp", "mx_nvfp4_cpu.cpp", "mx_mxplus_cpu.cpp")
 )
 HEADERS = tuple(
     CSRC / h

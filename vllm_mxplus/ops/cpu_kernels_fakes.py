@@ -84,4 +84,3 @@ def register_fakes() -> None:
     @torch.library.register_fake(op_name("cpu_mxplus_linear"))
     def _(x, wcodes, wscales, wbm, n, k, bias, out_dtype):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
-
