@@ -10,9 +10,9 @@ u = 2^-24, n_b blocks and n_c MBS chunks in K (n_c = 1 without MBS),
 (plus one rounding to a bf16 / fp16 output). Block sums are exact integers; the 2u covers the
 spec's two fp32 divisions by F that the integer path does not make, the rest the fp32
 additions, the one division per chunk, second-order terms and the roundings below fp32's
-normal range. A wrong
-code, scale or MBS byte moves the terms it touches by at least 2^-9 of themselves, far above
-the bound; outputs whose float64 value exceeds fp32's range must be +-Inf or NaN.
+normal range. A wrong code, scale or MBS byte moves the terms it touches by at least 2^-9 of
+themselves, far above the bound; outputs beyond fp32's range must be +-Inf or NaN. The builds
+for other instruction sets: tests/ops/test_cpu_isa.py.
 """
 
 from __future__ import annotations
