@@ -3,6 +3,7 @@ F.linear (and, with --reference, the pure-torch reference backend), in one run.
 
     python benchmarks/bench_cpu_linear.py [--scheme mxfp4-mbs] [--model smollm2|llama8b|all]
                                           [--m 1,4,16,64,256,1024] [--threads N] [--reference]
+                                          [--min-iters 5] [--min-time 0.3]
 
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
@@ -94,6 +95,10 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2", choices=[*SHAPES, "all"])
     ap.add_argument("--m", default="1,4,16,64,256,1024", help="comma-separated row counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--min-iters", type=int, default=5, help="timed calls per backend, at least")
+    ap.add_argument(
+        "--min-time", type=float, default=0.3, help="seconds per backend per row, at least"
+    )
     ap.add_argument(
         "--warm",
         action="store_true",
@@ -159,7 +164,7 @@ def main() -> int:
                 ]
                 if args.reference:
                     fns.append(lambda: ref.apply(ref_layer, x, None, spec))
-                t_b, t_p, *t_r = _medians_us(fns, cold)
+                t_b, t_p, *t_r = _medians_us(fns, cold, args.min_time, args.min_iters)
                 t_r = t_r[0] if t_r else float("nan")
                 tot["bf16"] += t_b
                 tot["ref"] += t_r
@@ -177,7 +182,14 @@ def main() -> int:
     print(
         "rerun: python benchmarks/bench_cpu_linear.py "
         + " ".join(
-            f"--{a} {v}" for a, v in (("scheme", args.scheme), ("model", args.model), ("m", args.m))
+            f"--{a} {v}"
+            for a, v in (
+                ("scheme", args.scheme),
+                ("model", args.model),
+                ("m", args.m),
+                ("min-iters", args.min_iters),
+                ("min-time", args.min_time),
+            )
         )
         + (f" --threads {args.threads}" if args.threads else "")
         + (" --reference" if args.reference else "")

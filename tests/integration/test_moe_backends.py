@@ -73,10 +73,10 @@ def test_import_failure_is_a_rejection(registry, caplog):
 
 @pytest.mark.parametrize(
     "w,a,ok",
-    [("mxfp4-mbs-d", "mxfp4-mbs-s", True), ("nvfp4", "nvfp4", False), ("mxplus", "mxplus", False)],
+    [("mxfp4-mbs-d", "mxfp4-mbs-s", True), ("nvfp4", "nvfp4", False), ("mxplus", "mxplus", True)],
     ids=["mbs", "nvfp4", "mxplus"],
 )
-def test_cpu_packed_takes_the_e8m0_pairs_only(w, a, ok):
+def test_cpu_packed_takes_the_e8m0_pairs_and_mxplus(w, a, ok):
     got, why = CpuPackedExperts.can_implement(_spec(w=w, a=a))
     assert got is ok
     assert ok or f"no CPU kernel for weights {w}" in why

@@ -22,7 +22,7 @@ def test_kernels_check(capsys):
     out = capsys.readouterr().out
     assert "CPU kernels: " in out and "mxplus_cpu_" in out
     assert "mxfp4-mbs      -> cpu-packed" in out and "nvfp4          -> cpu-packed" in out
-    assert "mxplus         -> reference" in out
+    assert "mxplus         -> cpu-packed" in out
     assert "self-test: bit-exact, linear within bound" in out
 
 

@@ -1,6 +1,7 @@
-"""The cpu-packed backend in the dispatch: chosen on CPU for the E8M0 schemes, the reference
-for NVFP4 / MX+ (with the reason), only packed uint8 weight bytes on the layer, and the same
-numbers as the reference backend within the integer GEMM's bound (csrc/mx_gemm_cpu.cpp)."""
+"""The cpu-packed backend in the dispatch: chosen alone on CPU for every scheme (E8M0, NVFP4,
+MX+), the reference when the kernels are disabled or fail to build (with the reason), only
+packed uint8 weight bytes on the layer, and the same numbers as the reference backend within
+the integer GEMM's bounds (csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from vllm_mxplus.ops.reference import WEIGHT_ATTR, ReferenceBackend
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
 E8M0_SCHEMES = ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "mxfp4-mbs"]
-PACKED_SCHEMES = E8M0_SCHEMES + ["nvfp4"]
+PACKED_SCHEMES = E8M0_SCHEMES + ["nvfp4", "mxplus"]
 
 
 @pytest.fixture
@@ -36,13 +37,10 @@ def test_chosen_alone_for_e8m0_schemes(scheme, fresh_log, caplog):
     assert caplog.records[0].getMessage().endswith("backends cpu-packed")
 
 
-@pytest.mark.parametrize("scheme", ["mxplus"])
-def test_reference_for_other_formats_with_reason(scheme, fresh_log, caplog):
-    caplog.set_level(logging.INFO, logger="vllm_mxplus.ops.dispatch")
-    chosen = select(LinearSpec(scheme=scheme, n=8, k=64, out_dtype=torch.bfloat16), "cpu", None)
-    assert [b.name for b in chosen] == ["reference"]
-    msg = caplog.records[0].getMessage()
-    assert "falling back to the reference" in msg and "no CPU kernel for weights" in msg
+def test_every_scheme_is_packed():
+    from vllm_mxplus.formats.schemes import SCHEMES
+
+    assert set(PACKED_SCHEMES) == set(SCHEMES)  # no scheme keeps an fp32 weight on CPU
 
 
 def test_disabled_kernels_fall_back_with_reason(monkeypatch, fresh_log, caplog):
@@ -83,11 +81,10 @@ def test_same_numbers_as_reference_backend(scheme, m):
     assert not hasattr(layer, WEIGHT_ATTR)  # no fp32 copy kept
     held = dict(layer.named_buffers())
     rows = -(-n // 16) * 16  # rows padded to whole 16-row tiles
-    # packed bytes only (NVFP4: plus one fp32 global scale per row)
+    # packed bytes only (NVFP4: plus one fp32 global scale per row; MX+: 2 bytes per 32-block)
     assert held and all(t.dtype == torch.uint8 or t.numel() <= rows for t in held.values())
-    assert sum(t.numel() * t.element_size() for t in held.values()) <= rows * (
-        k / 2 + k / 16 + k / 128 + 4
-    )
+    extra = 3 * k / 32 if scheme == "mxplus" else k / 16 + k / 128 + 4
+    assert sum(t.numel() * t.element_size() for t in held.values()) <= rows * (k / 2 + extra)
     y = d.apply(layer, x, bias)
     ref_layer = torch.nn.Module()
     ReferenceBackend().process_weights_after_loading(ref_layer, q, spec)

@@ -14,7 +14,9 @@ from vllm_mxplus.ops.moe_reference import moe_experts_reference
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
 
-@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp"])
+@pytest.mark.parametrize(
+    "scheme", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "mxplus"]
+)
 @pytest.mark.parametrize("m", [1, 3, 40], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
 def test_packed_experts_match_reference(scheme, m, with_map):
@@ -50,14 +52,16 @@ def test_packed_experts_match_reference(scheme, m, with_map):
     )
 
     def packed(q, n):
+        def local_rows(t):
+            return None if t is None else t.reshape(e, n, -1)[local].reshape(len(local) * n, -1)
+
         sub = type(q)(
             codes=q.codes.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
             scales=q.scales.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
             fmt=q.fmt,
             shape=torch.Size((len(local) * n, q.shape[-1])),
-            mbs=None
-            if q.mbs is None
-            else q.mbs.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
+            mbs=local_rows(q.mbs),
+            block_max_index=local_rows(q.block_max_index),
         )
         return PackedExperts.from_rows(sub, len(local), s.activation_format, 128)
 

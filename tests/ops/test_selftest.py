@@ -255,7 +255,9 @@ def cpu_packed():
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-@pytest.mark.parametrize("scheme", ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs"])
+@pytest.mark.parametrize(
+    "scheme", ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs", "mxplus"]
+)
 def test_real_cpu_kernels_pass(cpu_packed, scheme, dtype):
     assert run_self_test(cpu_packed, _spec(dtype, scheme), CPU) is None
 

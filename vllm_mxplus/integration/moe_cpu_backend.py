@@ -1,7 +1,7 @@
 """The expert backends that exist today: packed C++ experts on the CPU, and the reference.
 
-- `cpu-packed`: E8M0 formats on the CPU; every expert stays packed (~0.57 bytes per weight)
-  and each expert GEMM runs the C++ kernels (`ops.moe_cpu`).
+- `cpu-packed`: E8M0 formats and MX+ on the CPU; every expert stays packed (~0.57 bytes per
+  weight, MX+ ~0.59) and each expert GEMM runs the C++ kernels (`ops.moe_cpu`).
 - `reference`: any format, any device; experts dequantized once to fp32, activations
   fake-quantized per token before each expert GEMM (`ops.moe_reference`). Correct everywhere,
   slow on a GPU.
@@ -41,6 +41,8 @@ class CpuPackedExperts(ExpertBackend):
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
         from vllm_mxplus.ops.backend import check_e8m0_pair
 
+        if (spec.weight_format, spec.activation_format) == ("mxplus", "mxplus"):
+            return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
     def process_weights_after_loading(

@@ -65,7 +65,11 @@ def _self_test() -> list[str]:
 
     bad = []
     g = torch.Generator().manual_seed(0)
-    for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
+    for wf, af in (
+        ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+        ("mxfp4-ocp", "mxfp4-ocp"),
+        ("mxplus", "mxplus"),
+    ):
         w = torch.randn(64, 576, generator=g) * 0.05
         x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
         q = quantize(w, wf)
@@ -75,7 +79,7 @@ def _self_test() -> list[str]:
         ):
             bad.append(f"activation fake-quant {af}")
         w_hat = q.dequantize()
-        if not torch.equal(
+        if wf != "mxplus" and not torch.equal(
             cpu_kernels.dequant_weight(q.codes, q.scales, q.mbs, 576, wf).view(torch.int32),
             w_hat.view(torch.int32),
         ):
@@ -83,8 +87,14 @@ def _self_test() -> list[str]:
         ref = xq.double() @ w_hat.double().T
         bound = 2.0**-16 * (xq.abs().double() @ w_hat.abs().double().T)
         for m in (1, 5):
-            y = cpu_kernels.mx_linear(
-                x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32
+            y = (
+                cpu_kernels.mxplus_linear_packed(
+                    x[:m], 64, 576, *cpu_kernels.pack_mxplus(q), None, torch.float32
+                )
+                if wf == "mxplus"
+                else cpu_kernels.mx_linear(
+                    x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32
+                )
             )
             if not bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()):
                 bad.append(f"linear {wf} x {af}, M={m}")

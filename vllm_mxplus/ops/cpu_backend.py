@@ -2,7 +2,7 @@
 
 The layer keeps the checkpoint's packed bytes re-ordered into 16-row tiles (codes, E8M0
 scales, MBS bytes: ~0.57 bytes per weight instead of the reference backend's 4-byte fp32
-copy; no fp32 weight exists at any time). Each call quantizes the activation rows once in C++
+copy; MX+ ~0.59 with its block maxima; no fp32 weight exists at any time, for any scheme). Each call quantizes the activation rows once in C++
 (codes bit-exact with `formats`) and runs one integer-dot-product GEMM for every M: exact
 int32 block sums, power-of-two block scales, the MBS factors once per 128-element chunk, fp32
 accumulation across blocks. Its error bound against the float64 product of the reference
@@ -10,8 +10,9 @@ backend's values is in csrc/mx_gemm_cpu.cpp (docs/numerics.md, "Kernel numerics 
 bounds").
 
 Formats it takes: the E8M0 family with or without MBS (mxfp4-ocp, mxfp4-16, mxfp4-16-oas,
-mxfp4-mbs-s, mxfp4-mbs-d weights) and NVFP4 (E4M3 block scales, per-row / per-tensor global
-scales: csrc/mx_nvfp4_cpu.cpp). MX+ falls back to the reference backend.
+mxfp4-mbs-s, mxfp4-mbs-d weights), NVFP4 (E4M3 block scales, per-row / per-tensor global
+scales: csrc/mx_nvfp4_cpu.cpp) and MX+ (block maxima as exact extra integer terms:
+csrc/mx_mxplus_cpu.cpp): every scheme.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from vllm_mxplus.ops.backend import (
     set_packed_buffers,
 )
 
-# codes, scales, and the MBS bytes (E8M0 formats) or the fp32 global scales (NVFP4)
+# codes, scales, and the MBS bytes (E8M0 formats), the fp32 global scales (NVFP4) or the
+# block maxima (MX+)
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
 NVFP4_PAIR = ("nvfp4", "nvfp4")
+MXPLUS_PAIR = ("mxplus", "mxplus")
 
 
 class CpuPackedBackend(LinearBackend):
@@ -45,14 +48,14 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        if (spec.weight_format, spec.activation_format) == NVFP4_PAIR:
+        if (spec.weight_format, spec.activation_format) in (NVFP4_PAIR, MXPLUS_PAIR):
             return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
     def process_weights_after_loading(
         self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
     ) -> None:
-        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_nvfp4, pack_weight
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_nvfp4, pack_weight
 
         if qweight.codes.dim() != 2:
             raise ValueError(
@@ -61,6 +64,10 @@ class CpuPackedBackend(LinearBackend):
         if qweight.fmt == "nvfp4":
             set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
             layer.mxplus_cpu_args = ("nvfp4", qweight.codes.shape[0], spec.k)
+            return
+        if qweight.fmt == "mxplus":
+            set_packed_buffers(layer, ATTRS, pack_mxplus(qweight))  # codes, E8M0, block maxima
+            layer.mxplus_cpu_args = ("mxplus", qweight.codes.shape[0], spec.k)
             return
         packed = pack_weight(
             qweight.codes, qweight.scales, qweight.mbs, spec.k, spec.weight_format, spec.macro_block
@@ -83,7 +90,11 @@ class CpuPackedBackend(LinearBackend):
         spec: LinearSpec,
         act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import linear_packed, nvfp4_linear_packed
+        from vllm_mxplus.ops.cpu_kernels import (
+            linear_packed,
+            mxplus_linear_packed,
+            nvfp4_linear_packed,
+        )
 
         args = layer.mxplus_cpu_args
         if args[0] == "nvfp4":
@@ -97,6 +108,17 @@ class CpuPackedBackend(LinearBackend):
                 bias,
                 spec.out_dtype,
                 act_global_scale,
+            )
+        if args[0] == "mxplus":
+            return mxplus_linear_packed(
+                x,
+                args[1],
+                args[2],
+                layer.mxplus_cpu_codes,
+                layer.mxplus_cpu_scales,
+                layer.mxplus_cpu_mbs,
+                bias,
+                spec.out_dtype,
             )
         return linear_packed(
             x,

@@ -7,8 +7,8 @@
                                   *packed, bias, torch.bfloat16)
 
 The library is compiled with the host C++ compiler for this CPU (-march=native: AVX-512 with
-VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable C++) through
-torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
+VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable
+C++) through torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
 VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the sources, the flags, torch's version and this
 CPU's feature flags, so a cache shared between different machines never runs code built for
 another CPU. VLLM_MXPLUS_CPU_MARCH=x86-64-v3 (say) builds for another target instead of
@@ -21,8 +21,11 @@ Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile)
   cpu_dequant_weight(codes, scales, mbs, k, block, macro) -> fp32 [N, K], = dequantize()
   cpu_pack_weight(codes, scales, mbs, k, block, macro)  -> the GEMM's 16-row tile layout
   cpu_mx_linear(x, ..., packed weight, n, k, ...)        -> integer-dot-product W4A4 linear
-The numerics and the error bound of cpu_mx_linear: csrc/mx_gemm_cpu.cpp (docs/numerics.md,
-"Kernel numerics and error bounds").
+  cpu_nvfp4_act_quant / cpu_nvfp4_linear                 -> NVFP4 (csrc/mx_nvfp4_cpu.cpp)
+  cpu_mxplus_pack_weight / cpu_mxplus_linear             -> MX+ (csrc/mx_mxplus_cpu.cpp); its
+      activations are cpu_act_quant / cpu_act_fake_quant with rule MXPLUS_RULE
+The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
+(docs/numerics.md, "Kernel numerics and error bounds").
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ import torch
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
-from vllm_mxplus.ops.library import op_name
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "mx_quant_cpu.cpp", CSRC / "mx_gemm_cpu.cpp", CSRC / "mx_nvfp4_cpu.cpp")
+SOURCES = tuple(
+    CSRC / f
+    for f in ("mx_quant_cpu.cpp", "mx_gemm_cpu.cpp", "mx_nvfp4_cpu.cpp", "mx_mxplus_cpu.cpp")
+)
 HEADERS = tuple(
     CSRC / h
     for h in (
@@ -63,6 +68,7 @@ LDFLAGS = ["-fopenmp"]
 ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
 ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
+MXPLUS_RULE = 3  # `ocp` block 32 with the MX+ block max (csrc/mx_quant_cpu.cpp)
 TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
 
 _lock = threading.Lock()
@@ -162,70 +168,9 @@ def _build_and_load() -> None:
     )
     if fresh:
         logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
-    _register_fakes()
+    from vllm_mxplus.ops.cpu_kernels_fakes import register_fakes
 
-
-def _register_fakes() -> None:
-    """Shape-only implementations so torch.compile / FakeTensor tracing can use the ops."""
-
-    @torch.library.register_fake(op_name("cpu_act_fake_quant"))
-    def _(x, block, rule, mbs, macro):
-        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
-
-    @torch.library.register_fake(op_name("cpu_act_quant"))
-    def _(x, block, rule, mbs, macro):
-        k = x.shape[-1]
-        m = x.numel() // k
-        return (
-            x.new_empty((m, k), dtype=torch.int8),
-            x.new_empty((m, ceil_div(k, block)), dtype=torch.uint8),
-            x.new_empty((m, ceil_div(k, macro) if mbs else 0), dtype=torch.uint8),
-        )
-
-    @torch.library.register_fake(op_name("cpu_dequant_weight"))
-    def _(codes, scales, mbs, k, block, macro):
-        return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
-
-    @torch.library.register_fake(op_name("cpu_pack_weight"))
-    def _(codes, scales, mbs, k, block, macro):
-        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
-        return (
-            codes.new_empty((nt, nb * block // 2 * TILE_N)),
-            codes.new_empty((nt, nb * TILE_N)),
-            codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)),
-        )
-
-    @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
-    def _(x):
-        k = x.shape[-1]
-        m = x.numel() // k
-        return (
-            x.new_empty((m, k), dtype=torch.int8),
-            x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
-            x.new_empty((m,), dtype=torch.float32),
-        )
-
-    @torch.library.register_fake(op_name("cpu_nvfp4_linear"))
-    def _(x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype):
-        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
-
-    @torch.library.register_fake(op_name("cpu_mx_linear"))
-    def _(
-        x,
-        act_block,
-        act_rule,
-        act_mbs,
-        macro,
-        wcodes,
-        wscales,
-        wmbs,
-        n,
-        k,
-        w_block,
-        bias,
-        out_dtype,
-    ):
-        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+    register_fakes()
 
 
 def _require() -> None:
@@ -236,7 +181,9 @@ def _require() -> None:
 
 def _act_args(fmt: str) -> tuple[int, int, bool]:
     spec = get_format(fmt)
-    if spec.scale_rule not in RULE_IDS or spec.block_max_mantissa or spec.mbs == "dynamic":
+    if spec.block_max_mantissa:
+        return spec.block_size, MXPLUS_RULE, False
+    if spec.scale_rule not in RULE_IDS or spec.mbs == "dynamic":
         raise ValueError(f"the CPU kernels do not quantize activations as {fmt!r}")
     return spec.block_size, RULE_IDS[spec.scale_rule], spec.mbs == "static"
 
@@ -379,6 +326,32 @@ def nvfp4_linear_packed(
     return torch.ops.vllm_mxplus.cpu_nvfp4_linear(
         x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype
     )
+
+
+def pack_mxplus(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MX+ weight [N, K] in the GEMM's 16-row tiles: (codes with each block max as code 0,
+    E8M0 scales, block maxima: index and 2 * value per row and block), csrc/mx_mxplus_cpu.cpp."""
+    _require()
+    if q.fmt != "mxplus" or q.codes.dim() != 2:
+        raise ValueError(f"pack_mxplus takes a 2-D mxplus weight, got {q.fmt} {tuple(q.shape)}")
+    return torch.ops.vllm_mxplus.cpu_mxplus_pack_weight(
+        q.codes, q.scales, q._field("block_max_index"), q.shape[-1]
+    )
+
+
+def mxplus_linear_packed(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wbm: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """MX+ W4A4 on integer dot products with `pack_mxplus` tensors: x's rows quantized to MX+
+    once (codes bit-exact with formats), block maxima as exact extra terms of the int32 sums."""
+    return torch.ops.vllm_mxplus.cpu_mxplus_linear(x, wcodes, wscales, wbm, n, k, bias, out_dtype)
 
 
 def mx_linear(

@@ -1,12 +1,13 @@
-"""Routed experts on the CPU with the packed C++ kernels (E8M0 formats, `cpu_kernels`).
+"""Routed experts on the CPU with the packed C++ kernels (E8M0 formats and MX+, `cpu_kernels`).
 
 The same computation and order as `moe_experts_reference` (routing, the gated activation in
 the model dtype, the weighted fp32 sum over sorted experts); each expert GEMM is
 `vllm_mxplus::cpu_mx_linear` on that expert's packed weight, which quantizes the rows it is
 given (per row, so per-expert quantization equals quantizing all rows at once) and multiplies
 with integer dot products (the same values as the reference up to the bound of
-csrc/mx_gemm_cpu.cpp). Experts stay packed (~0.57 bytes per weight instead of the
-reference's 4-byte fp32 copy), in the 16-row tiles of `cpu_kernels.pack_weight`.
+csrc/mx_gemm_cpu.cpp; MX+: `cpu_mxplus_linear`, csrc/mx_mxplus_cpu.cpp). Experts stay packed
+(~0.57 bytes per weight, MX+ ~0.59, instead of the reference's 4-byte fp32 copy), in the
+16-row tiles of `cpu_kernels.pack_weight` / `pack_mxplus`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class PackedExperts:
 
     codes: torch.Tensor  # uint8 [E, ceil(N/16), ...]
     scales: torch.Tensor  # uint8 [E, ceil(N/16), ...]
-    mbs: torch.Tensor  # uint8 [E, ceil(N/16), ...] or [E, 0, ...]
-    args: tuple  # cpu_kernels.linear_args(...)
+    mbs: torch.Tensor  # uint8 [E, ceil(N/16), ...] or [E, 0, ...]; MX+: the block maxima
+    args: tuple  # cpu_kernels.linear_args(...), or ("mxplus", N, K)
     n: int  # rows per expert
 
     @classmethod
@@ -37,7 +38,7 @@ class PackedExperts:
         cls, q: QuantizedTensor, experts: int, activation_format: str, macro_block: int
     ) -> PackedExperts:
         """From a QuantizedTensor of all experts' rows [E*N, K]."""
-        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_weight
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_weight
 
         n = q.shape[0] // experts
         k = q.shape[-1]
@@ -45,16 +46,39 @@ class PackedExperts:
         def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
             return None if t is None else t[e * n : (e + 1) * n]
 
-        packed = [
-            pack_weight(rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt, macro_block)
-            for e in range(experts)
-        ]
+        if q.fmt == "mxplus":
+            packed = [
+                pack_mxplus(
+                    QuantizedTensor(
+                        codes=rows(q.codes, e),
+                        scales=rows(q.scales, e),
+                        fmt=q.fmt,
+                        shape=torch.Size((n, k)),
+                        block_max_index=rows(q.block_max_index, e),
+                    )
+                )
+                for e in range(experts)
+            ]
+            args: tuple = ("mxplus", n, k)
+        else:
+            packed = [
+                pack_weight(
+                    rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt, macro_block
+                )
+                for e in range(experts)
+            ]
+            args = linear_args(q.fmt, activation_format, n, k, macro_block)
         codes, scales, mbs = (torch.stack([p[i] for p in packed]) for i in range(3))
-        return cls(codes, scales, mbs, linear_args(q.fmt, activation_format, n, k, macro_block), n)
+        return cls(codes, scales, mbs, args, n)
 
     def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import linear_packed
+        from vllm_mxplus.ops.cpu_kernels import linear_packed, mxplus_linear_packed
 
+        if self.args[0] == "mxplus":
+            _, n, k = self.args
+            return mxplus_linear_packed(
+                x, n, k, self.codes[e], self.scales[e], self.mbs[e], None, out_dtype
+            )
         return linear_packed(
             x, self.args, self.codes[e], self.scales[e], self.mbs[e], None, out_dtype
         )

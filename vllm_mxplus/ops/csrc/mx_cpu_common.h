@@ -19,7 +19,8 @@
 
 namespace mxplus_cpu {
 
-constexpr int kRuleOcp = 0, kRuleFloor = 1, kRuleOas = 2;  // cpu_kernels.RULE_IDS
+// cpu_kernels.RULE_IDS; kRuleMxplus: `ocp` block 32, the block max keeps 3 mantissa bits
+constexpr int kRuleOcp = 0, kRuleFloor = 1, kRuleOas = 2, kRuleMxplus = 3;
 constexpr int kE8m0Nan = 255;                               // E8M0_NAN
 constexpr int kE8m0Bias = 127;                              // E8M0_BIAS
 constexpr uint32_t kFloorMantissa = 0x400000;               // FLOOR_MANTISSA
@@ -109,14 +110,16 @@ inline float nan_absmax(const float* v, int64_t n) {
 inline void check_rule(int64_t block, int64_t rule, bool mbs, int64_t macro) {
   TORCH_CHECK(block == 16 || block == 32, "mxplus CPU kernels: block size must be 16 or 32, got ",
               block);
-  TORCH_CHECK(rule >= kRuleOcp && rule <= kRuleOas, "mxplus CPU kernels: unknown scale rule ",
+  TORCH_CHECK(rule >= kRuleOcp && rule <= kRuleMxplus, "mxplus CPU kernels: unknown scale rule ",
               rule);
+  TORCH_CHECK(rule != kRuleMxplus || (block == 32 && !mbs),
+              "mxplus CPU kernels: MX+ takes block 32 without MBS");
   TORCH_CHECK(!mbs || (macro > 0 && macro % block == 0), "mxplus CPU kernels: macro block ",
               macro, " must be a positive multiple of ", block);
 }
 
 // Whether value(code) * 2^(scale - 127) overflows fp32 (to +-Inf in the spec: E8M0 codes 253
-// and 254 with |value| >= 4 and >= 2). `twice` = 2 * |value|.
+// and 254 with |value| >= 4 and >= 2). `twice` = 2 * |value| (MX+ block max: 8 .. 15).
 inline bool overflows(int scale, int twice) {
   return (scale == 254 && twice >= 4) || (scale == 253 && twice >= 8);
 }

@@ -52,59 +52,61 @@ using namespace gemm_detail;
 
 #ifdef MXPLUS_AVX512
 // Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t.
-template <int MT, int NTP, bool MBS>
+template <int MT, int NTP, bool MBS, bool BM>
 void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
                int64_t mt, float* y, const float* bias) {
   if constexpr (MT > 1) {
-    if (mt < MT) return tile_rows<MT - 1, NTP, MBS>(w, a, s, t, m0, mt, y, bias);
+    if (mt < MT) return tile_rows<MT - 1, NTP, MBS, BM>(w, a, s, t, m0, mt, y, bias);
   }
-  if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS>(w, a, s, t, m0, y, bias);
-  else tile_avx512<MT, NTP, 2, MBS>(w, a, s, t, m0, y, bias);
+  if constexpr (BM) tile_avx512<MT, NTP, 2, false, true>(w, a, s, t, m0, y, bias);
+  else if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS, false>(w, a, s, t, m0, y, bias);
+  else tile_avx512<MT, NTP, 2, MBS, false>(w, a, s, t, m0, y, bias);
 }
 
 // Pairs of weight tiles share each activation broadcast (half the loads per product); an odd
 // last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8.
-template <bool MBS>
+template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias) {
   for (int64_t mm = m0; mm < m0 + mt; mm += 4) {
     int64_t tt = t;
     for (; tt + 2 <= tend; tt += 2)
-      tile_rows<4, 2, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+      tile_rows<4, 2, MBS, BM>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
     if (tt < tend)
-      tile_rows<4, 1, MBS>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+      tile_rows<4, 1, MBS, BM>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
   }
 }
 #elif defined(MXPLUS_AVX2)
-template <int MT, bool MBS>
+template <int MT, bool MBS, bool BM>
 void half_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
                int64_t m0, int64_t mt, float* y, const float* bias) {
   if constexpr (MT > 1) {
-    if (mt < MT) return half_rows<MT - 1, MBS>(w, a, s, t, h, m0, mt, y, bias);
+    if (mt < MT) return half_rows<MT - 1, MBS, BM>(w, a, s, t, h, m0, mt, y, bias);
   }
-  if (s.gpb == 1) tile_avx2<MT, 1, MBS>(w, a, s, t, h, m0, y, bias);
-  else tile_avx2<MT, 2, MBS>(w, a, s, t, h, m0, y, bias);
+  if constexpr (BM) tile_avx2<MT, 2, false, true>(w, a, s, t, h, m0, y, bias);
+  else if (s.gpb == 1) tile_avx2<MT, 1, MBS, false>(w, a, s, t, h, m0, y, bias);
+  else tile_avx2<MT, 2, MBS, false>(w, a, s, t, h, m0, y, bias);
 }
 
-template <bool MBS>
+template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias) {
   for (int64_t mm = m0; mm < m0 + mt; mm += 4)
     for (int64_t tt = t; tt < tend; ++tt)
       for (int h = 0; h < 2 && tt * kTileN + 8 * h < w.n; ++h)
-        half_rows<4, MBS>(w, a, s, tt, h, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+        half_rows<4, MBS, BM>(w, a, s, tt, h, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
 }
 #else
-template <bool MBS>
+template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias) {
   for (int64_t tt = t; tt < tend; ++tt) {
     switch (mt) {
-#define MXPLUS_TILE(T) case T: tile_scalar<T, MBS>(w, a, s, tt, m0, y, bias); break;
+#define MXPLUS_TILE(T) case T: tile_scalar<T, MBS, BM>(w, a, s, tt, m0, y, bias); break;
       MXPLUS_TILE(1) MXPLUS_TILE(2) MXPLUS_TILE(3) MXPLUS_TILE(4) MXPLUS_TILE(5)
       MXPLUS_TILE(6) MXPLUS_TILE(7)
 #undef MXPLUS_TILE
-      default: tile_scalar<kMaxTileM, MBS>(w, a, s, tt, m0, y, bias); break;
+      default: tile_scalar<kMaxTileM, MBS, BM>(w, a, s, tt, m0, y, bias); break;
     }
   }
 }
@@ -112,19 +114,22 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 
 // Threads over N (weight tiles); each thread walks its tiles kTilesPerPass at a time, and
 // for each activation row tile runs those weight tiles, so the row tile is read from cache.
-template <bool MBS>
+template <bool MBS, bool BM>
 void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
           const float* bias) {
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
       const int64_t tend = std::min(tp + kTilesPerPass, t1);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
-        tiles_rows<MBS>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y, bias);
+        tiles_rows<MBS, BM>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y,
+                            bias);
     }
   });
 }
 
-// ---- ops ------------------------------------------------------------------------------------
+}  // namespace
+
+// ---- shared with mx_mxplus_cpu.cpp (mx_tiles.h) ---------------------------------------
 
 // Checkpoint layout (codes [N, ceil(K/2)], scales [N, nb], mbs [N, nm]) -> tiles. The scales
 // are copied, except that a block whose dequantized values overflow fp32 gets code 255. Tile t,
@@ -132,7 +137,7 @@ void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, flo
 // row 16t+i's element 16g + 8q + j in its low nibble and 16g + 8q + 4 + j in its high nibble,
 // so the low / high nibbles of each 64-byte half are vpdpbusd operands (4 elements per row
 // lane). Rows past N and elements past K are code 0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight(const at::Tensor& codes,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_detail::pack_tiles(const at::Tensor& codes,
                                                            const at::Tensor& scales,
                                                            const at::Tensor& mbs, int64_t k,
                                                            int64_t block, int64_t macro) {
@@ -197,40 +202,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight(const at::Tensor& cod
   return {wc, ws, wm};
 }
 
-at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, bool act_mbs,
-                     int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
-                     const at::Tensor& wmbs, int64_t n, int64_t k, int64_t w_block,
-                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  check_rule(act_block, act_rule, act_mbs, macro);
-  TORCH_CHECK(w_block == act_block, "vllm_mxplus::cpu_mx_linear: weight block ", w_block,
-              " differs from the activation block ", act_block);
-  TORCH_CHECK(x.device().is_cpu(), "vllm_mxplus::cpu_mx_linear: x must be on the CPU");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "vllm_mxplus::cpu_mx_linear: x has last dim ",
-              x.size(-1), " but the weight has K=", k);
-  const int64_t block = act_block, nb = cdiv(k, block), kp = nb * block, nt = cdiv(n, kTileN);
-  const bool w_mbs = wmbs.numel() > 0;
-  const int64_t nm = cdiv(k, macro);
-  TORCH_CHECK(wcodes.scalar_type() == at::kByte && wcodes.is_contiguous() &&
-                  wcodes.sizes() == at::IntArrayRef({nt, kp / kGroupK * kGroupBytes}),
-              "vllm_mxplus::cpu_mx_linear: packed weight codes must be contiguous uint8 [", nt,
-              ", ", kp / kGroupK * kGroupBytes, "] (cpu_pack_weight), got ", wcodes.sizes());
-  TORCH_CHECK(wscales.scalar_type() == at::kByte && wscales.is_contiguous() &&
-                  wscales.sizes() == at::IntArrayRef({nt, nb * kTileN}),
-              "vllm_mxplus::cpu_mx_linear: packed weight scales must be contiguous uint8 [", nt,
-              ", ", nb * kTileN, "] (cpu_pack_weight), got ", wscales.sizes());
-  TORCH_CHECK(!w_mbs || (wmbs.scalar_type() == at::kByte && wmbs.is_contiguous() &&
-                         wmbs.sizes() == at::IntArrayRef({nt, nm * kTileN})),
-              "vllm_mxplus::cpu_mx_linear: packed weight MBS bytes must be contiguous uint8 [",
-              nt, ", ", nm * kTileN, "] (cpu_pack_weight), got ", wmbs.sizes());
-  TORCH_CHECK(wcodes.device().is_cpu() && wscales.device().is_cpu() && wmbs.device().is_cpu(),
-              "vllm_mxplus::cpu_mx_linear: weights must be on the CPU");
+at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule, bool act_mbs,
+                                    int64_t macro, const WeightTiles& w, int64_t k,
+                                    const c10::optional<at::Tensor>& bias,
+                                    at::ScalarType out_dtype, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x has last dim ", x.size(-1),
+              " but the weight has K=", k);
+  const int64_t n = w.n, nb = cdiv(k, block), kp = nb * block, nm = cdiv(k, macro);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   const int64_t M = x.numel() / k;
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "vllm_mxplus::cpu_mx_linear: bias has ", bias->numel(),
-                " elements, expected N=", n);
+    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",
+                n);
     bias_f = bias->to(at::kFloat).contiguous();
   }
   if (M == 0) return at::empty(out_shape, x.options().dtype(out_dtype));
@@ -248,8 +234,8 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* cr = acodes.data_ptr<int8_t>() + r * kp;
       int32_t* sums = corr.data_ptr<int32_t>() + r * nb;
-      quant_row(xf.data_ptr<float>() + r * k, k, block, static_cast<int>(act_rule), act_mbs,
-                macro, cr, sc.data(), mb.data(), sums, ybuf.data());
+      quant_row(xf.data_ptr<float>() + r * k, k, block, rule, act_mbs, macro, cr, sc.data(),
+                mb.data(), sums, ybuf.data());
       for (int64_t b = 0; b < nb; ++b) {
         int big = 0;
         for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
@@ -261,17 +247,58 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
       for (int64_t c = 0; act_mbs && c < nm; ++c) fa.data_ptr<float>()[r * nm + c] = mbs_factor(mb[c]);
     }
   });
-  const bool any_mbs = act_mbs || w_mbs;
-  const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(),
-                      w_mbs ? wmbs.data_ptr<uint8_t>() : nullptr, nt, kp / kGroupK, nb, nm, n};
+  const bool any_mbs = act_mbs || w.mbs;
+  TORCH_CHECK(!(any_mbs && w.bm), op, ": MX+ weights take no MBS");
   const ActRows a{acodes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), ea.data_ptr<float>(),
                   act_mbs ? fa.data_ptr<float>() : nullptr, kp, nb, nm};
   const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
   at::Tensor y = at::empty({M, n}, o);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (any_mbs) gemm<true>(w, a, s, M, y.data_ptr<float>(), bp);
-  else gemm<false>(w, a, s, M, y.data_ptr<float>(), bp);
+  if (any_mbs) gemm<true, false>(w, a, s, M, y.data_ptr<float>(), bp);
+  else if (w.bm) gemm<false, true>(w, a, s, M, y.data_ptr<float>(), bp);
+  else gemm<false, false>(w, a, s, M, y.data_ptr<float>(), bp);
   return y.to(out_dtype).view(out_shape);
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight(const at::Tensor& codes,
+                                                           const at::Tensor& scales,
+                                                           const at::Tensor& mbs, int64_t k,
+                                                           int64_t block, int64_t macro) {
+  return pack_tiles(codes, scales, mbs, k, block, macro);
+}
+
+at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, bool act_mbs,
+                     int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
+                     const at::Tensor& wmbs, int64_t n, int64_t k, int64_t w_block,
+                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  check_rule(act_block, act_rule, act_mbs, macro);
+  TORCH_CHECK(act_rule != kRuleMxplus, "vllm_mxplus::cpu_mx_linear: MX+ is cpu_mxplus_linear");
+  TORCH_CHECK(w_block == act_block, "vllm_mxplus::cpu_mx_linear: weight block ", w_block,
+              " differs from the activation block ", act_block);
+  TORCH_CHECK(k > 0 && n > 0, "vllm_mxplus::cpu_mx_linear: N and K must be positive");
+  const int64_t block = act_block, nb = cdiv(k, block), kp = nb * block, nt = cdiv(n, kTileN);
+  const bool w_mbs = wmbs.numel() > 0;
+  const int64_t nm = cdiv(k, macro);
+  TORCH_CHECK(wcodes.scalar_type() == at::kByte && wcodes.is_contiguous() &&
+                  wcodes.sizes() == at::IntArrayRef({nt, kp / kGroupK * kGroupBytes}),
+              "vllm_mxplus::cpu_mx_linear: packed weight codes must be contiguous uint8 [", nt,
+              ", ", kp / kGroupK * kGroupBytes, "] (cpu_pack_weight), got ", wcodes.sizes());
+  TORCH_CHECK(wscales.scalar_type() == at::kByte && wscales.is_contiguous() &&
+                  wscales.sizes() == at::IntArrayRef({nt, nb * kTileN}),
+              "vllm_mxplus::cpu_mx_linear: packed weight scales must be contiguous uint8 [", nt,
+              ", ", nb * kTileN, "] (cpu_pack_weight), got ", wscales.sizes());
+  TORCH_CHECK(!w_mbs || (wmbs.scalar_type() == at::kByte && wmbs.is_contiguous() &&
+                         wmbs.sizes() == at::IntArrayRef({nt, nm * kTileN})),
+              "vllm_mxplus::cpu_mx_linear: packed weight MBS bytes must be contiguous uint8 [",
+              nt, ", ", nm * kTileN, "] (cpu_pack_weight), got ", wmbs.sizes());
+  TORCH_CHECK(wcodes.device().is_cpu() && wscales.device().is_cpu() && wmbs.device().is_cpu(),
+              "vllm_mxplus::cpu_mx_linear: weights must be on the CPU");
+  const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(),
+                      w_mbs ? wmbs.data_ptr<uint8_t>() : nullptr, nt, kp / kGroupK, nb, nm, n};
+  return tile_linear(x, block, static_cast<int>(act_rule), act_mbs, macro, w, k, bias, out_dtype,
+                     "vllm_mxplus::cpu_mx_linear");
 }
 
 }  // namespace

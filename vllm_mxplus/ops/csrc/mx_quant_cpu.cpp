@@ -1,5 +1,5 @@
 // CPU quantization ops of the E8M0 formats (docs/numerics.md, "E2M1 elements", "E8M0 block
-// scales", "Macro Block Scaling"):
+// scales", "Macro Block Scaling", "MX+"):
 //  - cpu_act_quant: activation rows -> the integer GEMM's input (2 * E2M1 value as int8,
 //    E8M0 codes, MBS-S bytes), bit-exact with formats.quantize;
 //  - cpu_act_fake_quant: the dequantized activation value*X/F in fp32, bit-exact with
@@ -19,8 +19,25 @@ namespace mxplus_cpu {
 
 namespace {
 
-// Quantize one block of len <= 32 values y to doubled E2M1 codes; returns the E8M0 code and
-// adds the codes into *sum.
+// MX+ (docs/numerics.md, "MX+"): the block's first largest |y|, scaled value v = |y| / X, keeps
+// 3 mantissa bits when v >= 4: 2 * value = 8 + j, j = round_half_even(2v - 8) clamped to 0..7
+// (2v - 8 is exact for v in [4, 8)). Replaces that element's doubled E2M1 code and its share
+// of *sum.
+inline void mxplus_block_max(const float* y, int64_t len, int code, int8_t* out, int32_t* sum) {
+  int64_t im = 0;
+  float am = std::fabs(y[0]);
+  for (int64_t i = 1; i < len; ++i)
+    if (std::fabs(y[i]) > am) am = std::fabs(y[im = i]);
+  const float v = am * pow2f(kE8m0Bias - code);
+  if (!(v >= 4.0f)) return;  // none: zero block, or clamped at the bottom of the E8M0 range
+  const int j = std::min(std::max(static_cast<int>(std::nearbyint(2.0f * v - 8.0f)), 0), 7);
+  const int8_t c = static_cast<int8_t>(std::signbit(y[im]) ? -(8 + j) : 8 + j);
+  *sum += c - out[im];
+  out[im] = c;
+}
+
+// Quantize one block of len <= 32 values y to doubled E2M1 codes (MX+: the block max as
+// above); returns the E8M0 code and sets *sum to the sum of the codes.
 inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32_t* sum) {
   const int code = scale_code(nan_absmax(y, len), rule);
   *sum = 0;
@@ -59,6 +76,7 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32
     *sum += out[i];
   }
 #endif
+  if (rule == kRuleMxplus) mxplus_block_max(y, len, code, out, sum);
   return code;
 }
 

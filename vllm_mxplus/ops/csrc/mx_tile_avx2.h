@@ -1,9 +1,10 @@
 // The AVX2 tile kernel of the integer GEMM, for x86-64 CPUs without AVX-512 (mx_gemm_cpu.cpp
 // states what it computes). Half a weight tile (8 rows, one ymm lane each) per call: AVX2 has
 // 16 vector registers. Integer dot products with AVX-VNNI vpdpbusd where present, else
-// vpmaddubsw + vpmaddwd. I * 2^e is an fp32 multiply by 2^e built from its bits (exact: the
-// same value as vscalefps) when e is in the normal range; other lanes (NaN scale codes,
-// exponents below 2^-126) take ldexpf, as the portable kernel does.
+// vpmaddubsw (int16 sums over a block) + vpmaddwd. I * 2^e is an fp32 multiply by 2^e built
+// from its bits (exact: the same value as vscalefps) when e is in the normal range for all 8
+// lanes; otherwise (NaN scale codes, exponents outside it) the lanes take ldexpf, as the
+// portable kernel does.
 #pragma once
 
 #include "mx_tiles.h"
@@ -15,30 +16,57 @@
 namespace mxplus_cpu {
 namespace gemm_detail {
 
-inline __m256i dot4_avx2(__m256i acc, __m256i w_u8, __m256i x_s8) {
+// A block's integer dot products per lane. With AVX-VNNI vpdpbusd adds 4 u8 * s8 products
+// into the int32 lanes. Without it vpmaddubsw gives pair sums of u8 * s8 (at most
+// 2 * 24 * 15 = 720: it cannot saturate here), added in int16 over the block (at most 8 per
+// lane: |sum| <= 5760, exact) and widened once per block by vpmaddwd: 3 instructions per 32
+// products instead of 4.
 #ifdef __AVXVNNI__
+inline __m256i dot_begin(int32_t corr) { return _mm256_set1_epi32(corr); }
+inline __m256i dot4_avx2(__m256i acc, __m256i w_u8, __m256i x_s8) {
   return _mm256_dpbusd_avx_epi32(acc, w_u8, x_s8);
+}
+inline __m256i dot_end(__m256i acc, int32_t) { return acc; }
 #else
-  // u8 * s8 pair sums are at most 2 * 24 * 12 = 576: vpmaddubsw cannot saturate here.
-  const __m256i p = _mm256_maddubs_epi16(w_u8, x_s8);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+inline __m256i dot_begin(int32_t) { return _mm256_setzero_si256(); }
+inline __m256i dot4_avx2(__m256i acc, __m256i w_u8, __m256i x_s8) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w_u8, x_s8));
+}
+inline __m256i dot_end(__m256i acc, int32_t corr) {
+  return _mm256_add_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1)), _mm256_set1_epi32(corr));
+}
 #endif
+
+// The E8M0 codes ew of one block for 8 tile rows, with their smallest and largest code: a row
+// whose exponents ea + ew all lie in fp32's normal range (checked once per row and block
+// from the two, not per lane) takes the fast path of scaled_term.
+struct BlockScales8 {
+  __m256i ew;
+  int lo, hi;
+};
+
+inline BlockScales8 block_scales8(const uint8_t* p) {
+  const __m128i e8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i e16 = _mm_cvtepu8_epi16(e8);
+  const int lo = _mm_cvtsi128_si32(_mm_minpos_epu16(e16)) & 0xFFFF;
+  const int hi =
+      0xFFFF - (_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(e16, _mm_set1_epi16(-1)))) &
+                0xFFFF);
+  return {_mm256_cvtepu8_epi32(e8), lo, hi};
 }
 
 // acc += I * 2^(ew + ea - 256) for the 8 lanes; ew the lanes' E8M0 codes, ea the row's float
 // exponent (ea - 256, NaN for code 255).
-inline __m256 scaled_term(__m256 acc, __m256i iacc, __m256i ew, float ea) {
-  if (!std::isnan(ea)) {
-    const __m256i e = _mm256_add_epi32(ew, _mm256_set1_epi32(static_cast<int>(ea)));
-    const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(ew, _mm256_set1_epi32(kE8m0Nan)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), e));
-    const __m256i hi = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(127));
-    if (_mm256_testz_si256(_mm256_or_si256(bad, hi), _mm256_set1_epi32(-1))) {
+inline __m256 scaled_term(__m256 acc, __m256i iacc, const BlockScales8& bs, float ea) {
+  if (!std::isnan(ea) && bs.hi != kE8m0Nan) {
+    const int e = static_cast<int>(ea);
+    if (e + bs.lo >= -126 && e + bs.hi <= 127) {  // every lane: 2^(ea + ew) is a normal fp32
       const __m256 p2 = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+          _mm256_slli_epi32(_mm256_add_epi32(bs.ew, _mm256_set1_epi32(e + 127)), 23));
       return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(iacc), p2));
     }
   }
+  const __m256i ew = bs.ew;
   alignas(32) int32_t iv[8], ev[8];
   alignas(32) float av[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(iv), iacc);
@@ -52,8 +80,40 @@ inline __m256 scaled_term(__m256 acc, __m256i iacc, __m256i ew, float ea) {
   return _mm256_load_ps(av);
 }
 
-// y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block.
-template <int MT, int GPB, bool MBS>
+// MX+ weight block maxima of one block for 8 tile rows (WeightTiles::bm): byte-shuffle
+// selectors that put x[index] into byte 1 of each 32-bit lane (x * 256 as its low int16),
+// one for indices 0..15 and one for 16..31, and the 2 * values as int16 in the low halves.
+struct BlockMax8 {
+  __m256i sel_lo, sel_hi, w16;
+};
+
+inline BlockMax8 block_max8(const uint8_t* p) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i zero_bytes = _mm256_set1_epi32(static_cast<int>(0x80808080u));  // vpshufb: 0
+  const __m256i sel = _mm256_or_si256(_mm256_slli_epi32(idx, 8),
+                                      _mm256_set1_epi32(static_cast<int>(0x80800080u)));
+  const __m256i hi = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(15));
+  const __m256i w = _mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kTileN)));
+  return {_mm256_or_si256(sel, _mm256_and_si256(hi, zero_bytes)),
+          _mm256_or_si256(sel, _mm256_andnot_si256(hi, zero_bytes)),
+          _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF))};
+}
+
+// iacc + x[index] * (2 * value) per lane, x the 32 activation codes of the block: exact
+// ((x * 256) * w fits int32 and is a multiple of 256).
+inline __m256i block_max_term(__m256i iacc, const BlockMax8& bm, const int8_t* x) {
+  const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i xh =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+  const __m256i g = _mm256_or_si256(_mm256_shuffle_epi8(xl, bm.sel_lo),
+                                    _mm256_shuffle_epi8(xh, bm.sel_hi));
+  return _mm256_add_epi32(iacc, _mm256_srai_epi32(_mm256_madd_epi16(g, bm.w16), 8));
+}
+
+// y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block; BM: MX+
+// block maxima (GPB = 2).
+template <int MT, int GPB, bool MBS, bool BM>
 void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
                int64_t m0, float* y, const float* bias) {
   const __m256i lut = _mm256_broadcastsi128_si256(
@@ -68,10 +128,9 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
   for (int64_t c = 0; c < s.nc; ++c) {
     const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
     for (int64_t b = c * s.bpc; b < b1; ++b) {
-      const __m256i ew = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * kTileN + 8 * h)));
+      const BlockScales8 bs = block_scales8(w.scales + (t * w.nb + b) * kTileN + 8 * h);
       __m256i iacc[MT];
-      for (int m = 0; m < MT; ++m) iacc[m] = _mm256_set1_epi32(a.corr[(m0 + m) * a.nb + b]);
+      for (int m = 0; m < MT; ++m) iacc[m] = dot_begin(a.corr[(m0 + m) * a.nb + b]);
       for (int gg = 0; gg < GPB; ++gg) {
         const int64_t g = b * GPB + gg;
         const uint8_t* wg = w.codes + (t * w.groups + g) * kGroupBytes + 32 * h;
@@ -89,7 +148,13 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
             iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
         }
       }
-      for (int m = 0; m < MT; ++m) acc[m] = scaled_term(acc[m], iacc[m], ew, a.ea[(m0 + m) * a.nb + b]);
+      for (int m = 0; m < MT; ++m) iacc[m] = dot_end(iacc[m], a.corr[(m0 + m) * a.nb + b]);
+      if constexpr (BM) {
+        const BlockMax8 bm = block_max8(w.bm + (t * w.nb + b) * 2 * kTileN + 8 * h);
+        for (int m = 0; m < MT; ++m)
+          iacc[m] = block_max_term(iacc[m], bm, a.codes + (m0 + m) * a.kp + b * 32);
+      }
+      for (int m = 0; m < MT; ++m) acc[m] = scaled_term(acc[m], iacc[m], bs, a.ea[(m0 + m) * a.nb + b]);
     }
     if (MBS) {
       __m256 fw = _mm256_set1_ps(1.0f);

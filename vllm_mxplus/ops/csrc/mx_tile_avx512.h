@@ -64,8 +64,20 @@ inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_
   }
 }
 
-// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block.
-template <int MT, int NTP, int GPB, bool MBS>
+// MX+ weight block maxima of one block for a tile's 16 rows (WeightTiles::bm): the indices as
+// int16 in the low half of each 32-bit lane (high half 0), the 2 * values likewise.
+inline void block_max16(const uint8_t* p, __m512i* sel, __m512i* w16) {
+  *sel = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  *w16 = _mm512_and_si512(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kTileN))),
+      _mm512_set1_epi32(0xFFFF));
+}
+
+// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block;
+// BM: MX+ block maxima (GPB = 2): + x[index] * (2 * value), exact, per lane (vpermw picks
+// x[index] from the block's 32 codes widened to int16; vpmaddwd multiplies it, the lane's
+// other int16 product is x[0] * 0).
+template <int MT, int NTP, int GPB, bool MBS, bool BM>
 void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
                  int64_t m0, float* y, const float* bias) {
   const __m512i lut = weight_lut();
@@ -101,6 +113,18 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
         const uint8_t* wg[NTP];
         for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
         group_dots<MT, NTP>(wg, xr, g * kGroupK, lut, iacc);
+      }
+      if constexpr (BM) {
+        __m512i sel[NTP], w16[NTP];
+        for (int j = 0; j < NTP; ++j)
+          block_max16(w.bm + ((t0 + j) * w.nb + b) * 2 * kTileN, &sel[j], &w16[j]);
+        for (int m = 0; m < MT; ++m) {
+          const __m512i x16 = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m] + b * 32)));
+          for (int j = 0; j < NTP; ++j)
+            iacc[j][m] = _mm512_add_epi32(
+                iacc[j][m], _mm512_madd_epi16(_mm512_permutexvar_epi16(sel[j], x16), w16[j]));
+        }
       }
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
         const __m512 ea = _mm512_set1_ps(er[m][b]);

@@ -8,7 +8,7 @@ namespace mxplus_cpu {
 namespace gemm_detail {
 
 // ---- the portable kernel (same operations, one lane at a time) -------------------------
-template <int MT, bool MBS>
+template <int MT, bool MBS, bool BM>
 void tile_scalar(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t,
                  int64_t m0, float* y, const float* bias) {
   const uint8_t* wc = w.codes + t * w.groups * kGroupBytes;
@@ -32,6 +32,11 @@ void tile_scalar(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
             const int wv = kE2M1x2[(j & 4) ? (byte >> 4) : (byte & 0xF)];
             for (int m = 0; m < MT; ++m) iacc[m] += wv * a.codes[(m0 + m) * a.kp + g * kGroupK + j];
           }
+        }
+        if (BM) {  // MX+: + x[block max] * its 2 * value (0 when the block has none)
+          const uint8_t* p = w.bm + (t * w.nb + b) * 2 * kTileN;
+          const int wbm = static_cast<int8_t>(p[kTileN + i]);
+          for (int m = 0; m < MT; ++m) iacc[m] += wbm * a.codes[(m0 + m) * a.kp + b * 32 + p[i]];
         }
         for (int m = 0; m < MT; ++m) {
           const float e = ew + a.ea[(m0 + m) * a.nb + b];

@@ -19,6 +19,10 @@ struct WeightTiles {
   const uint8_t* scales;  // [nt, nb, 16] E8M0 codes, one per tile row
   const uint8_t* mbs;     // [nt, nm, 16] MBS bytes, or nullptr
   int64_t nt, groups, nb, nm, n;
+  // MX+ only (else nullptr), [nt, nb, 32]: per tile row i, byte i is the block max's index
+  // in the block (0 when none) and byte 16 + i its 2 * value as int8 (+-(8 .. 15), 0 when
+  // none); its nibble in `codes` is 0 (mx_mxplus_cpu.cpp).
+  const uint8_t* bm = nullptr;
 };
 
 struct ActRows {
@@ -45,6 +49,18 @@ constexpr int64_t kMinParallelMacs = int64_t{1} << 23;
 inline int64_t tile_grain(int64_t M, int64_t K) {
   return std::max<int64_t>(1, kMinParallelMacs / std::max<int64_t>(1, kTileN * K * M));
 }
+
+// mx_gemm_cpu.cpp: checkpoint-layout codes / scales / MBS bytes -> (codes, scales, MBS) tiles.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_tiles(const at::Tensor& codes,
+                                                          const at::Tensor& scales,
+                                                          const at::Tensor& mbs, int64_t k,
+                                                          int64_t block, int64_t macro);
+
+// mx_gemm_cpu.cpp: quantize x's rows once (quant_row with this block, rule, MBS) and run the
+// integer GEMM against the checked weight tiles w; `op` names the caller in errors.
+at::Tensor tile_linear(const at::Tensor& x, int64_t block, int rule, bool act_mbs, int64_t macro,
+                       const WeightTiles& w, int64_t k, const c10::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype, const char* op);
 
 }  // namespace gemm_detail
 }  // namespace mxplus_cpu
