@@ -6,7 +6,7 @@ say which backend each scheme gets on this machine; or compile the GPU kernels a
     mxplus kernels --aot      # compile every Triton kernel configuration for sm_80/90/100
                               # (no GPU needed); fails on a compile error, a register spill
                               # or shared memory over the limit
-    mxplus kernels --aot --targets 90,100 --quick   # the representative subset CI runs
+    mxplus kernels --aot --targets 80,90,100 --quick   # the representative subset CI runs
     mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
 """
 
