@@ -61,9 +61,10 @@ NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
 def e2m1_value(c):
     """fp32 value of E2M1 codes c (int32, 0..15): magnitudes 0, .5, 1, ..., 6; code 8 is -0.0.
 
-    Bits (c & 7) << 22 are the fp32 2^-127 * (2e + m) / 2 for e = c >> 1, m = c & 1 (the
-    subnormal 2^-127 for code 1, 2^(e-127) * (1 + m/2) for codes >= 2), so one exact multiply
-    by 2^126 gives the magnitude (IEEE multiply: subnormal operands are exact, no flush).
+    With e = (c & 7) >> 1 and m = c & 1, the bits (c & 7) << 22 are the fp32 with exponent
+    field e and mantissa m/2: 2^(e-127) * (1 + m/2) for e >= 1, the subnormal m * 2^-127 for
+    e = 0. One multiply by 2^126 is exact and gives 2^(e-1) * (1 + m/2), resp. m/2: the E2M1
+    magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
     """
     bits = ((c & 7) << 22) | ((c & 8) << 28)
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
