@@ -262,3 +262,18 @@ def test_mbs_division_is_exact_rounding():
 
     src = inspect.getsource(dg._decode_gemm_kernel.fn)
     assert "tl.math.div_rn(part" in src and "part / " not in src
+
+
+def test_tile_offsets_are_32_bit_only_where_they_fit():
+    """Only a tile's first row is offset in 64 bits; a row pitch so large that a tile spans
+    2^31 bytes gets a compact copy (meta tensors: no memory)."""
+    from vllm_mxplus.ops.triton_decode_gemm import MAX_TILE_OFFSET, _tile_addressable
+
+    base = torch.empty(1 << 34, dtype=torch.uint8, device="meta")
+    fits = base.as_strided((300, 64), (1 << 20, 1))
+    assert _tile_addressable(fits, 256) is fits  # 255 * 2^20 + 64 < 2^31
+    wide = base.as_strided((300, 64), (1 << 24, 1))
+    packed = _tile_addressable(wide, 256)
+    assert packed.stride() == (64, 1) and packed.shape == wide.shape
+    assert (256 - 1) * wide.stride(0) >= MAX_TILE_OFFSET
+    assert _tile_addressable(None, 256) is None

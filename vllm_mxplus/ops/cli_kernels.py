@@ -6,7 +6,8 @@ say which backend each scheme gets on this machine; or compile the GPU kernels a
     mxplus kernels --aot      # compile every Triton kernel configuration for sm_80/90/100
                               # (no GPU needed); fails on a compile error, a register spill
                               # or shared memory over the limit
-    mxplus kernels --aot --targets 90,100 --quick   # the representative subset CI runs
+    mxplus kernels --aot --targets 80,90,100 --quick   # the representative subset CI runs
+    mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a representative subset (every kernel, format and flag; fewer shapes "
         "and dtypes): a few minutes on 2 cores, what CI runs",
+    )
+    g.add_argument(
+        "--kernel",
+        default="",
+        metavar="LAUNCHER[,LAUNCHER]",
+        help="compile only these launchers' configurations: decode_gemm, act_quant, "
+        "act_quant_fp8_chunks (default: all)",
     )
     g.add_argument(
         "--jobs",
@@ -106,11 +114,12 @@ def _run_aot(args: argparse.Namespace) -> int:
 
     try:
         targets = aot.parse_targets(args.targets)
+        launchers = aot.parse_kernels(args.kernel)
     except ValueError as e:
         print(f"mxplus kernels: {e}")
         return 2
     try:
-        return aot.run_aot(targets, args.quick, max(1, args.jobs))
+        return aot.run_aot(targets, args.quick, max(1, args.jobs), launchers=launchers)
     except RuntimeError as e:  # triton missing, or a launcher recorded nothing
         print(f"mxplus kernels --aot: {e}")
         return 2

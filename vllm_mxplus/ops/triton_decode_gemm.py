@@ -2,8 +2,8 @@
 
 Both operands arrive quantized (packed E2M1 codes, E8M0 block scales, optional MBS bytes),
 so decode and prefill compute the same x_hat. Each program streams a [BLOCK_N, BLOCK_K]
-tile of packed weights, with its scales and MBS bytes, exactly once; dequantizes in
-registers; and multiplies with tl.dot, accumulating in fp32.
+tile of packed weights, with one load per scale block and its MBS bytes, exactly once;
+dequantizes in registers; and multiplies with tl.dot, accumulating in fp32.
 
 Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
 - value(code) * 2^e is exact in fp32 and in bf16 (two significant bits), so the tensor-core
@@ -14,8 +14,17 @@ Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
   (exact: a product of two 9-bit integers over 2^16) with an IEEE division (`div_rn`; the
   default `/` lowers to the approximate div.full.f32, up to 2 ulp), the paper's per-chunk
   sigma_A * sigma_B (section 4.3.2, Appendix E).
-The only differences left are fp32 rounding order; the tests bound them against float64.
-Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers.
+The only differences left are fp32 rounding order; the tests bound them against float64
+(docs/numerics.md, "Kernel numerics and error bounds").
+Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers. Only
+the tile's first row is offset in 64 bits; offsets inside a tile are 32-bit (the wrapper
+checks that they fit), so no 64-bit pointer tile is kept live across the K loop.
+
+Register budget (`mxplus kernels --aot`, kernels/README.md): 4 warps, a 16 x 32 output tile
+and 64 K elements (one 32-byte sector per weight row) per step keep every configuration on
+sm_80/90/100 far from a spill. The K mask compares byte indices with the row's byte count
+KB, so on 16-divisible shapes it is constant over a scale block and the weight loads
+vectorize (and pipeline as cp.async).
 
 The packed layout puts element 2i in the low nibble and 2i+1 in the high nibble of byte i,
 for x and W alike, so the kernel never interleaves: it computes
@@ -39,25 +48,26 @@ from vllm_mxplus.ops.triton_utils import (
 
 SUPPORTED_BLOCK_SIZES = (16, 32)
 MAX_SPLIT_K = 16
-GPU_BLOCK_K = 128  # K elements per step on the GPU: one macro block of 128, or a part of one
-# 8 warps: ptxas gives the MBS variant 255 registers with 4 warps (2 blocks = 8 warps per SM
-# for a kernel that must keep loads in flight), 128-152 with 8 (`mxplus kernels --aot`).
-GPU_NUM_WARPS = 8
+GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
+GPU_BLOCK_N = 32
+GPU_BLOCK_K = 64  # K elements per step on the GPU: a part of one macro block (>= 128)
+GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
+MIN_MACRO_BLOCK = 128
+MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
 
 
 @triton.jit
 def e2m1_value(c):
-    """fp32 value of E2M1 codes c (int32, 0..15), from the bits: magnitudes 0, .5, 1, ..., 6.
+    """fp32 value of E2M1 codes c (int32, 0..15): magnitudes 0, .5, 1, ..., 6; code 8 is -0.0.
 
-    For magnitude codes >= 2, bits (c << 22) + (126 << 23) are exactly 2^(e-1) * (1 + m/2)
-    with e = c >> 1, m = c & 1; codes 0 and 1 (0 and 0.5) are the subnormal-like pair.
-    Code 8 is -0.0.
+    With e = (c & 7) >> 1 and m = c & 1, the bits (c & 7) << 22 are the fp32 with exponent
+    field e and mantissa m/2: 2^(e-127) * (1 + m/2) for e >= 1, the subnormal m * 2^-127 for
+    e = 0. One multiply by 2^126 is exact and gives 2^(e-1) * (1 + m/2), resp. m/2: the E2M1
+    magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
     """
-    mag = c & 7
-    v = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, v)
-    return (v.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
@@ -87,6 +97,7 @@ def _decode_gemm_kernel(
     M,
     N,
     K,
+    KB,
     K_PER_SPLIT,
     stride_xcm,
     stride_xsm,
@@ -110,40 +121,59 @@ def _decode_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
     pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, BLOCK_K // 2)  # byte index inside the K tile
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    rows_m = offs_m.to(tl.int64)  # 64-bit row offsets (module docstring)
-    rows_n = offs_n.to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
+    HB: tl.constexpr = BS // 2  # bytes per scale block
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    i_m = tl.arange(0, BLOCK_M)
+    i_n = tl.arange(0, BLOCK_N)
+    i_b = tl.arange(0, NB)
+    i_h = tl.arange(0, HB)
+    mask_m = (m0 + i_m) < M
+    mask_n = (n0 + i_n) < N
+    # 64-bit offsets of the tile's first row, 32-bit ones inside the tile (module docstring)
+    xc_base = xc_ptr + m0.to(tl.int64) * stride_xcm
+    xs_base = xs_ptr + m0.to(tl.int64) * stride_xsm
+    wc_base = wc_ptr + n0.to(tl.int64) * stride_wcn
+    ws_base = ws_ptr + n0.to(tl.int64) * stride_wsn
+    # x tile [BLOCK_M, NB, HB] and its scales [BLOCK_M, NB, 1]
+    jx = i_b[None, :, None] * HB + i_h[None, None, :]
+    x_off = i_m[:, None, None] * stride_xcm + jx
+    xs_off = i_m[:, None, None] * stride_xsm + i_b[None, :, None]
+    # weight tile [NB, HB, BLOCK_N] (transposed) and its scales [NB, 1, BLOCK_N]
+    jw = i_b[:, None, None] * HB + i_h[None, :, None]
+    w_off = i_n[None, None, :] * stride_wcn + jw
+    ws_off = i_n[None, None, :] * stride_wsn + i_b[:, None, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + 2 * offs_j  # element index of each byte's low nibble
-        mask_k = kk < K  # for odd K the last high nibble is code 0 (pack_fp4's padding)
-        kb = k0 // 2 + offs_j
-        sb = kk // BS  # block of both nibbles: BS is even
-
-        # activations [BLOCK_M, BLOCK_K/2]: small, re-read from L2 by every program
-        mk = mask_m[:, None] & mask_k[None, :]
-        xb = tl.load(xc_ptr + rows_m[:, None] * stride_xcm + kb[None, :], mask=mk, other=0)
-        xs = tl.load(xs_ptr + rows_m[:, None] * stride_xsm + sb[None, :], mask=mk, other=127)
+        kb0 = k0 // 2
+        sb0 = k0 // BS
+        left = K - k0
+        # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
+        mx = mask_m[:, None, None] & (jx < KB - kb0)
+        xb = tl.load(xc_base + kb0 + x_off, mask=mx, other=0).to(tl.int32)
+        xs = tl.load(
+            xs_base + sb0 + xs_off,
+            mask=mask_m[:, None, None] & (i_b[None, :, None] * BS < left),
+            other=127,
+        )
         xsv = e8m0_value(xs.to(tl.int32))
-        xb = xb.to(tl.int32)
-        x_lo = (e2m1_value(xb & 15) * xsv).to(DOT_DTYPE)
-        x_hi = (e2m1_value(xb >> 4) * xsv).to(DOT_DTYPE)
+        x_lo = tl.reshape((e2m1_value(xb & 15) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+        x_hi = tl.reshape((e2m1_value(xb >> 4) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
 
-        # weights, transposed to [BLOCK_K/2, BLOCK_N]: the stream this kernel is bound by
-        nk = mask_k[:, None] & mask_n[None, :]
-        wb = tl.load(wc_ptr + rows_n[None, :] * stride_wcn + kb[:, None], mask=nk, other=0)
-        ws = tl.load(ws_ptr + rows_n[None, :] * stride_wsn + sb[:, None], mask=nk, other=127)
+        mw = (jw < KB - kb0) & mask_n[None, None, :]
+        wb = tl.load(wc_base + kb0 + w_off, mask=mw, other=0).to(tl.int32)
+        ws = tl.load(
+            ws_base + sb0 + ws_off,
+            mask=(i_b[:, None, None] * BS < left) & mask_n[None, None, :],
+            other=127,
+        )
         wsv = e8m0_value(ws.to(tl.int32))
-        wb = wb.to(tl.int32)
-        w_lo = (e2m1_value(wb & 15) * wsv).to(DOT_DTYPE)
-        w_hi = (e2m1_value(wb >> 4) * wsv).to(DOT_DTYPE)
+        w_lo = tl.reshape((e2m1_value(wb & 15) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
+        w_hi = tl.reshape((e2m1_value(wb >> 4) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
 
         part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
@@ -153,24 +183,29 @@ def _decode_gemm_kernel(
             fx = tl.full((BLOCK_M,), 1.0, tl.float32)
             fw = tl.full((BLOCK_N,), 1.0, tl.float32)
             if X_MBS:
-                fx = mbs_factor(tl.load(xmbs_ptr + rows_m * stride_xmm + c, mask=mask_m, other=0))
+                xm = xmbs_ptr + m0.to(tl.int64) * stride_xmm + c
+                fx = mbs_factor(tl.load(xm + i_m * stride_xmm, mask=mask_m, other=0))
             if W_MBS:
-                fw = mbs_factor(tl.load(wmbs_ptr + rows_n * stride_wmn + c, mask=mask_n, other=0))
+                wm = wmbs_ptr + n0.to(tl.int64) * stride_wmn + c
+                fw = mbs_factor(tl.load(wm + i_n * stride_wmn, mask=mask_n, other=0))
             part = tl.math.div_rn(part, fx[:, None] * fw[None, :])  # exact F product
         acc += part
 
-    out_ptrs = (
-        out_ptr + pid_s.to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :]
-    )
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + n0 + i_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = (
+        out_ptr
+        + pid_s.to(tl.int64) * stride_os
+        + (m0 + i_m).to(tl.int64)[:, None] * stride_om
+        + (n0 + i_n)[None, :]
+    )
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def supports_macro_block(macro_block: int) -> bool:
     """Whether the kernel tiles this MBS macro block (a power of two, >= the K step, so a K
     tile never straddles two macro blocks)."""
-    return macro_block >= GPU_BLOCK_K and macro_block & (macro_block - 1) == 0
+    return macro_block >= MIN_MACRO_BLOCK and macro_block & (macro_block - 1) == 0
 
 
 def _infer_block_size(k: int, n_scales: int) -> int:
@@ -215,6 +250,20 @@ def _check_operand(
 
 def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _tile_addressable(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """t, or a compact copy, such that offsets inside a tile of `rows` rows fit in 32 bits
+    (the kernel offsets only a tile's first row in 64 bits)."""
+    if t is None or t.shape[0] == 0:
+        return t
+    last = (min(rows, t.shape[0]) - 1) * t.stride(0) + t.shape[1]
+    if last < MAX_TILE_OFFSET:
+        return t
+    t = t.contiguous()
+    if (min(rows, t.shape[0]) - 1) * t.stride(0) + t.shape[1] >= MAX_TILE_OFFSET:
+        raise ValueError(f"decode_gemm: rows of {t.shape[1]} bytes are too long for one tile")
+    return t
 
 
 def _default_split_k(n_tiles: int, k_tiles: int, device: torch.device) -> int:
@@ -263,7 +312,7 @@ def decode_gemm(
     has_mbs = x_mbs is not None or w_mbs is not None
     if has_mbs and not supports_macro_block(macro_block):
         raise ValueError(
-            f"decode_gemm: macro_block must be a power of two >= {GPU_BLOCK_K}, got {macro_block}"
+            f"decode_gemm: macro_block must be a power of two >= {MIN_MACRO_BLOCK}, got {macro_block}"
         )
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
@@ -276,18 +325,20 @@ def decode_gemm(
     )
 
     interp = interpreting()
-    # GPU: 16 rows (tl.dot's minimum; rows past M are masked), 64-wide N tiles, 128 of K per
-    # step (inside one macro block). The interpreter pays per program and per step, not per
-    # element, so it gets the largest tiles that keep numpy's temporaries small.
+    # GPU: GPU_BLOCK_M x GPU_BLOCK_N output tiles, GPU_BLOCK_K of K per step (inside one
+    # macro block). The interpreter pays per program and per step, not per element, so it
+    # gets the largest tiles that keep numpy's temporaries small.
     if interp:
         block_m = max(16, min(128, triton.next_power_of_2(m)))
         block_n = block_n or 256
         block_k = min(macro_block, 512) if has_mbs else 512
     else:
-        block_m = 16
-        block_n = block_n or 64
+        block_m = GPU_BLOCK_M
+        block_n = block_n or GPU_BLOCK_N
         block_k = GPU_BLOCK_K
     launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
+    x_codes, x_scales, x_mbs = (_tile_addressable(t, block_m) for t in (x_codes, x_scales, x_mbs))
+    w_codes, w_scales, w_mbs = (_tile_addressable(t, block_n) for t in (w_codes, w_scales, w_mbs))
     n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(K, block_k)
     split = max(1, min(split_k or _default_split_k(n_tiles, k_tiles, w_codes.device), k_tiles))
     k_per_split = ceil_div(k_tiles, split) * block_k
@@ -323,6 +374,7 @@ def decode_gemm(
         m,
         n,
         K,
+        ceil_div(K, 2),
         k_per_split,
         x_codes.stride(0),
         x_scales.stride(0),
