@@ -50,14 +50,16 @@ def _docs(task: str, n: int) -> list[str]:
     return docs[:n] if n else docs
 
 
-def _quantized_model(src: Path, ckpt: Path | None, scheme: str | None) -> torch.nn.Module:
+def _quantized_model(
+    src: Path, ckpt: Path | None, scheme: str | None, dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from vllm_mxplus.checkpoint import load
     from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
     from vllm_mxplus.ops.reference import reference_linear
 
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
     if ckpt is None:
         return model
     afmt = get_scheme(scheme).activation_format
