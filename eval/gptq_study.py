@@ -50,14 +50,16 @@ def _docs(task: str, n: int) -> list[str]:
     return docs[:n] if n else docs
 
 
-def _quantized_model(src: Path, ckpt: Path | None, scheme: str | None) -> torch.nn.Module:
+def _quantized_model(
+    src: Path, ckpt: Path | None, scheme: str | None, dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from vllm_mxplus.checkpoint import load
     from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
     from vllm_mxplus.ops.reference import reference_linear
 
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
     if ckpt is None:
         return model
     afmt = get_scheme(scheme).activation_format
@@ -154,7 +156,7 @@ def write_table(command: str, docs: int) -> None:
         "# SmolLM2-135M: weight method x scheme (W4A4, in-process reference numerics)",
         "",
         f"- command: `{command}` (rows), then `python eval/gptq_study.py --table-only`",
-        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"- machine: {_cpu_model()}, {os.cpu_count()} CPUs (shared: see the load averages), "
         f"torch {torch.__version__}",
         "- perplexity: transformers bf16 model, every decoder linear replaced by the "
         "plugin's reference numerics on the written checkpoint (not vLLM); "
@@ -198,6 +200,16 @@ def write_table(command: str, docs: int) -> None:
         )
     (OUT / f"table-docs{docs}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _chart(res, docs)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _chart(res: dict[str, dict], docs: int) -> None:
@@ -245,7 +257,14 @@ def main() -> int:
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    command = f"python eval/gptq_study.py --rows ... --docs {args.docs} --nsamples {args.nsamples} --seqlen {args.seqlen}"
+    ns, sl = args.nsamples, args.seqlen
+    if args.table_only:  # the calibration the rows were made with, not this call's defaults
+        rows = [r for r in _load_results(args.docs).values() if r["scheme"] != "bf16"]
+        ns, sl = (rows[0]["nsamples"], rows[0]["seqlen"]) if rows else (ns, sl)
+    command = (
+        f"OMP_NUM_THREADS=1 python eval/gptq_study.py --rows ... --docs {args.docs} "
+        f"--nsamples {ns} --seqlen {sl}"
+    )
     if not args.table_only:
         from transformers import AutoTokenizer
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.checkpoint.codec import decode, encode
-from vllm_mxplus.checkpoint.gptq import gptq, rtn_aware
+from vllm_mxplus.checkpoint.gptq import can_fuse_rows, gptq, rtn_aware, split_rows
 from vllm_mxplus.checkpoint.group_params import (
     GroupParams,
     padded_k,
@@ -197,3 +197,17 @@ def test_value_path_equals_quantize_columns(fmt: str) -> None:
     w = _weight(40, 256, seed=13)
     p = spec_params(fmt, w, quantize(w, fmt).global_scale)
     assert torch.equal(_values(fmt, w, p), quantize_columns(fmt, w, p, 0)[1])
+
+
+@pytest.mark.parametrize("fmt", [f for f in ALL_FORMATS if can_fuse_rows(f)])
+def test_stacked_siblings_equal_separate_gptq(fmt: str) -> None:
+    """Calibration runs q/k/v (gate/up) as one GPTQ over their stacked rows: each part must
+    be what GPTQ of that weight alone gives, bit for bit (GPTQ is row by row under one H)."""
+    k = 200
+    parts = [_weight(n, k, seed=20 + n) for n in (24, 8, 8)]
+    x = _correlated_inputs(k)
+    h = x.T @ x
+    fused = split_rows(gptq(torch.cat(parts, 0), h, fmt), [p.shape[0] for p in parts])
+    for i, (p, q) in enumerate(zip(parts, fused)):
+        assert_same_encoding(q, gptq(p, h, fmt), f"{fmt} part {i}")
+    assert not can_fuse_rows("nvfp4")  # a per-tensor global scale: not by rows

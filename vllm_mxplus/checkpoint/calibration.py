@@ -13,7 +13,8 @@ plus one layer's Hessians (K x K each).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,7 +23,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.gptq import gptq, prepare_hessian, rtn_aware
+from vllm_mxplus.checkpoint.gptq import (
+    can_fuse_rows,
+    check_weight,
+    gptq,
+    prepare_hessian,
+    rtn_aware,
+    split_rows,
+)
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 from vllm_mxplus.ops.reference import fake_quant_activation
 
@@ -127,22 +135,39 @@ def calibrate_and_quantize(
                 }
                 hess = _collect_hessians(layer, names, batches, afmt, per_row)
                 prepared: dict[int, tuple] = {}  # per shared H (q/k/v, gate/up)
-                for name, mod in names.items():
-                    h, n_tok = hess[name]
-                    w = mod.weight.detach().to("cpu", torch.float32)
-                    try:
-                        if method == "gptq":
-                            if id(h) not in prepared:
-                                prepared[id(h)] = prepare_hessian(h, h.shape[0], name)
-                            q = gptq(w, h, wfmt, name=name, prepared=prepared[id(h)])
-                        else:
-                            q = rtn_aware(w, torch.diagonal(h) / max(n_tok, 1), wfmt, name=name)
-                    except ValueError as e:
-                        raise UsageError(str(e)) from None
-                    result.weights[name] = q
-                    mod.weight.data = q.dequantize(torch.float32).to(
-                        mod.weight.device, mod.weight.dtype
-                    )
+                # thousands of small ops: one thread (see _one_thread)
+                with _one_thread():
+                    for group in _sibling_groups(
+                        names, hess, method == "gptq" and can_fuse_rows(wfmt)
+                    ):
+                        h, n_tok = hess[group[0]]
+                        label = "+".join(group)
+                        try:
+                            ws = [
+                                check_weight(names[n].weight.detach().to("cpu", torch.float32), n)
+                                for n in group
+                            ]
+                            if method == "gptq":
+                                # siblings sharing H (q/k/v, gate/up) as one GPTQ over their
+                                # stacked rows: the same result per row, one column loop
+                                w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+                                if id(h) not in prepared:
+                                    prepared[id(h)] = prepare_hessian(h, h.shape[0], label)
+                                q = gptq(w, h, wfmt, name=label, prepared=prepared[id(h)])
+                                qs = (
+                                    [q] if len(ws) == 1 else split_rows(q, [x.shape[0] for x in ws])
+                                )
+                            else:
+                                d = torch.diagonal(h) / max(n_tok, 1)
+                                qs = [rtn_aware(ws[0], d, wfmt, name=label)]
+                        except ValueError as e:
+                            raise UsageError(str(e)) from None
+                        for name, q in zip(group, qs):
+                            mod = names[name]
+                            result.weights[name] = q
+                            mod.weight.data = q.dequantize(torch.float32).to(
+                                mod.weight.device, mod.weight.dtype
+                            )
                 del hess
                 with _act_quant(names, afmt, per_row):
                     batches = [(_layer_out(layer, hs, kw), kw) for hs, kw in batches]
@@ -152,6 +177,40 @@ def calibrate_and_quantize(
         finally:
             bar.close()
     return result
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch intra-op threads = 1 for the weight quantization of a layer (restored after).
+
+    Its ops are small (one column of N weights per GPTQ step, chunks of the parameter
+    search), so threads buy little on an idle machine; on a loaded one every parallel region
+    waits for a descheduled thread: 2 threads on the shared 2-core machine of this project
+    took 12x the CPU time and 40x the wall time of 1 (eval/results/gptq-smollm2-135m/).
+    The ops are row by row or sequential (index_add_, cumsum, per-row reductions): the
+    output with 2 threads was bit-identical to 1 thread's on that machine.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _sibling_groups(
+    names: dict[str, nn.Linear], hess: dict[str, tuple[torch.Tensor, int]], fuse: bool
+) -> list[list[str]]:
+    """The linears in order, those sharing one H object together when `fuse`, else one each."""
+    if not fuse:
+        return [[n] for n in names]
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(id(hess[n][0]), []).append(n)
+    return list(groups.values())
 
 
 class _act_quant:

@@ -55,7 +55,7 @@ def _choose(
     return weighted_params(fmt, w, d, g)
 
 
-def _check(w: torch.Tensor, what: str) -> torch.Tensor:
+def check_weight(w: torch.Tensor, what: str) -> torch.Tensor:
     if w.dim() != 2:
         raise ValueError(
             f"{what}: calibrated methods take a 2-D weight, got shape {tuple(w.shape)}"
@@ -73,7 +73,7 @@ def rtn_aware(
     w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted", name: str = "weight"
 ) -> QuantizedTensor:
     """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K])."""
-    w = _check(w, name)
+    w = check_weight(w, name)
     n, k = w.shape
     kp = padded_k(fmt, k)
     wp = F.pad(w, (0, kp - k))
@@ -112,7 +112,7 @@ def gptq(
 
     prepared: prepare_hessian(h, K) when the caller already has it.
     """
-    w = _check(w, name)
+    w = check_weight(w, name)
     n, k = w.shape
     hinv, dead = prepared if prepared is not None else prepare_hessian(h, k, name, damp)
     d_diag = torch.diagonal(h).to(torch.float32)
@@ -195,6 +195,40 @@ class _ColumnQuantizer:
         y = w if self.f is None else w * self.f[i]
         q = torch.copysign(e2m1_round(y.abs() * self.recip[i]), y) * self.x[i]
         return q if self.f is None else q / self.f[i]
+
+
+def split_rows(q: QuantizedTensor, rows: list[int]) -> list[QuantizedTensor]:
+    """A weight quantized as the row concatenation of several (gptq_fused) back into its parts.
+
+    Every stored tensor of the E8M0 formats is per row, so each part is exactly what the part
+    quantized alone would give; nvfp4's per-tensor global scale is not, hence not fused.
+    """
+    if q.global_scale is not None:
+        raise ValueError("split_rows: a weight with a global scale cannot be split by rows")
+    out, r0 = [], 0
+    for r in rows:
+        sl = slice(r0, r0 + r)
+        out.append(
+            QuantizedTensor(
+                codes=q.codes[sl].contiguous(),
+                scales=q.scales[sl].contiguous(),
+                fmt=q.fmt,
+                shape=torch.Size((r, q.shape[-1])),
+                mbs=None if q.mbs is None else q.mbs[sl].contiguous(),
+                block_max_index=None
+                if q.block_max_index is None
+                else q.block_max_index[sl].contiguous(),
+                macro_block=q.macro_block,
+            )
+        )
+        r0 += r
+    return out
+
+
+def can_fuse_rows(fmt: str) -> bool:
+    """Whether linears sharing H can run as one GPTQ over their stacked rows: GPTQ, the group
+    parameters and the rounding are row by row, except nvfp4's per-tensor global scale."""
+    return get_format(fmt).scale_rule != "e4m3"
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, name: str) -> torch.Tensor:
