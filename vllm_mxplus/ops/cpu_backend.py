@@ -97,35 +97,11 @@ class CpuPackedBackend(LinearBackend):
         )
 
         args = layer.mxplus_cpu_args
+        weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         if args[0] == "nvfp4":
             return nvfp4_linear_packed(
-                x,
-                args[1],
-                args[2],
-                layer.mxplus_cpu_codes,
-                layer.mxplus_cpu_scales,
-                layer.mxplus_cpu_mbs,
-                bias,
-                spec.out_dtype,
-                act_global_scale,
+                x, args[1], args[2], *weight, bias, spec.out_dtype, act_global_scale
             )
         if args[0] == "mxplus":
-            return mxplus_linear_packed(
-                x,
-                args[1],
-                args[2],
-                layer.mxplus_cpu_codes,
-                layer.mxplus_cpu_scales,
-                layer.mxplus_cpu_mbs,
-                bias,
-                spec.out_dtype,
-            )
-        return linear_packed(
-            x,
-            args,
-            layer.mxplus_cpu_codes,
-            layer.mxplus_cpu_scales,
-            layer.mxplus_cpu_mbs,
-            bias,
-            spec.out_dtype,
-        )
+            return mxplus_linear_packed(x, args[1], args[2], *weight, bias, spec.out_dtype)
+        return linear_packed(x, args, *weight, bias, spec.out_dtype)
