@@ -148,22 +148,22 @@ def main() -> int:
             spec = LinearSpec(scheme=args.scheme, n=n, k=k, out_dtype=torch.bfloat16)
             q = quantize(w, spec.weight_format)
             ref_layer, packed_layer = torch.nn.Module(), torch.nn.Module()
-            ref, packed = ReferenceBackend(), CpuPackedBackend()
+            ref, packed = ReferenceBackend(spec), CpuPackedBackend(spec)
             ok, why = packed.can_implement(spec)
             if not ok:
                 raise SystemExit(why)
             if args.reference:
-                ref.process_weights_after_loading(ref_layer, q, spec)
-            packed.process_weights_after_loading(packed_layer, q, spec)
+                ref.process_weights_after_loading(ref_layer, q)
+            packed.process_weights_after_loading(packed_layer, q)
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
                 fns = [
                     lambda: torch.nn.functional.linear(x, wb),
-                    lambda: packed.apply(packed_layer, x, None, spec),
+                    lambda: packed.apply(packed_layer, x, None),
                 ]
                 if args.reference:
-                    fns.append(lambda: ref.apply(ref_layer, x, None, spec))
+                    fns.append(lambda: ref.apply(ref_layer, x, None))
                 t_b, t_p, *t_r = _medians_us(fns, cold, args.min_time, args.min_iters)
                 t_r = t_r[0] if t_r else float("nan")
                 tot["bf16"] += t_b

@@ -73,9 +73,9 @@ def layer_check(ckpt: Path, scheme: str, rows: int = 16, seed: int = 0) -> tuple
         backend = select(spec, "cpu", None)[0]
         names.add(backend.name)
         layer = torch.nn.Module()
-        backend.process_weights_after_loading(layer, q, spec)
+        backend.process_weights_after_loading(layer, q)
         x = torch.randn(rows, k, generator=g)
-        y = backend.apply(layer, x, None, spec).double()
+        y = backend.apply(layer, x, None).double()
         xq = fake_quantize(x, af, per_row=per_row).double()
         w = q.dequantize(torch.float32).double()
         ref, mag = xq @ w.T, xq.abs() @ w.abs().T

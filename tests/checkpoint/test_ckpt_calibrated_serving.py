@@ -34,7 +34,7 @@ SCHEMES = ["mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "nvfp4"]
 def _backends(spec: LinearSpec) -> list:
     chosen = select(spec, "cpu", None)
     assert chosen[0].name == "cpu-packed", [b.name for b in chosen]  # the kernel, not a fallback
-    return [*chosen, ReferenceBackend()]
+    return [*chosen, ReferenceBackend(spec)]
 
 
 def _assert_served_exactly(q: QuantizedTensor, scheme: str, x: torch.Tensor) -> None:
@@ -60,8 +60,8 @@ def _assert_served_exactly(q: QuantizedTensor, scheme: str, x: torch.Tensor) -> 
     assert torch.isfinite(ref).all()
     for backend in _backends(spec):
         layer = torch.nn.Module()
-        backend.process_weights_after_loading(layer, q, spec)
-        y = backend.apply(layer, x, None, spec).double()
+        backend.process_weights_after_loading(layer, q)
+        y = backend.apply(layer, x, None).double()
         err = (y - ref).abs()
         bad = ~(err <= bound)
         assert not bad.any(), (

@@ -37,15 +37,15 @@ def main() -> None:
     class RecordingDecode(CpuPackedBackend):
         name, min_m, max_m = "cpu-decode-test", 1, DECODE_MAX_M
 
-        def apply(self, layer, x, bias, spec, act_global_scale=None):
+        def apply(self, layer, x, bias, act_global_scale=None):
             seen["decode_m"].append(x.numel() // x.shape[-1])
-            return super().apply(layer, x, bias, spec, act_global_scale)
+            return super().apply(layer, x, bias, act_global_scale)
 
     ref_apply = ReferenceBackend.apply
 
-    def recording_ref_apply(self, layer, x, bias, spec, act_global_scale=None):
+    def recording_ref_apply(self, layer, x, bias, act_global_scale=None):
         seen["ref_m"].append(x.numel() // x.shape[-1])
-        return ref_apply(self, layer, x, bias, spec, act_global_scale)
+        return ref_apply(self, layer, x, bias, act_global_scale)
 
     ReferenceBackend.apply = recording_ref_apply
     dispatch._REGISTRY["cpu"] = [RecordingDecode]

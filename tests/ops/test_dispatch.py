@@ -37,10 +37,13 @@ class _Decode(LinearBackend):
     def supports_m(cls, m: int) -> bool:
         return m <= 16
 
-    def process_weights_after_loading(self, layer, qweight, spec):
+    def process_weights_after_loading(self, layer, qweight):
+
         layer.decode_ready = True
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
+        spec = self.spec
         return torch.full((*x.shape[:-1], spec.n), 7.0)
 
 
@@ -140,14 +143,17 @@ class _Packed(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
-    def process_weights_after_loading(self, layer, qweight, spec):
+    def process_weights_after_loading(self, layer, qweight):
+
         set_packed_buffers(
             layer,
             tuple(f"{self.name}_{a}" for a in ("codes", "scales", "mbs")),
             (qweight.codes.clone(), qweight.scales.clone(), qweight.mbs.clone()),
         )
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
+        spec = self.spec
         return torch.zeros((*x.shape[:-1], spec.n))
 
 

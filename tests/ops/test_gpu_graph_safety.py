@@ -226,7 +226,7 @@ def test_cutlass_backend_apply_is_graph_safe(scheme):
         layer = types.SimpleNamespace()
         setattr(layer, CutlassPrefillBackend.WEIGHT_ATTR, _sm90_weight(40, 576, True))
         y, ops = _checked(
-            CutlassPrefillBackend().apply, layer, _e((2, 50, 576), torch.bfloat16), None, spec
+            CutlassPrefillBackend(spec).apply, layer, _e((2, 50, 576), torch.bfloat16), None
         )
     assert y.shape == (2, 50, 40)
     assert any("vllm_mxplus" in op for op in ops)  # went through the custom ops
@@ -314,11 +314,7 @@ def test_triton_backend_apply_is_graph_safe(scheme):
         )
     )
     y, ops = _checked(
-        TritonDecodeBackend().apply,
-        layer,
-        _e((3, k), torch.bfloat16),
-        _e((n,), torch.bfloat16),
-        spec,
+        TritonDecodeBackend(spec).apply, layer, _e((3, k), torch.bfloat16), _e((n,), torch.bfloat16)
     )
     assert y.shape == (3, n)
     assert any("triton_decode_gemm" in op for op in ops)

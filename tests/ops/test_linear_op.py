@@ -33,10 +33,13 @@ class _Marker(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
-    def process_weights_after_loading(self, layer, qweight, spec):
+    def process_weights_after_loading(self, layer, qweight):
+
         pass
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
+        spec = self.spec
         type(self).calls.append(x.shape[0])
         return torch.full((*x.shape[:-1], spec.n), self.marker, dtype=spec.out_dtype)
 
@@ -55,12 +58,12 @@ def compile_like_vllm(fn, backend="aot_eager"):
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=counter, options=opts), counter
 
 
-def _layer(candidates, prefix: str = "") -> tuple[torch.nn.Module, LinearDispatch]:
+def _layer(candidates, prefix: str = "", spec=SPEC) -> tuple[torch.nn.Module, LinearDispatch]:
     layer = torch.nn.Module()
     if prefix:
         layer.prefix = prefix
-    d = LinearDispatch(SPEC, candidates)
-    d.process_weights_after_loading(layer, quantize(torch.randn(SPEC.n, SPEC.k), "mxfp4-mbs-d"))
+    d = LinearDispatch(spec, candidates)
+    d.process_weights_after_loading(layer, quantize(torch.randn(spec.n, spec.k), "mxfp4-mbs-d"))
     return layer, d
 
 
@@ -106,7 +109,7 @@ def test_python_branch_is_frozen_by_this_compile_setup():
     ids=["trace100-run1", "trace1-run100", "trace16-run17", "trace17-run16"],
 )
 def test_compiled_dispatch_picks_by_m_on_every_call(first, then):
-    layer, d = _layer([_Decode(), _Prefill()], prefix="model.layers.0.mlp.down_proj")
+    layer, d = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.0.mlp.down_proj")
     fn, counter = compile_like_vllm(lambda x: d.apply(layer, x, None))
     for m in (first, then, first):
         y = fn(_marked(m))
@@ -122,9 +125,8 @@ def test_one_op_in_the_graph_and_fake_gives_shape_and_dtype():
         graphs.append(gm)
         return gm.forward
 
-    layer, d = _layer([_Decode(), _Prefill()])
     spec16 = LinearSpec(scheme="mxfp4-mbs", n=24, k=64, out_dtype=torch.bfloat16)
-    d.spec = spec16
+    layer, d = _layer([_Decode(spec16), _Prefill(spec16)], spec=spec16)
     fn = torch.compile(
         lambda x: d.apply(layer, x, None) + 1,
         fullgraph=True,
@@ -147,7 +149,7 @@ def test_single_candidate_is_called_directly():
     class _Any(_Marker):
         name, marker = "fake-any", 3.0
 
-    layer, d = _layer([_Any()])
+    layer, d = _layer([_Any(SPEC)])
     assert d.key is None
     fn = torch.compile(lambda x: d.apply(layer, x, None), fullgraph=True, backend=grab)
     assert (fn(_marked(7)) == 3.0).all()
@@ -156,7 +158,7 @@ def test_single_candidate_is_called_directly():
 
 def test_inductor_like_vllm():
     """The same with inductor, vLLM's backend on CPU (slower: compiles C++)."""
-    layer, d = _layer([_Decode(), _Prefill()])
+    layer, d = _layer([_Decode(SPEC), _Prefill(SPEC)])
     fn, counter = compile_like_vllm(lambda x: d.apply(layer, x, None) * 2, backend="inductor")
     assert (fn(_marked(100)) == 2 * PREFILL).all()
     assert (fn(_marked(1)) == 2 * DECODE).all()
@@ -164,13 +166,13 @@ def test_inductor_like_vllm():
 
 
 def test_registry_keys():
-    a, da = _layer([_Decode(), _Prefill()], prefix="model.layers.3.qkv_proj")
-    b, db = _layer([_Decode(), _Prefill()], prefix="model.layers.3.qkv_proj")
+    a, da = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
+    b, db = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
     assert da.key == "model.layers.3.qkv_proj" and db.key != da.key  # both alive
     assert linear_op.lookup(da.key)[0] is a and linear_op.lookup(db.key)[0] is b
     del a, da
     gc.collect()
-    c, dc = _layer([_Decode(), _Prefill()], prefix="model.layers.3.qkv_proj")
+    c, dc = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
     assert dc.key == "model.layers.3.qkv_proj"  # the dead layer's key is reused
     assert linear_op.lookup(dc.key)[0] is c
 
@@ -181,6 +183,12 @@ def test_unknown_key_is_a_clear_error():
 
 
 def test_apply_before_weights_are_processed_fails_loudly():
-    d = LinearDispatch(SPEC, [_Decode(), _Prefill()])
+    d = LinearDispatch(SPEC, [_Decode(SPEC), _Prefill(SPEC)])
     with pytest.raises(RuntimeError, match="before process_weights_after_loading"):
         d.apply(torch.nn.Module(), torch.randn(2, SPEC.k), None)
+
+
+def test_a_backend_made_for_another_layer_is_refused():
+    other = LinearSpec(scheme="mxfp4-mbs", n=48, k=64, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="fake-prefill was made for"):
+        LinearDispatch(SPEC, [_Decode(SPEC), _Prefill(other)])

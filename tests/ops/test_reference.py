@@ -65,8 +65,8 @@ def test_reference_backend_equals_spec(scheme, m, k, n):
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     layer = nn.Module()
     spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16)
-    backend = ReferenceBackend()
-    backend.process_weights_after_loading(layer, quantize(w, spec.weight_format), spec)
+    backend = ReferenceBackend(spec)
+    backend.process_weights_after_loading(layer, quantize(w, spec.weight_format))
     assert getattr(layer, WEIGHT_ATTR).dtype == torch.float32  # dequantized once, fp32
     # the operands, bit for bit: the weight dequantized once, the activations per call
     assert torch.equal(getattr(layer, WEIGHT_ATTR), _independent(w, spec.weight_format))
@@ -76,7 +76,7 @@ def test_reference_backend_equals_spec(scheme, m, k, n):
         fake_quant_activation(x, s.activation_format, per_row, 128),
         _independent(x, s.activation_format, per_row=True),
     )
-    out = backend.apply(layer, x, bias, spec)
+    out = backend.apply(layer, x, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     _assert_within_bound(out, x, w, bias, scheme)
 
@@ -91,8 +91,8 @@ def test_fake_quant_linear_matches_reference_backend(scheme):
     # the transformers reference computes exactly what the vLLM reference backend computes
     spec = LinearSpec(scheme=scheme, n=64, k=320, out_dtype=torch.float32)
     layer = nn.Module()
-    ReferenceBackend().process_weights_after_loading(layer, quantize(w, spec.weight_format), spec)
-    ref = ReferenceBackend().apply(layer, x, bias, spec)
+    ReferenceBackend(spec).process_weights_after_loading(layer, quantize(w, spec.weight_format))
+    ref = ReferenceBackend(spec).apply(layer, x, bias)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     _assert_within_bound(out.reshape(-1, 64), x.reshape(-1, 320), w, bias, scheme)
 

@@ -33,10 +33,13 @@ class _Exact(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None):
         return True, ""
 
-    def process_weights_after_loading(self, layer, qweight, spec):
+    def process_weights_after_loading(self, layer, qweight):
+
         layer.w_hat = qweight.dequantize(torch.float32)
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
+        spec = self.spec
         type(self).runs += 1
         xq = fake_quantize(
             x.float(),
@@ -110,7 +113,9 @@ class _WrongCodes(_Exact):
 
     name = "fake-wrong-codes"
 
-    def selftest_activation(self, x, spec):
+    def selftest_activation(self, x):
+
+        spec = self.spec
         q = quantize(x.float(), spec.activation_format, macro_block=spec.macro_block)
         q.codes[0, 1] ^= 0x10  # element 3: code +1 (or -1) in the high nibble
         return q
@@ -119,7 +124,9 @@ class _WrongCodes(_Exact):
 class _RightCodes(_Exact):
     name = "fake-right-codes"
 
-    def selftest_activation(self, x, spec):
+    def selftest_activation(self, x):
+
+        spec = self.spec
         return quantize(x.float(), spec.activation_format, macro_block=spec.macro_block)
 
 
@@ -128,7 +135,9 @@ class _WrongValues(_Exact):
 
     name = "fake-wrong-values"
 
-    def selftest_activation(self, x, spec):
+    def selftest_activation(self, x):
+
+        spec = self.spec
         v = fake_quantize(x.float(), spec.activation_format, macro_block=spec.macro_block)
         v[0, 0] = -0.0  # row 0 starts with an all-zero block: formats gives +0
         return v
@@ -137,7 +146,8 @@ class _WrongValues(_Exact):
 class _Raises(_Exact):
     name = "fake-raises"
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
         raise RuntimeError("kernel launch failed: no kernel image for this device")
 
 
@@ -146,9 +156,10 @@ class _DecodeOnly(_Exact):
     min_m, max_m = 1, 16
     seen_m: list[int] = []
 
-    def apply(self, layer, x, bias, spec, act_global_scale=None):
+    def apply(self, layer, x, bias, act_global_scale=None):
+
         type(self).seen_m.append(x.shape[0])
-        return super().apply(layer, x, bias, spec, act_global_scale)
+        return super().apply(layer, x, bias, act_global_scale)
 
 
 WRONG = {
@@ -248,7 +259,9 @@ def cpu_packed():
     class _WithActivation(CpuPackedBackend):
         """cpu-packed exposing its C++ activation fake-quant for the bit-exact check."""
 
-        def selftest_activation(self, x, spec):
+        def selftest_activation(self, x):
+
+            spec = self.spec
             return cpu_kernels.act_fake_quant(x, spec.activation_format, spec.macro_block)
 
     return _WithActivation

@@ -297,7 +297,7 @@ def test_backend_apply_uses_fused_path(monkeypatch, triton_device):
         raise AssertionError("activations went through encode_fp8_chunks")
 
     monkeypatch.setattr(cutlass_gemm, "encode_fp8_chunks", no_torch_encoder)
-    y = CutlassPrefillBackend().apply(layer, x, None, spec)
+    y = CutlassPrefillBackend(spec).apply(layer, x, None)
     assert y.shape == (2, 9, n) and y.dtype == torch.float16
     assert torch.equal(y.reshape(-1, n).view(torch.int16), want.view(torch.int16))
 

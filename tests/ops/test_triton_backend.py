@@ -56,11 +56,11 @@ def test_cuda_decode_matches_reference(scheme, m):
     w = torch.randn(1536, 576, device="cuda", dtype=torch.bfloat16)
     qw = quantize(w, spec.weight_format)
     layer = torch.nn.Module()
-    for b in (chosen[0], ReferenceBackend()):
-        b.process_weights_after_loading(layer, qw, spec)
+    for b in (chosen[0], ReferenceBackend(spec)):
+        b.process_weights_after_loading(layer, qw)
     x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
-    y = chosen[0].apply(layer, x, None, spec).float()
-    ref = ReferenceBackend().apply(layer, x, None, spec).float()
+    y = chosen[0].apply(layer, x, None).float()
+    ref = ReferenceBackend(spec).apply(layer, x, None).float()
     # both compute exact products of the same quantized operands; fp32 accumulation order and
     # the bf16 output rounding differ: allow 2 bf16 ulps of the output scale
     assert torch.allclose(y, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())

@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 
@@ -58,7 +60,9 @@ class LinearSpec:
 
 
 class LinearBackend(ABC):
-    """One way to run a quantized linear. Subclasses are stateless apart from their name."""
+    """One way to run a quantized linear, made for one layer: the backend owns the layer's
+    `LinearSpec` (`self.spec`, given once by the selector) and keeps the runtime tensors it
+    prepares on the layer, so `apply` takes only what changes per call."""
 
     name: str = "base"
     #: The token counts M the backend serves, inclusive (max_m None: no upper bound), e.g.
@@ -103,30 +107,24 @@ class LinearBackend(ABC):
         """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
         return cls.min_m <= m and (cls.max_m is None or m <= cls.max_m)
 
-    def selftest_activation(
-        self, x: torch.Tensor, spec: LinearSpec
-    ) -> QuantizedTensor | torch.Tensor | None:
+    def __init__(self, spec: LinearSpec) -> None:
+        self.spec = spec
+
+    def selftest_activation(self, x: Tensor) -> QuantizedTensor | Tensor | None:
         """The backend's own activation quantization of rows x, for the self-test to compare
         bit for bit with `formats.quantize` (a QuantizedTensor: codes, scales, MBS bytes) or
         `formats.fake_quantize` (an fp32 tensor: the values). None: not exposed."""
         return None
 
     @abstractmethod
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
         """Turn the loaded (or just quantized) weight into this backend's runtime tensors,
         stored on `layer`. Called once per layer after loading."""
 
     @abstractmethod
     def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: LinearSpec,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
         """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n].
 
         act_global_scale: NVFP4 activations only, per-row global scales [..., 1] to use

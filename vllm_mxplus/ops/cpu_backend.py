@@ -17,7 +17,8 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 
 from __future__ import annotations
 
-import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import QuantizedTensor
 from vllm_mxplus.ops.backend import (
@@ -52,11 +53,10 @@ class CpuPackedBackend(LinearBackend):
             return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
         from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_nvfp4, pack_weight
 
+        spec = self.spec
         if qweight.codes.dim() != 2:
             raise ValueError(
                 f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}"
@@ -83,25 +83,22 @@ class CpuPackedBackend(LinearBackend):
         )
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: LinearSpec,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
         from vllm_mxplus.ops.cpu_kernels import (
             linear_packed,
             mxplus_linear_packed,
             nvfp4_linear_packed,
         )
 
+        out_dtype = self.spec.out_dtype
+
         args = layer.mxplus_cpu_args
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         if args[0] == "nvfp4":
             return nvfp4_linear_packed(
-                x, args[1], args[2], *weight, bias, spec.out_dtype, act_global_scale
+                x, args[1], args[2], *weight, bias, out_dtype, act_global_scale
             )
         if args[0] == "mxplus":
-            return mxplus_linear_packed(x, args[1], args[2], *weight, bias, spec.out_dtype)
-        return linear_packed(x, args, *weight, bias, spec.out_dtype)
+            return mxplus_linear_packed(x, args[1], args[2], *weight, bias, out_dtype)
+        return linear_packed(x, args, *weight, bias, out_dtype)

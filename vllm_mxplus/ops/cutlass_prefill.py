@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
@@ -51,9 +53,8 @@ class CutlassPrefillBackend(LinearBackend):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
         return True, ""
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+        spec = self.spec
         act_mbs = bool(get_format(spec.activation_format).mbs)
         setattr(
             layer,
@@ -62,13 +63,9 @@ class CutlassPrefillBackend(LinearBackend):
         )
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: LinearSpec,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
+        spec = self.spec
         lead, k = x.shape[:-1], x.shape[-1]
         y = prefill_gemm_from_x(
             x.reshape(-1, k),

@@ -112,14 +112,14 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
             if not ok:
                 rejected.append(f"{cls.name}: {why}")
                 continue
-        chosen.append(cls())
+        chosen.append(cls(spec))
         if r is not None:
             served.append(r)
         if first_uncovered_m(served) is None:
             break
     gap = first_uncovered_m(served)
     if gap is not None:
-        chosen.append(ReferenceBackend())
+        chosen.append(ReferenceBackend(spec))
     names = tuple(b.name for b in chosen)
     key = (platform, capability, spec.scheme, names, tuple(rejected))
     if rejected and len(chosen) == 1 and gap is not None:
@@ -167,13 +167,16 @@ class LinearDispatch:
     def __init__(self, spec: LinearSpec, candidates: list[LinearBackend]):
         if not candidates:
             raise ValueError("LinearDispatch needs at least one backend")
+        for b in candidates:
+            if b.spec != spec:
+                raise ValueError(f"backend {b.name} was made for {b.spec}, not this layer's {spec}")
         self.spec = spec
         self.candidates = candidates
         self.key: str | None = None  # the layer's key in linear_op's registry
 
     def process_weights_after_loading(self, layer: torch.nn.Module, qweight) -> None:
         for backend in self.candidates:
-            backend.process_weights_after_loading(layer, qweight, self.spec)
+            backend.process_weights_after_loading(layer, qweight)
         if len(self.candidates) > 1:
             self.key = register_layer(layer, self)
 
@@ -193,7 +196,7 @@ class LinearDispatch:
         # One candidate: call it directly (no registry lookup, no op boundary, and no read of
         # x.shape that could put a shape guard into a compiled graph).
         if len(self.candidates) == 1:
-            return self.candidates[0].apply(layer, x, bias, self.spec, act_global_scale)
+            return self.candidates[0].apply(layer, x, bias, act_global_scale)
         if self.key is None:
             raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
         return torch.ops.vllm_mxplus.linear_dispatch(x, bias, act_global_scale, self.key)

@@ -78,7 +78,7 @@ def linear_dispatch(
     """y = Q_act(x) W_hat^T + bias by the layer's first candidate backend serving M rows."""
     layer, dispatch = lookup(key)
     backend = dispatch.pick(x.numel() // max(x.shape[-1], 1))
-    return backend.apply(layer, x, bias, dispatch.spec, act_global_scale)
+    return backend.apply(layer, x, bias, act_global_scale)
 
 
 @linear_dispatch.register_fake

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
 from vllm_mxplus.formats.nvfp4 import fake_quantize_nvfp4_given, nvfp4_global_scale
 from vllm_mxplus.ops.act_fake_quant import FAST_FORMATS, fast_fake_quantize
-from vllm_mxplus.ops.backend import LinearBackend, LinearSpec
+from vllm_mxplus.ops.backend import LinearBackend
 from vllm_mxplus.ops.library import op_name
 
 WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
@@ -94,20 +96,14 @@ class ReferenceBackend(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         return True, ""
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
         w = qweight.dequantize(torch.float32).contiguous()
         layer.register_parameter(WEIGHT_ATTR, torch.nn.Parameter(w, requires_grad=False))
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: LinearSpec,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
+        spec = self.spec
         return reference_linear(
             x,
             getattr(layer, WEIGHT_ATTR),

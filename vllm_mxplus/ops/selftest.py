@@ -148,18 +148,18 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
     qweight = quantize(w, small.weight_format, macro_block=small.macro_block)
     w_hat = qweight.dequantize(torch.float32).to(torch.float64)
 
-    backend = cls()
+    backend = cls(small)
     layer = torch.nn.Module()
-    backend.process_weights_after_loading(layer, qweight, small)
+    backend.process_weights_after_loading(layer, qweight)
     where = f"N={small.n}, K={small.k}"
     for m in ms:
         xm = x[:m]
-        act = backend.selftest_activation(xm, small)
+        act = backend.selftest_activation(xm)
         if act is not None:
             failure = check_activation(act, xm, small)
             if failure:
                 return f"M={m}, {where}: activation {failure}"
-        y = backend.apply(layer, xm, bias, small)
+        y = backend.apply(layer, xm, bias)
         failure = check_output(y, xm, w_hat, bias, small, cls.accumulator_bits)
         if failure:
             return f"M={m}, {where}: {failure}"

@@ -10,6 +10,8 @@ CUTLASS prefill GEMM where built, else the reference).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.ops.backend import (
@@ -59,7 +61,8 @@ class TritonDecodeBackend(LinearBackend):
     min_m, max_m = 1, DECODE_MAX_M
     kernel = True  # self-tested against `formats` at first use
 
-    def selftest_activation(self, x: torch.Tensor, spec: LinearSpec) -> QuantizedTensor:
+    def selftest_activation(self, x: Tensor) -> QuantizedTensor:
+        spec = self.spec
         """The fused quantizer's codes, compared bit for bit by the self-test."""
         from vllm_mxplus.ops.custom_ops import act_quant_op
 
@@ -73,21 +76,15 @@ class TritonDecodeBackend(LinearBackend):
             macro_block=spec.macro_block,
         )
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, qweight: QuantizedTensor, spec: LinearSpec
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
         set_packed_buffers(layer, ATTRS, (qweight.codes, qweight.scales, qweight.mbs))
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: LinearSpec,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
         from vllm_mxplus.ops.custom_ops import act_quant_op, decode_gemm_op
 
+        spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
         a_codes, a_scales, a_mbs, _ = act_quant_op(
             x2, spec.activation_format, macro_block=spec.macro_block
