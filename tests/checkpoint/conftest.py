@@ -5,10 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from ckpt_helpers import make_llama
+
+import vllm_mxplus.checkpoint.quantizer as quantizer_mod
 
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Untied tiny llama: K = 64 (attention, gate/up) and K = 100 (down_proj)."""
     return make_llama(tmp_path_factory.mktemp("src") / "llama")
+
+
+@pytest.fixture
+def random_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration tokens as random ids (the tiny models' tokenizer is a stub)."""
+
+    def fake(src, calib=None, nsamples=32, seqlen=512):  # noqa: ANN001, ANN202
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, 96, (nsamples, seqlen), generator=g)
+
+    monkeypatch.setattr(quantizer_mod, "calibration_tokens", fake)

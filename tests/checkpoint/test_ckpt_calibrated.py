@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from ckpt_helpers import cli_args, source_tensors
 
-import vllm_mxplus.checkpoint.quantizer as quantizer_mod
 from vllm_mxplus.checkpoint import load, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.checkpoint.group_params import GroupParams, padded_k, quantize_columns
@@ -25,15 +24,6 @@ from vllm_mxplus.formats.constants import MACRO_BLOCK
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 
 SCHEMES = ["mxfp4-mbs-h", "nvfp4", "mxplus"]
-
-
-@pytest.fixture
-def random_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake(src, calib=None, nsamples=32, seqlen=512):  # noqa: ANN001, ANN202
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, 96, (nsamples, seqlen), generator=g)
-
-    monkeypatch.setattr(quantizer_mod, "calibration_tokens", fake)
 
 
 def _requantized_codes(q, k: int) -> torch.Tensor:  # noqa: ANN001

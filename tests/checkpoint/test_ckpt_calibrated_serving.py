@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import vllm_mxplus.checkpoint.quantizer as quantizer_mod
 from vllm_mxplus.checkpoint import load, quantize_checkpoint
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize, get_format, get_scheme
 from vllm_mxplus.formats.constants import ceil_div
@@ -107,15 +106,6 @@ def test_arbitrary_encodings_through_every_cpu_backend(scheme: str, m: int) -> N
     q = _arbitrary_encoding(scheme, 37, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
     _assert_served_exactly(q, scheme, x)
-
-
-@pytest.fixture
-def random_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake(src, calib=None, nsamples=32, seqlen=512):  # noqa: ANN001, ANN202
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, 96, (nsamples, seqlen), generator=g)
-
-    monkeypatch.setattr(quantizer_mod, "calibration_tokens", fake)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

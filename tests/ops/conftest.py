@@ -24,6 +24,17 @@ def _interpreted() -> bool:
 
 
 @pytest.fixture(scope="session")
+def ck():
+    """The C++ CPU kernels, built and loaded (tests that use it skip without a C++ compiler
+    by their own mark): a machine with a compiler must build them, so a broken build fails."""
+    from vllm_mxplus.ops import cpu_kernels
+
+    ok, why = cpu_kernels.load()
+    assert ok, why
+    return cpu_kernels
+
+
+@pytest.fixture(scope="session")
 def triton_device() -> torch.device:
     """Where the Triton kernels run in this session: CUDA when compiled, else the interpreter."""
     from vllm_mxplus.ops.triton_utils import is_available

@@ -34,15 +34,6 @@ ACT_FORMATS = ["mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s"]
 PAIRS = sorted(E8M0_PAIRS)  # every E8M0 scheme the CPU kernels serve
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from vllm_mxplus.ops import cpu_kernels
-
-    ok, why = cpu_kernels.load()
-    assert ok, why  # a machine with a compiler must build them: never skip a broken build
-    return cpu_kernels
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -118,7 +109,7 @@ def _weight(k: int, n: int = 40, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("k", [1, 16, 33, 100, 576, 1536], ids=lambda k: f"K{k}")
 def test_dequant_weight_bit_exact(ck, fmt, k):
     q = quantize(_weight(k, seed=k), fmt)
-    got = ck.dequant_weight(q.codes, q.scales, q.mbs, k, fmt)
+    got = ck.dequant_weight(q)
     assert _bits_equal(got, q.dequantize())
 
 
@@ -292,54 +283,17 @@ def test_empty_rows(ck):
 
 def test_bad_inputs_name_the_tensor(ck):
     q = quantize(torch.randn(8, 64), "mxfp4-mbs-d")
-    with pytest.raises(RuntimeError, match="last dim 32 but the weight has K=64"):
-        ck.mx_linear(
-            torch.randn(2, 32),
-            "mxfp4-mbs-d",
-            "mxfp4-mbs-s",
-            q.codes,
-            q.scales,
-            q.mbs,
-            64,
-            None,
-            torch.float32,
-        )
-    with pytest.raises(RuntimeError, match="weight scales"):
-        ck.mx_linear(
-            torch.randn(2, 64),
-            "mxfp4-mbs-d",
-            "mxfp4-mbs-s",
-            q.codes,
-            q.scales[:, :2],
-            q.mbs,
-            64,
-            None,
-            torch.float32,
-        )
-    with pytest.raises(RuntimeError, match="MBS bytes"):
-        ck.mx_linear(
-            torch.randn(2, 64),
-            "mxfp4-mbs-d",
-            "mxfp4-mbs-s",
-            q.codes,
-            q.scales,
-            q.mbs[:4],
-            64,
-            None,
-            torch.float32,
-        )
-    with pytest.raises(RuntimeError, match="bias has 3 elements"):
-        ck.mx_linear(
-            torch.randn(2, 64),
-            "mxfp4-mbs-d",
-            "mxfp4-mbs-s",
-            q.codes,
-            q.scales,
-            q.mbs,
-            64,
-            torch.randn(3),
-            torch.float32,
-        )
+    good = {"x": torch.randn(2, 64), "codes": q.codes, "scales": q.scales, "mbs": q.mbs}
+    for bad, match in (
+        ({"x": torch.randn(2, 32)}, "last dim 32 but the weight has K=64"),
+        ({"scales": q.scales[:, :2]}, "weight scales"),
+        ({"mbs": q.mbs[:4]}, "MBS bytes"),
+        ({"bias": torch.randn(3)}, "bias has 3 elements"),
+    ):
+        a = {**good, "bias": None, **bad}
+        w = (a["codes"], a["scales"], a["mbs"])
+        with pytest.raises(RuntimeError, match=match):
+            ck.mx_linear(a["x"], "mxfp4-mbs-d", "mxfp4-mbs-s", *w, 64, a["bias"], torch.float32)
     wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 64, "mxfp4-mbs-d")
     args = ck.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", 8, 64)
     with pytest.raises(RuntimeError, match="packed weight codes must be"):
@@ -347,7 +301,7 @@ def test_bad_inputs_name_the_tensor(ck):
     with pytest.raises(ValueError, match="do not quantize activations as 'nvfp4'"):
         ck.act_fake_quant(torch.randn(2, 64), "nvfp4")
     with pytest.raises(ValueError, match="do not read weights stored as 'mxplus'"):
-        ck.dequant_weight(q.codes, q.scales, q.mbs, 64, "mxplus")
+        ck.dequant_weight(quantize(torch.randn(8, 64), "mxplus"))
     with pytest.raises(ValueError, match="need the same block size"):
         ck.linear_args("mxfp4-ocp", "mxfp4-16-oas", 8, 64)
 

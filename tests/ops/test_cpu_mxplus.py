@@ -31,15 +31,6 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 BLOCK = 32
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from vllm_mxplus.ops import cpu_kernels
-
-    ok, why = cpu_kernels.load()
-    assert ok, why
-    return cpu_kernels
-
-
 def special_rows(x: torch.Tensor) -> torch.Tensor:
     """NaN, Inf, zero, subnormal, ties and huge rows (scale codes at both ends)."""
     k = x.shape[-1]

@@ -26,15 +26,6 @@ from vllm_mxplus.ops.reference import fake_quant_nvfp4_rows
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from vllm_mxplus.ops import cpu_kernels
-
-    ok, why = cpu_kernels.load()
-    assert ok, why
-    return cpu_kernels
-
-
 def _special_rows(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     x[1, k // 2] = float("nan")

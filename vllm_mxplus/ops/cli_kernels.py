@@ -88,7 +88,7 @@ def _self_test() -> list[str]:
             bad.append(f"activation fake-quant {af}")
         w_hat = q.dequantize()
         if wf != "mxplus" and not torch.equal(
-            cpu_kernels.dequant_weight(q.codes, q.scales, q.mbs, 576, wf).view(torch.int32),
+            cpu_kernels.dequant_weight(q).view(torch.int32),
             w_hat.view(torch.int32),
         ):
             bad.append(f"weight dequantization {wf}")

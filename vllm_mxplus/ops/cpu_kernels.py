@@ -218,19 +218,13 @@ def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) ->
     return torch.ops.vllm_mxplus.cpu_act_fake_quant(x, block, rule, mbs, macro_block)
 
 
-def dequant_weight(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    mbs: torch.Tensor | None,
-    k: int,
-    fmt: str,
-    macro_block: int = MACRO_BLOCK,
-) -> torch.Tensor:
-    """QuantizedTensor.dequantize() in fp32 (same bits) for a 2-D packed weight."""
+def dequant_weight(q: QuantizedTensor) -> torch.Tensor:
+    """q.dequantize() in fp32 (same bits) for a 2-D E8M0-family weight, by the C++ decoder."""
     _require()
-    mbs_t = empty_mbs(codes.device) if mbs is None else mbs
+    block = _weight_block(q.fmt)
+    mbs = empty_mbs(q.codes.device) if q.mbs is None else q.mbs
     return torch.ops.vllm_mxplus.cpu_dequant_weight(
-        codes, scales, mbs_t, k, _weight_block(fmt), macro_block
+        q.codes, q.scales, mbs, q.shape[-1], block, q.macro_block
     )
 
 

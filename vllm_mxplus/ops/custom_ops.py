@@ -68,34 +68,14 @@ def decode_gemm_op(
 ) -> torch.Tensor:
     """`triton_decode_gemm.decode_gemm` as a custom op (traceable); block_size 0: the one
     the scale shapes imply."""
-    return decode_gemm(
-        x_codes,
-        x_scales,
-        x_mbs,
-        w_codes,
-        w_scales,
-        w_mbs,
-        K,
-        bias,
-        out_dtype,
-        block_size=block_size or None,
-    )
+    x, w = (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs)
+    return decode_gemm(*x, *w, K, bias, out_dtype, block_size=block_size or None)
 
 
 @decode_gemm_op.register_fake
-def _decode_gemm_fake(
-    x_codes,
-    x_scales,
-    x_mbs,
-    w_codes,
-    w_scales,
-    w_mbs,
-    K,
-    bias=None,
-    out_dtype=torch.bfloat16,
-    block_size=0,
-):
-    return x_codes.new_empty((x_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
+def _decode_gemm_fake(xc, xs, xm, wc, ws, wm, K, bias=None, out_dtype=torch.bfloat16, block_size=0):
+    """[M, N] in out_dtype: x codes [M, K/2], weight codes [N, K/2]."""
+    return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=out_dtype)
 
 
 def act_quant_op(

@@ -50,14 +50,7 @@ from vllm_mxplus.ops.triton_quant_blocks import (
     load_row_tile,
     mbs_static_scale,
 )
-from vllm_mxplus.ops.triton_utils import (
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
-)
+from vllm_mxplus.ops.triton_utils import ceil_div, check_available, interpreting, launch, tl, triton
 
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16")
 

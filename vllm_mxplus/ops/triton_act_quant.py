@@ -40,14 +40,7 @@ from vllm_mxplus.ops.triton_quant_blocks import (
     mbs_static_scale,
     pack_nibbles,
 )
-from vllm_mxplus.ops.triton_utils import (
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
-)
+from vllm_mxplus.ops.triton_utils import ceil_div, check_available, interpreting, launch, tl, triton
 
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
 #: MBS macro blocks the E8M0 kernel tiles (a power of two: tiles reshape into macro blocks;
