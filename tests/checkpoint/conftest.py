@@ -26,3 +26,19 @@ def random_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
         return torch.randint(0, 96, (nsamples, seqlen), generator=g)
 
     monkeypatch.setattr(quantizer_mod, "calibration_tokens", fake)
+
+
+@pytest.fixture
+def calibrated(llama_dir: Path, tmp_path: Path, random_tokens: None):
+    """(scheme, method) -> (checkpoint dir, report): the tiny llama quantized by a
+    calibrated method on random calibration tokens (4 x 16)."""
+    from vllm_mxplus.checkpoint import quantize_checkpoint
+
+    def run(scheme: str, method: str):  # noqa: ANN202
+        dst = tmp_path / f"{scheme}-{method}"
+        report = quantize_checkpoint(
+            llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16, progress=False
+        )
+        return dst, report
+
+    return run

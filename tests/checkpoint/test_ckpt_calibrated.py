@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from ckpt_helpers import cli_args, source_tensors
 
-from vllm_mxplus.checkpoint import load, quantize_checkpoint
+from vllm_mxplus.checkpoint import load
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.checkpoint.group_params import GroupParams, padded_k, quantize_columns
 from vllm_mxplus.formats import get_scheme, quantize
@@ -49,12 +49,9 @@ def _requantized_codes(q, k: int) -> torch.Tensor:  # noqa: ANN001
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("method", ["rtn-aware", "gptq"])
 def test_calibrated_checkpoint_is_exact_and_differs_from_rtn(
-    llama_dir: Path, tmp_path: Path, random_tokens: None, scheme: str, method: str
+    llama_dir: Path, calibrated, scheme: str, method: str
 ) -> None:
-    dst = tmp_path / "out"
-    report = quantize_checkpoint(
-        llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16, progress=False
-    )
+    dst, report = calibrated(scheme, method)
     assert report.n_quantized == 7
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == scheme

@@ -12,12 +12,11 @@ test_cpu_nvfp4.py, fp32 output).
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from vllm_mxplus.checkpoint import load, quantize_checkpoint
+from vllm_mxplus.checkpoint import load
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize, get_format, get_scheme
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4
@@ -111,12 +110,9 @@ def test_arbitrary_encodings_through_every_cpu_backend(scheme: str, m: int) -> N
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("method", ["rtn-aware", "gptq"])
 def test_calibrated_checkpoint_through_every_cpu_backend(
-    llama_dir: Path, tmp_path: Path, random_tokens: None, scheme: str, method: str
+    calibrated, scheme: str, method: str
 ) -> None:
-    dst = tmp_path / "out"
-    quantize_checkpoint(
-        llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16, progress=False
-    )
+    dst, _ = calibrated(scheme, method)
     g = torch.Generator().manual_seed(1)
     for q in load(dst).values():
         _assert_served_exactly(q, scheme, torch.randn(5, q.shape[-1], generator=g))

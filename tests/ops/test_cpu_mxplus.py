@@ -21,6 +21,7 @@ import shutil
 import pytest
 import torch
 from bound_helpers import check_bound  # tests/ops, on sys.path under pytest
+from edge_rows import edge_rows
 
 from vllm_mxplus.formats import fake_quantize, quantize
 from vllm_mxplus.formats.constants import NO_BLOCK_MAX, ceil_div
@@ -34,14 +35,9 @@ BLOCK = 32
 def special_rows(x: torch.Tensor) -> torch.Tensor:
     """NaN, Inf, zero, subnormal, ties and huge rows (scale codes at both ends)."""
     k = x.shape[-1]
-    x[0, : min(k, 5)] = 0.0
-    x[1, k // 2] = float("nan")
-    x[2, 0] = -float("inf")
-    x[2, -1] = -0.0
-    x[3] = 0.0
+    edge_rows(x)
     x[4] *= 1e-39  # subnormal block absmax: scale code 0, no block max
     x[5, : min(k, 40)] = -3.0e38  # scale code 252; two equal maxima: the first one is it
-    x[6, :: max(k // 3, 1)] = -x[6, :: max(k // 3, 1)]
     x[7] = torch.linspace(-3, 3, k) * 2.0**124
     x[8, : min(k, 32)] = torch.tensor([7.75, 7.25, 6.5, -5.0] * 8)[: min(k, 32)]  # j = 7.5: 7
     return x
