@@ -28,10 +28,10 @@ class _Grouped(mb.ExpertBackend):
     def is_supported(cls, platform, capability):
         return (capability or 0) >= 90, "needs sm_90"
 
-    def process_weights_after_loading(self, layer, spec, weights):
+    def process_weights_after_loading(self, layer, weights):
         raise AssertionError("not called here")
 
-    def apply(self, layer, spec, x, topk_weights, topk_ids, activation):
+    def apply(self, layer, x, topk_weights, topk_ids, act):
         raise AssertionError("not called here")
 
 

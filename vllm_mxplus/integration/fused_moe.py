@@ -283,8 +283,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         )
         platform, capability = current_platform_of(device)
         self.backend = select_expert_backend(spec, platform, capability)
-        self.spec = spec
-        self.backend.process_weights_after_loading(layer, spec, weights)
+        self.backend.process_weights_after_loading(layer, weights)
         for name in [
             n for n in list(layer._parameters) if n.startswith(("w13_weight", "w2_weight"))
         ]:
@@ -305,4 +304,4 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Shared experts (if any) run in the MoERunner (moe_kernel is None: NO_OVERLAP order).
-        return self.backend.apply(layer, self.spec, x, topk_weights, topk_ids, self.act_fn)
+        return self.backend.apply(layer, x, topk_weights, topk_ids, self.act_fn)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.log_once import log_once
@@ -53,8 +55,12 @@ class ExpertWeights:
     dequantized: Callable[[str], torch.Tensor]
 
 
+Activation = Callable[[Tensor], Tensor]  # the layer's gated activation, [M, 2I] -> [M, I]
+
+
 class ExpertBackend(ABC):
-    """One way to run a layer's routed experts."""
+    """One way to run a layer's routed experts, made for one layer: the backend owns the
+    layer's `MoESpec` (`self.spec`) and keeps its runtime expert tensors on the layer."""
 
     name: str = "base"
     summary: str = ""  # what the selection log says when chosen (default: name)
@@ -68,22 +74,17 @@ class ExpertBackend(ABC):
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
         return True, ""
 
+    def __init__(self, spec: MoESpec) -> None:
+        self.spec = spec
+
     @abstractmethod
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, weights: ExpertWeights) -> None:
         """Store the runtime expert tensors on `layer` (once, after loading)."""
 
     @abstractmethod
     def apply(
-        self,
-        layer: torch.nn.Module,
-        spec: MoESpec,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        activation: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
         """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
 
 
@@ -122,7 +123,7 @@ def select_expert_backend(spec: MoESpec, platform: str, capability: int | None) 
             platform,
             cls.summary or cls.name,
         )
-        return cls()
+        return cls(spec)
     if not _REGISTRY.get(platform):
         rejected.append(f"no expert backend registered for {platform}")
     log_once(
@@ -135,4 +136,4 @@ def select_expert_backend(spec: MoESpec, platform: str, capability: int | None) 
         platform,
         "; ".join(rejected),
     )
-    return registry.resolve(REFERENCE)()
+    return registry.resolve(REFERENCE)(spec)

@@ -10,12 +10,13 @@ Both compute with the same fp32 values (docs/numerics.md, Kernel numerics and er
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from torch import Tensor
+from torch.nn import Module
 
 from vllm_mxplus.integration.moe_backends import (
     STEMS,
+    Activation,
     ExpertBackend,
     ExpertWeights,
     MoESpec,
@@ -45,11 +46,10 @@ class CpuPackedExperts(ExpertBackend):
             return True, ""
         return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, weights: ExpertWeights) -> None:
         from vllm_mxplus.ops.moe_cpu import PackedExperts
 
+        spec = self.spec
         experts = {}
         for stem in STEMS:
             q, e = weights.quantized(stem)
@@ -57,14 +57,8 @@ class CpuPackedExperts(ExpertBackend):
         layer.mxplus_packed = experts
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        spec: MoESpec,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        activation: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
         from vllm_mxplus.ops.moe_cpu import moe_experts_packed
 
         return moe_experts_packed(
@@ -73,7 +67,7 @@ class CpuPackedExperts(ExpertBackend):
             layer.mxplus_packed["w2"],
             topk_weights,
             topk_ids,
-            activation=activation,
+            activation=act,
             expert_map=layer.expert_map,
         )
 
@@ -85,26 +79,20 @@ class ReferenceExperts(ExpertBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         return True, ""
 
-    def process_weights_after_loading(
-        self, layer: torch.nn.Module, spec: MoESpec, weights: ExpertWeights
-    ) -> None:
+    def process_weights_after_loading(self, layer: Module, weights: ExpertWeights) -> None:
+        spec = self.spec
         fp32 = {stem: weights.dequantized(stem).contiguous() for stem in STEMS}
         for stem, attr in zip(STEMS, (W13_FP32, W2_FP32)):
             layer.register_parameter(attr, torch.nn.Parameter(fp32[stem], requires_grad=False))
         layer.mxplus_row_amax_reduce = spec.activation_per_row and layer.moe_config.tp_size > 1
 
     def apply(
-        self,
-        layer: torch.nn.Module,
-        spec: MoESpec,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        activation: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
+        self, layer: Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
         from vllm_mxplus.ops.moe_reference import moe_experts_reference
         from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
+        spec = self.spec
         row_g = None
         if layer.mxplus_row_amax_reduce:
 
@@ -119,7 +107,7 @@ class ReferenceExperts(ExpertBackend):
             topk_ids,
             spec.activation_format,
             per_row=spec.activation_per_row,
-            activation=activation,
+            activation=act,
             macro_block=spec.macro_block,
             expert_map=layer.expert_map,
             row_global_scale=row_g,
