@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import inspect
-import itertools
 import multiprocessing
 import os
 import re
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vllm_mxplus.ops.aot_drivers import DRIVERS
 
 #: sm -> max dynamic shared memory per block (bytes), from the CUDA programming guide.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
@@ -86,87 +87,6 @@ class CompileResult:
 
 
 # ----------------------------------------------------------------------------- enumeration
-def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _drive_act_quant(quick: bool) -> None:
-    from vllm_mxplus.formats import get_format
-    from vllm_mxplus.ops import triton_act_quant as aq
-
-    dtypes = (
-        (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32)
-    )
-    ms = (1, 64) if quick else (1, 2, 3, 4, 64)
-    ks = (4096,) if quick else (16, 48, 64, 128, 256, 576, 4096, 4104)
-    for fmt in aq.SUPPORTED_FORMATS:
-        mbs = bool(get_format(fmt).mbs)
-        macros = aq.SUPPORTED_MACRO_BLOCKS if mbs else (128,)
-        if quick and mbs:
-            macros = (macros[0], macros[-1])
-        for dtype, m, k, macro in itertools.product(dtypes, ms, ks, macros):
-            aq.act_quant(_meta((m, k), dtype), fmt, macro_block=macro)
-
-
-def _drive_act_fp8(quick: bool) -> None:
-    from vllm_mxplus.ops import triton_act_fp8 as af
-
-    dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
-    ms = (64,) if quick else (1, 2, 3, 4, 64)
-    ks = (4096,) if quick else (128, 256, 576, 4096, 4104)
-    for fmt, dtype, m, k in itertools.product(af.SUPPORTED_FORMATS, dtypes, ms, ks):
-        af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt)
-
-
-def _drive_decode_gemm(quick: bool) -> None:
-    from vllm_mxplus.formats import get_format
-    from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
-    from vllm_mxplus.ops.backend import E8M0_PAIRS
-    from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
-
-    out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
-    # (N, K): 16-divisible strides (vectorized loads), 16-divisible codes with MBS strides
-    # that are not, and nothing 16-divisible. The quick subset keeps every shape (their
-    # register counts differ most) and the bias variants of one pair.
-    shapes = ((4096, 4096), (576, 1536), (100, 72))
-    for (wf, af), out_dtype, (n, k), bias, split in itertools.product(
-        sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4)
-    ):
-        if quick and bias and (wf, af) != ("mxfp4-mbs-d", "mxfp4-mbs-s"):
-            continue
-        bs = get_format(wf).block_size
-
-        def operand(rows: int, fmt: str) -> tuple[torch.Tensor, ...]:
-            mbs = (
-                _meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8)
-                if get_format(fmt).mbs
-                else None
-            )
-            return (
-                _meta((rows, ceil_div(k, 2)), torch.uint8),
-                _meta((rows, ceil_div(k, bs)), torch.uint8),
-                mbs,
-            )
-
-        decode_gemm(
-            *operand(16, af),
-            *operand(n, wf),
-            k,
-            _meta((n,), out_dtype) if bias else None,
-            out_dtype,
-            block_size=bs,
-            split_k=split,
-        )
-
-
-#: The launchers, by the kernels they launch; each driver calls its wrapper over its domain.
-DRIVERS: dict[str, Callable[[bool], None]] = {
-    "act_quant": _drive_act_quant,
-    "act_quant_fp8_chunks": _drive_act_fp8,
-    "decode_gemm": _drive_decode_gemm,
-}
-
-
 def _type_of(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPE[value.dtype]
