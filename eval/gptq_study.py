@@ -40,7 +40,8 @@ LABELS = {
     "nvfp4": "NVFP4",
     "bf16": "BF16",
 }
-METHODS = ("rtn", "rtn-aware", "gptq")
+# a method with "+sq": SmoothQuant smoothing (--smooth, alpha from --alpha) before it
+METHODS = ("rtn", "rtn-aware", "gptq", "rtn+sq", "rtn-aware+sq", "gptq+sq")
 
 
 def _docs(task: str, n: int) -> list[str]:
@@ -104,6 +105,8 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     from vllm_mxplus.checkpoint import quantize_checkpoint
 
     scheme, _, method = row.partition(":")
+    base, _, extra = method.partition("+")
+    smooth = args.alpha if extra == "sq" else None
     t0 = time.perf_counter()
     ckpt = None
     if scheme != "bf16":
@@ -112,7 +115,8 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
             args.model,
             ckpt,
             scheme,
-            method=method,
+            method=base,
+            smooth=smooth,
             force=True,
             nsamples=args.nsamples,
             seqlen=args.seqlen,
@@ -124,6 +128,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
         "row": row,
         "scheme": scheme,
         "method": method or None,
+        "smooth": smooth,
         "docs": args.docs,
         "nsamples": args.nsamples,
         "seqlen": args.seqlen,
@@ -164,18 +169,19 @@ def write_table(command: str, docs: int) -> None:
         "",
     ]
     tasks = sorted({t for r in res.values() for t in ("wiki", "news") if t in r})
-    head = "| scheme | " + " | ".join(f"{m} ({t})" for t in tasks for m in METHODS) + " |"
+    methods = _methods(res)
+    head = "| scheme | " + " | ".join(f"{m} ({t})" for t in tasks for m in methods) + " |"
     lines += [
         "Word perplexity (lower is better); BF16: "
         + ", ".join(f"{t} {res['bf16'][t]['word_ppl']:.2f}" for t in tasks if "bf16" in res),
         "",
         head,
-        "|---|" + "---:|" * (len(tasks) * len(METHODS)),
+        "|---|" + "---:|" * (len(tasks) * len(methods)),
     ]
     for s in SCHEMES:
         cells = []
         for t in tasks:
-            for m in METHODS:
+            for m in methods:
                 r = res.get(f"{s}:{m}")
                 cells.append(f"{r[t]['word_ppl']:.2f}" if r and t in r else "–")
         lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
@@ -183,23 +189,29 @@ def write_table(command: str, docs: int) -> None:
         "",
         "Token perplexity (wiki):",
         "",
-        "| scheme | " + " | ".join(METHODS) + " |",
-        "|---|---:|---:|---:|",
+        "| scheme | " + " | ".join(methods) + " |",
+        "|---|" + "---:|" * len(methods),
     ]
     for s in SCHEMES:
         cells = [
             f"{res[f'{s}:{m}']['wiki']['token_ppl']:.2f}" if f"{s}:{m}" in res else "–"
-            for m in METHODS
+            for m in methods
         ]
         lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
     lines += ["", "Per row: quantize seconds / total seconds / load average at the start:", ""]
     for r in res.values():
+        sq = f", smoothing alpha {r['smooth']}" if r.get("smooth") is not None else ""
         lines.append(
             f"- {r['row']}: {r['quantize_s']} s / {r['total_s']} s / load "
-            f"{r['load_avg']:.1f} (calibration {r['nsamples']} x {r['seqlen']} tokens)"
+            f"{r['load_avg']:.1f} (calibration {r['nsamples']} x {r['seqlen']} tokens{sq})"
         )
     (OUT / f"table-docs{docs}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _chart(res, docs)
+
+
+def _methods(res: dict[str, dict]) -> list[str]:
+    """The methods some scheme has a result for, in METHODS order."""
+    return [m for m in METHODS if any(f"{s}:{m}" in res for s in SCHEMES)]
 
 
 def _cpu_model() -> str:
@@ -218,14 +230,15 @@ def _chart(res: dict[str, dict], docs: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.26
-    for j, m in enumerate(METHODS):
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    methods = _methods(res)
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
         xs, ys = [], []
         for i, s in enumerate(SCHEMES):
             r = res.get(f"{s}:{m}")
             if r and "wiki" in r:
-                xs.append(i + (j - 1) * width)
+                xs.append(i + (j - (len(methods) - 1) / 2) * width)
                 ys.append(r["wiki"]["word_ppl"])
         ax.bar(xs, ys, width, label=m)
     if "bf16" in res:
@@ -245,8 +258,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--rows", nargs="*", default=[], help="SCHEME:METHOD (methods rtn, rtn-aware, gptq) or bf16"
+        "--rows",
+        nargs="*",
+        default=[],
+        help="SCHEME:METHOD (methods " + ", ".join(METHODS) + ") or bf16",
     )
+    ap.add_argument("--alpha", type=float, default=0.5, help="smoothing strength of +sq rows")
     ap.add_argument("--model", default=str(smollm2_dir()))
     ap.add_argument("--tasks", nargs="+", default=["wiki"], choices=["wiki", "news"])
     ap.add_argument("--docs", type=int, default=0, help="first N documents only (0: all)")

@@ -120,3 +120,41 @@ def test_cli_bad_format_and_macro(capsys):
     assert "unknown format 'fp5'" in capsys.readouterr().err
     assert main(["qsnr", "--macro-block", "24", "--no-progress"]) == 2
     assert "--macro-block 24" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def outlier_model(tiny_model, tmp_path_factory):
+    """The tiny model with one hidden channel 40x the others at the attention input."""
+    transformers = pytest.importorskip("transformers")
+    src, text = tiny_model
+    d = tmp_path_factory.mktemp("outlier")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight[3] = 40.0
+    model.save_pretrained(d)
+    transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(d)
+    return d, text
+
+
+def _qsnr_json(model, text, tmp_path, *extra):
+    out = tmp_path / f"r{len(extra)}.json"
+    argv = ["qsnr", str(model), "--text", str(text), "--tokens", "32", "--no-progress"]
+    assert main([*argv, "--formats", "mxfp4-ocp", "--json", str(out), *extra]) == 0
+    data = json.loads(out.read_text())
+    return data, {(r["kind"], r["tensor"]): r["qsnr"] for r in data["records"]}
+
+
+def test_smooth_reports_the_effect_per_tensor(outlier_model, tmp_path, capsys):
+    model, text = outlier_model
+    _, plain = _qsnr_json(model, text, tmp_path)
+    data, smooth = _qsnr_json(model, text, tmp_path, "--smooth", "0.5")
+    assert data["meta"]["smooth"] == 0.5 and "smoothed (alpha 0.5)" in data["meta"]["title"]
+    q_in = ("activation", "model.layers.0.self_attn.q_proj")
+    # the outlier channel is divided into the norm: its block no longer dominates
+    assert smooth[q_in] > plain[q_in] + 1.0, (plain[q_in], smooth[q_in])
+    q_w = ("weight", "model.layers.0.self_attn.q_proj.weight")
+    assert smooth[q_w] != plain[q_w]  # the smoothed weight is the one measured
+    assert main(["qsnr", str(model), "--smooth", "0.5", "--weights-only"]) == 2
+    assert "--smooth needs a MODEL" in capsys.readouterr().err
+    assert main(["qsnr", str(model), "--smooth", "2"]) == 2
+    assert "--smooth 2.0" in capsys.readouterr().err

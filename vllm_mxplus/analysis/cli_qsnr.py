@@ -63,6 +63,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-rows", type=int, default=256, help="activation rows kept per layer (default: 256)"
     )
     p.add_argument("--weights-only", action="store_true", help="skip activations and outputs")
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="measure the model smoothed as `mxplus quantize --smooth ALPHA` would store it "
+        "(statistics from the same tokens; Llama-like models): compare a run with and "
+        "without to see the effect per tensor",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="write all per-tensor numbers as JSON")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a Figure-6-style bar chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -81,6 +90,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"{args.model}: not a model dir (no config.json)")
     if args.text is not None and not args.text.is_file():
         raise ValueError(f"--text {args.text}: no such file")
+    if args.smooth is not None and (args.model is None or args.weights_only):
+        raise ValueError("--smooth needs a MODEL and its activations (not --weights-only)")
+    if args.smooth is not None and not 0.0 < args.smooth < 1.0:
+        raise ValueError(f"--smooth {args.smooth}: the migration strength must be in (0, 1)")
 
 
 def _default_text() -> Path | None:
@@ -118,9 +131,13 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            pairs = sources.capture_linear_inputs(
-                args.model, text_path.read_text(), args.tokens, args.max_rows
+            pairs, smoothed = sources.capture_linear_inputs(
+                args.model, text_path.read_text(), args.tokens, args.max_rows, args.smooth
             )
+            if args.smooth is not None:
+                original = dict(weights)
+                weights = [(n, smoothed.get(n, w)) for n, w in original.items()]
+                title = f"{title}, smoothed (alpha {args.smooth})"
     if args.weights_only:
         pairs = {}
     report = rep.analyse(weights, pairs, args.formats, args.macro_block, n_weights, progress)
@@ -130,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         "text": str(args.text or (_default_text() if args.model else "")),
         "tokens": args.tokens,
         "macro_blocks": args.macro_block,
+        "smooth": args.smooth,
         "seconds": round(time.time() - t0, 1),
     }
     print(rep.markdown(report))

@@ -58,11 +58,14 @@ def count_linear_weights(model_dir: Path) -> int:
 
 
 def capture_linear_inputs(
-    model_dir: Path, text: str, tokens: int, max_rows: int
-) -> dict[str, torch.Tensor]:
+    model_dir: Path, text: str, tokens: int, max_rows: int, smooth: float | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run a transformers model on `tokens` tokens of text and capture, for every nn.Linear
     the schemes quantize (not lm_head or a MoE router), up to `max_rows` input rows:
-    {module name: x [rows, K]}."""
+    ({module name: x [rows, K]}, {}). With `smooth` (alpha), the model is first smoothed
+    as `mxplus quantize --smooth` does (statistics from the same tokens), and the second
+    dict holds the smoothed weights {module name.weight: W [N, K]} to measure instead of the
+    checkpoint's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -73,6 +76,14 @@ def capture_linear_inputs(
     ids = tok(text[: tokens * 16], return_tensors="pt").input_ids[:, :tokens]
     if ids.shape[1] == 0:
         raise ValueError("the text gives no tokens")
+    smoothed: dict[str, torch.Tensor] = {}
+    if smooth is not None:
+        from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
+
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        changed = smooth_model(model, input_absmax(model, ids, "cpu"), smooth, dtypes)
+        params = dict(model.named_parameters())
+        smoothed = {n: params[n].detach() for n in changed if n.endswith("proj.weight")}
     captured: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in model.named_modules():
@@ -89,7 +100,7 @@ def capture_linear_inputs(
     finally:
         for h in hooks:
             h.remove()
-    return captured
+    return captured, smoothed
 
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:

@@ -45,6 +45,11 @@ weighted by E[x^2] of the layer's inputs, still rounding to nearest; `gptq` also
 each column's rounding error on the columns not yet quantized (GPTQ, 1% damping, natural
 order). Both write the same checkpoint layout, served by vLLM unchanged; they need a
 transformers-loadable decoder (Llama-like) and take minutes on a small model on CPU.
+
+Smoothing (--smooth ALPHA, with any method): per input channel of each group of linears a
+factor moves quantization difficulty from the activations to the weights (SmoothQuant),
+folded exactly into the operation before them (the norms, up_proj rows, v_proj rows), so the
+model computes the same function; only its stored tensors change.
 """
 
 EPILOG = """\
@@ -53,6 +58,7 @@ examples:
   mxplus quantize ./llama ./llama-nvfp4 --scheme nvfp4 --ignore 're:layers\\.0\\.' --force
   mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs-gptq --scheme mxfp4-mbs --method gptq
   mxplus quantize ./llama ./llama-aware --method rtn-aware --calib my_text.txt --nsamples 64
+  mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs-sq --scheme mxfp4-mbs --smooth 0.5
 """
 
 
@@ -120,7 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--calib",
         default=None,
         metavar="FILE",
-        help="calibration text (UTF-8) for rtn-aware / gptq (default: the embedded "
+        help="calibration text (UTF-8) for rtn-aware / gptq / --smooth (default: the embedded "
         "Wikipedia text, held out from the evaluation text; needs mxplus prepare)",
     )
     p.add_argument(
@@ -136,6 +142,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_SEQLEN,
         metavar="T",
         help="tokens per calibration window (default: %(default)s)",
+    )
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="SmoothQuant-style smoothing folded into the weights and norms before "
+        "quantizing (any --method): per input channel s = max|x|^ALPHA / max|w|^(1-ALPHA) "
+        "from the calibration text; ALPHA in (0, 1), 0.5 is the usual choice. Llama-like "
+        "models (llama, mistral, qwen2, qwen3); no serving change (default: off)",
     )
     p.set_defaults(func=run)
 
@@ -169,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             calib=args.calib,
             nsamples=args.nsamples,
             seqlen=args.seqlen,
+            smooth=args.smooth,
         )
     except UsageError as e:
         print(f"mxplus quantize: error: {e}", file=sys.stderr)

@@ -48,6 +48,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
     warn_stale_tmp,
     write_all,
 )
+from vllm_mxplus.checkpoint.smoothing import check_alpha, input_absmax, smooth_model
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
 from vllm_mxplus.formats import QuantizedTensor, get_scheme
 
@@ -77,6 +78,7 @@ def quantize_checkpoint(
     calib: str | os.PathLike[str] | None = None,
     nsamples: int = DEFAULT_NSAMPLES,
     seqlen: int = DEFAULT_SEQLEN,
+    smooth: float | None = None,
 ) -> QuantizeReport:
     """Quantize the HF model dir `src` into `dst` with `scheme` (any name in formats.SCHEMES).
 
@@ -84,7 +86,9 @@ def quantize_checkpoint(
     method: "rtn" (the spec's parameters, round to nearest), "rtn-aware" (group parameters
     chosen input-weighted on calibration text, round to nearest) or "gptq"; the calibrated
     methods read `calib` (a text file; default: the held-out embedded Wikipedia text),
-    `nsamples` windows of `seqlen` tokens (calibration.py). Raises UsageError for a bad
+    `nsamples` windows of `seqlen` tokens (calibration.py). smooth: SmoothQuant migration
+    strength alpha in (0, 1), folded into the weights and norms before any method, from the
+    same calibration tokens (smoothing.py); None: no smoothing. Raises UsageError for a bad
     request and CheckpointError for a source or write failure.
     """
     t0 = time.perf_counter()
@@ -106,6 +110,8 @@ def quantize_checkpoint(
         raise UsageError(f"max shard size must be positive, got {max_shard_bytes}")
     if method not in METHODS:
         raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
+    if smooth is not None:
+        check_alpha(smooth)
     try:
         matcher = IgnoreMatcher(list(ignore))
     except ValueError as e:  # an invalid regular expression
@@ -117,9 +123,10 @@ def quantize_checkpoint(
     shards = split_shards(items, max_shard_bytes)
     check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
     precomputed: dict[str, QuantizedTensor] = {}
-    if method != "rtn":
-        precomputed = _calibrated_weights(
-            src_p, items, s.name, cast(Method, method), calib, nsamples, seqlen, device, progress
+    rewritten: dict[str, torch.Tensor] = {}
+    if method != "rtn" or smooth is not None:
+        precomputed, rewritten = _calibrated_weights(
+            src_p, items, s.name, method, calib, nsamples, seqlen, device, progress, smooth
         )
 
     report = QuantizeReport(
@@ -135,17 +142,18 @@ def quantize_checkpoint(
     warn_stale_tmp(dst_p)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}{TMP_TAG}", dir=dst_p.parent))
     try:
-        write_all(source, shards, fmt, tmp, device, report, progress, precomputed)
+        write_all(source, shards, fmt, tmp, device, report, progress, precomputed, rewritten)
         for f in source.other_files:
             shutil.copy2(f, tmp / f.name)
         config = dict(source.config)
         config["quantization_config"] = make_quantization_config(s.name, unquantized)
-        if method != "rtn":  # provenance only; loaders ignore it
+        if method != "rtn" or smooth is not None:  # provenance only; loaders ignore it
             config["quantization_config"]["calibration"] = {
                 "method": method,
                 "nsamples": nsamples,
                 "seqlen": seqlen,
                 "text": str(calib) if calib is not None else "embedded Wikipedia (held out)",
+                **({"smoothing": {"alpha": smooth}} if smooth is not None else {}),
             }
         # config.json last: a directory without it is never taken for a finished checkpoint.
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -162,14 +170,16 @@ def _calibrated_weights(
     src: Path,
     items: list[Item],
     scheme: str,
-    method: Method,
+    method: str,
     calib: str | os.PathLike[str] | None,
     nsamples: int,
     seqlen: int,
     device: str,
     progress: bool,
-) -> dict[str, QuantizedTensor]:
-    """Run calibration (calibration.py) over the source model; QuantizedTensors by module."""
+    smooth: float | None,
+) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
+    """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
+    for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name)."""
     targets = {
         i.decision.module
         for i in items
@@ -185,11 +195,19 @@ def _calibrated_weights(
         raise UsageError(
             f"{src}: transformers cannot load it for --method {method} ({e}); use --method rtn"
         ) from None
+    rewritten: dict[str, torch.Tensor] = {}
+    if smooth is not None:
+        dtypes = {i.info.name: i.info.torch_dtype or torch.float32 for i in items}
+        changed = smooth_model(model, input_absmax(model, tokens, device), smooth, dtypes)
+        params = dict(model.named_parameters())
+        rewritten = {n: params[n].detach().to("cpu", dtypes[n]).clone() for n in changed}
+    if method == "rtn":
+        return {}, rewritten
     res = calibrate_and_quantize(
         model,
         tokens,
         scheme,
-        method,
+        cast(Method, method),
         targets,
         device=device,
         progress=progress,
@@ -203,7 +221,7 @@ def _calibrated_weights(
             len(missed),
             missed[0],
         )
-    return res.weights
+    return res.weights, rewritten
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:

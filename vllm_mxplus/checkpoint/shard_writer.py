@@ -99,7 +99,12 @@ def write_all(
     report: QuantizeReport,
     progress: bool,
     precomputed: dict[str, QuantizedTensor],
+    rewritten: dict[str, torch.Tensor] | None = None,
 ) -> None:
+    """Write every shard into tmp. `precomputed`: QuantizedTensors by module (calibrated
+    methods); `rewritten`: source tensors by name that replace the file's (smoothing), in
+    the source dtype: quantized like a source tensor, or written as they are."""
+    rewritten = dict(rewritten or {})
     total_in = sum(i.info.nbytes for s in shards for i in s.items)
     n_tensors = sum(len(s.items) for s in shards)
     qsnrs: dict[str, list[float]] = defaultdict(list)
@@ -127,6 +132,7 @@ def write_all(
                         it.info.path,
                         open(it.info.path, "rb"),  # noqa: SIM115
                     )
+                    src = rewritten.pop(it.info.name, None)
                     if it.decision.quantize:
                         assert it.decision.module is not None  # a quantized tensor's module
                         q_db = _quantize_one(
@@ -137,10 +143,15 @@ def write_all(
                             writer,
                             bar,
                             precomputed.pop(it.decision.module, None),
+                            src,
                         )
                         qsnrs[fmt].append(q_db)
                         report.n_quantized += 1
                         report.weights_quantized += math.prod(it.info.shape)
+                    elif src is not None:
+                        writer.write(it.info.name, src)
+                        bar.update(it.info.nbytes)
+                        report.n_kept += 1
                     else:
                         writer.copy_from(it.info, f)  # type: ignore[arg-type]
                         bar.update(it.info.nbytes)
@@ -159,6 +170,10 @@ def write_all(
         bar.close()
         for h in handles.values():
             h.close()  # type: ignore[attr-defined]
+    if rewritten:
+        raise CheckpointError(
+            f"rewritten tensors not in the source checkpoint: {', '.join(sorted(rewritten))}"
+        )
     report.shards = len(shards)
     report.qsnr_db = {k: _mean_finite(v) for k, v in qsnrs.items()}
     if len(shards) > 1:
@@ -174,8 +189,9 @@ def _quantize_one(
     writer: StreamingWriter,
     bar: tqdm,
     done: QuantizedTensor | None = None,
+    src: torch.Tensor | None = None,
 ) -> float:
-    w = read_tensor(it.info, f)  # type: ignore[arg-type]
+    w = read_tensor(it.info, f) if src is None else src  # type: ignore[arg-type]
     if done is not None:  # quantized by calibration: only its error is measured here
         x32 = w.float()
         sig = float(torch.sum(x32.square(), dtype=torch.float64))
