@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -146,10 +147,10 @@ def smooth_model(
     name), so that calibration and the quantizer see what the checkpoint will hold."""
     check_alpha(alpha)
     layers = _layers(model)
-    cfg = model.config
-    n_heads = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    cfg: Any = model.config
+    n_heads: int = cfg.num_attention_heads
+    n_kv: int = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     prefix = "model.layers"
     changed: list[str] = []
 
@@ -166,7 +167,7 @@ def smooth_model(
                     raise UsageError(
                         f"--smooth: {prefix}.{i} lacks one of {fold.producer + fold.consumers}"
                     )
-                consumers = [layer.get_submodule(c) for c in fold.consumers]
+                consumers = [cast(nn.Linear, layer.get_submodule(c)) for c in fold.consumers]
                 w_amax = torch.cat([c.weight.abs().float() for c in consumers], 0).amax(0).cpu()
                 a_amax = amax[f"{i}.{fold.stats}"]
                 if fold.heads:  # channel h*head_dim + d reads KV head h // g: share s
@@ -180,7 +181,7 @@ def smooth_model(
                 for pname in fold.producer:
                     mod = layer.get_submodule(pname)
                     for attr in ("weight", "bias"):
-                        t = getattr(mod, attr, None)
+                        t: torch.Tensor | None = getattr(mod, attr, None)
                         if t is None:
                             continue
                         f = producer_s.to(t.device)
