@@ -110,3 +110,15 @@ def test_refusals_name_the_option(llama_dir: Path, tmp_path: Path, capsys) -> No
     model.config.model_type = "gemma"  # its norms scale by (1 + weight): no fold defined
     with pytest.raises(UsageError, match="model type 'gemma' is not supported"):
         smooth_model(model, {}, ALPHA, {})
+
+
+def test_a_fold_that_would_overflow_is_refused(llama_dir: Path) -> None:
+    model = _model(llama_dir)
+    ids = _tokens()
+    amax = input_absmax(model, ids, "cpu")
+    amax["0.self_attn.q_proj"][7] = 0.0  # a dead channel: s at its floor, norm / s huge
+    fp16 = {n: torch.float16 for n, _ in model.named_parameters()}
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight[7] = 60000.0
+    with pytest.raises(UsageError, match="input_layernorm.weight would not be finite"):
+        smooth_model(model, amax, ALPHA, fp16)

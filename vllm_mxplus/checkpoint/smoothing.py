@@ -157,7 +157,13 @@ def smooth_model(
     def rewrite(name: str, t: torch.Tensor, value: torch.Tensor) -> None:
         if name not in dtypes:
             raise UsageError(f"--smooth: {name} is not a tensor of the source checkpoint")
-        t.copy_(value.to(dtypes[name]).to(t.dtype))
+        stored = value.to(dtypes[name])
+        if not torch.isfinite(stored).all():
+            raise UsageError(
+                f"--smooth {alpha}: {name} would not be finite in {dtypes[name]} after "
+                "smoothing (an extreme channel); try a smaller ALPHA or quantize without --smooth"
+            )
+        t.copy_(stored.to(t.dtype))
         changed.append(name)
 
     with torch.no_grad():
