@@ -66,6 +66,7 @@ def _quantized_model(
     afmt = get_scheme(scheme).activation_format
     per_row = get_format(afmt).scale_rule == "e4m3"
     weights = load(ckpt)
+    _load_kept_tensors(model, ckpt)
     mods = dict(model.named_modules())
     for name, q in weights.items():
         lin = mods[name]
@@ -79,6 +80,30 @@ def _quantized_model(
         lin.forward = forward
         lin.weight = None  # the bf16 weight is not what the served model computes with
     return model
+
+
+def _load_kept_tensors(model: torch.nn.Module, ckpt: Path) -> int:
+    """Copy the checkpoint's unquantized tensors (norms, embeddings, lm_head, biases) into
+    `model`: with --smooth they differ from the source model's. Returns how many."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    n = 0
+    for path in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118  (safe_open is not iterable)
+                p = params.get(name)
+                if p is not None:
+                    t = fh.get_tensor(name)
+                    if t.shape != p.shape:
+                        raise ValueError(
+                            f"{path}: {name} is {tuple(t.shape)}, model has {tuple(p.shape)}"
+                        )
+                    p.data.copy_(t)
+                    n += 1
+    if n == 0:
+        raise ValueError(f"{ckpt}: no unquantized tensor matched the model's parameters")
+    return n
 
 
 def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: ANN001

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.checkpoint.smooth_option import add_smooth_option, check_alpha
 from vllm_mxplus.formats.constants import MACRO_BLOCK
 
 if TYPE_CHECKING:
@@ -63,12 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-rows", type=int, default=256, help="activation rows kept per layer (default: 256)"
     )
     p.add_argument("--weights-only", action="store_true", help="skip activations and outputs")
-    p.add_argument(
-        "--smooth",
-        type=float,
-        default=None,
-        metavar="ALPHA",
-        help="measure the model smoothed as `mxplus quantize --smooth ALPHA` would store it "
+    add_smooth_option(
+        p,
+        "measure the model smoothed as `mxplus quantize --smooth ALPHA` would store it "
         "(statistics from the same tokens; Llama-like models): compare a run with and "
         "without to see the effect per tensor",
     )
@@ -92,8 +91,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--text {args.text}: no such file")
     if args.smooth is not None and (args.model is None or args.weights_only):
         raise ValueError("--smooth needs a MODEL and its activations (not --weights-only)")
-    if args.smooth is not None and not 0.0 < args.smooth < 1.0:
-        raise ValueError(f"--smooth {args.smooth}: the migration strength must be in (0, 1)")
+    if args.smooth is not None:
+        try:
+            check_alpha(args.smooth)
+        except UsageError as e:
+            raise ValueError(str(e)) from None
 
 
 def _default_text() -> Path | None:

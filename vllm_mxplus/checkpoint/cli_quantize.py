@@ -12,6 +12,7 @@ from vllm_mxplus.checkpoint.calib_data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from vllm_mxplus.checkpoint.calibration import METHODS
 from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
 from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
+from vllm_mxplus.checkpoint.smooth_option import add_smooth_option
 from vllm_mxplus.formats import SCHEMES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -143,12 +144,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="tokens per calibration window (default: %(default)s)",
     )
-    p.add_argument(
-        "--smooth",
-        type=float,
-        default=None,
-        metavar="ALPHA",
-        help="SmoothQuant-style smoothing folded into the weights and norms before "
+    add_smooth_option(
+        p,
+        "SmoothQuant-style smoothing folded into the weights and norms before "
         "quantizing (any --method): per input channel s = max|x|^ALPHA / max|w|^(1-ALPHA) "
         "from the calibration text; ALPHA in (0, 1), 0.5 is the usual choice. Llama-like "
         "models (llama, mistral, qwen2, qwen3); no serving change (default: off)",

@@ -48,7 +48,8 @@ from vllm_mxplus.checkpoint.shard_writer import (
     warn_stale_tmp,
     write_all,
 )
-from vllm_mxplus.checkpoint.smoothing import check_alpha, input_absmax, smooth_model
+from vllm_mxplus.checkpoint.smooth_option import check_alpha
+from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
 from vllm_mxplus.formats import QuantizedTensor, get_scheme
 

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.checkpoint.smooth_option import check_alpha
 
 #: model types whose norms multiply by `weight` and whose layers have the modules folded here
 SMOOTH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -66,12 +67,6 @@ FOLDS = (
     Fold("mlp.down_proj", ("mlp.up_proj",), True, ("mlp.down_proj",)),
     Fold("self_attn.o_proj", ("self_attn.v_proj",), True, ("self_attn.o_proj",), heads=True),
 )
-
-
-def check_alpha(alpha: float) -> float:
-    if not 0.0 < alpha < 1.0:
-        raise UsageError(f"--smooth {alpha}: the migration strength must be in (0, 1), e.g. 0.5")
-    return alpha
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
