@@ -21,6 +21,7 @@
 
 #include <vector>
 
+#include "mx_tile_avx2.h"
 #include "mx_tile_avx512.h"
 
 namespace mxplus_cpu {
@@ -29,6 +30,11 @@ namespace {
 using namespace gemm_detail;
 
 constexpr float kNvfp4Denom = 6.0f * 448.0f;  // E2M1_MAX * F8E4M3_MAX = 2688, exact
+#if defined(MXPLUS_AVX2) && defined(__FMA__)
+constexpr int kNvfp4TileM = 4;  // AVX2 has 16 vector registers: 4 rows of accumulators
+#else
+constexpr int kNvfp4TileM = kMaxTileM;
+#endif
 
 inline float e4m3_value(uint8_t b) {
   return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
@@ -120,6 +126,47 @@ void nvfp4_tile(const WeightTiles& w, const float* gw, const Nvfp4Rows& a, int64
                                    _mm512_set1_ps(0.25f));
     const __m512 v = _mm512_mul_ps(acc[m], G);
     _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
+  }
+#elif defined(MXPLUS_AVX2) && defined(__FMA__)
+  // Half a tile (8 rows, one lane each) at a time; the same operations in the same order as
+  // the portable loop below, so the same bits.
+  static_assert(MT <= kNvfp4TileM, "AVX2: at most 4 activation rows per register tile");
+  for (int h = 0; 8 * h < valid; ++h) {
+    const int8_t* xr[MT];
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const __m256i sb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * kTileN + 8 * h)));
+      // E4M3 bits 0eeeemmm at fp32 bits 26..20 read 2^-120 of the value (as for AVX-512)
+      const __m256i mag = _mm256_and_si256(sb, _mm256_set1_epi32(0x7F));
+      __m256 sw = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)),
+                                _mm256_set1_ps(1.329227995784916e36f));  // 2^120, exact
+      sw = _mm256_castsi256_ps(_mm256_or_si256(
+          _mm256_castps_si256(sw), _mm256_slli_epi32(_mm256_srli_epi32(sb, 7), 31)));
+      sw = _mm256_blendv_ps(
+          sw, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+      __m256i iacc[MT];
+      for (int m = 0; m < MT; ++m) {
+        iacc[m] = dot_begin(a.corr[(m0 + m) * a.nb + b]);
+        xr[m] = a.codes + (m0 + m) * a.kp + b * kGroupK;
+      }
+      group_dots8<MT>(w.codes + (t * w.groups + b) * kGroupBytes + 32 * h, xr, iacc);
+      for (int m = 0; m < MT; ++m)  // I * (sa * sw): the product is exact, the FMA rounds once
+        acc[m] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(dot_end(iacc[m], a.corr[(m0 + m) * a.nb + b])),
+            _mm256_mul_ps(sw, _mm256_set1_ps(a.sa[(m0 + m) * a.nb + b])), acc[m]);
+    }
+    const int64_t nh = n0 + 8 * h;
+    for (int m = 0; m < MT; ++m) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, acc[m]);
+      for (int64_t i = 0; i < 8 && nh + i < w.n; ++i) {
+        const float r = v[i] * ((gw[nh + i] * a.ga[m0 + m]) * 0.25f);
+        y[(m0 + m) * w.n + nh + i] = bias ? r + bias[nh + i] : r;
+      }
+    }
   }
 #else
   for (int64_t i = 0; i < valid; ++i) {
@@ -231,9 +278,10 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
   const float* gw = wglobal.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, nt, tile_grain(M, kp), [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
+    for (int64_t m0 = 0; m0 < M; m0 += kNvfp4TileM)
       for (int64_t t = t0; t < t1; ++t)
-        nvfp4_rows<kMaxTileM>(w, gw, a, t, m0, std::min<int64_t>(kMaxTileM, M - m0), yp, bp);
+        nvfp4_rows<kNvfp4TileM>(w, gw, a, t, m0, std::min<int64_t>(kNvfp4TileM, M - m0), yp,
+                                bp);
   });
   return y.to(out_dtype).view(out_shape);
 }

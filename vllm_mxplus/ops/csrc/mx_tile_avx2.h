@@ -111,14 +111,31 @@ inline __m256i block_max_term(__m256i iacc, const BlockMax8& bm, const int8_t* x
   return _mm256_add_epi32(iacc, _mm256_srai_epi32(_mm256_madd_epi16(g, bm.w16), 8));
 }
 
+// iacc[m] += the products of one 16-element group: 8 tile rows (wg: the half tile's bytes of
+// the group, pack_weight's order) times MT activation rows (x[m]: their 16 codes).
+template <int MT>
+inline void group_dots8(const uint8_t* wg, const int8_t* const* x, __m256i* iacc) {
+  const __m256i lut = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+  const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64));
+  const __m256i wv[4] = {
+      _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, lo4)),
+      _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), lo4)),
+      _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, lo4)),
+      _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), lo4))};
+  for (int m = 0; m < MT; ++m) {
+    const int32_t* x4 = reinterpret_cast<const int32_t*>(x[m]);
+    for (int q = 0; q < 4; ++q) iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
+  }
+}
+
 // y[m0 .. m0+MT, rows 8h .. 8h+7 of tile t]. GPB = 16-element groups per block; BM: MX+
 // block maxima (GPB = 2).
 template <int MT, int GPB, bool MBS, bool BM>
 void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int h,
                int64_t m0, float* y, const float* bias) {
-  const __m256i lut = _mm256_broadcastsi128_si256(
-      _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-  const __m256i lo4 = _mm256_set1_epi8(0x0F);
   alignas(32) float ysum[MT][8];
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) {
@@ -133,20 +150,9 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
       for (int m = 0; m < MT; ++m) iacc[m] = dot_begin(a.corr[(m0 + m) * a.nb + b]);
       for (int gg = 0; gg < GPB; ++gg) {
         const int64_t g = b * GPB + gg;
-        const uint8_t* wg = w.codes + (t * w.groups + g) * kGroupBytes + 32 * h;
-        const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
-        const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64));
-        const __m256i wv[4] = {
-            _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, lo4)),
-            _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), lo4)),
-            _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, lo4)),
-            _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), lo4))};
-        for (int m = 0; m < MT; ++m) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(a.codes + (m0 + m) * a.kp +
-                                                               g * kGroupK);
-          for (int q = 0; q < 4; ++q)
-            iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
-        }
+        const int8_t* xg[MT];
+        for (int m = 0; m < MT; ++m) xg[m] = a.codes + (m0 + m) * a.kp + g * kGroupK;
+        group_dots8<MT>(w.codes + (t * w.groups + g) * kGroupBytes + 32 * h, xg, iacc);
       }
       for (int m = 0; m < MT; ++m) iacc[m] = dot_end(iacc[m], a.corr[(m0 + m) * a.nb + b]);
       if constexpr (BM) {
