@@ -27,11 +27,33 @@ MAX_TOKENS = 32
 # block 32; MX+ block-max index; E8M0 block 16 + MBS bytes; NVFP4 e4m3 + global scales).
 # mxfp4-16-oas and mxfp4-mbs-s store the same tensor sets as mxfp4-ocp (block 16) / mxfp4-mbs.
 PRE_SCHEMES = ["mxfp4-ocp", "mxplus", "mxfp4-mbs", "nvfp4"]
+SMOOTH = {"smooth": 0.5, "nsamples": 4, "seqlen": 24}  # `mxplus quantize --smooth` job
+
+
+def smoothed_copy(src: str, dst: Path, calib: Path) -> Path:
+    """src with the smoothing of `mxplus quantize --smooth` folded in, saved unquantized:
+    the model the transformers reference runs for the smoothed checkpoint."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_mxplus.checkpoint.calib_data import calibration_tokens
+    from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tokens = calibration_tokens(src, calib, SMOOTH["nsamples"], SMOOTH["seqlen"])
+    dtypes = {n: torch.bfloat16 for n, _ in model.named_parameters()}  # the tiny models' dtype
+    smooth_model(model, input_absmax(model, tokens, "cpu"), SMOOTH["smooth"], dtypes)
+    model.to(torch.bfloat16).save_pretrained(dst, safe_serialization=True)
+    for f in Path(src).glob("*token*"):
+        shutil.copy2(f, dst / f.name)
+    return dst
 
 
 def build_models(root: Path) -> dict[str, str]:
     """Build every checkpoint the integration tests use; returns name -> directory."""
-    from tiny_models import build_tiny_llama, prequantize, tamper_checkpoint
+    from tiny_models import POISON, WORDS, build_tiny_llama, prequantize, tamper_checkpoint
 
     m: dict[str, str] = {}
     m["tiny256"] = str(build_tiny_llama(root / "tiny256", poison=True))
@@ -45,6 +67,13 @@ def build_models(root: Path) -> dict[str, str]:
     for scheme in PRE_SCHEMES:
         m[f"tiny256-{scheme}"] = str(prequantize(m["tiny256"], root / f"q256-{scheme}", scheme))
     m["tiny320-mxfp4-mbs"] = str(prequantize(m["tiny320"], root / "q320-mbs", "mxfp4-mbs"))
+    # --smooth: the checkpoint, and the smoothed bf16 model the reference runs
+    calib = root / "calib.txt"
+    calib.write_text(" ".join(w for w in WORDS * 4 if w != POISON))
+    m["tiny256-sq"] = str(
+        prequantize(m["tiny256"], root / "q256-sq", "mxfp4-mbs", calib=calib, **SMOOTH)
+    )
+    m["tiny256-smoothed"] = str(smoothed_copy(m["tiny256"], root / "tiny256-smoothed", calib))
     m["bad-missing"] = str(
         tamper_checkpoint(
             prequantize(m["tiny256"], root / "bad-missing", "mxfp4-mbs"),
@@ -172,6 +201,7 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
     jobs.append(dict(gen_job("compiled-mxfp4-mbs", m["tiny256"], "mxfp4-mbs"), eager=False))
     jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
+    jobs.append(gen_job("pre-sq-mxfp4-mbs", m["tiny256-sq"], None))
     jobs.append(gen_job("bad-missing", m["bad-missing"], None))
     jobs.append(gen_job("bad-shape", m["bad-shape"], None))
     jobs.append(gen_job("bad-flag", m["tiny256-mxfp4-mbs"], "nvfp4"))

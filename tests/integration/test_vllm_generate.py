@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from integration_harness import (
@@ -46,6 +47,34 @@ def test_prequantized_checkpoint_matches_reference(driver_run, tiny_models, sche
     from config.json with no flag."""
     results, _ = driver_run
     _check_against_reference(results[f"pre-{scheme}"], tiny_models["tiny256"], scheme)
+
+
+def _tensors(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {
+        k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+
+
+def test_smoothed_checkpoint_matches_reference(driver_run, tiny_models, tmp_path):
+    """`mxplus quantize --smooth 0.5` output: its stored norms and weights are those of the
+    smoothed model (the same tensors as quantizing that model, bit for bit), and vLLM serving
+    it gives the greedy tokens of transformers running the smoothed model with fake-quant."""
+    import torch
+    from tiny_models import prequantize
+
+    results, _ = driver_run
+    sq, smoothed = _tensors(tiny_models["tiny256-sq"]), _tensors(tiny_models["tiny256-smoothed"])
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(sq[norm], smoothed[norm])
+    assert not torch.equal(sq[norm], _tensors(tiny_models["tiny256"])[norm])
+    again = _tensors(str(prequantize(tiny_models["tiny256-smoothed"], tmp_path / "q", "mxfp4-mbs")))
+    assert sq.keys() == again.keys()
+    assert all(torch.equal(sq[k], again[k]) for k in sq), "not the smoothed model's tensors"
+    _check_against_reference(
+        results["pre-sq-mxfp4-mbs"], tiny_models["tiny256-smoothed"], "mxfp4-mbs"
+    )
 
 
 def test_torch_compile_mode_matches_reference(driver_run, tiny_models):

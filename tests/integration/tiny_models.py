@@ -398,11 +398,13 @@ def build_tiny_mixtral(path: str | Path, *, experts: int = 4, **kw: Any) -> Path
     return build_tiny_moe("mixtral", path, experts=experts, **kw)
 
 
-def prequantize(src: str | Path, dst: str | Path, scheme: str, ignore: Iterable[str] = ()) -> Path:
-    """`mxplus quantize SRC DST --scheme SCHEME`: the offline quantizer's own code path."""
+def prequantize(
+    src: str | Path, dst: str | Path, scheme: str, ignore: Iterable[str] = (), **kw: Any
+) -> Path:
+    """`mxplus quantize SRC DST --scheme SCHEME [options kw]`: the offline quantizer's code."""
     from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 
-    quantize_checkpoint(src, dst, scheme, ignore=list(ignore), progress=False, force=True)
+    quantize_checkpoint(src, dst, scheme, ignore=list(ignore), progress=False, force=True, **kw)
     return Path(dst)
 
 
