@@ -270,7 +270,7 @@ def _chart(res: dict[str, dict], docs: int) -> None:
         ax.axhline(res["bf16"]["wiki"]["word_ppl"], color="k", ls="--", lw=1, label="BF16")
     ax.set_xticks(range(len(SCHEMES)), [LABELS[s] for s in SCHEMES])
     ax.set_ylabel("Wikipedia word perplexity (lower is better)")
-    ax.set_title("SmolLM2-135M W4A4: weight quantization method per scheme")
+    ax.set_title("SmolLM2-135M W4A4: quantization method per scheme (+sq: smoothing, alpha 0.5)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(OUT / f"chart-docs{docs}.png", dpi=120)
