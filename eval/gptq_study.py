@@ -40,7 +40,8 @@ LABELS = {
     "nvfp4": "NVFP4",
     "bf16": "BF16",
 }
-# a method with "+sq": SmoothQuant smoothing (--smooth, alpha from --alpha) before it
+# a method with "+sq": SmoothQuant smoothing (--smooth, alpha from --alpha) before it;
+# "+sqA" (e.g. rtn+sq0.3): smoothing with alpha A
 METHODS = ("rtn", "rtn-aware", "gptq", "rtn+sq", "rtn-aware+sq", "gptq+sq")
 
 
@@ -131,7 +132,9 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
 
     scheme, _, method = row.partition(":")
     base, _, extra = method.partition("+")
-    smooth = args.alpha if extra == "sq" else None
+    if extra and not extra.startswith("sq"):
+        raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq or +sqALPHA)")
+    smooth = (float(extra[2:]) if len(extra) > 2 else args.alpha) if extra else None
     t0 = time.perf_counter()
     ckpt = None
     if scheme != "bf16":
@@ -235,8 +238,9 @@ def write_table(command: str, docs: int) -> None:
 
 
 def _methods(res: dict[str, dict]) -> list[str]:
-    """The methods some scheme has a result for, in METHODS order."""
-    return [m for m in METHODS if any(f"{s}:{m}" in res for s in SCHEMES)]
+    """The methods some scheme has a result for: METHODS order, then the +sqALPHA ones."""
+    seen = {r["row"].partition(":")[2] for r in res.values() if ":" in r["row"]}
+    return [m for m in METHODS if m in seen] + sorted(seen - set(METHODS))
 
 
 def _cpu_model() -> str:
