@@ -148,7 +148,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p,
         "SmoothQuant-style smoothing folded into the weights and norms before "
         "quantizing (any --method): per input channel s = max|x|^ALPHA / max|w|^(1-ALPHA) "
-        "from the calibration text; ALPHA in (0, 1), 0.5 is the usual choice. Llama-like "
+        "from the calibration text; ALPHA in (0, 1), 0.5 to 0.7 measured best on SmolLM2. Llama-like "
         "models (llama, mistral, qwen2, qwen3); no serving change (default: off)",
     )
     p.set_defaults(func=run)
