@@ -64,8 +64,8 @@ def capture_linear_inputs(
     the schemes quantize (not lm_head or a MoE router), up to `max_rows` input rows:
     ({module name: x [rows, K]}, {}). With `smooth` (alpha), the model is first smoothed
     as `mxplus quantize --smooth` does (statistics from the same tokens), and the second
-    dict holds the smoothed weights {module name.weight: W [N, K]} to measure instead of the
-    checkpoint's."""
+    dict holds the rewritten tensors by name (the linear weights among them replace the
+    checkpoint's in the measurement)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -83,7 +83,7 @@ def capture_linear_inputs(
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         changed = smooth_model(model, input_absmax(model, ids, "cpu"), smooth, dtypes)
         params = dict(model.named_parameters())
-        smoothed = {n: params[n].detach() for n in changed if n.endswith("proj.weight")}
+        smoothed = {n: params[n].detach() for n in changed}  # run() takes the linear weights
     captured: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in model.named_modules():

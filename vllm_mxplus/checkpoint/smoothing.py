@@ -49,23 +49,22 @@ class Fold:
     """One smoothing site: `producer` tensors are divided by s (`rows`: along dim 0, else
     the last dim), `consumers` are linears whose columns are multiplied by s."""
 
-    stats: str  # the linear whose input statistics set s
     producer: tuple[str, ...]
     rows: bool
     consumers: tuple[str, ...]
     heads: bool = False  # o_proj: s shared across the query heads of one KV head
 
+    @property
+    def stats(self) -> str:
+        """The linear whose input statistics set s (every consumer reads the same input)."""
+        return self.consumers[0]
+
 
 FOLDS = (
-    Fold(
-        "self_attn.q_proj",
-        ("input_layernorm",),
-        False,
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ),
-    Fold("mlp.gate_proj", ("post_attention_layernorm",), False, ("mlp.gate_proj", "mlp.up_proj")),
-    Fold("mlp.down_proj", ("mlp.up_proj",), True, ("mlp.down_proj",)),
-    Fold("self_attn.o_proj", ("self_attn.v_proj",), True, ("self_attn.o_proj",), heads=True),
+    Fold(("input_layernorm",), False, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    Fold(("post_attention_layernorm",), False, ("mlp.gate_proj", "mlp.up_proj")),
+    Fold(("mlp.up_proj",), True, ("mlp.down_proj",)),
+    Fold(("self_attn.v_proj",), True, ("self_attn.o_proj",), heads=True),
 )
 
 
