@@ -89,17 +89,26 @@ def test_smoothing_helps_an_outlier_channel(llama2: Path) -> None:
             fp32 = {n: torch.float32 for n, _ in model.named_parameters()}
             smooth_model(model, input_absmax(model, ids, "cpu"), ALPHA, fp32)
         attn = model.model.layers[0].self_attn
-        seen: list[torch.Tensor] = []
-        h = attn.q_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
-        with torch.no_grad():
-            model(input_ids=ids)
-        h.remove()
-        x = seen[0].reshape(-1, seen[0].shape[-1])
+        x = _linear_input(model, attn.q_proj, ids)
         w = attn.q_proj.weight
         exact = x @ w.T
         approx = fake_quantize(x, "mxfp4-mbs-s") @ fake_quantize(w, "mxfp4-mbs-d").T
         errs.append(float((approx - exact).square().sum() / exact.square().sum()))
     assert errs[1] < 0.8 * errs[0], errs
+
+
+def _linear_input(
+    model: torch.nn.Module, linear: torch.nn.Module, ids: torch.Tensor
+) -> torch.Tensor:
+    """The activation rows ``linear`` sees when ``model`` runs on ``ids``."""
+    seen: list[torch.Tensor] = []
+    h = linear.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        h.remove()
+    return seen[0].reshape(-1, seen[0].shape[-1])
 
 
 def test_refusals_name_the_option(llama_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
