@@ -13,7 +13,11 @@ Text: eval/tasks/wiki_ppl.jsonl (and news_ppl.jsonl with --tasks news), the docu
 perplexity = exp(sum NLL / sum tokens). Calibration: the held-out Wikipedia text (default).
 
   python eval/gptq_study.py --rows mxfp4-mbs-h:gptq nvfp4:rtn ...   # append rows
+  python eval/gptq_study.py --rows mxfp4-mbs-h:rtn@mbsd2 --reuse     # an activation option
   python eval/gptq_study.py --table-only                             # table + chart
+
+A row SCHEME:METHOD@ACT serves the same weights with another activation quantizer (runtime
+MBS-D, smaller macro blocks) or rotates both sides (block Hadamard): eval/act_options.py.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
+import act_options  # eval/act_options.py, next to this script
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -53,30 +58,68 @@ def _docs(task: str, n: int) -> list[str]:
 
 
 def _quantized_model(
-    src: Path, ckpt: Path | None, scheme: str | None, dtype: torch.dtype = torch.bfloat16
+    src: Path,
+    ckpt: Path | None,
+    scheme: str | None,
+    dtype: torch.dtype = torch.bfloat16,
+    act: str | None = None,
 ) -> torch.nn.Module:
+    """The bf16 model with every quantized linear on the reference numerics: weights from
+    `ckpt` (or, for a hadB option, rotated and quantized RTN here), activations with the
+    scheme's format or the `act` option (eval/act_options.py)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_mxplus.checkpoint import load
-    from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+    from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
     from vllm_mxplus.ops.reference import reference_linear
+    from vllm_mxplus.quant_rules import stays_unquantized
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
-    if ckpt is None:
+    if scheme is None or scheme == "bf16":
         return model
-    afmt = get_scheme(scheme).activation_format
+    sch = get_scheme(scheme)
+    afmt = sch.activation_format
     per_row = get_format(afmt).scale_rule == "e4m3"
-    weights = load(ckpt)
-    _load_kept_tensors(model, ckpt)
     mods = dict(model.named_modules())
-    for name, q in weights.items():
+    rot_b = act_options.rotation_block(act)
+    if act:
+        act_options.check_scheme(act, afmt)
+    act_q = act_options.activation_quantizer(act) if act else None
+    if rot_b is None:
+        assert ckpt is not None
+        weights = {n: q.dequantize(torch.float32) for n, q in load(ckpt).items()}
+        _load_kept_tensors(model, ckpt)
+        rot = {}
+    else:  # rotated offline, RTN with the scheme's weight format
+        names = [
+            n
+            for n, m in mods.items()
+            if isinstance(m, torch.nn.Linear)
+            and n.startswith("model.")
+            and not stays_unquantized(n)
+        ]
+        rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
+        weights = {
+            n: fake_quantize(mods[n].weight.float() @ rot[n], sch.weight_format) for n in names
+        }
+    for name, w in weights.items():
         lin = mods[name]
-        w = q.dequantize(torch.float32)
+        r = rot.get(name)
 
-        def forward(x: torch.Tensor, _w: torch.Tensor = w, _b=lin.bias) -> torch.Tensor:  # noqa: ANN001
-            return reference_linear(
-                x, _w, _b, afmt, per_row=per_row, out_dtype=x.dtype, macro_block=MACRO_BLOCK
-            )
+        def forward(
+            x: torch.Tensor,
+            _w: torch.Tensor = w,
+            _b=lin.bias,
+            _r=r,  # noqa: ANN001
+        ) -> torch.Tensor:
+            if _r is not None:
+                x = x.float() @ _r
+            if act_q is None:
+                return reference_linear(
+                    x, _w, _b, afmt, per_row=per_row, out_dtype=dtype, macro_block=MACRO_BLOCK
+                )
+            b = None if _b is None else _b.float()
+            return torch.nn.functional.linear(act_q(x), _w, b).to(dtype)
 
         lin.forward = forward
         lin.weight = None  # the bf16 weight is not what the served model computes with
@@ -130,32 +173,38 @@ def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: A
 def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     from vllm_mxplus.checkpoint import quantize_checkpoint
 
-    scheme, _, method = row.partition(":")
+    scheme, _, rest = row.partition(":")
+    method, _, act = rest.partition("@")
     base, _, extra = method.partition("+")
     if extra and not extra.startswith("sq"):
         raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq or +sqALPHA)")
     smooth = (float(extra[2:]) if len(extra) > 2 else args.alpha) if extra else None
+    rot_b = act_options.rotation_block(act) if act else None
+    if rot_b is not None and method != "rtn":
+        raise SystemExit(f"{row}: @had rows rotate the source weights and quantize them RTN")
     t0 = time.perf_counter()
     ckpt = None
-    if scheme != "bf16":
+    if scheme != "bf16" and rot_b is None:
         ckpt = Path(args.work) / f"{scheme}-{method}"
-        quantize_checkpoint(
-            args.model,
-            ckpt,
-            scheme,
-            method=base,
-            smooth=smooth,
-            force=True,
-            nsamples=args.nsamples,
-            seqlen=args.seqlen,
-            progress=False,
-        )
+        if not (args.reuse and (ckpt / "config.json").is_file()):
+            quantize_checkpoint(
+                args.model,
+                ckpt,
+                scheme,
+                method=base,
+                smooth=smooth,
+                force=True,
+                nsamples=args.nsamples,
+                seqlen=args.seqlen,
+                progress=False,
+            )
     t_quant = time.perf_counter() - t0
-    model = _quantized_model(Path(args.model), ckpt, scheme)
+    model = _quantized_model(Path(args.model), ckpt, scheme, act=act or None)
     rec = {
         "row": row,
         "scheme": scheme,
         "method": method or None,
+        "act": act or None,
         "smooth": smooth,
         "docs": args.docs,
         "nsamples": args.nsamples,
@@ -166,7 +215,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     for task in args.tasks:
         rec[task] = perplexity(model, tok, _docs(task, args.docs))
     rec["total_s"] = round(time.perf_counter() - t0, 1)
-    if ckpt is not None and not args.keep:
+    if ckpt is not None and not (args.keep or args.reuse):
         shutil.rmtree(ckpt, ignore_errors=True)
     return rec
 
@@ -226,6 +275,7 @@ def write_table(command: str, docs: int) -> None:
             for m in methods
         ]
         lines.append(f"| {LABELS[s]} | " + " | ".join(cells) + " |")
+    lines += _act_table(res)
     lines += ["", "Per row: quantize seconds / total seconds / load average at the start:", ""]
     for r in res.values():
         sq = f", smoothing alpha {r['smooth']}" if r.get("smooth") is not None else ""
@@ -237,9 +287,41 @@ def write_table(command: str, docs: int) -> None:
     _chart(res, docs)
 
 
+def _act_table(res: dict[str, dict]) -> list[str]:
+    """Word perplexity (wiki) of the @ACT rows next to their method's own row."""
+    acts = sorted({r["row"].partition("@")[2] for r in res.values() if "@" in r["row"]})
+    bases = sorted(
+        {r["row"].partition(":")[2].partition("@")[0] for r in res.values() if "@" in r["row"]}
+    )
+    if not acts:
+        return []
+    lines = [
+        "",
+        "Activation options (eval/act_options.py), word perplexity (wiki); "
+        "'own' is the scheme's activation format:",
+        "",
+        "| scheme | method | own | " + " | ".join(acts) + " |",
+        "|---|---|" + "---:|" * (len(acts) + 1),
+    ]
+    for s in SCHEMES:
+        for m in bases:
+            cells = [res.get(f"{s}:{m}")] + [res.get(f"{s}:{m}@{a}") for a in acts]
+            if all(c is None for c in cells[1:]):
+                continue
+            lines.append(
+                f"| {LABELS[s]} | {m} | "
+                + " | ".join(
+                    f"{c['wiki']['word_ppl']:.2f}" if c and "wiki" in c else "–" for c in cells
+                )
+                + " |"
+            )
+    return lines
+
+
 def _methods(res: dict[str, dict]) -> list[str]:
     """The methods some scheme has a result for: METHODS order, then the +sqALPHA ones."""
     seen = {r["row"].partition(":")[2] for r in res.values() if ":" in r["row"]}
+    seen = {m for m in seen if "@" not in m}
     return [m for m in METHODS if m in seen] + sorted(seen - set(METHODS))
 
 
@@ -290,7 +372,9 @@ def main() -> int:
         "--rows",
         nargs="*",
         default=[],
-        help="SCHEME:METHOD (methods " + ", ".join(METHODS) + ") or bf16",
+        help="SCHEME:METHOD[@ACT] (methods "
+        + ", ".join(METHODS)
+        + "; ACT an activation option of eval/act_options.py: mbsd, mbsdR, mbN, hadB) or bf16",
     )
     ap.add_argument("--alpha", type=float, default=0.5, help="smoothing strength of +sq rows")
     ap.add_argument("--model", default=str(smollm2_dir()))
@@ -300,6 +384,11 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--work", default="/tmp/gptq-study", help="where checkpoints are written")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the checkpoints and reuse one already in --work (rows that differ only in @ACT)",
+    )
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ MXPLUS_PAIR = ("mxplus", "mxplus")
 class CpuPackedBackend(LinearBackend):
     name = "cpu-packed"
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
+    _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
@@ -63,18 +64,19 @@ class CpuPackedBackend(LinearBackend):
             )
         if qweight.fmt == "nvfp4":
             set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
-            layer.mxplus_cpu_args = ("nvfp4", qweight.codes.shape[0], spec.k)
+            self._args = ("nvfp4", qweight.codes.shape[0], spec.k)
             return
         if qweight.fmt == "mxplus":
             set_packed_buffers(layer, ATTRS, pack_mxplus(qweight))  # codes, E8M0, block maxima
-            layer.mxplus_cpu_args = ("mxplus", qweight.codes.shape[0], spec.k)
+            self._args = ("mxplus", qweight.codes.shape[0], spec.k)
             return
         packed = pack_weight(
             qweight.codes, qweight.scales, qweight.mbs, spec.k, spec.weight_format, spec.macro_block
         )
         set_packed_buffers(layer, ATTRS, packed)
-        # Resolved once here, so a decode step pays one C++ op call per linear and no lookups.
-        layer.mxplus_cpu_args = linear_args(
+        # Resolved once here (this backend serves this layer alone), so a decode step pays one
+        # C++ op call per linear and no lookups.
+        self._args = linear_args(
             spec.weight_format,
             spec.activation_format,
             qweight.codes.shape[0],
@@ -92,8 +94,7 @@ class CpuPackedBackend(LinearBackend):
         )
 
         out_dtype = self.spec.out_dtype
-
-        args = layer.mxplus_cpu_args
+        args = self._args
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         if args[0] == "nvfp4":
             return nvfp4_linear_packed(

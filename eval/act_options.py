@@ -1,0 +1,151 @@
+"""Activation-side options the study measures before any of them goes into the plugin.
+
+A row `SCHEME:METHOD@ACT` (eval/gptq_study.py) replaces the scheme's activation quantizer:
+
+  mbsd     runtime MBS-D on the activations: each macro block's byte is the exact argmin of
+           its SSE over all 256 bytes (formats.mbs_search.mbs_dynamic), per token
+  mbsdR    runtime MBS-D over 2R + 1 candidates only, the bytes m0 - R .. m0 + R around the
+           MBS-S byte m0 (clamped to 0..255), ties to the candidate nearest m0
+  mbsgK    runtime MBS-D over K candidates spread evenly over the 256 bytes and anchored at
+           the MBS-S byte: m0 + j * 256 / K (mod 256), j = 0 .. K - 1 (K a power of two), ties
+           to the smaller j (the paper's MBS-D searched 16 candidates)
+  mbN      MBS-S activations with macro blocks of N elements (N a multiple of 16: 32, 64)
+  hadB     block Hadamard rotation along K, blocks of B (a power of two): W' = W R offline,
+           x' = x R online, R block-diagonal orthonormal (a K tail shorter than B gets the
+           largest power-of-two blocks that fit); the rotated weights are quantized RTN
+
+mbsd* and mbN apply to the schemes whose activations are MBS-S (mxfp4-mbs-s, mxfp4-mbs-h);
+hadB to every scheme. Every candidate byte quantizes exactly as docs/numerics.md's Macro Block
+Scaling says (formats.mx.quantize_mbs), so each option is a valid MX encoding of the row.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.mbs import mbs_sse, mbs_static
+from vllm_mxplus.formats.mbs_search import mbs_dynamic
+from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
+
+MBS_ACT = "mxfp4-mbs-s"
+_PATTERN = re.compile(r"^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(mb)(\d+)$|^(had)(\d+)$")
+
+
+def parse(act: str) -> tuple[str, int | None]:
+    """("mbsd", R or None) / ("mbsg", K) / ("mb", N) / ("had", B); SystemExit naming the
+    option if it is not one of those."""
+    m = _PATTERN.match(act)
+    if m is None:
+        raise SystemExit(f"@{act}: unknown activation option (mbsd, mbsdR, mbsgK, mbN, hadB)")
+    kind = next(g for g in m.groups()[0::2] if g)
+    num = next((g for g in m.groups()[1::2] if g), None)
+    n = int(num) if num else None
+    if kind == "mbsg" and (n is None or not 2 <= n <= 256 or n & (n - 1)):
+        raise SystemExit(f"@{act}: the candidate count must be a power of two in 2..256")
+    if kind == "mb" and (n is None or n <= 0 or n % 16):
+        raise SystemExit(f"@{act}: the macro block must be a positive multiple of 16")
+    if kind == "had" and (n is None or n < 2 or n & (n - 1)):
+        raise SystemExit(f"@{act}: the Hadamard block must be a power of two >= 2")
+    return kind, n
+
+
+def rotation_block(act: str | None) -> int | None:
+    """B for a hadB option, else None."""
+    if not act:
+        return None
+    kind, n = parse(act)
+    return n if kind == "had" else None
+
+
+def check_scheme(act: str, act_format: str) -> None:
+    kind, _ = parse(act)
+    if kind in ("mbsd", "mbsg", "mb") and act_format != MBS_ACT:
+        raise SystemExit(f"@{act} changes MBS-S activations; this scheme's are {act_format}")
+
+
+def mbs_near_static(x: torch.Tensor, macro: int, radius: int) -> torch.Tensor:
+    """The byte among m0 - radius .. m0 + radius (m0 the MBS-S byte) with the least SSE.
+
+    x: fp32 [..., nM * macro]. Candidates are tried m0, m0 - 1, m0 + 1, m0 - 2, ...; a later
+    one wins only by a strictly smaller SSE, so ties go to the candidate nearest m0.
+    """
+    m0 = mbs_static(x, macro).to(torch.int16)
+    best_m = m0.to(torch.uint8)
+    best = mbs_sse(x, best_m, macro)
+    for d in range(1, radius + 1):
+        for step in (-d, d):
+            cand = (m0 + step).clamp(0, 255).to(torch.uint8)
+            sse = mbs_sse(x, cand, macro)
+            better = sse < best
+            best = torch.where(better, sse, best)
+            best_m = torch.where(better, cand, best_m)
+    return best_m
+
+
+def mbs_grid(x: torch.Tensor, macro: int, count: int) -> torch.Tensor:
+    """The byte among m0 + j * 256 / count (mod 256), j = 0 .. count - 1, with the least SSE
+    (m0 the MBS-S byte); a later j wins only by a strictly smaller SSE."""
+    m0 = mbs_static(x, macro).to(torch.int16)
+    best_m = m0.to(torch.uint8)
+    best = mbs_sse(x, best_m, macro)
+    for j in range(1, count):
+        cand = (m0 + j * (256 // count)).remainder(256).to(torch.uint8)
+        sse = mbs_sse(x, cand, macro)
+        better = sse < best
+        best = torch.where(better, sse, best)
+        best_m = torch.where(better, cand, best_m)
+    return best_m
+
+
+def _mbs_fake_quant(x: torch.Tensor, macro: int, pick: Callable) -> torch.Tensor:
+    """x [..., K] -> fp32 x_hat with the bytes pick(x_padded, macro) (zero padding to macro)."""
+    k = x.shape[-1]
+    kp = ceil_div(k, macro) * macro
+    xp = F.pad(x.to(torch.float32), (0, kp - k)).contiguous()
+    m = pick(xp, macro)
+    codes, scale = quantize_mbs(xp, m)
+    return dequantize_mbs(codes, scale, m)[..., :k]
+
+
+def activation_quantizer(act: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> fp32 fake-quantized x for an mbsd* / mbsgK / mbN option; None for hadB (the
+    scheme's own)."""
+    kind, n = parse(act)
+    if kind == "mbsg":
+        pick = functools.partial(mbs_grid, count=n)
+        return functools.partial(_mbs_fake_quant, macro=MACRO_BLOCK, pick=pick)
+    if kind == "mbsd":
+        pick = mbs_dynamic if n is None else functools.partial(mbs_near_static, radius=n)
+        return functools.partial(_mbs_fake_quant, macro=MACRO_BLOCK, pick=pick)
+    if kind == "mb":
+        return functools.partial(_mbs_fake_quant, macro=n, pick=mbs_static)
+    return None
+
+
+def hadamard(b: int) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix of order b (a power of two), fp64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / h.shape[0] ** 0.5
+
+
+def block_rotation(k: int, b: int) -> torch.Tensor:
+    """Block-diagonal orthonormal R [k, k] (fp32): Hadamard blocks of b, the tail in the
+    largest power-of-two blocks that fit (a tail of 1 stays as it is)."""
+    r = torch.zeros(k, k, dtype=torch.float64)
+    i = 0
+    while i < k:
+        s = b
+        while s > k - i:
+            s //= 2
+        r[i : i + s, i : i + s] = hadamard(s)
+        i += s
+    return r.to(torch.float32)
