@@ -70,38 +70,32 @@ def check_scheme(act: str, act_format: str) -> None:
         raise SystemExit(f"@{act} changes MBS-S activations; this scheme's are {act_format}")
 
 
-def mbs_near_static(x: torch.Tensor, macro: int, radius: int) -> torch.Tensor:
-    """The byte among m0 - radius .. m0 + radius (m0 the MBS-S byte) with the least SSE.
-
-    x: fp32 [..., nM * macro]. Candidates are tried m0, m0 - 1, m0 + 1, m0 - 2, ...; a later
-    one wins only by a strictly smaller SSE, so ties go to the candidate nearest m0.
-    """
+def _least_sse(x: torch.Tensor, macro: int, offsets: list[int], wrap: bool) -> torch.Tensor:
+    """The byte among m0 and m0 + offset (m0 the MBS-S byte; offsets tried in order) with the
+    least SSE; a later candidate wins only by a strictly smaller SSE. A byte leaving 0..255
+    wraps mod 256 when `wrap`, else is clamped."""
     m0 = mbs_static(x, macro).to(torch.int16)
     best_m = m0.to(torch.uint8)
     best = mbs_sse(x, best_m, macro)
-    for d in range(1, radius + 1):
-        for step in (-d, d):
-            cand = (m0 + step).clamp(0, 255).to(torch.uint8)
-            sse = mbs_sse(x, cand, macro)
-            better = sse < best
-            best = torch.where(better, sse, best)
-            best_m = torch.where(better, cand, best_m)
+    for off in offsets:
+        m = (m0 + off).remainder(256) if wrap else (m0 + off).clamp(0, 255)
+        sse = mbs_sse(x, m.to(torch.uint8), macro)
+        better = sse < best
+        best = torch.where(better, sse, best)
+        best_m = torch.where(better, m.to(torch.uint8), best_m)
     return best_m
+
+
+def mbs_near_static(x: torch.Tensor, macro: int, radius: int) -> torch.Tensor:
+    """mbsdR: bytes m0 - radius .. m0 + radius, tried m0, m0 - 1, m0 + 1, m0 - 2, ...
+    (ties to the candidate nearest m0), clamped to 0..255."""
+    offsets = [s * d for d in range(1, radius + 1) for s in (-1, 1)]
+    return _least_sse(x, macro, offsets, wrap=False)
 
 
 def mbs_grid(x: torch.Tensor, macro: int, count: int) -> torch.Tensor:
-    """The byte among m0 + j * 256 / count (mod 256), j = 0 .. count - 1, with the least SSE
-    (m0 the MBS-S byte); a later j wins only by a strictly smaller SSE."""
-    m0 = mbs_static(x, macro).to(torch.int16)
-    best_m = m0.to(torch.uint8)
-    best = mbs_sse(x, best_m, macro)
-    for j in range(1, count):
-        cand = (m0 + j * (256 // count)).remainder(256).to(torch.uint8)
-        sse = mbs_sse(x, cand, macro)
-        better = sse < best
-        best = torch.where(better, sse, best)
-        best_m = torch.where(better, cand, best_m)
-    return best_m
+    """mbsgK: bytes m0 + j * 256 / count (mod 256), j = 0 .. count - 1 (ties to smaller j)."""
+    return _least_sse(x, macro, [j * (256 // count) for j in range(1, count)], wrap=True)
 
 
 def _mbs_fake_quant(x: torch.Tensor, macro: int, pick: Callable) -> torch.Tensor:
