@@ -73,10 +73,15 @@ def test_import_failure_is_a_rejection(registry, caplog):
 
 @pytest.mark.parametrize(
     "w,a,ok",
-    [("mxfp4-mbs-d", "mxfp4-mbs-s", True), ("nvfp4", "nvfp4", False), ("mxplus", "mxplus", True)],
-    ids=["mbs", "nvfp4", "mxplus"],
+    [
+        ("mxfp4-mbs-d", "mxfp4-mbs-s", True),
+        ("nvfp4", "nvfp4", True),
+        ("mxplus", "mxplus", True),
+        ("nvfp4", "mxfp4-mbs-s", False),
+    ],
+    ids=["mbs", "nvfp4", "mxplus", "mixed"],
 )
-def test_cpu_packed_takes_the_e8m0_pairs_and_mxplus(w, a, ok):
+def test_cpu_packed_takes_every_scheme_and_refuses_mixed_pairs(w, a, ok):
     got, why = CpuPackedExperts.can_implement(_spec(w=w, a=a))
     assert got is ok
     assert ok or f"no CPU kernel for weights {w}" in why

@@ -45,8 +45,8 @@ from vllm_mxplus.checkpoint.layout import (
     stored_tensors,
 )
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
-from vllm_mxplus.formats.e2m1 import E2M1_MAX
-from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, fake_quantize_nvfp4_given
+from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
+from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
 from vllm_mxplus.integration.moe_backends import (
     ExpertWeights,
     MoESpec,
@@ -238,28 +238,36 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         return q, e
 
     def _quantized_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
-        """Online, every format but nvfp4 (per row): all experts' rows (w1 and w3 apart or
-        not) quantize in one call exactly as separate weights."""
+        """Online: all experts' rows (w1 and w3 apart or not) quantize in one call exactly as
+        separate weights. NVFP4: each logical weight (w1, w3, w2 of one expert) has its own
+        global scale from its whole (unsharded) amax, given per row."""
         w = getattr(layer, f"{stem}_weight").data
         e, n, k = w.shape
-        return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block), e
+        if get_format(self.fmt).scale_rule != "e4m3":
+            return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block), e
+        n_shards = 2 if stem == "w13" else 1
+        parts = w.reshape(e, n_shards, n // n_shards, k)
+        amax = tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer.moe_config.tp_size)
+        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
+        g_rows = g_rows.reshape(e * n, 1)
+        codes, scales = quantize_nvfp4_given(w.reshape(e * n, k).to(torch.float32), g_rows)
+        q = QuantizedTensor(
+            codes=pack_fp4(codes),
+            scales=scales,
+            fmt=self.fmt,
+            shape=torch.Size((e * n, k)),
+            global_scale=g_rows,
+        )
+        return q, e
 
     def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
         q, e = self._loaded_rows(layer, stem)
         return q.dequantize(torch.float32).reshape(e, *layer.mxplus_dims[stem][:2])
 
     def _quantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
-        w = getattr(layer, f"{stem}_weight").data
-        e, n, k = w.shape
-        if get_format(self.fmt).scale_rule != "e4m3":
-            q, _ = self._quantized_rows(layer, stem)
-            return q.dequantize(torch.float32).reshape(e, n, k)
-        n_shards = 2 if stem == "w13" else 1
-        parts = w.reshape(e, n_shards, n // n_shards, k)
-        amax = tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer.moe_config.tp_size)
-        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
-        rows = fake_quantize_nvfp4_given(w.reshape(e * n, k), g_rows.reshape(e * n, 1))
-        return rows.reshape(e, n, k)
+        e, n, k = getattr(layer, f"{stem}_weight").shape
+        q, _ = self._quantized_rows(layer, stem)
+        return q.dequantize(torch.float32).reshape(e, n, k)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pre = self.quant_config.is_checkpoint_quantized

@@ -35,6 +35,14 @@ NVFP4_PAIR = ("nvfp4", "nvfp4")
 MXPLUS_PAIR = ("mxplus", "mxplus")
 
 
+def cpu_kernels_take(weight_format: str, activation_format: str) -> tuple[bool, str]:
+    """Whether the C++ kernels take this weight x activation pair (linears and MoE experts):
+    the E8M0 family's pairs, NVFP4 and MX+. (True, "") or (False, why)."""
+    if (weight_format, activation_format) in (NVFP4_PAIR, MXPLUS_PAIR):
+        return True, ""
+    return check_e8m0_pair(weight_format, activation_format, "CPU kernel")
+
+
 class CpuPackedBackend(LinearBackend):
     name = "cpu-packed"
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
@@ -50,9 +58,7 @@ class CpuPackedBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        if (spec.weight_format, spec.activation_format) in (NVFP4_PAIR, MXPLUS_PAIR):
-            return True, ""
-        return check_e8m0_pair(spec.weight_format, spec.activation_format, "CPU kernel")
+        return cpu_kernels_take(spec.weight_format, spec.activation_format)
 
     def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
         from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_nvfp4, pack_weight

@@ -1,13 +1,15 @@
-"""Routed experts on the CPU with the packed C++ kernels (E8M0 formats and MX+, `cpu_kernels`).
+"""Routed experts on the CPU with the packed C++ kernels (every scheme, `cpu_kernels`).
 
 The same computation and order as `moe_experts_reference` (routing, the gated activation in
 the model dtype, the weighted fp32 sum over sorted experts); each expert GEMM is
 `vllm_mxplus::cpu_mx_linear` on that expert's packed weight, which quantizes the rows it is
 given (per row, so per-expert quantization equals quantizing all rows at once) and multiplies
 with integer dot products (the same values as the reference up to the bound of
-csrc/mx_gemm_cpu.cpp; MX+: `cpu_mxplus_linear`, csrc/mx_mxplus_cpu.cpp). Experts stay packed
-(~0.57 bytes per weight, MX+ ~0.59, instead of the reference's 4-byte fp32 copy), in the
-16-row tiles of `cpu_kernels.pack_weight` / `pack_mxplus`.
+csrc/mx_gemm_cpu.cpp; MX+: `cpu_mxplus_linear`, csrc/mx_mxplus_cpu.cpp; NVFP4:
+`cpu_nvfp4_linear`, csrc/mx_nvfp4_cpu.cpp, with each weight row's global scale, i.e. one per
+logical weight). Experts stay packed (~0.57 bytes per weight, MX+ ~0.59, instead of the
+reference's 4-byte fp32 copy), in the 16-row tiles of `cpu_kernels.pack_weight` /
+`pack_mxplus` / `pack_nvfp4`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class PackedExperts:
 
     codes: torch.Tensor  # uint8 [E, ceil(N/16), ...]
     scales: torch.Tensor  # uint8 [E, ceil(N/16), ...]
-    mbs: torch.Tensor  # uint8 [E, ceil(N/16), ...] or [E, 0, ...]; MX+: the block maxima
-    args: tuple  # cpu_kernels.linear_args(...), or ("mxplus", N, K)
+    # uint8 [E, ceil(N/16), ...] or [E, 0, ...]; MX+: the block maxima; NVFP4: the fp32
+    # global scale of each weight row [E, ceil(N/16) * 16]
+    mbs: torch.Tensor
+    args: tuple  # cpu_kernels.linear_args(...), or ("mxplus" | "nvfp4", N, K)
     n: int  # rows per expert
 
     @classmethod
@@ -38,7 +42,7 @@ class PackedExperts:
         cls, q: QuantizedTensor, experts: int, activation_format: str, macro_block: int
     ) -> PackedExperts:
         """From a QuantizedTensor of all experts' rows [E*N, K]."""
-        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_weight
+        from vllm_mxplus.ops.cpu_kernels import linear_args, pack_mxplus, pack_nvfp4, pack_weight
 
         n = q.shape[0] // experts
         k = q.shape[-1]
@@ -46,7 +50,23 @@ class PackedExperts:
         def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
             return None if t is None else t[e * n : (e + 1) * n]
 
-        if q.fmt == "mxplus":
+        if q.fmt == "nvfp4":  # the global scale: one for all rows, or one per row [E*N, 1]
+            g = q.global_scale
+            assert g is not None
+            packed = [
+                pack_nvfp4(
+                    QuantizedTensor(
+                        codes=rows(q.codes, e),
+                        scales=rows(q.scales, e),
+                        fmt=q.fmt,
+                        shape=torch.Size((n, k)),
+                        global_scale=g if g.numel() == 1 else rows(g.reshape(-1, 1), e),
+                    )
+                )
+                for e in range(experts)
+            ]
+            args: tuple = ("nvfp4", n, k)
+        elif q.fmt == "mxplus":
             packed = [
                 pack_mxplus(
                     QuantizedTensor(
@@ -59,7 +79,7 @@ class PackedExperts:
                 )
                 for e in range(experts)
             ]
-            args: tuple = ("mxplus", n, k)
+            args = ("mxplus", n, k)
         else:
             packed = [
                 pack_weight(
@@ -71,9 +91,34 @@ class PackedExperts:
         codes, scales, mbs = (torch.stack([p[i] for p in packed]) for i in range(3))
         return cls(codes, scales, mbs, args, n)
 
-    def linear(self, e: int, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from vllm_mxplus.ops.cpu_kernels import linear_packed, mxplus_linear_packed
+    def linear(
+        self,
+        e: int,
+        x: torch.Tensor,
+        out_dtype: torch.dtype,
+        act_global_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Expert e's GEMM on x's rows. act_global_scale: NVFP4 only, per-row global scales
+        [R, 1] to quantize x with instead of its rows' own."""
+        from vllm_mxplus.ops.cpu_kernels import (
+            linear_packed,
+            mxplus_linear_packed,
+            nvfp4_linear_packed,
+        )
 
+        if self.args[0] == "nvfp4":
+            _, n, k = self.args
+            return nvfp4_linear_packed(
+                x,
+                n,
+                k,
+                self.codes[e],
+                self.scales[e],
+                self.mbs[e],
+                None,
+                out_dtype,
+                act_global_scale,
+            )
         if self.args[0] == "mxplus":
             _, n, k = self.args
             return mxplus_linear_packed(
@@ -93,8 +138,11 @@ def moe_experts_packed(
     *,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
     expert_map: torch.Tensor | None = None,
+    row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Routed-expert output [M, H] in x's dtype (see moe_experts_reference for the math)."""
+    """Routed-expert output [M, H] in x's dtype (see moe_experts_reference for the math,
+    and for row_global_scale: NVFP4 under TP, the down projection's input rows quantized with
+    the global scales of the whole unsharded rows)."""
     m = topk_ids.shape[0]
     out_dtype = x.dtype
     hidden = w2.n
@@ -106,7 +154,8 @@ def moe_experts_packed(
     for e, sel in zip(experts, rows):
         gate, up = w13.linear(e, x[tok[sel]], out_dtype).chunk(2, dim=-1)
         h[sel] = activation(gate) * up
+    g = None if row_global_scale is None else row_global_scale(h)
     for e, sel in zip(experts, rows):
-        y = w2.linear(e, h[sel], out_dtype).to(torch.float32)
+        y = w2.linear(e, h[sel], out_dtype, None if g is None else g[sel]).to(torch.float32)
         out.index_add_(0, tok[sel], y * weights[sel, None])
     return out.to(out_dtype)
