@@ -10,11 +10,12 @@ A row `SCHEME:METHOD@ACT` (eval/gptq_study.py) replaces the scheme's activation 
            the MBS-S byte: m0 + j * 256 / K (mod 256), j = 0 .. K - 1 (K a power of two), ties
            to the smaller j (the paper's MBS-D searched 16 candidates)
   mbN      MBS-S activations with macro blocks of N elements (N a multiple of 16: 32, 64)
+  wmbN     mbN, and the weights' MBS bytes per N elements too (quantized RTN here)
   hadB     block Hadamard rotation along K, blocks of B (a power of two): W' = W R offline,
            x' = x R online, R block-diagonal orthonormal (a K tail shorter than B gets the
            largest power-of-two blocks that fit); the rotated weights are quantized RTN
 
-mbsd* and mbN apply to the schemes whose activations are MBS-S (mxfp4-mbs-s, mxfp4-mbs-h);
+mbsd*, mbN and wmbN apply to the schemes whose activations are MBS-S (mxfp4-mbs-s, mxfp4-mbs-h);
 hadB to every scheme. Every candidate byte quantizes exactly as docs/numerics.md's Macro Block
 Scaling says (formats.mx.quantize_mbs), so each option is a valid MX encoding of the row.
 """
@@ -35,21 +36,21 @@ from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
 
 MBS_ACT = "mxfp4-mbs-s"
-_PATTERN = re.compile(r"^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(mb)(\d+)$|^(had)(\d+)$")
+_PATTERN = re.compile(r"^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(w?mb)(\d+)$|^(had)(\d+)$")
 
 
 def parse(act: str) -> tuple[str, int | None]:
-    """("mbsd", R or None) / ("mbsg", K) / ("mb", N) / ("had", B); SystemExit naming the
-    option if it is not one of those."""
+    """("mbsd", R or None) / ("mbsg", K) / ("mb" | "wmb", N) / ("had", B); SystemExit
+    naming the option if it is not one of those."""
     m = _PATTERN.match(act)
     if m is None:
-        raise SystemExit(f"@{act}: unknown activation option (mbsd, mbsdR, mbsgK, mbN, hadB)")
+        raise SystemExit(f"@{act}: unknown activation option (mbsd, mbsdR, mbsgK, mbN, wmbN, hadB)")
     kind = next(g for g in m.groups()[0::2] if g)
     num = next((g for g in m.groups()[1::2] if g), None)
     n = int(num) if num else None
     if kind == "mbsg" and (n is None or not 2 <= n <= 256 or n & (n - 1)):
         raise SystemExit(f"@{act}: the candidate count must be a power of two in 2..256")
-    if kind == "mb" and (n is None or n <= 0 or n % 16):
+    if kind in ("mb", "wmb") and (n is None or n <= 0 or n % 16):
         raise SystemExit(f"@{act}: the macro block must be a positive multiple of 16")
     if kind == "had" and (n is None or n < 2 or n & (n - 1)):
         raise SystemExit(f"@{act}: the Hadamard block must be a power of two >= 2")
@@ -64,9 +65,17 @@ def rotation_block(act: str | None) -> int | None:
     return n if kind == "had" else None
 
 
+def weight_macro_block(act: str | None) -> int | None:
+    """N for a wmbN option (the weights re-quantized with macro blocks of N), else None."""
+    if not act:
+        return None
+    kind, n = parse(act)
+    return n if kind == "wmb" else None
+
+
 def check_scheme(act: str, act_format: str) -> None:
     kind, _ = parse(act)
-    if kind in ("mbsd", "mbsg", "mb") and act_format != MBS_ACT:
+    if kind in ("mbsd", "mbsg", "mb", "wmb") and act_format != MBS_ACT:
         raise SystemExit(f"@{act} changes MBS-S activations; this scheme's are {act_format}")
 
 
@@ -118,7 +127,7 @@ def activation_quantizer(act: str) -> Callable[[torch.Tensor], torch.Tensor] | N
     if kind == "mbsd":
         pick = mbs_dynamic if n is None else functools.partial(mbs_near_static, radius=n)
         return functools.partial(_mbs_fake_quant, macro=MACRO_BLOCK, pick=pick)
-    if kind == "mb":
+    if kind in ("mb", "wmb"):
         return functools.partial(_mbs_fake_quant, macro=n, pick=mbs_static)
     return None
 

@@ -82,15 +82,16 @@ def _quantized_model(
     per_row = get_format(afmt).scale_rule == "e4m3"
     mods = dict(model.named_modules())
     rot_b = act_options.rotation_block(act)
+    w_macro = act_options.weight_macro_block(act)
     if act:
         act_options.check_scheme(act, afmt)
     act_q = act_options.activation_quantizer(act) if act else None
-    if rot_b is None:
+    if rot_b is None and w_macro is None:
         assert ckpt is not None
         weights = {n: q.dequantize(torch.float32) for n, q in load(ckpt).items()}
         _load_kept_tensors(model, ckpt)
         rot = {}
-    else:  # rotated offline, RTN with the scheme's weight format
+    else:  # rotated offline and / or other weight macro blocks: RTN with the weight format
         names = [
             n
             for n, m in mods.items()
@@ -98,9 +99,17 @@ def _quantized_model(
             and n.startswith("model.")
             and not stays_unquantized(n)
         ]
-        rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
+        if rot_b is not None:
+            rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
+        else:
+            rot = {}
         weights = {
-            n: fake_quantize(mods[n].weight.float() @ rot[n], sch.weight_format) for n in names
+            n: fake_quantize(
+                mods[n].weight.float() @ rot[n] if n in rot else mods[n].weight.float(),
+                sch.weight_format,
+                macro_block=w_macro or MACRO_BLOCK,
+            )
+            for n in names
         }
     for name, w in weights.items():
         lin = mods[name]
@@ -179,12 +188,12 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     if extra and not extra.startswith("sq"):
         raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq or +sqALPHA)")
     smooth = (float(extra[2:]) if len(extra) > 2 else args.alpha) if extra else None
-    rot_b = act_options.rotation_block(act) if act else None
-    if rot_b is not None and method != "rtn":
-        raise SystemExit(f"{row}: @had rows rotate the source weights and quantize them RTN")
+    own_weights = act_options.rotation_block(act) or act_options.weight_macro_block(act)
+    if own_weights and method != "rtn":
+        raise SystemExit(f"{row}: @had / @wmb rows quantize the source weights RTN (method rtn)")
     t0 = time.perf_counter()
     ckpt = None
-    if scheme != "bf16" and rot_b is None:
+    if scheme != "bf16" and not own_weights:
         ckpt = Path(args.work) / f"{scheme}-{method}"
         if not (args.reuse and (ckpt / "config.json").is_file()):
             quantize_checkpoint(

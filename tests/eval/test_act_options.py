@@ -70,7 +70,7 @@ def test_block_rotation_is_orthonormal_and_keeps_the_product(k: int, b: int) -> 
     assert torch.allclose((x @ r) @ (w @ r).T, x @ w.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", ["mbsg3", "mb20", "had12", "rot"])
+@pytest.mark.parametrize("bad", ["mbsg3", "mb20", "wmb8", "had12", "rot"])
 def test_bad_options_are_refused_by_name(bad: str) -> None:
     with pytest.raises(SystemExit, match=f"@{bad}"):
         act_options.parse(bad)
@@ -80,3 +80,11 @@ def test_mbs_options_refuse_other_activation_formats() -> None:
     with pytest.raises(SystemExit, match="nvfp4"):
         act_options.check_scheme("mbsd", "nvfp4")
     act_options.check_scheme("had16", "nvfp4")
+
+
+def test_weight_macro_option_sets_both_sides() -> None:
+    assert act_options.weight_macro_block("wmb32") == 32
+    assert act_options.weight_macro_block("mb32") is None
+    x = _acts()
+    got = act_options.activation_quantizer("wmb32")(x)
+    assert torch.equal(got, fake_quantize(x, "mxfp4-mbs-s", macro_block=32))
