@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus.formats import MACRO_BLOCK
 from vllm_mxplus.integration.mla import WEIGHT_READ_BY_ATTENTION
 from vllm_mxplus.ops.fake_quant import FakeQuantLinear, apply_fake_quant
 
@@ -24,12 +25,14 @@ class WeightOnlyLinear(torch.nn.Module):
         return F.linear(x.to(torch.float32), self.weight_fp32, b).to(x.dtype)
 
 
-def fake_quant_model(model: torch.nn.Module, scheme: str | None) -> torch.nn.Module:
+def fake_quant_model(
+    model: torch.nn.Module, scheme: str | None, macro_block: int = MACRO_BLOCK
+) -> torch.nn.Module:
     """The plugin's numerics on a transformers model: W4A4 fake-quant linears and experts,
     weight-only for the linears attention reads directly."""
     if scheme is None:
         return model
-    for name in apply_fake_quant(model, scheme):
+    for name in apply_fake_quant(model, scheme, macro_block=macro_block):
         if name.rsplit(".", 1)[-1] in WEIGHT_READ_BY_ATTENTION:
             parent, _, child = name.rpartition(".")
             mod = model.get_submodule(parent)
@@ -49,6 +52,7 @@ def hf_greedy(
     prompts: list[PromptLike],
     max_tokens: int,
     dtype: torch.dtype = torch.float32,
+    macro_block: int = MACRO_BLOCK,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy continuation of each prompt (no batching) and the chosen tokens' logprobs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -56,7 +60,7 @@ def hf_greedy(
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
-    fake_quant_model(model, scheme)
+    fake_quant_model(model, scheme, macro_block)
     tokens, logprobs = [], []
     with torch.no_grad():
         for p in prompts:

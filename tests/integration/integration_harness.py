@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from vllm_mxplus.formats import SCHEMES
+from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -28,6 +28,7 @@ MAX_TOKENS = 32
 # mxfp4-16-oas and mxfp4-mbs-s store the same tensor sets as mxfp4-ocp (block 16) / mxfp4-mbs.
 PRE_SCHEMES = ["mxfp4-ocp", "mxplus", "mxfp4-mbs", "nvfp4"]
 SMOOTH = {"smooth": 0.5, "nsamples": 4, "seqlen": 24}  # `mxplus quantize --smooth` job
+MB32 = 32  # `mxplus quantize --macro-block 32` job
 
 
 def smoothed_copy(src: str, dst: Path, calib: Path) -> Path:
@@ -74,6 +75,10 @@ def build_models(root: Path) -> dict[str, str]:
         prequantize(m["tiny256"], root / "q256-sq", "mxfp4-mbs", calib=calib, **SMOOTH)
     )
     m["tiny256-smoothed"] = str(smoothed_copy(m["tiny256"], root / "tiny256-smoothed", calib))
+    # --macro-block 32: MBS bytes per 32 elements of weights and activations
+    m["tiny256-mb32"] = str(
+        prequantize(m["tiny256"], root / "q256-mb32", "mxfp4-mbs", macro_block=MB32)
+    )
     m["bad-missing"] = str(
         tamper_checkpoint(
             prequantize(m["tiny256"], root / "bad-missing", "mxfp4-mbs"),
@@ -202,6 +207,7 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
     jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
     jobs.append(gen_job("pre-sq-mxfp4-mbs", m["tiny256-sq"], None))
+    jobs.append(gen_job("pre-mb32-mxfp4-mbs", m["tiny256-mb32"], None))
     jobs.append(gen_job("bad-missing", m["bad-missing"], None))
     jobs.append(gen_job("bad-shape", m["bad-shape"], None))
     jobs.append(gen_job("bad-flag", m["tiny256-mxfp4-mbs"], "nvfp4"))
@@ -212,11 +218,13 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
 _HF_CACHE: dict = {}
 
 
-def hf_reference(model_dir: str, scheme: str) -> tuple[list[list[int]], list[list[float]]]:
+def hf_reference(
+    model_dir: str, scheme: str, macro_block: int = MACRO_BLOCK
+) -> tuple[list[list[int]], list[list[float]]]:
     """Cached transformers greedy reference with FakeQuantLinear modules (fp32)."""
     from hf_reference import hf_greedy
 
-    key = (model_dir, scheme)
+    key = (model_dir, scheme, macro_block)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = hf_greedy(model_dir, scheme, PROMPTS, MAX_TOKENS)
+        _HF_CACHE[key] = hf_greedy(model_dir, scheme, PROMPTS, MAX_TOKENS, macro_block=macro_block)
     return _HF_CACHE[key]

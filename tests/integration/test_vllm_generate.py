@@ -13,22 +13,25 @@ from pathlib import Path
 import pytest
 from integration_harness import (
     MAX_TOKENS,
+    MB32,
     PRE_SCHEMES,
     PROMPTS,
     greedy_mismatch,
     hf_reference,
 )
 
-from vllm_mxplus.formats import SCHEMES
+from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES
 
 pytestmark = pytest.mark.vllm
 
 
-def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
+def _check_against_reference(
+    res: dict, model_dir: str, scheme: str, macro_block: int = MACRO_BLOCK
+) -> None:
     """Greedy tokens identical to transformers + fake-quant linears, up to the rare
     rounding flip that `greedy_mismatch` allows."""
     assert res.get("error") is None, res.get("trace", res.get("error"))
-    ref_tokens, ref_lps = hf_reference(model_dir, scheme)
+    ref_tokens, ref_lps = hf_reference(model_dir, scheme, macro_block)
     assert len(res["tokens"]) == len(PROMPTS)
     why = greedy_mismatch(res, ref_tokens, ref_lps, MAX_TOKENS)
     assert why is None, f"{scheme}: {why}"
@@ -74,6 +77,27 @@ def test_smoothed_checkpoint_matches_reference(driver_run, tiny_models, tmp_path
     assert all(torch.equal(sq[k], again[k]) for k in sq), "not the smoothed model's tensors"
     _check_against_reference(
         results["pre-sq-mxfp4-mbs"], tiny_models["tiny256-smoothed"], "mxfp4-mbs"
+    )
+
+
+def test_macro_block_32_checkpoint_matches_reference(driver_run, tiny_models):
+    """`mxplus quantize --macro-block 32`: the checkpoint records it, its MBS bytes are one
+    per 32 elements, and vLLM (no flag) serves it with the greedy tokens of transformers with
+    fake-quant at macro block 32; at 128 the reference's tokens differ."""
+    import json
+
+    results, _ = driver_run
+    d = Path(tiny_models["tiny256-mb32"])
+    qcfg = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qcfg["macro_block_size"] == MB32
+    mbs = _tensors(str(d))["model.layers.0.mlp.down_proj.weight_mbs"]
+    assert mbs.shape[-1] == 512 // MB32  # down_proj K = intermediate 512
+    _check_against_reference(
+        results["pre-mb32-mxfp4-mbs"], tiny_models["tiny256"], "mxfp4-mbs", MB32
+    )
+    assert (
+        hf_reference(tiny_models["tiny256"], "mxfp4-mbs", MB32)[0]
+        != hf_reference(tiny_models["tiny256"], "mxfp4-mbs")[0]
     )
 
 

@@ -13,7 +13,7 @@ from vllm_mxplus.checkpoint.calibration import METHODS
 from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
 from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
 from vllm_mxplus.checkpoint.smooth_option import add_smooth_option
-from vllm_mxplus.formats import SCHEMES
+from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _SIZE_UNITS = {
@@ -151,6 +151,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "from the calibration text; ALPHA in (0, 1), 0.5 to 0.7 measured best on SmolLM2. Llama-like "
         "models (llama, mistral, qwen2, qwen3); no serving change (default: off)",
     )
+    p.add_argument(
+        "--macro-block",
+        type=int,
+        default=MACRO_BLOCK,
+        metavar="N",
+        help="MBS schemes: one MBS byte per N elements of weights and activations, N a "
+        "multiple of 16 (16, 32, 64, 128). Smaller N: finer scales, lower error, 8/N bits "
+        "per element for the bytes (128: 0.0625, 32: 0.25); recorded in the checkpoint, "
+        "served by vLLM as is; the CPU kernels take any N, the GPU kernels N >= 128 (others: "
+        "the reference path). --method rtn only (default: %(default)s, the paper's)",
+    )
     p.set_defaults(func=run)
 
 
@@ -184,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             nsamples=args.nsamples,
             seqlen=args.seqlen,
             smooth=args.smooth,
+            macro_block=args.macro_block,
         )
     except UsageError as e:
         print(f"mxplus quantize: error: {e}", file=sys.stderr)

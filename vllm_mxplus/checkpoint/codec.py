@@ -32,9 +32,11 @@ WEIGHTS_METADATA_KEY = "mxplus_weights"  # JSON {module: {"shape": [...], "dtype
 CHUNK_ELEMS = 1 << 22  # rows per quantize() call ~ 4M elements: bounds the temporaries
 
 
-def stored_layout(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def stored_layout(
+    fmt: str, shape: tuple[int, ...], macro_block: int = MACRO_BLOCK
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """suffix -> (safetensors dtype, shape) of every stored tensor for a weight of `shape`."""
-    return {t.suffix: (t.st_dtype, t.shape(tuple(shape))) for t in stored_tensors(fmt)}
+    return {t.suffix: (t.st_dtype, t.shape(tuple(shape))) for t in stored_tensors(fmt, macro_block)}
 
 
 def encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -50,7 +52,12 @@ def encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
     return {s: out[s].to("cpu").contiguous() for s in weight_suffixes(q.fmt)}
 
 
-def decode(stored: dict[str, torch.Tensor], fmt: str, shape: tuple[int, ...]) -> QuantizedTensor:
+def decode(
+    stored: dict[str, torch.Tensor],
+    fmt: str,
+    shape: tuple[int, ...],
+    macro_block: int = MACRO_BLOCK,
+) -> QuantizedTensor:
     """The QuantizedTensor for stored tensors already checked against stored_layout."""
     g = stored.get(SUFFIX_GLOBAL)
     if g is not None:
@@ -64,7 +71,7 @@ def decode(stored: dict[str, torch.Tensor], fmt: str, shape: tuple[int, ...]) ->
         mbs=stored.get(SUFFIX_MBS),
         global_scale=g,
         block_max_index=stored.get(SUFFIX_BM_INDEX),
-        macro_block=MACRO_BLOCK,
+        macro_block=macro_block,
     )
 
 
@@ -73,6 +80,7 @@ def quantize_weight(
     fmt: str,
     device: torch.device | str = "cpu",
     on_progress: Callable[[float], None] | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> tuple[QuantizedTensor, float, float]:
     """Quantize one (possibly expert-stacked) weight: (QuantizedTensor on CPU, ‖w‖², ‖w − ŵ‖²).
 
@@ -92,7 +100,7 @@ def quantize_weight(
     sig = err = 0.0
     for i, unit in enumerate(units):
         x = unit.to(device)
-        q = quantize(x, fmt)
+        q = quantize(x, fmt, macro_block=macro_block)
         x32 = x.float()
         # Squares in fp32 (relative error 2^-24, far below what a dB figure shows), sums in fp64.
         sig += float(torch.sum(x32.square(), dtype=torch.float64))
@@ -101,7 +109,7 @@ def quantize_weight(
         del x, x32
         if on_progress is not None:
             on_progress((i + 1) / len(units))
-    return _merge(parts, fmt, tuple(w.shape)), sig, err
+    return _merge(parts, fmt, tuple(w.shape), macro_block), sig, err
 
 
 def _to_cpu(q: QuantizedTensor) -> QuantizedTensor:
@@ -118,7 +126,9 @@ def _to_cpu(q: QuantizedTensor) -> QuantizedTensor:
     )
 
 
-def _merge(parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...]) -> QuantizedTensor:
+def _merge(
+    parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...], macro_block: int
+) -> QuantizedTensor:
     spec = get_format(fmt)
     lead = shape[:-1]
 
@@ -144,5 +154,5 @@ def _merge(parts: list[QuantizedTensor], fmt: str, shape: tuple[int, ...]) -> Qu
         mbs=cat("mbs"),
         global_scale=g,
         block_max_index=cat("block_max_index"),
-        macro_block=MACRO_BLOCK,
+        macro_block=macro_block,
     )

@@ -98,7 +98,9 @@ def package_version() -> str:
         return __version__
 
 
-def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dict[str, Any]:
+def make_quantization_config(
+    scheme: str, unquantized_modules: list[str], macro_block: int = MACRO_BLOCK
+) -> dict[str, Any]:
     """The `quantization_config` block written into config.json."""
     s = get_scheme(scheme)
     w = get_format(s.weight_format)
@@ -110,7 +112,7 @@ def make_quantization_config(scheme: str, unquantized_modules: list[str]) -> dic
         "activation_format": a.name,
         "weight_block_size": w.block_size,
         "activation_block_size": a.block_size,
-        "macro_block_size": MACRO_BLOCK if (w.mbs or a.mbs) else None,
+        "macro_block_size": macro_block if (w.mbs or a.mbs) else None,
         "modules_to_not_convert": sorted(set(unquantized_modules)),
         # vLLM 0.32 reads quantization_config["producer"]["name"]: it must be a dict
         "producer": {"name": "vllm-mxplus", "version": package_version()},
@@ -123,6 +125,31 @@ def is_mxplus_quantization_config(qcfg: object) -> TypeGuard[dict[str, Any]]:
         return False
     producer = qcfg.get("producer")
     return isinstance(producer, dict) and producer.get("name") == "vllm-mxplus"
+
+
+def check_macro_block(scheme: str, macro_block: int, what: str = "--macro-block") -> None:
+    """ValueError naming `what` unless macro_block suits the scheme: a positive multiple of
+    its MBS formats' block size (docs/numerics.md, Macro Block Scaling); 128 for a scheme
+    without MBS (nothing to size)."""
+    s = get_scheme(scheme)
+    mbs = [get_format(f) for f in (s.weight_format, s.activation_format) if get_format(f).mbs]
+    if not mbs:
+        if macro_block != MACRO_BLOCK:
+            raise ValueError(f"{what} {macro_block}: scheme {s.name} has no macro blocks")
+        return
+    block = mbs[0].block_size
+    if isinstance(macro_block, bool) or not isinstance(macro_block, int):
+        raise ValueError(f"{what} {macro_block!r}: not an integer")
+    if macro_block <= 0 or macro_block % block:
+        raise ValueError(
+            f"{what} {macro_block}: a macro block must be a positive multiple of the block "
+            f"size {block} (e.g. 32, 64, 128)"
+        )
+
+
+def checkpoint_macro_block(cfg: dict[str, Any]) -> int:
+    """The macro block of a checked quantization_config (MACRO_BLOCK when it has none)."""
+    return cfg.get("macro_block_size") or MACRO_BLOCK
 
 
 def check_quantization_config(cfg: dict[str, Any], where: str = "config.json") -> None:
@@ -144,3 +171,7 @@ def check_quantization_config(cfg: dict[str, Any], where: str = "config.json") -
                 f"{where}: quantization_config.{key} is {cfg.get(key)!r}, "
                 f"scheme {s.name!r} expects {expected!r}"
             )
+    if cfg.get("macro_block_size") is not None:
+        check_macro_block(
+            s.name, cfg["macro_block_size"], f"{where}: quantization_config.macro_block_size"
+        )

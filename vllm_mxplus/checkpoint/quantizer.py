@@ -33,7 +33,7 @@ from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
 from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
-from vllm_mxplus.checkpoint.layout import make_quantization_config
+from vllm_mxplus.checkpoint.layout import check_macro_block, make_quantization_config
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
 from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
 from vllm_mxplus.checkpoint.safetensors_io import (
@@ -51,7 +51,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
 from vllm_mxplus.checkpoint.smooth_option import check_alpha
 from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
-from vllm_mxplus.formats import QuantizedTensor, get_scheme
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def quantize_checkpoint(
     nsamples: int = DEFAULT_NSAMPLES,
     seqlen: int = DEFAULT_SEQLEN,
     smooth: float | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> QuantizeReport:
     """Quantize the HF model dir `src` into `dst` with `scheme` (any name in formats.SCHEMES).
 
@@ -89,7 +90,10 @@ def quantize_checkpoint(
     methods read `calib` (a text file; default: the held-out embedded Wikipedia text),
     `nsamples` windows of `seqlen` tokens (calibration.py). smooth: SmoothQuant migration
     strength alpha in (0, 1), folded into the weights and norms before any method, from the
-    same calibration tokens (smoothing.py); None: no smoothing. Raises UsageError for a bad
+    same calibration tokens (smoothing.py); None: no smoothing. macro_block: the MBS macro
+    block of both weights and activations (docs/numerics.md, Macro Block Scaling; recorded
+    as quantization_config.macro_block_size, so vLLM serves it; --method rtn only, smoothing
+    allowed). Raises UsageError for a bad
     request and CheckpointError for a source or write failure.
     """
     t0 = time.perf_counter()
@@ -114,11 +118,21 @@ def quantize_checkpoint(
     if smooth is not None:
         check_alpha(smooth)
     try:
+        check_macro_block(s.name, macro_block)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if macro_block != MACRO_BLOCK and method != "rtn":
+        raise UsageError(
+            f"--macro-block {macro_block} works with --method rtn (the calibrated methods "
+            f"choose their group parameters per {MACRO_BLOCK}-element macro block); drop "
+            f"--macro-block or use --method rtn"
+        )
+    try:
         matcher = IgnoreMatcher(list(ignore))
     except ValueError as e:  # an invalid regular expression
         raise UsageError(str(e)) from None
     source = open_source(src_p)
-    items = _plan(source, fmt, matcher)
+    items = _plan(source, fmt, matcher, macro_block)
     unquantized = _unquantized_modules(items, source.config)
     _warn_split_fused_groups(items)
     shards = split_shards(items, max_shard_bytes)
@@ -143,11 +157,13 @@ def quantize_checkpoint(
     warn_stale_tmp(dst_p)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}{TMP_TAG}", dir=dst_p.parent))
     try:
-        write_all(source, shards, fmt, tmp, device, report, progress, precomputed, rewritten)
+        write_all(
+            source, shards, fmt, tmp, device, report, progress, precomputed, rewritten, macro_block
+        )
         for f in source.other_files:
             shutil.copy2(f, tmp / f.name)
         config = dict(source.config)
-        config["quantization_config"] = make_quantization_config(s.name, unquantized)
+        config["quantization_config"] = make_quantization_config(s.name, unquantized, macro_block)
         if method != "rtn" or smooth is not None:  # provenance only; loaders ignore it
             config["quantization_config"]["calibration"] = {
                 "method": method,
@@ -236,7 +252,9 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
             raise UsageError(f"{dst}: DST exists; pass --force to replace it")
 
 
-def _plan(source: SourceModel, fmt: str, matcher: IgnoreMatcher) -> list[Item]:
+def _plan(
+    source: SourceModel, fmt: str, matcher: IgnoreMatcher, macro_block: int = MACRO_BLOCK
+) -> list[Item]:
     items = []
     for t in source.tensors:
         d = classify(t.name, t.dtype, t.shape, matcher, source.model_type)
@@ -244,7 +262,7 @@ def _plan(source: SourceModel, fmt: str, matcher: IgnoreMatcher) -> list[Item]:
             assert d.module is not None
             outs = [
                 PlannedTensor(f"{d.module}.{sfx}", dt, shp)
-                for sfx, (dt, shp) in stored_layout(fmt, t.shape).items()
+                for sfx, (dt, shp) in stored_layout(fmt, t.shape, macro_block).items()
             ]
         else:
             outs = [PlannedTensor(t.name, t.dtype, t.shape)]

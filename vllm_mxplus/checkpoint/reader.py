@@ -27,6 +27,7 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_PACKED,
     SUFFIX_SCALE,
     check_quantization_config,
+    checkpoint_macro_block,
     is_mxplus_quantization_config,
 )
 from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_header
@@ -35,7 +36,7 @@ from vllm_mxplus.checkpoint.source import (
     SINGLE_NAME,
     _read_json,  # one JSON reader for the package
 )
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
 ALL_SUFFIXES = (SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL, SUFFIX_BM_INDEX)
 
@@ -57,6 +58,7 @@ class QuantizedCheckpoint:
     weight_format: str
     modules: dict[str, QuantizedModule]
     other: dict[str, TensorInfo]  # unquantized tensors by name
+    macro_block: int = MACRO_BLOCK  # quantization_config.macro_block_size
 
     @property
     def quantization_config(self) -> dict[str, Any]:
@@ -67,7 +69,10 @@ class QuantizedCheckpoint:
         data = _get_all([t for m in self.modules.values() for t in m.tensors.values()], device)
         return {
             name: decode(
-                {sfx: data[t.name] for sfx, t in m.tensors.items()}, self.weight_format, m.shape
+                {sfx: data[t.name] for sfx, t in m.tensors.items()},
+                self.weight_format,
+                m.shape,
+                self.macro_block,
             )
             for name, m in self.modules.items()
         }
@@ -108,11 +113,12 @@ def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     fmt = qcfg["weight_format"]
+    macro = checkpoint_macro_block(qcfg)
     infos, shapes = _read_shards(path)
     modules, other = _group(infos, shapes)
     for m in modules.values():
-        _validate_module(m, fmt)
-    return QuantizedCheckpoint(path, config, fmt, modules, other)
+        _validate_module(m, fmt, macro)
+    return QuantizedCheckpoint(path, config, fmt, modules, other, macro)
 
 
 def _read_shards(path: Path) -> tuple[dict[str, TensorInfo], dict[str, dict]]:
@@ -172,8 +178,8 @@ def _group(infos: dict[str, TensorInfo], recorded: dict[str, dict]):
     return modules, other
 
 
-def _validate_module(m: QuantizedModule, fmt: str) -> None:
-    expected = stored_layout(fmt, m.shape)
+def _validate_module(m: QuantizedModule, fmt: str, macro_block: int) -> None:
+    expected = stored_layout(fmt, m.shape, macro_block)
     for sfx, t in m.tensors.items():
         if sfx not in expected:
             raise CheckpointError(

@@ -33,7 +33,7 @@ from vllm_mxplus.checkpoint.safetensors_io import (
     read_tensor,
 )
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, SourceModel
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,9 @@ def write_all(
     progress: bool,
     precomputed: dict[str, QuantizedTensor],
     rewritten: dict[str, torch.Tensor] | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> None:
-    """Write every shard into tmp. `precomputed`: QuantizedTensors by module (calibrated
+    """Write every shard into tmp (MBS bytes per `macro_block` elements). `precomputed`: QuantizedTensors by module (calibrated
     methods); `rewritten`: source tensors by name that replace the file's (smoothing), in
     the source dtype: quantized like a source tensor, or written as they are."""
     rewritten = dict(rewritten or {})
@@ -144,6 +145,7 @@ def write_all(
                             bar,
                             precomputed.pop(it.decision.module, None),
                             src,
+                            macro_block,
                         )
                         qsnrs[fmt].append(q_db)
                         report.n_quantized += 1
@@ -190,6 +192,7 @@ def _quantize_one(
     bar: tqdm,
     done: QuantizedTensor | None = None,
     src: torch.Tensor | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> float:
     w = read_tensor(it.info, f) if src is None else src  # type: ignore[arg-type]
     if done is not None:  # quantized by calibration: only its error is measured here
@@ -209,7 +212,7 @@ def _quantize_one(
         done_bytes = target
 
     try:
-        q, sig, err = quantize_weight(w, fmt, device, on_progress)
+        q, sig, err = quantize_weight(w, fmt, device, on_progress, macro_block)
     except (RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{it.info.path}: cannot quantize tensor {it.info.name!r} ({e})"
