@@ -4,7 +4,8 @@ docs/numerics.md, Packing and checkpoint layout.
 
 Stored per quantized weight of logical shape [..., N, K] (leading dims: stacked experts):
   weight_packed uint8 [..., N, ceil(K/2)], weight_scale uint8 (F8_E4M3 for nvfp4)
-  [..., N, ceil(K/block)], weight_mbs uint8 [..., N, ceil(K/128)], weight_bm_index uint8
+  [..., N, ceil(K/block)], weight_mbs uint8 [..., N, ceil(K/macro_block)] (128 unless
+  `--macro-block`), weight_bm_index uint8
   [..., N, ceil(K/32)], weight_global_scale fp32 [1] (2-D) or [E, 1] (3-D: one per expert,
   since each expert is its own logical weight, docs/numerics.md, NVFP4).
 K itself cannot be recovered from the packed shape when it is odd, so the writer also records

@@ -4,7 +4,7 @@ docs/numerics.md, Packing and checkpoint layout. Per quantized linear NAME (its 
 NAME.weight [N, K]):
   NAME.weight_packed        uint8 [N, ceil(K/2)]   two E2M1 codes per byte
   NAME.weight_scale         uint8 [N, ceil(K/bs)]  E8M0 (float8_e4m3fn for nvfp4)
-  NAME.weight_mbs           uint8 [N, ceil(K/128)] MBS formats only
+  NAME.weight_mbs           uint8 [N, ceil(K/mb)]  MBS formats only (mb = macro_block_size)
   NAME.weight_global_scale  float32 [1]            nvfp4 only
   NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
 `stored_tensors(fmt)` is that table in code: the writer (`codec.stored_layout`), the reader
