@@ -2,6 +2,9 @@
 
 A row `SCHEME:METHOD@ACT` (eval/gptq_study.py) replaces the scheme's activation quantizer:
 
+  own      the scheme's own activations and the checkpoint's weights: the control, run by
+           the same code as the other options (W4A4 perplexity moves by ~1 % with any change
+           of rounding order, so rows compare best against a control of the same code)
   mbsd     runtime MBS-D on the activations: each macro block's byte is the exact argmin of
            its SSE over all 256 bytes (formats.mbs_search.mbs_dynamic), per token
   mbsdR    runtime MBS-D over 2R + 1 candidates only, the bytes m0 - R .. m0 + R around the
@@ -36,7 +39,7 @@ from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
 
 MBS_ACT = "mxfp4-mbs-s"
-_PATTERN = re.compile(r"^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(w?mb)(\d+)$|^(had)(\d+)$")
+_PATTERN = re.compile(r"^(own)()$|^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(w?mb)(\d+)$|^(had)(\d+)$")
 
 
 def parse(act: str) -> tuple[str, int | None]:
@@ -44,7 +47,9 @@ def parse(act: str) -> tuple[str, int | None]:
     naming the option if it is not one of those."""
     m = _PATTERN.match(act)
     if m is None:
-        raise SystemExit(f"@{act}: unknown activation option (mbsd, mbsdR, mbsgK, mbN, wmbN, hadB)")
+        raise SystemExit(
+            f"@{act}: unknown activation option (own, mbsd, mbsdR, mbsgK, mbN, wmbN, hadB)"
+        )
     kind = next(g for g in m.groups()[0::2] if g)
     num = next((g for g in m.groups()[1::2] if g), None)
     n = int(num) if num else None
