@@ -66,7 +66,8 @@ def _quantized_model(
 ) -> torch.nn.Module:
     """The bf16 model with every quantized linear on the reference numerics: weights from
     `ckpt` (or, for a hadB option, rotated and quantized RTN here), activations with the
-    scheme's format or the `act` option (eval/act_options.py)."""
+    scheme's format or the `act` option (eval/act_options.py; for wmbN the checkpoint was
+    written with --macro-block N)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_mxplus.checkpoint import load
@@ -82,16 +83,15 @@ def _quantized_model(
     per_row = get_format(afmt).scale_rule == "e4m3"
     mods = dict(model.named_modules())
     rot_b = act_options.rotation_block(act)
-    w_macro = act_options.weight_macro_block(act)
     if act:
         act_options.check_scheme(act, afmt)
     act_q = act_options.activation_quantizer(act) if act else None
-    if rot_b is None and w_macro is None:
+    if rot_b is None:
         assert ckpt is not None
         weights = {n: q.dequantize(torch.float32) for n, q in load(ckpt).items()}
         _load_kept_tensors(model, ckpt)
         rot = {}
-    else:  # rotated offline and / or other weight macro blocks: RTN with the weight format
+    else:  # rotated offline, RTN with the scheme's weight format
         names = [
             n
             for n, m in mods.items()
@@ -99,17 +99,9 @@ def _quantized_model(
             and n.startswith("model.")
             and not stays_unquantized(n)
         ]
-        if rot_b is not None:
-            rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
-        else:
-            rot = {}
+        rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
         weights = {
-            n: fake_quantize(
-                mods[n].weight.float() @ rot[n] if n in rot else mods[n].weight.float(),
-                sch.weight_format,
-                macro_block=w_macro or MACRO_BLOCK,
-            )
-            for n in names
+            n: fake_quantize(mods[n].weight.float() @ rot[n], sch.weight_format) for n in names
         }
     for name, w in weights.items():
         lin = mods[name]
@@ -181,6 +173,7 @@ def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: A
 
 def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     from vllm_mxplus.checkpoint import quantize_checkpoint
+    from vllm_mxplus.formats import MACRO_BLOCK
 
     scheme, _, rest = row.partition(":")
     method, _, act = rest.partition("@")
@@ -188,13 +181,14 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     if extra and not extra.startswith("sq"):
         raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq or +sqALPHA)")
     smooth = (float(extra[2:]) if len(extra) > 2 else args.alpha) if extra else None
-    own_weights = act_options.rotation_block(act) or act_options.weight_macro_block(act)
-    if own_weights and method != "rtn":
-        raise SystemExit(f"{row}: @had / @wmb rows quantize the source weights RTN (method rtn)")
+    rotated = act_options.rotation_block(act) is not None
+    if rotated and method != "rtn":
+        raise SystemExit(f"{row}: @had rows rotate the source weights and quantize them RTN")
+    w_macro = act_options.weight_macro_block(act)
     t0 = time.perf_counter()
     ckpt = None
-    if scheme != "bf16" and not own_weights:
-        ckpt = Path(args.work) / f"{scheme}-{method}"
+    if scheme != "bf16" and not rotated:
+        ckpt = Path(args.work) / (f"{scheme}-{method}" + (f"-mb{w_macro}" if w_macro else ""))
         if not (args.reuse and (ckpt / "config.json").is_file()):
             quantize_checkpoint(
                 args.model,
@@ -206,6 +200,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
                 nsamples=args.nsamples,
                 seqlen=args.seqlen,
                 progress=False,
+                macro_block=w_macro or MACRO_BLOCK,
             )
     t_quant = time.perf_counter() - t0
     model = _quantized_model(Path(args.model), ckpt, scheme, act=act or None)
