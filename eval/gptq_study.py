@@ -293,7 +293,7 @@ def write_table(command: str, docs: int) -> None:
 
 def _act_table(res: dict[str, dict]) -> list[str]:
     """Word perplexity (wiki) of the @ACT rows next to their method's own row."""
-    acts = sorted({r["row"].partition("@")[2] for r in res.values() if "@" in r["row"]})
+    acts = sorted({r["row"].partition("@")[2] for r in res.values() if "@" in r["row"]} - {"own"})
     bases = sorted(
         {r["row"].partition(":")[2].partition("@")[0] for r in res.values() if "@" in r["row"]}
     )
@@ -301,24 +301,25 @@ def _act_table(res: dict[str, dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Activation options (eval/act_options.py), word perplexity (wiki); "
-        "'own' is the scheme's activation format:",
+        "Activation options (eval/act_options.py), word perplexity (wiki); 'own' is the "
+        "scheme's own activation format, from an @own row (the same code as the options) "
+        "where there is one, else (marked *) the method's row above:",
         "",
         "| scheme | method | own | " + " | ".join(acts) + " |",
         "|---|---|" + "---:|" * (len(acts) + 1),
     ]
     for s in SCHEMES:
         for m in bases:
-            cells = [res.get(f"{s}:{m}")] + [res.get(f"{s}:{m}@{a}") for a in acts]
-            if all(c is None for c in cells[1:]):
+            opts = [res.get(f"{s}:{m}@{a}") for a in acts]
+            own, star = res.get(f"{s}:{m}@own"), ""
+            if own is None:
+                own, star = res.get(f"{s}:{m}"), "*"
+            if all(c is None for c in opts) and star:  # no option and no @own row
                 continue
-            lines.append(
-                f"| {LABELS[s]} | {m} | "
-                + " | ".join(
-                    f"{c['wiki']['word_ppl']:.2f}" if c and "wiki" in c else "–" for c in cells
-                )
-                + " |"
-            )
+            cells = [f"{own['wiki']['word_ppl']:.2f}{star}" if own else "–"] + [
+                f"{c['wiki']['word_ppl']:.2f}" if c and "wiki" in c else "–" for c in opts
+            ]
+            lines.append(f"| {LABELS[s]} | {m} | " + " | ".join(cells) + " |")
     return lines
 
 
