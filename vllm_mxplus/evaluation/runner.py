@@ -32,6 +32,9 @@ DEFAULT_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # One engine step of a long-window perplexity batch can take minutes on a CPU (bf16
+    # without avx512_bf16, a loaded machine): vLLM's 300 s default killed such a cell.
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200",
 }
 
 
