@@ -3,14 +3,17 @@ F.linear (and, with --reference, the pure-torch reference backend), in one run.
 
     python benchmarks/bench_cpu_linear.py [--scheme mxfp4-mbs] [--model smollm2|llama8b|all]
                                           [--m 1,4,16,64,256,1024] [--threads N] [--reference]
-                                          [--min-iters 5] [--min-time 0.3]
+                                          [--min-iters 5] [--min-time 0.3] [--macro-block N]
 
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
   bf16      torch.nn.functional.linear on bf16 weights (the unquantized baseline; oneDNN)
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
   reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
-and the ratio bf16/packed (>= 1: packed is faster than bf16). Weight bytes per element:
+and the ratio bf16/packed (>= 1: packed is faster than bf16). With --macro-block N (an MBS
+scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
+at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
+of the smaller macro blocks). Weight bytes per element:
 bf16 2, reference 4, packed ~0.57. The CPU model, its SIMD flags and the load average (before
 and after) are printed: on a shared machine only the ratios measured in one run mean much.
 """
@@ -106,6 +109,13 @@ def main() -> int:
         "before each timed call, as serving a model larger than L3 does)",
     )
     ap.add_argument(
+        "--macro-block",
+        type=int,
+        default=128,
+        metavar="N",
+        help="MBS macro block of the packed layer (default 128; else 128 is timed too)",
+    )
+    ap.add_argument(
         "--reference",
         action="store_true",
         help="also time the reference backend (fp32 weight copy; slow at large M)",
@@ -139,14 +149,21 @@ def main() -> int:
     print(
         f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'ref us':>9s} "
         f"{'packed us':>9s} {'bf16/packed':>11s} {'ref/packed':>10s}"
+        + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
     )
     g = torch.Generator().manual_seed(0)
-    tot = {"bf16": 0.0, "ref": 0.0, "packed": 0.0}
+    tot = {"bf16": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0}
     for model in models:
         for n, k in SHAPES[model]:
             w = torch.randn(n, k, generator=g) * 0.02
-            spec = LinearSpec(scheme=args.scheme, n=n, k=k, out_dtype=torch.bfloat16)
-            q = quantize(w, spec.weight_format)
+            spec = LinearSpec(
+                scheme=args.scheme,
+                n=n,
+                k=k,
+                out_dtype=torch.bfloat16,
+                macro_block=args.macro_block,
+            )
+            q = quantize(w, spec.weight_format, macro_block=args.macro_block)
             ref_layer, packed_layer = torch.nn.Module(), torch.nn.Module()
             ref, packed = ReferenceBackend(spec), CpuPackedBackend(spec)
             ok, why = packed.can_implement(spec)
@@ -155,6 +172,10 @@ def main() -> int:
             if args.reference:
                 ref.process_weights_after_loading(ref_layer, q)
             packed.process_weights_after_loading(packed_layer, q)
+            if args.macro_block != 128:
+                spec128 = LinearSpec(scheme=args.scheme, n=n, k=k, out_dtype=torch.bfloat16)
+                p128, p128_layer = CpuPackedBackend(spec128), torch.nn.Module()
+                p128.process_weights_after_loading(p128_layer, quantize(w, spec.weight_format))
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -162,21 +183,31 @@ def main() -> int:
                     lambda: torch.nn.functional.linear(x, wb),
                     lambda: packed.apply(packed_layer, x, None),
                 ]
+                if args.macro_block != 128:
+                    fns.append(lambda: p128.apply(p128_layer, x, None))
                 if args.reference:
                     fns.append(lambda: ref.apply(ref_layer, x, None))
-                t_b, t_p, *t_r = _medians_us(fns, cold, args.min_time, args.min_iters)
-                t_r = t_r[0] if t_r else float("nan")
+                t_b, t_p, *rest = _medians_us(fns, cold, args.min_time, args.min_iters)
+                t_128 = rest.pop(0) if args.macro_block != 128 else float("nan")
+                t_r = rest[0] if rest else float("nan")
+                tot["p128"] += t_128
                 tot["bf16"] += t_b
                 tot["ref"] += t_r
                 tot["packed"] += t_p
                 print(
                     f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_r:9.1f} {t_p:9.1f} "
-                    f"{t_b / t_p:11.2f} {t_r / t_p:10.2f}",
+                    f"{t_b / t_p:11.2f} {t_r / t_p:10.2f}"
+                    + (f" {t_128:9.1f} {t_p / t_128:6.2f}" if args.macro_block != 128 else ""),
                     flush=True,
                 )
     print(
         f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
         f"reference/packed = {tot['ref'] / tot['packed']:.2f}x"
+        + (
+            f", packed at {args.macro_block} / packed at 128 = {tot['packed'] / tot['p128']:.2f}x"
+            if args.macro_block != 128
+            else ""
+        )
     )
     print(f"load average after: {os.getloadavg()}")
     print(
@@ -189,6 +220,7 @@ def main() -> int:
                 ("m", args.m),
                 ("min-iters", args.min_iters),
                 ("min-time", args.min_time),
+                ("macro-block", args.macro_block),
             )
         )
         + (f" --threads {args.threads}" if args.threads else "")
