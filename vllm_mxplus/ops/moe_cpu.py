@@ -50,36 +50,23 @@ class PackedExperts:
         def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
             return None if t is None else t[e * n : (e + 1) * n]
 
-        if q.fmt == "nvfp4":  # the global scale: one for all rows, or one per row [E*N, 1]
+        def expert(e: int) -> QuantizedTensor:
+            """Expert e's rows as one weight [N, K] (NVFP4: the global scale for all rows,
+            or each row's [E*N, 1])."""
             g = q.global_scale
-            assert g is not None
-            packed = [
-                pack_nvfp4(
-                    QuantizedTensor(
-                        codes=rows(q.codes, e),
-                        scales=rows(q.scales, e),
-                        fmt=q.fmt,
-                        shape=torch.Size((n, k)),
-                        global_scale=g if g.numel() == 1 else rows(g.reshape(-1, 1), e),
-                    )
-                )
-                for e in range(experts)
-            ]
-            args: tuple = ("nvfp4", n, k)
-        elif q.fmt == "mxplus":
-            packed = [
-                pack_mxplus(
-                    QuantizedTensor(
-                        codes=rows(q.codes, e),
-                        scales=rows(q.scales, e),
-                        fmt=q.fmt,
-                        shape=torch.Size((n, k)),
-                        block_max_index=rows(q.block_max_index, e),
-                    )
-                )
-                for e in range(experts)
-            ]
-            args = ("mxplus", n, k)
+            return QuantizedTensor(
+                codes=rows(q.codes, e),
+                scales=rows(q.scales, e),
+                fmt=q.fmt,
+                shape=torch.Size((n, k)),
+                global_scale=g if g is None or g.numel() == 1 else rows(g.reshape(-1, 1), e),
+                block_max_index=rows(q.block_max_index, e),
+            )
+
+        if q.fmt in ("nvfp4", "mxplus"):
+            pack = pack_nvfp4 if q.fmt == "nvfp4" else pack_mxplus
+            packed = [pack(expert(e)) for e in range(experts)]
+            args: tuple = (q.fmt, n, k)
         else:
             packed = [
                 pack_weight(
