@@ -159,8 +159,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="MBS schemes: one MBS byte per N elements of weights and activations, N a "
         "multiple of 16 (16, 32, 64, 128). Smaller N: finer scales, lower error, 8/N bits "
         "per element for the bytes (128: 0.0625, 32: 0.25); recorded in the checkpoint, "
-        "served by vLLM as is; the CPU kernels take any N, the GPU kernels N >= 128 (others: "
-        "the reference path). --method rtn only (default: %(default)s, the paper's)",
+        "served by vLLM as is; the CPU kernels take any N, the GPU kernels 128 (Triton also "
+        "larger powers of two; others: the reference path). --method rtn only (default: %(default)s, the paper's)",
     )
     p.set_defaults(func=run)
 
