@@ -20,7 +20,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-from vllm_mxplus.checkpoint.layout import check_quantization_config
+from vllm_mxplus.checkpoint.layout import check_quantization_config, checkpoint_macro_block
 from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES, Scheme, get_scheme
 from vllm_mxplus.quant_rules import stays_unquantized
 
@@ -92,7 +92,7 @@ class MxplusConfig(QuantizationConfig):
                 f"{cls.scheme_name}). {fix}"
             )
         check_quantization_config(config)
-        macro = config.get("macro_block_size") or MACRO_BLOCK
+        macro = checkpoint_macro_block(config)
         return cls(
             is_checkpoint_quantized=True,
             modules_to_not_convert=config.get("modules_to_not_convert") or [],
