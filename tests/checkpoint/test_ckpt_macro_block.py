@@ -43,7 +43,8 @@ def test_weights_quantize_with_the_given_macro_block(
         ("mxfp4-mbs", 24, "rtn", "--macro-block 24: a macro block must be a positive multiple"),
         ("mxfp4-mbs", 0, "rtn", "--macro-block 0"),
         ("nvfp4", 32, "rtn", "--macro-block 32: scheme nvfp4 has no macro blocks"),
-        ("mxfp4-mbs", 32, "gptq", "--macro-block 32 works with --method rtn"),
+        ("mxfp4-mbs", 24, "gptq", "--macro-block 24: a macro block must be a positive multiple"),
+        ("mxfp4-mbs-s", 8, "rtn-aware", "--macro-block 8: a macro block must be a positive"),
     ],
 )
 def test_bad_macro_blocks_are_refused_by_name(

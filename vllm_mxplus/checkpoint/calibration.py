@@ -3,8 +3,9 @@
 The model runs in fp32 on CPU (or the --device), one decoder layer at a time over all
 calibration samples: the inputs of layer i are the outputs of layers 0..i-1 already
 quantized, with every quantized linear's activations fake-quantized with the scheme's
-activation format, as the served model computes them (ops.reference.fake_quant_activation).
-Per layer: one pass collects, for each quantized linear, H = sum x x^T of its (quantized)
+activation format, as the served model computes them (ops.reference.fake_quant_activation),
+at the checkpoint's macro block (`macro_block`: one MBS byte per that many elements of the
+weights and activations alike; docs/numerics.md, "Macro Block Scaling"). Per layer: one pass collects, for each quantized linear, H = sum x x^T of its (quantized)
 inputs; the linears are quantized (gptq: H; rtn-aware: diag(H)); a second pass with the
 quantized weights gives the next layer's inputs. Memory: the hidden states of the samples
 plus one layer's Hessians (K x K each).
@@ -31,6 +32,7 @@ from vllm_mxplus.checkpoint.gptq import (
     rtn_aware,
     split_rows,
 )
+from vllm_mxplus.checkpoint.layout import check_macro_block
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
 from vllm_mxplus.ops.reference import fake_quant_activation
 
@@ -103,13 +105,19 @@ def calibrate_and_quantize(
     device: str = "cpu",
     progress: bool = True,
     on_layer: Callable[[int, int], None] | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> CalibrationResult:
     """Quantize the nn.Linear modules named in `targets` (inside decoder layers) of `model`.
 
     `model` is modified in place: each quantized linear's weight becomes its dequantized
     value. Returns the QuantizedTensors by module name; targets outside the decoder layers
-    are not in the result (the caller quantizes them with plain RTN).
+    are not in the result (the caller quantizes them with plain RTN). macro_block: elements
+    per MBS byte of the weights and of the activations the layers see (as served).
     """
+    try:
+        check_macro_block(scheme, macro_block)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     s = get_scheme(scheme)
     wfmt, afmt = s.weight_format, s.activation_format
     per_row = get_format(afmt).scale_rule == "e4m3"
@@ -133,7 +141,7 @@ def calibrate_and_quantize(
                     for n, m in layer.named_modules()
                     if isinstance(m, nn.Linear) and f"{prefix}.{i}.{n}" in targets
                 }
-                hess = _collect_hessians(layer, names, batches, afmt, per_row)
+                hess = _collect_hessians(layer, names, batches, afmt, per_row, macro_block)
                 prepared: dict[int, tuple] = {}  # per shared H (q/k/v, gate/up)
                 # thousands of small ops: one thread (see _one_thread)
                 with _one_thread():
@@ -153,13 +161,24 @@ def calibrate_and_quantize(
                                 w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
                                 if id(h) not in prepared:
                                     prepared[id(h)] = prepare_hessian(h, h.shape[0], label)
-                                q = gptq(w, h, wfmt, name=label, prepared=prepared[id(h)])
+                                q = gptq(
+                                    w,
+                                    h,
+                                    wfmt,
+                                    name=label,
+                                    prepared=prepared[id(h)],
+                                    macro_block=macro_block,
+                                )
                                 qs = (
                                     [q] if len(ws) == 1 else split_rows(q, [x.shape[0] for x in ws])
                                 )
                             else:
                                 d = torch.diagonal(h) / max(n_tok, 1)
-                                qs = [rtn_aware(ws[0], d, wfmt, name=label)]
+                                qs = [
+                                    rtn_aware(
+                                        ws[0], d, wfmt, name=label, macro_block=macro_block
+                                    )
+                                ]
                         except ValueError as e:
                             raise UsageError(str(e)) from None
                         for name, q in zip(group, qs):
@@ -169,7 +188,7 @@ def calibrate_and_quantize(
                                 mod.weight.device, mod.weight.dtype
                             )
                 del hess
-                with _act_quant(names, afmt, per_row):
+                with _act_quant(names, afmt, per_row, macro_block=macro_block):
                     batches = [(_layer_out(layer, hs, kw), kw) for hs, kw in batches]
                 bar.update(1)
                 if on_layer is not None:
@@ -222,8 +241,10 @@ class _act_quant:
         afmt: str,
         per_row: bool,
         hess: dict[str, list] | None = None,
+        macro_block: int = MACRO_BLOCK,
     ):
         self.mods, self.afmt, self.per_row, self.hess = mods, afmt, per_row, hess
+        self.macro_block = macro_block
         self.handles: list = []
         # q/k/v (and gate/up) receive the same input tensor object: quantize it and form
         # its x^T x once (the reference held here keeps that object alive, so `is` is safe).
@@ -246,7 +267,7 @@ class _act_quant:
                 if self.hess is not None:
                     self.hess[name] = self.hess[owner]
             else:
-                xq = fake_quant_activation(x, self.afmt, self.per_row, MACRO_BLOCK)
+                xq = fake_quant_activation(x, self.afmt, self.per_row, self.macro_block)
                 if self.hess is not None:
                     flat = xq.reshape(-1, xq.shape[-1]).to("cpu", torch.float32)
                     acc = self.hess[name]
@@ -264,12 +285,13 @@ def _collect_hessians(
     batches: list[tuple[torch.Tensor, dict]],
     afmt: str,
     per_row: bool,
+    macro_block: int = MACRO_BLOCK,
 ) -> dict[str, tuple[torch.Tensor, int]]:
     hess: dict[str, list] = {
         n: [torch.zeros(m.in_features, m.in_features, dtype=torch.float64), 0]
         for n, m in mods.items()
     }
-    with _act_quant(mods, afmt, per_row, hess):
+    with _act_quant(mods, afmt, per_row, hess, macro_block):
         for hs, kw in batches:
             _layer_out(layer, hs, kw)
     # siblings share one accumulator list, hence one H tensor object

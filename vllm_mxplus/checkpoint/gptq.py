@@ -11,6 +11,10 @@ exact encoding of the format (docs/numerics.md, "Formats and schemes").
 
 With H = I no error is propagated (H^-1 is diagonal), so GPTQ returns the RTN result of the
 same parameter rule, bit for bit (tests/checkpoint/test_gptq.py).
+
+MBS formats take the checkpoint's macro block (`macro_block`, one MBS byte per that many
+columns; docs/numerics.md, "Macro Block Scaling"): it is the group whose parameters are chosen
+together, and the lazy batch is the smallest multiple of it of at least LAZY_BLOCK columns.
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ from vllm_mxplus.checkpoint.group_params import (
     weighted_params,
 )
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.formats.constants import MACRO_BLOCK
+from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
 from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
 from vllm_mxplus.formats.mx import mbs_factor
 from vllm_mxplus.ops.act_fake_quant import e2m1_round
 
 Rule = Literal["spec", "weighted"]
-LAZY_BLOCK = 128  # GPTQ's lazy batch; a multiple of every group width (16, 32, 128)
+LAZY_BLOCK = 128  # GPTQ's lazy batch, rounded up to a multiple of the group width (_lazy)
 DAMP = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
 
 
@@ -48,11 +52,23 @@ def _global(fmt: str, w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _choose(
-    rule: Rule, fmt: str, w: torch.Tensor, d: torch.Tensor, g: torch.Tensor | None
+    rule: Rule,
+    fmt: str,
+    w: torch.Tensor,
+    d: torch.Tensor,
+    g: torch.Tensor | None,
+    macro_block: int,
 ) -> GroupParams:
     if rule == "spec":
-        return spec_params(fmt, w, g)
-    return weighted_params(fmt, w, d, g)
+        return spec_params(fmt, w, g, macro_block)
+    return weighted_params(fmt, w, d, g, macro_block)
+
+
+def _lazy(gw: int) -> int:
+    """GPTQ's lazy batch: LAZY_BLOCK columns rounded up to whole groups of gw columns, so a
+    group's columns (whose parameters are chosen at its first) lie in one batch; 128 for
+    every group width that divides it (16, 32, 64, 128)."""
+    return ceil_div(LAZY_BLOCK, gw) * gw
 
 
 def check_weight(w: torch.Tensor, what: str) -> torch.Tensor:
@@ -70,15 +86,21 @@ def check_weight(w: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def rtn_aware(
-    w: torch.Tensor, d: torch.Tensor, fmt: str, rule: Rule = "weighted", name: str = "weight"
+    w: torch.Tensor,
+    d: torch.Tensor,
+    fmt: str,
+    rule: Rule = "weighted",
+    name: str = "weight",
+    macro_block: int = MACRO_BLOCK,
 ) -> QuantizedTensor:
-    """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K])."""
+    """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K]); MBS
+    formats: one byte per `macro_block` columns."""
     w = check_weight(w, name)
     n, k = w.shape
-    kp = padded_k(fmt, k)
+    kp = padded_k(fmt, k, macro_block)
     wp = F.pad(w, (0, kp - k))
     dp = F.pad(d.to(torch.float32), (0, kp - k))
-    p = _choose(rule, fmt, wp, dp, _global(fmt, w))
+    p = _choose(rule, fmt, wp, dp, _global(fmt, w), macro_block)
     codes, _ = quantize_columns(fmt, wp, p, 0)
     return to_quantized_tensor(fmt, codes, p, (n, k))
 
@@ -107,18 +129,21 @@ def gptq(
     name: str = "weight",
     damp: float = DAMP,
     prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> QuantizedTensor:
     """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order.
 
-    prepared: prepare_hessian(h, K) when the caller already has it.
+    prepared: prepare_hessian(h, K) when the caller already has it. macro_block: MBS formats'
+    elements per MBS byte (a positive multiple of the block size; the caller checks it).
     """
     w = check_weight(w, name)
     n, k = w.shape
     hinv, dead = prepared if prepared is not None else prepare_hessian(h, k, name, damp)
     d_diag = torch.diagonal(h).to(torch.float32)
     g = _global(fmt, w)  # fixed from the original weight
-    kp = padded_k(fmt, k)
-    gw = group_width(fmt)
+    kp = padded_k(fmt, k, macro_block)
+    gw = group_width(fmt, macro_block)
+    lazy = _lazy(gw)
     # padding columns are zero and independent (identity in H^-1): they quantize to 0
     hinv = F.pad(hinv, (0, kp - k, 0, kp - k))
     hinv[torch.arange(k, kp), torch.arange(k, kp)] = 1.0
@@ -126,9 +151,9 @@ def gptq(
     # transposed ([K, N]): one column of W is one contiguous row here
     wt = F.pad(w.masked_fill(dead[None, :], 0.0), (0, kp - k)).t().contiguous()
     qt = torch.empty_like(wt)
-    p = empty_params(fmt, n, kp, g)
-    for i1 in range(0, kp, LAZY_BLOCK):
-        i2 = min(i1 + LAZY_BLOCK, kp)
+    p = empty_params(fmt, n, kp, g, macro_block)
+    for i1 in range(0, kp, lazy):
+        i2 = min(i1 + lazy, kp)
         w1 = wt[i1:i2].clone()
         err1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
@@ -136,7 +161,9 @@ def gptq(
             col = i1 + i
             if col % gw == 0:
                 slab = w1[i : i + gw].t().contiguous()
-                set_group(p, fmt, col, _choose(rule, fmt, slab, d[col : col + gw], g))
+                set_group(
+                    p, fmt, col, _choose(rule, fmt, slab, d[col : col + gw], g, macro_block)
+                )
                 cq = _ColumnQuantizer(fmt, p, col, gw)
             q = cq(w1[i], col)
             qt[col] = q
@@ -182,7 +209,7 @@ class _ColumnQuantizer:
         self.x = e8m0_to_float(sc)
         if spec.mbs:
             assert p.mbs is not None  # MBS formats' parameters carry the bytes
-            self.f = mbs_factor(p.mbs[:, col0 // MACRO_BLOCK]).expand(width, -1)
+            self.f = mbs_factor(p.mbs[:, col0 // p.macro_block]).expand(width, -1)
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         i = col - self.col0

@@ -11,6 +11,8 @@ layer's input Hessian). What moves per format (docs/numerics.md, "Formats and sc
 * mxfp4-mbs-d: the macro block's byte m, exhaustive over all 256 with the blocks' OAS
   exponents (ties to the smaller m, like the spec's MBS-D), then the exponents as above: one
   round of coordinate descent. mxfp4-mbs-s keeps the static byte of the spec;
+  the macro block is the checkpoint's (`--macro-block N`, any positive multiple of the block
+  size; docs/numerics.md, "Macro Block Scaling"): one byte per N columns, N = 128 by default;
 * nvfp4: each E4M3 block scale among the spec's code and its +-4 neighbouring codes, the
   fp32 global scale fixed (from the original weight).
 
@@ -57,27 +59,33 @@ class GroupParams:
     """Parameters of a padded weight [N, Kp] (Kp a multiple of group_width(fmt)).
 
     scales: uint8 E8M0 codes, or float8_e4m3fn (nvfp4), [N, Kp/block].
-    mbs: uint8 [N, Kp/128] (MBS formats). bm_index: uint8 [N, Kp/32] (mxplus; 255 = none).
-    global_scale: fp32 [] (nvfp4).
+    mbs: uint8 [N, Kp/macro_block] (MBS formats). bm_index: uint8 [N, Kp/32] (mxplus; 255 =
+    none). global_scale: fp32 [] (nvfp4). macro_block: elements per MBS byte (MBS formats;
+    docs/numerics.md, "Macro Block Scaling").
     """
 
     scales: torch.Tensor
     mbs: torch.Tensor | None = None
     bm_index: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    macro_block: int = MACRO_BLOCK
 
 
-def group_width(fmt: str) -> int:
-    """Columns whose parameters are chosen together: the macro block for MBS, else a block."""
+def group_width(fmt: str, macro_block: int = MACRO_BLOCK) -> int:
+    """Columns whose parameters are chosen together: the macro block (macro_block columns)
+    for MBS, else a block."""
     spec = get_format(fmt)
-    return MACRO_BLOCK if spec.mbs else spec.block_size
+    return macro_block if spec.mbs else spec.block_size
 
 
-def padded_k(fmt: str, k: int) -> int:
-    return ceil_div(k, group_width(fmt)) * group_width(fmt)
+def padded_k(fmt: str, k: int, macro_block: int = MACRO_BLOCK) -> int:
+    gw = group_width(fmt, macro_block)
+    return ceil_div(k, gw) * gw
 
 
-def empty_params(fmt: str, n: int, kp: int, global_scale: torch.Tensor | None) -> GroupParams:
+def empty_params(
+    fmt: str, n: int, kp: int, global_scale: torch.Tensor | None, macro_block: int = MACRO_BLOCK
+) -> GroupParams:
     """Parameters to be filled group by group (gptq): zero scales, no block max."""
     spec = get_format(fmt)
     nb = kp // spec.block_size
@@ -85,9 +93,9 @@ def empty_params(fmt: str, n: int, kp: int, global_scale: torch.Tensor | None) -
         scales = torch.zeros(n, nb, dtype=torch.float8_e4m3fn)
     else:
         scales = torch.zeros(n, nb, dtype=torch.uint8)
-    mbs = torch.zeros(n, kp // MACRO_BLOCK, dtype=torch.uint8) if spec.mbs else None
+    mbs = torch.zeros(n, kp // macro_block, dtype=torch.uint8) if spec.mbs else None
     bm = torch.full((n, nb), NO_BLOCK_MAX, dtype=torch.uint8) if spec.block_max_mantissa else None
-    return GroupParams(scales, mbs, bm, global_scale)
+    return GroupParams(scales, mbs, bm, global_scale, macro_block)
 
 
 def set_group(p: GroupParams, fmt: str, col0: int, g: GroupParams) -> None:
@@ -97,7 +105,8 @@ def set_group(p: GroupParams, fmt: str, col0: int, g: GroupParams) -> None:
     p.scales[:, b0 : b0 + g.scales.shape[1]] = g.scales
     if p.mbs is not None:
         assert g.mbs is not None  # same format: the group has MBS bytes too
-        m0 = col0 // MACRO_BLOCK
+        assert g.macro_block == p.macro_block, "group and weight differ in macro block"
+        m0 = col0 // p.macro_block
         p.mbs[:, m0 : m0 + g.mbs.shape[1]] = g.mbs
     if p.bm_index is not None:
         assert g.bm_index is not None
@@ -109,8 +118,14 @@ def nvfp4_weight_global(w: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(w.to(torch.float32), per_row=False)
 
 
-def spec_params(fmt: str, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> GroupParams:
-    """The parameters `formats.quantize` chooses for fp32 w [N, Kp] (Kp whole groups)."""
+def spec_params(
+    fmt: str,
+    w: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    macro_block: int = MACRO_BLOCK,
+) -> GroupParams:
+    """The parameters `formats.quantize(w, fmt, macro_block=...)` chooses for fp32 w [N, Kp]
+    (Kp whole groups)."""
     spec = get_format(fmt)
     if spec.scale_rule == "e4m3":
         assert global_scale is not None  # nvfp4 callers pass the weight's global scale
@@ -120,9 +135,9 @@ def spec_params(fmt: str, w: torch.Tensor, global_scale: torch.Tensor | None = N
         _, s, bm = quantize_mxplus_blocks(w)
         return GroupParams(s, bm_index=bm)
     if spec.mbs:
-        m = mbs_static(w, MACRO_BLOCK) if spec.mbs == "static" else mbs_dynamic(w, MACRO_BLOCK)
+        m = mbs_static(w, macro_block) if spec.mbs == "static" else mbs_dynamic(w, macro_block)
         y = _macro_mul(w, mbs_factor(m))
-        return GroupParams(_e8m0_scales(y, spec.block_size, "oas"), mbs=m)
+        return GroupParams(_e8m0_scales(y, spec.block_size, "oas"), mbs=m, macro_block=macro_block)
     return GroupParams(_e8m0_scales(w, spec.block_size, spec.scale_rule))
 
 
@@ -162,7 +177,7 @@ def quantize_columns(
     sc = p.scales[:, blk]
     if spec.mbs:
         assert p.mbs is not None  # MBS formats' parameters carry the bytes
-        f = mbs_factor(p.mbs[:, cols // MACRO_BLOCK])
+        f = mbs_factor(p.mbs[:, cols // p.macro_block])
         y = w * f
     else:
         y = w
@@ -197,10 +212,10 @@ def to_quantized_tensor(
         scales=p.scales[:, :nb].contiguous(),
         fmt=fmt,
         shape=torch.Size(shape),
-        mbs=None if p.mbs is None else p.mbs[:, : ceil_div(k, MACRO_BLOCK)].contiguous(),
+        mbs=None if p.mbs is None else p.mbs[:, : ceil_div(k, p.macro_block)].contiguous(),
         global_scale=p.global_scale,
         block_max_index=None if p.bm_index is None else p.bm_index[:, :nb].contiguous(),
-        macro_block=MACRO_BLOCK,
+        macro_block=p.macro_block,
     )
 
 
@@ -208,18 +223,24 @@ def to_quantized_tensor(
 
 
 def weighted_params(
-    fmt: str, w: torch.Tensor, d: torch.Tensor, global_scale: torch.Tensor | None = None
+    fmt: str,
+    w: torch.Tensor,
+    d: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    macro_block: int = MACRO_BLOCK,
 ) -> GroupParams:
     """Input-weighted parameters for fp32 w [N, Kp] (whole groups, finite), d [Kp] >= 0."""
     spec = get_format(fmt)
-    base = spec_params(fmt, w, global_scale) if spec.mbs != "dynamic" else None
+    base = spec_params(fmt, w, global_scale, macro_block) if spec.mbs != "dynamic" else None
     if spec.scale_rule == "e4m3":
         assert base is not None  # nvfp4 has no MBS
         return GroupParams(_weighted_e4m3(w, d, base), global_scale=global_scale)
     if spec.mbs == "dynamic":
-        m = weighted_mbs_dynamic(w, d)
+        m = weighted_mbs_dynamic(w, d, macro_block)
         base = GroupParams(
-            _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"), mbs=m
+            _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"),
+            mbs=m,
+            macro_block=macro_block,
         )
     assert base is not None
     return _weighted_e8m0(fmt, w, d, base)
@@ -243,13 +264,13 @@ def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
     if spec.mbs:
         assert p.mbs is not None
         f = mbs_factor(p.mbs)[..., None]
-        y = (w.reshape(n, -1, MACRO_BLOCK) * f).reshape(wb.shape)
+        y = (w.reshape(n, -1, p.macro_block) * f).reshape(wb.shape)
     else:
         y = wb
     q = torch.copysign(e2m1_round(y.abs() * e8m0_reciprocal(p.scales)[..., None]), y)
     q = q * e8m0_to_float(p.scales)[..., None]
     if spec.mbs:
-        q = q.reshape(n, -1, MACRO_BLOCK) / f
+        q = q.reshape(n, -1, p.macro_block) / f
     return q.reshape(w.shape)
 
 
@@ -273,7 +294,7 @@ def _weighted_e8m0(fmt: str, w: torch.Tensor, d: torch.Tensor, base: GroupParams
         c = (c0.to(torch.int32) + delta).clamp(0, E8M0_NAN - 1).to(torch.uint8)
         c = torch.where(movable, c, c0)
         bm = _mxplus_bm(w, c) if spec.block_max_mantissa else None
-        cand = GroupParams(c, base.mbs, bm)
+        cand = GroupParams(c, base.mbs, bm, macro_block=base.macro_block)
         err = _block_err(fmt, w, d, cand)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -281,7 +302,7 @@ def _weighted_e8m0(fmt: str, w: torch.Tensor, d: torch.Tensor, base: GroupParams
         if bm is not None:
             assert best_bm is not None  # MX+: the base choice has a block-max index too
             best_bm = torch.where(better, bm, best_bm)
-    return GroupParams(best, base.mbs, best_bm)
+    return GroupParams(best, base.mbs, best_bm, macro_block=base.macro_block)
 
 
 def _mxplus_bm(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ def quantize_checkpoint(
     strength alpha in (0, 1), folded into the weights and norms before any method, from the
     same calibration tokens (smoothing.py); None: no smoothing. macro_block: the MBS macro
     block of both weights and activations (docs/numerics.md, Macro Block Scaling; recorded
-    as quantization_config.macro_block_size, so vLLM serves it; --method rtn only, smoothing
-    allowed). Raises UsageError for a bad
+    as quantization_config.macro_block_size, so vLLM serves it; any method, with or without
+    smoothing: the calibrated methods choose the group parameters per macro block of that size
+    and calibrate with activations quantized at it). Raises UsageError for a bad
     request and CheckpointError for a source or write failure.
     """
     t0 = time.perf_counter()
@@ -121,12 +122,6 @@ def quantize_checkpoint(
         check_macro_block(s.name, macro_block)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if macro_block != MACRO_BLOCK and method != "rtn":
-        raise UsageError(
-            f"--macro-block {macro_block} works with --method rtn (the calibrated methods "
-            f"choose their group parameters per {MACRO_BLOCK}-element macro block); drop "
-            f"--macro-block or use --method rtn"
-        )
     try:
         matcher = IgnoreMatcher(list(ignore))
     except ValueError as e:  # an invalid regular expression
@@ -141,7 +136,17 @@ def quantize_checkpoint(
     rewritten: dict[str, torch.Tensor] = {}
     if method != "rtn" or smooth is not None:
         precomputed, rewritten = _calibrated_weights(
-            src_p, items, s.name, method, calib, nsamples, seqlen, device, progress, smooth
+            src_p,
+            items,
+            s.name,
+            method,
+            calib,
+            nsamples,
+            seqlen,
+            device,
+            progress,
+            smooth,
+            macro_block,
         )
 
     report = QuantizeReport(
@@ -194,6 +199,7 @@ def _calibrated_weights(
     device: str,
     progress: bool,
     smooth: float | None,
+    macro_block: int = MACRO_BLOCK,
 ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
     """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
     for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name)."""
@@ -228,6 +234,7 @@ def _calibrated_weights(
         targets,
         device=device,
         progress=progress,
+        macro_block=macro_block,
     )
     del model
     missed = sorted(targets - set(res.weights))

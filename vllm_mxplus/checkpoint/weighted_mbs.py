@@ -104,16 +104,20 @@ def _weighted_sse(xm: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return energy - 2.0 * big_a / f + big_b / (f * f)
 
 
-def weighted_mbs_dynamic(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Weighted MBS-D bytes uint8 [N, Kp/128] for finite fp32 w [N, Kp], weights d [Kp] >= 0."""
+def weighted_mbs_dynamic(
+    w: torch.Tensor, d: torch.Tensor, macro_block: int = MACRO_BLOCK
+) -> torch.Tensor:
+    """Weighted MBS-D bytes uint8 [N, Kp/macro_block] for finite fp32 w [N, Kp] (Kp whole
+    macro blocks of macro_block elements, a multiple of the 16-element block), weights
+    d [Kp] >= 0."""
     n, kp = w.shape
-    nm = kp // MACRO_BLOCK
-    xm = w.reshape(-1, MACRO_BLOCK)
+    nm = kp // macro_block
+    xm = w.reshape(-1, macro_block)
     dm = (
         d.to(torch.float32)
-        .reshape(1, nm, MACRO_BLOCK)
-        .expand(n, nm, MACRO_BLOCK)
-        .reshape(-1, MACRO_BLOCK)
+        .reshape(1, nm, macro_block)
+        .expand(n, nm, macro_block)
+        .reshape(-1, macro_block)
     )
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=w.device)
     a = xm.reshape(xm.shape[0], -1, SMALL_BLOCK).abs().amax(-1)
@@ -121,10 +125,10 @@ def weighted_mbs_dynamic(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     in_range = ((a == 0) | ((a >= SAFE_MIN) & (a <= SAFE_MAX))).all(-1)
     fast = (nonzero & in_range).nonzero().squeeze(-1)
     slow = (nonzero & ~in_range).nonzero().squeeze(-1)
-    step = max(1, CHUNK_ELEMS // MACRO_BLOCK)
+    step = max(1, CHUNK_ELEMS // macro_block)
     for i in range(0, fast.numel(), step):
         rows = fast[i : i + step]
         out[rows] = _weighted_sse(xm[rows], dm[rows]).argmin(-1)
     if slow.numel():  # tiny or huge magnitudes: the spec's unweighted byte
-        out[slow] = mbs_dynamic(xm[slow], MACRO_BLOCK).squeeze(-1).long()
+        out[slow] = mbs_dynamic(xm[slow], macro_block).squeeze(-1).long()
     return out.to(torch.uint8).reshape(n, nm)
