@@ -175,9 +175,7 @@ def calibrate_and_quantize(
                             else:
                                 d = torch.diagonal(h) / max(n_tok, 1)
                                 qs = [
-                                    rtn_aware(
-                                        ws[0], d, wfmt, name=label, macro_block=macro_block
-                                    )
+                                    rtn_aware(ws[0], d, wfmt, name=label, macro_block=macro_block)
                                 ]
                         except ValueError as e:
                             raise UsageError(str(e)) from None

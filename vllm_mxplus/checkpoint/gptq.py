@@ -161,9 +161,7 @@ def gptq(
             col = i1 + i
             if col % gw == 0:
                 slab = w1[i : i + gw].t().contiguous()
-                set_group(
-                    p, fmt, col, _choose(rule, fmt, slab, d[col : col + gw], g, macro_block)
-                )
+                set_group(p, fmt, col, _choose(rule, fmt, slab, d[col : col + gw], g, macro_block))
                 cq = _ColumnQuantizer(fmt, p, col, gw)
             q = cq(w1[i], col)
             qt[col] = q
