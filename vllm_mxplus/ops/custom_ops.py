@@ -2,7 +2,8 @@
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
-                                           K, bias=None, out_dtype=bf16, block_size=0) -> y
+                                           K, bias=None, out_dtype=bf16, block_size=0,
+                                           macro_block=128) -> y
 
 A custom op returns tensors only, so absent outputs (mbs without MBS, global_scale outside
 nvfp4) come back as empty tensors with a last dim of 0; the Python wrappers below map them
@@ -65,15 +66,20 @@ def decode_gemm_op(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     block_size: int = 0,
+    macro_block: int = MACRO_BLOCK,
 ) -> torch.Tensor:
     """`triton_decode_gemm.decode_gemm` as a custom op (traceable); block_size 0: the one
-    the scale shapes imply."""
+    the scale shapes imply; macro_block: the MBS bytes' macro block (one per that many K)."""
     x, w = (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs)
-    return decode_gemm(*x, *w, K, bias, out_dtype, block_size=block_size or None)
+    return decode_gemm(
+        *x, *w, K, bias, out_dtype, block_size=block_size or None, macro_block=macro_block
+    )
 
 
 @decode_gemm_op.register_fake
-def _decode_gemm_fake(xc, xs, xm, wc, ws, wm, K, bias=None, out_dtype=torch.bfloat16, block_size=0):
+def _decode_gemm_fake(
+    xc, xs, xm, wc, ws, wm, K, bias=None, out_dtype=torch.bfloat16, block_size=0, macro_block=128
+):
     """[M, N] in out_dtype: x codes [M, K/2], weight codes [N, K/2]."""
     return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=out_dtype)
 

@@ -40,6 +40,7 @@ _REGISTRY: dict[str, list[BackendRef]] = {
     "cuda": [
         "vllm_mxplus.ops.triton_backend:TritonDecodeBackend",  # M <= 16
         "vllm_mxplus.ops.cutlass_prefill:CutlassPrefillBackend",  # larger M, where built
+        "vllm_mxplus.ops.triton_backend:TritonGemmBackend",  # larger M, macro blocks != 128
     ],
     "rocm": [],
     "xpu": [],

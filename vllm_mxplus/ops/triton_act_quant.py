@@ -44,8 +44,10 @@ from vllm_mxplus.ops.triton_utils import ceil_div, check_available, interpreting
 
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
 #: MBS macro blocks the E8M0 kernel tiles (a power of two: tiles reshape into macro blocks;
-#: at most GPU_TILE_ELEMS wide, so one program's tile stays in registers).
-SUPPORTED_MACRO_BLOCKS = (128, 256, 512, 1024, 2048)
+#: at most GPU_TILE_ELEMS wide, so one program's tile stays in registers). Under 128 a tile
+#: holds more macro blocks (a 4 x 512 tile: 64 of 32), each with its own absmax and one IEEE
+#: division 6 / a (docs/numerics.md, "Macro Block Scaling").
+SUPPORTED_MACRO_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 GPU_TILE_ELEMS = 2048  # elements per program on the GPU (memory-bound: ~16 per thread)
 GPU_BLOCK_K = 512
 
@@ -218,7 +220,8 @@ def check_macro_block(macro_block: int, who: str) -> None:
     if macro_block not in SUPPORTED_MACRO_BLOCKS:
         # the kernel reshapes tiles into macro blocks (a power of two) held in registers
         raise ValueError(
-            f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS}, got {macro_block}"
+            f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS} (a power of two: "
+            f"the kernel's tiles hold whole macro blocks), got {macro_block}"
         )
 
 

@@ -1,10 +1,16 @@
-"""The Triton decode backend: fused activation quantizer + memory-bound FP4 GEMM.
+"""The Triton backends: fused activation quantizer + memory-bound FP4 GEMM.
 
 For few rows (M <= DECODE_MAX_M) the packed FP4 weight, its E8M0 scales and MBS bytes are
 streamed once and dequantized in registers (`triton_decode_gemm`); activations are quantized
 by the fused Triton quantizer into the same layout, so decode computes the same numbers as
-the reference (up to fp32 accumulation order). Larger M goes to the next backend (the
-CUTLASS prefill GEMM where built, else the reference).
+the reference (up to fp32 accumulation order). MBS macro blocks: powers of two 16..2048
+(`SUPPORTED_MACRO_BLOCKS`); others go to the reference path.
+
+Larger M goes to the next backend. With macro block 128 that is the CUTLASS prefill GEMM
+(sm_90a / sm_100a, where built), else the reference. The CUTLASS kernels take only 128, so
+for any other macro block `TritonGemmBackend` (the same kernels, which are correct for any M)
+serves M > DECODE_MAX_M instead of the reference, whose fp32 weight copy costs 4 bytes per
+weight.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from vllm_mxplus.formats import QuantizedTensor, get_format
+from vllm_mxplus.formats.constants import MACRO_BLOCK
 from vllm_mxplus.ops.backend import (
     LinearBackend,
     LinearSpec,
@@ -22,6 +29,7 @@ from vllm_mxplus.ops.backend import (
 )
 
 DECODE_MAX_M = 16
+PREFILL_MACRO_BLOCK = MACRO_BLOCK  # the one macro block the CUTLASS prefill GEMM takes
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 
 
@@ -53,8 +61,9 @@ class TritonDecodeBackend(LinearBackend):
             spec.macro_block in SUPPORTED_MACRO_BLOCKS and supports_macro_block(spec.macro_block)
         ):
             return False, (
-                f"macro block {spec.macro_block} (the Triton kernels take "
-                f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))})"
+                f"macro block {spec.macro_block} (the Triton kernels take the powers of two "
+                f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))}: their tiles hold whole "
+                "macro blocks)"
             )
         return True, ""
 
@@ -100,5 +109,28 @@ class TritonDecodeBackend(LinearBackend):
             bias,
             spec.out_dtype,
             block_size=get_format(spec.weight_format).block_size,
+            macro_block=spec.macro_block,
         )
         return y.reshape(*x.shape[:-1], spec.n)
+
+
+class TritonGemmBackend(TritonDecodeBackend):
+    """The Triton kernels for M > DECODE_MAX_M, for MBS macro blocks the CUTLASS prefill GEMM
+    does not take (all but 128): registered after it, so a layer gets Triton for every M and
+    no fp32 weight copy. It shares the decode backend's packed buffers (same tensors)."""
+
+    name = "triton-gemm"
+    min_m, max_m = DECODE_MAX_M + 1, None
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, why = super().can_implement(spec)
+        if not ok:
+            return ok, why
+        mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
+        if not mbs or spec.macro_block == PREFILL_MACRO_BLOCK:
+            return False, (
+                f"prefill for {'macro block 128' if mbs else 'formats without MBS'} is the "
+                "CUTLASS GEMM's (or the reference's); this one takes the other macro blocks"
+            )
+        return True, ""

@@ -1,4 +1,5 @@
-"""Triton decode GEMM: y[M, N] = x_hat @ W_hat^T for few rows (M ~ 1..16).
+"""Triton decode GEMM: y[M, N] = x_hat @ W_hat^T, built for few rows (M ~ 1..16), correct
+for any M (row tiles of BLOCK_M on the grid's third axis, rows past M masked).
 
 Both operands arrive quantized (packed E2M1 codes, E8M0 block scales, optional MBS bytes),
 so decode and prefill compute the same x_hat. Each program streams a [BLOCK_N, BLOCK_K]
@@ -9,11 +10,16 @@ Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
 - value(code) * 2^e is exact in fp32 and in bf16 (two significant bits), so the tensor-core
   dot on bf16 operands forms exact products and accumulates them in fp32.
 - MBS divides every element by F = 1 + m/256 (x_hat = value * X / F). F is constant over a
-  128-wide macro block of each row of x and of W, so instead of dividing elements the kernel
-  divides the partial product of each K tile (inside one macro block) by Fx[m] * Fw[n]
-  (exact: a product of two 9-bit integers over 2^16) with an IEEE division (`div_rn`; the
-  default `/` lowers to the approximate div.full.f32, up to 2 ulp), the paper's per-chunk
-  sigma_A * sigma_B (section 4.3.2, Appendix E).
+  macro block (MACRO = 128 by default, any power of two >= 16) of each row of x and of W, so
+  instead of dividing elements the kernel divides the partial product of each macro block's
+  K range by Fx[m] * Fw[n] (exact: a product of two 9-bit integers over 2^16) with one IEEE
+  division (`div_rn`; the default `/` lowers to the approximate div.full.f32, up to 2 ulp),
+  the paper's per-chunk sigma_A * sigma_B (section 4.3.2, Appendix E). MACRO >= BLOCK_K: a
+  K step lies inside one macro block, one division per step. MACRO < BLOCK_K (16, 32 with
+  the GPU's 64-element step): the step keeps its loads (one 32-byte sector per weight row)
+  and its weight dequantization, and runs one dot per macro block on x with the other
+  macro blocks' columns zeroed (x is the small operand), so each macro block's partial is
+  divided once by its own factors and the BLOCK_K / MACRO quotients are summed in the step.
 The only differences left are fp32 rounding order; the tests bound them against float64
 (docs/numerics.md, "Kernel numerics and error bounds").
 Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers. Only
@@ -50,9 +56,10 @@ SUPPORTED_BLOCK_SIZES = (16, 32)
 MAX_SPLIT_K = 16
 GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 GPU_BLOCK_N = 32
-GPU_BLOCK_K = 64  # K elements per step on the GPU: a part of one macro block (>= 128)
+GPU_BLOCK_K = 64  # K elements per step on the GPU: one 32-byte sector per weight row
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
-MIN_MACRO_BLOCK = 128
+MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
+MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
 
@@ -82,6 +89,38 @@ def e8m0_value(code):
 def mbs_factor(m):
     """F = 1 + m/256 in fp32 (exact)."""
     return (m.to(tl.float32) + 256.0) * 0.00390625
+
+
+@triton.jit
+def mbs_pair_factor(
+    xmbs_ptr,
+    wmbs_ptr,
+    m0,
+    n0,
+    stride_xmm,
+    stride_wmn,
+    c,
+    valid,
+    mask_m,
+    mask_n,
+    X_MBS: tl.constexpr,
+    W_MBS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fx[m] * Fw[n] [BLOCK_M, BLOCK_N] of macro block c of the tile's rows (1 for an operand
+    without MBS; `valid` False: 1, nothing read). Exact: two 9-bit integers over 2^16."""
+    fx = tl.full((BLOCK_M,), 1.0, tl.float32)
+    fw = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if X_MBS:
+        xm = xmbs_ptr + m0.to(tl.int64) * stride_xmm + c
+        i_m = tl.arange(0, BLOCK_M)
+        fx = mbs_factor(tl.load(xm + i_m * stride_xmm, mask=mask_m & valid, other=0))
+    if W_MBS:
+        wm = wmbs_ptr + n0.to(tl.int64) * stride_wmn + c
+        i_n = tl.arange(0, BLOCK_N)
+        fw = mbs_factor(tl.load(wm + i_n * stride_wmn, mask=mask_n & valid, other=0))
+    return fx[:, None] * fw[None, :]
 
 
 @triton.jit
@@ -175,20 +214,69 @@ def _decode_gemm_kernel(
         w_lo = tl.reshape((e2m1_value(wb & 15) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
         w_hi = tl.reshape((e2m1_value(wb >> 4) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
 
-        part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-        part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-        if X_MBS or W_MBS:
-            # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
-            c = k0 // MACRO
-            fx = tl.full((BLOCK_M,), 1.0, tl.float32)
-            fw = tl.full((BLOCK_N,), 1.0, tl.float32)
-            if X_MBS:
-                xm = xmbs_ptr + m0.to(tl.int64) * stride_xmm + c
-                fx = mbs_factor(tl.load(xm + i_m * stride_xmm, mask=mask_m, other=0))
-            if W_MBS:
-                wm = wmbs_ptr + n0.to(tl.int64) * stride_wmn + c
-                fw = mbs_factor(tl.load(wm + i_n * stride_wmn, mask=mask_n, other=0))
-            part = tl.math.div_rn(part, fx[:, None] * fw[None, :])  # exact F product
+        if (X_MBS or W_MBS) and MACRO < BLOCK_K:
+            # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
+            # error bounds"): one dot per macro block, on x with the other macro blocks'
+            # columns zeroed (x is the small operand: BLOCK_M rows; the weight tile is loaded
+            # and dequantized once per step as for any macro block), each partial divided
+            # once by its own exact Fx * Fw, the quotients summed in the step.
+            HMB: tl.constexpr = MACRO // 2  # bytes (= columns of x_lo / x_hi) per macro block
+            col_mb = tl.arange(0, BLOCK_K // 2)[None, :] // HMB
+            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for j in tl.static_range(BLOCK_K // MACRO):
+                sel = col_mb == j
+                pj = tl.dot(
+                    tl.where(sel, x_lo, 0.0).to(DOT_DTYPE),
+                    w_lo,
+                    input_precision=DOT_PRECISION,
+                    out_dtype=tl.float32,
+                )
+                pj = tl.dot(
+                    tl.where(sel, x_hi, 0.0).to(DOT_DTYPE),
+                    w_hi,
+                    pj,
+                    input_precision=DOT_PRECISION,
+                    out_dtype=tl.float32,
+                )
+                f = mbs_pair_factor(
+                    xmbs_ptr,
+                    wmbs_ptr,
+                    m0,
+                    n0,
+                    stride_xmm,
+                    stride_wmn,
+                    k0 // MACRO + j,
+                    k0 + j * MACRO < K,  # a macro block past K: no byte to read
+                    mask_m,
+                    mask_n,
+                    X_MBS,
+                    W_MBS,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+                part += tl.math.div_rn(pj, f)  # exact F product, IEEE division
+        else:
+            part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            if X_MBS or W_MBS:
+                # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
+                f = mbs_pair_factor(
+                    xmbs_ptr,
+                    wmbs_ptr,
+                    m0,
+                    n0,
+                    stride_xmm,
+                    stride_wmn,
+                    k0 // MACRO,
+                    True,
+                    mask_m,
+                    mask_n,
+                    X_MBS,
+                    W_MBS,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+                part = tl.math.div_rn(part, f)  # exact F product, IEEE division
         acc += part
 
     if HAS_BIAS:
@@ -203,8 +291,8 @@ def _decode_gemm_kernel(
 
 
 def supports_macro_block(macro_block: int) -> bool:
-    """Whether the kernel tiles this MBS macro block (a power of two, >= the K step, so a K
-    tile never straddles two macro blocks)."""
+    """Whether the kernel tiles this MBS macro block: a power of two >= 16, so a K step
+    (itself a power of two) lies inside one macro block or holds whole ones, never parts."""
     return macro_block >= MIN_MACRO_BLOCK and macro_block & (macro_block - 1) == 0
 
 
@@ -266,15 +354,17 @@ def _tile_addressable(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return t
 
 
-def _default_split_k(n_tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Enough (N tile, K slice) programs to fill the GPU about twice; 1 in the interpreter."""
+def _default_split_k(out_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Enough (output tile, K slice) programs to fill the GPU about twice; 1 in the
+    interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
+    fp32 partials would cost split x M x N x 4 bytes."""
     if capturing():
         sms = NOMINAL_SMS
     elif interpreting() or device.type != "cuda":
         return 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, n_tiles)))
+    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
 
 
 def decode_gemm(
@@ -296,9 +386,11 @@ def decode_gemm(
     """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
 
     x_codes uint8 [M, ceil(K/2)], x_scales uint8 E8M0 [M, ceil(K/bs)], x_mbs uint8
-    [M, ceil(K/128)] or None; w_* the same with N rows (the `formats.quantize` layout of a
-    weight [N, K]). Formats: block 16 or 32 E8M0 (`mxfp4-16-oas`, `mxfp4-ocp`, ...) with or
-    without MBS on either operand (`mxfp4-mbs-d` weights with `mxfp4-mbs-s` activations).
+    [M, ceil(K/macro_block)] or None; w_* the same with N rows (the `formats.quantize` layout
+    of a weight [N, K]). Formats: block 16 or 32 E8M0 (`mxfp4-16-oas`, `mxfp4-ocp`, ...) with
+    or without MBS on either operand (`mxfp4-mbs-d` weights with `mxfp4-mbs-s` activations);
+    macro_block: a power of two >= 16 (`supports_macro_block`). Any M: rows are tiled (more
+    than MAX_GRID_M_TILES row tiles run as consecutive launches).
     block_size is inferred from the scale count when not given. fp32 accumulation; the
     output dtype is bf16, fp16 or fp32. block_n / split_k override the launch heuristics.
     """
@@ -312,7 +404,8 @@ def decode_gemm(
     has_mbs = x_mbs is not None or w_mbs is not None
     if has_mbs and not supports_macro_block(macro_block):
         raise ValueError(
-            f"decode_gemm: macro_block must be a power of two >= {MIN_MACRO_BLOCK}, got {macro_block}"
+            f"decode_gemm: macro_block must be a power of two >= {MIN_MACRO_BLOCK} (a K step "
+            f"holds whole macro blocks), got {macro_block}"
         )
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
@@ -326,12 +419,17 @@ def decode_gemm(
 
     interp = interpreting()
     # GPU: GPU_BLOCK_M x GPU_BLOCK_N output tiles, GPU_BLOCK_K of K per step (inside one
-    # macro block). The interpreter pays per program and per step, not per element, so it
-    # gets the largest tiles that keep numpy's temporaries small.
+    # macro block, or whole macro blocks of 16 / 32). The interpreter pays per program and
+    # per step, not per element, so it gets the largest tiles that keep numpy's temporaries
+    # small; macro blocks under GPU_BLOCK_K get the GPU's K step, so the tests run the
+    # GPU's per-macro-block dots.
     if interp:
         block_m = max(16, min(128, triton.next_power_of_2(m)))
         block_n = block_n or 256
-        block_k = min(macro_block, 512) if has_mbs else 512
+        if has_mbs:
+            block_k = min(macro_block, 512) if macro_block >= GPU_BLOCK_K else GPU_BLOCK_K
+        else:
+            block_k = 512
     else:
         block_m = GPU_BLOCK_M
         block_n = block_n or GPU_BLOCK_N
@@ -339,8 +437,30 @@ def decode_gemm(
     launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
     x_codes, x_scales, x_mbs = (_tile_addressable(t, block_m) for t in (x_codes, x_scales, x_mbs))
     w_codes, w_scales, w_mbs = (_tile_addressable(t, block_n) for t in (w_codes, w_scales, w_mbs))
+    if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
+        rows = MAX_GRID_M_TILES * block_m
+        xs = (x_codes, x_scales, x_mbs)
+        return torch.cat(
+            [
+                decode_gemm(
+                    *(None if t is None else t[r : r + rows] for t in xs),
+                    w_codes,
+                    w_scales,
+                    w_mbs,
+                    K,
+                    bias,
+                    out_dtype,
+                    block_size=bs,
+                    macro_block=macro_block,
+                    block_n=block_n,
+                    split_k=split_k,
+                )
+                for r in range(0, m, rows)
+            ]
+        )
     n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(K, block_k)
-    split = max(1, min(split_k or _default_split_k(n_tiles, k_tiles, w_codes.device), k_tiles))
+    out_tiles = n_tiles * triton.cdiv(m, block_m)
+    split = max(1, min(split_k or _default_split_k(out_tiles, k_tiles, w_codes.device), k_tiles))
     k_per_split = ceil_div(k_tiles, split) * block_k
     split = ceil_div(K, k_per_split)  # no empty slices
 
