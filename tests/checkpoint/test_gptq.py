@@ -93,9 +93,10 @@ def _own_params(q: QuantizedTensor, kp: int) -> GroupParams:
     nb = kp // spec.block_size
     return GroupParams(
         pad(q.scales.view(torch.uint8), nb).view(q.scales.dtype),
-        pad(q.mbs, kp // MACRO_BLOCK),
+        pad(q.mbs, kp // q.macro_block),
         pad(q.block_max_index, nb, 255),
         q.global_scale,
+        q.macro_block,
     )
 
 
@@ -155,25 +156,26 @@ def test_weighted_choice_never_worse_than_spec(fmt: str) -> None:
     assert float(e_w.sum()) < float(e_spec.sum()), f"{fmt}: weighted choice gained nothing"
 
 
+@pytest.mark.parametrize("macro", [MACRO_BLOCK, 32, 48], ids=lambda m: f"mb{m}")
 @pytest.mark.parametrize("k", [128, 576], ids=["k128", "k576"])
-def test_weighted_mbs_byte_equals_bruteforce(k: int) -> None:
+def test_weighted_mbs_byte_equals_bruteforce(k: int, macro: int) -> None:
     n = 24
     w = _weight(n, k, seed=11)
     d = torch.rand(k, generator=torch.Generator().manual_seed(12)) ** 3
-    kp = ceil_div(k, MACRO_BLOCK) * MACRO_BLOCK
+    kp = ceil_div(k, macro) * macro
     wp, dp = F.pad(w, (0, kp - k)), F.pad(d, (0, kp - k))
-    nm = kp // MACRO_BLOCK
+    nm = kp // macro
     best = torch.full((n, nm), float("inf"), dtype=torch.float64)
     best_m = torch.zeros(n, nm, dtype=torch.uint8)
     for m in range(256):
         mm = torch.full((n, nm), m, dtype=torch.uint8)
         codes, scale = quantize_mbs(wp, mm)
         err = (wp.double() - dequantize_mbs(codes, scale, mm).double()).square() * dp.double()
-        err = err.reshape(n, nm, MACRO_BLOCK).sum(-1)
+        err = err.reshape(n, nm, macro).sum(-1)
         better = err < best * (1 - 1e-9)  # ties (to fp32 rounding) keep the smaller m
         best = torch.where(better, err, best)
         best_m = torch.where(better, mm, best_m)
-    assert torch.equal(weighted_mbs_dynamic(wp, dp), best_m)
+    assert torch.equal(weighted_mbs_dynamic(wp, dp, macro), best_m)
 
 
 @pytest.mark.parametrize("bad", ["nan", "shape", "hessian"])
@@ -211,3 +213,107 @@ def test_stacked_siblings_equal_separate_gptq(fmt: str) -> None:
     for i, (p, q) in enumerate(zip(parts, fused)):
         assert_same_encoding(q, gptq(p, h, fmt), f"{fmt} part {i}")
     assert not can_fuse_rows("nvfp4")  # a per-tensor global scale: not by rows
+
+
+# --- a macro block other than 128 (`mxplus quantize --macro-block N`) ----------------------
+
+MBS_FORMATS = [f for f in ALL_FORMATS if FORMATS[f].mbs]  # mxfp4-mbs-s, mxfp4-mbs-d
+# 32: the study's; 48: not a divisor of GPTQ's 128-column lazy batch (rounded up to 144)
+MACROS = [32, 48]
+
+
+@pytest.mark.parametrize("macro", MACROS, ids=lambda m: f"mb{m}")
+@pytest.mark.parametrize("fmt", MBS_FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_macro_block_identity_hessian_equals_formats_quantize(
+    fmt: str, shape: tuple, macro: int
+) -> None:
+    """H = I (uniform input weights): GPTQ and rtn-aware with the spec's parameter rule are
+    RTN at that macro block, formats.quantize(w, fmt, macro_block=N), bit for bit."""
+    w = _weight(*shape)
+    k = shape[1]
+    expected = quantize(w, fmt, macro_block=macro)
+    assert expected.mbs is not None and expected.mbs.shape[-1] == ceil_div(k, macro)
+    for what, q in (
+        ("gptq", gptq(w, torch.eye(k), fmt, "spec", macro_block=macro)),
+        ("rtn-aware", rtn_aware(w, torch.ones(k), fmt, "spec", macro_block=macro)),
+    ):
+        assert q.macro_block == macro, what
+        assert_same_encoding(q, expected, f"{what} {fmt} N={macro}")
+        assert torch.equal(q.dequantize(), expected.dequantize()), what
+
+
+@pytest.mark.parametrize("macro", MACROS, ids=lambda m: f"mb{m}")
+@pytest.mark.parametrize("fmt", MBS_FORMATS)
+def test_macro_block_diagonal_hessian_gptq_equals_rtn_aware(fmt: str, macro: int) -> None:
+    n, k = 33, 200
+    w = _weight(n, k)
+    h = torch.diag(torch.rand(k, generator=torch.Generator().manual_seed(3)) + 0.5)
+    q = gptq(w, h, fmt, macro_block=macro)
+    assert_same_encoding(q, rtn_aware(w, torch.diagonal(h), fmt, macro_block=macro), fmt)
+    assert q.mbs is not None and q.mbs.shape == (n, ceil_div(k, macro))
+
+
+@pytest.mark.parametrize("macro", MACROS, ids=lambda m: f"mb{m}")
+@pytest.mark.parametrize("fmt", MBS_FORMATS)
+@pytest.mark.parametrize("method", ["gptq", "rtn-aware"])
+def test_macro_block_output_is_exact_encoding(fmt: str, method: str, macro: int) -> None:
+    """Re-quantizing the output with its own parameters (bytes per N) returns it unchanged;
+    so does formats' MBS quantization for the given bytes, and the codec at N."""
+    n, k = 33, 200
+    w = _weight(n, k)
+    x = _correlated_inputs(k)
+    h = x.T @ x
+    if method == "gptq":
+        q = gptq(w, h, fmt, macro_block=macro)
+    else:
+        q = rtn_aware(w, torch.diagonal(h) / len(x), fmt, macro_block=macro)
+    assert q.macro_block == macro
+    w_hat = q.dequantize()
+    kp = padded_k(fmt, k, macro)
+    codes, again = quantize_columns(fmt, F.pad(w_hat, (0, kp - k)), _own_params(q, kp), 0)
+    assert torch.equal(unpack_fp4(q.codes, k), codes[:, :k]), f"{fmt}: codes changed"
+    assert torch.equal(again[:, :k], w_hat), f"{fmt}: values changed"
+    # the specification's MBS quantization (formats.mx) for these bytes gives the same values
+    assert q.mbs is not None
+    mbs_codes, mbs_scale = quantize_mbs(F.pad(w_hat, (0, kp - k)), _own_params(q, kp).mbs)
+    spec_values = dequantize_mbs(mbs_codes, mbs_scale, _own_params(q, kp).mbs)
+    assert torch.equal(spec_values[:, :k], w_hat), f"{fmt}: formats.mx disagrees"
+    stored = decode(encode(q), fmt, (n, k), macro_block=macro)
+    assert torch.equal(stored.dequantize(), w_hat), f"{fmt}: codec round trip changed values"
+
+
+@pytest.mark.parametrize("fmt", MBS_FORMATS)
+def test_macro_block_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
+    n, k, macro = 48, 256, 32
+    w = _weight(n, k, seed=5)
+    x = _correlated_inputs(k, tokens=1024)
+    h = x.T @ x
+    ref = x @ w.T
+
+    def out_err(q: QuantizedTensor) -> float:
+        return float((ref - x @ q.dequantize().T).square().sum())
+
+    e_rtn = out_err(quantize(w, fmt, macro_block=macro))
+    e_gptq = out_err(gptq(w, h, fmt, macro_block=macro))
+    e_gptq_spec = out_err(gptq(w, h, fmt, "spec", macro_block=macro))
+    assert e_gptq <= e_rtn, f"{fmt}: GPTQ {e_gptq:.4g} > RTN {e_rtn:.4g} at N={macro}"
+    assert e_gptq_spec <= e_rtn, f"{fmt}: GPTQ (spec) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
+
+
+@pytest.mark.parametrize("fmt", MBS_FORMATS)
+def test_macro_block_weighted_choice_never_worse_than_spec(fmt: str) -> None:
+    n, k, macro = 32, 384, 32
+    w = _weight(n, k, seed=7)
+    d = torch.rand(k, generator=torch.Generator().manual_seed(8)).square() + 1e-3
+    spec = quantize(w, fmt, macro_block=macro)
+    p_spec = spec_params(fmt, w, macro_block=macro)
+    assert torch.equal(p_spec.mbs, spec.mbs) and torch.equal(p_spec.scales, spec.scales)
+
+    def werr(p: GroupParams) -> torch.Tensor:
+        _, w_hat = quantize_columns(fmt, w, p, 0)
+        return ((w - w_hat).square() * d).sum(-1, dtype=torch.float64)
+
+    e_spec, e_w = werr(p_spec), werr(weighted_params(fmt, w, d, macro_block=macro))
+    assert bool((e_w <= e_spec * (1 + 1e-6)).all()), f"{fmt}: weighted choice lost on some row"
+    assert float(e_w.sum()) < float(e_spec.sum()), f"{fmt}: weighted choice gained nothing"
