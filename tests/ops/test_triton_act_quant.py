@@ -38,9 +38,9 @@ def assert_same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     )
 
 
-def check_bit_exact(x: torch.Tensor, fmt: str) -> None:
-    codes, scales, mbs, gs = act_quant(x, fmt)
-    ref = quantize(x, fmt, per_row=fmt == "nvfp4")
+def check_bit_exact(x: torch.Tensor, fmt: str, macro_block: int = 128) -> None:
+    codes, scales, mbs, gs = act_quant(x, fmt, macro_block=macro_block)
+    ref = quantize(x, fmt, macro_block=macro_block, per_row=fmt == "nvfp4")
     assert_same_bits("codes", codes, ref.codes)
     assert_same_bits("scales", scales, ref.scales)
     assert (mbs is None) == (ref.mbs is None)
@@ -250,7 +250,7 @@ def test_large_macro_blocks_bit_exact(macro_block, triton_device):
     assert_same_bits("mbs", mbs, ref.mbs)
 
 
-@pytest.mark.parametrize("macro_block", [128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("macro_block", [16, 32, 64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("m", [1, 3, 100])
 def test_gpu_tiles_hold_a_macro_block(m, macro_block):
     """The GPU tile (what `mxplus kernels --aot` compiles) is a whole number of macro blocks
@@ -264,11 +264,68 @@ def test_gpu_tiles_hold_a_macro_block(m, macro_block):
     assert block_m >= 1 and block_k <= max(macro_block, aq.GPU_BLOCK_K)
 
 
-@pytest.mark.parametrize("macro_block", [64, 96, 4096])
+@pytest.mark.parametrize("macro_block", [48, 96, 4096])
 def test_unsupported_macro_block_is_rejected(macro_block):
+    """Multiples of 16 that are not powers of two are valid in `formats` but the kernel's
+    tiles hold only whole power-of-two macro blocks: refused with the reason."""
     x = torch.zeros(2, 256)
-    with pytest.raises(ValueError, match="act_quant: macro_block"):
+    with pytest.raises(ValueError, match="act_quant: macro_block .*power of two"):
         act_quant(x, "mxfp4-mbs-s", macro_block=macro_block)
+
+
+# ----------------------------------------------------------------------------- small macro blocks
+SMALL_MACROS = (16, 32, 64)  # `mxplus quantize --macro-block N` below 128 (docs/numerics.md)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m,k", [(1, 100), (33, 576), (3, 1536)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_small_macro_blocks_bit_exact(macro_block, m, k, dtype, triton_device):
+    """Macro blocks narrower than the tile (a 512-column GPU tile holds 8-32 of them):
+    codes, scales and MBS bytes bit-exact with formats.quantize(..., macro_block=N)."""
+    x = activations(m, k, DTYPES[dtype], triton_device, seed=m * k + macro_block)
+    check_bit_exact(x, "mxfp4-mbs-s", macro_block)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("k", [1, 15, 17, 33, 129, 257], ids=lambda k: f"K{k}")
+def test_small_macro_blocks_odd_and_tiny_k(macro_block, k, triton_device):
+    """Partial last macro blocks, partial blocks, odd K (half-filled last byte)."""
+    x = activations(3, k, torch.bfloat16, triton_device, seed=k + macro_block)
+    check_bit_exact(x, "mxfp4-mbs-s", macro_block)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_small_macro_blocks_special_rows(macro_block, dtype, triton_device):
+    """test_special_rows' rows with macro blocks of 16-64: a NaN / Inf macro block gets
+    m = 0 and leaves its neighbours (now 16-64 elements away) alone."""
+    dt = DTYPES[dtype]
+    x = activations(9, 584, dt, "cpu", seed=7).float()  # 584: a partial last macro block
+    x[0] = 0.0
+    x[1] = float("nan")
+    x[2, 17] = float("nan")
+    x[3, 300] = float("inf")
+    x[3, 301] = -float("inf")
+    x[4] = -0.0
+    x[4, ::7] = 0.0
+    x[5] = x[5] * 2.0**-10
+    x[6, :130] = float("nan")  # crosses several macro-block boundaries
+    x[7, 560:] = 0.0  # zero tail in the partial macro block
+    x[8, macro_block - 1] = float("inf")  # last element of the first macro block
+    check_bit_exact(x.to(dt).to(triton_device), "mxfp4-mbs-s", macro_block)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+def test_small_macro_blocks_extreme_magnitudes(macro_block, triton_device):
+    """Subnormal macro absmax (6/a overflows), bf16 max (x * F overflows), E2M1 ties."""
+    x = activations(4, 256, torch.bfloat16, "cpu", seed=3).float()
+    x[0] = x[0] * 2.0**-130
+    x[1, :64] = torch.tensor(3.3895e38)
+    x[2] = torch.linspace(-6.0, 6.0, 256)
+    x[3] = 2.0**-126 * torch.linspace(-1.0, 1.0, 256)
+    check_bit_exact(x.to(torch.bfloat16).to(triton_device), "mxfp4-mbs-s", macro_block)
 
 
 def test_row_offsets_are_64_bit(triton_device):

@@ -262,6 +262,8 @@ def test_mbs_division_is_exact_rounding():
 
     src = inspect.getsource(dg._decode_gemm_kernel.fn)
     assert "tl.math.div_rn(part" in src and "part / " not in src
+    # macro blocks under the K step: one division per macro block's partial, also div_rn
+    assert "tl.math.div_rn(pj" in src and "pj / " not in src
 
 
 def test_tile_offsets_are_32_bit_only_where_they_fit():
@@ -277,3 +279,138 @@ def test_tile_offsets_are_32_bit_only_where_they_fit():
     assert packed.stride() == (64, 1) and packed.shape == wide.shape
     assert (256 - 1) * wide.stride(0) >= MAX_TILE_OFFSET
     assert _tile_addressable(None, 256) is None
+
+
+# ----------------------------------------------------------------------------- small macro blocks
+SMALL_MACROS = (16, 32, 64)  # `mxplus quantize --macro-block N` below 128 (docs/numerics.md)
+
+
+def small_macro_operands(m: int, k: int, n: int, pair: str, macro_block: int, device, seed=0):
+    """operands() quantized with macro_block: both sides' MBS bytes per macro_block of K."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=gen))
+    x *= torch.exp2(torch.randint(-3, 3, (m, k), generator=gen))  # macro blocks differ
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, :: max(1, k // 7)] *= 20.0
+    wf, xf = PAIRS[pair]
+    qx = quantize(x.to(torch.bfloat16).to(device), xf, macro_block=macro_block)
+    qw = quantize(w.to(torch.bfloat16).to(device), wf, macro_block=macro_block)
+    assert qx.mbs.shape[-1] == qw.mbs.shape[-1] == -(-k // macro_block)
+    return qx, qw
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("pair", ["mbs-s", "mbs-h"])
+def test_small_macro_blocks_within_bound(pair, m, macro_block, triton_device):
+    """Macro blocks of 16-64 (a 64-element K step holds 1-4 of them, each divided by its own
+    Fx * Fw): within the 2^-16 bound for MBS-S x MBS-S and MBS-D weights x MBS-S
+    activations; K = 1201 is odd and a multiple of none of 16, 32, 64 (partial last block
+    and macro block); N = 80 leaves a partial N tile."""
+    k, n = 1201, 80
+    qx, qw = small_macro_operands(m, k, n, pair, macro_block, triton_device, seed=m + macro_block)
+    y = run(qx, qw, k, out_dtype=torch.float32, macro_block=macro_block)
+    assert y.shape == (m, n)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+def test_small_macro_blocks_split_k_bias_bf16(macro_block, triton_device):
+    """Split-K slices (whole K steps, so whole macro blocks) and bias, bf16 output."""
+    k, n = 1000, 96
+    qx, qw = small_macro_operands(5, k, n, "mbs-s", macro_block, triton_device, seed=7)
+    bias = (torch.randn(n) * 0.5).to(torch.bfloat16).to(triton_device)
+    for split in (None, 3):
+        y = run(
+            qx, qw, k, bias=bias, out_dtype=torch.bfloat16, split_k=split, macro_block=macro_block
+        )
+        assert_within_bound(y, *reference(qx, qw, bias), torch.bfloat16)
+
+
+def test_small_macro_block_wrong_factor_is_caught(triton_device):
+    """The bound sees a one-step error in one MBS byte of one 32-element macro block (the
+    check is not vacuous at this macro block size)."""
+    k, n = 320, 48
+    qx, qw = small_macro_operands(3, k, n, "mbs-s", 32, triton_device, seed=5)
+    y_ref, scale = reference(qx, qw)
+    bad_w = qw.mbs.clone()
+    bad_w[0, 3] = (bad_w[0, 3].int() + 40).clamp(max=255).to(torch.uint8)
+    y = decode_gemm(
+        qx.codes,
+        qx.scales,
+        qx.mbs,
+        qw.codes,
+        qw.scales,
+        bad_w,
+        k,
+        out_dtype=torch.float32,
+        macro_block=32,
+    )
+    err = (y.double().cpu() - y_ref.cpu()).abs()
+    assert (err[:, 0] > ACC_BOUND * scale[:, 0].cpu()).any()
+
+
+def test_small_macro_block_nan_rows(triton_device):
+    """A NaN block in x makes its row NaN, a zero row gives exactly bias, at macro block 32."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=gen)
+    x[1] = 0.0
+    x[2, 40] = float("nan")
+    w = torch.randn(48, 300, generator=gen) * 0.1
+    qx = quantize(x.to(triton_device), "mxfp4-mbs-s", macro_block=32)
+    qw = quantize(w.to(triton_device), "mxfp4-mbs-s", macro_block=32)
+    bias = torch.randn(48).to(triton_device)
+    y = run(qx, qw, 300, bias=bias, out_dtype=torch.float32, macro_block=32)
+    assert y[2].isnan().all() and not y[[0, 1, 3]].isnan().any()
+    assert torch.equal(y[1].cpu(), bias.cpu())
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_many_rows_any_m(triton_device, monkeypatch):
+    """Prefill-sized M (the `triton-gemm` backend serves M > 16 for macro blocks CUTLASS does
+    not take): several row tiles, and more row tiles than one launch's grid allows (the
+    limit lowered to 1 tile here) run as consecutive launches."""
+    from vllm_mxplus.ops import triton_decode_gemm as dg
+
+    k, n = 333, 40
+    qx, qw = small_macro_operands(300, k, n, "mbs-s", 32, triton_device, seed=9)
+    want = reference(qx, qw)
+    y = run(qx, qw, k, out_dtype=torch.float32, macro_block=32)
+    assert_within_bound(y, *want, torch.float32)
+    monkeypatch.setattr(dg, "MAX_GRID_M_TILES", 1)
+    y2 = run(qx, qw, k, out_dtype=torch.float32, macro_block=32)
+    assert y2.shape == (300, n)
+    assert_within_bound(y2, *want, torch.float32)
+
+
+def test_split_k_heuristic_counts_row_tiles():
+    """On the GPU (launches captured, meta tensors): decode (one row tile) splits K to fill
+    the SMs; prefill's many row tiles need no split, whose fp32 partials would take
+    split x M x N x 4 bytes."""
+    from vllm_mxplus.ops.triton_utils import capture_launches
+
+    def grid_of(m: int, macro_block: int) -> tuple:
+        k, n = 4096, 4096
+        meta = {"dtype": torch.uint8, "device": "meta"}
+        x = (torch.empty(m, k // 2, **meta), torch.empty(m, k // 16, **meta))
+        w = (torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta))
+        xm = torch.empty(m, k // macro_block, **meta)
+        wm = torch.empty(n, k // macro_block, **meta)
+        with capture_launches() as launches:
+            decode_gemm(x[0], x[1], xm, w[0], w[1], wm, k, macro_block=macro_block)
+        assert len(launches) == 1 and launches[0].kwargs["MACRO"] == macro_block
+        assert launches[0].kwargs["BLOCK_K"] == 64  # the GPU's K step, any macro block
+        return launches[0].grid
+
+    assert grid_of(1, 32)[1] > 1
+    assert grid_of(4096, 32)[1] == 1 and grid_of(4096, 32)[2] == 4096 // 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m", [1, 16, 4096], ids=lambda m: f"M{m}")
+def test_gpu_small_macro_blocks(macro_block, m, cuda_device):
+    k, n = 4096 + 32, 4096
+    qx, qw = small_macro_operands(m, k, n, "mbs-s", macro_block, cuda_device, seed=m)
+    y = run(qx, qw, k, out_dtype=torch.bfloat16, macro_block=macro_block)
+    assert_within_bound(y, *reference(qx, qw), torch.bfloat16)
