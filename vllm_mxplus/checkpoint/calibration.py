@@ -6,9 +6,10 @@ quantized, with every quantized linear's activations fake-quantized with the sch
 activation format, as the served model computes them (ops.reference.fake_quant_activation),
 at the checkpoint's macro block (`macro_block`: one MBS byte per that many elements of the
 weights and activations alike; docs/numerics.md, "Macro Block Scaling"). Per layer: one pass
-collects, for each quantized linear, H = sum x x^T of its (quantized) inputs; the linears are quantized (gptq: H; rtn-aware: diag(H)); a second pass with the
-quantized weights gives the next layer's inputs. Memory: the hidden states of the samples
-plus one layer's Hessians (K x K each).
+collects, for each quantized linear, H = sum x x^T of its (quantized) inputs; the linears
+are quantized (gptq: H; rtn-aware: diag(H)); a second pass with the quantized weights gives
+the next layer's inputs. Memory: the hidden states of the samples plus one layer's Hessians
+(K x K each).
 """
 
 from __future__ import annotations
