@@ -14,7 +14,7 @@ A row `SCHEME:METHOD@ACT` (eval/gptq_study.py) replaces the scheme's activation 
            to the smaller j (the paper's MBS-D searched 16 candidates)
   mbN      MBS-S activations with macro blocks of N elements (N a multiple of 16: 32, 64)
   wmbN     mbN, and the weights' MBS bytes per N elements too: the checkpoint is written
-           with `mxplus quantize --macro-block N` (rtn, with or without smoothing)
+           with `mxplus quantize --macro-block N` (any method, with or without smoothing)
   hadB     block Hadamard rotation along K, blocks of B (a power of two): W' = W R offline,
            x' = x R online, R block-diagonal orthonormal (a K tail shorter than B gets the
            largest power-of-two blocks that fit); the rotated weights are quantized RTN
