@@ -318,3 +318,32 @@ def test_triton_backend_apply_is_graph_safe(scheme):
     )
     assert y.shape == (3, n)
     assert any("triton_decode_gemm" in op for op in ops)
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["decode", "prefill"])
+def test_triton_backends_at_macro_block_32_are_graph_safe(m):
+    """Macro block 32 (MBS bytes per 32 of K): TritonDecodeBackend (M <= 16) and
+    TritonGemmBackend (M > 16) apply without a host sync, CPU tensor or H2D copy."""
+    from vllm_mxplus.ops.triton_backend import ATTRS, TritonDecodeBackend, TritonGemmBackend
+
+    n, k = 256, 576
+    spec = LinearSpec(
+        scheme="mxfp4-mbs", n=n, k=k, out_dtype=torch.bfloat16, device_type="cuda", macro_block=32
+    )
+    layer = types.SimpleNamespace(
+        **dict(
+            zip(
+                ATTRS,
+                (
+                    _e((n, k // 2), torch.uint8),
+                    _e((n, k // 16), torch.uint8),
+                    _e((n, k // 32), torch.uint8),
+                ),
+            )
+        )
+    )
+    cls = TritonDecodeBackend if m <= 16 else TritonGemmBackend
+    assert cls.supports_m(m)
+    y, ops = _checked(cls(spec).apply, layer, _e((m, k), torch.bfloat16), _e((n,), torch.bfloat16))
+    assert y.shape == (m, n)
+    assert any("triton_decode_gemm" in op for op in ops)
