@@ -84,6 +84,37 @@ def test_aot_kernel_filter(capsys):
     assert "--kernel: unknown ['nope']" in capsys.readouterr().out
 
 
+def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
+    """--quick compiles macro block 32 (the decode GEMM's per-macro-block dots inside its
+    64-element K step, the act-quant's 16 macro blocks per 512-column tile) and the full set
+    every Triton macro block; `--macro-block` keeps those MBS configurations only."""
+    from vllm_mxplus.ops import aot
+    from vllm_mxplus.ops import triton_act_quant as aq
+    from vllm_mxplus.ops import triton_decode_gemm as dg
+
+    quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
+    dec_full = [dict(c.constexprs) for c in full["decode_gemm"]]
+    assert {d["MACRO"] for d in dec_full if d["X_MBS"]} == {16, 32, 64, 128, 256, 2048}
+    assert all(d["BLOCK_K"] == dg.GPU_BLOCK_K for d in dec_full)
+    assert aot.parse_macro_blocks("16, 32") == [16, 32] and aot.parse_macro_blocks("") is None
+    with pytest.raises(ValueError, match="--macro-block"):
+        aot.parse_macro_blocks("32x")
+    only = aot.select_macro_blocks(quick, [32])
+    assert set(only) == {"act_quant", "decode_gemm"}  # the fp8 encoder has no macro block
+    consts = [dict(c.constexprs) for cs in only.values() for c in cs]
+    assert consts and all(d["MACRO"] == 32 for d in consts)
+    assert {c.kernel for cs in only.values() for c in cs} == {
+        "_mx_act_quant_kernel",
+        "_decode_gemm_kernel",
+    }
+    small = aot.select_macro_blocks(full, [16, 32, 64])
+    mx = [dict(c.constexprs) for c in small["act_quant"]]
+    assert {d["MACRO"] for d in mx} == {16, 32, 64} and all(d["HAS_MBS"] for d in mx)
+    assert set(aq.SUPPORTED_MACRO_BLOCKS) >= {16, 32, 64}
+    assert main(["kernels", "--aot", "--macro-block", "32x"]) == 2
+    assert "--macro-block" in capsys.readouterr().out
+
+
 def test_aot_failure_rules():
     from vllm_mxplus.ops import aot
 

@@ -141,6 +141,30 @@ def parse_kernels(text: str | None) -> list[str] | None:
     return wanted or None
 
 
+def parse_macro_blocks(text: str | None) -> list[int] | None:
+    """'32,64' -> [32, 64]; None or '' -> None (no filter)."""
+    try:
+        wanted = [int(t) for t in (text or "").replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--macro-block: expected sizes like 32,64, got {text!r}")  # noqa: B904
+    return wanted or None
+
+
+def select_macro_blocks(
+    per_launcher: dict[str, list[KernelConfig]], macro_blocks: list[int]
+) -> dict[str, list[KernelConfig]]:
+    """Only the MBS configurations (HAS_MBS, X_MBS or W_MBS) whose MACRO is in macro_blocks;
+    launchers left with none are dropped."""
+
+    def keep(c: KernelConfig) -> bool:
+        d = dict(c.constexprs)
+        mbs = d.get("HAS_MBS") or d.get("X_MBS") or d.get("W_MBS")
+        return bool(mbs) and d.get("MACRO") in macro_blocks
+
+    out = {name: [c for c in cs if keep(c)] for name, cs in per_launcher.items()}
+    return {name: cs for name, cs in out.items() if cs}
+
+
 def enumerate_configs(
     quick: bool = False, launchers: list[str] | None = None
 ) -> dict[str, list[KernelConfig]]:
@@ -293,6 +317,15 @@ def summarize(results: list[CompileResult]) -> list[str]:
     return lines
 
 
+def per_config(results: list[CompileResult]) -> list[str]:
+    """One line per compile: target, kernel, constexprs and pointer type, registers, spill."""
+    return [
+        f"sm_{r.target:<3d} {r.config.kernel} {r.config.label()}: "
+        + (r.error or f"{r.regs} registers, {r.spill_bytes} B spilled, smem {r.smem} B")
+        for r in sorted(results, key=lambda r: (r.config.kernel, r.config.label(), r.target))
+    ]
+
+
 def failures(results: list[CompileResult]) -> list[str]:
     out = []
     for r in results:
@@ -328,11 +361,17 @@ def run_aot(
     print_fn: Callable[[str], None] = print,
     progress: bool = True,
     launchers: list[str] | None = None,
+    macro_blocks: list[int] | None = None,
 ) -> int:
-    """The `--aot` command: enumerate (every launcher, or `launchers`), compile, print the
-    table; 0 when everything passes."""
+    """The `--aot` command: enumerate (every launcher, or `launchers`; only the MBS
+    configurations of `macro_blocks` when given, each then printed on its own line),
+    compile, print the table; 0 when everything passes."""
     t0 = time.time()
     per_launcher = enumerate_configs(quick, launchers)
+    if macro_blocks:
+        per_launcher = select_macro_blocks(per_launcher, macro_blocks)
+        if not per_launcher:
+            raise RuntimeError(f"aot: no MBS configuration with macro block in {macro_blocks}")
     configs = [c for cs in per_launcher.values() for c in cs]
     counts = ", ".join(f"{k}: {len(v)}" for k, v in per_launcher.items())
     print_fn(
@@ -340,6 +379,9 @@ def run_aot(
         f"{' (quick subset)' if quick else ''}, {jobs} jobs"
     )
     results = compile_all(configs, targets, jobs, progress)
+    if macro_blocks:
+        for line in per_config(results):
+            print_fn(line)
     for line in summarize(results):
         print_fn(line)
     bad = failures(results)

@@ -32,7 +32,9 @@ def _drive_act_quant(quick: bool) -> None:
         mbs = bool(get_format(fmt).mbs)
         macros = aq.SUPPORTED_MACRO_BLOCKS if mbs else (128,)
         if quick and mbs:
-            macros = (macros[0], macros[-1])
+            # the default, the widest, and 32 (many macro blocks per tile) on the largest tile
+            macros = (128, macros[-1])
+            aq.act_quant(_meta((64, 4096), torch.bfloat16), fmt, macro_block=32)
         for dtype, m, k, macro in itertools.product(dtypes, ms, ks, macros):
             aq.act_quant(_meta((m, k), dtype), fmt, macro_block=macro)
 
@@ -47,12 +49,14 @@ def _drive_act_fp8(quick: bool) -> None:
         af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt)
 
 
-def _gemm_operand(rows: int, k: int, fmt: str, bs: int) -> tuple[torch.Tensor | None, ...]:
+def _gemm_operand(
+    rows: int, k: int, fmt: str, bs: int, macro: int
+) -> tuple[torch.Tensor | None, ...]:
     """Codes, E8M0 scales and MBS bytes (or None) of `rows` rows of a decode-GEMM operand."""
     from vllm_mxplus.formats import get_format
-    from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
+    from vllm_mxplus.formats.constants import ceil_div
 
-    mbs = _meta((rows, ceil_div(k, MACRO_BLOCK)), torch.uint8) if get_format(fmt).mbs else None
+    mbs = _meta((rows, ceil_div(k, macro)), torch.uint8) if get_format(fmt).mbs else None
     return (
         _meta((rows, ceil_div(k, 2)), torch.uint8),
         _meta((rows, ceil_div(k, bs)), torch.uint8),
@@ -69,21 +73,29 @@ def _drive_decode_gemm(quick: bool) -> None:
     # (N, K): 16-divisible strides (vectorized loads), 16-divisible codes with MBS strides
     # that are not, and nothing 16-divisible. The quick subset keeps every shape (their
     # register counts differ most) and the bias variants of one pair.
+    # MBS macro blocks: under the 64-element K step (16, 32: one dot and division per macro
+    # block in the step), equal to it, the default, and wider; --quick adds 32 on one shape.
     shapes = ((4096, 4096), (576, 1536), (100, 72))
-    for (wf, af), out_dtype, (n, k), bias, split in itertools.product(
-        sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4)
+    for (wf, af), out_dtype, (n, k), bias, split, macro in itertools.product(
+        sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4), (16, 32, 64, 128, 256, 2048)
     ):
+        mbs = bool(get_format(wf).mbs or get_format(af).mbs)
         if quick and bias and (wf, af) != ("mxfp4-mbs-d", "mxfp4-mbs-s"):
+            continue
+        if (not mbs and macro != 128) or (
+            quick and macro != 128 and (macro != 32 or (n, k) != (4096, 4096) or bias)
+        ):
             continue
         bs = get_format(wf).block_size
 
         decode_gemm(
-            *_gemm_operand(16, k, af, bs),
-            *_gemm_operand(n, k, wf, bs),
+            *_gemm_operand(16, k, af, bs, macro),
+            *_gemm_operand(n, k, wf, bs, macro),
             k,
             _meta((n,), out_dtype) if bias else None,
             out_dtype,
             block_size=bs,
+            macro_block=macro,
             split_k=split,
         )
 

@@ -8,6 +8,8 @@ say which backend each scheme gets on this machine; or compile the GPU kernels a
                               # or shared memory over the limit
     mxplus kernels --aot --targets 80,90,100 --quick   # the representative subset CI runs
     mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
+    mxplus kernels --aot --macro-block 16,32,64     # the MBS configurations of these macro
+                                                    # blocks only, one line per compile
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="LAUNCHER[,LAUNCHER]",
         help="compile only these launchers' configurations: decode_gemm, act_quant, "
         "act_quant_fp8_chunks (default: all)",
+    )
+    g.add_argument(
+        "--macro-block",
+        default="",
+        metavar="N[,N]",
+        help="compile only the MBS configurations of these macro blocks (the Triton kernels "
+        "take 16, 32, ..., 2048; GPU paths per macro block: docs/numerics.md, Macro Block "
+        "Scaling) and print registers / spills per configuration (default: all)",
     )
     g.add_argument(
         "--jobs",
@@ -115,11 +125,18 @@ def _run_aot(args: argparse.Namespace) -> int:
     try:
         targets = aot.parse_targets(args.targets)
         launchers = aot.parse_kernels(args.kernel)
+        macro_blocks = aot.parse_macro_blocks(getattr(args, "macro_block", ""))
     except ValueError as e:
         print(f"mxplus kernels: {e}")
         return 2
     try:
-        return aot.run_aot(targets, args.quick, max(1, args.jobs), launchers=launchers)
+        return aot.run_aot(
+            targets,
+            args.quick,
+            max(1, args.jobs),
+            launchers=launchers,
+            macro_blocks=macro_blocks,
+        )
     except RuntimeError as e:  # triton missing, or a launcher recorded nothing
         print(f"mxplus kernels --aot: {e}")
         return 2
