@@ -30,14 +30,22 @@ def random_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def calibrated(llama_dir: Path, tmp_path: Path, random_tokens: None):
-    """(scheme, method) -> (checkpoint dir, report): the tiny llama quantized by a
-    calibrated method on random calibration tokens (4 x 16)."""
+    """(scheme, method[, macro_block]) -> (checkpoint dir, report): the tiny llama quantized
+    by a calibrated method on random calibration tokens (4 x 16)."""
     from vllm_mxplus.checkpoint import quantize_checkpoint
+    from vllm_mxplus.formats import MACRO_BLOCK
 
-    def run(scheme: str, method: str):  # noqa: ANN202
-        dst = tmp_path / f"{scheme}-{method}"
+    def run(scheme: str, method: str, macro_block: int = MACRO_BLOCK):  # noqa: ANN202
+        dst = tmp_path / f"{scheme}-{method}-mb{macro_block}"
         report = quantize_checkpoint(
-            llama_dir, dst, scheme, method=method, nsamples=4, seqlen=16, progress=False
+            llama_dir,
+            dst,
+            scheme,
+            method=method,
+            nsamples=4,
+            seqlen=16,
+            macro_block=macro_block,
+            progress=False,
         )
         return dst, report
 

@@ -39,8 +39,8 @@ def _assert_served_exactly(q: QuantizedTensor, scheme: str, x: torch.Tensor) -> 
     n, k = q.shape
     afmt = get_scheme(scheme).activation_format
     nv = get_format(afmt).scale_rule == "e4m3"
-    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.float32)
-    xq = fake_quantize(x, afmt, per_row=nv).double()
+    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.float32, macro_block=q.macro_block)
+    xq = fake_quantize(x, afmt, per_row=nv, macro_block=q.macro_block).double()
     w = q.dequantize(torch.float32).double()
     ref, mag = xq @ w.T, xq.abs() @ w.abs().T
     u = 2.0**-24
@@ -52,7 +52,7 @@ def _assert_served_exactly(q: QuantizedTensor, scheme: str, x: torch.Tensor) -> 
     else:
         wf = get_format(q.fmt)
         n_b = ceil_div(k, wf.block_size)
-        n_c = ceil_div(k, MACRO_BLOCK) if (wf.mbs or get_format(afmt).mbs) else 1
+        n_c = ceil_div(k, q.macro_block) if (wf.mbs or get_format(afmt).mbs) else 1
         l1 = xq.abs().sum(-1, keepdim=True) + w.abs().sum(-1)[None, :]
         bound = (n_b + n_c + 5) * u * mag + 2.0**-146 * (l1 + n_b)
     assert torch.isfinite(ref).all()
@@ -115,4 +115,17 @@ def test_calibrated_checkpoint_through_every_cpu_backend(
     dst, _ = calibrated(scheme, method)
     g = torch.Generator().manual_seed(1)
     for q in load(dst).values():
+        _assert_served_exactly(q, scheme, torch.randn(5, q.shape[-1], generator=g))
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs-s", "mxfp4-mbs-h"])
+@pytest.mark.parametrize("method", ["rtn-aware", "gptq"])
+def test_calibrated_macro_block_32_through_every_cpu_backend(
+    calibrated, scheme: str, method: str
+) -> None:
+    """`--macro-block 32` with a calibrated method: MBS bytes per 32 on both sides."""
+    dst, _ = calibrated(scheme, method, 32)
+    g = torch.Generator().manual_seed(2)
+    for q in load(dst).values():
+        assert q.macro_block == 32
         _assert_served_exactly(q, scheme, torch.randn(5, q.shape[-1], generator=g))
