@@ -88,9 +88,18 @@ void half_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
   else tile_avx2<MT, 2, MBS, false>(w, a, s, t, h, m0, y, bias);
 }
 
+// A single activation row (decode) runs whole 16-row tiles (tile16_avx2); more rows run half
+// tiles, 4 activation rows at a time.
 template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias) {
+  if (!BM && mt == 1) {
+    for (int64_t tt = t; tt < tend; ++tt) {
+      if (s.gpb == 1) tile16_avx2<1, MBS>(w, a, s, tt, m0, y, bias);
+      else tile16_avx2<2, MBS>(w, a, s, tt, m0, y, bias);
+    }
+    return;
+  }
   for (int64_t mm = m0; mm < m0 + mt; mm += 4)
     for (int64_t tt = t; tt < tend; ++tt)
       for (int h = 0; h < 2 && tt * kTileN + 8 * h < w.n; ++h)

@@ -111,20 +111,26 @@ inline __m256i block_max_term(__m256i iacc, const BlockMax8& bm, const int8_t* x
   return _mm256_add_epi32(iacc, _mm256_srai_epi32(_mm256_madd_epi16(g, bm.w16), 8));
 }
 
-// iacc[m] += the products of one 16-element group: 8 tile rows (wg: the half tile's bytes of
-// the group, pack_weight's order) times MT activation rows (x[m]: their 16 codes).
-template <int MT>
-inline void group_dots8(const uint8_t* wg, const int8_t* const* x, __m256i* iacc) {
+// The four decoded operands (2 * value + 12, as u8) of one group for the 8 rows of a half
+// tile: wg points at the group's bytes of that half (pack_weight's order).
+inline void group_weights8(const uint8_t* wg, __m256i* wv) {
   const __m256i lut = _mm256_broadcastsi128_si256(
       _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
   const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64));
-  const __m256i wv[4] = {
-      _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, lo4)),
-      _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), lo4)),
-      _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, lo4)),
-      _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), lo4))};
+  wv[0] = _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, lo4));
+  wv[1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), lo4));
+  wv[2] = _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, lo4));
+  wv[3] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), lo4));
+}
+
+// iacc[m] += the products of one 16-element group: 8 tile rows (wg: the half tile's bytes of
+// the group, pack_weight's order) times MT activation rows (x[m]: their 16 codes).
+template <int MT>
+inline void group_dots8(const uint8_t* wg, const int8_t* const* x, __m256i* iacc) {
+  __m256i wv[4];
+  group_weights8(wg, wv);
   for (int m = 0; m < MT; ++m) {
     const int32_t* x4 = reinterpret_cast<const int32_t*>(x[m]);
     for (int q = 0; q < 4; ++q) iacc[m] = dot4_avx2(iacc[m], wv[q], _mm256_set1_epi32(x4[q]));
@@ -184,6 +190,111 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
     for (int64_t i = 0; i < 8 && n0 + i < w.n; ++i)
       y[(m0 + m) * w.n + n0 + i] = bias ? v[i] + bias[n0 + i] : v[i];
   }
+}
+
+// One activation row against a whole weight tile (16 rows, two ymm lanes of 8): the decode
+// case, where the per-block work (dot_end, the scale terms) is not shared by several
+// activation rows. Each group's four activation broadcasts serve both halves, and the
+// exponent range is checked once per call (tile_exp_fast) instead of per block; when the
+// check fails the blocks take scaled_term, as tile_avx2 does. Same operations in the same
+// order per output as tile_avx2<1, ...>, so the same results bit for bit.
+
+// True when 2^(ea + ew) is a normal fp32 for every block of this row and tile: the row's
+// exponents ea (ea - 256 per block, NaN for code 255) and the tile's E8M0 codes (all 16 rows,
+// nb blocks) checked from their extremes.
+inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const float* ea) {
+  __m256i lo = _mm256_set1_epi8(static_cast<char>(0xFF)), hi = _mm256_setzero_si256();
+  const int64_t bytes = nb * kTileN;
+  int64_t i = 0;
+  for (; i + 32 <= bytes; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + i));
+    lo = _mm256_min_epu8(lo, v);
+    hi = _mm256_max_epu8(hi, v);
+  }
+  alignas(32) uint8_t l[32], h[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), hi);
+  int wlo = 255, whi = 0;
+  for (int j = 0; j < 32; ++j) {
+    wlo = std::min<int>(wlo, l[j]);
+    whi = std::max<int>(whi, h[j]);
+  }
+  for (; i < bytes; ++i) {
+    wlo = std::min<int>(wlo, sc[i]);
+    whi = std::max<int>(whi, sc[i]);
+  }
+  if (whi == kE8m0Nan) return false;
+  float elo = ea[0], ehi = ea[0];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (std::isnan(ea[b])) return false;
+    elo = std::min(elo, ea[b]);
+    ehi = std::max(ehi, ea[b]);
+  }
+  return static_cast<int>(elo) + wlo >= -126 && static_cast<int>(ehi) + whi <= 127;
+}
+
+template <int GPB, bool MBS>
+void tile16_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m,
+                 float* y, const float* bias) {
+  const uint8_t* sc = w.scales + t * w.nb * kTileN;
+  const int8_t* xrow = a.codes + m * a.kp;
+  const int32_t* corr = a.corr + m * a.nb;
+  const float* ea = a.ea + m * a.nb;
+  const bool fast = tile_exp_fast(sc, w.nb, ea);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 ysum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < s.nc; ++c) {
+    const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
+    for (int64_t b = c * s.bpc; b < b1; ++b) {
+      __m256i iacc[2] = {dot_begin(corr[b]), dot_begin(corr[b])};
+      for (int gg = 0; gg < GPB; ++gg) {
+        const int64_t g = b * GPB + gg;
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(xrow + g * kGroupK);
+        const uint8_t* wg = w.codes + (t * w.groups + g) * kGroupBytes;
+        const __m256i xb[4] = {_mm256_set1_epi32(x4[0]), _mm256_set1_epi32(x4[1]),
+                               _mm256_set1_epi32(x4[2]), _mm256_set1_epi32(x4[3])};
+        for (int h = 0; h < 2; ++h) {
+          __m256i wv[4];
+          group_weights8(wg + 32 * h, wv);
+          for (int q = 0; q < 4; ++q) iacc[h] = dot4_avx2(iacc[h], wv[q], xb[q]);
+        }
+      }
+      for (int h = 0; h < 2; ++h) iacc[h] = dot_end(iacc[h], corr[b]);
+      if (fast) {
+        const __m128i e16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * kTileN));
+        const __m256i e = _mm256_set1_epi32(static_cast<int>(ea[b]) + 127);
+        const __m256i ew[2] = {_mm256_cvtepu8_epi32(e16),
+                               _mm256_cvtepu8_epi32(_mm_srli_si128(e16, 8))};
+        for (int h = 0; h < 2; ++h) {
+          const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ew[h], e), 23));
+          acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_cvtepi32_ps(iacc[h]), p2));
+        }
+      } else {
+        for (int h = 0; h < 2; ++h)
+          acc[h] = scaled_term(acc[h], iacc[h], block_scales8(sc + b * kTileN + 8 * h), ea[b]);
+      }
+    }
+    if (MBS) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 f = _mm256_set1_ps(1.0f);
+        if (w.mbs) {
+          const __m256i mw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(w.mbs + (t * w.nm + c) * kTileN + 8 * h)));
+          f = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw), _mm256_set1_ps(kMbsDenom)),
+                            _mm256_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        }
+        if (a.fa) f = _mm256_mul_ps(f, _mm256_set1_ps(a.fa[m * a.nm + c]));
+        ysum[h] = _mm256_add_ps(ysum[h], _mm256_div_ps(acc[h], f));
+        acc[h] = _mm256_setzero_ps();
+      }
+    }
+  }
+  const int64_t n0 = t * kTileN;
+  alignas(32) float v[kTileN];
+  _mm256_store_ps(v, MBS ? ysum[0] : acc[0]);
+  _mm256_store_ps(v + 8, MBS ? ysum[1] : acc[1]);
+  for (int64_t i = 0; i < kTileN && n0 + i < w.n; ++i)
+    y[m * w.n + n0 + i] = bias ? v[i] + bias[n0 + i] : v[i];
 }
 
 }  // namespace gemm_detail
