@@ -159,8 +159,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="MBS schemes: one MBS byte per N elements of weights and activations, N a "
         "multiple of 16 (16, 32, 64, 128). Smaller N: finer scales, lower error, 8/N bits "
         "per element for the bytes (128: 0.0625, 32: 0.25); recorded in the checkpoint, "
-        "served by vLLM as is; the CPU kernels take any N, the GPU kernels 128 (Triton also "
-        "larger powers of two; others: the reference path). Every --method, with or without "
+        "served by vLLM as is; the CPU kernels take any N, the GPU (Triton) kernels powers of "
+        "two 16-2048 (prefill at 128: CUTLASS; other N: the reference path). Every --method, "
+        "with or without "
         "--smooth: rtn-aware and gptq choose the MBS byte per N elements and calibrate with "
         "activations quantized at N (default: %(default)s, the paper's)",
     )
