@@ -233,6 +233,11 @@ inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const float* ea) {
   return static_cast<int>(elo) + wlo >= -126 && static_cast<int>(ehi) + whi <= 127;
 }
 
+// Bytes ahead of the current group that the decode tile asks the cache for: the weight
+// stream is read once per call, from memory for a model larger than the caches (a prefetch
+// past the end of the weight is a hint only: it cannot fault).
+constexpr int64_t kPrefetchAhead = 16 * kGroupBytes;
+
 template <int GPB, bool MBS>
 void tile16_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m,
                  float* y, const float* bias) {
@@ -251,6 +256,8 @@ void tile16_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
         const int64_t g = b * GPB + gg;
         const int32_t* x4 = reinterpret_cast<const int32_t*>(xrow + g * kGroupK);
         const uint8_t* wg = w.codes + (t * w.groups + g) * kGroupBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64), _MM_HINT_T0);
         const __m256i xb[4] = {_mm256_set1_epi32(x4[0]), _mm256_set1_epi32(x4[1]),
                                _mm256_set1_epi32(x4[2]), _mm256_set1_epi32(x4[3])};
         for (int h = 0; h < 2; ++h) {
