@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Calibrated SmolLM2 checkpoints served by vLLM: quantize (once) MBS-H at macro block 32 and
-# NVFP4, both `--method rtn-aware --smooth 0.5` on 8 x 256 calibration tokens, then score their
-# Wikipedia and news word perplexity with `mxplus eval eval/smollm2-135m-calibrated.yaml`.
+# NVFP4, with `--method rtn-aware` and with `--method gptq` (both `--smooth 0.5`, 8 x 256
+# calibration tokens), then score their Wikipedia and news word perplexity with
+# `mxplus eval eval/smollm2-135m-calibrated.yaml`.
 # Resumable (existing checkpoints and finished cells are kept). Writes
 # eval/results/smollm2-135m-calibrated/.
 #   nohup eval/run_calibrated_served.sh > /tmp/calibrated-served.log 2>&1 &
@@ -16,10 +17,12 @@ mkdir -p "$DST"
 quantize() {  # NAME ARGS...
   local name=$1; shift
   if [ ! -d "$DST/$name" ]; then
-    OMP_NUM_THREADS=1 "$MX" quantize "$SRC" "$DST/$name" --method rtn-aware --smooth 0.5 \
+    OMP_NUM_THREADS=1 "$MX" quantize "$SRC" "$DST/$name" --smooth 0.5 \
       --nsamples 8 --seqlen 256 --no-progress "$@"
   fi
 }
-quantize smollm2-mbsh-rtnaware-sq-mb32 --scheme mxfp4-mbs-h --macro-block 32
-quantize smollm2-nvfp4-rtnaware-sq --scheme nvfp4
+quantize smollm2-mbsh-rtnaware-sq-mb32 --method rtn-aware --scheme mxfp4-mbs-h --macro-block 32
+quantize smollm2-nvfp4-rtnaware-sq --method rtn-aware --scheme nvfp4
+quantize smollm2-mbsh-gptq-sq-mb32 --method gptq --scheme mxfp4-mbs-h --macro-block 32
+quantize smollm2-nvfp4-gptq-sq --method gptq --scheme nvfp4
 "$MX" eval eval/smollm2-135m-calibrated.yaml --out eval/results/smollm2-135m-calibrated "$@"
