@@ -94,9 +94,10 @@ template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias) {
   if (!BM && mt == 1) {
+    const RowExp re = row_exp_range(a.ea + m0 * a.nb, a.nb);
     for (int64_t tt = t; tt < tend; ++tt) {
-      if (s.gpb == 1) tile16_avx2<1, MBS>(w, a, s, tt, m0, y, bias);
-      else tile16_avx2<2, MBS>(w, a, s, tt, m0, y, bias);
+      if (s.gpb == 1) tile16_avx2<1, MBS>(w, a, s, tt, m0, re, y, bias);
+      else tile16_avx2<2, MBS>(w, a, s, tt, m0, re, y, bias);
     }
     return;
   }

@@ -195,14 +195,31 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
 // One activation row against a whole weight tile (16 rows, two ymm lanes of 8): the decode
 // case, where the per-block work (dot_end, the scale terms) is not shared by several
 // activation rows. Each group's four activation broadcasts serve both halves, and the
-// exponent range is checked once per call (tile_exp_fast) instead of per block; when the
-// check fails the blocks take scaled_term, as tile_avx2 does. Same operations in the same
+// exponent range is checked once per tile (tile_exp_fast; the row's extremes once per pass,
+// row_exp_range) instead of per block; when the check fails the blocks take scaled_term, as
+// tile_avx2 does. Same operations in the same
 // order per output as tile_avx2<1, ...>, so the same results bit for bit.
 
+// The extremes of one activation row's block exponents (ea - 256 per block, NaN for code
+// 255): computed once per row and pass over the weight tiles, not once per tile.
+struct RowExp {
+  bool finite;  // no NaN exponent in the row
+  int lo, hi;
+};
+
+inline RowExp row_exp_range(const float* ea, int64_t nb) {
+  float elo = ea[0], ehi = ea[0];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (std::isnan(ea[b])) return {false, 0, 0};
+    elo = std::min(elo, ea[b]);
+    ehi = std::max(ehi, ea[b]);
+  }
+  return {true, static_cast<int>(elo), static_cast<int>(ehi)};
+}
+
 // True when 2^(ea + ew) is a normal fp32 for every block of this row and tile: the row's
-// exponents ea (ea - 256 per block, NaN for code 255) and the tile's E8M0 codes (all 16 rows,
-// nb blocks) checked from their extremes.
-inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const float* ea) {
+// exponent extremes and the tile's E8M0 codes (all 16 rows, nb blocks) checked from theirs.
+inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const RowExp& re) {
   __m256i lo = _mm256_set1_epi8(static_cast<char>(0xFF)), hi = _mm256_setzero_si256();
   const int64_t bytes = nb * kTileN;
   int64_t i = 0;
@@ -223,14 +240,8 @@ inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const float* ea) {
     wlo = std::min<int>(wlo, sc[i]);
     whi = std::max<int>(whi, sc[i]);
   }
-  if (whi == kE8m0Nan) return false;
-  float elo = ea[0], ehi = ea[0];
-  for (int64_t b = 0; b < nb; ++b) {
-    if (std::isnan(ea[b])) return false;
-    elo = std::min(elo, ea[b]);
-    ehi = std::max(ehi, ea[b]);
-  }
-  return static_cast<int>(elo) + wlo >= -126 && static_cast<int>(ehi) + whi <= 127;
+  if (!re.finite || whi == kE8m0Nan) return false;
+  return re.lo + wlo >= -126 && re.hi + whi <= 127;
 }
 
 // Bytes ahead of the current group that the decode tile asks the cache for: the weight
@@ -240,12 +251,12 @@ constexpr int64_t kPrefetchAhead = 16 * kGroupBytes;
 
 template <int GPB, bool MBS>
 void tile16_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m,
-                 float* y, const float* bias) {
+                 const RowExp& re, float* y, const float* bias) {
   const uint8_t* sc = w.scales + t * w.nb * kTileN;
   const int8_t* xrow = a.codes + m * a.kp;
   const int32_t* corr = a.corr + m * a.nb;
   const float* ea = a.ea + m * a.nb;
-  const bool fast = tile_exp_fast(sc, w.nb, ea);
+  const bool fast = tile_exp_fast(sc, w.nb, re);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 ysum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < s.nc; ++c) {
