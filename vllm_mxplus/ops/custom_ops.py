@@ -78,7 +78,17 @@ def decode_gemm_op(
 
 @decode_gemm_op.register_fake
 def _decode_gemm_fake(
-    xc, xs, xm, wc, ws, wm, K, bias=None, out_dtype=torch.bfloat16, block_size=0, macro_block=128
+    xc,
+    xs,
+    xm,
+    wc,
+    ws,
+    wm,
+    K,
+    bias=None,
+    out_dtype=torch.bfloat16,
+    block_size=0,
+    macro_block=MACRO_BLOCK,
 ):
     """[M, N] in out_dtype: x codes [M, K/2], weight codes [N, K/2]."""
     return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=out_dtype)

@@ -129,8 +129,9 @@ class TritonGemmBackend(TritonDecodeBackend):
             return ok, why
         mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
         if not mbs or spec.macro_block == PREFILL_MACRO_BLOCK:
+            what = f"macro block {PREFILL_MACRO_BLOCK}" if mbs else "formats without MBS"
             return False, (
-                f"prefill for {'macro block 128' if mbs else 'formats without MBS'} is the "
-                "CUTLASS GEMM's (or the reference's); this one takes the other macro blocks"
+                f"prefill for {what} is the CUTLASS GEMM's (or the reference's); this one "
+                "takes the other macro blocks"
             )
         return True, ""
