@@ -113,6 +113,25 @@ def test_model_override() -> None:
         resolve_model_paths(cfg2, ["e/f"])
 
 
+def test_models_filter_checks_and_plans_only_those(tmp_path: Path) -> None:
+    two = _base()
+    model_dir = tmp_path / "ready"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    two["models"] = {"m": str(model_dir), "n": str(tmp_path / "not-yet")}
+    cfg = parse_config(two)
+    # n's checkpoint does not exist yet: checking every model fails, naming it
+    with pytest.raises(ValueError, match="model n: .*not-yet"):
+        resolve_model_paths(cfg, [])
+    paths = resolve_model_paths(cfg, [], models=["m"])
+    cells, _ = plan(cfg, tmp_path / "out", paths, models=["m"])
+    assert cells and {c.model.id for c in cells} == {"m"}
+    cells, _ = plan(cfg, tmp_path / "out", paths)
+    assert {c.model.id for c in cells} == {"m", "n"}
+    with pytest.raises(ConfigError, match="unknown model 'x'"):
+        plan(cfg, tmp_path / "out", paths, models=["x"])
+
+
 # --- table builder on committed lm-eval JSON -----------------------------------------------
 
 

@@ -160,9 +160,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "multiple of 16 (16, 32, 64, 128). Smaller N: finer scales, lower error, 8/N bits "
         "per element for the bytes (128: 0.0625, 32: 0.25); recorded in the checkpoint, "
         "served by vLLM as is; the CPU kernels take any N, the GPU (Triton) kernels powers of "
-        "two 16-2048 (prefill at 128: CUTLASS; other N: the reference path). Every --method, "
-        "with or without "
-        "--smooth: rtn-aware and gptq choose the MBS byte per N elements and calibrate with "
+        "two 16-2048 (prefill at 128: CUTLASS; N not a power of two: the reference path). "
+        "Every --method, with or without --smooth: rtn-aware and gptq choose the MBS byte per N elements and calibrate with "
         "activations quantized at N (default: %(default)s, the paper's)",
     )
     p.set_defaults(func=run)

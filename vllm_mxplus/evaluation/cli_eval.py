@@ -50,6 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="output dir (default: eval/results/<config name>)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="run only these row ids")
     p.add_argument(
+        "--models",
+        nargs="+",
+        metavar="ID",
+        help="configs with several models: run only these model ids (the others' "
+        "paths need not exist yet; their saved results stay in the table)",
+    )
+    p.add_argument(
         "--limit",
         type=float,
         metavar="N",
@@ -120,15 +127,22 @@ def run(args: argparse.Namespace) -> int:
         if args.rows:
             for r in args.rows:
                 cfg.row(r)
+        if args.models:
+            for m in args.models:
+                cfg.model(m)
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit {args.limit}: must be > 0")
-        paths = resolve_model_paths(cfg, args.model, check=not args.dry_run)
+        paths = resolve_model_paths(
+            cfg, args.model, check=not args.dry_run, models=args.models
+        )
     except (ConfigError, ValueError) as e:
         print(f"mxplus eval: {e}", file=sys.stderr)
         return 2
     out_dir = (args.out or Path("eval/results") / cfg.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells, done = plan(cfg, out_dir, paths, rows=args.rows, limit=args.limit)
+    cells, done = plan(
+        cfg, out_dir, paths, rows=args.rows, limit=args.limit, models=args.models
+    )
     print(
         f"mxplus eval {cfg.name}: {len(cells)} cell(s) to run, {done} result(s) already "
         f"saved in {out_dir}",
@@ -189,6 +203,8 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         parts += ["--out", str(args.out)]
     if args.rows:
         parts += ["--rows", *args.rows]
+    if args.models:
+        parts += ["--models", *args.models]
     if args.limit is not None:
         parts += ["--limit", f"{args.limit:g}"]
     if args.table_only:

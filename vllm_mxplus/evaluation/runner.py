@@ -99,11 +99,15 @@ def effective_limit(task: TaskSpec, override: float | None) -> float | None:
 
 
 def resolve_model_paths(
-    cfg: EvalConfig, overrides: Sequence[str], check: bool = True
+    cfg: EvalConfig,
+    overrides: Sequence[str],
+    check: bool = True,
+    models: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """--model DIR (one-model configs) or --model ID=DIR; returns model id -> path.
 
-    check: a local path (absolute, ~ or .) must be a model dir with config.json.
+    check: a local path (absolute, ~ or .) must be a model dir with config.json; with
+    `models`, only those models' paths are checked (the others are not run).
     """
     paths = {m.id: m.path for m in cfg.models}
     for item in overrides:
@@ -119,7 +123,8 @@ def resolve_model_paths(
     for mid, path in paths.items():
         expanded = os.path.expanduser(path)
         if os.path.isabs(expanded) or path.startswith(("~", ".")):
-            if check and not Path(expanded, "config.json").is_file():
+            checked = check and (models is None or mid in models)
+            if checked and not Path(expanded, "config.json").is_file():
                 raise ValueError(f"model {mid}: {expanded} is not a model dir (no config.json)")
             paths[mid] = expanded
     return paths
@@ -131,12 +136,17 @@ def plan(
     model_paths: dict[str, str],
     rows: Sequence[str] | None = None,
     limit: float | None = None,
+    models: Sequence[str] | None = None,
 ) -> tuple[list[Cell], int]:
-    """The cells still to run, and the number of (model, row, task) results already saved."""
+    """The cells still to run, and the number of (model, row, task) results already saved.
+
+    rows / models: only these row / model ids (default: all of the config's).
+    """
     selected = [cfg.row(r) for r in rows] if rows else list(cfg.rows)
+    run_models = [cfg.model(m) for m in models] if models else list(cfg.models)
     cells: list[Cell] = []
     done = 0
-    for model in cfg.models:
+    for model in run_models:
         for row in selected:
             saved = saved_results(out_dir, model.id, row.id)
             pending: dict[tuple, list[TaskSpec]] = {}
