@@ -132,17 +132,13 @@ def run(args: argparse.Namespace) -> int:
                 cfg.model(m)
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit {args.limit}: must be > 0")
-        paths = resolve_model_paths(
-            cfg, args.model, check=not args.dry_run, models=args.models
-        )
+        paths = resolve_model_paths(cfg, args.model, check=not args.dry_run, models=args.models)
     except (ConfigError, ValueError) as e:
         print(f"mxplus eval: {e}", file=sys.stderr)
         return 2
     out_dir = (args.out or Path("eval/results") / cfg.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells, done = plan(
-        cfg, out_dir, paths, rows=args.rows, limit=args.limit, models=args.models
-    )
+    cells, done = plan(cfg, out_dir, paths, rows=args.rows, limit=args.limit, models=args.models)
     print(
         f"mxplus eval {cfg.name}: {len(cells)} cell(s) to run, {done} result(s) already "
         f"saved in {out_dir}",
