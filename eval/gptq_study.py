@@ -23,12 +23,14 @@ MBS-D, smaller macro blocks) or rotates both sides (block Hadamard): eval/act_op
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import act_options  # eval/act_options.py, next to this script
@@ -46,8 +48,38 @@ LABELS = {
     "bf16": "BF16",
 }
 # a method with "+sq": SmoothQuant smoothing (--smooth, alpha from --alpha) before it;
-# "+sqA" (e.g. rtn+sq0.3): smoothing with alpha A
+# "+sqA" (e.g. rtn+sq0.3): smoothing with alpha A; "+sq=F,F" or "+sqA=F,F" (e.g.
+# rtn+sq=qkv,o): only those of the folds (FOLD_NAMES), the per-fold ablation
 METHODS = ("rtn", "rtn-aware", "gptq", "rtn+sq", "rtn-aware+sq", "gptq+sq")
+
+
+# short names of vllm_mxplus.checkpoint.smoothing.FOLDS, by their first consumer
+FOLD_NAMES = {
+    "self_attn.q_proj": "qkv",
+    "mlp.gate_proj": "gate_up",
+    "mlp.down_proj": "down",
+    "self_attn.o_proj": "o",
+}
+
+
+@contextlib.contextmanager
+def _only_folds(names: list[str] | None) -> Iterator[None]:
+    """Smoothing with only the named folds (None: all) while the block runs."""
+    from vllm_mxplus.checkpoint import smoothing
+
+    if names is None:
+        yield
+        return
+    every = {FOLD_NAMES[f.consumers[0]]: f for f in smoothing.FOLDS}
+    unknown = sorted(set(names) - set(every))
+    if unknown:
+        raise SystemExit(f"unknown fold(s) {unknown}; folds: {', '.join(every)}")
+    saved = smoothing.FOLDS
+    smoothing.FOLDS = tuple(f for n, f in every.items() if n in names)
+    try:
+        yield
+    finally:
+        smoothing.FOLDS = saved
 
 
 def _docs(task: str, n: int) -> list[str]:
@@ -179,7 +211,9 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     method, _, act = rest.partition("@")
     base, _, extra = method.partition("+")
     if extra and not extra.startswith("sq"):
-        raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq or +sqALPHA)")
+        raise SystemExit(f"{row}: unknown method suffix {extra!r} (+sq, +sqALPHA, +sq=FOLDS)")
+    extra, _, fold_list = extra.partition("=")
+    folds = fold_list.split(",") if fold_list else None
     smooth = (float(extra[2:]) if len(extra) > 2 else args.alpha) if extra else None
     rotated = act_options.rotation_block(act) is not None
     if rotated and method != "rtn":
@@ -190,18 +224,19 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     if scheme != "bf16" and not rotated:
         ckpt = Path(args.work) / (f"{scheme}-{method}" + (f"-mb{w_macro}" if w_macro else ""))
         if not (args.reuse and (ckpt / "config.json").is_file()):
-            quantize_checkpoint(
-                args.model,
-                ckpt,
-                scheme,
-                method=base,
-                smooth=smooth,
-                force=True,
-                nsamples=args.nsamples,
-                seqlen=args.seqlen,
-                progress=False,
-                macro_block=w_macro or MACRO_BLOCK,
-            )
+            with _only_folds(folds):
+                quantize_checkpoint(
+                    args.model,
+                    ckpt,
+                    scheme,
+                    method=base,
+                    smooth=smooth,
+                    force=True,
+                    nsamples=args.nsamples,
+                    seqlen=args.seqlen,
+                    progress=False,
+                    macro_block=w_macro or MACRO_BLOCK,
+                )
     t_quant = time.perf_counter() - t0
     model = _quantized_model(Path(args.model), ckpt, scheme, act=act or None)
     rec = {
@@ -210,6 +245,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
         "method": method or None,
         "act": act or None,
         "smooth": smooth,
+        "folds": folds,
         "docs": args.docs,
         "nsamples": args.nsamples,
         "seqlen": args.seqlen,
