@@ -383,7 +383,8 @@ def _chart(res: dict[str, dict], docs: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    methods = _methods(res)
+    # the main methods; the ablations (+sqALPHA, +sq=FOLDS) are in the table only
+    methods = [m for m in _methods(res) if m in METHODS]
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         xs, ys = [], []
@@ -398,7 +399,7 @@ def _chart(res: dict[str, dict], docs: int) -> None:
     ax.set_xticks(range(len(SCHEMES)), [LABELS[s] for s in SCHEMES])
     ax.set_ylabel("Wikipedia word perplexity (lower is better)")
     ax.set_title("SmolLM2-135M W4A4: quantization method per scheme (+sq: smoothing, alpha 0.5)")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(OUT / f"chart-docs{docs}.png", dpi=120)
 
