@@ -123,6 +123,7 @@ def chart(grid: dict[str, dict[str, dict[str, float]]], bf16: dict[str, float], 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(TASKS), figsize=(13, 4.8), sharey=False)
     rows = list(ROWS)
@@ -139,6 +140,9 @@ def chart(grid: dict[str, dict[str, dict[str, float]]], bf16: dict[str, float], 
         if task in bf16:
             ax.axhline(bf16[task], color="k", ls="--", lw=1, label="BF16")
         ax.set_yscale("log")
+        ticks = [60, 80, 100, 150, 200, 300, 500]
+        ax.set_yticks(ticks, [str(t) for t in ticks])
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([r.replace(", ", "\n") for r in rows], fontsize=8)
         ax.set_title(f"{label} word perplexity (log scale, lower is better)", fontsize=10)
