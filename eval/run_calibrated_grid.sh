@@ -17,7 +17,7 @@ CFG=eval/smollm2-135m-calibrated-grid.yaml
 OUT=eval/results/smollm2-135m-calibrated-grid
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 [ -d "$SRC" ] || "$MX" prepare
-mkdir -p "$DST" "$OUT"
+mkdir -p "$DST" "$OUT/logs"
 # model id (as in $CFG) -> scheme; the method is the id's suffix
 declare -A SCHEME=([mbsh]=mxfp4-mbs-h [nvfp4]=nvfp4 [mbss]=mxfp4-mbs-s [oas16]=mxfp4-16-oas
   [ocp]=mxfp4-ocp)
@@ -32,7 +32,7 @@ quantize_all() {
       OMP_NUM_THREADS=1 "$MX" quantize "$SRC" "$dir" --scheme "${SCHEME[${id%%-*}]}" \
         --method "$(method_of "$id")" --nsamples 8 --seqlen 256 --no-progress
       echo "end $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"; } \
-      > "$OUT/quantize-$id.log" 2>&1
+      > "$OUT/logs/quantize-$id.log" 2>&1
   done
 }
 quantize_all &
@@ -41,7 +41,7 @@ trap 'kill $QPID 2>/dev/null || true' EXIT
 for id in "${IDS[@]}"; do
   while [ ! -f "$DST/smollm2-$id/config.json" ]; do
     kill -0 $QPID 2>/dev/null || [ -f "$DST/smollm2-$id/config.json" ] || {
-      echo "quantization of $id failed: $OUT/quantize-$id.log" >&2; exit 1; }
+      echo "quantization of $id failed: $OUT/logs/quantize-$id.log" >&2; exit 1; }
     sleep 20
   done
   "$MX" eval "$CFG" --out "$OUT" --models "$id" --no-progress "$@"
