@@ -92,8 +92,11 @@ def _fmt(x: float | None) -> str:
 
 
 def table(grid: dict[str, dict[str, dict[str, float]]], bf16: dict[str, float]) -> str:
-    head = "| scheme | " + " | ".join(f"{m} ({t})" for m in METHODS for _, t in TASKS) + " |"
-    lines = [head, "|---|" + "---:|" * (len(METHODS) * len(TASKS))]
+    head = [
+        "| scheme | " + " | ".join(f"{m} ({t})" for m in METHODS for _, t in TASKS) + " |",
+        "|---|" + "---:|" * (len(METHODS) * len(TASKS)),
+    ]
+    lines = list(head)
     for row in ROWS:
         cells = [_fmt(grid.get(row, {}).get(m, {}).get(task)) for m in METHODS for task, _ in TASKS]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
@@ -101,8 +104,7 @@ def table(grid: dict[str, dict[str, dict[str, float]]], bf16: dict[str, float]) 
         ppl = " / ".join(_fmt(bf16.get(task)) for task, _ in TASKS)
         lines += ["", f"BF16 (unquantized, `eval/results/smollm2-135m.md`): {ppl}."]
     lines += ["", f"Against {TARGET} under the same method (+: above {TARGET}'s perplexity):", ""]
-    lines += ["| scheme | " + " | ".join(f"{m} ({t})" for m in METHODS for _, t in TASKS) + " |"]
-    lines.append("|---|" + "---:|" * (len(METHODS) * len(TASKS)))
+    lines += head
     target = grid.get(TARGET, {})
     for row in ROWS:
         if row == TARGET:
