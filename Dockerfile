@@ -30,7 +30,7 @@ RUN pip install .
 WORKDIR /
 RUN pip install nvidia-cutlass==4.2.0.0 \
     && nvcc --version \
-    && python3 -m vllm_mxplus.ops.cutlass_ext --out /opt/mxplus/build --jobs 2 \
+    && python3 -m vllm_mxplus.backends.cutlass.build --out /opt/mxplus/build --jobs 2 \
     && mkdir -p /opt/mxplus/ext \
     && cp /opt/mxplus/build/mxplus_cutlass*.so "${VLLM_MXPLUS_CUTLASS_EXT}" \
     && rm -rf /opt/mxplus/build

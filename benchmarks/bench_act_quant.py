@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = ap.parse_args()
     require_cuda("bench_act_quant")
-    from vllm_mxplus.ops.triton_act_quant import act_quant
+    from vllm_mxplus.backends.triton.act_quant import act_quant
 
     banner("act_quant vs torch.clone (baseline), GB/s and ratio")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16

@@ -124,11 +124,11 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from vllm_mxplus.backends.base import LinearSpec
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+    from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+    from vllm_mxplus.backends.reference.linear import ReferenceBackend
     from vllm_mxplus.formats import quantize
-    from vllm_mxplus.ops import cpu_kernels
-    from vllm_mxplus.ops.backend import LinearSpec
-    from vllm_mxplus.ops.cpu_backend import CpuPackedBackend
-    from vllm_mxplus.ops.reference import ReferenceBackend
 
     ok, why = cpu_kernels.load()
     if not ok:

@@ -31,9 +31,9 @@ def main() -> None:
     ap.add_argument("--pairs", default=",".join(PAIRS))
     args = ap.parse_args()
     require_cuda("bench_decode_gemm")
+    from vllm_mxplus.backends.triton.act_quant import act_quant
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
     from vllm_mxplus.formats import quantize
-    from vllm_mxplus.ops.triton_act_quant import act_quant
-    from vllm_mxplus.ops.triton_decode_gemm import decode_gemm
 
     banner("decode_gemm vs bf16 F.linear (baseline); ratio = t_linear / t_kernel")
     print(

@@ -68,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_prefill_gemm: no CUDA device; nothing to measure")
         return 0
+    from vllm_mxplus.backends.cutlass import build as cutlass_ext
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
     from vllm_mxplus.formats import quantize
-    from vllm_mxplus.ops import cutlass_ext, cutlass_gemm
 
     ok, why = cutlass_ext.is_available()
     if not ok:
         print(
             f"bench_prefill_gemm: CUTLASS extension unavailable ({why}); "
-            "build it with: python -m vllm_mxplus.ops.cutlass_ext"
+            "build it with: python -m vllm_mxplus.backends.cutlass.build"
         )
         return 0
     arch = cutlass_ext.arch_of()
@@ -131,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _kernels(arch, qx, qw, w, k):
     """Timed closures of the MBS kernel and of the same kernel without MBS (inputs prepared)."""
-    from vllm_mxplus.ops import cutlass_ops as co
-    from vllm_mxplus.ops.fp8_chunks import encode_fp8_chunks
+    from vllm_mxplus.backends.cutlass import ops as co
+    from vllm_mxplus.backends.cutlass.fp8_chunks import encode_fp8_chunks
 
     bf16 = torch.bfloat16
     if arch == "sm90a":

@@ -21,7 +21,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from vllm_mxplus.assets.smollm2 import smollm2_dir
-    from vllm_mxplus.ops import reference
+    from vllm_mxplus.backends.reference import linear as reference
 
     sys.path.insert(0, str(HERE))
     from gptq_serve_check import LOGPROB_ATOL, PROMPTS

@@ -55,12 +55,12 @@ def layer_check(ckpt: Path, scheme: str, rows: int = 16, seed: int = 0) -> tuple
     """(layers checked, worst error / bound, backend) over the checkpoint's quantized weights.
 
     Inputs: `rows` random activation rows per layer; the bound is the one of
-    tests/ops/test_cpu_kernels.py (fp32 output).
+    tests/backends/test_cpu_kernels.py (fp32 output).
     """
+    from vllm_mxplus.backends import LinearSpec, select
     from vllm_mxplus.checkpoint import load
     from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
     from vllm_mxplus.formats.constants import ceil_div
-    from vllm_mxplus.ops import LinearSpec, select
 
     s = get_scheme(scheme)
     wf, af = s.weight_format, s.activation_format

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_mxplus.assets.smollm2 import smollm2_dir
-from vllm_mxplus.checkpoint.gptq import gptq, prepare_hessian, split_rows
+from vllm_mxplus.calibration.gptq import gptq, prepare_hessian, split_rows
 
 sd = load_file(glob.glob(str(smollm2_dir()) + "/*.safetensors")[0])
 fmt = sys.argv[1]

@@ -53,7 +53,7 @@ LABELS = {
 METHODS = ("rtn", "rtn-aware", "gptq", "rtn+sq", "rtn-aware+sq", "gptq+sq")
 
 
-# short names of vllm_mxplus.checkpoint.smoothing.FOLDS, by their first consumer
+# short names of vllm_mxplus.calibration.smoothing.FOLDS, by their first consumer
 FOLD_NAMES = {
     "self_attn.q_proj": "qkv",
     "mlp.gate_proj": "gate_up",
@@ -65,7 +65,7 @@ FOLD_NAMES = {
 @contextlib.contextmanager
 def _only_folds(names: list[str] | None) -> Iterator[None]:
     """Smoothing with only the named folds (None: all) while the block runs."""
-    from vllm_mxplus.checkpoint import smoothing
+    from vllm_mxplus.calibration import smoothing
 
     if names is None:
         yield
@@ -102,9 +102,9 @@ def _quantized_model(
     written with --macro-block N)."""
     from transformers import AutoModelForCausalLM
 
+    from vllm_mxplus.backends.reference.linear import reference_linear
     from vllm_mxplus.checkpoint import load
     from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
-    from vllm_mxplus.ops.reference import reference_linear
     from vllm_mxplus.quant_rules import stays_unquantized
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()

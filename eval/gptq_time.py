@@ -40,7 +40,7 @@ def main() -> int:
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from vllm_mxplus.checkpoint.calibration import calibrate_and_quantize
+        from vllm_mxplus.calibration.rtn_aware import calibrate_and_quantize
 
         cfg = LlamaConfig(
             hidden_size=576,

@@ -1,8 +1,8 @@
 """Build the optional CUTLASS extension `mxplus_cutlass` from a source checkout (a shim).
 
-The sources and the build logic live in the package (`vllm_mxplus/ops/cutlass_src/`,
-`vllm_mxplus/ops/cutlass_ext.py`), so an installed wheel builds the same way with
-`python -m vllm_mxplus.ops.cutlass_ext`. This script keeps the checkout's habit: the default
+The sources and the build logic live in the package (`vllm_mxplus/backends/cutlass/csrc/`,
+`vllm_mxplus/backends/cutlass/build.py`), so an installed wheel builds the same way with
+`python -m vllm_mxplus.backends.cutlass.build`. This script keeps the checkout's habit: the default
 output is kernels/build/, where the loader also looks.
 
     python kernels/build.py                      # archs from TORCH_CUDA_ARCH_LIST, else both
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package
 
-from vllm_mxplus.ops.cutlass_ext import main  # noqa: E402
+from vllm_mxplus.backends.cutlass.build import main  # noqa: E402
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -33,9 +33,9 @@ elif [ -x .venv/bin/python ]; then PY=.venv/bin/python  # a checkout's venv (dry
 else PY=python3; fi                                     # the GPU box's system python
 HEADERS=.cache/gpu_check/cutlass  # include/ + tools/util/include/: the headers the kernels need
 BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
-TESTS="tests/ops/test_triton_act_quant.py tests/ops/test_triton_decode_gemm.py
-tests/ops/test_triton_act_fp8.py tests/ops/test_triton_backend.py tests/ops/test_cutlass_prefill.py
-tests/ops/test_gpu_graph_safety.py tests/kernels/test_launcher_workspace.py"
+TESTS="tests/backends/test_triton_act_quant.py tests/backends/test_triton_decode_gemm.py
+tests/backends/test_triton_act_fp8.py tests/backends/test_triton_backend.py tests/backends/test_cutlass_prefill.py
+tests/backends/test_gpu_graph_safety.py tests/kernels/test_launcher_workspace.py"
 BENCHES="bench_act_quant bench_decode_gemm bench_prefill_gemm"
 bench_args() {  # keep each benchmark inside its time box
   case "$1" in
@@ -51,7 +51,7 @@ if [ "$MODE" = prepare ]; then
 """Copy exactly the CUTLASS headers that nvcc -M lists for both kernels into the tree."""
 import os, shutil, subprocess, sys
 from pathlib import Path
-from vllm_mxplus.ops import cutlass_ext as ce
+from vllm_mxplus.backends.cutlass import build as ce
 
 dest = Path(sys.argv[1])
 roots = [d.resolve() for d in ce.cutlass_include_dirs()]  # [include, tools/util/include]
@@ -167,7 +167,7 @@ if [ $BUILD_EXT = 1 ]; then
   [ -d "$HEADERS/include" ] && export CUTLASS_DIR=$ROOT/$HEADERS
   t0=$(date +%s)
   say "1. build CUTLASS extension sm_$ARCH (timeout 200 s)"
-  timeout 200 "$PY" -m vllm_mxplus.ops.cutlass_ext --archs "$ARCH" --out "$WORK/build" \
+  timeout 200 "$PY" -m vllm_mxplus.backends.cutlass.build --archs "$ARCH" --out "$WORK/build" \
     --jobs 2 >> "$LOG" 2>&1
   brc=$?
   so=$(ls "$WORK"/build/mxplus_cutlass*.so 2>/dev/null | head -n1)

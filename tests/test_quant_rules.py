@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from vllm_mxplus.analysis.sources import is_linear_weight
+from vllm_mxplus.backends.reference.modules import apply_fake_quant
 from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
-from vllm_mxplus.ops.fake_quant import apply_fake_quant
 from vllm_mxplus.quant_rules import stays_unquantized, unquantized_reason
 
 # module name, kept in high precision?

@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "qsnr": "vllm_mxplus.analysis.cli_qsnr",
     "eval": "vllm_mxplus.evaluation.cli_eval",
     "prepare": "vllm_mxplus.assets.prepare",
-    "kernels": "vllm_mxplus.ops.cli_kernels",
+    "kernels": "vllm_mxplus.kernel_tools.cli",
 }
 PACKAGE = "vllm_mxplus"
 

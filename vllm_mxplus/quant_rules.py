@@ -1,7 +1,7 @@
 """What stays unquantized: the one rule every path uses (docs/numerics.md, Formats and schemes).
 
 The offline quantizer (`checkpoint/rules.py`), the vLLM config (`integration/config.py`), the
-fake-quant reference (`ops/fake_quant.py`) and the QSNR tool (`analysis/sources.py`) all ask
+fake-quant reference (`backends/reference/modules.py`) and the QSNR tool (`analysis/sources.py`) all ask
 `unquantized_reason(module)`, so a module kept in one is kept in all. Kept in high precision:
   * lm_head and embeddings: a name component in ALWAYS_UNQUANTIZED or containing "embed"
     (paper §5.1);

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mxplus.checkpoint.calib_data import HELD_OUT_FROM, calibration_tokens
+from vllm_mxplus.calibration.data import HELD_OUT_FROM, calibration_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 WIKI_TASK = REPO / "eval" / "tasks" / "wiki_ppl.jsonl"
@@ -32,7 +32,7 @@ def test_eval_articles_precede_the_held_out_range() -> None:
 def test_default_calibration_text_shares_no_paragraph_with_eval() -> None:
     if _wiki_prepared() is None:
         pytest.skip("embedded Wikipedia text not prepared (run `mxplus prepare --what text`)")
-    from vllm_mxplus.checkpoint.calib_data import default_calibration_text
+    from vllm_mxplus.calibration.data import default_calibration_text
 
     calib = default_calibration_text()
     calib_paras = {p for p in calib.split("\n") if p.strip()}

@@ -5,7 +5,7 @@ serving backends must compute the same numbers for them as for RTN encodings: ev
 the CPU dispatch selects (`ops.dispatch.select`: cpu-packed, the C++ integer GEMM) and the
 reference backend, against the float64 product of the spec's dequantized values, within the
 kernels' stated bounds (csrc/mx_gemm_cpu.cpp and csrc/mx_nvfp4_cpu.cpp; docs/numerics.md,
-"Kernel numerics and error bounds"; the same bounds as tests/ops/test_cpu_kernels.py and
+"Kernel numerics and error bounds"; the same bounds as tests/backends/test_cpu_kernels.py and
 test_cpu_nvfp4.py, fp32 output).
 """
 
@@ -16,12 +16,12 @@ import shutil
 import pytest
 import torch
 
+from vllm_mxplus.backends import LinearSpec, ReferenceBackend, select
+from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint import load
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize, get_format, get_scheme
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4
-from vllm_mxplus.ops import LinearSpec, ReferenceBackend, select
-from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 

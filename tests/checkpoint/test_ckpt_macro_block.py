@@ -12,14 +12,14 @@ from ckpt_helpers import cli_args, source_tensors
 from test_ckpt_calibrated import _requantized_codes
 from test_ckpt_roundtrip import assert_bitwise_equal
 
-import vllm_mxplus.checkpoint.calibration as calibration
+import vllm_mxplus.calibration.rtn_aware as calibration
+from vllm_mxplus.backends.reference.linear import fake_quant_activation
+from vllm_mxplus.calibration.gptq import gptq
 from vllm_mxplus.checkpoint import CheckpointError, load, open_checkpoint, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.gptq import gptq
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize, get_scheme, quantize
 from vllm_mxplus.formats.e2m1 import unpack_fp4
-from vllm_mxplus.ops.reference import fake_quant_activation
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-mbs-s"])

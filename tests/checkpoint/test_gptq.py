@@ -1,4 +1,4 @@
-"""GPTQ and the input-weighted group parameters (checkpoint/gptq.py, group_params.py).
+"""GPTQ and the input-weighted group parameters (calibration/gptq.py, group_params.py).
 
 * H = I: GPTQ propagates nothing, so it equals RTN of the same parameter rule bit for bit
   (the spec's rule: formats.quantize itself);
@@ -14,16 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.checkpoint.codec import decode, encode
-from vllm_mxplus.checkpoint.gptq import can_fuse_rows, gptq, rtn_aware, split_rows
-from vllm_mxplus.checkpoint.group_params import (
+from vllm_mxplus.calibration.gptq import can_fuse_rows, gptq, rtn_aware, split_rows
+from vllm_mxplus.calibration.group_params import (
     GroupParams,
     padded_k,
     quantize_columns,
     spec_params,
     weighted_params,
 )
-from vllm_mxplus.checkpoint.weighted_mbs import weighted_mbs_dynamic
+from vllm_mxplus.calibration.weighted_mbs import weighted_mbs_dynamic
+from vllm_mxplus.checkpoint.codec import decode, encode
 from vllm_mxplus.formats import FORMATS, QuantizedTensor, quantize
 from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
 from vllm_mxplus.formats.e2m1 import unpack_fp4
@@ -194,7 +194,7 @@ def test_bad_input_names_the_tensor(bad: str) -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_value_path_equals_quantize_columns(fmt: str) -> None:
-    from vllm_mxplus.checkpoint.group_params import _values
+    from vllm_mxplus.calibration.group_params import _values
 
     w = _weight(40, 256, seed=13)
     p = spec_params(fmt, w, quantize(w, fmt).global_scale)

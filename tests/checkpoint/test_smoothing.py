@@ -1,4 +1,4 @@
-"""`mxplus quantize --smooth ALPHA` (checkpoint/smoothing.py): the folds keep the model's
+"""`mxplus quantize --smooth ALPHA` (calibration/smoothing.py): the folds keep the model's
 function, the checkpoint holds W*s and norm/s consistently, outlier channels get easier to
 quantize, and bad requests are refused with the option named."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from ckpt_helpers import cli_args, make_llama, source_tensors
 
+from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint import load, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
 from vllm_mxplus.formats import fake_quantize, qsnr
 
 ALPHA = 0.5

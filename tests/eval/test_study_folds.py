@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
 import gptq_study  # noqa: E402
 from ckpt_helpers import make_llama  # noqa: E402
 
-from vllm_mxplus.checkpoint import smoothing  # noqa: E402
+from vllm_mxplus.calibration import smoothing  # noqa: E402
 
 
 def test_only_the_named_folds_rewrite_tensors(tmp_path: Path) -> None:

@@ -28,9 +28,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from vllm_mxplus.ops import dispatch
-    from vllm_mxplus.ops.cpu_backend import CpuPackedBackend
-    from vllm_mxplus.ops.reference import ReferenceBackend
+    from vllm_mxplus.backends import selection as dispatch
+    from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+    from vllm_mxplus.backends.reference.linear import ReferenceBackend
 
     seen: dict[str, list[int]] = {"decode_m": [], "ref_m": []}
 

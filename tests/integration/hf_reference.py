@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus.backends.reference.modules import FakeQuantLinear, apply_fake_quant
 from vllm_mxplus.formats import MACRO_BLOCK
 from vllm_mxplus.integration.mla import WEIGHT_READ_BY_ATTENTION
-from vllm_mxplus.ops.fake_quant import FakeQuantLinear, apply_fake_quant
 
 PromptLike = str | list[int]  # text, or token ids (no BOS added)
 

@@ -39,8 +39,8 @@ def smoothed_copy(src: str, dst: Path, calib: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_mxplus.checkpoint.calib_data import calibration_tokens
-    from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
+    from vllm_mxplus.calibration.data import calibration_tokens
+    from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     tokens = calibration_tokens(src, calib, SMOOTH["nsamples"], SMOOTH["seqlen"])

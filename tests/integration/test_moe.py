@@ -165,9 +165,9 @@ def test_moe_reference_equals_per_token_linears(scheme):
     (Runs no engine; fast.)"""
     import torch
 
+    from vllm_mxplus.backends.reference.experts import moe_experts_reference
+    from vllm_mxplus.backends.reference.linear import reference_linear
     from vllm_mxplus.formats import get_format, get_scheme, quantize
-    from vllm_mxplus.ops.moe_reference import moe_experts_reference
-    from vllm_mxplus.ops.reference import reference_linear
 
     torch.manual_seed(0)
     s = get_scheme(scheme)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from vllm_mxplus.integration import moe_backends as mb
-from vllm_mxplus.integration.moe_cpu_backend import CpuPackedExperts, ReferenceExperts
+from vllm_mxplus.backends import experts as mb
+from vllm_mxplus.backends.cpu.experts import CpuPackedExperts, ReferenceExperts
 
 
 def _spec(

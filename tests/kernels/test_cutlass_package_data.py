@@ -1,5 +1,5 @@
 """The CUTLASS extension builds from an installed package: its C++ sources are package data,
-found next to `vllm_mxplus.ops.cutlass_ext`, not in the checkout's kernels/ directory."""
+found next to `vllm_mxplus.backends.cutlass.build`, not in the checkout's kernels/ directory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import vllm_mxplus
-from vllm_mxplus.ops import cutlass_ext
+from vllm_mxplus.backends.cutlass import build as cutlass_ext
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mxplus.ops import cutlass_ext
+from vllm_mxplus.backends.cutlass import build as cutlass_ext
 
 PROGRAM = r"""
 #include <cstdio>

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mxplus.ops import cutlass_ext
+from vllm_mxplus.backends.cutlass import build as cutlass_ext
 
 KERNELS = cutlass_ext.SOURCE_DIR  # the package's copy: what an installed wheel builds
 TIMEOUT_S = 600

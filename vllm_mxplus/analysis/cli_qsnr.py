@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_mxplus.calibration.smooth_option import add_smooth_option, check_alpha
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.smooth_option import add_smooth_option, check_alpha
 from vllm_mxplus.formats.constants import MACRO_BLOCK
 
 if TYPE_CHECKING:

@@ -78,7 +78,7 @@ def capture_linear_inputs(
         raise ValueError("the text gives no tokens")
     smoothed: dict[str, torch.Tensor] = {}
     if smooth is not None:
-        from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
+        from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         changed = smooth_model(model, input_absmax(model, ids, "cpu"), smooth, dtypes)

@@ -27,8 +27,10 @@ from typing import cast
 
 import torch
 
-from vllm_mxplus.checkpoint.calib_data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
-from vllm_mxplus.checkpoint.calibration import METHODS, Method, calibrate_and_quantize
+from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
+from vllm_mxplus.calibration.rtn_aware import METHODS, Method, calibrate_and_quantize
+from vllm_mxplus.calibration.smooth_option import check_alpha
+from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
@@ -48,8 +50,6 @@ from vllm_mxplus.checkpoint.shard_writer import (
     warn_stale_tmp,
     write_all,
 )
-from vllm_mxplus.checkpoint.smooth_option import check_alpha
-from vllm_mxplus.checkpoint.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_scheme
 

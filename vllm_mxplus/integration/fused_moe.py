@@ -37,6 +37,13 @@ from vllm.model_executor.layers.fused_moe.routed_experts import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_mxplus.backends.experts import (
+    ExpertWeights,
+    MoESpec,
+    select_expert_backend,
+)
+from vllm_mxplus.backends.reference.experts import GATED_ACTIVATIONS
+from vllm_mxplus.backends.selection import current_platform_of
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_BM_INDEX,
     SUFFIX_GLOBAL,
@@ -47,14 +54,7 @@ from vllm_mxplus.checkpoint.layout import (
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
 from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
-from vllm_mxplus.integration.moe_backends import (
-    ExpertWeights,
-    MoESpec,
-    select_expert_backend,
-)
 from vllm_mxplus.integration.params import check_row_parallel, tp_max
-from vllm_mxplus.ops.dispatch import current_platform_of
-from vllm_mxplus.ops.moe_reference import GATED_ACTIVATIONS
 
 if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig

@@ -7,7 +7,7 @@ Two load paths:
 - pre-quantized checkpoint (quant_method in config.json): the packed codes and scales are
   loaded as they are (params.py) and never re-quantized.
 Either way the result is one `QuantizedTensor` per layer, handed to the selected backends
-(`vllm_mxplus.ops.dispatch`); the checkpoint-format parameters are then released.
+(`vllm_mxplus.backends.selection`); the checkpoint-format parameters are then released.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.parameter import ModelWeightParameter
 
+from vllm_mxplus.backends import LinearDispatch, LinearSpec, current_platform_of, select
+from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_BM_INDEX,
     SUFFIX_GLOBAL,
@@ -44,8 +46,6 @@ from vllm_mxplus.integration.params import (
     create_quantized_params,
     tp_max,
 )
-from vllm_mxplus.ops import LinearDispatch, LinearSpec, current_platform_of, select
-from vllm_mxplus.ops.reference import nvfp4_row_global_scale
 
 if TYPE_CHECKING:
     from vllm_mxplus.integration.config import MxplusConfig

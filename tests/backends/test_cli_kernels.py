@@ -1,0 +1,222 @@
+"""`mxplus kernels`: builds (or finds) the CPU kernels, lists the backend per scheme, self-test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mxplus.backends.triton.launch import HAS_TRITON
+from vllm_mxplus.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
+def test_kernels_check(capsys):
+    assert main(["kernels", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU kernels: " in out and "mxplus_cpu_" in out
+    assert "mxfp4-mbs      -> cpu-packed" in out and "nvfp4          -> cpu-packed" in out
+    assert "mxplus         -> cpu-packed" in out
+    assert "self-test: bit-exact, linear within bound" in out
+
+
+def test_kernels_disabled(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_MXPLUS_CPU_KERNELS", "0")
+    assert main(["kernels"]) == 1
+    assert "unavailable: disabled by VLLM_MXPLUS_CPU_KERNELS=0" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --aot
+def test_aot_enumerates_configs_from_the_launchers():
+    """The configurations come from driving the launchers (not a hand list): every kernel
+    they launch, every format's rule and flag, every macro block the act-quant takes."""
+    from vllm_mxplus.backends.triton import act_quant as aq
+    from vllm_mxplus.kernel_tools import aot
+
+    quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
+    kernels = {c.kernel for cs in quick.values() for c in cs}
+    assert kernels == {
+        "_mx_act_quant_kernel",
+        "_nvfp4_act_quant_kernel",
+        "_act_fp8_chunks_kernel",
+        "_decode_gemm_kernel",
+    }
+    for name in aot.DRIVERS:
+        assert set(quick[name]) <= set(full[name]) and len(full[name]) > len(quick[name])
+    mx = [dict(c.constexprs) for c in full["act_quant"] if c.kernel == "_mx_act_quant_kernel"]
+    assert {c["MACRO"] for c in mx if c["HAS_MBS"]} == set(aq.SUPPORTED_MACRO_BLOCKS)
+    assert {c["MANT_THRESHOLD"] for c in mx} == set(aq.MANTISSA_THRESHOLD.values())
+    dec = [dict(c.constexprs) for c in quick["decode_gemm"]]
+    assert {(d["X_MBS"], d["BS"]) for d in dec} == {(True, 16), (False, 16), (False, 32)}
+    # the GPU tile choices, not the interpreter's (tests run with TRITON_INTERPRET=1)
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+
+    assert all(d["BLOCK_K"] == dg.GPU_BLOCK_K and d["BLOCK_M"] == dg.GPU_BLOCK_M for d in dec)
+    assert all(d["BLOCK_N"] == dg.GPU_BLOCK_N for d in dec)
+    assert all(dict(c.options)["num_warps"] == dg.GPU_NUM_WARPS for c in quick["decode_gemm"])
+    # --quick holds the decode shapes that once spilled: every divisibility class of the
+    # full set (16-divisible strides, MBS strides that are not, nothing divisible), a bias
+    # variant with MBS on both operands
+    divisibility = {c.divisible for c in quick["decode_gemm"]}
+    assert divisibility == {c.divisible for c in full["decode_gemm"]}
+    assert any(d["HAS_BIAS"] and d["X_MBS"] and d["W_MBS"] for d in dec)
+
+
+def test_aot_kernel_filter(capsys):
+    """`--kernel decode_gemm` compiles one launcher's configurations; a wrong name is a
+    usage error naming the choices."""
+    from vllm_mxplus.kernel_tools import aot
+
+    assert aot.parse_kernels(None) is None and aot.parse_kernels("") is None
+    assert aot.parse_kernels("decode_gemm, act_quant") == ["decode_gemm", "act_quant"]
+    only = aot.enumerate_configs(quick=True, launchers=["decode_gemm"])
+    assert list(only) == ["decode_gemm"]
+    assert {c.kernel for c in only["decode_gemm"]} == {"_decode_gemm_kernel"}
+    with pytest.raises(ValueError, match="decode_gemm"):
+        aot.parse_kernels("decode")
+    assert main(["kernels", "--aot", "--kernel", "nope"]) == 2
+    assert "--kernel: unknown ['nope']" in capsys.readouterr().out
+
+
+def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
+    """--quick compiles macro block 32 (the decode GEMM's per-macro-block dots inside its
+    64-element K step, the act-quant's 16 macro blocks per 512-column tile) and the full set
+    every Triton macro block; `--macro-block` keeps those MBS configurations only."""
+    from vllm_mxplus.backends.triton import act_quant as aq
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.kernel_tools import aot
+
+    quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
+    dec_full = [dict(c.constexprs) for c in full["decode_gemm"]]
+    assert {d["MACRO"] for d in dec_full if d["X_MBS"]} == {16, 32, 64, 128, 256, 2048}
+    assert all(d["BLOCK_K"] == dg.GPU_BLOCK_K for d in dec_full)
+    assert aot.parse_macro_blocks("16, 32") == [16, 32] and aot.parse_macro_blocks("") is None
+    with pytest.raises(ValueError, match="--macro-block"):
+        aot.parse_macro_blocks("32x")
+    only = aot.select_macro_blocks(quick, [32])
+    assert set(only) == {"act_quant", "decode_gemm"}  # the fp8 encoder has no macro block
+    consts = [dict(c.constexprs) for cs in only.values() for c in cs]
+    assert consts and all(d["MACRO"] == 32 for d in consts)
+    assert {c.kernel for cs in only.values() for c in cs} == {
+        "_mx_act_quant_kernel",
+        "_decode_gemm_kernel",
+    }
+    small = aot.select_macro_blocks(full, [16, 32, 64])
+    mx = [dict(c.constexprs) for c in small["act_quant"]]
+    assert {d["MACRO"] for d in mx} == {16, 32, 64} and all(d["HAS_MBS"] for d in mx)
+    assert set(aq.SUPPORTED_MACRO_BLOCKS) >= {16, 32, 64}
+    assert main(["kernels", "--aot", "--macro-block", "32x"]) == 2
+    assert "--macro-block" in capsys.readouterr().out
+
+
+def test_aot_failure_rules():
+    from vllm_mxplus.kernel_tools import aot
+
+    cfg = aot.enumerate_configs(quick=True)["decode_gemm"][0]
+    ok = aot.CompileResult(cfg, 90, regs=128)
+    spill = aot.CompileResult(cfg, 100, regs=255, spill_bytes=84)
+    smem = aot.CompileResult(cfg, 80, regs=64, smem=aot.SMEM_LIMIT[80] + 1)
+    err = aot.CompileResult(cfg, 90, error="CompilationError: boom")
+    assert not ok.failed and spill.failed and smem.failed and err.failed
+    lines = aot.failures([ok, spill, smem, err])
+    assert len(lines) == 3 and "84 bytes spilled" in lines[0] and "shared memory" in lines[1]
+    table = aot.summarize([ok, spill, smem, err])
+    assert any(
+        line.split()[:2] == ["_decode_gemm_kernel", "100"] and line.split()[-1] == "1"
+        for line in table
+    )
+    with pytest.raises(ValueError, match="--targets"):
+        aot.parse_targets("90,75")
+
+
+SPILLER = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def spiller(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    # a [BLOCK, BLOCK] fp32 tile kept live across a reduction: far more than 255 registers
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs[:, None] * BLOCK + offs[None, :])
+    s = tl.sum(x, axis=0)
+    tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], x / s[None, :] + tl.exp(x))
+"""
+
+
+def _aot_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO), env.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(tmp_path)
+    return env
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_aot_reports_a_real_spill(tmp_path):
+    """ptxas -v parsing end to end: a kernel that must spill is reported as failed."""
+    (tmp_path / "spill_kernel.py").write_text(SPILLER)
+    code = (
+        "import os, tempfile\n"
+        "os.environ['TRITON_CACHE_DIR'] = tempfile.mkdtemp()\n"
+        "from vllm_mxplus.kernel_tools import aot\n"
+        "cfg = aot.KernelConfig('spill_kernel', 'spiller', (('x_ptr', '*fp32'), "
+        "('out_ptr', '*fp32'), ('BLOCK', 'constexpr')), (('BLOCK', 128),), (0, 1), "
+        "(('num_warps', 1),))\n"
+        "r = aot.compile_config(cfg, 90)\n"
+        "print('RESULT', r.regs, r.spill_bytes, r.failed, repr(r.error))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_aot_env(tmp_path),
+        timeout=300,
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stdout + proc.stderr[-3000:]
+    _, regs, spill, failed, error = line[0].split(maxsplit=4)
+    assert error == "''" and int(spill) > 0 and failed == "True"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_aot_quick_passes_for_ampere_hopper_blackwell(tmp_path):
+    """What CI runs: `mxplus kernels --aot --targets 80,90,100 --quick` compiles every kernel
+    family with no spill and no shared-memory overflow (a few minutes on 2 cores), and
+    leaves no private Triton cache behind."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_mxplus.cli",
+            "kernels",
+            "--aot",
+            "--targets",
+            "80,90,100",
+            "--quick",
+            "--jobs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=_aot_env(tmp_path),
+        timeout=1800,  # a shared 2-core box: 659 s at load average ~15 (kernels/README.md)
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    for kernel in (
+        "_mx_act_quant_kernel",
+        "_nvfp4_act_quant_kernel",
+        "_act_fp8_chunks_kernel",
+        "_decode_gemm_kernel",
+    ):
+        rows = [ln.split() for ln in out.splitlines() if ln.startswith(kernel)]
+        assert sorted(int(r[1]) for r in rows) == [80, 90, 100], out
+        assert all(r[4] == "0" and r[-1] == "0" for r in rows), out  # no spill, no failure
+    assert not list(tmp_path.glob("mxplus-aot-triton-*")), "private Triton cache left behind"

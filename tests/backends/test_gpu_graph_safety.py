@@ -1,0 +1,349 @@
+"""CUDA-graph safety of the GPU backends' apply paths, checked on CPU.
+
+How: the code runs on *meta tensors* standing in for the GPU's (shapes, dtypes, a device
+that is not the CPU, no data; torch's fake CUDA tensors need a CUDA build of torch) under a
+TorchDispatchMode that sees every aten op and fails on anything a CUDA graph cannot capture
+or that syncs the host:
+
+- data-dependent ops (`nonzero`, `.item()`/`.tolist()` = `_local_scalar_dense`,
+  `masked_select`, `unique`, boolean-mask indexing, ...): they wait for the GPU;
+- any op output on the CPU (a CPU tensor built inside apply) or an op mixing CPU and device
+  inputs (a host-to-device copy), except 0-dim wrapped Python numbers.
+
+The leaf kernels (Triton, CUTLASS) are custom ops whose fake implementations run here; the
+Python around them (the sm_90a fallback, the sm_100a operand preparation, the Triton
+launchers' allocations and launch logic, recorded instead of launched) runs for real. The
+negative controls at the end show that the guard does fail on the patterns it forbids.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_mxplus.backends.base import LinearSpec
+from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+from vllm_mxplus.backends.cutlass.fp8_chunks import Fp8ChunkLayout
+from vllm_mxplus.backends.cutlass.gemm import PreparedWeight
+from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+
+aten = torch.ops.aten
+HOST_SYNC_OPS = {
+    aten.nonzero.default,
+    aten._local_scalar_dense.default,
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.allclose.default,
+    aten._assert_async.default,
+}
+
+MASK_INDEX_OPS = {
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+    aten._index_put_impl_.default,
+}
+
+
+class GraphSafetyViolation(AssertionError):
+    pass
+
+
+class GraphSafetyGuard(TorchDispatchMode):
+    """Fails on host syncs, CPU outputs and CPU->CUDA mixing; records every op it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append(str(func))
+        if func in HOST_SYNC_OPS:
+            raise GraphSafetyViolation(f"host sync: {func}")
+        if func in MASK_INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in (args[1] or ())
+        ):
+            raise GraphSafetyViolation(f"boolean-mask indexing (a nonzero inside): {func}")
+        inputs = [
+            t
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        if any(t.device.type == DEVICE for t in inputs) and any(
+            t.device.type == "cpu" and t.dim() > 0 for t in inputs
+        ):
+            raise GraphSafetyViolation(f"CPU tensor fed to a CUDA op (host-to-device): {func}")
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                raise GraphSafetyViolation(f"CPU tensor allocated: {func} -> {tuple(t.shape)}")
+        return out
+
+
+DEVICE = "meta"  # the stand-in for "cuda"
+
+
+def _checked(fn, *args):
+    """Run fn(*args) under the guard; return (its output, the ops seen)."""
+    guard = GraphSafetyGuard()
+    with guard:
+        out = fn(*args)
+    assert guard.ops, "the guard saw no op: the check would be vacuous"
+    return out, guard.ops
+
+
+def _e(shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+
+def _sm90_weight(n: int, k: int, with_fallback: bool) -> PreparedWeight:
+    nc, npad = -(-k // 128), -(-n // 8) * 8
+    lay = Fp8ChunkLayout(
+        fp8=_e((npad, nc * 128), torch.float8_e4m3fn),
+        scale=_e((nc, npad)),
+        ref=_e((npad, nc), torch.int32),
+        mbs=_e((npad, nc), torch.uint8),
+        exact=_e((npad, nc), torch.bool),
+        k=k,
+    )
+    idx = _e((3,), torch.int64) if with_fallback else _e((0,), torch.int64)
+    fw = _e((3, k)) if with_fallback else None
+    return PreparedWeight("sm90a", n, k, True, layout=lay, fallback_idx=idx, fallback_w=fw)
+
+
+SM90_CASES = [
+    ("mxfp4-mbs-s", True, True),
+    ("mxfp4-16-oas", False, False),
+    ("mxfp4-mbs-s", False, True),
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,with_fallback,with_bias", SM90_CASES, ids=["mbs-fallbackw-bias", "oas-plain", "mbs-bias"]
+)
+@pytest.mark.parametrize("m", [1, 33, 100], ids=["M1", "M33", "M100"])
+def test_sm90_prefill_from_codes_is_graph_safe(fmt, with_fallback, with_bias, m):
+    k, n = 576, 40
+    nc = -(-k // 128)
+    if True:  # the tensors below live on DEVICE
+        w = _sm90_weight(n, k, with_fallback)
+        bias = _e((n,), torch.bfloat16) if with_bias else None
+        x_mbs = _e((m, nc), torch.uint8) if "mbs" in fmt else None
+        y, ops = _checked(
+            cutlass_gemm.prefill_sm90_impl,
+            _e((m, k // 2), torch.uint8),
+            _e((m, k // 16), torch.uint8),
+            x_mbs,
+            k,
+            *w.sm90_operands(),
+            bias,
+            n,
+            torch.float16,
+        )
+    assert y.shape == (m, n) and y.dtype == torch.float16 and y.device.type == DEVICE
+    assert "aten.nonzero_static.default" in ops  # the fallback ran (not skipped)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas"])
+@pytest.mark.parametrize("m", [1, 33, 100], ids=["M1", "M33", "M100"])
+def test_sm90_fused_prefill_is_graph_safe(fmt, m):
+    k, n = 576, 40
+    nc = -(-k // 128)
+    if True:  # the tensors below live on DEVICE
+        w = _sm90_weight(n, k, True)
+        y, ops = _checked(
+            cutlass_gemm.prefill_sm90_fused_impl,
+            _e((m, k), torch.bfloat16),
+            fmt,
+            _e((m, nc * 128), torch.float8_e4m3fn),
+            _e((nc, m)),
+            _e((m, nc), torch.int32),
+            _e((m, nc), torch.uint8),
+            _e((m, nc), torch.bool),
+            *w.sm90_operands(),
+            _e((n,), torch.bfloat16),
+            n,
+            torch.bfloat16,
+        )
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("use_mbs", [True, False], ids=["mbs", "no-mbs"])
+@pytest.mark.parametrize("m", [1, 33, 100], ids=["M1", "M33", "M100"])
+def test_sm100_prefill_is_graph_safe(monkeypatch, use_mbs, m):
+    """Without MBS on either operand (`mxfp4-16-oas`): no sigma tensor is built per call (the
+    old code built a CPU tensor and copied it), and one full-K launch."""
+    from vllm_mxplus.backends.cutlass import ops as cutlass_ops
+
+    # the SF packer is a CUDA kernel of the extension: a fake stand-in of its output shape
+    monkeypatch.setattr(
+        cutlass_gemm,
+        "pack_scales_sm100",
+        lambda s, k, chunk=128: torch.empty(
+            s.shape[0] * k // 16, dtype=torch.uint8, device=s.device
+        ),
+    )
+    calls = []
+    real = cutlass_ops.fp4_mbs_gemm
+    monkeypatch.setattr(cutlass_gemm, "fp4_mbs_gemm", lambda *a: calls.append(a[7]) or real(*a))
+    k, n = 576, 40
+    kp, nc = 640, 5
+    if True:  # the tensors below live on DEVICE
+        x_mbs = _e((m, nc), torch.uint8) if use_mbs else None
+        w_sigma = _e((nc, 40)) if use_mbs else _e((0,))
+        y, _ = _checked(
+            cutlass_gemm.prefill_sm100_impl,
+            _e((m, k // 2), torch.uint8),
+            _e((m, k // 16), torch.uint8),
+            x_mbs,
+            k,
+            _e((40, kp // 2), torch.uint8),
+            _e((40 * kp // 16,), torch.uint8),
+            w_sigma,
+            _e((n,), torch.float16),
+            n,
+            use_mbs,
+            torch.float32,
+        )
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert calls == [use_mbs]
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
+def test_cutlass_backend_apply_is_graph_safe(scheme):
+    spec = LinearSpec(scheme=scheme, n=40, k=576, out_dtype=torch.bfloat16, device_type="cuda")
+    if True:  # the tensors below live on DEVICE
+        layer = types.SimpleNamespace()
+        setattr(layer, CutlassPrefillBackend.WEIGHT_ATTR, _sm90_weight(40, 576, True))
+        y, ops = _checked(
+            CutlassPrefillBackend(spec).apply, layer, _e((2, 50, 576), torch.bfloat16), None
+        )
+    assert y.shape == (2, 50, 40)
+    assert any("vllm_mxplus" in op for op in ops)  # went through the custom ops
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
+@pytest.mark.parametrize("m", [1, 16], ids=["M1", "M16"])
+def test_triton_decode_is_graph_safe(scheme, m):
+    """The Triton launchers' host side (allocations, tile choice, split-K, the split-K sum)
+    with the launches recorded instead of run."""
+    from vllm_mxplus.backends.triton.act_quant import act_quant
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+    from vllm_mxplus.backends.triton.launch import capture_launches
+    from vllm_mxplus.formats import get_format, get_scheme
+
+    s = get_scheme(scheme)
+    wf, af = get_format(s.weight_format), get_format(s.activation_format)
+    n, k = 4096, 576
+    with capture_launches() as launches:
+        x = _e((m, k), torch.bfloat16)
+        (codes, scales, mbs, _), _ = _checked(lambda t: act_quant(t, s.activation_format), x)
+        w = (
+            _e((n, k // 2), torch.uint8),
+            _e((n, k // wf.block_size), torch.uint8),
+            _e((n, 5), torch.uint8) if wf.mbs else None,
+        )
+        y, _ = _checked(
+            lambda: decode_gemm(
+                codes,
+                scales,
+                mbs,
+                *w,
+                k,
+                _e((n,), torch.bfloat16),
+                torch.bfloat16,
+                block_size=wf.block_size,
+            )
+        )
+    assert y.shape == (m, n) and len(launches) == 2
+    assert (mbs is not None) == bool(af.mbs)
+
+
+# ----------------------------------------------------------------------------- controls
+def _old_sigma_chunks(mbs, rows, k):
+    m = mbs if mbs is not None else torch.zeros((rows, 5), dtype=torch.uint8)  # CPU!
+    return m
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x: x[x > 0],  # boolean mask: a sync
+        lambda x: (x > 0).nonzero(),  # the old sm_90a fallback
+        lambda x: x.sum().item(),  # .item()
+        lambda x: x + torch.ones(x.shape[-1]),  # a CPU tensor into a CUDA op
+        lambda x: _old_sigma_chunks(None, x.shape[0], 576),  # the old sm_100a sigma_chunks
+    ],
+    ids=["mask", "nonzero", "item", "h2d", "cpu-alloc"],
+)
+def test_guard_catches_unsafe_patterns(bad):
+    with pytest.raises(GraphSafetyViolation):
+        _checked(bad, _e((4, 8)))
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-ocp"])
+def test_triton_backend_apply_is_graph_safe(scheme):
+    """TritonDecodeBackend.apply end to end: the two custom ops (fakes here) and the glue."""
+    from vllm_mxplus.backends.triton.linear import ATTRS, TritonDecodeBackend
+    from vllm_mxplus.formats import get_format, get_scheme
+
+    s = get_scheme(scheme)
+    wf = get_format(s.weight_format)
+    n, k = 256, 576
+    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16, device_type="cuda")
+    layer = types.SimpleNamespace(
+        **dict(
+            zip(
+                ATTRS,
+                (
+                    _e((n, k // 2), torch.uint8),
+                    _e((n, k // wf.block_size), torch.uint8),
+                    _e((n, 5), torch.uint8) if wf.mbs else None,
+                ),
+            )
+        )
+    )
+    y, ops = _checked(
+        TritonDecodeBackend(spec).apply, layer, _e((3, k), torch.bfloat16), _e((n,), torch.bfloat16)
+    )
+    assert y.shape == (3, n)
+    assert any("triton_decode_gemm" in op for op in ops)
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["decode", "prefill"])
+def test_triton_backends_at_macro_block_32_are_graph_safe(m):
+    """Macro block 32 (MBS bytes per 32 of K): TritonDecodeBackend (M <= 16) and
+    TritonGemmBackend (M > 16) apply without a host sync, CPU tensor or H2D copy."""
+    from vllm_mxplus.backends.triton.linear import ATTRS, TritonDecodeBackend, TritonGemmBackend
+
+    n, k = 256, 576
+    spec = LinearSpec(
+        scheme="mxfp4-mbs", n=n, k=k, out_dtype=torch.bfloat16, device_type="cuda", macro_block=32
+    )
+    layer = types.SimpleNamespace(
+        **dict(
+            zip(
+                ATTRS,
+                (
+                    _e((n, k // 2), torch.uint8),
+                    _e((n, k // 16), torch.uint8),
+                    _e((n, k // 32), torch.uint8),
+                ),
+            )
+        )
+    )
+    cls = TritonDecodeBackend if m <= 16 else TritonGemmBackend
+    assert cls.supports_m(m)
+    y, ops = _checked(cls(spec).apply, layer, _e((m, k), torch.bfloat16), _e((n,), torch.bfloat16))
+    assert y.shape == (m, n)
+    assert any("triton_decode_gemm" in op for op in ops)

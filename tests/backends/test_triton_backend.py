@@ -1,0 +1,161 @@
+"""The Triton decode backend in the dispatch: registered for CUDA, rejected elsewhere with a
+reason, and (on CUDA) numerically the reference's numbers."""
+
+import pytest
+import torch
+
+from vllm_mxplus.backends import LinearSpec, registered_backends, select
+from vllm_mxplus.backends.reference.linear import ReferenceBackend
+from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
+from vllm_mxplus.formats import quantize
+
+
+def test_registered_first_for_cuda_only():
+    assert registered_backends("cuda")[:2] == [
+        "vllm_mxplus.backends.triton.linear:TritonDecodeBackend",
+        "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend",
+    ]
+    assert all("triton" not in str(b) for b in registered_backends("cpu"))
+
+
+def test_rejections_name_the_reason():
+    ok, why = TritonDecodeBackend.is_supported("cpu", None)
+    assert not ok and "CUDA" in why
+    ok, why = TritonDecodeBackend.can_implement(LinearSpec("nvfp4", 64, 64, torch.bfloat16))
+    assert not ok and "nvfp4" in why
+    assert TritonDecodeBackend.can_implement(LinearSpec("mxfp4-mbs", 64, 64, torch.bfloat16))[0]
+    assert TritonDecodeBackend.supports_m(16) and not TritonDecodeBackend.supports_m(17)
+
+
+@pytest.mark.parametrize(
+    "macro_block,ok",
+    [
+        (16, True),
+        (32, True),
+        (64, True),
+        (128, True),
+        (1024, True),
+        (2048, True),
+        (4096, False),
+        (96, False),
+        (48, False),
+    ],
+)
+def test_macro_blocks_the_kernels_cannot_tile_are_rejected(macro_block, ok):
+    """can_implement rejects what the kernels cannot compile, so the selector falls back."""
+    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    got, why = TritonDecodeBackend.can_implement(spec)
+    assert got == ok and (ok or f"macro block {macro_block}" in why)
+    # without MBS the macro block does not matter
+    plain = LinearSpec("mxfp4-16-oas", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    assert TritonDecodeBackend.can_implement(plain)[0]
+
+
+def test_cpu_selection_has_no_triton():
+    chosen = [b.name for b in select(LinearSpec("mxfp4-mbs", 64, 576, torch.bfloat16), "cpu", None)]
+    assert chosen in (["cpu-packed"], ["reference"]) and "triton-decode" not in chosen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_cuda_decode_matches_reference(scheme, m):
+    spec = LinearSpec(scheme, 1536, 576, torch.bfloat16, device_type="cuda")
+    chosen = select(spec, "cuda", 10 * torch.cuda.get_device_capability()[0])
+    assert chosen[0].name == "triton-decode"
+    w = torch.randn(1536, 576, device="cuda", dtype=torch.bfloat16)
+    qw = quantize(w, spec.weight_format)
+    layer = torch.nn.Module()
+    for b in (chosen[0], ReferenceBackend(spec)):
+        b.process_weights_after_loading(layer, qw)
+    x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+    y = chosen[0].apply(layer, x, None).float()
+    ref = ReferenceBackend(spec).apply(layer, x, None).float()
+    # both compute exact products of the same quantized operands; fp32 accumulation order and
+    # the bf16 output rounding differ: allow 2 bf16 ulps of the output scale
+    assert torch.allclose(y, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+# ----------------------------------------------------------------------------- which path per N
+def _cuda_selection(monkeypatch, macro_block: int, cutlass: bool) -> list[str]:
+    """Backend names the selector picks for an MBS layer on a mocked sm_90 CUDA platform
+    (the Triton kernels run in the interpreter here; the CUTLASS prefill's availability
+    mocked; self-tests off: the kernels' numbers are the tests above and below)."""
+    from vllm_mxplus.backends import selection as dispatch
+    from vllm_mxplus.backends import selftest
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setenv(selftest.ENV_VAR, "0")
+    monkeypatch.setattr(
+        CutlassPrefillBackend,
+        "is_supported",
+        classmethod(lambda cls, p, c: (True, "") if cutlass else (False, "not built")),
+    )
+    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    return [b.name for b in select(spec, "cuda", 90)]
+
+
+@pytest.mark.parametrize("cutlass", [True, False], ids=["cutlass", "no-cutlass"])
+@pytest.mark.parametrize("macro_block", [16, 32, 64, 256])
+def test_small_macro_blocks_get_triton_for_every_m(
+    monkeypatch, triton_device, macro_block, cutlass
+):
+    """N != 128: the CUTLASS prefill GEMM takes only 128, so Triton serves decode and
+    prefill (no reference backend, hence no fp32 weight copy), CUTLASS built or not."""
+    chosen = _cuda_selection(monkeypatch, macro_block, cutlass)
+    assert chosen == ["triton-decode", "triton-gemm"]
+
+
+@pytest.mark.parametrize("cutlass", [True, False], ids=["cutlass", "no-cutlass"])
+def test_macro_block_128_keeps_its_prefill_path(monkeypatch, triton_device, cutlass):
+    """N = 128 is unchanged: decode Triton, prefill CUTLASS where built, else the reference."""
+    chosen = _cuda_selection(monkeypatch, 128, cutlass)
+    assert chosen == ["triton-decode", "cutlass_prefill" if cutlass else "reference"]
+
+
+def test_untileable_macro_block_falls_back_with_reason(monkeypatch, triton_device, caplog):
+    """N = 48 (a multiple of 16, not a power of two): both Triton backends refuse it, the
+    reference serves every M, and the log says why."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="vllm_mxplus.backends.selection")
+    assert _cuda_selection(monkeypatch, 48, cutlass=False) == ["reference"]
+    msg = caplog.records[-1].getMessage()
+    assert "triton-decode: macro block 48" in msg and "power" in msg
+
+
+@pytest.mark.parametrize("macro_block", [16, 32, 64])
+def test_triton_backends_pass_the_self_test(triton_device, macro_block):
+    """The real self-test (selftest.run_self_test: activation codes bit for bit, outputs in
+    the bound, M in each backend's range) of both Triton backends at N < 128."""
+    from vllm_mxplus.backends.selftest import run_self_test
+    from vllm_mxplus.backends.triton.linear import TritonGemmBackend
+
+    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    for cls in (TritonDecodeBackend, TritonGemmBackend):
+        assert run_self_test(cls, spec, triton_device) is None
+
+
+def test_triton_gemm_backend_matches_formats_for_prefill_rows(triton_device):
+    """TritonGemmBackend.apply for 40 rows at N = 32 against the float64 product of the
+    `formats` operands (the decode GEMM's 2^-16 bound, plus the bf16 output rounding)."""
+    from vllm_mxplus.backends.triton.linear import TritonGemmBackend
+
+    n, k = 48, 200
+    spec = LinearSpec("mxfp4-mbs", n, k, torch.bfloat16, macro_block=32)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    qw = quantize(w.to(triton_device), spec.weight_format, macro_block=32)
+    layer = torch.nn.Module()
+    backend = TritonGemmBackend(spec)
+    assert backend.supports_m(40) and not backend.supports_m(16)
+    backend.process_weights_after_loading(layer, qw)
+    y = backend.apply(layer, x.to(triton_device), None).double().cpu()
+    qx = quantize(x.to(triton_device), spec.activation_format, macro_block=32)
+    xh, wh = qx.dequantize().double().cpu(), qw.dequantize().double().cpu()
+    y64, scale = xh @ wh.T, xh.abs() @ wh.abs().T
+    assert ((y - y64).abs() <= 2.0**-16 * scale + 2.0**-8 * y64.abs()).all()

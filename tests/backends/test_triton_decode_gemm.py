@@ -1,0 +1,416 @@
+"""Triton decode GEMM vs. the float64 product of the reference dequantizations.
+
+y_ref = x_hat @ W_hat^T (+ bias) in float64, x_hat and W_hat from `formats` dequantize. The
+kernel forms exact products (value * 2^e is exact in bf16/fp32) and accumulates in fp32, so
+the only error is fp32 rounding in the sums and in the per-macro-block division by
+Fx * Fw. Stated bound, fp32 output:
+    |y - y_ref| <= 2^-16 * (|x_hat| @ |W_hat|^T + |bias|)
+which allows ~K/128 + 8 fp32 roundings of a sum of absolute terms (K <= 4096: < 2^-17.5);
+measured errors are ~2^-25. bf16 / fp16 output adds the half-ulp of the cast (2^-9 / 2^-12
+relative, plus fp16's subnormal step).
+
+Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA when compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+from vllm_mxplus.formats import quantize
+
+# (weight format, activation format): the paper's schemes with an E8M0 layout.
+PAIRS = {
+    "mbs-h": ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+    "mbs-s": ("mxfp4-mbs-s", "mxfp4-mbs-s"),
+    "oas16": ("mxfp4-16-oas", "mxfp4-16-oas"),
+    "ocp32": ("mxfp4-ocp", "mxfp4-ocp"),
+}
+ACC_BOUND = 2.0**-16  # relative to |x_hat| @ |W_hat|^T; see the module docstring
+OUT_ROUNDING = {
+    torch.float32: (0.0, 0.0),
+    torch.bfloat16: (2.0**-8, 0.0),
+    torch.float16: (2.0**-10, 2.0**-24),
+}
+
+# Every listed M, K and N appears; the largest products only for the cheaper formats
+# (MBS-D's exact search on a 1536 x 4096 weight takes ~40 s on this CPU).
+SHAPES = [  # (M, K, N)
+    (1, 100, 64),
+    (33, 576, 64),
+    (100, 1536, 64),
+    (1, 4096, 64),
+    (33, 100, 1536),
+    (1, 576, 1536),
+    (16, 4096, 1536),
+]
+CASES = [(p, *s) for s in SHAPES for p in PAIRS if not (p == "mbs-h" and s[2] * s[1] > 1 << 20)]
+
+
+def operands(m: int, k: int, n: int, pair: str, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=gen))
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, :: max(1, k // 7)] *= 20.0  # outlier columns, as LLM weights have
+    wf, xf = PAIRS[pair]
+    qx = quantize(x.to(torch.bfloat16).to(device), xf)
+    qw = quantize(w.to(torch.bfloat16).to(device), wf)
+    return qx, qw
+
+
+def reference(qx, qw, bias=None):
+    xh, wh = qx.dequantize().double(), qw.dequantize().double()
+    y = xh @ wh.T
+    scale = xh.abs() @ wh.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        scale = scale + bias.double().abs()
+    return y, scale
+
+
+def run(qx, qw, k, **kw):
+    return decode_gemm(qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, k, **kw)
+
+
+def assert_within_bound(y, y_ref, scale, out_dtype):
+    rel, absolute = OUT_ROUNDING[out_dtype]
+    y = y.double().cpu()
+    y_ref, scale = y_ref.cpu(), scale.cpu()
+    bound = ACC_BOUND * scale + rel * y_ref.abs() + absolute
+    err = (y - y_ref).abs()
+    nan_ref = y_ref.isnan()
+    assert torch.equal(y.isnan(), nan_ref), "NaN pattern differs from the reference"
+    bad = (err > bound) & ~nan_ref
+    assert not bad.any(), (
+        f"{int(bad.sum())} outputs out of bound, first at {tuple(bad.nonzero()[0].tolist())}: "
+        f"err {err[bad].max().item():.3g}, bound there {bound[bad].min().item():.3g}"
+    )
+
+
+@pytest.mark.parametrize("pair,m,k,n", CASES, ids=[f"{p}-M{m}-K{k}-N{n}" for p, m, k, n in CASES])
+def test_matches_float64_reference(pair, m, k, n, triton_device):
+    qx, qw = operands(m, k, n, pair, triton_device, seed=m + k + n)
+    y = run(qx, qw, k, out_dtype=torch.float32)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_bias_and_output_dtype(pair, out_dtype, triton_device):
+    qx, qw = operands(5, 576, 96, pair, triton_device, seed=1)
+    bias = (torch.randn(96) * 0.5).to(out_dtype).to(triton_device)
+    y = run(qx, qw, 576, bias=bias, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    assert_within_bound(y, *reference(qx, qw, bias), out_dtype)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("pair", ["mbs-s", "oas16"])
+def test_split_k_and_odd_k(pair, split_k, triton_device):
+    """Split-K slices (partial sums reduced in fp32) and K odd (half-filled last byte),
+    not a multiple of 16 (partial block) nor of 128 (partial macro block)."""
+    k = 1201
+    qx, qw = operands(3, k, 80, pair, triton_device, seed=split_k)
+    bias = torch.randn(80).to(triton_device)
+    y = run(qx, qw, k, bias=bias, out_dtype=torch.float32, split_k=split_k)
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_nan_and_zero_rows(triton_device):
+    """A NaN block in x makes its output row NaN (E8M0 255 dequantizes to NaN); a zero row
+    gives exactly bias."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=gen)
+    x[1] = 0.0
+    x[2, 40] = float("nan")
+    w = torch.randn(48, 300, generator=gen) * 0.1
+    qx = quantize(x.to(triton_device), "mxfp4-mbs-s")
+    qw = quantize(w.to(triton_device), "mxfp4-mbs-s")
+    bias = torch.randn(48).to(triton_device)
+    y = run(qx, qw, 300, bias=bias, out_dtype=torch.float32)
+    assert y[2].isnan().all() and not y[[0, 1, 3]].isnan().any()
+    assert torch.equal(y[1].cpu(), bias.cpu())
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_block_size_inference_and_errors(triton_device):
+    qx, qw = operands(2, 256, 32, "ocp32", triton_device)
+    y = run(qx, qw, 256, out_dtype=torch.float32)  # 8 scales for K=256: block 32
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+    with pytest.raises(ValueError, match="w_codes"):
+        decode_gemm(qx.codes, qx.scales, None, qw.codes[:, :-1], qw.scales, None, 256)
+    with pytest.raises(ValueError, match="fit no block size"):
+        decode_gemm(qx.codes, qx.scales[:, :5], None, qw.codes, qw.scales, None, 256)
+    with pytest.raises(ValueError, match="bias"):
+        decode_gemm(
+            qx.codes,
+            qx.scales,
+            None,
+            qw.codes,
+            qw.scales,
+            None,
+            256,
+            bias=torch.zeros(7, device=triton_device),
+        )
+
+
+def test_custom_op_matches_and_traces(triton_device):
+    from vllm_mxplus.backends.triton.ops import decode_gemm_op
+
+    qx, qw = operands(3, 256, 32, "mbs-h", triton_device, seed=4)
+    bias = torch.randn(32).to(triton_device)
+    args = (qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, 256)
+    want = decode_gemm(*args, bias=bias, out_dtype=torch.float32)
+    got = decode_gemm_op(*args, bias=bias, out_dtype=torch.float32)
+    assert torch.equal(got, want)
+    torch.library.opcheck(
+        torch.ops.vllm_mxplus.triton_decode_gemm.default, (*args, bias, torch.bfloat16, 16)
+    )
+    compiled = torch.compile(
+        lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    assert torch.equal(compiled(*args), want)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+GPU_SHAPES = [(1, 4096, 4096), (4, 4096, 14336), (16, 14336, 4096), (7, 5120 + 64, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", ["mbs-s", "oas16", "ocp32"])
+@pytest.mark.parametrize("m,k,n", GPU_SHAPES, ids=[f"M{m}-K{k}-N{n}" for m, k, n in GPU_SHAPES])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_real_sizes(pair, m, k, n, out_dtype, cuda_device):
+    # MBS-D weights share MBS-S's layout; its exact search is slow, so -s weights stand in.
+    qx, qw = operands(m, k, n, pair, cuda_device, seed=m)
+    bias = torch.randn(n, device=cuda_device)
+    y = run(qx, qw, k, bias=bias, out_dtype=out_dtype)
+    assert_within_bound(y, *reference(qx, qw, bias), out_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(cuda_device):
+    from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
+
+    x = torch.randn(4, 4096, device=cuda_device, dtype=torch.bfloat16)
+    qw = quantize(torch.randn(4096, 4096, device=cuda_device) * 0.02, "mxfp4-mbs-s")
+
+    def step(t):
+        codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s")
+        return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096)
+
+    step(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    qx = quantize(x, "mxfp4-mbs-s")
+    assert_within_bound(out, *reference(qx, qw), torch.bfloat16)
+
+
+def test_weight_row_offsets_are_64_bit(triton_device):
+    """Weight row 2048 with a row pitch of 2^20 bytes starts at byte 2^31: a 32-bit
+    row * stride wraps there (N*K/2 >= 2^31 on large layers). 2 GiB of virtual memory."""
+    if triton_device.type != "cpu":
+        pytest.skip("the 2 GiB strided buffer is a CPU (virtual memory) check")
+    n, k, m, pitch = 2049, 128, 2, 1 << 20
+    qx, qw = operands(m, k, n, "oas16", "cpu", seed=11)
+    base = torch.empty((n - 1) * pitch + k // 2, dtype=torch.uint8)
+    w_codes = base.as_strided((n, k // 2), (pitch, 1))
+    w_codes.copy_(qw.codes)
+    y = decode_gemm(
+        qx.codes, qx.scales, qx.mbs, w_codes, qw.scales, qw.mbs, k, out_dtype=torch.float32
+    )
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("macro_block", [256, 1024])
+def test_macro_block_wider_than_k_step(macro_block, triton_device):
+    """A macro block spanning several K steps: each step's partial product is divided by
+    the factors of the macro block it lies in."""
+    m, k, n = 3, 2 * macro_block + 256, 64
+    gen = torch.Generator().manual_seed(macro_block)
+    x = torch.randn(m, k, generator=gen).to(triton_device)
+    w = torch.randn(n, k, generator=gen).to(triton_device)
+    qx = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
+    qw = quantize(w, "mxfp4-mbs-s", macro_block=macro_block)
+    y = decode_gemm(
+        qx.codes,
+        qx.scales,
+        qx.mbs,
+        qw.codes,
+        qw.scales,
+        qw.mbs,
+        k,
+        out_dtype=torch.float32,
+        macro_block=macro_block,
+    )
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+def test_mbs_division_is_exact_rounding():
+    """The per-step division by Fx * Fw uses div_rn (IEEE), as the docstring promises; a bare
+    `/` lowers to PTX div.full.f32 (up to 2 ulp) on the GPU."""
+    import inspect
+
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+
+    src = inspect.getsource(dg._decode_gemm_kernel.fn)
+    assert "tl.math.div_rn(part" in src and "part / " not in src
+    # macro blocks under the K step: one division per macro block's partial, also div_rn
+    assert "tl.math.div_rn(pj" in src and "pj / " not in src
+
+
+def test_tile_offsets_are_32_bit_only_where_they_fit():
+    """Only a tile's first row is offset in 64 bits; a row pitch so large that a tile spans
+    2^31 bytes gets a compact copy (meta tensors: no memory)."""
+    from vllm_mxplus.backends.triton.decode_gemm import MAX_TILE_OFFSET, _tile_addressable
+
+    base = torch.empty(1 << 34, dtype=torch.uint8, device="meta")
+    fits = base.as_strided((300, 64), (1 << 20, 1))
+    assert _tile_addressable(fits, 256) is fits  # 255 * 2^20 + 64 < 2^31
+    wide = base.as_strided((300, 64), (1 << 24, 1))
+    packed = _tile_addressable(wide, 256)
+    assert packed.stride() == (64, 1) and packed.shape == wide.shape
+    assert (256 - 1) * wide.stride(0) >= MAX_TILE_OFFSET
+    assert _tile_addressable(None, 256) is None
+
+
+# ----------------------------------------------------------------------------- small macro blocks
+SMALL_MACROS = (16, 32, 64)  # `mxplus quantize --macro-block N` below 128 (docs/numerics.md)
+
+
+def small_macro_operands(m: int, k: int, n: int, pair: str, macro_block: int, device, seed=0):
+    """operands() quantized with macro_block: both sides' MBS bytes per macro_block of K."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=gen))
+    x *= torch.exp2(torch.randint(-3, 3, (m, k), generator=gen))  # macro blocks differ
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, :: max(1, k // 7)] *= 20.0
+    wf, xf = PAIRS[pair]
+    qx = quantize(x.to(torch.bfloat16).to(device), xf, macro_block=macro_block)
+    qw = quantize(w.to(torch.bfloat16).to(device), wf, macro_block=macro_block)
+    assert qx.mbs.shape[-1] == qw.mbs.shape[-1] == -(-k // macro_block)
+    return qx, qw
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("pair", ["mbs-s", "mbs-h"])
+def test_small_macro_blocks_within_bound(pair, m, macro_block, triton_device):
+    """Macro blocks of 16-64 (a 64-element K step holds 1-4 of them, each divided by its own
+    Fx * Fw): within the 2^-16 bound for MBS-S x MBS-S and MBS-D weights x MBS-S
+    activations; K = 1201 is odd and a multiple of none of 16, 32, 64 (partial last block
+    and macro block); N = 80 leaves a partial N tile."""
+    k, n = 1201, 80
+    qx, qw = small_macro_operands(m, k, n, pair, macro_block, triton_device, seed=m + macro_block)
+    y = run(qx, qw, k, out_dtype=torch.float32, macro_block=macro_block)
+    assert y.shape == (m, n)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+def test_small_macro_blocks_split_k_bias_bf16(macro_block, triton_device):
+    """Split-K slices (whole K steps, so whole macro blocks) and bias, bf16 output."""
+    k, n = 1000, 96
+    qx, qw = small_macro_operands(5, k, n, "mbs-s", macro_block, triton_device, seed=7)
+    bias = (torch.randn(n) * 0.5).to(torch.bfloat16).to(triton_device)
+    for split in (None, 3):
+        y = run(
+            qx, qw, k, bias=bias, out_dtype=torch.bfloat16, split_k=split, macro_block=macro_block
+        )
+        assert_within_bound(y, *reference(qx, qw, bias), torch.bfloat16)
+
+
+def test_small_macro_block_wrong_factor_is_caught(triton_device):
+    """The bound sees a one-step error in one MBS byte of one 32-element macro block (the
+    check is not vacuous at this macro block size)."""
+    k, n = 320, 48
+    qx, qw = small_macro_operands(3, k, n, "mbs-s", 32, triton_device, seed=5)
+    y_ref, scale = reference(qx, qw)
+    bad_w = qw.mbs.clone()
+    bad_w[0, 3] = (bad_w[0, 3].int() + 40).clamp(max=255).to(torch.uint8)
+    y = decode_gemm(
+        qx.codes,
+        qx.scales,
+        qx.mbs,
+        qw.codes,
+        qw.scales,
+        bad_w,
+        k,
+        out_dtype=torch.float32,
+        macro_block=32,
+    )
+    err = (y.double().cpu() - y_ref.cpu()).abs()
+    assert (err[:, 0] > ACC_BOUND * scale[:, 0].cpu()).any()
+
+
+def test_small_macro_block_nan_rows(triton_device):
+    """A NaN block in x makes its row NaN, a zero row gives exactly bias, at macro block 32."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, generator=gen)
+    x[1] = 0.0
+    x[2, 40] = float("nan")
+    w = torch.randn(48, 300, generator=gen) * 0.1
+    qx = quantize(x.to(triton_device), "mxfp4-mbs-s", macro_block=32)
+    qw = quantize(w.to(triton_device), "mxfp4-mbs-s", macro_block=32)
+    bias = torch.randn(48).to(triton_device)
+    y = run(qx, qw, 300, bias=bias, out_dtype=torch.float32, macro_block=32)
+    assert y[2].isnan().all() and not y[[0, 1, 3]].isnan().any()
+    assert torch.equal(y[1].cpu(), bias.cpu())
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+
+
+def test_many_rows_any_m(triton_device, monkeypatch):
+    """Prefill-sized M (the `triton-gemm` backend serves M > 16 for macro blocks CUTLASS does
+    not take): several row tiles, and more row tiles than one launch's grid allows (the
+    limit lowered to 1 tile here) run as consecutive launches."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+
+    k, n = 333, 40
+    qx, qw = small_macro_operands(300, k, n, "mbs-s", 32, triton_device, seed=9)
+    want = reference(qx, qw)
+    y = run(qx, qw, k, out_dtype=torch.float32, macro_block=32)
+    assert_within_bound(y, *want, torch.float32)
+    monkeypatch.setattr(dg, "MAX_GRID_M_TILES", 1)
+    y2 = run(qx, qw, k, out_dtype=torch.float32, macro_block=32)
+    assert y2.shape == (300, n)
+    assert_within_bound(y2, *want, torch.float32)
+
+
+def test_split_k_heuristic_counts_row_tiles():
+    """On the GPU (launches captured, meta tensors): decode (one row tile) splits K to fill
+    the SMs; prefill's many row tiles need no split, whose fp32 partials would take
+    split x M x N x 4 bytes."""
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    def grid_of(m: int, macro_block: int) -> tuple:
+        k, n = 4096, 4096
+        meta = {"dtype": torch.uint8, "device": "meta"}
+        x = (torch.empty(m, k // 2, **meta), torch.empty(m, k // 16, **meta))
+        w = (torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta))
+        xm = torch.empty(m, k // macro_block, **meta)
+        wm = torch.empty(n, k // macro_block, **meta)
+        with capture_launches() as launches:
+            decode_gemm(x[0], x[1], xm, w[0], w[1], wm, k, macro_block=macro_block)
+        assert len(launches) == 1 and launches[0].kwargs["MACRO"] == macro_block
+        assert launches[0].kwargs["BLOCK_K"] == 64  # the GPU's K step, any macro block
+        return launches[0].grid
+
+    assert grid_of(1, 32)[1] > 1
+    assert grid_of(4096, 32)[1] == 1 and grid_of(4096, 32)[2] == 4096 // 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m", [1, 16, 4096], ids=lambda m: f"M{m}")
+def test_gpu_small_macro_blocks(macro_block, m, cuda_device):
+    k, n = 4096 + 32, 4096
+    qx, qw = small_macro_operands(m, k, n, "mbs-s", macro_block, cuda_device, seed=m)
+    y = run(qx, qw, k, out_dtype=torch.bfloat16, macro_block=macro_block)
+    assert_within_bound(y, *reference(qx, qw), torch.bfloat16)

@@ -1,0 +1,87 @@
+"""Shape-only implementations of the CPU kernels' ops (`cpu_kernels`), registered once the
+library is loaded, so torch.compile / FakeTensor tracing can use them."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.cpu.kernels import TILE_N
+from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
+from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
+
+
+def register_fakes() -> None:
+    """Shape-only implementations so torch.compile / FakeTensor tracing can use the ops."""
+
+    @torch.library.register_fake(op_name("cpu_act_fake_quant"))
+    def _(x, block, rule, mbs, macro):
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+    @torch.library.register_fake(op_name("cpu_act_quant"))
+    def _(x, block, rule, mbs, macro):
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (
+            x.new_empty((m, k), dtype=torch.int8),
+            x.new_empty((m, ceil_div(k, block)), dtype=torch.uint8),
+            x.new_empty((m, ceil_div(k, macro) if mbs else 0), dtype=torch.uint8),
+        )
+
+    @torch.library.register_fake(op_name("cpu_dequant_weight"))
+    def _(codes, scales, mbs, k, block, macro):
+        return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
+
+    @torch.library.register_fake(op_name("cpu_pack_weight"))
+    def _(codes, scales, mbs, k, block, macro):
+        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
+        return (
+            codes.new_empty((nt, nb * block // 2 * TILE_N)),
+            codes.new_empty((nt, nb * TILE_N)),
+            codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)),
+        )
+
+    @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
+    def _(x):
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (
+            x.new_empty((m, k), dtype=torch.int8),
+            x.new_empty((m, ceil_div(k, NVFP4_BLOCK)), dtype=torch.uint8),
+            x.new_empty((m,), dtype=torch.float32),
+        )
+
+    @torch.library.register_fake(op_name("cpu_nvfp4_linear"))
+    def _(x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+    @torch.library.register_fake(op_name("cpu_mx_linear"))
+    def _(
+        x,
+        act_block,
+        act_rule,
+        act_mbs,
+        macro,
+        wcodes,
+        wscales,
+        wmbs,
+        n,
+        k,
+        w_block,
+        bias,
+        out_dtype,
+    ):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+    @torch.library.register_fake(op_name("cpu_mxplus_pack_weight"))
+    def _(codes, scales, bm_index, k):
+        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, MX_BLOCK)
+        return (
+            codes.new_empty((nt, nb * MX_BLOCK // 2 * TILE_N)),
+            codes.new_empty((nt, nb * TILE_N)),
+            codes.new_empty((nt, nb * 2 * TILE_N)),
+        )
+
+    @torch.library.register_fake(op_name("cpu_mxplus_linear"))
+    def _(x, wcodes, wscales, wbm, n, k, bias, out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)

@@ -1,0 +1,368 @@
+"""The CPU C++ kernels (`csrc/*.cpp`): built at first use, cached, loaded once.
+
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+    ok, why = cpu_kernels.load()          # builds on first call (~20 s), then cached
+    packed = cpu_kernels.pack_weight(codes, scales, mbs, k, "mxfp4-mbs-d")   # once, at load
+    y = cpu_kernels.linear_packed(x, cpu_kernels.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", n, k),
+                                  *packed, bias, torch.bfloat16)
+
+The library is compiled with the host C++ compiler for this CPU (-march=native: AVX-512 with
+VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable
+C++) through torch.utils.cpp_extension, into ~/.cache/vllm-mxplus/cpu_kernels/<hash> (override with
+VLLM_MXPLUS_CPU_BUILD_DIR). The hash covers the sources, the flags, torch's version and this
+CPU's feature flags, so a cache shared between different machines never runs code built for
+another CPU. VLLM_MXPLUS_CPU_MARCH=x86-64-v3 (say) builds for another target instead of
+`native` (the tests use it to run the portable path). VLLM_MXPLUS_CPU_KERNELS=0 disables the
+kernels (the dispatch then uses the pure torch reference backend and logs why).
+
+Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile):
+  cpu_act_quant(x, block, rule, mbs, macro)    -> (2*value int8, E8M0, MBS bytes), = formats
+  cpu_act_fake_quant(x, block, rule, mbs, macro)        -> fp32, = formats.fake_quantize
+  cpu_dequant_weight(codes, scales, mbs, k, block, macro) -> fp32 [N, K], = dequantize()
+  cpu_pack_weight(codes, scales, mbs, k, block, macro)  -> the GEMM's 16-row tile layout
+  cpu_mx_linear(x, ..., packed weight, n, k, ...)        -> integer-dot-product W4A4 linear
+  cpu_nvfp4_act_quant / cpu_nvfp4_linear                 -> NVFP4 (csrc/mx_nvfp4_cpu.cpp)
+  cpu_mxplus_pack_weight / cpu_mxplus_linear             -> MX+ (csrc/mx_mxplus_cpu.cpp); its
+      activations are cpu_act_quant / cpu_act_fake_quant with rule MXPLUS_RULE
+The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
+(docs/numerics.md, "Kernel numerics and error bounds").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(
+    CSRC / f
+    for f in ("mx_quant_cpu.cpp", "mx_gemm_cpu.cpp", "mx_nvfp4_cpu.cpp", "mx_mxplus_cpu.cpp")
+)
+HEADERS = tuple(
+    CSRC / h
+    for h in (
+        "mx_cpu_common.h",
+        "mx_tiles.h",
+        "mx_tile_avx512.h",
+        "mx_tile_avx2.h",
+        "mx_tile_scalar.h",
+    )
+)
+ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
+_BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
+LDFLAGS = ["-fopenmp"]
+ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
+ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
+RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
+MXPLUS_RULE = 3  # `ocp` block 32 with the MX+ block max (csrc/mx_quant_cpu.cpp)
+TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
+
+_lock = threading.Lock()
+_state: dict[str, str | None] = {"error": None, "loaded": None}
+
+
+def cflags() -> list[str]:
+    return [f"-march={os.environ.get(ENV_MARCH, 'native')}"] + _BASE_CFLAGS
+
+
+def _cpu_signature() -> str:
+    """This CPU's feature flags (x86 /proc/cpuinfo 'flags', else the platform string)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for part in (
+        *(p.read_bytes() for p in SOURCES + HEADERS),
+        " ".join(cflags() + LDFLAGS).encode(),
+        torch.__version__.encode(),
+        _cpu_signature().encode(),
+    ):
+        h.update(part)
+    return f"mxplus_cpu_{h.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    root = os.environ.get(ENV_BUILD_DIR)
+    base = Path(root) if root else Path.home() / ".cache" / "vllm-mxplus" / "cpu_kernels"
+    return base / build_name()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def load() -> tuple[bool, str]:
+    """Build (first time) and load the kernels: (True, "") or (False, why not)."""
+    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False, f"disabled by {ENV_DISABLE}=0"
+    if _state["loaded"]:
+        return True, ""
+    with _lock:
+        if _state["loaded"]:
+            return True, ""
+        if _state["error"]:
+            return False, _state["error"]
+        try:
+            _build_and_load()
+        except Exception as e:  # noqa: BLE001 - any failure means: use the reference path
+            msg = str(e).strip().splitlines()
+            logger.warning(
+                "mxplus: the CPU kernels could not be built; the reference backend "
+                "serves instead. Build output:\n%s",
+                "\n".join(msg[-40:]),
+            )
+            _state["error"] = (
+                f"building the CPU kernels failed ({type(e).__name__}: "
+                f"{msg[-1] if msg else ''}); set {ENV_DISABLE}=0 to skip them"
+            )
+            return False, _state["error"]
+        _state["loaded"] = build_name()
+        return True, ""
+
+
+def _build_and_load() -> None:
+    for src in SOURCES + HEADERS:
+        if not src.exists():
+            raise FileNotFoundError(f"{src} is missing from the installation")
+    if _compiler() is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    from torch.utils.cpp_extension import load as cpp_load
+
+    name = build_name()
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / f"{name}.so"
+    fresh = not lib.exists()
+    if fresh:
+        logger.info("mxplus: building the CPU kernels into %s (once per machine, ~20 s)", out)
+    t0 = time.time()
+    cpp_load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=cflags(),
+        extra_ldflags=LDFLAGS,
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=False,
+    )
+    if fresh:
+        logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
+    from vllm_mxplus.backends.cpu.fakes import register_fakes
+
+    register_fakes()
+
+
+def _require() -> None:
+    ok, why = load()
+    if not ok:
+        raise RuntimeError(f"mxplus CPU kernels unavailable: {why}")
+
+
+def _act_args(fmt: str) -> tuple[int, int, bool]:
+    spec = get_format(fmt)
+    if spec.block_max_mantissa:
+        return spec.block_size, MXPLUS_RULE, False
+    if spec.scale_rule not in RULE_IDS or spec.mbs == "dynamic":
+        raise ValueError(f"the CPU kernels do not quantize activations as {fmt!r}")
+    return spec.block_size, RULE_IDS[spec.scale_rule], spec.mbs == "static"
+
+
+def _weight_block(fmt: str) -> int:
+    spec = get_format(fmt)
+    if spec.scale_rule not in RULE_IDS or spec.block_max_mantissa:
+        raise ValueError(f"the CPU kernels do not read weights stored as {fmt!r}")
+    return spec.block_size
+
+
+def empty_mbs(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The `mbs` argument for formats without MBS bytes."""
+    return torch.empty((0, 0), dtype=torch.uint8, device=device)
+
+
+def act_quant(
+    x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer GEMM's activation operand for rows x [..., K]: (2 * E2M1 value as int8
+    [M, K], E8M0 codes [M, ceil(K/block)], MBS-S bytes [M, ceil(K/macro)] or [M, 0]),
+    bit-exact with formats.quantize(x, fmt)."""
+    _require()
+    block, rule, mbs = _act_args(fmt)
+    return torch.ops.vllm_mxplus.cpu_act_quant(x, block, rule, mbs, macro_block)
+
+
+def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) -> torch.Tensor:
+    """formats.fake_quantize(x, fmt) in fp32 (same bits), for the E8M0 activation formats."""
+    _require()
+    block, rule, mbs = _act_args(fmt)
+    return torch.ops.vllm_mxplus.cpu_act_fake_quant(x, block, rule, mbs, macro_block)
+
+
+def dequant_weight(q: QuantizedTensor) -> torch.Tensor:
+    """q.dequantize() in fp32 (same bits) for a 2-D E8M0-family weight, by the C++ decoder."""
+    _require()
+    block = _weight_block(q.fmt)
+    mbs = empty_mbs(q.codes.device) if q.mbs is None else q.mbs
+    return torch.ops.vllm_mxplus.cpu_dequant_weight(
+        q.codes, q.scales, mbs, q.shape[-1], block, q.macro_block
+    )
+
+
+def pack_weight(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    fmt: str,
+    macro_block: int = MACRO_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A checkpoint-layout weight (codes [N, ceil(K/2)], E8M0 scales, MBS bytes or None) in
+    the GEMM's 16-row tile layout: the same bytes re-ordered (N padded to a multiple of 16)."""
+    _require()
+    mbs_t = empty_mbs(codes.device) if mbs is None else mbs
+    return torch.ops.vllm_mxplus.cpu_pack_weight(
+        codes, scales, mbs_t, k, _weight_block(fmt), macro_block
+    )
+
+
+def linear_args(
+    weight_format: str, activation_format: str, n: int, k: int, macro_block: int = MACRO_BLOCK
+) -> tuple:
+    """The constant arguments of `cpu_mx_linear` for one layer (see `linear_packed`)."""
+    a_block, a_rule, a_mbs = _act_args(activation_format)
+    w_block = _weight_block(weight_format)
+    if w_block != a_block:
+        raise ValueError(
+            f"weights {weight_format} (block {w_block}) and activations "
+            f"{activation_format} (block {a_block}) need the same block size"
+        )
+    return a_block, a_rule, a_mbs, macro_block, n, k, w_block
+
+
+def linear_packed(
+    x: torch.Tensor,
+    args: tuple,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wmbs: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`cpu_mx_linear` with a layer's `linear_args` and `pack_weight` tensors (kernels already
+    loaded). The per-call path of the backends: quantizes x's rows once, then integer dot
+    products against the packed weight, any number of rows."""
+    a_block, a_rule, a_mbs, macro, n, k, w_block = args
+    return torch.ops.vllm_mxplus.cpu_mx_linear(
+        x, a_block, a_rule, a_mbs, macro, wcodes, wscales, wmbs, n, k, w_block, bias, out_dtype
+    )
+
+
+def nvfp4_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 activation rows as the integer GEMM takes them: (2 * E2M1 value as int8 [M, K],
+    E4M3 scale bytes [M, ceil(K/16)], per-row global scale fp32 [M]), bit-exact with
+    formats.quantize(x, "nvfp4", per_row=True)."""
+    _require()
+    return torch.ops.vllm_mxplus.cpu_nvfp4_act_quant(x)
+
+
+def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NVFP4 weight [N, K] in the GEMM's 16-row tiles: (codes, E4M3 scale bytes, fp32 global
+    scale per row [ceil(N/16) * 16]); the global scale is the tensor's (or each row's)."""
+    _require()
+    if q.fmt != "nvfp4" or q.codes.dim() != 2:
+        raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
+    n, k = q.shape
+    codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
+        q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK, MACRO_BLOCK
+    )
+    g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
+    g[:n] = (
+        q.global_scale.to(torch.float32).reshape(-1).expand(n)
+        if q.global_scale.numel() == 1
+        else q.global_scale.to(torch.float32).reshape(n)
+    )
+    return codes, scales, g
+
+
+def nvfp4_linear_packed(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wglobal: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    act_global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """NVFP4 W4A4 on integer dot products (csrc/mx_nvfp4_cpu.cpp) with `pack_nvfp4` tensors;
+    act_global_scale: per-row global scales [..., 1] to use instead of x's own rows'."""
+    return torch.ops.vllm_mxplus.cpu_nvfp4_linear(
+        x, wcodes, wscales, wglobal, n, k, act_global_scale, bias, out_dtype
+    )
+
+
+def pack_mxplus(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MX+ weight [N, K] in the GEMM's 16-row tiles: (codes with each block max as code 0,
+    E8M0 scales, block maxima: index and 2 * value per row and block), csrc/mx_mxplus_cpu.cpp."""
+    _require()
+    if q.fmt != "mxplus" or q.codes.dim() != 2:
+        raise ValueError(f"pack_mxplus takes a 2-D mxplus weight, got {q.fmt} {tuple(q.shape)}")
+    return torch.ops.vllm_mxplus.cpu_mxplus_pack_weight(
+        q.codes, q.scales, q._field("block_max_index"), q.shape[-1]
+    )
+
+
+def mxplus_linear_packed(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wbm: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """MX+ W4A4 on integer dot products with `pack_mxplus` tensors: x's rows quantized to MX+
+    once (codes bit-exact with formats), block maxima as exact extra terms of the int32 sums."""
+    return torch.ops.vllm_mxplus.cpu_mxplus_linear(x, wcodes, wscales, wbm, n, k, bias, out_dtype)
+
+
+def mx_linear(
+    x: torch.Tensor,
+    weight_format: str,
+    activation_format: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    macro_block: int = MACRO_BLOCK,
+) -> torch.Tensor:
+    """fake_quantize(x, activation_format) @ W_hat^T + bias for a checkpoint-layout weight
+    (packs it on every call: for tests and one-off use; layers pack once at load)."""
+    _require()
+    packed = pack_weight(codes, scales, mbs, k, weight_format, macro_block)
+    args = linear_args(weight_format, activation_format, codes.shape[0], k, macro_block)
+    return linear_packed(x, args, *packed, bias, out_dtype)

@@ -1,0 +1,267 @@
+"""The optional CUTLASS extension `mxplus_cutlass`: where its sources are, how it is built, and
+loading it (never needed on CPU).
+
+    python -m vllm_mxplus.backends.cutlass.build               # archs: TORCH_CUDA_ARCH_LIST, else both
+    python -m vllm_mxplus.backends.cutlass.build --archs 90a   # H100 / H200 only
+    python -m vllm_mxplus.backends.cutlass.build --out DIR     # then VLLM_MXPLUS_CUTLASS_EXT=<the .so>
+
+The C++ sources ship inside the package (`vllm_mxplus/backends/cutlass/csrc/`, package data), so an
+installed wheel builds the same way as a source checkout (`kernels/build.py` is a shim for
+this module). Each .cu file is compiled by nvcc for its own architecture only (sm90 ->
+sm_90a, sm100 -> sm_100a); a file whose arch is not requested is compiled as a stub
+(-DMXPLUS_STUB) that returns MXPLUS_ERR_NOT_COMPILED. The pybind wrapper
+(torch_bindings.cpp) is built and linked by torch.utils.cpp_extension.load. CUTLASS headers
+come from the `nvidia-cutlass` wheel (or CUTLASS_DIR=<a CUTLASS checkout or its headers>).
+
+The default build directory is a per-user cache keyed by the sources, torch and the archs
+(`~/.cache/vllm-mxplus/cutlass/<key>`, root overridable with VLLM_MXPLUS_CUTLASS_BUILD_DIR);
+`load_extension()` looks there, then at VLLM_MXPLUS_CUTLASS_EXT, then at `kernels/build/`
+of a source checkout. It never builds by itself: nvcc takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = {"90a": "sm90_fp8_chunk_scaled.cu", "100a": "sm100_fp4_mbs.cu"}
+BINDINGS = "torch_bindings.cpp"
+HEADERS = ("mxplus_launchers.h",)
+NVCC_FLAGS = [
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-O3",
+    "-DNDEBUG",
+    "-Xcompiler",
+    "-fPIC",
+    "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
+]
+EXT_ENV = "VLLM_MXPLUS_CUTLASS_EXT"  # path of a built mxplus_cutlass*.so
+BUILD_ENV = "VLLM_MXPLUS_CUTLASS_BUILD_DIR"
+ARCH_OF_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a"}
+
+
+class BuildError(RuntimeError):
+    """nvcc, the CUTLASS headers or a compile step is missing or failed (message says which)."""
+
+
+# ----------------------------------------------------------------------------- build
+def cutlass_include_dirs() -> list[Path]:
+    """[include, tools/util/include] of CUTLASS_DIR or of the nvidia-cutlass wheel."""
+    root = os.environ.get("CUTLASS_DIR")
+    if root:
+        base = Path(root)
+    else:
+        try:
+            import cutlass_library
+        except ImportError as e:
+            raise BuildError(
+                "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 "
+                "(or set CUTLASS_DIR)"
+            ) from e
+        base = Path(cutlass_library.__file__).parent / "source"
+    dirs = [base / "include", base / "tools" / "util" / "include"]
+    missing = [str(d) for d in dirs if not (d / "cutlass").is_dir()]
+    if missing:
+        raise BuildError(f"CUTLASS headers not found under {missing} (set CUTLASS_DIR)")
+    return dirs
+
+
+def nvcc_path() -> str:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cand = Path(cuda_home) / "bin" / "nvcc" if cuda_home else None
+    path = str(cand) if cand and cand.exists() else shutil.which("nvcc")
+    if not path:
+        raise BuildError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+    return path
+
+
+def nvcc_command(src: Path, obj: Path, arch: str | None, extra: tuple[str, ...] = ()) -> list[str]:
+    """nvcc -c for one file: arch like '90a' builds the kernel, None builds the stub (which
+    needs no CUTLASS headers)."""
+    inc = ([f"-I{d}" for d in cutlass_include_dirs()] if arch else []) + [f"-I{SOURCE_DIR}"]
+    gen = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"] if arch else ["-DMXPLUS_STUB"]
+    return [nvcc_path(), "-c", *NVCC_FLAGS, *gen, *inc, *extra, str(src), "-o", str(obj)]
+
+
+def requested_archs(cli: str | None) -> list[str]:
+    """'90a,100a' from --archs, else from TORCH_CUDA_ARCH_LIST ('9.0a;10.0a'), else both."""
+    if cli:
+        archs = [a.strip() for a in cli.replace(";", ",").split(",") if a.strip()]
+    elif os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        raw = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").replace(",", " ").split()
+        archs = [a.replace(".", "").replace("+PTX", "") for a in raw]
+        archs = [a if a.endswith("a") else a + "a" for a in archs if a.rstrip("a") in ("90", "100")]
+    else:
+        archs = list(SOURCES)
+    bad = [a for a in archs if a not in SOURCES]
+    if bad:
+        raise BuildError(f"unsupported arch {bad}: choose from {list(SOURCES)}")
+    return archs
+
+
+def source_files() -> list[Path]:
+    return [SOURCE_DIR / n for n in (*SOURCES.values(), BINDINGS, *HEADERS)]
+
+
+def build_key(archs: list[str]) -> str:
+    """Hash of the sources, torch / CUDA versions and archs: a cache directory per build."""
+    h = hashlib.sha256()
+    for path in source_files():
+        h.update(path.read_bytes())
+    h.update(f"{torch.__version__}|{torch.version.cuda}|{','.join(sorted(archs))}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_build_dir(archs: list[str]) -> Path:
+    root = os.environ.get(BUILD_ENV)
+    base = Path(root) if root else Path.home() / ".cache" / "vllm-mxplus" / "cutlass"
+    return base / build_key(archs)
+
+
+def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = False) -> Path:
+    """Compile the kernels for `archs` (stubs for the others) and link the extension; returns
+    the .so path. Raises BuildError naming the step that failed."""
+    missing = [str(p) for p in source_files() if not p.is_file()]
+    if missing:
+        raise BuildError(f"CUTLASS sources missing from the installed package: {missing}")
+    out = out or default_build_dir(archs)
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for arch, name in SOURCES.items():
+        obj = out / (Path(name).stem + ".o")
+        cmd = nvcc_command(SOURCE_DIR / name, obj, arch if arch in archs else None)
+        if verbose:
+            print(" ".join(cmd))
+        procs.append((name, obj, time.time(), subprocess.Popen(cmd)))
+        if len([p for p in procs if p[3].poll() is None]) >= jobs:
+            procs[-1][3].wait()
+    objs = []
+    for name, obj, t0, p in procs:
+        if p.wait() != 0:
+            raise BuildError(f"nvcc failed on {name}")
+        print(f"[build] {name}: {time.time() - t0:.0f} s")
+        objs.append(str(obj))
+
+    from torch.utils.cpp_extension import load
+
+    defines = [f"-DMXPLUS_HAVE_SM{a.upper()}" for a in archs]
+    mod = load(
+        name="mxplus_cutlass",
+        sources=[str(SOURCE_DIR / BINDINGS)],
+        extra_cflags=["-O3", f"-I{SOURCE_DIR}", *defines],
+        extra_ldflags=[*objs, "-lcudart"],
+        build_directory=str(out),
+        with_cuda=True,
+        verbose=verbose,
+    )
+    path = Path(mod.__file__)
+    print(f"[build] {path} (archs {archs}); found automatically, or set {EXT_ENV}={path}")
+    return path
+
+
+# ----------------------------------------------------------------------------- load
+_EXT: ModuleType | None = None
+_EXT_ERROR = "not loaded yet"
+
+
+def candidate_paths() -> list[Path]:
+    """Where load_extension looks, in order."""
+    paths = [Path(os.environ[EXT_ENV])] if os.environ.get(EXT_ENV) else []
+    try:
+        cache = default_build_dir(requested_archs(None)).parent
+        paths += sorted(cache.glob("*/mxplus_cutlass*.so"), key=lambda p: -p.stat().st_mtime)
+    except (BuildError, OSError):
+        pass
+    checkout = Path(__file__).resolve().parents[3] / "kernels" / "build"  # a source checkout
+    return paths + sorted(checkout.glob("mxplus_cutlass*.so"))
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled module, or None; the reason is kept for `is_available`."""
+    global _EXT, _EXT_ERROR
+    if _EXT is not None or _EXT_ERROR != "not loaded yet":
+        return _EXT
+    _EXT_ERROR = (
+        "no mxplus_cutlass extension found (build it: python -m "
+        f"vllm_mxplus.backends.cutlass.build; or set {EXT_ENV})"
+    )
+    for path in candidate_paths():
+        if not path.is_file():
+            continue
+        try:
+            loader = importlib.machinery.ExtensionFileLoader("mxplus_cutlass", str(path))
+            spec = importlib.util.spec_from_loader("mxplus_cutlass", loader)
+            mod = importlib.util.module_from_spec(spec)
+            loader.exec_module(mod)
+            _EXT = mod
+            return mod
+        except Exception as e:  # a stale or incompatible build is a reason, not a crash
+            _EXT_ERROR = f"loading {path} failed: {type(e).__name__}: {e}"
+    return None
+
+
+def arch_of(device: torch.device | None = None) -> str | None:
+    """'sm90a' / 'sm100a' when the device runs one of the kernels, else None."""
+    if not torch.cuda.is_available() or torch.version.hip:
+        return None
+    return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device))
+
+
+def is_available(device: torch.device | None = None) -> tuple[bool, str]:
+    """(True, "") when a CUTLASS prefill kernel can run on `device`; else (False, why)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    arch = arch_of(device)
+    if arch is None:
+        cap = torch.cuda.get_device_capability(device)
+        return False, f"capability {cap} has no kernel (needs sm_90a or sm_100a exactly)"
+    ext = load_extension()
+    if ext is None:
+        return False, _EXT_ERROR
+    if arch not in ext.compiled_archs():
+        return False, f"extension built without {arch} (built: {ext.compiled_archs()})"
+    return True, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_mxplus.backends.cutlass.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--archs", help="comma list of 90a, 100a (default: TORCH_CUDA_ARCH_LIST, else both)"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"build directory (default: ~/.cache/vllm-mxplus/cutlass/<key>, "
+        f"root from {BUILD_ENV})",
+    )
+    ap.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        build(args.out, requested_archs(args.archs), args.jobs, args.verbose)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

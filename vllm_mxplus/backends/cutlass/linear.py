@@ -1,0 +1,77 @@
+"""The CUTLASS prefill backend (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 17) on sm_90a / sm_100a.
+
+The dispatch registry names this class (`vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend`);
+the pieces behind it are one job per module:
+
+- `fp8_chunks`    the sm_90a operand layout (pure torch): the definition of the FP8 re-encoding
+- `cutlass_ext`   the C++ sources (package data), building and loading the extension
+- `cutlass_ops`   the kernels as torch custom ops
+- `cutlass_gemm`  prepared weights and the prefill GEMM API, with the graph-safe exact fallback
+- `triton_act_fp8` the fused sm_90a activation encoder
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from vllm_mxplus.backends.base import LinearBackend, LinearSpec
+from vllm_mxplus.backends.cutlass.build import arch_of, is_available
+from vllm_mxplus.backends.cutlass.fp8_chunks import BLOCK, CHUNK
+from vllm_mxplus.backends.cutlass.gemm import prefill_gemm_from_x, prepare_weight
+from vllm_mxplus.formats import QuantizedTensor, get_format
+
+PREFILL_MIN_M = int(os.environ.get("VLLM_MXPLUS_PREFILL_MIN_M", "17"))  # decode: M <= 16
+
+
+class CutlassPrefillBackend(LinearBackend):
+    """Prefill on sm_90a / sm_100a; registered after the Triton decode backend (M <= 16)."""
+
+    name = "cutlass_prefill"
+    WEIGHT_ATTR = "mxplus_cutlass_weight"
+    min_m, max_m = PREFILL_MIN_M, None
+    kernel = True  # self-tested against `formats` at first use
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
+        if platform != "cuda" or capability not in (90, 100):
+            return False, f"needs CUDA capability 90 or 100, got {platform} {capability}"
+        return is_available()
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        for role, fmt in (("weight", spec.weight_format), ("activation", spec.activation_format)):
+            f = get_format(fmt)
+            if f.block_size != BLOCK or f.scale_rule == "e4m3" or f.block_max_mantissa:
+                return False, f"{role} format {fmt} is not E8M0 at block 16"
+        if spec.macro_block != CHUNK:
+            return False, f"macro block {spec.macro_block} != {CHUNK}"
+        if spec.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
+        return True, ""
+
+    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+        spec = self.spec
+        act_mbs = bool(get_format(spec.activation_format).mbs)
+        setattr(
+            layer,
+            self.WEIGHT_ATTR,
+            prepare_weight(qweight, arch_of(qweight.codes.device), activation_mbs=act_mbs),
+        )
+
+    def apply(
+        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
+        spec = self.spec
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = prefill_gemm_from_x(
+            x.reshape(-1, k),
+            spec.activation_format,
+            getattr(layer, self.WEIGHT_ATTR),
+            bias,
+            spec.out_dtype,
+        )
+        return y.reshape(*lead, spec.n)

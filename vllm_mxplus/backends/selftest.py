@@ -1,0 +1,267 @@
+"""Self-test of a kernel backend at first use: a small problem through its real
+`process_weights_after_loading` + `apply`, checked against `vllm_mxplus.formats`.
+
+Kernels that were compiled but never run on a given GPU (or CPU) may be wrong. The first
+time a backend with `kernel = True` is selected for a (device, scheme, dtype), `verdict` runs
+one small linear (K = 320: two whole macro blocks and a partial one, unless the backend
+cannot take it; M in {1, 3, 16, 17, 33} within the backend's range) and compares:
+
+- activation quantization, where the backend exposes it (`selftest_activation`): codes,
+  scales and MBS bytes (or the fake-quantized fp32 values) bit for bit with `formats`;
+- the output y against y64 = x̂ Ŵᵀ + b computed in float64 from the fake-quantized operands
+  (x̂ = formats.fake_quantize(x), Ŵ = the dequantized weight, both exact fp32 values). With
+  u = 2^-accumulator_bits (2^-24 for fp32), u_o the unit roundoff of the output dtype
+  (bf16 2^-8, fp16 2^-11, fp32 2^-24) and A = |x̂| |Ŵ|ᵀ:
+      |y - y64| <= γ A + 2 (u + u_o)(1 + u_o) R + t,   γ = (K + 8) u / (1 - (K + 8) u),
+      R = |y64| + |b| + γ A,   t = one subnormal ulp of the output dtype.
+  γ A bounds any fp32 summation order of K products, each allowed up to 8 further
+  roundings (a reciprocal instead of the MBS division, σA·σB per 128-K chunk, scale
+  products); the second term covers adding the bias and rounding to the output dtype, each
+  possibly done twice (bias added before or after the cast); t covers outputs that round
+  into the subnormal range. See docs/numerics.md, "Kernel numerics and error bounds".
+
+A failure rejects the backend for that (device, scheme, dtype) with an ERROR log naming the
+first differing element, and the selector moves to the next candidate. The verdict is cached
+for the process; `VLLM_MXPLUS_SELFTEST=0` skips the self-test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from vllm_mxplus.backends.base import LinearBackend, LinearSpec
+from vllm_mxplus.formats import QuantizedTensor, fake_quantize, quantize
+from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "VLLM_MXPLUS_SELFTEST"
+# (N, K) of the test problem, first the one the backend can implement: K = 320 holds a
+# partial macro block (320 = 2*128 + 64); N = 40 is not a multiple of 16 or 32.
+SHAPES = ((40, 320), (48, 256))
+TEST_MS = (1, 3, 16, 17, 33)  # decode sizes, the usual decode/prefill border, prefill
+EXTRA_ROUNDINGS = 8  # per product, beyond the fp32 accumulation (see the module docstring)
+
+_VERDICTS: dict[tuple, tuple[bool, str]] = {}
+
+
+def enabled() -> bool:
+    """False when VLLM_MXPLUS_SELFTEST=0 (the self-test is skipped, kernels trusted)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def _device(spec: LinearSpec) -> torch.device:
+    if spec.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(spec.device_type)
+
+
+def verdict(
+    cls: type[LinearBackend], spec: LinearSpec, platform: str, capability: int | None
+) -> tuple[bool, str]:
+    """(True, "") when the backend passed its self-test for this (device, scheme, dtype),
+    else (False, why). Runs the test the first time only; logs a failure as an ERROR."""
+    device = _device(spec)
+    key = (
+        f"{cls.__module__}.{cls.__qualname__}",
+        str(device),
+        platform,
+        capability,
+        spec.scheme,
+        spec.out_dtype,
+        spec.macro_block,
+    )
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    t0 = time.perf_counter()
+    try:
+        failure = run_self_test(cls, spec, device)
+    except Exception as e:  # a kernel that cannot run is as unusable as a wrong one
+        failure = f"raised {type(e).__name__}: {e}"
+    ms = 1e3 * (time.perf_counter() - t0)
+    if failure is None:
+        logger.info(
+            "mxplus self-test: %s passed for %s, %s on %s (%.0f ms)",
+            cls.name,
+            spec.scheme,
+            spec.out_dtype,
+            device,
+            ms,
+        )
+        result = (True, "")
+    else:
+        logger.error(
+            "mxplus self-test: %s REJECTED for %s, %s on %s: %s. The next backend "
+            "serves; please report this with the GPU / CPU model and versions "
+            "(%s=0 skips the self-test).",
+            cls.name,
+            spec.scheme,
+            spec.out_dtype,
+            device,
+            failure,
+            ENV_VAR,
+        )
+        result = (False, f"self-test failed: {failure}")
+    _VERDICTS[key] = result
+    return result
+
+
+def _test_spec(cls: type[LinearBackend], spec: LinearSpec) -> LinearSpec:
+    for n, k in SHAPES + ((spec.n, spec.k),):
+        small = dataclasses.replace(spec, n=n, k=k)
+        if cls.can_implement(small)[0]:
+            return small
+    return spec
+
+
+def _test_ms(cls: type[LinearBackend]) -> list[int]:
+    wanted = set(TEST_MS) | {cls.min_m} | ({cls.max_m} if cls.max_m else set())
+    ms = sorted(m for m in wanted if m >= 1 and cls.supports_m(m))
+    return ms or [cls.min_m]
+
+
+def _test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> torch.Tensor:
+    """fp32 N(0, 1) values times 2^e per 16-block, e uniform in [lo, hi]: block scales spread
+    over the exponent range, MBS factors exercised. Explicit device / dtype, because vLLM
+    may call this under a default device / dtype context."""
+    base = torch.randn(rows, k, generator=gen, device="cpu", dtype=torch.float32)
+    e = torch.randint(lo, hi + 1, (rows, ceil_div(k, SMALL_BLOCK)), generator=gen, device="cpu")
+    return base * torch.exp2(e.repeat_interleave(SMALL_BLOCK, dim=1)[:, :k].to(torch.float32))
+
+
+def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.device) -> str | None:
+    """None when the backend agrees with `formats` on the test problem, else what differed."""
+    small = _test_spec(cls, spec)
+    ms = _test_ms(cls)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = _test_data(max(ms), small.k, gen, -6, 6)
+    x[0, :SMALL_BLOCK] = 0.0  # an all-zero block: code 0, zero elements
+    x = x.to(device=device, dtype=small.out_dtype)
+    w = _test_data(small.n, small.k, gen, -5, 1).to(device)
+    bias = torch.randn(small.n, generator=gen, device="cpu", dtype=torch.float32)
+    bias = bias.to(device=device, dtype=small.out_dtype)
+    qweight = quantize(w, small.weight_format, macro_block=small.macro_block)
+    w_hat = qweight.dequantize(torch.float32).to(torch.float64)
+
+    backend = cls(small)
+    layer = torch.nn.Module()
+    backend.process_weights_after_loading(layer, qweight)
+    where = f"N={small.n}, K={small.k}"
+    for m in ms:
+        xm = x[:m]
+        act = backend.selftest_activation(xm)
+        if act is not None:
+            failure = check_activation(act, xm, small)
+            if failure:
+                return f"M={m}, {where}: activation {failure}"
+        y = backend.apply(layer, xm, bias)
+        failure = check_output(y, xm, w_hat, bias, small, cls.accumulator_bits)
+        if failure:
+            return f"M={m}, {where}: {failure}"
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of t as integers (NaN payloads and -0 compared exactly)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(view)
+
+
+def first_bit_difference(
+    name: str, got: torch.Tensor | None, want: torch.Tensor | None
+) -> str | None:
+    """None when got and want are bit-identical, else the first differing element."""
+    if got is None or want is None:
+        return (
+            None
+            if got is None and want is None
+            else (
+                f"{name}: got {'None' if got is None else tuple(got.shape)}, "
+                f"want {'None' if want is None else tuple(want.shape)}"
+            )
+        )
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    diff = _bits(got.cpu()) != _bits(want.cpu())
+    if not bool(diff.any()):
+        return None
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return (
+        f"{name}{list(idx)} = {got.cpu()[idx].item()!r}, want {want.cpu()[idx].item()!r} "
+        f"(bit for bit; elements differing: {int(diff.sum())})"
+    )
+
+
+def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> str | None:
+    """Compare a backend's activation quantization with `formats`, bit for bit."""
+    fmt = spec.activation_format
+    x32 = x.to(torch.float32)
+    if isinstance(act, QuantizedTensor):
+        want = quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
+        for field in ("codes", "scales", "mbs"):
+            failure = first_bit_difference(field, getattr(act, field), getattr(want, field))
+            if failure:
+                return failure
+        return None
+    want = fake_quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
+    return first_bit_difference("values", act, want)
+
+
+def output_bound(
+    a: torch.Tensor,
+    y64: torch.Tensor,
+    bias64: torch.Tensor,
+    k: int,
+    out_dtype: torch.dtype,
+    accumulator_bits: int = 24,
+) -> torch.Tensor:
+    """The per-element bound on |y - y64| of the module docstring (float64)."""
+    u = 2.0**-accumulator_bits
+    fi = torch.finfo(out_dtype)
+    u_out = fi.eps / 2
+    n = k + EXTRA_ROUNDINGS
+    gamma = n * u / (1 - n * u)
+    r = y64.abs() + bias64.abs() + gamma * a
+    return gamma * a + 2 * (u + u_out) * (1 + u_out) * r + fi.smallest_normal * fi.eps
+
+
+def check_output(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w_hat64: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: LinearSpec,
+    accumulator_bits: int = 24,
+) -> str | None:
+    """None when y is within `output_bound` of float64 x̂ Ŵᵀ + b everywhere, else the first
+    element outside it (a NaN where a number is expected is outside)."""
+    m = x.shape[0]
+    if tuple(y.shape) != (m, spec.n) or y.dtype != spec.out_dtype:
+        return f"y is {tuple(y.shape)} {y.dtype}, want {(m, spec.n)} {spec.out_dtype}"
+    xq = fake_quantize(
+        x.to(torch.float32),
+        spec.activation_format,
+        macro_block=spec.macro_block,
+        per_row=spec.activation_per_row,
+    )
+    xq64, w64 = xq.to(torch.float64).cpu(), w_hat64.cpu()
+    b64 = torch.zeros(spec.n, dtype=torch.float64) if bias is None else bias.to(torch.float64).cpu()
+    y64 = xq64 @ w64.T + b64
+    a = xq64.abs() @ w64.abs().T
+    bound = output_bound(a, y64, b64, spec.k, spec.out_dtype, accumulator_bits)
+    got = y.to(torch.float64).cpu()
+    both_nan = got.isnan() & y64.isnan()
+    bad = ~((got - y64).abs() <= bound) & ~both_nan
+    if not bool(bad.any()):
+        return None
+    r, c = (int(i) for i in bad.nonzero()[0])
+    return (
+        f"y[{r}, {c}] = {got[r, c].item()!r}, want {y64[r, c].item()!r} "
+        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} elements "
+        f"outside the bound)"
+    )

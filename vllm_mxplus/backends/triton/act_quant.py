@@ -1,0 +1,320 @@
+"""Fused Triton activation quantizer: bf16/fp16/fp32 [M, K] -> packed E2M1 codes, scales, MBS.
+
+Bit-exact to `vllm_mxplus.formats.quantize(x, fmt)` (docs/numerics.md, "E8M0 block scales",
+"Macro Block Scaling" and "NVFP4"), with the nvfp4
+global scale taken per row (`per_row=True`), as the activation path requires.
+
+- E8M0 formats (`mxfp4-mbs-s`, `mxfp4-16-oas`, `mxfp4-16`, `mxfp4-ocp`): one program per
+  (row tile, K tile), one read of x and one write of each output. The K tile is a whole
+  number of macro blocks, so MBS-S (paper eq. 3) never crosses programs.
+- `nvfp4` (baseline): one program per row tile; the per-row amax needs a first sweep over the
+  row, so x is read twice (the second read mostly hits L2).
+
+Numerics that the GPU could get wrong and how they are avoided:
+- fp32 `/` in Triton lowers to an approximate division; 6/a and the nvfp4 divisions use
+  `tl.math.div_rn` (IEEE round to nearest), as the reference does.
+- `max` reductions on the GPU drop NaN; NaN is first mapped to +inf, so a block holding NaN
+  or Inf has absmax +inf, which every rule below treats as "non-finite".
+- Scale exponents and 2^k factors come from integer bit manipulation, never libdevice (whose
+  FTZ reflection would flush fp32 subnormals).
+- Row offsets are 64-bit: row * stride wraps in int32 once M*K >= 2^31 (131k tokens at
+  K = 16384), and a wrapped offset reads another tensor's memory without any error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.triton.launch import (
+    ceil_div,
+    check_available,
+    interpreting,
+    launch,
+    tl,
+    triton,
+)
+from vllm_mxplus.backends.triton.quant_blocks import (
+    E2M1_MAX,
+    F8E4M3_MAX,
+    MANTISSA_THRESHOLD,
+    NVFP4_GLOBAL_DIV,
+    e2m1_magnitude_code,
+    e4m3_round,
+    e8m0_block_quant,
+    load_f32,
+    load_row_tile,
+    mbs_static_scale,
+    pack_nibbles,
+)
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats.schemes import FormatSpec
+
+SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
+#: MBS macro blocks the E8M0 kernel tiles (a power of two: tiles reshape into macro blocks;
+#: at most GPU_TILE_ELEMS wide, so one program's tile stays in registers). Under 128 a tile
+#: holds more macro blocks (a 4 x 512 tile: 64 of 32), each with its own absmax and one IEEE
+#: division 6 / a (docs/numerics.md, "Macro Block Scaling").
+SUPPORTED_MACRO_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+GPU_TILE_ELEMS = 2048  # elements per program on the GPU (memory-bound: ~16 per thread)
+GPU_BLOCK_K = 512
+
+
+# ----------------------------------------------------------------------------- E8M0 kernel
+@triton.jit
+def _mx_act_quant_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    mbs_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_cm,
+    stride_sm,
+    stride_mm,
+    BLOCK: tl.constexpr,
+    MANT_THRESHOLD: tl.constexpr,
+    HAS_MBS: tl.constexpr,
+    MACRO: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
+    offs_m, _, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
+
+    if HAS_MBS:
+        NM: tl.constexpr = BLOCK_K // MACRO
+        m, _, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
+        offs_mb = pid_k * NM + tl.arange(0, NM)
+        tl.store(
+            mbs_ptr + offs_m[:, None] * stride_mm + offs_mb[None, :],
+            m.to(tl.uint8),
+            mask=mask_m[:, None] & (offs_mb[None, :] < tl.cdiv(K, MACRO)),
+        )
+    else:
+        y = x
+
+    NB: tl.constexpr = BLOCK_K // BLOCK
+    code, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+    c = mag | (neg << 3)
+    packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+
+    offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(
+        codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
+        packed,
+        mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
+    )
+    offs_s = pid_k * NB + tl.arange(0, NB)
+    tl.store(
+        scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
+        code.to(tl.uint8),
+        mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
+    )
+
+
+# ----------------------------------------------------------------------------- NVFP4 kernel
+@triton.jit
+def _nvfp4_act_quant_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    gs_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_cm,
+    stride_sm,
+    BF16_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    BLOCK: tl.constexpr = 16
+    NB: tl.constexpr = BLOCK_K // BLOCK
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_m = offs_m.to(tl.int64)  # 64-bit row offsets (module docstring)
+    row = x_ptr + offs_m[:, None] * stride_xm
+
+    # sweep 1: per-row amax over finite |x| (nvfp4_global_scale with per_row=True)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(row + offs_k[None, :], mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+        ax = tl.abs(x)
+        ax = tl.where(ax < float("inf"), ax, 0.0)  # drops NaN and Inf
+        amax = tl.maximum(amax, tl.max(ax, axis=1))
+    g = tl.math.div_rn(amax, tl.full(amax.shape, NVFP4_GLOBAL_DIV, tl.float32))
+    tl.store(gs_ptr + offs_m, g, mask=mask_m)
+
+    # sweep 2: block scales and codes
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(row + offs_k[None, :], mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
+        xb = tl.reshape(x, (BLOCK_M, NB, BLOCK))
+        ax = tl.abs(xb)
+        # block absmax with torch.amax semantics: NaN wins, else the max (Inf included)
+        has_nan = tl.max((ax != ax).to(tl.int32), axis=2) > 0
+        bmax = tl.max(tl.where(ax == ax, ax, 0.0), axis=2)
+        nonfinite = has_nan | (bmax == float("inf"))
+        bmax = tl.where(nonfinite, 0.0, bmax)
+        gb = tl.broadcast_to(g[:, None], bmax.shape)
+        s32 = tl.math.div_rn(
+            tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
+            tl.where(gb > 0.0, gb, 1.0),
+        )
+        s32 = tl.where(gb > 0.0, s32, 0.0)
+        s32 = tl.where(nonfinite, float("nan"), s32)  # NaN/Inf block: NaN scale (formats.nvfp4)
+        s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
+        sbyte, sf = e4m3_round(s32)
+        zero = (sf == 0.0) | (sf != sf)
+        denom = tl.where(zero, 1.0, sf * gb)
+        v = tl.math.div_rn(ax, tl.broadcast_to(denom[:, :, None], ax.shape))
+        neg = (xb.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+        c = tl.where(zero[:, :, None], 0, e2m1_magnitude_code(v) | (neg << 3))
+        packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+
+        offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(
+            codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
+            packed,
+            mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
+        )
+        offs_s = k0 // BLOCK + tl.arange(0, NB)
+        tl.store(
+            scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
+            sbyte.to(tl.uint8),
+            mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
+        )
+
+
+# ----------------------------------------------------------------------------- launcher
+def tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit (a macro block never crosses
+    programs). The interpreter pays per program, so it gets large tiles; the GPU gets
+    ~GPU_TILE_ELEMS elements per program (memory-bound): up to 4 rows x 512 columns, and
+    fewer rows when the unit (a macro block up to 2048) is wider."""
+    kp2 = max(unit, triton.next_power_of_2(k))
+    if interpreting():
+        return min(64, triton.next_power_of_2(m)), max(unit, min(kp2, 4096))
+    block_k = max(unit, min(kp2, GPU_BLOCK_K))
+    return min(4, triton.next_power_of_2(m), max(1, GPU_TILE_ELEMS // block_k)), block_k
+
+
+def check_act_input(
+    x: torch.Tensor, fmt: str, supported: tuple[str, ...], who: str, kernel: str = "Triton kernel"
+) -> FormatSpec:
+    """fmt's FormatSpec; a ValueError naming `who` for an unknown format, one its `kernel`
+    does not take (not in `supported`), or rows x not of a float dtype or with an empty
+    last dim."""
+    spec = get_format(fmt)
+    if fmt not in supported:
+        raise ValueError(
+            f"{who}: format {fmt!r} has no {kernel}; supported: {', '.join(supported)}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{who}: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{who}: cannot quantize shape {tuple(x.shape)}: empty last dim")
+    return spec
+
+
+def check_macro_block(macro_block: int, who: str) -> None:
+    """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
+    if macro_block not in SUPPORTED_MACRO_BLOCKS:
+        # the kernel reshapes tiles into macro blocks (a power of two) held in registers
+        raise ValueError(
+            f"{who}: macro_block must be one of {SUPPORTED_MACRO_BLOCKS} (a power of two: "
+            f"the kernel's tiles hold whole macro blocks), got {macro_block}"
+        )
+
+
+def act_quant(
+    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Quantize activations x [..., K] (bf16/fp16/fp32) along K in one fused kernel.
+
+    Returns (codes uint8 [..., ceil(K/2)], scales [..., ceil(K/block)] (uint8 E8M0, or
+    float8_e4m3fn for nvfp4), mbs uint8 [..., ceil(K/macro_block)] or None, global_scale fp32
+    [..., 1] (nvfp4, per row) or None) -- the fields of `formats.quantize(x, fmt,
+    per_row=True)`, bit for bit.
+    """
+    spec = check_act_input(x, fmt, SUPPORTED_FORMATS, "act_quant")
+    if spec.mbs:
+        check_macro_block(macro_block, "act_quant")
+    check_available(x)
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    bf16_bits = x2.dtype == torch.bfloat16
+    x_arg = x2.view(torch.int16) if bf16_bits else x2
+    codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
+    nb = ceil_div(k, spec.block_size)
+    mbs = gs = None
+
+    if spec.scale_rule == "e4m3":
+        scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
+        gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        if m:
+            block_m, block_k = tile_sizes(m, k, 16)
+            launch(
+                _nvfp4_act_quant_kernel,
+                (triton.cdiv(m, block_m),),
+                x_arg,
+                codes,
+                scales.view(torch.uint8),
+                gs,
+                m,
+                k,
+                x2.stride(0),
+                codes.stride(0),
+                scales.stride(0),
+                BF16_BITS=bf16_bits,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
+            )
+        gs = gs.reshape(*lead, 1)
+    else:
+        scales = torch.empty((m, nb), dtype=torch.uint8, device=x.device)
+        unit = macro_block if spec.mbs else spec.block_size
+        if spec.mbs:
+            mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
+        mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
+        if m:
+            block_m, block_k = tile_sizes(m, k, max(unit, 32))
+            grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+            launch(
+                _mx_act_quant_kernel,
+                grid,
+                x_arg,
+                codes,
+                scales,
+                mbs_arg,
+                m,
+                k,
+                x2.stride(0),
+                codes.stride(0),
+                scales.stride(0),
+                mbs_arg.stride(0),
+                BLOCK=spec.block_size,
+                MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
+                HAS_MBS=bool(spec.mbs),
+                MACRO=macro_block,
+                BF16_BITS=bf16_bits,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
+            )
+        if mbs is not None:
+            mbs = mbs.reshape(*lead, mbs.shape[-1])
+    return (
+        codes.reshape(*lead, codes.shape[-1]),
+        scales.reshape(*lead, nb),
+        mbs,
+        gs,
+    )

@@ -1,0 +1,525 @@
+"""Triton decode GEMM: y[M, N] = x_hat @ W_hat^T, built for few rows (M ~ 1..16), correct
+for any M (row tiles of BLOCK_M on the grid's third axis, rows past M masked).
+
+Both operands arrive quantized (packed E2M1 codes, E8M0 block scales, optional MBS bytes),
+so decode and prefill compute the same x_hat. Each program streams a [BLOCK_N, BLOCK_K]
+tile of packed weights, with one load per scale block and its MBS bytes, exactly once;
+dequantizes in registers; and multiplies with tl.dot, accumulating in fp32.
+
+Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
+- value(code) * 2^e is exact in fp32 and in bf16 (two significant bits), so the tensor-core
+  dot on bf16 operands forms exact products and accumulates them in fp32.
+- MBS divides every element by F = 1 + m/256 (x_hat = value * X / F). F is constant over a
+  macro block (MACRO = 128 by default, any power of two >= 16) of each row of x and of W, so
+  instead of dividing elements the kernel divides the partial product of each macro block's
+  K range by Fx[m] * Fw[n] (exact: a product of two 9-bit integers over 2^16) with one IEEE
+  division (`div_rn`; the default `/` lowers to the approximate div.full.f32, up to 2 ulp),
+  the paper's per-chunk sigma_A * sigma_B (section 4.3.2, Appendix E). MACRO >= BLOCK_K: a
+  K step lies inside one macro block, one division per step. MACRO < BLOCK_K (16, 32 with
+  the GPU's 64-element step): the step keeps its loads (one 32-byte sector per weight row)
+  and its weight dequantization, and runs one dot per macro block on x with the other
+  macro blocks' columns zeroed (x is the small operand), so each macro block's partial is
+  divided once by its own factors and the BLOCK_K / MACRO quotients are summed in the step.
+The only differences left are fp32 rounding order; the tests bound them against float64
+(docs/numerics.md, "Kernel numerics and error bounds").
+Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers. Only
+the tile's first row is offset in 64 bits; offsets inside a tile are 32-bit (the wrapper
+checks that they fit), so no 64-bit pointer tile is kept live across the K loop.
+
+Register budget (`mxplus kernels --aot`, kernels/README.md): 4 warps, a 16 x 32 output tile
+and 64 K elements (one 32-byte sector per weight row) per step keep every configuration on
+sm_80/90/100 far from a spill. The K mask compares byte indices with the row's byte count
+KB, so on 16-divisible shapes it is constant over a scale block and the weight loads
+vectorize (and pipeline as cp.async).
+
+The packed layout puts element 2i in the low nibble and 2i+1 in the high nibble of byte i,
+for x and W alike, so the kernel never interleaves: it computes
+dot(x_lo, W_lo^T) + dot(x_hi, W_hi^T) over the even and the odd elements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.triton.launch import (
+    capturing,
+    ceil_div,
+    check_available,
+    interpreting,
+    launch,
+    tl,
+    triton,
+)
+from vllm_mxplus.formats import MACRO_BLOCK
+
+SUPPORTED_BLOCK_SIZES = (16, 32)
+MAX_SPLIT_K = 16
+GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
+GPU_BLOCK_N = 32
+GPU_BLOCK_K = 64  # K elements per step on the GPU: one 32-byte sector per weight row
+GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
+MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
+MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
+MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
+NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
+
+
+@triton.jit
+def e2m1_value(c):
+    """fp32 value of E2M1 codes c (int32, 0..15): magnitudes 0, .5, 1, ..., 6; code 8 is -0.0.
+
+    With e = (c & 7) >> 1 and m = c & 1, the bits (c & 7) << 22 are the fp32 with exponent
+    field e and mantissa m/2: 2^(e-127) * (1 + m/2) for e >= 1, the subnormal m * 2^-127 for
+    e = 0. One multiply by 2^126 is exact and gives 2^(e-1) * (1 + m/2), resp. m/2: the E2M1
+    magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
+    """
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def e8m0_value(code):
+    """fp32 2^(code - 127) from the bits; code 0 is the subnormal 2^-127, code 255 is NaN."""
+    bits = tl.where(code == 0, 1 << 22, code << 23)
+    bits = tl.where(code == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mbs_factor(m):
+    """F = 1 + m/256 in fp32 (exact)."""
+    return (m.to(tl.float32) + 256.0) * 0.00390625
+
+
+@triton.jit
+def mbs_pair_factor(
+    xmbs_ptr,
+    wmbs_ptr,
+    m0,
+    n0,
+    stride_xmm,
+    stride_wmn,
+    c,
+    valid,
+    mask_m,
+    mask_n,
+    X_MBS: tl.constexpr,
+    W_MBS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fx[m] * Fw[n] [BLOCK_M, BLOCK_N] of macro block c of the tile's rows (1 for an operand
+    without MBS; `valid` False: 1, nothing read). Exact: two 9-bit integers over 2^16."""
+    fx = tl.full((BLOCK_M,), 1.0, tl.float32)
+    fw = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if X_MBS:
+        xm = xmbs_ptr + m0.to(tl.int64) * stride_xmm + c
+        i_m = tl.arange(0, BLOCK_M)
+        fx = mbs_factor(tl.load(xm + i_m * stride_xmm, mask=mask_m & valid, other=0))
+    if W_MBS:
+        wm = wmbs_ptr + n0.to(tl.int64) * stride_wmn + c
+        i_n = tl.arange(0, BLOCK_N)
+        fw = mbs_factor(tl.load(wm + i_n * stride_wmn, mask=mask_n & valid, other=0))
+    return fx[:, None] * fw[None, :]
+
+
+@triton.jit
+def _decode_gemm_kernel(
+    xc_ptr,
+    xs_ptr,
+    xmbs_ptr,
+    wc_ptr,
+    ws_ptr,
+    wmbs_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    KB,
+    K_PER_SPLIT,
+    stride_xcm,
+    stride_xsm,
+    stride_xmm,
+    stride_wcn,
+    stride_wsn,
+    stride_wmn,
+    stride_os,
+    stride_om,
+    BS: tl.constexpr,
+    MACRO: tl.constexpr,
+    X_MBS: tl.constexpr,
+    W_MBS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)  # split-K slice
+    pid_m = tl.program_id(2)
+    NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
+    HB: tl.constexpr = BS // 2  # bytes per scale block
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    i_m = tl.arange(0, BLOCK_M)
+    i_n = tl.arange(0, BLOCK_N)
+    i_b = tl.arange(0, NB)
+    i_h = tl.arange(0, HB)
+    mask_m = (m0 + i_m) < M
+    mask_n = (n0 + i_n) < N
+    # 64-bit offsets of the tile's first row, 32-bit ones inside the tile (module docstring)
+    xc_base = xc_ptr + m0.to(tl.int64) * stride_xcm
+    xs_base = xs_ptr + m0.to(tl.int64) * stride_xsm
+    wc_base = wc_ptr + n0.to(tl.int64) * stride_wcn
+    ws_base = ws_ptr + n0.to(tl.int64) * stride_wsn
+    # x tile [BLOCK_M, NB, HB] and its scales [BLOCK_M, NB, 1]
+    jx = i_b[None, :, None] * HB + i_h[None, None, :]
+    x_off = i_m[:, None, None] * stride_xcm + jx
+    xs_off = i_m[:, None, None] * stride_xsm + i_b[None, :, None]
+    # weight tile [NB, HB, BLOCK_N] (transposed) and its scales [NB, 1, BLOCK_N]
+    jw = i_b[:, None, None] * HB + i_h[None, :, None]
+    w_off = i_n[None, None, :] * stride_wcn + jw
+    ws_off = i_n[None, None, :] * stride_wsn + i_b[:, None, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kb0 = k0 // 2
+        sb0 = k0 // BS
+        left = K - k0
+        # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
+        mx = mask_m[:, None, None] & (jx < KB - kb0)
+        xb = tl.load(xc_base + kb0 + x_off, mask=mx, other=0).to(tl.int32)
+        xs = tl.load(
+            xs_base + sb0 + xs_off,
+            mask=mask_m[:, None, None] & (i_b[None, :, None] * BS < left),
+            other=127,
+        )
+        xsv = e8m0_value(xs.to(tl.int32))
+        x_lo = tl.reshape((e2m1_value(xb & 15) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+        x_hi = tl.reshape((e2m1_value(xb >> 4) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+
+        mw = (jw < KB - kb0) & mask_n[None, None, :]
+        wb = tl.load(wc_base + kb0 + w_off, mask=mw, other=0).to(tl.int32)
+        ws = tl.load(
+            ws_base + sb0 + ws_off,
+            mask=(i_b[:, None, None] * BS < left) & mask_n[None, None, :],
+            other=127,
+        )
+        wsv = e8m0_value(ws.to(tl.int32))
+        w_lo = tl.reshape((e2m1_value(wb & 15) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
+        w_hi = tl.reshape((e2m1_value(wb >> 4) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
+
+        if (X_MBS or W_MBS) and MACRO < BLOCK_K:
+            # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
+            # error bounds"): one dot per macro block, on x with the other macro blocks'
+            # columns zeroed (x is the small operand: BLOCK_M rows; the weight tile is loaded
+            # and dequantized once per step as for any macro block), each partial divided
+            # once by its own exact Fx * Fw, the quotients summed in the step.
+            HMB: tl.constexpr = MACRO // 2  # bytes (= columns of x_lo / x_hi) per macro block
+            col_mb = tl.arange(0, BLOCK_K // 2)[None, :] // HMB
+            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for j in tl.static_range(BLOCK_K // MACRO):
+                sel = col_mb == j
+                pj = tl.dot(
+                    tl.where(sel, x_lo, 0.0).to(DOT_DTYPE),
+                    w_lo,
+                    input_precision=DOT_PRECISION,
+                    out_dtype=tl.float32,
+                )
+                pj = tl.dot(
+                    tl.where(sel, x_hi, 0.0).to(DOT_DTYPE),
+                    w_hi,
+                    pj,
+                    input_precision=DOT_PRECISION,
+                    out_dtype=tl.float32,
+                )
+                f = mbs_pair_factor(
+                    xmbs_ptr,
+                    wmbs_ptr,
+                    m0,
+                    n0,
+                    stride_xmm,
+                    stride_wmn,
+                    k0 // MACRO + j,
+                    k0 + j * MACRO < K,  # a macro block past K: no byte to read
+                    mask_m,
+                    mask_n,
+                    X_MBS,
+                    W_MBS,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+                part += tl.math.div_rn(pj, f)  # exact F product, IEEE division
+        else:
+            part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            if X_MBS or W_MBS:
+                # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
+                f = mbs_pair_factor(
+                    xmbs_ptr,
+                    wmbs_ptr,
+                    m0,
+                    n0,
+                    stride_xmm,
+                    stride_wmn,
+                    k0 // MACRO,
+                    True,
+                    mask_m,
+                    mask_n,
+                    X_MBS,
+                    W_MBS,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+                part = tl.math.div_rn(part, f)  # exact F product, IEEE division
+        acc += part
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n0 + i_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = (
+        out_ptr
+        + pid_s.to(tl.int64) * stride_os
+        + (m0 + i_m).to(tl.int64)[:, None] * stride_om
+        + (n0 + i_n)[None, :]
+    )
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def supports_macro_block(macro_block: int) -> bool:
+    """Whether the kernel tiles this MBS macro block: a power of two >= 16, so a K step
+    (itself a power of two) lies inside one macro block or holds whole ones, never parts."""
+    return macro_block >= MIN_MACRO_BLOCK and macro_block & (macro_block - 1) == 0
+
+
+def _infer_block_size(k: int, n_scales: int) -> int:
+    for bs in SUPPORTED_BLOCK_SIZES:
+        if ceil_div(k, bs) == n_scales:
+            return bs
+    raise ValueError(
+        f"decode_gemm: {n_scales} scales per row fit no block size in "
+        f"{SUPPORTED_BLOCK_SIZES} for K={k}"
+    )
+
+
+def _check_operand(
+    name: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    bs: int,
+    macro: int,
+) -> None:
+    rows = codes.shape[0]
+    if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] != ceil_div(k, 2):
+        raise ValueError(
+            f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)="
+            f"{ceil_div(k, 2)}], got {codes.dtype} {tuple(codes.shape)}"
+        )
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, ceil_div(k, bs)):
+        raise ValueError(
+            f"decode_gemm: {name}_scales must be uint8 E8M0 "
+            f"[{rows}, {ceil_div(k, bs)}],"
+            f" got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if mbs is not None and (
+        mbs.dtype != torch.uint8 or tuple(mbs.shape) != (rows, ceil_div(k, macro))
+    ):
+        raise ValueError(
+            f"decode_gemm: {name}_mbs must be uint8 [{rows}, {ceil_div(k, macro)}],"
+            f" got {mbs.dtype} {tuple(mbs.shape)}"
+        )
+
+
+def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _tile_addressable(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """t, or a compact copy, such that offsets inside a tile of `rows` rows fit in 32 bits
+    (the kernel offsets only a tile's first row in 64 bits)."""
+    if t is None or t.shape[0] == 0:
+        return t
+    last = (min(rows, t.shape[0]) - 1) * t.stride(0) + t.shape[1]
+    if last < MAX_TILE_OFFSET:
+        return t
+    t = t.contiguous()
+    if (min(rows, t.shape[0]) - 1) * t.stride(0) + t.shape[1] >= MAX_TILE_OFFSET:
+        raise ValueError(f"decode_gemm: rows of {t.shape[1]} bytes are too long for one tile")
+    return t
+
+
+def _default_split_k(out_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Enough (output tile, K slice) programs to fill the GPU about twice; 1 in the
+    interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
+    fp32 partials would cost split x M x N x 4 bytes."""
+    if capturing():
+        sms = NOMINAL_SMS
+    elif interpreting() or device.type != "cuda":
+        return 1
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
+
+
+def decode_gemm(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: torch.Tensor | None,
+    K: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_size: int | None = None,
+    macro_block: int = MACRO_BLOCK,
+    block_n: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
+
+    x_codes uint8 [M, ceil(K/2)], x_scales uint8 E8M0 [M, ceil(K/bs)], x_mbs uint8
+    [M, ceil(K/macro_block)] or None; w_* the same with N rows (the `formats.quantize` layout
+    of a weight [N, K]). Formats: block 16 or 32 E8M0 (`mxfp4-16-oas`, `mxfp4-ocp`, ...) with
+    or without MBS on either operand (`mxfp4-mbs-d` weights with `mxfp4-mbs-s` activations);
+    macro_block: a power of two >= 16 (`supports_macro_block`). Any M: rows are tiled (more
+    than MAX_GRID_M_TILES row tiles run as consecutive launches).
+    block_size is inferred from the scale count when not given. fp32 accumulation; the
+    output dtype is bf16, fp16 or fp32. block_n / split_k override the launch heuristics.
+    """
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"decode_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    bs = block_size or _infer_block_size(K, x_scales.shape[-1])
+    if bs not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}"
+        )
+    has_mbs = x_mbs is not None or w_mbs is not None
+    if has_mbs and not supports_macro_block(macro_block):
+        raise ValueError(
+            f"decode_gemm: macro_block must be a power of two >= {MIN_MACRO_BLOCK} (a K step "
+            f"holds whole macro blocks), got {macro_block}"
+        )
+    _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
+    _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
+    m, n = x_codes.shape[0], w_codes.shape[0]
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    check_available(w_codes)
+    x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias = map(
+        _row_major, (x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias)
+    )
+
+    interp = interpreting()
+    # GPU: GPU_BLOCK_M x GPU_BLOCK_N output tiles, GPU_BLOCK_K of K per step (inside one
+    # macro block, or whole macro blocks of 16 / 32). The interpreter pays per program and
+    # per step, not per element, so it gets the largest tiles that keep numpy's temporaries
+    # small; macro blocks under GPU_BLOCK_K get the GPU's K step, so the tests run the
+    # GPU's per-macro-block dots.
+    if interp:
+        block_m = max(16, min(128, triton.next_power_of_2(m)))
+        block_n = block_n or 256
+        if has_mbs:
+            block_k = min(macro_block, 512) if macro_block >= GPU_BLOCK_K else GPU_BLOCK_K
+        else:
+            block_k = 512
+    else:
+        block_m = GPU_BLOCK_M
+        block_n = block_n or GPU_BLOCK_N
+        block_k = GPU_BLOCK_K
+    launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
+    x_codes, x_scales, x_mbs = (_tile_addressable(t, block_m) for t in (x_codes, x_scales, x_mbs))
+    w_codes, w_scales, w_mbs = (_tile_addressable(t, block_n) for t in (w_codes, w_scales, w_mbs))
+    if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
+        rows = MAX_GRID_M_TILES * block_m
+        xs = (x_codes, x_scales, x_mbs)
+        return torch.cat(
+            [
+                decode_gemm(
+                    *(None if t is None else t[r : r + rows] for t in xs),
+                    w_codes,
+                    w_scales,
+                    w_mbs,
+                    K,
+                    bias,
+                    out_dtype,
+                    block_size=bs,
+                    macro_block=macro_block,
+                    block_n=block_n,
+                    split_k=split_k,
+                )
+                for r in range(0, m, rows)
+            ]
+        )
+    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(K, block_k)
+    out_tiles = n_tiles * triton.cdiv(m, block_m)
+    split = max(1, min(split_k or _default_split_k(out_tiles, k_tiles, w_codes.device), k_tiles))
+    k_per_split = ceil_div(k_tiles, split) * block_k
+    split = ceil_div(K, k_per_split)  # no empty slices
+
+    if m == 0 or n == 0:
+        return torch.zeros((m, n), dtype=out_dtype, device=w_codes.device)
+    if interp and bias is not None:
+        bias = bias.to(torch.float32)  # the interpreter's bf16/fp16 conversions are not exact
+    if split == 1:
+        # The interpreter's fp32 -> bf16 cast does not round to nearest even: cast outside.
+        out = torch.empty(
+            (m, n), dtype=torch.float32 if interp else out_dtype, device=w_codes.device
+        )
+        stride_os = 0
+    else:  # fp32 partials per K slice, summed below (deterministic, unlike atomics)
+        out = torch.empty((split, m, n), dtype=torch.float32, device=w_codes.device)
+        stride_os = out.stride(0)
+
+    grid = (n_tiles, split, triton.cdiv(m, block_m))
+    dummy = w_scales  # stands in for absent optional pointers; never dereferenced
+    launch(
+        _decode_gemm_kernel,
+        grid,
+        x_codes,
+        x_scales,
+        x_mbs if x_mbs is not None else dummy,
+        w_codes,
+        w_scales,
+        w_mbs if w_mbs is not None else dummy,
+        bias if (bias is not None and split == 1) else dummy,
+        out,
+        m,
+        n,
+        K,
+        ceil_div(K, 2),
+        k_per_split,
+        x_codes.stride(0),
+        x_scales.stride(0),
+        x_mbs.stride(0) if x_mbs is not None else 0,
+        w_codes.stride(0),
+        w_scales.stride(0),
+        w_mbs.stride(0) if w_mbs is not None else 0,
+        stride_os,
+        out.stride(-2),
+        BS=bs,
+        MACRO=macro_block,
+        X_MBS=x_mbs is not None,
+        W_MBS=w_mbs is not None,
+        HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        # The interpreter's bf16 is wrong: it multiplies in fp32 ("ieee").
+        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+        DOT_PRECISION="ieee" if interp else None,  # None: bf16 operands, no fp32 mode
+        **launch_options,
+    )
+    if split == 1:
+        return out.to(out_dtype)
+    y = out.sum(0)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(out_dtype)

@@ -1,0 +1,148 @@
+"""Optional Triton import and the helpers the Triton kernels share.
+
+Triton is optional: without it this module still imports, `triton.jit` becomes a stub that
+raises when a kernel is launched, and `is_available()` says why the kernels cannot run.
+Under `TRITON_INTERPRET=1` the kernels run on CPU tensors (slowly), which is how the tests
+check them on machines without a GPU.
+
+Every launcher starts its kernel through `launch(kernel, grid, *args, **constexprs)`, so
+`capture_launches()` can record what the launchers would launch, with the GPU's tile
+choices, without running anything: `vllm_mxplus.kernel_tools.aot` compiles exactly those
+configurations to machine code for sm_80/90/100.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from vllm_mxplus.formats.constants import ceil_div  # re-exported for the launchers
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+    _IMPORT_ERROR = ""
+except ImportError as exc:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+    _IMPORT_ERROR = f"triton is not installed ({exc})"
+
+    def _missing(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {_IMPORT_ERROR}")
+
+    class _StubKernel:
+        """Stands in for a @triton.jit function: defining it works, launching it raises."""
+
+        def __init__(self, fn: Callable) -> None:
+            self.fn = fn
+
+        def __getitem__(self, _grid: Any) -> Callable:
+            return _missing
+
+        __call__ = _missing
+
+    def _jit(fn: Callable | None = None, **_kwargs: Any) -> Any:
+        return _StubKernel(fn) if fn is not None else _StubKernel
+
+    triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b))
+    # Kernel signatures use `tl.constexpr` as an annotation, evaluated at definition time.
+    tl = types.SimpleNamespace(constexpr=int)
+
+
+def interpreter_enabled() -> bool:
+    """True when TRITON_INTERPRET=1 is set now (Triton reads it when a kernel is defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton decides interpreter vs. compiler when `@triton.jit` runs, i.e. when the kernel
+# modules import, right after this one: record that choice so that launches stay consistent.
+INTERPRET = HAS_TRITON and interpreter_enabled()
+
+
+class Launch(NamedTuple):
+    """One recorded kernel launch: the @triton.jit object, grid, positional args, constexprs."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+_CAPTURE: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Record launches instead of running them, with the GPU's tile choices (not the
+    interpreter's) and no device check: tensors may live on the meta device."""
+    global _CAPTURE
+    prev, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = prev
+
+
+def capturing() -> bool:
+    return _CAPTURE is not None
+
+
+def interpreting() -> bool:
+    """Whether launchers should pick the interpreter's tiles (never while capturing)."""
+    return INTERPRET and _CAPTURE is None
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """kernel[grid](*args, **kwargs), or record it inside `capture_launches()`."""
+    if _CAPTURE is not None:
+        _CAPTURE.append(Launch(kernel, tuple(grid), args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+def is_available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on `device` (default: CUDA), and why not."""
+    if not HAS_TRITON:
+        return False, _IMPORT_ERROR
+    if _CAPTURE is not None:
+        return True, "capturing launches (no kernel runs)"
+    if INTERPRET:
+        return True, "triton interpreter (TRITON_INTERPRET=1)"
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False, (
+            f"tensors on {dev}: the kernels were compiled for CUDA; CPU needs TRITON_INTERPRET=1 "
+            "set before vllm_mxplus.backends imports triton"
+        )
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run on CPU, slowly)"
+    return True, f"triton {triton.__version__} on {torch.cuda.get_device_name(dev)}"
+
+
+def check_available(tensor: torch.Tensor) -> None:
+    """Raise a RuntimeError naming the reason when a kernel cannot run on tensor's device."""
+    ok, reason = is_available(tensor.device)
+    if not ok:
+        raise RuntimeError(f"vllm_mxplus Triton kernels unavailable: {reason}")
+
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "Launch",
+    "capture_launches",
+    "capturing",
+    "ceil_div",
+    "check_available",
+    "interpreting",
+    "is_available",
+    "launch",
+    "tl",
+    "triton",
+]

@@ -1,0 +1,103 @@
+"""The Triton kernels as torch custom ops, so torch.compile and CUDA graphs can trace them.
+
+  torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
+  torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
+                                           K, bias=None, out_dtype=bf16, block_size=0,
+                                           macro_block=128) -> y
+
+A custom op returns tensors only, so absent outputs (mbs without MBS, global_scale outside
+nvfp4) come back as empty tensors with a last dim of 0; the Python wrappers below map them
+to None. The fake (meta) implementations give every output's shape and dtype from the
+inputs alone, which is what torch.compile needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton.act_quant import act_quant
+from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats.constants import ceil_div
+
+
+def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
+    spec = get_format(fmt)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    scale_dtype = torch.float8_e4m3fn if spec.scale_rule == "e4m3" else torch.uint8
+    return (
+        ((*lead, ceil_div(k, 2)), torch.uint8),
+        ((*lead, ceil_div(k, spec.block_size)), scale_dtype),
+        ((*lead, ceil_div(k, macro_block) if spec.mbs else 0), torch.uint8),
+        ((*lead, 1 if spec.scale_rule == "e4m3" else 0), torch.float32),
+    )
+
+
+@torch.library.custom_op(op_name("triton_act_quant"), mutates_args=())
+def _act_quant_op(
+    x: torch.Tensor, fmt: str, macro_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scales, mbs, gs = act_quant(x, fmt, macro_block=macro_block)
+    (_, _, (mbs_shape, _), (gs_shape, _)) = _act_quant_shapes(x, fmt, macro_block)
+    if mbs is None:
+        mbs = torch.empty(mbs_shape, dtype=torch.uint8, device=x.device)
+    if gs is None:
+        gs = torch.empty(gs_shape, dtype=torch.float32, device=x.device)
+    return codes, scales, mbs, gs
+
+
+@_act_quant_op.register_fake
+def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
+    return tuple(
+        x.new_empty(shape, dtype=dtype) for shape, dtype in _act_quant_shapes(x, fmt, macro_block)
+    )
+
+
+@torch.library.custom_op(op_name("triton_decode_gemm"), mutates_args=())
+def decode_gemm_op(
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
+    x_mbs: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: torch.Tensor | None,
+    K: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 0,
+    macro_block: int = MACRO_BLOCK,
+) -> torch.Tensor:
+    """`triton_decode_gemm.decode_gemm` as a custom op (traceable); block_size 0: the one
+    the scale shapes imply; macro_block: the MBS bytes' macro block (one per that many K)."""
+    x, w = (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs)
+    return decode_gemm(
+        *x, *w, K, bias, out_dtype, block_size=block_size or None, macro_block=macro_block
+    )
+
+
+@decode_gemm_op.register_fake
+def _decode_gemm_fake(
+    xc,
+    xs,
+    xm,
+    wc,
+    ws,
+    wm,
+    K,
+    bias=None,
+    out_dtype=torch.bfloat16,
+    block_size=0,
+    macro_block=MACRO_BLOCK,
+):
+    """[M, N] in out_dtype: x codes [M, K/2], weight codes [N, K/2]."""
+    return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=out_dtype)
+
+
+def act_quant_op(
+    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`triton_act_quant.act_quant` through the custom op (traceable); same return values."""
+    spec = get_format(fmt)
+    codes, scales, mbs, gs = torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block)
+    return codes, scales, mbs if spec.mbs else None, gs if spec.scale_rule == "e4m3" else None

@@ -1,0 +1,163 @@
+"""Triton device functions of the activation quantizers (`triton_act_quant`, the fused
+sm_90a encoder `triton_act_fp8`): E2M1 codes, E8M0 scales, MBS-S, E4M3 rounding, tile loads.
+
+Each is bit-exact to its `vllm_mxplus.formats` counterpart (docs/numerics.md, "E2M1
+elements", "E8M0 block scales", "Macro Block Scaling", "NVFP4"); the module docstring of
+`triton_act_quant` says which GPU numerics they avoid and how.
+"""
+
+from __future__ import annotations
+
+from vllm_mxplus.backends.triton.launch import tl, triton
+from vllm_mxplus.formats import constants as C
+
+# Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
+E8M0_NAN = tl.constexpr(C.E8M0_NAN)
+NO_THRESHOLD = -1  # ocp: d is always 0
+MBS_STATIC_MASK = tl.constexpr(C.MBS_STATIC_MASK)  # the 8 leading mantissa bits of fp32(6/a)
+MBS_STATIC_SHIFT = tl.constexpr(C.MBS_STATIC_SHIFT)
+MBS_INV_DENOM = tl.constexpr(1.0 / C.MBS_DENOM)  # 2^-8, exact
+MBS_DENOM = tl.constexpr(float(C.MBS_DENOM))
+NVFP4_GLOBAL_DIV = tl.constexpr(C.E2M1_MAX * C.F8E4M3_MAX)  # 6 * 448 = 2688
+E2M1_MAX = tl.constexpr(C.E2M1_MAX)
+F8E4M3_MAX = tl.constexpr(C.F8E4M3_MAX)
+F8E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+F8E4M3_SUB_ROUNDER = tl.constexpr(16384.0)  # 2^14: fp32 ulp 2^-9, the e4m3 subnormal step
+
+#: d = 1 above these fp32 mantissa bits, per E8M0 scale rule (docs/numerics.md, "E8M0 block
+#: scales"); shared with the fused sm_90a encoder (triton_act_fp8).
+MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": C.FLOOR_MANTISSA, "oas": C.OAS_MANTISSA}
+
+
+@triton.jit
+def e2m1_magnitude_code(v):
+    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0."""
+    c = (v > 0.25).to(tl.int32)
+    c += (v >= 0.75).to(tl.int32)
+    c += (v > 1.25).to(tl.int32)
+    c += (v >= 1.75).to(tl.int32)
+    c += (v > 2.5).to(tl.int32)
+    c += (v >= 3.5).to(tl.int32)
+    c += (v > 5.0).to(tl.int32)
+    return c
+
+
+@triton.jit
+def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load x as fp32 at once (the interpreter's bf16 arithmetic is wrong).
+
+    bf16 arrives as int16 bits and widens by a shift: exact for every value, including
+    subnormals, which the interpreter's own bf16 -> fp32 conversion gets wrong.
+    """
+    if BF16_BITS:
+        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        return ((raw & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def abs_nan_to_inf(x):
+    """|x| with NaN replaced by +inf, so max reductions see non-finite blocks on any backend."""
+    ax = tl.abs(x)
+    return tl.where(ax == ax, ax, float("inf"))
+
+
+@triton.jit
+def e8m0_code(absmax, MANT_THRESHOLD: tl.constexpr):
+    """E8M0 code (int32) of a block absmax >= 0 (+inf for a non-finite block).
+
+    code = biased_exp(a) - 2 + d, clamped to [0, 254]; 255 for +inf. A subnormal or zero
+    absmax has biased exponent 0, so it lands on code 0, as the reference's clamp does.
+    """
+    bits = absmax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    if MANT_THRESHOLD >= 0:
+        e += ((bits & 0x7FFFFF) > MANT_THRESHOLD).to(tl.int32)
+    code = tl.minimum(tl.maximum(e - 2, 0), 254)
+    return tl.where(absmax == float("inf"), E8M0_NAN, code)
+
+
+@triton.jit
+def e8m0_reciprocal(code):
+    """fp32 2^(127 - code): exact and normal for finite-block codes 0..253 (never 254)."""
+    c = tl.minimum(code, 253)
+    return ((254 - c) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack_nibbles(codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] int32 codes -> [BLOCK_M, BLOCK_K // 2] bytes, element 2i low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def load_row_tile(
+    x_ptr, M, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """This program's tile: (offs_m, offs_k, row mask, fp32 x [BLOCK_M, BLOCK_K]), zeros past
+    M and K (zeros change no absmax and encode as +0, like the torch path's padding)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    offs_m = offs_m.to(tl.int64)  # row * stride overflows int32 for M*K >= 2^31
+    x = load_f32(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask_m[:, None] & (offs_k[None, :] < K),
+        BF16_BITS,
+    )
+    return offs_m, offs_k, mask_m, x
+
+
+@triton.jit
+def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.constexpr):
+    """MBS-S of fp32 tile rows x [BLOCK_M, NM*MACRO]: (m int32 [BLOCK_M, NM], F fp32
+    [BLOCK_M, NM], y = fp32(x*F)).
+
+    Paper eq. 3: m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a non-finite macro
+    block -> m = 0."""
+    a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
+    finite = (a > 0.0) & (a < float("inf"))
+    r = tl.math.div_rn(tl.full(a.shape, E2M1_MAX, tl.float32), tl.where(finite, a, 1.0))
+    m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
+    m = tl.where(finite, m, 0)
+    f = (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM  # F = 1 + m/256, exact
+    y = tl.reshape(
+        tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, NM * MACRO)
+    )  # one fp32 multiply (RNE)
+    return m, f, y
+
+
+@triton.jit
+def e8m0_block_quant(
+    y, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr
+):
+    """E8M0 block quantization of fp32 y [BLOCK_M, NB*BLOCK]: (scale codes int32 [BM, NB],
+    255 = NaN block; magnitude codes [BM, NB, BLOCK]; sign bits [BM, NB, BLOCK]). Elements
+    of a NaN block get magnitude and sign 0."""
+    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK))
+    code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
+    nan_blk = (code == E8M0_NAN)[:, :, None]
+    mag = tl.where(nan_blk, 0, e2m1_magnitude_code(ay * e8m0_reciprocal(code)[:, :, None]))
+    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
+    return code, mag, tl.where(nan_blk, 0, neg)
+
+
+@triton.jit
+def e4m3_round(s):
+    """Round fp32 s in [0, 448] or NaN to float8_e4m3fn (RNE): (byte int32, value fp32)."""
+    is_nan = s != s
+    s = tl.where(is_nan, 0.0, s)  # keeps NaN out of the float -> int conversion below
+    bits = s.to(tl.int32, bitcast=True)
+    # normal range: round the 23-bit mantissa to 3 bits, ties to even, carry into the exponent
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    normal_byte = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
+    normal_val = rb.to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2^-9; q = 8 is 2^-6, whose byte 0x08 is the smallest normal
+    sub_val = (s + F8E4M3_SUB_ROUNDER) - F8E4M3_SUB_ROUNDER
+    sub_byte = (sub_val * 512.0).to(tl.int32)
+    is_normal = s >= F8E4M3_MIN_NORMAL
+    byte = tl.where(is_normal, normal_byte, sub_byte)
+    val = tl.where(is_normal, normal_val, sub_val)
+    return tl.where(is_nan, 0x7F, byte), tl.where(is_nan, float("nan"), val)

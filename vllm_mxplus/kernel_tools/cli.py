@@ -1,0 +1,183 @@
+"""`mxplus kernels`: build the C++ CPU kernels now (instead of at the first model load) and
+say which backend each scheme gets on this machine; or compile the GPU kernels ahead of time.
+
+    mxplus kernels            # build if needed, print the build path and the CPU backends
+    mxplus kernels --check    # also run a small bit-exactness self-test against formats
+    mxplus kernels --aot      # compile every Triton kernel configuration for sm_80/90/100
+                              # (no GPU needed); fails on a compile error, a register spill
+                              # or shared memory over the limit
+    mxplus kernels --aot --targets 80,90,100 --quick   # the representative subset CI runs
+    mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
+    mxplus kernels --aot --macro-block 16,32,64     # the MBS configurations of these macro
+                                                    # blocks only, one line per compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "kernels",
+        help="build the C++ CPU kernels and show the CPU backend per scheme",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats",
+    )
+    g = p.add_argument_group("ahead-of-time GPU compilation (no GPU needed)")
+    g.add_argument(
+        "--aot",
+        action="store_true",
+        help="compile every Triton kernel configuration the launchers can launch to "
+        "machine code with ptxas -v; exit 1 on a compile failure, a spill or "
+        "shared memory over the target's limit",
+    )
+    g.add_argument(
+        "--targets",
+        default="80,90,100",
+        help="compute capabilities to compile for, comma-separated (default: 80,90,100)",
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="a representative subset (every kernel, format and flag; fewer shapes "
+        "and dtypes): a few minutes on 2 cores, what CI runs",
+    )
+    g.add_argument(
+        "--kernel",
+        default="",
+        metavar="LAUNCHER[,LAUNCHER]",
+        help="compile only these launchers' configurations: decode_gemm, act_quant, "
+        "act_quant_fp8_chunks (default: all)",
+    )
+    g.add_argument(
+        "--macro-block",
+        default="",
+        metavar="N[,N]",
+        help="compile only the MBS configurations of these macro blocks (the Triton kernels "
+        "take 16, 32, ..., 2048; GPU paths per macro block: docs/numerics.md, Macro Block "
+        "Scaling) and print registers / spills per configuration (default: all)",
+    )
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="parallel compile processes (default: CPU count, at most 8)",
+    )
+
+
+def _self_test() -> list[str]:
+    """Failures of a quick comparison with formats (empty: all bit-exact / in bound)."""
+    import torch
+
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+    from vllm_mxplus.formats import fake_quantize, quantize
+
+    bad = []
+    g = torch.Generator().manual_seed(0)
+    for wf, af in (
+        ("mxfp4-mbs-d", "mxfp4-mbs-s"),
+        ("mxfp4-ocp", "mxfp4-ocp"),
+        ("mxplus", "mxplus"),
+    ):
+        w = torch.randn(64, 576, generator=g) * 0.05
+        x = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+        q = quantize(w, wf)
+        xq = fake_quantize(x, af)
+        if not torch.equal(
+            cpu_kernels.act_fake_quant(x, af).view(torch.int32), xq.view(torch.int32)
+        ):
+            bad.append(f"activation fake-quant {af}")
+        w_hat = q.dequantize()
+        if wf != "mxplus" and not torch.equal(
+            cpu_kernels.dequant_weight(q).view(torch.int32),
+            w_hat.view(torch.int32),
+        ):
+            bad.append(f"weight dequantization {wf}")
+        ref = xq.double() @ w_hat.double().T
+        bound = 2.0**-16 * (xq.abs().double() @ w_hat.abs().double().T)
+        for m in (1, 5):
+            y = (
+                cpu_kernels.mxplus_linear_packed(
+                    x[:m], 64, 576, *cpu_kernels.pack_mxplus(q), None, torch.float32
+                )
+                if wf == "mxplus"
+                else cpu_kernels.mx_linear(
+                    x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32
+                )
+            )
+            if not bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()):
+                bad.append(f"linear {wf} x {af}, M={m}")
+    return bad
+
+
+def _run_aot(args: argparse.Namespace) -> int:
+    from vllm_mxplus.kernel_tools import aot
+
+    try:
+        targets = aot.parse_targets(args.targets)
+        launchers = aot.parse_kernels(args.kernel)
+        macro_blocks = aot.parse_macro_blocks(getattr(args, "macro_block", ""))
+    except ValueError as e:
+        print(f"mxplus kernels: {e}")
+        return 2
+    try:
+        return aot.run_aot(
+            targets,
+            args.quick,
+            max(1, args.jobs),
+            launchers=launchers,
+            macro_blocks=macro_blocks,
+        )
+    except RuntimeError as e:  # triton missing, or a launcher recorded nothing
+        print(f"mxplus kernels --aot: {e}")
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "aot", False):
+        return _run_aot(args)
+    import torch
+
+    from vllm_mxplus.backends.base import LinearSpec
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+    from vllm_mxplus.backends.selection import select
+    from vllm_mxplus.formats import SCHEMES
+
+    t0 = time.time()
+    ok, why = cpu_kernels.load()
+    if not ok:
+        print(f"CPU kernels: unavailable: {why}")
+        print("CPU backend for every scheme: reference (pure torch)")
+        return 1
+    print(
+        f"CPU kernels: {cpu_kernels.build_dir()} ({time.time() - t0:.1f} s; "
+        f"{' '.join(cpu_kernels.cflags()[:1])}, torch CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()})"
+    )
+    quiet = logging.getLogger("vllm_mxplus.backends.selection")
+    level, quiet.level = quiet.level, logging.ERROR  # the listing below says it all
+    try:
+        for name in SCHEMES:
+            chosen = select(
+                LinearSpec(scheme=name, n=16, k=128, out_dtype=torch.bfloat16), "cpu", None
+            )
+            print(f"  {name:14s} -> {' > '.join(b.name for b in chosen)}")
+    finally:
+        quiet.setLevel(level)
+    if args.check:
+        bad = _self_test()
+        print(
+            "self-test: "
+            + ("bit-exact, linear within bound" if not bad else "FAILED: " + "; ".join(bad))
+        )
+        return 1 if bad else 0
+    return 0
