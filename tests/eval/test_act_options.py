@@ -1,19 +1,14 @@
-"""The study's activation options (eval/act_options.py) against `formats`."""
+"""The gptq study's activation options (vllm_mxplus.evaluation.act_options) against `formats`."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from vllm_mxplus.evaluation import act_options
 from vllm_mxplus.formats import fake_quantize
 from vllm_mxplus.formats.mbs import mbs_sse, mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "eval"))
-import act_options  # noqa: E402
 
 
 def _acts(rows: int = 6, k: int = 576) -> torch.Tensor:

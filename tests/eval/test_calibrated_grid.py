@@ -1,14 +1,11 @@
-"""eval/calibrated_grid.py: the served scheme x method table reads each study's saved values."""
+"""vllm_mxplus.evaluation.grid: the served scheme x method table reads each study's saved values."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "eval"))
-
-import calibrated_grid as cg  # noqa: E402
+from vllm_mxplus.evaluation import grid as cg
 
 
 def _study(path: Path, values: dict[str, float]) -> Path:
@@ -16,7 +13,7 @@ def _study(path: Path, values: dict[str, float]) -> Path:
     return path
 
 
-def test_grid_table_and_gap_to_nvfp4(tmp_path: Path, monkeypatch) -> None:
+def test_grid_table_and_gap_to_nvfp4(tmp_path: Path) -> None:
     rtn = _study(
         tmp_path / "rtn.json",
         {
@@ -30,23 +27,28 @@ def test_grid_table_and_gap_to_nvfp4(tmp_path: Path, monkeypatch) -> None:
         tmp_path / "grid.json",
         {"mbsh-gptq/served/wiki_ppl": 90.0, "nvfp4-gptq/served/wiki_ppl": 80.0},
     )
-    rows = {
-        row: {m: ({"rtn": rtn}.get(m, grid), prefix) for m, (_, prefix) in methods.items()}
-        for row, methods in cg.ROWS.items()
+    rows: cg.Rows = {
+        "MXFP4-OCP": {"rtn": (rtn, "smollm2-135m/mxfp4-ocp"), "gptq": (grid, "ocp-gptq/served")},
+        "MXFP4-MBS-H": {
+            "rtn": (rtn, "smollm2-135m/mxfp4-mbs-h"),
+            "rtn-aware": (grid, "mbsh-rtnaware/served"),
+            "gptq": (grid, "mbsh-gptq/served"),
+        },
+        "NVFP4": {"rtn": (rtn, "smollm2-135m/nvfp4"), "gptq": (grid, "nvfp4-gptq/served")},
     }
-    monkeypatch.setattr(cg, "ROWS", rows)
-    got = cg.collect()
+    got = cg.collect(rows)
     assert got["MXFP4-MBS-H"] == {
         "rtn": {"wiki_ppl": 120.0, "news_ppl": 150.0},
         "gptq": {"wiki_ppl": 90.0},
     }
     assert "MXFP4-OCP" not in got  # nothing saved for it: its cells print as "-"
-    md = cg.table(got, {"wiki_ppl": 60.0, "news_ppl": 70.0})
+    md = cg.table(got, {"wiki_ppl": 60.0, "news_ppl": 70.0}, rows, "`bf16.md`")
     mbsh = [line for line in md.splitlines() if line.startswith("| MXFP4-MBS-H |")]
     # first the perplexities, then the gap to NVFP4 under the same method
     assert mbsh[0].split(" | ")[1:7] == ["120.00", "150.00", "–", "–", "90.00", "–"]
     assert mbsh[1].split(" | ")[1:7] == ["+20.0 %", "+20.0 %", "–", "–", "+12.5 %", "–"]
-    assert "BF16 (unquantized" in md and "60.00 / 70.00" in md
+    assert "BF16 (unquantized, `bf16.md`): 60.00 / 70.00." in md
+    assert not [line for line in md.splitlines() if line.startswith("| NVFP4 |")][1:]  # no gap row
 
 
 def test_missing_study_or_value_reads_as_no_result(tmp_path: Path) -> None:

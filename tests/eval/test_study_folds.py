@@ -1,4 +1,5 @@
-"""eval/gptq_study.py's per-fold smoothing ablation: `+sq=F,...` rows fold only those sites."""
+"""The per-fold smoothing ablation of eval/gptq/ (`+sq=F,...` rows fold only those sites):
+vllm_mxplus.evaluation.reference_model.only_folds."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "eval"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
 
-import gptq_study  # noqa: E402
 from ckpt_helpers import make_llama  # noqa: E402
 
 from vllm_mxplus.calibration import smoothing  # noqa: E402
+from vllm_mxplus.evaluation.reference_model import only_folds  # noqa: E402
 
 
 def test_only_the_named_folds_rewrite_tensors(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_only_the_named_folds_rewrite_tensors(tmp_path: Path) -> None:
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     fp32 = {n: torch.float32 for n, _ in model.named_parameters()}
     every = smoothing.FOLDS
-    with gptq_study._only_folds(["o", "down"]):
+    with only_folds(["o", "down"]):
         assert len(smoothing.FOLDS) == 2
         changed = smoothing.smooth_model(
             model, smoothing.input_absmax(model, ids, "cpu"), 0.5, fp32
@@ -41,8 +41,8 @@ def test_only_the_named_folds_rewrite_tensors(tmp_path: Path) -> None:
             "mlp.down_proj.weight",
         )
     )
-    with gptq_study._only_folds(None):
+    with only_folds(None):
         assert smoothing.FOLDS is every
-    with pytest.raises(SystemExit, match="unknown fold"), gptq_study._only_folds(["qk"]):
+    with pytest.raises(ValueError, match="unknown fold"), only_folds(["qk"]):
         pass
     assert smoothing.FOLDS is every

@@ -26,7 +26,7 @@ Resumable: finished (row, task) results are found in OUT/raw and skipped; rerun 
 command after an interruption. Every row runs in its own process (one vLLM engine each).
 
 Examples:
-  mxplus eval configs/smollm2-135m.yaml --out eval/results/smollm2-135m
+  mxplus eval configs/smollm2-135m.yaml --out eval/smollm2-135m
   mxplus eval configs/table1-llama3.1-8b.yaml --model /models/Llama-3.1-8B-Instruct \\
       --rows mxfp4-ocp nvfp4 --limit 50
   mxplus eval configs/smollm2-135m.yaml --table-only      # rebuild the table from OUT/raw"""
@@ -47,7 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="local model dir replacing the config's model path; ID=DIR for "
         "configs with several models (repeatable)",
     )
-    p.add_argument("--out", type=Path, help="output dir (default: eval/results/<config name>)")
+    p.add_argument(
+        "--out", type=Path, help="output dir (default: eval/<config name>, one folder per study)"
+    )
     p.add_argument("--rows", nargs="+", metavar="ROW", help="run only these row ids")
     p.add_argument(
         "--models",
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"mxplus eval: {e}", file=sys.stderr)
         return 2
-    out_dir = (args.out or Path("eval/results") / cfg.name).resolve()
+    out_dir = (args.out or Path("eval") / cfg.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     cells, done = plan(cfg, out_dir, paths, rows=args.rows, limit=args.limit, models=args.models)
     print(

@@ -9,10 +9,10 @@ checks the serving path, not accuracy); then
    (`formats` dequantization to fp32, activations fake-quantized, float64 product) on the
    same inputs; the difference must be within the kernel's stated error bound
    (csrc/mx_gemm_cpu.cpp; docs/numerics.md, "Kernel numerics and error bounds");
-2. vLLM (tests/integration/vllm_driver.py, one process for all checkpoints, under
+2. vLLM (vllm_mxplus.evaluation.vllm_jobs, one process for all checkpoints, under
    `flock /tmp/mxplus-vllm.lock`, checkpoint detected with no --quantization flag) generates
    greedily, and the in-process transformers reference of the same checkpoint
-   (eval/gptq_study.py) scores vLLM's tokens step by step (teacher forcing).
+   (vllm_mxplus.evaluation.reference_model, as eval/gptq/gptq_study.py) scores vLLM's tokens step by step (teacher forcing).
 
 Both sides run in --dtype (default float32, as tests/integration/test_vllm_generate.py): then
 the two differ by accumulation order and the integer GEMM's rounding (within its bound) only.
@@ -26,7 +26,7 @@ In bfloat16 the two sides round the residual stream, norms and attention differe
 relative) and flips happen at nearly every step: agreement then says nothing about the
 checkpoint (that was the 11/24 of the first version of this check, RTN gave 14/24).
 
-  python eval/gptq_serve_check.py --scheme mxfp4-mbs-h --methods rtn rtn-aware gptq
+  python eval/gptq/gptq_serve_check.py --scheme mxfp4-mbs-h --methods rtn rtn-aware gptq
 """
 
 from __future__ import annotations
@@ -41,14 +41,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The largest planet in the solar system is",
-]
-LOGPROB_ATOL = 1e-4  # nats, before the first flip (tests/integration/test_vllm_generate.py)
+from vllm_mxplus.evaluation.reference_model import LOGPROB_ATOL, PROMPTS, quantized_model
 
 
 def layer_check(ckpt: Path, scheme: str, rows: int = 16, seed: int = 0) -> tuple[int, float, str]:
@@ -64,7 +57,7 @@ def layer_check(ckpt: Path, scheme: str, rows: int = 16, seed: int = 0) -> tuple
 
     s = get_scheme(scheme)
     wf, af = s.weight_format, s.activation_format
-    per_row = get_format(af).scale_rule == "e4m3"
+    per_row = get_format(af).has_global_scale
     g = torch.Generator().manual_seed(seed)
     worst, n_layers, names = 0.0, 0, set()
     for q in load(ckpt).values():
@@ -152,15 +145,14 @@ def main() -> int:
             "flock",
             "/tmp/mxplus-vllm.lock",
             sys.executable,
-            str(REPO / "tests" / "integration" / "vllm_driver.py"),
+            "-m",
+            "vllm_mxplus.evaluation.vllm_jobs",
             str(jf),
             str(of),
         ]
         subprocess.run(cmd, env=env, check=False)
         served_all = json.loads(of.read_text())
 
-    sys.path.insert(0, str(HERE))
-    from gptq_study import _quantized_model
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src))
@@ -171,7 +163,7 @@ def main() -> int:
             print(f"vLLM failed to serve {ckpt}: {served['error']}")
             ok = False
             continue
-        model = _quantized_model(src, ckpt, args.scheme, dtype)
+        model = quantized_model(src, ckpt, args.scheme, dtype)
         agree = total = identical = 0
         max_before, max_all, flips = 0.0, 0.0, []
         for p, v_tokens, v_lps in zip(PROMPTS, served["tokens"], served["logprobs"]):

@@ -1,20 +1,17 @@
 """How often the in-process reference "flips" against itself: the same checkpoint with every
 quantized linear's GEMM in float64 instead of fp32 (a ~1e-7 relative perturbation), teacher-
-forced on the fp32 model's greedy tokens for the prompts of eval/gptq_serve_check.py. A flip:
+forced on the fp32 model's greedy tokens for the prompts of eval/gptq/gptq_serve_check.py. A flip:
 the argmax differs or the chosen token's logprob moves by more than 1e-4 nats.
 
-  python eval/gptq_flip_control.py /tmp/gptq-serve-check/mxfp4-mbs-h-rtn [--scheme mxfp4-mbs-h]
+  python eval/gptq/gptq_flip_control.py /tmp/gptq-serve-check/mxfp4-mbs-h-rtn [--scheme mxfp4-mbs-h]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-
-HERE = Path(__file__).resolve().parent
 
 
 def main() -> int:
@@ -22,10 +19,7 @@ def main() -> int:
 
     from vllm_mxplus.assets.smollm2 import smollm2_dir
     from vllm_mxplus.backends.reference import linear as reference
-
-    sys.path.insert(0, str(HERE))
-    from gptq_serve_check import LOGPROB_ATOL, PROMPTS
-    from gptq_study import _quantized_model
+    from vllm_mxplus.evaluation.reference_model import LOGPROB_ATOL, PROMPTS, quantized_model
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("ckpt")
@@ -34,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     src = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(str(src))
-    model = _quantized_model(src, Path(args.ckpt), args.scheme, torch.float32)
+    model = quantized_model(src, Path(args.ckpt), args.scheme, torch.float32)
     fp = torch.nn.functional
 
     class _Float64Linear:  # reference_linear looks up F.linear at call time

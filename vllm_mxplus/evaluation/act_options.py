@@ -1,6 +1,6 @@
 """Activation-side options the study measures before any of them goes into the plugin.
 
-A row `SCHEME:METHOD@ACT` (eval/gptq_study.py) replaces the scheme's activation quantizer:
+A row `SCHEME:METHOD@ACT` (eval/gptq/gptq_study.py) replaces the scheme's activation quantizer:
 
   own      the scheme's own activations and the checkpoint's weights: the control, run by
            the same code as the other options (W4A4 perplexity moves by ~1 % with any change
@@ -127,13 +127,16 @@ def activation_quantizer(act: str) -> Callable[[torch.Tensor], torch.Tensor] | N
     """x -> fp32 fake-quantized x for an mbsd* / mbsgK / mbN option; None for hadB (the
     scheme's own)."""
     kind, n = parse(act)
+    pick: Callable[..., torch.Tensor]
     if kind == "mbsg":
+        assert n is not None  # parse() requires K for mbsgK
         pick = functools.partial(mbs_grid, count=n)
         return functools.partial(_mbs_fake_quant, macro=MACRO_BLOCK, pick=pick)
     if kind == "mbsd":
         pick = mbs_dynamic if n is None else functools.partial(mbs_near_static, radius=n)
         return functools.partial(_mbs_fake_quant, macro=MACRO_BLOCK, pick=pick)
     if kind in ("mb", "wmb"):
+        assert n is not None  # parse() requires N for mbN / wmbN
         return functools.partial(_mbs_fake_quant, macro=n, pick=mbs_static)
     return None
 

@@ -11,7 +11,7 @@ Usage (from the repo root):
   curl -sLO <bigbench-1.0.0.tar.gz URL from https://pypi.org/simple/bigbench/>   # or
   pip download --no-deps --no-binary :all: bigbench==1.0.0   # (fails after downloading at
                                                              # metadata; use the archive)
-  python eval/build_tasks.py --bigbench bigbench-1.0.0.tar.gz
+  python eval/tasks/build.py --bigbench bigbench-1.0.0.tar.gz
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tarfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TASKS_DIR = HERE / "tasks"
+TASKS_DIR = HERE
 
 # BIG-bench tasks of the study: written for BIG-bench (no third-party dataset behind them, as
 # far as the task files say), >= 100 single-answer items, and SmolLM2-135M scores above

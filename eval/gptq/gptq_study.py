@@ -3,7 +3,7 @@
 Each row quantizes SmolLM2 with `vllm_mxplus.checkpoint.quantize_checkpoint` (the code behind
 `mxplus quantize --method ...`), reads the checkpoint back with `vllm_mxplus.checkpoint.load`
 and computes perplexity in-process with transformers using the plugin's reference numerics
-(ops.reference.reference_linear: the stored weight dequantized to fp32, activations
+(vllm_mxplus.evaluation.reference_model, backends.reference.linear.reference_linear: the stored weight dequantized to fp32, activations
 fake-quantized per token with the scheme's activation format, fp32 GEMM, bf16 model), which
 is what vLLM's reference backend computes on CPU, up to GEMM accumulation order.
 
@@ -12,32 +12,36 @@ Text: eval/tasks/wiki_ppl.jsonl (and news_ppl.jsonl with --tasks news), the docu
 (lm-eval's loglikelihood_rolling). Word perplexity = exp(sum NLL / sum words), token
 perplexity = exp(sum NLL / sum tokens). Calibration: the held-out Wikipedia text (default).
 
-  python eval/gptq_study.py --rows mxfp4-mbs-h:gptq nvfp4:rtn ...   # append rows
-  python eval/gptq_study.py --rows mxfp4-mbs-h:rtn@mbsd2 --reuse     # an activation option
-  python eval/gptq_study.py --table-only                             # table + chart
+  python eval/gptq/gptq_study.py --rows mxfp4-mbs-h:gptq nvfp4:rtn ...   # append rows
+  python eval/gptq/gptq_study.py --rows mxfp4-mbs-h:rtn@mbsd2 --reuse     # an activation option
+  python eval/gptq/gptq_study.py --table-only                             # table + chart
 
 A row SCHEME:METHOD@ACT serves the same weights with another activation quantizer (runtime
-MBS-D, smaller macro blocks) or rotates both sides (block Hadamard): eval/act_options.py.
+MBS-D, smaller macro blocks) or rotates both sides (block Hadamard): vllm_mxplus/evaluation/act_options.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import act_options  # eval/act_options.py, next to this script
 import torch
 
+from vllm_mxplus.evaluation import act_options
+from vllm_mxplus.evaluation.reference_model import (
+    only_folds,
+    perplexity,
+    quantized_model,
+)
+
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "results" / "gptq-smollm2-135m"
+OUT = HERE / "results"
+TASKS_DIR = HERE.parent / "tasks"
 SCHEMES = ("mxfp4-ocp", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-h", "nvfp4")
 LABELS = {
     "mxfp4-ocp": "MXFP4-OCP",
@@ -53,154 +57,11 @@ LABELS = {
 METHODS = ("rtn", "rtn-aware", "gptq", "rtn+sq", "rtn-aware+sq", "gptq+sq")
 
 
-# short names of vllm_mxplus.calibration.smoothing.FOLDS, by their first consumer
-FOLD_NAMES = {
-    "self_attn.q_proj": "qkv",
-    "mlp.gate_proj": "gate_up",
-    "mlp.down_proj": "down",
-    "self_attn.o_proj": "o",
-}
-
-
-@contextlib.contextmanager
-def _only_folds(names: list[str] | None) -> Iterator[None]:
-    """Smoothing with only the named folds (None: all) while the block runs."""
-    from vllm_mxplus.calibration import smoothing
-
-    if names is None:
-        yield
-        return
-    every = {FOLD_NAMES[f.consumers[0]]: f for f in smoothing.FOLDS}
-    unknown = sorted(set(names) - set(every))
-    if unknown:
-        raise SystemExit(f"unknown fold(s) {unknown}; folds: {', '.join(every)}")
-    saved = smoothing.FOLDS
-    smoothing.FOLDS = tuple(f for n, f in every.items() if n in names)
-    try:
-        yield
-    finally:
-        smoothing.FOLDS = saved
-
-
 def _docs(task: str, n: int) -> list[str]:
     """The first n documents of the task (all 20 / 71 when n is 0)."""
-    path = HERE / "tasks" / f"{task}_ppl.jsonl"
+    path = TASKS_DIR / f"{task}_ppl.jsonl"
     docs = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
     return docs[:n] if n else docs
-
-
-def _quantized_model(
-    src: Path,
-    ckpt: Path | None,
-    scheme: str | None,
-    dtype: torch.dtype = torch.bfloat16,
-    act: str | None = None,
-) -> torch.nn.Module:
-    """The bf16 model with every quantized linear on the reference numerics: weights from
-    `ckpt` (or, for a hadB option, rotated and quantized RTN here), activations with the
-    scheme's format or the `act` option (eval/act_options.py; for wmbN the checkpoint was
-    written with --macro-block N)."""
-    from transformers import AutoModelForCausalLM
-
-    from vllm_mxplus.backends.reference.linear import reference_linear
-    from vllm_mxplus.checkpoint import load
-    from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
-    from vllm_mxplus.quant_rules import stays_unquantized
-
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
-    if scheme is None or scheme == "bf16":
-        return model
-    sch = get_scheme(scheme)
-    afmt = sch.activation_format
-    per_row = get_format(afmt).scale_rule == "e4m3"
-    mods = dict(model.named_modules())
-    rot_b = act_options.rotation_block(act)
-    if act:
-        act_options.check_scheme(act, afmt)
-    act_q = act_options.activation_quantizer(act) if act else None
-    if rot_b is None:
-        assert ckpt is not None
-        weights = {n: q.dequantize(torch.float32) for n, q in load(ckpt).items()}
-        _load_kept_tensors(model, ckpt)
-        rot = {}
-    else:  # rotated offline, RTN with the scheme's weight format
-        names = [
-            n
-            for n, m in mods.items()
-            if isinstance(m, torch.nn.Linear)
-            and n.startswith("model.")
-            and not stays_unquantized(n)
-        ]
-        rot = {n: act_options.block_rotation(mods[n].in_features, rot_b) for n in names}
-        weights = {
-            n: fake_quantize(mods[n].weight.float() @ rot[n], sch.weight_format) for n in names
-        }
-    for name, w in weights.items():
-        lin = mods[name]
-        r = rot.get(name)
-
-        def forward(
-            x: torch.Tensor,
-            _w: torch.Tensor = w,
-            _b=lin.bias,
-            _r=r,  # noqa: ANN001
-        ) -> torch.Tensor:
-            if _r is not None:
-                x = x.float() @ _r
-            if act_q is None:
-                return reference_linear(
-                    x, _w, _b, afmt, per_row=per_row, out_dtype=dtype, macro_block=MACRO_BLOCK
-                )
-            b = None if _b is None else _b.float()
-            return torch.nn.functional.linear(act_q(x), _w, b).to(dtype)
-
-        lin.forward = forward
-        lin.weight = None  # the bf16 weight is not what the served model computes with
-    return model
-
-
-def _load_kept_tensors(model: torch.nn.Module, ckpt: Path) -> int:
-    """Copy the checkpoint's unquantized tensors (norms, embeddings, lm_head, biases) into
-    `model`: with --smooth they differ from the source model's. Returns how many."""
-    from safetensors import safe_open
-
-    params = dict(model.named_parameters())
-    n = 0
-    for path in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as fh:
-            for name in fh.keys():  # noqa: SIM118  (safe_open is not iterable)
-                p = params.get(name)
-                if p is not None:
-                    t = fh.get_tensor(name)
-                    if t.shape != p.shape:
-                        raise ValueError(
-                            f"{path}: {name} is {tuple(t.shape)}, model has {tuple(p.shape)}"
-                        )
-                    p.data.copy_(t)
-                    n += 1
-    if n == 0:
-        raise ValueError(f"{ckpt}: no unquantized tensor matched the model's parameters")
-    return n
-
-
-def perplexity(model: torch.nn.Module, tok, docs: list[str]) -> dict:  # noqa: ANN001
-    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    nll = 0.0
-    n_tok = n_words = 0
-    with torch.no_grad():
-        for text in docs:
-            ids = [prefix] + tok(text, add_special_tokens=False)["input_ids"]
-            x = torch.tensor([ids])
-            logits = model(input_ids=x).logits[0, :-1].float()
-            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-            n_tok += len(ids) - 1
-            n_words += len(text.split())
-    return {
-        "word_ppl": math.exp(nll / n_words),
-        "token_ppl": math.exp(nll / n_tok),
-        "tokens": n_tok,
-        "words": n_words,
-    }
 
 
 def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
@@ -224,7 +85,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     if scheme != "bf16" and not rotated:
         ckpt = Path(args.work) / (f"{scheme}-{method}" + (f"-mb{w_macro}" if w_macro else ""))
         if not (args.reuse and (ckpt / "config.json").is_file()):
-            with _only_folds(folds):
+            with only_folds(folds):
                 quantize_checkpoint(
                     args.model,
                     ckpt,
@@ -238,7 +99,7 @@ def run_row(row: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
                     macro_block=w_macro or MACRO_BLOCK,
                 )
     t_quant = time.perf_counter() - t0
-    model = _quantized_model(Path(args.model), ckpt, scheme, act=act or None)
+    model = quantized_model(Path(args.model), ckpt, scheme, act=act or None)
     rec = {
         "row": row,
         "scheme": scheme,
@@ -277,7 +138,7 @@ def write_table(command: str, docs: int) -> None:
     lines = [
         "# SmolLM2-135M: weight method x scheme (W4A4, in-process reference numerics)",
         "",
-        f"- command: `{command}` (rows), then `python eval/gptq_study.py --table-only`",
+        f"- command: `{command}` (rows), then `python eval/gptq/gptq_study.py --table-only`",
         f"- machine: {_cpu_model()}, {os.cpu_count()} CPUs (shared: see the load averages), "
         f"torch {torch.__version__}",
         "- perplexity: transformers bf16 model, every decoder linear replaced by the "
@@ -337,7 +198,7 @@ def _act_table(res: dict[str, dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Activation options (eval/act_options.py), word perplexity (wiki); 'own' is the "
+        "Activation options (vllm_mxplus/evaluation/act_options.py), word perplexity (wiki); 'own' is the "
         "scheme's own activation format, from an @own row (the same code as the options) "
         "where there is one, else (marked *) the method's row above:",
         "",
@@ -416,7 +277,7 @@ def main() -> int:
         default=[],
         help="SCHEME:METHOD[@ACT] (methods "
         + ", ".join(METHODS)
-        + "; ACT an activation option of eval/act_options.py: mbsd, mbsdR, mbN, hadB) or bf16",
+        + "; ACT an activation option of vllm_mxplus/evaluation/act_options.py: mbsd, mbsdR, mbN, hadB) or bf16",
     )
     ap.add_argument("--alpha", type=float, default=0.5, help="smoothing strength of +sq rows")
     ap.add_argument("--model", default=str(smollm2_dir()))
@@ -439,7 +300,7 @@ def main() -> int:
         rows = [r for r in _load_results(args.docs).values() if r["scheme"] != "bf16"]
         ns, sl = (rows[0]["nsamples"], rows[0]["seqlen"]) if rows else (ns, sl)
     command = (
-        f"OMP_NUM_THREADS=1 python eval/gptq_study.py --rows ... --docs {args.docs} "
+        f"OMP_NUM_THREADS=1 python eval/gptq/gptq_study.py --rows ... --docs {args.docs} "
         f"--nsamples {ns} --seqlen {sl}"
     )
     if not args.table_only:

@@ -2,19 +2,19 @@
 # The calibrated grid served by vLLM: quantize SmolLM2 with `--method rtn-aware` and `--method
 # gptq` (8 x 256 calibration tokens, macro block 128, no smoothing) for MXFP4-OCP, 16-OAS,
 # MBS-S, MBS-H and NVFP4, then score each checkpoint's Wikipedia and news word perplexity with
-# `mxplus eval eval/smollm2-135m-calibrated-grid.yaml`, in the config's order. Quantization
+# `mxplus eval eval/calibrated-grid/smollm2-135m-calibrated-grid.yaml`, in the config's order. Quantization
 # (one thread) runs one checkpoint ahead of the evaluation, which starts each cell as soon as
 # its checkpoint exists. Resumable: existing checkpoints and finished cells are kept.
-# Writes eval/results/smollm2-135m-calibrated-grid/; the scheme x method table and chart:
-#   python eval/calibrated_grid.py
-#   nohup eval/run_calibrated_grid.sh > /tmp/calibrated-grid.log 2>&1 &
+# Writes eval/calibrated-grid/ (next to this script); the scheme x method table and chart:
+#   python eval/calibrated-grid/grid.py
+#   nohup eval/calibrated-grid/run.sh > /tmp/calibrated-grid.log 2>&1 &
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MX=${MXPLUS:-.venv/bin/mxplus}
 SRC=~/.cache/vllm-mxplus/models/SmolLM2-135M-Instruct-bfloat16
 DST=~/.cache/vllm-mxplus/calibrated
-CFG=eval/smollm2-135m-calibrated-grid.yaml
-OUT=eval/results/smollm2-135m-calibrated-grid
+CFG=eval/calibrated-grid/smollm2-135m-calibrated-grid.yaml
+OUT=eval/calibrated-grid
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 [ -d "$SRC" ] || "$MX" prepare
 mkdir -p "$DST" "$OUT/logs"

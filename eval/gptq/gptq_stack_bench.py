@@ -2,7 +2,7 @@
 gate/up), CPU seconds, and a check that both give the same encodings bit for bit. H comes from
 2048 random correlated inputs (no calibration run needed).
 
-  python eval/gptq_stack_bench.py mxfp4-mbs-d [LAYER]
+  python eval/gptq/gptq_stack_bench.py mxfp4-mbs-d [LAYER]
 """
 
 import glob

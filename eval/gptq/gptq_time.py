@@ -1,7 +1,7 @@
 """Wall and CPU seconds of the calibrated methods, with the current torch thread count.
 
-  python eval/gptq_time.py model rtn-aware mxfp4-mbs-h      # all of SmolLM2, 8 x 256 tokens
-  python eval/gptq_time.py layers rtn-aware mxfp4-mbs-h     # 2 random SmolLM2-shaped layers
+  python eval/gptq/gptq_time.py model rtn-aware mxfp4-mbs-h      # all of SmolLM2, 8 x 256 tokens
+  python eval/gptq/gptq_time.py layers rtn-aware mxfp4-mbs-h     # 2 random SmolLM2-shaped layers
 
 `model` runs quantize_checkpoint on SmolLM2 (what `mxplus quantize --method ...` runs);
 `layers` runs calibrate_and_quantize on a randomly initialised 2-layer model of SmolLM2's
