@@ -35,6 +35,7 @@ from vllm_mxplus.checkpoint.source import (
     INDEX_NAME,
     SINGLE_NAME,
     _read_json,  # one JSON reader for the package
+    is_plain_file_name,
 )
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
@@ -67,15 +68,21 @@ class QuantizedCheckpoint:
     def quantized(self, device: str | torch.device = "cpu") -> dict[str, QuantizedTensor]:
         """{module name: QuantizedTensor} for every quantized weight."""
         data = _get_all([t for m in self.modules.values() for t in m.tensors.values()], device)
-        return {
-            name: decode(
-                {sfx: data[t.name] for sfx, t in m.tensors.items()},
-                self.weight_format,
-                m.shape,
-                self.macro_block,
-            )
-            for name, m in self.modules.items()
-        }
+        out = {}
+        for name, m in self.modules.items():
+            try:
+                out[name] = decode(
+                    {sfx: data[t.name] for sfx, t in m.tensors.items()},
+                    self.weight_format,
+                    m.shape,
+                    self.macro_block,
+                )
+            except (ValueError, TypeError, RuntimeError, IndexError) as e:
+                raise CheckpointError(
+                    f"{m.tensors[SUFFIX_PACKED].path}: cannot decode tensor "
+                    f"{name}.{SUFFIX_PACKED} ({e})"
+                ) from None
+        return out
 
     def unquantized(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """{tensor name: tensor} for every tensor kept in high precision (norms, embeddings)."""
@@ -110,10 +117,14 @@ def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
         raise CheckpointError(f"{config_path}: no vllm-mxplus quantization_config")
     try:
         check_quantization_config(qcfg, str(config_path))
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    fmt = qcfg["weight_format"]
-    macro = checkpoint_macro_block(qcfg)
+        fmt = qcfg["weight_format"]
+        macro = checkpoint_macro_block(qcfg)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        # ValueError names the field; the others come from a field of the wrong JSON type
+        msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        if str(config_path) not in msg:
+            msg = f"{config_path}: invalid quantization_config ({msg})"
+        raise CheckpointError(msg) from None
     infos, shapes = _read_shards(path)
     modules, other = _group(infos, shapes)
     for m in modules.values():
@@ -125,29 +136,56 @@ def _read_shards(path: Path) -> tuple[dict[str, TensorInfo], dict[str, dict]]:
     index = path / INDEX_NAME
     if index.is_file():
         weight_map = _read_json(index).get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not all(
+            map(is_plain_file_name, weight_map.values())
+        ):
+            raise CheckpointError(
+                f"{index}: weight_map must map tensor names to shard file names in {path}"
+            )
         files = sorted(set(weight_map.values()))
     elif (path / SINGLE_NAME).is_file():
         weight_map, files = {}, [SINGLE_NAME]
     else:
         raise CheckpointError(f"{path}: no {SINGLE_NAME} and no {INDEX_NAME}")
     infos: dict[str, TensorInfo] = {}
-    recorded: dict[str, dict] = {}
+    recorded: dict[str, dict] = {}  # module -> {"shape", "dtype", "file"}
     for f in files:
         if not (path / f).is_file():
             raise CheckpointError(f"{index}: shard {f} is listed but not found")
         tensors, meta = read_header(path / f)
         for t in tensors:
             infos[t.name] = t
-        try:
-            recorded.update(json.loads(meta.get(WEIGHTS_METADATA_KEY, "{}")))
-        except ValueError:
-            raise CheckpointError(
-                f"{path / f}: corrupted __metadata__ {WEIGHTS_METADATA_KEY}"
-            ) from None
+        recorded.update(_recorded_weights(path / f, meta))
     for name, f in weight_map.items():
         if name not in infos or infos[name].path.name != f:
             raise CheckpointError(f"{index}: tensor {name!r} is not in its listed shard {f}")
     return infos, recorded
+
+
+def _recorded_weights(file: Path, meta: dict[str, str]) -> dict[str, dict]:
+    """__metadata__[mxplus_weights]: {module: {"shape": [ints], "dtype": str}} (validated)."""
+    try:
+        rec = json.loads(meta.get(WEIGHTS_METADATA_KEY, "{}"))
+    except (ValueError, RecursionError):
+        rec = None
+    if not isinstance(rec, dict):
+        raise CheckpointError(
+            f"{file}: corrupted __metadata__ {WEIGHTS_METADATA_KEY} (not a JSON object)"
+        )
+    for mod, r in rec.items():
+        shape = r.get("shape") if isinstance(r, dict) else None
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+            or not isinstance(r.get("dtype"), str | None)
+        ):
+            raise CheckpointError(
+                f"{file}: corrupted __metadata__ {WEIGHTS_METADATA_KEY} for tensor "
+                f'{mod}.{SUFFIX_PACKED}: expected {{"shape": [positive integers], '
+                f'"dtype": str}}, got {str(r)[:80]}; re-create the checkpoint'
+            )
+    return {mod: {**r, "file": file} for mod, r in rec.items()}
 
 
 def _group(infos: dict[str, TensorInfo], recorded: dict[str, dict]):
@@ -158,12 +196,19 @@ def _group(infos: dict[str, TensorInfo], recorded: dict[str, dict]):
             rec = recorded.get(mod)
             if rec is not None:
                 shape, dtype = tuple(rec["shape"]), rec.get("dtype")
-            else:  # not recorded: assume even K (the only ambiguity of the packed shape)
+            elif t.shape:  # not recorded: assume even K (the only ambiguity of the packed shape)
                 shape, dtype = t.shape[:-1] + (2 * t.shape[-1],), None
+            else:
+                raise CheckpointError(
+                    f"{t.path}: tensor {name!r} is a scalar, expected packed codes"
+                )
             modules[mod] = QuantizedModule(mod, shape, dtype)
-    for mod in recorded:
+    for mod, rec in recorded.items():
         if mod not in modules:
-            raise CheckpointError(f"quantized weight {mod!r} is missing {mod}.{SUFFIX_PACKED}")
+            raise CheckpointError(
+                f"{rec['file']}: quantized weight {mod!r} (recorded in __metadata__ "
+                f"{WEIGHTS_METADATA_KEY}) is missing {mod}.{SUFFIX_PACKED}"
+            )
     other = {}
     for name, t in infos.items():
         mod, _, sfx = name.rpartition(".")
@@ -179,7 +224,14 @@ def _group(infos: dict[str, TensorInfo], recorded: dict[str, dict]):
 
 
 def _validate_module(m: QuantizedModule, fmt: str, macro_block: int) -> None:
-    expected = stored_layout(fmt, m.shape, macro_block)
+    try:
+        expected = stored_layout(fmt, m.shape, macro_block)
+    except (ValueError, TypeError, ArithmeticError, IndexError) as e:
+        t = m.tensors.get(SUFFIX_PACKED)
+        raise CheckpointError(
+            f"{t.path if t else '?'}: tensor {m.name}.{SUFFIX_PACKED}: weight shape "
+            f"{list(m.shape)} has no {fmt} layout ({e})"
+        ) from None
     for sfx, t in m.tensors.items():
         if sfx not in expected:
             raise CheckpointError(

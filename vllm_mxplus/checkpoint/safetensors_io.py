@@ -5,9 +5,20 @@ knows the dtype and shape of every output tensor before it quantizes anything (t
 from the source header), so it writes the header first and then streams the data, tensor by
 tensor: peak memory is bounded by the largest tensor, not by the shard or the model.
 
-The reader parses the header itself (8-byte little-endian length, JSON, data) so that a
-corrupted or truncated file fails with a message naming the file and the tensor at fault,
-and so that kept tensors are copied byte for byte whatever their dtype.
+Reading: every header is checked twice. First here, field by field (8-byte little-endian
+length, JSON object, each entry a {"dtype", "shape", "data_offsets"} object of the right
+types, contiguous offsets inside the file, a dict of strings as __metadata__), so that any
+malformed header, shape, dtype, offset or truncation raises `CheckpointError` naming the file
+and the tensor at fault, and nothing is allocated beyond what the file holds (a tensor's
+bytes must lie inside the file before it is read). Then by the safetensors library itself
+(`safe_open`, which parses the header without reading the data), so that a file the library
+(and therefore vLLM) would refuse is refused here too, with its message and the file name.
+
+The library cannot be the only reader: it exposes neither the data offsets nor the raw bytes
+of a tensor, and the streaming copy of kept tensors (`StreamingWriter.copy_from`) moves them
+byte for byte, in bounded chunks, whatever their dtype (also dtypes torch cannot hold, e.g.
+F4); its messages also do not always name the tensor. Writing cannot use it either:
+`save_file` needs all tensors of a shard in memory at once.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 import torch
+from safetensors import safe_open
 
 from vllm_mxplus.checkpoint.errors import CheckpointError
 
@@ -76,7 +88,8 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
     """The tensors of a safetensors file in data order, and its __metadata__.
 
     Validates everything the data section depends on (dtypes, sizes, contiguous offsets,
-    file length), so later reads cannot run past the end of a truncated file.
+    file length), so later reads cannot run past the end of a truncated file; then lets the
+    safetensors library check the header by its own rules (module docstring).
     """
     path = Path(path)
     try:
@@ -94,50 +107,93 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
     try:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # RecursionError: deeply nested JSON ([[[[...) exhausts the parser's stack
         raise CheckpointError(f"{path}: corrupted safetensors header ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = _metadata(path, header.pop("__metadata__", None))
     data_start = HEADER_LEN_BYTES + n
     infos = [_tensor_info(path, name, entry, data_start) for name, entry in header.items()]
-    infos.sort(key=lambda t: t.begin)
-    expected = data_start
+    infos.sort(key=lambda t: (t.begin, t.end))
+    expected, before = data_start, "the start of the data"
     for t in infos:
         if t.begin != expected:
             raise CheckpointError(
-                f"{path}: corrupted safetensors file: tensor {t.name!r} data offsets are "
-                "not contiguous"
+                f"{path}: corrupted safetensors file: tensor {t.name!r} data offsets "
+                f"[{t.begin - data_start}, {t.end - data_start}] "
+                f"{'overlap' if t.begin < expected else 'leave a gap after'} {before}"
             )
-        expected = t.end
+        expected, before = t.end, f"tensor {t.name!r}"
     if expected > size:
         last = infos[-1].name if infos else "?"
         raise CheckpointError(
             f"{path}: truncated safetensors file: tensor {last!r} ends at byte {expected}, "
             f"the file has {size} bytes"
         )
+    _library_check(path)
     return infos, metadata
 
 
-def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+def _library_check(path: Path) -> None:
+    """The safetensors library's own header validation (mmap, no data read)."""
     try:
-        dtype = entry["dtype"]  # type: ignore[index]
-        shape = tuple(int(d) for d in entry["shape"])  # type: ignore[index]
-        begin, end = (int(o) for o in entry["data_offsets"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as e:  # SafetensorError, OSError, ...: any refusal is a bad file
         raise CheckpointError(
-            f"{path}: corrupted safetensors header entry for tensor {name!r}"
+            f"{path}: the safetensors library refuses this file ({e}); re-create or re-download it"
         ) from None
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if any(d < 0 for d in shape) or end - begin != math.prod(shape) * DTYPES[dtype][1]:
+
+
+def _metadata(path: Path, meta: object) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
         raise CheckpointError(
-            f"{path}: corrupted safetensors header: tensor {name!r} {dtype}{list(shape)} "
-            f"does not match its {end - begin} data bytes"
+            f"{path}: corrupted safetensors header: __metadata__ must map strings to strings"
         )
-    return TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
+    return meta
+
+
+def _is_index(x: object) -> bool:
+    """A JSON integer >= 0 (not a bool, not a float such as 2.0 or 1e999)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path}: corrupted safetensors header entry for tensor {name!r}: {what}"
+        )
+
+    if not isinstance(entry, dict):
+        raise bad(f"expected an object, got {type(entry).__name__}")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        raise bad(f"no {', '.join(repr(k) for k in missing)} (keys: {sorted(entry)})")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise bad(f"dtype {dtype!r} is not a string")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype[:40]!r}")
+    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+        raise bad(f"shape {str(shape)[:80]} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_index, offsets))):
+        raise bad(f"data_offsets {str(offsets)[:80]} is not [begin, end] (integers >= 0)")
+    begin, end = offsets
+    if end < begin or end - begin != math.prod(shape) * DTYPES[dtype][1]:
+        raise CheckpointError(
+            f"{path}: corrupted safetensors header: tensor {name!r} {dtype}{str(shape)[:80]} "
+            f"does not match its data_offsets [{begin}, {end}]"
+        )
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
 def read_tensor(info: TensorInfo, f: BinaryIO | None = None) -> torch.Tensor:

@@ -28,7 +28,8 @@ class SourceModel:
 
     @property
     def model_type(self) -> str | None:
-        return self.config.get("model_type")
+        mt = self.config.get("model_type")
+        return mt if isinstance(mt, str) else None
 
 
 def open_source(path: Path) -> SourceModel:
@@ -41,7 +42,8 @@ def open_source(path: Path) -> SourceModel:
         raise CheckpointError(f"{config_path}: not found (SRC must be a Hugging Face model dir)")
     config = _read_json(config_path)
     if "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method", "?")
+        qcfg = config["quantization_config"]
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
         raise CheckpointError(
             f"{config_path}: the model is already quantized (quant_method {method!r}); "
             "quantize a bf16/fp16/fp32 checkpoint"
@@ -73,6 +75,11 @@ def _shard_files(path: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
+        bad = [v for v in weight_map.values() if not is_plain_file_name(v)]
+        if bad:
+            raise CheckpointError(
+                f"{index}: weight_map names {str(bad[0])[:80]!r}, not a shard file name in {path}"
+            )
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
@@ -87,10 +94,15 @@ def _shard_files(path: Path) -> list[Path]:
     return found
 
 
+def is_plain_file_name(name: object) -> bool:
+    """A file name inside the model dir: no directories, no '..' (index entries)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and name == Path(name).name
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
