@@ -32,14 +32,19 @@ def e2m1_encode(v: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return e2m1_magnitude_code(v.abs()) | (negative.to(torch.uint8) << 3)
 
 
-def _value_table(device: torch.device) -> torch.Tensor:
-    pos = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return torch.cat([pos, -pos])  # code 8 is -0.0
+_HALF_BITS = 0x3F000000  # fp32 bits of 0.5
+_SIGN_BIT = -(1 << 31)  # bit 31 of an int32 (0x80000000)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values of unpacked E2M1 codes (0..15)."""
-    return _value_table(codes.device)[codes.long()]
+    """fp32 values of unpacked E2M1 codes (0..15), from the code's bits (no value table, so
+    nothing is built on or copied from the host: CUDA-graph safe). A magnitude code c in
+    2..7 is 2^((c >> 1) - 1) * (1 + (c & 1) / 2): fp32 bits (c << 22) + bits(0.5); code 1 is
+    0.5 and code 0 is 0, i.e. c * bits(0.5); bit 3 is the fp32 sign (code 8 is -0.0)."""
+    c = codes.to(torch.int32)
+    mag = c & 7
+    bits = torch.where(mag >= 2, (mag << 22) + _HALF_BITS, mag * _HALF_BITS)
+    return torch.where((c & 8) != 0, bits | _SIGN_BIT, bits).view(torch.float32)
 
 
 def sign_bit(x: torch.Tensor) -> torch.Tensor:

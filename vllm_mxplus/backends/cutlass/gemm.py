@@ -362,7 +362,7 @@ def prefill_gemm_from_x(
     sm_90a with an activation format of the fused kernel (`triton_act_fp8.supports`): one
     Triton kernel writes the FP8 layout straight from x, then the GEMM op. Otherwise: the
     Triton act-quant, then `prefill_gemm`. Same numbers either way."""
-    from vllm_mxplus.backends import triton_act_fp8  # Triton: import on CUDA only
+    from vllm_mxplus.backends.triton import act_fp8 as triton_act_fp8  # Triton: on CUDA only
 
     if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
         xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)

@@ -36,13 +36,18 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
 _D_THRESHOLD = {"ocp": 1 << FP32_MANTISSA_BITS, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
 
 
-def fast_fake_quantize(x: torch.Tensor, fmt: str, macro_block: int) -> torch.Tensor:
+def fast_fake_quantize(
+    x: torch.Tensor, fmt: str, macro_block: int, branch: bool | None = None
+) -> torch.Tensor:
     """fake_quantize(x, fmt) for the E8M0 formats without MX+ (FAST_FORMATS), fp32.
 
     Scales come straight from the fp32 bits of the block absmax (normal numbers only: the
-    exponent field e gives 2^s = 2^(e - 129 + d)); a tensor with any block outside that
-    easy range (NaN/Inf, subnormal or huge absmax) takes the general formats path, so the
-    result is always the specification's.
+    exponent field e gives 2^s = 2^(e - 129 + d)); blocks outside that easy range (NaN/Inf,
+    subnormal or huge absmax) take the general formats path, so the result is always the
+    specification's. branch (default: x on the CPU) decides how: True looks at the data and
+    runs the general path on the whole tensor only when some block needs it; False never
+    reads the data on the host (a GPU sync, not capturable in a CUDA graph) and selects the
+    general path's values for those blocks (per macro block with MBS) with torch.where.
     """
     spec = get_format(fmt)
     k = x.shape[-1]
@@ -62,7 +67,9 @@ def fast_fake_quantize(x: torch.Tensor, fmt: str, macro_block: int) -> torch.Ten
     ay = yb.abs()
     bits = ay.amax(-1, keepdim=True).view(torch.int32)
     e = bits >> 23
-    if bool(((e > 253) | ((e < 3) & (bits != 0))).any()):
+    hard = (e > 253) | ((e < 3) & (bits != 0))  # [..., blocks, 1]: outside the easy range
+    on_host = xf.device.type == "cpu" if branch is None else branch  # static, not data
+    if on_host and bool(hard.any()):  # reading a CPU tensor waits for no device
         return fake_quantize(x, fmt, macro_block=macro_block)
     d = ((bits & 0x7FFFFF) > _D_THRESHOLD[spec.scale_rule]).to(torch.int32)
     inv = ((256 - e - d) << 23).view(torch.float32)  # 2^-s (zero blocks: any finite value)
@@ -70,4 +77,14 @@ def fast_fake_quantize(x: torch.Tensor, fmt: str, macro_block: int) -> torch.Ten
     out = torch.copysign(e2m1_round(ay * inv), yb) * scale
     if spec.mbs:
         out = out.view(*lead, -1, macro_block) / f
-    return out.reshape(xf.shape)[..., :k]
+    out = out.reshape(xf.shape)[..., :k]
+    if on_host:
+        return out
+    # On a GPU the branch would be a host sync (and cannot be captured in a CUDA graph):
+    # the general path always runs and supplies the blocks outside the easy range.
+    rep = unit if spec.mbs else spec.block_size
+    hard_el = hard.reshape(*lead, -1)
+    if spec.mbs:  # hard per 16-block -> per macro block it belongs to
+        hard_el = hard_el.view(*lead, -1, macro_block // spec.block_size).any(-1)
+    hard_el = hard_el.repeat_interleave(rep, dim=-1)[..., :k]
+    return torch.where(hard_el, fake_quantize(x, fmt, macro_block=macro_block), out)
