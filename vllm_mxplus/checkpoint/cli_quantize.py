@@ -170,8 +170,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Terminated(Exception):
-    pass
+class _Terminated(BaseException):
+    """SIGTERM; a BaseException like KeyboardInterrupt, so no `except Exception` on the
+    way (torch, tqdm, the safetensors check) can swallow it."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

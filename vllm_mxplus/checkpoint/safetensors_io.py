@@ -23,6 +23,7 @@ F4); its messages also do not always name the tensor. Writing cannot use it eith
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -36,7 +37,7 @@ from typing import BinaryIO, cast
 import torch
 from safetensors import safe_open
 
-from vllm_mxplus.checkpoint.errors import CheckpointError
+from vllm_mxplus.checkpoint.errors import CheckpointError, write_failure
 
 HEADER_LEN_BYTES = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit (100 MB)
@@ -256,9 +257,13 @@ class StreamingWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(HEADER_LEN_BYTES + len(raw)) % ALIGN)
-        self._f = open(self.path, "wb")  # noqa: SIM115  (closed by close())
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
+        try:
+            self._f = open(self.path, "wb")  # noqa: SIM115  (closed by close())
+            self._f.write(struct.pack("<Q", len(raw)))
+            self._f.write(raw)
+        except OSError as e:
+            self.abort()
+            raise write_failure(self.path, e, "write the safetensors header") from None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.plan) or self.plan[self._next].name != name:
@@ -272,7 +277,10 @@ class StreamingWriter:
                 f"planned {p.dtype}{list(p.shape)}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(data.numpy().data)
+        try:
+            self._f.write(data.numpy().data)
+        except OSError as e:
+            raise write_failure(self.path, e, f"write tensor {name!r}") from None
         self._next += 1
 
     def copy_from(self, info: TensorInfo, src: BinaryIO) -> None:
@@ -286,19 +294,30 @@ class StreamingWriter:
             chunk = src.read(min(left, COPY_CHUNK))
             if not chunk:
                 raise CheckpointError(f"{info.path}: truncated data for tensor {info.name!r}")
-            self._f.write(chunk)
+            try:
+                self._f.write(chunk)
+            except OSError as e:
+                raise write_failure(self.path, e, f"write tensor {info.name!r}") from None
             left -= len(chunk)
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self.plan):
-            self._f.close()
+            self.abort()
             raise CheckpointError(
                 f"{self.path}: {len(self.plan) - self._next} planned tensors were not written"
             )
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        try:  # buffered bytes reach the disk here: a full disk may only show now
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        except OSError as e:
+            self.abort()
+            raise write_failure(self.path, e) from None
 
     def abort(self) -> None:
-        self._f.close()
+        f = getattr(self, "_f", None)
+        if f is not None:
+            # closing flushes: a full disk fails again, and that is already reported
+            with contextlib.suppress(OSError):
+                f.close()

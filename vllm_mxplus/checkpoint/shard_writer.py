@@ -4,10 +4,23 @@ hidden temporary directory, then swapped in for DST (the second half of `quantiz
 Each source tensor is read, quantized (or copied byte for byte) and written before the next
 is read (`write_all`); `swap_in` renames the finished directory to DST, moving an existing
 DST (--force) aside first, so no DST that looks complete exists unless the run finished.
+
+Crash safety (`claim_dst`): a run holds an flock on `.DST.mxplus-lock` next to DST from
+before its temporary directory exists until after the swap, so a second run on the same DST
+is refused instead of racing it, and whatever a run killed without cleanup (SIGKILL, power
+loss, OOM) left next to DST is recognised by the next run: `.DST.mxplus-tmp-*` (an unfinished
+output: removed) and `.DST.mxplus-old-*` (the previous DST of a --force run killed between its
+two renames: renamed back when DST is missing, else removed), each named in a warning. Files
+and directories are fsync'ed before and after the rename. A failed write (full disk, file
+size limit, read-only or unwritable target) raises CheckpointError naming the file and what to
+do; the temporary directory is removed and DST and SRC are left as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
 import logging
 import math
@@ -15,6 +28,8 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vllm_mxplus.checkpoint.codec import WEIGHTS_METADATA_KEY, encode, quantize_weight
-from vllm_mxplus.checkpoint.errors import CheckpointError
+from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError, write_failure
 from vllm_mxplus.checkpoint.layout import FORMAT_VERSION
 from vllm_mxplus.checkpoint.report import QuantizeReport
 from vllm_mxplus.checkpoint.rules import Decision
@@ -39,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 TMP_TAG = ".mxplus-tmp-"
 OLD_TAG = ".mxplus-old-"
+LOCK_TAG = ".mxplus-lock"
 
 
 @dataclass
@@ -85,9 +101,115 @@ def check_disk_space(parent: Path, need: int) -> None:
         )
 
 
-def warn_stale_tmp(dst: Path) -> None:
-    for p in dst.parent.glob(f".{dst.name}{TMP_TAG}*"):
-        logger.warning("%s: left by an interrupted run (incomplete, safe to delete)", p)
+def stale_paths(dst: Path) -> list[Path]:
+    """What interrupted runs left next to dst: temporary and moved-aside directories."""
+    prefix = glob.escape(f".{dst.name}")
+    return sorted(
+        p for tag in (TMP_TAG, OLD_TAG) for p in dst.parent.glob(f"{prefix}{glob.escape(tag)}*")
+    )
+
+
+def recover_stale(dst: Path) -> None:
+    """Clean what interrupted runs left next to dst (call it holding dst's lock)."""
+    stale = stale_paths(dst)
+    olds = [p for p in stale if OLD_TAG in p.name]
+    if olds and not (dst.exists() or dst.is_symlink()):
+        # A --force run died between renaming DST aside and renaming its output in: the
+        # moved-aside directory is the complete previous DST.
+        keep = max(olds, key=lambda p: p.lstat().st_mtime)
+        os.rename(keep, dst)
+        _fsync_dir(dst.parent)
+        stale.remove(keep)
+        logger.warning(
+            "%s: restored as %s (a --force run was killed while replacing it)", keep, dst
+        )
+    for p in stale:
+        what = "an unfinished output" if TMP_TAG in p.name else "a replaced DST"
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        logger.warning("%s: removed, %s left by an interrupted run", p, what)
+
+
+@contextmanager
+def claim_dst(dst: Path, force: bool) -> Iterator[Path]:
+    """Lock dst, clean up after interrupted runs, and yield a new temporary directory next
+    to it; the directory is removed at exit unless `swap_in` moved it to dst. An OSError
+    inside becomes a CheckpointError naming the file (`write_failure`)."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        lock = _lock(dst)
+    except OSError as e:
+        raise write_failure(dst.parent, e, "create files next to DST") from None
+    tmp: Path | None = None
+    try:
+        recover_stale(dst)
+        if (dst.exists() or dst.is_symlink()) and not force:
+            raise UsageError(f"{dst}: DST exists; pass --force to replace it")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_TAG}", dir=dst.parent))
+        yield tmp
+    except OSError as e:
+        raise write_failure(tmp or dst.parent, e) from None
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(dst, lock)
+
+
+def _lock_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}{LOCK_TAG}"
+
+
+def _lock(dst: Path) -> int:
+    path = _lock_path(dst)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(
+                f"{dst}: another mxplus quantize (pid {holder}) is writing this DST; wait for "
+                "it or choose another DST"
+            ) from None
+        try:  # its previous holder may have unlinked the file between our open and flock
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _unlock(dst: Path, fd: int) -> None:
+    # unlink before unlocking, so a waiting run re-opens a fresh file (see _lock)
+    with contextlib.suppress(OSError):
+        os.unlink(_lock_path(dst))
+    os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file of a (flat) output directory and the directory itself."""
+    for p in path.iterdir():
+        if p.is_file() and not p.is_symlink():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
 
 
 def write_all(
@@ -247,7 +369,9 @@ def _shard_metadata(shard: Shard, fmt: str) -> dict[str, str]:
 
 
 def swap_in(tmp: Path, dst: Path) -> None:
-    """Rename tmp to dst; an existing dst (--force) is moved aside first, deleted after."""
+    """Rename tmp to dst; an existing dst (--force) is moved aside first, deleted after.
+    Everything is on disk (fsync) before the first rename and the renames after the last."""
+    _fsync_tree(tmp)
     old = None
     if dst.exists() or dst.is_symlink():
         old = Path(tempfile.mkdtemp(prefix=f".{dst.name}{OLD_TAG}", dir=dst.parent))
@@ -261,6 +385,7 @@ def swap_in(tmp: Path, dst: Path) -> None:
         raise CheckpointError(
             f"{dst}: cannot move the finished checkpoint into place ({e})"
         ) from None
+    _fsync_dir(dst.parent)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
