@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,12 +41,11 @@ from vllm_mxplus.checkpoint.safetensors_io import (
     PlannedTensor,
 )
 from vllm_mxplus.checkpoint.shard_writer import (
-    TMP_TAG,
     Item,
+    claim_dst,
     check_disk_space,
     split_shards,
     swap_in,
-    warn_stale_tmp,
     write_all,
 )
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
@@ -158,10 +156,7 @@ def quantize_checkpoint(
         unquantized_modules=unquantized,
         unused_ignore=matcher.unused(),
     )
-    dst_p.parent.mkdir(parents=True, exist_ok=True)
-    warn_stale_tmp(dst_p)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}{TMP_TAG}", dir=dst_p.parent))
-    try:
+    with claim_dst(dst_p, force) as tmp:  # locked; interrupted runs cleaned; removed on error
         write_all(
             source, shards, fmt, tmp, device, report, progress, precomputed, rewritten, macro_block
         )
@@ -180,9 +175,6 @@ def quantize_checkpoint(
         # config.json last: a directory without it is never taken for a finished checkpoint.
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         swap_in(tmp, dst_p)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report.seconds = time.perf_counter() - t0
     report.peak_rss = peak_rss_bytes()
     return report
