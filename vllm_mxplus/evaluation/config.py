@@ -58,7 +58,7 @@ TASK_KEYS = {
     "gen_kwargs",
     "note",
 }
-LM_EVAL_KEYS = {"batch_size", "seed"}
+LM_EVAL_KEYS = {"batch_size", "seed", "log_samples"}
 
 
 class ConfigError(ValueError):

@@ -201,6 +201,7 @@ def worker_spec(cfg: EvalConfig, cell: Cell) -> dict[str, Any]:
         "out": str(cell.out),
         "batch_size": cfg.lm_eval.get("batch_size", "auto"),
         "seed": cfg.lm_eval.get("seed"),
+        "log_samples": bool(cfg.lm_eval.get("log_samples", False)),
         "apply_chat_template": t0.apply_chat_template,
         "fewshot_as_multiturn": t0.fewshot_as_multiturn,
         "gen_kwargs": t0.gen_kwargs,
