@@ -1,14 +1,17 @@
 """CUDA-graph safety of the GPU backends' apply paths, checked on CPU.
 
-How: the code runs on *meta tensors* standing in for the GPU's (shapes, dtypes, a device
-that is not the CPU, no data; torch's fake CUDA tensors need a CUDA build of torch) under a
-TorchDispatchMode that sees every aten op and fails on anything a CUDA graph cannot capture
-or that syncs the host:
+How: the code runs on fake CUDA tensors (`vllm_mxplus.backends.graph_guard.fake_cuda`:
+FakeTensorMode, shapes and dtypes on device "cuda", no data, on a CPU-only torch too) under
+`CaptureGuard`, a TorchDispatchMode that sees every aten op and fails on anything a CUDA
+graph cannot capture or that syncs the host:
 
 - data-dependent ops (`nonzero`, `.item()`/`.tolist()` = `_local_scalar_dense`,
   `masked_select`, `unique`, boolean-mask indexing, ...): they wait for the GPU;
-- any op output on the CPU (a CPU tensor built inside apply) or an op mixing CPU and device
-  inputs (a host-to-device copy), except 0-dim wrapped Python numbers.
+- any op output on the CPU (a CPU tensor built inside apply, e.g. by
+  `torch.tensor([...], device="cuda")`, which builds on the host and copies), a copy between
+  host and device, or an op mixing CPU and device inputs, except 0-dim wrapped Python
+  numbers. (With meta tensors, the stand-in used before, `torch.tensor([...],
+  device="meta")` dispatched no op at all, so a per-call host table went unseen.)
 
 The leaf kernels (Triton, CUTLASS) are custom ops whose fake implementations run here; the
 Python around them (the sm_90a fallback, the sm_100a operand preparation, the Triton
@@ -22,88 +25,32 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
 from vllm_mxplus.backends.cutlass.fp8_chunks import Fp8ChunkLayout
 from vllm_mxplus.backends.cutlass.gemm import PreparedWeight
 from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+from vllm_mxplus.backends.graph_guard import GraphCaptureViolation as GraphSafetyViolation
+from vllm_mxplus.backends.graph_guard import cuda_empty, fake_cuda, guarded
 
-aten = torch.ops.aten
-HOST_SYNC_OPS = {
-    aten.nonzero.default,
-    aten._local_scalar_dense.default,
-    aten.masked_select.default,
-    aten.is_nonzero.default,
-    aten.equal.default,
-    aten._unique2.default,
-    aten.unique_dim.default,
-    aten.unique_consecutive.default,
-    aten.repeat_interleave.Tensor,
-    aten.allclose.default,
-    aten._assert_async.default,
-}
-
-MASK_INDEX_OPS = {
-    aten.index.Tensor,
-    aten.index_put_.default,
-    aten.index_put.default,
-    aten._index_put_impl_.default,
-}
+DEVICE = "cuda"  # fake CUDA tensors (graph_guard.fake_cuda), on any machine
 
 
-class GraphSafetyViolation(AssertionError):
-    pass
-
-
-class GraphSafetyGuard(TorchDispatchMode):
-    """Fails on host syncs, CPU outputs and CPU->CUDA mixing; records every op it saw."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops.append(str(func))
-        if func in HOST_SYNC_OPS:
-            raise GraphSafetyViolation(f"host sync: {func}")
-        if func in MASK_INDEX_OPS and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-            for i in (args[1] or ())
-        ):
-            raise GraphSafetyViolation(f"boolean-mask indexing (a nonzero inside): {func}")
-        inputs = [
-            t
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        ]
-        if any(t.device.type == DEVICE for t in inputs) and any(
-            t.device.type == "cpu" and t.dim() > 0 for t in inputs
-        ):
-            raise GraphSafetyViolation(f"CPU tensor fed to a CUDA op (host-to-device): {func}")
-        out = func(*args, **kwargs)
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                raise GraphSafetyViolation(f"CPU tensor allocated: {func} -> {tuple(t.shape)}")
-        return out
-
-
-DEVICE = "meta"  # the stand-in for "cuda"
+@pytest.fixture(autouse=True)
+def _fake_cuda():
+    with fake_cuda():
+        yield
 
 
 def _checked(fn, *args):
-    """Run fn(*args) under the guard; return (its output, the ops seen)."""
-    guard = GraphSafetyGuard()
-    with guard:
-        out = fn(*args)
-    assert guard.ops, "the guard saw no op: the check would be vacuous"
+    """Run fn(*args) under the capture guard; return (its output, the ops seen)."""
+    out, guard = guarded(fn, *args)
     return out, guard.ops
 
 
 def _e(shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype, device=DEVICE)
+    return cuda_empty(shape, dtype)
 
 
 def _sm90_weight(n: int, k: int, with_fallback: bool) -> PreparedWeight:
@@ -283,8 +230,10 @@ def _old_sigma_chunks(mbs, rows, k):
         lambda x: x.sum().item(),  # .item()
         lambda x: x + torch.ones(x.shape[-1]),  # a CPU tensor into a CUDA op
         lambda x: _old_sigma_chunks(None, x.shape[0], 576),  # the old sm_100a sigma_chunks
+        lambda x: x + torch.tensor([1.0, 2.0], device=x.device).sum(),  # a per-call literal
+        lambda x: x * torch.tensor(0.5, device="cuda"),  # a 0-dim literal: still a copy
     ],
-    ids=["mask", "nonzero", "item", "h2d", "cpu-alloc"],
+    ids=["mask", "nonzero", "item", "h2d", "cpu-alloc", "literal", "literal-0d"],
 )
 def test_guard_catches_unsafe_patterns(bad):
     with pytest.raises(GraphSafetyViolation):

@@ -194,7 +194,7 @@ def fake_cuda() -> Iterator[FakeTensorMode]:
 
     On a CPU-only torch, some Python bindings of Tensor take a CUDA device guard before
     dispatch and raise "not linked with support for cuda devices": `~t`, `t[i]`,
-    `t[i] = v`, `t.contiguous()`, `t.copy_(s)`, `t.new_tensor(data)`. Inside this context
+    `t[i] = v`, `t.contiguous()`, `t.copy_(s)`, `t.nonzero()`, `t.new_tensor(data)`. Inside this context
     they are the aten ops the real ones dispatch, called from Python (`bitwise_not`;
     select / slice / unsqueeze / index / index_put_ / copy_ / fill_ as torch's indexing;
     clone; copy_; `torch.tensor`), so the guard sees the same ops."""
@@ -204,6 +204,9 @@ def fake_cuda() -> Iterator[FakeTensorMode]:
         "__setitem__": _setitem,
         "contiguous": _contiguous,
         "copy_": lambda t, src, non_blocking=False: aten.copy_.default(t, src, non_blocking),
+        "nonzero": lambda t, *, as_tuple=False: (
+            aten.nonzero.default(t).unbind(1) if as_tuple else aten.nonzero.default(t)
+        ),
         "new_tensor": lambda t, data, dtype=None, device=None, **_: torch.tensor(
             data, dtype=dtype or t.dtype, device=device or t.device
         ),

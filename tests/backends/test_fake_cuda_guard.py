@@ -1,0 +1,311 @@
+"""Every CUDA backend's apply, run on fake CUDA tensors under the capture guard, at the token
+counts vLLM captures CUDA graphs for: what a GPU would reject shows up on the CPU.
+
+`graph_guard.fake_cuda()` makes device="cuda" tensors fake (FakeTensorMode: shapes, no data),
+and `CaptureGuard` fails on `_local_scalar_dense` (`.item()`, `bool(t)`), `nonzero`,
+data-dependent output shapes, host <-> device copies (`torch.tensor([...], device="cuda")`,
+`.cpu()`) and CPU tensors built per call. Kernels are their custom ops' fake
+implementations; the Python between them runs for real, and where a custom op has Python
+around its kernel (the CUTLASS prefill's exact fallback, the reference fake-quant, the
+Triton launchers) that body is run under the guard as well. The controls at the end feed the
+guard deliberately bad applies and expect it to fail.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_mxplus.backends.base import LinearSpec
+from vllm_mxplus.backends.graph_guard import (
+    GraphCaptureViolation,
+    cuda_empty,
+    fake_cuda,
+    guarded,
+)
+
+CAPTURE_MS = (1, 16, 24, 512)  # vLLM's capture sizes: decode ends, first prefill size, largest
+N, K = 256, 576  # K: four whole macro blocks and a partial one
+
+
+@pytest.fixture(autouse=True)
+def _fake_cuda():
+    with fake_cuda():
+        yield
+
+
+def _packed_layer(scheme: str, n: int = N, k: int = K, macro_block: int = 128):
+    from vllm_mxplus.backends.triton.linear import ATTRS
+    from vllm_mxplus.formats import get_format, get_scheme
+
+    wf = get_format(get_scheme(scheme).weight_format)
+    bufs = (
+        cuda_empty((n, k // 2), torch.uint8),
+        cuda_empty((n, -(-k // wf.block_size)), torch.uint8),
+        cuda_empty((n, -(-k // macro_block)), torch.uint8) if wf.mbs else None,
+    )
+    return types.SimpleNamespace(**dict(zip(ATTRS, bufs, strict=True)))
+
+
+def _spec(scheme: str, dtype=torch.bfloat16, macro_block: int = 128) -> LinearSpec:
+    return LinearSpec(
+        scheme=scheme, n=N, k=K, out_dtype=dtype, device_type="cuda", macro_block=macro_block
+    )
+
+
+def _assert_cuda_out(y, m: int, dtype=torch.bfloat16):
+    assert tuple(y.shape) == (m, N) and y.dtype == dtype and y.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- Triton
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_backends(scheme, m):
+    """TritonDecodeBackend (M <= 16) / TritonGemmBackend (M > 16) apply end to end."""
+    from vllm_mxplus.backends.triton.linear import TritonDecodeBackend, TritonGemmBackend
+
+    cls = TritonDecodeBackend if TritonDecodeBackend.supports_m(m) else TritonGemmBackend
+    assert cls.supports_m(m)
+    x = cuda_empty((m, K), torch.bfloat16)
+    y, guard = guarded(cls(_spec(scheme)).apply, _packed_layer(scheme), x, cuda_empty((N,)))
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.triton_decode_gemm") == 1
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_act_quant_launcher(fmt, m):
+    """The act-quant custom op's body: allocations, tile choice, launch (recorded)."""
+    from vllm_mxplus.backends.triton.act_quant import act_quant
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    with capture_launches() as launches:
+        guarded(act_quant, cuda_empty((m, K), torch.bfloat16), fmt)
+    assert launches
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_act_fp8_launcher(fmt, m):
+    """The fused sm_90a encoder's body (act_fp8): allocations and one launch."""
+    from vllm_mxplus.backends.triton.act_fp8 import act_quant_fp8_chunks
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    with capture_launches() as launches:
+        lay, _ = guarded(act_quant_fp8_chunks, cuda_empty((m, K), torch.bfloat16), fmt)
+    assert len(launches) == 1 and lay.fp8.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- CUTLASS
+def _sm90_weight(inexact_rows: int):
+    from benchmarks_count import sm90_weight  # type: ignore[import-not-found]
+
+    return sm90_weight(N, K, inexact_rows)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_module():
+    """benchmarks/count_prefill_ops.py's fake prepared weight, importable by name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "count_prefill_ops.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_count", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["benchmarks_count"] = mod
+    yield
+    sys.modules.pop("benchmarks_count", None)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
+@pytest.mark.parametrize("inexact_w", [0, 3], ids=["w-exact", "w-fallback"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_cutlass_sm90_prefill(scheme, inexact_w, m):
+    """CutlassPrefillBackend.apply on sm_90a, then the prefill op's body (the exact-row
+    fallback, nonzero_static and the split) on the fused encoder's fake outputs."""
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+
+    spec = _spec(scheme)
+    w = _sm90_weight(inexact_w)
+    layer = types.SimpleNamespace(**{CutlassPrefillBackend.WEIGHT_ATTR: w})
+    x = cuda_empty((m, K), torch.bfloat16)
+    y, guard = guarded(CutlassPrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
+    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
+    y, guard = guarded(
+        cutlass_gemm.prefill_sm90_fused_impl,
+        x,
+        spec.activation_format,
+        *fields,
+        *w.sm90_operands(),
+        cuda_empty((N,), torch.bfloat16),
+        N,
+        torch.bfloat16,
+    )
+    _assert_cuda_out(y, m)
+    assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
+
+
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_cutlass_sm90_prefill_from_codes(m):
+    """The codes entry point (`prefill_gemm`): the torch FP8 encoder + fallback."""
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+
+    w = _sm90_weight(3)
+    nc = -(-K // 128)
+    y, _ = guarded(
+        cutlass_gemm.prefill_sm90_impl,
+        cuda_empty((m, K // 2), torch.uint8),
+        cuda_empty((m, K // 16), torch.uint8),
+        cuda_empty((m, nc), torch.uint8),
+        K,
+        *w.sm90_operands(),
+        None,
+        N,
+        torch.float16,
+    )
+    _assert_cuda_out(y, m, torch.float16)
+
+
+@pytest.mark.parametrize("use_mbs", [True, False], ids=["mbs", "no-mbs"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_cutlass_sm100_prefill(monkeypatch, use_mbs, m):
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+
+    # the SF packer is a CUDA kernel of the extension: a stand-in of its output shape
+    monkeypatch.setattr(
+        cutlass_gemm,
+        "pack_scales_sm100",
+        lambda s, k, chunk=128: torch.empty(
+            s.shape[0] * k // 16, dtype=torch.uint8, device=s.device
+        ),
+    )
+    kp, nc = 640, 5
+    y, guard = guarded(
+        cutlass_gemm.prefill_sm100_impl,
+        cuda_empty((m, K // 2), torch.uint8),
+        cuda_empty((m, K // 16), torch.uint8),
+        cuda_empty((m, nc), torch.uint8) if use_mbs else None,
+        K,
+        cuda_empty((N, kp // 2), torch.uint8),
+        cuda_empty((N * kp // 16,), torch.uint8),
+        cuda_empty((nc, N)) if use_mbs else cuda_empty((0,)),
+        cuda_empty((N,), torch.float16),
+        N,
+        use_mbs,
+        torch.float32,
+    )
+    _assert_cuda_out(y, m, torch.float32)
+    assert guard.count("vllm_mxplus.cutlass_fp4_mbs_gemm") == 1
+
+
+# ----------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "mxfp4-ocp"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_reference_on_cuda(scheme, m):
+    """ReferenceBackend.apply, then its fake-quant op's body (the fast path, no host branch
+    on CUDA: blocks outside its easy range come from the general path by torch.where)."""
+    from vllm_mxplus.backends.reference.activation import FAST_FORMATS, fast_fake_quantize
+    from vllm_mxplus.backends.reference.linear import WEIGHT_ATTR, ReferenceBackend
+
+    spec = _spec(scheme)
+    layer = types.SimpleNamespace(**{WEIGHT_ATTR: cuda_empty((N, K))})
+    x = cuda_empty((m, K), torch.bfloat16)
+    y, _ = guarded(ReferenceBackend(spec).apply, layer, x, cuda_empty((N,), torch.bfloat16))
+    _assert_cuda_out(y, m)
+    assert spec.activation_format in FAST_FORMATS
+    xq, _ = guarded(fast_fake_quantize, x, spec.activation_format, 128)
+    assert xq.shape == x.shape and xq.device.type == "cuda"
+
+
+def _activation_formats() -> list[str]:
+    from vllm_mxplus.formats import get_scheme
+    from vllm_mxplus.formats.schemes import SCHEMES
+
+    return sorted({get_scheme(s).activation_format for s in SCHEMES})
+
+
+@pytest.mark.parametrize("fmt", _activation_formats())
+@pytest.mark.parametrize("m", [1, 512], ids=lambda m: f"M{m}")
+def test_reference_general_fake_quant_on_cuda(fmt, m):
+    """formats.fake_quantize, the reference's path for every activation format (per token
+    for NVFP4, as served): no sync, no host tensor."""
+    from vllm_mxplus.formats import fake_quantize
+
+    x = cuda_empty((m, K), torch.bfloat16)
+    xq, _ = guarded(fake_quantize, x, fmt, per_row=fmt == "nvfp4")
+    assert xq.shape == (m, K) and xq.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- controls
+def _table_decode(codes):  # the E2M1 decode this file was written against: a host table
+    pos = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=codes.device)
+    return torch.cat([pos, -pos])[codes.long()]
+
+
+def _branchy(x):  # the reference fake-quant's old host branch
+    return x * 2 if bool((x.abs() > 1e30).any()) else x
+
+
+BAD_APPLIES = {
+    "table-h2d": _table_decode,
+    "literal-cuda": lambda x: x + torch.tensor([1.0], device="cuda"),
+    "host-branch": _branchy,
+    "item": lambda x: x * x.amax().item(),
+    "nonzero": lambda x: x[(x > 0).nonzero()[:, 0]],
+    "mask-index": lambda x: x[x > 0],
+    "to-cpu": lambda x: x.cpu(),
+    "cpu-alloc": lambda x: x + torch.zeros(x.shape[-1]).sum(),
+    "data-shape": lambda x: torch.unique(x),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_APPLIES), ids=list(BAD_APPLIES))
+def test_guard_fails_on_bad_applies(bad):
+    x = cuda_empty((4, 8), torch.uint8 if bad == "table-h2d" else torch.float32)
+    with pytest.raises(GraphCaptureViolation):
+        guarded(BAD_APPLIES[bad], x)
+
+
+def test_guard_fails_on_a_bad_backend_apply(monkeypatch):
+    """A real backend whose apply regresses to a host table is caught end to end."""
+    from vllm_mxplus.backends.cutlass import fp8_chunks
+
+    test_cutlass_sm90_prefill_from_codes(24)  # passes with the real decode
+    monkeypatch.setattr(fp8_chunks, "e2m1_decode", _table_decode)
+    with pytest.raises(GraphCaptureViolation, match="CPU tensor|host copy|copy"):
+        from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+
+        w = _sm90_weight(0)
+        guarded(
+            cutlass_gemm.prefill_sm90_impl,
+            cuda_empty((24, K // 2), torch.uint8),
+            cuda_empty((24, K // 16), torch.uint8),
+            None,
+            K,
+            *w.sm90_operands(),
+            None,
+            N,
+            torch.bfloat16,
+        )
+
+
+def test_guard_passes_good_code_and_counts_ops():
+    def good(x):
+        return torch.where(x > 0, x, 0.0).sum(-1)
+
+    y, guard = guarded(good, cuda_empty((4, 8)))
+    assert y.shape == (4,) and not guard.violations
+    aten_ops = [op.split(".")[1] for op in guard.ops if op.startswith("aten.")]
+    assert aten_ops == ["gt", "scalar_tensor", "where", "sum"] and guard.count() == 4
+
+
+def test_non_strict_guard_records_violations():
+    _, guard = guarded(_table_decode, cuda_empty((4,), torch.uint8), strict=False)
+    assert guard.violations and any("cpu" in v.lower() for v in guard.violations)
