@@ -34,6 +34,12 @@ class CutlassPrefillBackend(LinearBackend):
     WEIGHT_ATTR = "mxplus_cutlass_weight"
     min_m, max_m = PREFILL_MIN_M, None
     kernel = True  # self-tested against `formats` at first use
+    # Hopper's FP8 tensor cores (sm_90a) keep about 14 significand bits in the MMA
+    # accumulator, truncating, between the promotions into fp32 that the kernel does once per
+    # 128-K chunk (where the chunk scales are applied): a relative error below 2^-13 per
+    # addition. 2^-13 over all K + 8 additions bounds the chunked sum from above
+    # (docs/numerics.md, "Kernel numerics and error bounds"). sm_100a is held to the same.
+    accumulator_bits = 13
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
