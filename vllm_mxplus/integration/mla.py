@@ -8,11 +8,20 @@ that could be quantized, so the rule is (docs/numerics.md, Formats and schemes):
 
   kv_b_proj's weight is quantized like any other weight of the scheme (same format, same
   checkpoint tensors); its input is NOT quantized, on every path: the layer keeps the
-  dequantized fp32 weight W_hat and computes x @ W_hat^T in fp32 (weight-only), and what
-  attention absorbs is that same W_hat.
+  dequantized weight W_hat in the model's dtype and computes x @ W_hat^T in that dtype
+  (weight-only), and what attention absorbs is that same W_hat.
 
 So prefill and decode compute with the same numbers, and a transformers reference that keeps
 kv_b_proj weight-only (tests/integration/hf_reference.py) matches them.
+
+Why the model's dtype and not fp32: vLLM derives the dtype of MLA's k / v in the chunked-prefill
+and prefix-cache path from this weight (`_get_kv_b_proj_input_dtype`); an fp32 W_hat made them
+fp32 next to a bf16 q. It also halves the memory (DeepSeek-V3: 61 layers x 32768 x 512 =
+1.02e9 elements, 3.8 GiB in fp32, 1.9 GiB in bf16, before TP). W_hat is rounded once from
+its fp32 value (round to nearest even): exact for the E8M0 formats without MBS (an E2M1 value
+times a power of two fits bf16), within 2^-8 relative (bf16; 2^-11 fp16) for MBS and NVFP4 weights, the same
+rounding every unquantized bf16 weight of the model carries (docs/numerics.md, "Kernel
+numerics and error bounds").
 """
 
 from __future__ import annotations
@@ -33,10 +42,20 @@ def weight_read_by_attention(layer: torch.nn.Module) -> bool:
     return prefix.rsplit(".", 1)[-1] in WEIGHT_READ_BY_ATTENTION
 
 
-def install_dequantized_weight(layer: torch.nn.Module, qweight: QuantizedTensor) -> None:
-    """Replace the layer's checkpoint tensors by `weight` = W_hat (fp32 [N, K]), which
-    `get_and_maybe_dequant_weights` finds, and mark the layer weight-only."""
-    w_hat = qweight.dequantize(torch.float32)
+def model_dtype(layer: torch.nn.Module) -> torch.dtype:
+    """The dtype vLLM created the layer's parameters in (the model's), else torch's default
+    (vLLM loads a model under its dtype as the default)."""
+    dtype = getattr(layer, "params_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+
+
+def install_dequantized_weight(
+    layer: torch.nn.Module, qweight: QuantizedTensor, dtype: torch.dtype | None = None
+) -> None:
+    """Replace the layer's checkpoint tensors by `weight` = W_hat ([N, K] in `dtype`, default
+    the model's: `model_dtype`), which `get_and_maybe_dequant_weights` finds, and mark the
+    layer weight-only."""
+    w_hat = qweight.dequantize(torch.float32).to(dtype or model_dtype(layer))
     for name in list(layer._parameters):
         if name == "weight" or name.startswith("weight_"):
             delattr(layer, name)
@@ -51,6 +70,8 @@ def is_weight_only(layer: torch.nn.Module) -> bool:
 def apply_weight_only(
     layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ W_hat^T (+ bias) in fp32, cast to x's dtype: the input is not quantized."""
-    b = None if bias is None else bias.to(torch.float32)
-    return F.linear(x.to(torch.float32), layer.weight, b).to(x.dtype)
+    """x @ W_hat^T (+ bias) in W_hat's dtype (the model's), cast to x's dtype: the input is
+    not quantized."""
+    w = layer.weight
+    b = None if bias is None else bias.to(w.dtype)
+    return F.linear(x.to(w.dtype), w, b).to(x.dtype)
