@@ -15,7 +15,8 @@ from vllm_mxplus.backends import selection as dispatch
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.backends.reference.linear import WEIGHT_ATTR, ReferenceBackend
-from vllm_mxplus.backends.selection import LinearDispatch, select
+from vllm_mxplus.backends.linear_op import LinearDispatch
+from vllm_mxplus.backends.selection import select
 from vllm_mxplus.formats import fake_quantize, quantize
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")

@@ -10,12 +10,8 @@ import torch
 from vllm_mxplus.backends import selection as dispatch
 from vllm_mxplus.backends.base import LinearBackend, LinearSpec, set_packed_buffers
 from vllm_mxplus.backends.reference.linear import WEIGHT_ATTR, ReferenceBackend
-from vllm_mxplus.backends.selection import (
-    LinearDispatch,
-    first_uncovered_m,
-    register_backend,
-    select,
-)
+from vllm_mxplus.backends.linear_op import LinearDispatch
+from vllm_mxplus.backends.selection import first_uncovered_m, register_backend, select
 from vllm_mxplus.formats import quantize
 
 SPEC = LinearSpec(scheme="mxfp4-mbs", n=32, k=256, out_dtype=torch.float32)
@@ -52,16 +48,16 @@ class _NoScheme(_Decode):
 
     @classmethod
     def can_implement(cls, spec):
-        return (spec.scheme != "mxfp4-mbs"), "only other schemes"
+        return (spec.scheme.name != "mxfp4-mbs"), "only other schemes"
 
 
 @pytest.fixture
 def registry(monkeypatch):
-    monkeypatch.setattr(dispatch, "_REGISTRY", {"cuda": [], "cpu": []})
+    monkeypatch.setattr(dispatch, "_REGISTRY", {"linear": {"cuda": [], "cpu": []}, "experts": {}})
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     # registration may route our logs to vLLM's handler only; caplog listens on the root.
     monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
-    return dispatch._REGISTRY
+    return dispatch._REGISTRY["linear"]
 
 
 def test_empty_cpu_registry_gets_reference_only(registry):

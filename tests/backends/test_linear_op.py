@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from vllm_mxplus.backends import linear_op
 from vllm_mxplus.backends.base import LinearBackend, LinearSpec
-from vllm_mxplus.backends.selection import LinearDispatch
+from vllm_mxplus.backends.linear_op import LinearDispatch
 from vllm_mxplus.formats import quantize
 
 SPEC = LinearSpec(scheme="mxfp4-mbs", n=24, k=64, out_dtype=torch.float32)

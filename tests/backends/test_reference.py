@@ -86,7 +86,7 @@ def test_fake_quant_linear_matches_reference_backend(scheme):
     lin = nn.Linear(320, 64, bias=True)
     x = torch.randn(2, 5, 320)
     w, bias = lin.weight.detach(), lin.bias.detach()
-    fq = FakeQuantLinear(lin, scheme)
+    fq = FakeQuantLinear(lin, get_scheme(scheme))
     out = fq(x)
     # the transformers reference computes exactly what the vLLM reference backend computes
     spec = LinearSpec(scheme=scheme, n=64, k=320, out_dtype=torch.float32)

@@ -15,7 +15,9 @@ from vllm_mxplus.backends import selftest
 from vllm_mxplus.backends.base import LinearBackend, LinearSpec
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
 from vllm_mxplus.backends.selection import register_backend, select
-from vllm_mxplus.backends.selftest import output_bound, run_self_test
+from vllm_mxplus import settings
+from vllm_mxplus.backends.checks import output_bound
+from vllm_mxplus.backends.selftest import run_self_test
 from vllm_mxplus.formats import SCHEMES, fake_quantize, quantize
 
 CPU = torch.device("cpu")
@@ -175,10 +177,10 @@ WRONG = {
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(dispatch, "_REGISTRY", {"cuda": []})
+    monkeypatch.setattr(dispatch, "_REGISTRY", {"linear": {"cuda": []}, "experts": {}})
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     monkeypatch.setattr(selftest, "_VERDICTS", {})
-    monkeypatch.delenv(selftest.ENV_VAR, raising=False)
+    monkeypatch.delenv(settings.SELFTEST.name, raising=False)
     monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
 
 
@@ -220,7 +222,7 @@ def test_verdict_cached_per_device_scheme_dtype(fresh, caplog):
 
 
 def test_env_zero_skips_the_self_test(fresh, monkeypatch):
-    monkeypatch.setenv(selftest.ENV_VAR, "0")
+    monkeypatch.setenv(settings.SELFTEST.name, "0")
     register_backend("cuda", _WrongColumn)
     _WrongColumn.runs = 0
     assert [b.name for b in select(_spec(torch.bfloat16), "cuda", 90)] == ["fake-wrong-column"]

@@ -1,5 +1,6 @@
-"""The Triton decode backend in the dispatch: registered for CUDA, rejected elsewhere with a
-reason, and (on CUDA) numerically the reference's numbers."""
+"""The Triton backends in the dispatch: registered for CUDA, rejected elsewhere with a
+reason, every scheme served at every M without the reference (no fp32 weight copy), and (on
+CUDA) numerically the reference's numbers."""
 
 import pytest
 import torch
@@ -7,23 +8,29 @@ import torch
 from vllm_mxplus.backends import LinearSpec, registered_backends, select
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
 from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
-from vllm_mxplus.formats import quantize
+from vllm_mxplus.formats import SCHEMES, get_scheme, quantize
 
 
 def test_registered_first_for_cuda_only():
-    assert registered_backends("cuda")[:2] == [
-        "vllm_mxplus.backends.triton.linear:TritonDecodeBackend",
-        "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend",
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+    from vllm_mxplus.backends.triton.linear import TritonGemmBackend
+
+    # decode first, then CUTLASS where built, then the Triton GEMM: the order decides
+    assert registered_backends("cuda") == [
+        TritonDecodeBackend,
+        CutlassPrefillBackend,
+        TritonGemmBackend,
     ]
-    assert all("triton" not in str(b) for b in registered_backends("cpu"))
+    assert all("triton" not in b.name for b in registered_backends("cpu"))
 
 
 def test_rejections_name_the_reason():
     ok, why = TritonDecodeBackend.is_supported("cpu", None)
     assert not ok and "CUDA" in why
-    ok, why = TritonDecodeBackend.can_implement(LinearSpec("nvfp4", 64, 64, torch.bfloat16))
-    assert not ok and "nvfp4" in why
-    assert TritonDecodeBackend.can_implement(LinearSpec("mxfp4-mbs", 64, 64, torch.bfloat16))[0]
+    ok, why = TritonDecodeBackend.can_implement(LinearSpec("mxfp4-mbs", 64, 64, torch.int8))
+    assert not ok and "output dtype" in why
+    for scheme in SCHEMES:  # every scheme: E8M0 (+ MBS), NVFP4, MX+
+        assert TritonDecodeBackend.can_implement(LinearSpec(scheme, 64, 64, torch.bfloat16))[0]
     assert TritonDecodeBackend.supports_m(16) and not TritonDecodeBackend.supports_m(17)
 
 
@@ -43,11 +50,14 @@ def test_rejections_name_the_reason():
 )
 def test_macro_blocks_the_kernels_cannot_tile_are_rejected(macro_block, ok):
     """can_implement rejects what the kernels cannot compile, so the selector falls back."""
-    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    spec = LinearSpec(get_scheme("mxfp4-mbs", macro_block), 64, 4096, torch.bfloat16)
     got, why = TritonDecodeBackend.can_implement(spec)
     assert got == ok and (ok or f"macro block {macro_block}" in why)
-    # without MBS the macro block does not matter
-    plain = LinearSpec("mxfp4-16-oas", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    # a scheme without MBS has no macro block to choose (the one validity rule)
+    if macro_block != 128:
+        with pytest.raises(ValueError, match="has no macro blocks"):
+            get_scheme("mxfp4-16-oas", macro_block)
+    plain = LinearSpec(get_scheme("mxfp4-16-oas"), 64, 4096, torch.bfloat16)
     assert TritonDecodeBackend.can_implement(plain)[0]
 
 
@@ -78,22 +88,24 @@ def test_cuda_decode_matches_reference(scheme, m):
 
 
 # ----------------------------------------------------------------------------- which path per N
-def _cuda_selection(monkeypatch, macro_block: int, cutlass: bool) -> list[str]:
+def _cuda_selection(
+    monkeypatch, macro_block: int, cutlass: bool, scheme: str = "mxfp4-mbs"
+) -> list[str]:
     """Backend names the selector picks for an MBS layer on a mocked sm_90 CUDA platform
     (the Triton kernels run in the interpreter here; the CUTLASS prefill's availability
     mocked; self-tests off: the kernels' numbers are the tests above and below)."""
+    from vllm_mxplus import settings
     from vllm_mxplus.backends import selection as dispatch
-    from vllm_mxplus.backends import selftest
     from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 
     monkeypatch.setattr(dispatch, "_LOGGED", set())
-    monkeypatch.setenv(selftest.ENV_VAR, "0")
+    monkeypatch.setenv(settings.SELFTEST.name, "0")
     monkeypatch.setattr(
         CutlassPrefillBackend,
         "is_supported",
         classmethod(lambda cls, p, c: (True, "") if cutlass else (False, "not built")),
     )
-    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    spec = LinearSpec(get_scheme(scheme, macro_block), 64, 4096, torch.bfloat16)
     return [b.name for b in select(spec, "cuda", 90)]
 
 
@@ -109,10 +121,19 @@ def test_small_macro_blocks_get_triton_for_every_m(
 
 
 @pytest.mark.parametrize("cutlass", [True, False], ids=["cutlass", "no-cutlass"])
-def test_macro_block_128_keeps_its_prefill_path(monkeypatch, triton_device, cutlass):
-    """N = 128 is unchanged: decode Triton, prefill CUTLASS where built, else the reference."""
+def test_macro_block_128_prefill_is_cutlass_where_built_else_triton(
+    monkeypatch, triton_device, cutlass
+):
+    """N = 128: decode Triton; prefill CUTLASS where built (first in the priority order),
+    else the Triton GEMM, never the reference."""
     chosen = _cuda_selection(monkeypatch, 128, cutlass)
-    assert chosen == ["triton-decode", "cutlass_prefill" if cutlass else "reference"]
+    assert chosen == ["triton-decode", "cutlass_prefill" if cutlass else "triton-gemm"]
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_every_scheme_gets_triton_for_every_m_without_cutlass(monkeypatch, triton_device, scheme):
+    """No scheme needs the reference (a 4-byte fp32 weight copy) on CUDA any more."""
+    assert _cuda_selection(monkeypatch, 128, False, scheme) == ["triton-decode", "triton-gemm"]
 
 
 def test_untileable_macro_block_falls_back_with_reason(monkeypatch, triton_device, caplog):
@@ -127,14 +148,18 @@ def test_untileable_macro_block_falls_back_with_reason(monkeypatch, triton_devic
     assert "triton-decode: macro block 48" in msg and "power" in msg
 
 
-@pytest.mark.parametrize("macro_block", [16, 32, 64])
-def test_triton_backends_pass_the_self_test(triton_device, macro_block):
+@pytest.mark.parametrize(
+    "scheme,macro_block",
+    [("mxfp4-mbs", 16), ("mxfp4-mbs", 32), ("mxfp4-mbs", 64), ("mxfp4-mbs", 128)]
+    + [("nvfp4", 128), ("mxplus", 128), ("mxfp4-ocp", 128)],
+)
+def test_triton_backends_pass_the_self_test(triton_device, scheme, macro_block):
     """The real self-test (selftest.run_self_test: activation codes bit for bit, outputs in
-    the bound, M in each backend's range) of both Triton backends at N < 128."""
+    the bound, M in each backend's range) of both Triton backends, every kind of format."""
     from vllm_mxplus.backends.selftest import run_self_test
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
-    spec = LinearSpec("mxfp4-mbs", 64, 4096, torch.bfloat16, macro_block=macro_block)
+    spec = LinearSpec(get_scheme(scheme, macro_block), 64, 4096, torch.bfloat16)
     for cls in (TritonDecodeBackend, TritonGemmBackend):
         assert run_self_test(cls, spec, triton_device) is None
 
@@ -145,7 +170,7 @@ def test_triton_gemm_backend_matches_formats_for_prefill_rows(triton_device):
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
     n, k = 48, 200
-    spec = LinearSpec("mxfp4-mbs", n, k, torch.bfloat16, macro_block=32)
+    spec = LinearSpec(get_scheme("mxfp4-mbs", 32), n, k, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen) * 0.1
     x = torch.randn(40, k, generator=gen).to(torch.bfloat16)

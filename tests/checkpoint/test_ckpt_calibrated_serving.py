@@ -38,8 +38,8 @@ def _backends(spec: LinearSpec) -> list:
 def _assert_served_exactly(q: QuantizedTensor, scheme: str, x: torch.Tensor) -> None:
     n, k = q.shape
     afmt = get_scheme(scheme).activation_format
-    nv = get_format(afmt).scale_rule == "e4m3"
-    spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=torch.float32, macro_block=q.macro_block)
+    nv = get_format(afmt).has_global_scale
+    spec = LinearSpec(get_scheme(scheme, q.macro_block), n=n, k=k, out_dtype=torch.float32)
     xq = fake_quantize(x, afmt, per_row=nv, macro_block=q.macro_block).double()
     w = q.dequantize(torch.float32).double()
     ref, mag = xq @ w.T, xq.abs() @ w.abs().T
@@ -75,7 +75,7 @@ def _arbitrary_encoding(scheme: str, n: int, k: int, seed: int) -> QuantizedTens
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     nb = ceil_div(k, spec.block_size)
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         scales = torch.randint(1, 127, (n, nb), generator=g, dtype=torch.uint8)
         return QuantizedTensor(
             codes=pack_fp4(codes),

@@ -48,7 +48,7 @@ def main() -> None:
         return ref_apply(self, layer, x, bias, act_global_scale)
 
     ReferenceBackend.apply = recording_ref_apply
-    dispatch._REGISTRY["cpu"] = [RecordingDecode]
+    dispatch._REGISTRY["linear"]["cpu"] = [RecordingDecode]
 
     results = {}
     for mode, eager in (("eager", True), ("compiled", False)):

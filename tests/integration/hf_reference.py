@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.backends.reference.modules import FakeQuantLinear, apply_fake_quant
-from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats import MACRO_BLOCK, get_scheme
 from vllm_mxplus.integration.mla import WEIGHT_READ_BY_ATTENTION
 
 PromptLike = str | list[int]  # text, or token ids (no BOS added)
@@ -32,7 +32,7 @@ def fake_quant_model(
     weight-only for the linears attention reads directly."""
     if scheme is None:
         return model
-    for name in apply_fake_quant(model, scheme, macro_block=macro_block):
+    for name in apply_fake_quant(model, get_scheme(scheme, macro_block)):
         if name.rsplit(".", 1)[-1] in WEIGHT_READ_BY_ATTENTION:
             parent, _, child = name.rpartition(".")
             mod = model.get_submodule(parent)

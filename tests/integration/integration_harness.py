@@ -208,6 +208,21 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
     jobs.append(gen_job("pre-sq-mxfp4-mbs", m["tiny256-sq"], None))
     jobs.append(gen_job("pre-mb32-mxfp4-mbs", m["tiny256-mb32"], None))
+    # online quantization at macro block 32, the option passed as vLLM users pass a
+    # quantization method's options: a quantization_config through --hf-overrides
+    opts = {"quant_method": "mxfp4-mbs", "macro_block_size": MB32}
+    jobs.append(
+        dict(
+            gen_job("online-mb32-mxfp4-mbs", m["tiny256"], "mxfp4-mbs"),
+            hf_overrides={"quantization_config": opts},
+        )
+    )
+    jobs.append(
+        dict(
+            gen_job("bad-option", m["tiny256"], "mxfp4-mbs"),
+            hf_overrides={"quantization_config": {**opts, "macro_block": 64}},
+        )
+    )
     jobs.append(gen_job("bad-missing", m["bad-missing"], None))
     jobs.append(gen_job("bad-shape", m["bad-shape"], None))
     jobs.append(gen_job("bad-flag", m["tiny256-mxfp4-mbs"], "nvfp4"))

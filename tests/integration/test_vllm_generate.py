@@ -101,6 +101,23 @@ def test_macro_block_32_checkpoint_matches_reference(driver_run, tiny_models):
     )
 
 
+def test_online_macro_block_from_hf_overrides_matches_reference(driver_run, tiny_models):
+    """`--quantization mxfp4-mbs --hf-overrides '{"quantization_config": {"quant_method":
+    "mxfp4-mbs", "macro_block_size": 32}}'`: a bf16 checkpoint quantized at load with macro
+    block 32 serves the reference's tokens at 32 (which differ from those at 128)."""
+    results, _ = driver_run
+    _check_against_reference(
+        results["online-mb32-mxfp4-mbs"], tiny_models["tiny256"], "mxfp4-mbs", MB32
+    )
+
+
+def test_unknown_online_option_is_refused_by_name(driver_run):
+    results, _ = driver_run
+    err = results["bad-option"].get("error") or ""
+    assert "'macro_block' is not an option of --quantization mxfp4-mbs" in err, err
+    assert "macro_block_size" in err  # what the option is called
+
+
 def test_torch_compile_mode_matches_reference(driver_run, tiny_models):
     """vLLM's default (compiled, not --enforce-eager) mode traces our ops through their fake
     implementations and runs them: same tokens as the reference."""

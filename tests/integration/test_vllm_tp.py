@@ -10,10 +10,10 @@ the right place and NVFP4 activation scales are reduced over the ranks.
 from __future__ import annotations
 
 import pytest
+from vllm_mxplus.formats import get_scheme
 from integration_harness import gen_job, run_driver
 from test_vllm_generate import _check_against_reference
 
-from vllm_mxplus.integration.params import row_parallel_unit
 
 pytestmark = pytest.mark.vllm
 
@@ -36,8 +36,10 @@ def test_tp2_prequantized_nvfp4(tp_run, tiny_models):
 
 
 def test_row_parallel_unit_rule():
-    assert row_parallel_unit("mxfp4-mbs-d", "mxfp4-mbs-s") == 128
-    assert row_parallel_unit("mxfp4-16-oas", "mxfp4-16-oas") == 16
-    assert row_parallel_unit("mxfp4-ocp", "mxfp4-ocp") == 32
-    assert row_parallel_unit("mxplus", "mxplus") == 32
-    assert row_parallel_unit("nvfp4", "nvfp4") == 16
+    assert get_scheme("mxfp4-mbs").group_size == 128
+    assert get_scheme("mxfp4-mbs", macro_block=64).group_size == 64
+    assert get_scheme("mxfp4-mbs-s", macro_block=32).group_size == 32
+    assert get_scheme("mxfp4-16-oas").group_size == 16
+    assert get_scheme("mxfp4-ocp").group_size == 32
+    assert get_scheme("mxplus").group_size == 32
+    assert get_scheme("nvfp4").group_size == 16

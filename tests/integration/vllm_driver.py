@@ -43,6 +43,7 @@ def run_job(job: dict) -> dict:
             tensor_parallel_size=job.get("tp", 1),
             pipeline_parallel_size=job.get("pp", 1),
             distributed_executor_backend=job.get("backend"),
+            **({"hf_overrides": job["hf_overrides"]} if job.get("hf_overrides") else {}),
         )
     except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}

@@ -1,24 +1,35 @@
-"""The linear-backend interface: one backend per file behind this small base class.
+"""The one backend interface, for linear layers and for MoE experts alike.
 
 Modelled on vLLM's `model_executor/kernels/linear/mxfp4/` kernels: a backend says whether it
 runs on a platform / capability (`is_supported`), whether it can implement one layer
 (`can_implement`), which token counts M it serves (`min_m` / `max_m`, `supports_m`), turns the
-loaded checkpoint tensors into its runtime layout once (`process_weights_after_loading`), and
-computes y = x W^T + b (`apply`). The selector in `dispatch.py` keeps a priority list per
-platform; a backend that runs its own kernels (`kernel = True`) is self-tested against
+loaded weights into its runtime layout once (`process_weights_after_loading`) and computes the
+layer (`apply`). A layer is described by a `Spec` holding its whole `Scheme` (weight format,
+activation format, macro block): `LinearSpec` for a linear, `ExpertSpec` for a layer's routed
+experts. The selector (`selection.py`) keeps one priority list per (layer kind, platform); a
+backend that runs its own kernels (`kernel = True`) is self-tested against
 `vllm_mxplus.formats` the first time it is selected (`selftest.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
-from torch.nn import Module
 
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
+from vllm_mxplus.formats import QuantizedTensor, Scheme, get_scheme
+
+# The layer a backend keeps its runtime tensors on: a torch Module (a vLLM LinearBase or
+# RoutedExperts, or a bare Module in the self-tests) to which vLLM and the backends add
+# attributes at run time, which mypy cannot follow through Module.__getattr__.
+Layer = Any
+
+LayerKind = Literal["linear", "experts"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "experts")
 
 # (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
 # decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
@@ -35,35 +46,78 @@ E8M0_PAIRS = frozenset(
 
 
 @dataclass(frozen=True)
-class LinearSpec:
-    """What a backend needs to know about one quantized linear (per TP partition)."""
+class Spec:
+    """What a backend needs to know about one layer (per TP partition): its whole scheme
+    (a `Scheme`, or a scheme name meaning that scheme at its default macro block) and the
+    device type its weights live on."""
 
-    scheme: str
-    n: int  # output features on this rank (sum of the logical widths)
-    k: int  # input features on this rank
-    out_dtype: torch.dtype
-    device_type: str = "cpu"
-    macro_block: int = MACRO_BLOCK
+    kind: ClassVar[LayerKind]
+    scheme: Scheme
+    device_type: str = field(default="cpu", kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheme, Scheme):
+            object.__setattr__(self, "scheme", get_scheme(self.scheme))
 
     @property
     def weight_format(self) -> str:
-        return get_scheme(self.scheme).weight_format
+        return self.scheme.weight_format
 
     @property
     def activation_format(self) -> str:
-        return get_scheme(self.scheme).activation_format
+        return self.scheme.activation_format
+
+    @property
+    def macro_block(self) -> int:
+        return self.scheme.macro_block
 
     @property
     def activation_per_row(self) -> bool:
         """NVFP4 activations take one global scale per token (docs/numerics.md, NVFP4)."""
-        return get_format(self.activation_format).scale_rule == "e4m3"
+        return self.scheme.activations_per_row
 
 
-class LinearBackend(ABC):
-    """One way to run a quantized linear, made for one layer: the backend owns the layer's
-    `LinearSpec` (`self.spec`, given once by the selector) and keeps the runtime tensors it
+@dataclass(frozen=True)
+class LinearSpec(Spec):
+    """One quantized linear: y [M, n] = x [M, k] W^T (+ b) in out_dtype."""
+
+    kind: ClassVar[LayerKind] = "linear"
+    n: int  # output features on this rank (sum of the logical widths)
+    k: int  # input features on this rank
+    out_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ExpertSpec(Spec):
+    """One MoE layer's routed experts (w13 [E, 2I, H], w2 [E, H, I] on this rank)."""
+
+    kind: ClassVar[LayerKind] = "experts"
+
+
+STEMS = ("w13", "w2")  # gate|up stacked [E, 2I, H]; down [E, H, I]
+
+
+@dataclass
+class ExpertWeights:
+    """The loaded experts, in the two forms a backend may want (computed on demand).
+
+    quantized(stem) -> (QuantizedTensor of all local experts' rows [E*N, K], E)
+    dequantized(stem) -> fp32 [E, N, K] (NVFP4: one global scale per logical weight)
+    """
+
+    quantized: Callable[[str], tuple[QuantizedTensor, int]]
+    dequantized: Callable[[str], torch.Tensor]
+
+
+Activation = Callable[[Tensor], Tensor]  # the layer's gated activation, [M, 2I] -> [M, I]
+
+
+class Backend(ABC):
+    """One way to run one kind of quantized layer, made for one layer: the backend owns the
+    layer's spec (`self.spec`, given once by the selector) and keeps the runtime tensors it
     prepares on the layer, so `apply` takes only what changes per call."""
 
+    kind: ClassVar[LayerKind]
     name: str = "base"
     #: The token counts M the backend serves, inclusive (max_m None: no upper bound), e.g.
     #: a decode kernel min_m=1, max_m=16 and a prefill GEMM min_m=17. The selector keeps the
@@ -71,16 +125,16 @@ class LinearBackend(ABC):
     #: together leave some M uncovered, and drops a candidate whose range earlier ones cover.
     min_m: int = 1
     max_m: int | None = None
-    #: Legacy declaration: False for a backend whose `supports_m` rejects some M without
-    #: declaring `min_m` / `max_m`; its range is then unknown and the reference is kept.
+    #: False for a backend whose `supports_m` rejects some M without declaring `min_m` /
+    #: `max_m`; its range is then unknown and the reference is kept.
     covers_all_m: bool = True
     #: True for a backend that runs its own kernels (not torch math on `formats` values): it
     #: is self-tested against `vllm_mxplus.formats` the first time it is selected for a
-    #: (device, scheme, dtype), and rejected if it disagrees (`vllm_mxplus.backends.selftest`).
+    #: (device, scheme, dtype), and rejected if it disagrees (`selftest.py`).
     kernel: bool = False
-    #: Significand bits of the backend's GEMM accumulator, for the self-test's error bound
-    #: (24: IEEE fp32 round to nearest; a tensor-core accumulator that keeps fewer bits says
-    #: so here, with its reason).
+    #: Significand bits kept by the backend's GEMM accumulator, for the self-test's error
+    #: bound (24: IEEE fp32 round to nearest; an accumulator that keeps fewer bits says so
+    #: here, with its reason: docs/numerics.md, "Kernel numerics and error bounds").
     accumulator_bits: int = 24
 
     @classmethod
@@ -90,7 +144,7 @@ class LinearBackend(ABC):
         (e.g. 90 for sm_90); otherwise (False, the reason)."""
 
     @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+    def can_implement(cls, spec: Spec) -> tuple[bool, str]:
         """(True, "") when the backend handles this layer's scheme and shape."""
         return True, ""
 
@@ -107,8 +161,21 @@ class LinearBackend(ABC):
         """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
         return cls.min_m <= m and (cls.max_m is None or m <= cls.max_m)
 
-    def __init__(self, spec: LinearSpec) -> None:
+    def __init__(self, spec: Spec) -> None:
+        if spec.kind != self.kind:
+            raise TypeError(f"{self.name} is a {self.kind} backend, given a {spec.kind} spec")
         self.spec = spec
+
+
+class LinearBackend(Backend):
+    """A backend for one quantized linear (`LinearSpec`)."""
+
+    kind: ClassVar[LayerKind] = "linear"
+    spec: LinearSpec
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:  # type: ignore[override]
+        return True, ""
 
     def selftest_activation(self, x: Tensor) -> QuantizedTensor | Tensor | None:
         """The backend's own activation quantization of rows x, for the self-test to compare
@@ -117,18 +184,39 @@ class LinearBackend(ABC):
         return None
 
     @abstractmethod
-    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         """Turn the loaded (or just quantized) weight into this backend's runtime tensors,
         stored on `layer`. Called once per layer after loading."""
 
     @abstractmethod
     def apply(
-        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
         """y = Q_act(x) @ W_hat^T + bias, in spec.out_dtype, shape [..., spec.n].
 
         act_global_scale: NVFP4 activations only, per-row global scales [..., 1] to use
         instead of x's own (row-parallel TP shards pass the whole row's)."""
+
+
+class ExpertBackend(Backend):
+    """A backend for one MoE layer's routed experts (`ExpertSpec`)."""
+
+    kind: ClassVar[LayerKind] = "experts"
+    spec: ExpertSpec
+
+    @classmethod
+    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:  # type: ignore[override]
+        return True, ""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:
+        """Store the runtime expert tensors on `layer` (once, after loading)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: Layer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
+        """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
 
 
 def check_e8m0_pair(weight_format: str, activation_format: str, kernel: str) -> tuple[bool, str]:

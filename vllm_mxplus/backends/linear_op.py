@@ -18,21 +18,61 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.selection import pick
 
-if TYPE_CHECKING:
-    from vllm_mxplus.backends.selection import LinearDispatch
+
+class LinearDispatch:
+    """The per-layer runtime: candidate backends (from `selection.select`), weights
+    processed by each, the backend picked per call by the activation's row count M."""
+
+    def __init__(self, spec: LinearSpec, candidates: list[LinearBackend]):
+        if not candidates:
+            raise ValueError("LinearDispatch needs at least one backend")
+        for b in candidates:
+            if b.spec != spec:
+                raise ValueError(f"backend {b.name} was made for {b.spec}, not this layer's {spec}")
+        self.spec = spec
+        self.candidates = candidates
+        self.key: str | None = None  # the layer's key in this module's registry
+
+    def process_weights_after_loading(self, layer: Layer, qweight) -> None:
+        for backend in self.candidates:
+            backend.process_weights_after_loading(layer, qweight)
+        if len(self.candidates) > 1:
+            self.key = register_layer(layer, self)
+
+    def pick(self, m: int) -> LinearBackend:
+        backend = pick(self.candidates, m)
+        assert isinstance(backend, LinearBackend)
+        return backend
+
+    def apply(
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_global_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # One candidate: call it directly (no registry lookup, no op boundary, and no read of
+        # x.shape that could put a shape guard into a compiled graph).
+        if len(self.candidates) == 1:
+            return self.candidates[0].apply(layer, x, bias, act_global_scale)
+        if self.key is None:
+            raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
+        return torch.ops.vllm_mxplus.linear_dispatch(x, bias, act_global_scale, self.key)
+
 
 # key -> (weak reference to the layer, its dispatch)
 _LAYERS: dict[str, tuple[weakref.ref, LinearDispatch]] = {}
 _ANON = itertools.count()
 
 
-def register_layer(layer: torch.nn.Module, dispatch: LinearDispatch) -> str:
+def register_layer(layer: Layer, dispatch: LinearDispatch) -> str:
     """Make (layer, dispatch) reachable from the op; returns the key to pass to it.
 
     The key is the layer's vLLM prefix when it has one. A prefix already held by another live
@@ -46,7 +86,11 @@ def register_layer(layer: torch.nn.Module, dispatch: LinearDispatch) -> str:
         if held is None or held is layer:
             break
         key, n = f"{base}#{n}", n + 1
-    _LAYERS[key] = (weakref.ref(layer, lambda _r, k=key: _forget(k, _r)), dispatch)
+
+    def forget(ref: weakref.ref, k: str = key) -> None:
+        _forget(k, ref)
+
+    _LAYERS[key] = (weakref.ref(layer, forget), dispatch)
     return key
 
 
@@ -60,7 +104,7 @@ def lookup(key: str) -> tuple[torch.nn.Module, LinearDispatch]:
     """The (layer, dispatch) registered under key; a clear error when there is none."""
     entry = _LAYERS.get(key)
     layer = entry[0]() if entry is not None else None
-    if layer is None:
+    if entry is None or layer is None:
         raise RuntimeError(
             f"vllm_mxplus.linear_dispatch: no live quantized linear registered as {key!r} "
             f"(layers are registered by MxplusLinearMethod.process_weights_after_loading)"

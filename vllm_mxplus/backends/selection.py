@@ -1,63 +1,108 @@
-"""Backend registry and selector: a priority list per platform, no capability ladders.
+"""The backend registry and selector, for linear layers and MoE experts alike.
 
-`select(spec, platform, capability)` walks the platform's list and keeps every backend whose
-`is_supported` and `can_implement` pass, that serves some M no earlier candidate serves
-(`LinearBackend.min_m` / `max_m`), and, for a kernel backend, whose self-test against
-`vllm_mxplus.formats` passes (`selftest.py`, once per process). It stops as soon as the
-candidates together serve every M; only if they never do is the reference backend (any M,
-any device, but a 4-byte fp32 weight copy per layer) appended. It logs once per distinct
-situation what it chose, for which M, and why each better backend was rejected.
+One priority list per (layer kind, platform), no capability ladders. `select(spec, platform,
+capability)` walks the list for the spec's kind and keeps every backend whose `is_supported`
+and `can_implement` pass, that serves some M no earlier candidate serves (`Backend.min_m` /
+`max_m`), and, for a kernel backend, whose self-test against `vllm_mxplus.formats` passes
+(`selftest.py`, once per process). It stops as soon as the candidates together serve every
+M; only if they never do is the kind's reference backend (any M, any device, but a 4-byte
+fp32 weight copy) appended. It logs once per distinct situation what it chose, for which M,
+and why each better backend was rejected.
 
-A `LinearDispatch` then picks per call the first candidate that serves the activation's row
-count M (e.g. a decode GEMV for small M, then a prefill GEMM). With more than one candidate
-that choice runs inside one registered custom op (`linear_op.py`), so vLLM's compiled graph
-(dynamic token count, guards dropped) and CUDA graphs take the right backend for every M.
+`VLLM_MXPLUS_BACKEND` (`vllm_mxplus.settings`) narrows the lists: one name forces that
+backend, a comma list allows only those (in priority order, the reference only if named);
+the layer then fails to load, naming the layer and the reason, when the allowed backends
+cannot serve every M.
 
-Backends are registered by import path so that a Triton / CUTLASS module is imported only on
-the platform that may use it.
+The per-call choice among the candidates (`pick`) happens in `linear_op.LinearDispatch` for
+linears (inside one custom op, for compiled graphs and CUDA graphs) and in the FusedMoE method
+for experts (vLLM runs MoE layers inside its own opaque custom op).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any, overload
 
 import torch
 
-from vllm_mxplus.backends import registry, selftest
-from vllm_mxplus.backends.base import LinearBackend, LinearSpec
-from vllm_mxplus.backends.linear_op import register_layer
+from vllm_mxplus import settings
+from vllm_mxplus.backends import selftest
+from vllm_mxplus.backends.base import (
+    LAYER_KINDS,
+    Backend,
+    ExpertBackend,
+    ExpertSpec,
+    LayerKind,
+    LinearBackend,
+    LinearSpec,
+    Spec,
+)
+from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
+from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+from vllm_mxplus.backends.reference.experts import ReferenceExperts
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
+from vllm_mxplus.backends.triton.experts import TritonExperts
+from vllm_mxplus.backends.triton.linear import TritonDecodeBackend, TritonGemmBackend
 from vllm_mxplus.log_once import log_once
 
 logger = logging.getLogger(__name__)
 
-BackendRef = str | type[LinearBackend]  # "package.module:ClassName" or the class
 MRange = tuple[int, int | None]  # (min_m, max_m), max_m None = no upper bound
+Registry = dict[str, list[type[Backend]]]  # platform -> backends in priority order
 
-# Priority order per platform; the reference backend is appended by the selector.
-_REGISTRY: dict[str, list[BackendRef]] = {
-    "cuda": [
-        "vllm_mxplus.backends.triton.linear:TritonDecodeBackend",  # M <= 16
-        "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend",  # larger M, where built
-        "vllm_mxplus.backends.triton.linear:TritonGemmBackend",  # larger M, macro blocks != 128
-    ],
-    "rocm": [],
-    "xpu": [],
-    "cpu": [
-        "vllm_mxplus.backends.cpu.linear:CpuPackedBackend",  # C++ kernels, any M, E8M0 formats
-    ],
+# Priority order per layer kind and platform; the kind's reference backend is appended by the
+# selector where the others leave some M uncovered.
+_REGISTRY: dict[LayerKind, Registry] = {
+    "linear": {
+        "cuda": [
+            TritonDecodeBackend,  # M <= 16
+            CutlassPrefillBackend,  # larger M, where the extension is built
+            TritonGemmBackend,  # larger M otherwise
+        ],
+        "rocm": [],
+        "xpu": [],
+        "cpu": [CpuPackedBackend],  # C++ kernels, any M, every scheme
+    },
+    "experts": {
+        "cuda": [TritonExperts],  # grouped Triton GEMM, packed experts, every scheme
+        "rocm": [],
+        "xpu": [],
+        "cpu": [CpuPackedExperts],  # C++ kernels, packed experts, every scheme
+    },
+}
+REFERENCE: dict[LayerKind, type[Backend]] = {
+    "linear": ReferenceBackend,
+    "experts": ReferenceExperts,
 }
 _LOGGED: set[Hashable] = set()  # the selector's situations already logged (tests reset it)
 
 
-def register_backend(platform: str, backend: BackendRef, priority: int | None = None) -> None:
-    """Add a backend for a platform at position `priority` (0 = first; None = last)."""
-    registry.register(_REGISTRY, platform, backend, priority)
+class BackendUnavailable(RuntimeError):
+    """The backends `VLLM_MXPLUS_BACKEND` allows cannot serve a layer."""
 
 
-def registered_backends(platform: str) -> list[BackendRef]:
-    return list(_REGISTRY.get(platform, []))
+def register_backend(platform: str, backend: type[Backend], priority: int | None = None) -> None:
+    """Add a backend class for a platform (its kind from `backend.kind`) at position `priority`
+    (0 = first; None = last); one registered again moves."""
+    entries = _REGISTRY[backend.kind].setdefault(platform, [])
+    if backend in entries:
+        entries.remove(backend)
+    entries.insert(len(entries) if priority is None else priority, backend)
+
+
+def registered_backends(platform: str, kind: LayerKind = "linear") -> list[type[Backend]]:
+    return list(_REGISTRY[kind].get(platform, []))
+
+
+def backend_names(kind: LayerKind) -> list[str]:
+    """Every backend name of a kind on any platform, reference included, in registry order."""
+    names: list[str] = []
+    for classes in _REGISTRY[kind].values():
+        names += [c.name for c in classes if c.name not in names]
+    return names + [REFERENCE[kind].name]
 
 
 def current_platform_of(device: torch.device) -> tuple[str, int | None]:
@@ -84,7 +129,7 @@ def first_uncovered_m(ranges: list[MRange], lo: int = 1, hi: int | None = None) 
     return cur if hi is None or cur <= hi else None
 
 
-def _describe_m(r: MRange | None) -> str:
+def describe_m(r: MRange | None) -> str:
     if r is None:
         return "M: see supports_m"
     lo, hi = r
@@ -93,22 +138,88 @@ def _describe_m(r: MRange | None) -> str:
     return f"M <= {hi}" if lo <= 1 else f"{lo} <= M <= {hi}"
 
 
-def select(spec: LinearSpec, platform: str, capability: int | None) -> list[LinearBackend]:
+def _allowed(kind: LayerKind) -> tuple[str, ...] | None:
+    """The backend names VLLM_MXPLUS_BACKEND allows for this kind (one name: forced); None
+    when it leaves the kind alone. Kinds and names are checked against the registry."""
+    choice = settings.backend_choice()
+    if choice is None:
+        return None
+    bad_kinds = [k for k in choice.names if k and k not in LAYER_KINDS]
+    if bad_kinds:
+        raise BackendUnavailable(
+            f"{settings.BACKEND.name}={choice.raw!r}: unknown layer kind "
+            f"{', '.join(map(repr, bad_kinds))}; use {' or '.join(LAYER_KINDS)}"
+        )
+    names = choice.names_for(kind)
+    if not names:
+        return None
+    valid = backend_names(kind)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise BackendUnavailable(
+            f"{settings.BACKEND.name}={choice.raw!r}: no {kind} backend named "
+            f"{', '.join(map(repr, unknown))}; {kind} backends: {', '.join(valid)} "
+            f"(prefix a name with 'linear:' or 'experts:' to apply it to one kind only)"
+        )
+    return names
+
+
+def screen(
+    spec: Spec, platform: str, capability: int | None, rejected: list[str]
+) -> list[type[Backend]]:
+    """The registered backends of the spec's kind on this platform, in priority order, that
+    run here and implement spec; appends "name: reason" to `rejected` for every other one."""
+    passed = []
+    for cls in _REGISTRY[spec.kind].get(platform, []):
+        ok, why = cls.is_supported(platform, capability)
+        if ok:
+            ok, why = cls.can_implement(spec)
+        if ok:
+            passed.append(cls)
+        else:
+            rejected.append(f"{cls.name}: {why}")
+    return passed
+
+
+@overload
+def select(
+    spec: LinearSpec, platform: str, capability: int | None, where: str = ""
+) -> list[LinearBackend]: ...
+@overload
+def select(
+    spec: ExpertSpec, platform: str, capability: int | None, where: str = ""
+) -> list[ExpertBackend]: ...
+def select(spec: Spec, platform: str, capability: int | None, where: str = "") -> list[Any]:
     """Candidates for this layer in priority order; together they serve every M.
 
     A backend whose M range earlier candidates already serve is never called, and the
-    reference backend is kept only when the others leave some M uncovered: both would only
-    cost memory (the reference holds a 4-byte fp32 copy of the weight)."""
-    chosen: list[LinearBackend] = []
+    reference backend is kept only when the others leave some M uncovered (or when
+    VLLM_MXPLUS_BACKEND names it): both would only cost memory (the reference holds a 4-byte
+    fp32 copy of the weight). `where` names the layer in errors."""
+    allowed = _allowed(spec.kind)
+    chosen: list[Backend] = []
     served: list[MRange] = []  # the known ranges of the chosen backends
     rejected: list[str] = []
     notes: list[str] = []
-    for cls in registry.screen(_REGISTRY, platform, capability, spec, rejected):
+    candidates = screen(spec, platform, capability, rejected)
+    reference = REFERENCE[spec.kind]
+    if allowed is not None:
+        here = [c.name for c in _REGISTRY[spec.kind].get(platform, [])] + [reference.name]
+        rejected += [
+            f"{n}: not a {spec.kind} backend on {platform}" for n in allowed if n not in here
+        ]
+        if reference.name in allowed:
+            candidates.append(reference)
+        rejected += [
+            f"{c.name}: not in {settings.BACKEND.name}" for c in candidates if c.name not in allowed
+        ]
+        candidates = [c for c in candidates if c.name in allowed]
+    for cls in candidates:
         r = cls.m_range()
         if r is not None and first_uncovered_m(served, *r) is None:
-            notes.append(f"{cls.name}: {_describe_m(r)} already served")
+            notes.append(f"{cls.name}: {describe_m(r)} already served")
             continue
-        if cls.kernel and selftest.enabled():
+        if cls.kernel and settings.selftest_enabled():
             ok, why = selftest.verdict(cls, spec, platform, capability)
             if not ok:
                 rejected.append(f"{cls.name}: {why}")
@@ -119,85 +230,92 @@ def select(spec: LinearSpec, platform: str, capability: int | None) -> list[Line
         if first_uncovered_m(served) is None:
             break
     gap = first_uncovered_m(served)
+    if gap is not None and allowed is not None:
+        what = f"{settings.BACKEND.name}={','.join(allowed)}"
+        raise BackendUnavailable(
+            f"{where or spec.kind}: {spec.scheme} on {platform} (capability {capability}): "
+            f"{what} leaves M >= {gap} unserved"
+            + (f" ({'; '.join(rejected)})" if rejected else "")
+            + (
+                f"; allow another backend too (e.g. {what},{reference.name}) or unset "
+                f"{settings.BACKEND.name}"
+            )
+        )
     if gap is not None:
-        chosen.append(ReferenceBackend(spec))
+        chosen.append(reference(spec))
+    _log_choice(spec, platform, capability, chosen, rejected, notes, gap)
+    return chosen
+
+
+def _log_choice(
+    spec: Spec,
+    platform: str,
+    capability: int | None,
+    chosen: Sequence[Backend],
+    rejected: list[str],
+    notes: list[str],
+    gap: int | None,
+) -> None:
     names = tuple(b.name for b in chosen)
-    key = (platform, capability, spec.scheme, names, tuple(rejected))
+    key = (spec.kind, platform, capability, spec.scheme, names, tuple(rejected))
+    what = "MoE experts" if spec.kind == "experts" else "linears"
     if rejected and len(chosen) == 1 and gap is not None:
         log_once(
             logger,
             key,
             logging.WARNING,
-            "mxplus %s on %s (capability %s): falling back to the reference backend "
+            "mxplus %s %s on %s (capability %s): falling back to the reference backend "
             "(dequantized fp32 weights, fake-quant activations) because %s",
             spec.scheme,
+            what,
             platform,
             capability,
             "; ".join(rejected),
             seen=_LOGGED,
         )
-    else:
-        ranges = [
-            _describe_m(type(b).m_range())
-            if not isinstance(b, ReferenceBackend)
-            else (f"M >= {gap}" if gap is not None and gap > 1 else "any M")
-            for b in chosen
-        ]
-        log_once(
-            logger,
-            key,
-            logging.INFO,
-            "mxplus %s on %s (capability %s): backends %s%s",
-            spec.scheme,
-            platform,
-            capability,
-            " > ".join(f"{n} ({d})" if len(chosen) > 1 else n for n, d in zip(names, ranges)),
-            "".join(
-                f" ({label}: {'; '.join(items)})"
-                for label, items in (("rejected", rejected), ("not needed", notes))
-                if items
-            ),
-            seen=_LOGGED,
-        )
-    return chosen
+        return
+    ranges = [
+        describe_m(type(b).m_range())
+        if type(b) is not REFERENCE[spec.kind] or gap is None
+        else (f"M >= {gap}" if gap > 1 else "any M")
+        for b in chosen
+    ]
+    log_once(
+        logger,
+        key,
+        logging.INFO,
+        "mxplus %s %s on %s (capability %s): backends %s%s",
+        spec.scheme,
+        what,
+        platform,
+        capability,
+        " > ".join(f"{n} ({d})" if len(chosen) > 1 else n for n, d in zip(names, ranges)),
+        "".join(
+            f" ({label}: {'; '.join(items)})"
+            for label, items in (("rejected", rejected), ("not needed", notes))
+            if items
+        ),
+        seen=_LOGGED,
+    )
 
 
-class LinearDispatch:
-    """The per-layer runtime: candidate backends, weights processed by each, pick by M."""
+def pick(candidates: Sequence[Backend], m: int) -> Backend:
+    """The first candidate that serves an activation of m rows (the last as a fallback)."""
+    for backend in candidates:
+        if backend.supports_m(m):
+            return backend
+    return candidates[-1]
 
-    def __init__(self, spec: LinearSpec, candidates: list[LinearBackend]):
-        if not candidates:
-            raise ValueError("LinearDispatch needs at least one backend")
-        for b in candidates:
-            if b.spec != spec:
-                raise ValueError(f"backend {b.name} was made for {b.spec}, not this layer's {spec}")
-        self.spec = spec
-        self.candidates = candidates
-        self.key: str | None = None  # the layer's key in linear_op's registry
 
-    def process_weights_after_loading(self, layer: torch.nn.Module, qweight) -> None:
-        for backend in self.candidates:
-            backend.process_weights_after_loading(layer, qweight)
-        if len(self.candidates) > 1:
-            self.key = register_layer(layer, self)
-
-    def pick(self, m: int) -> LinearBackend:
-        for backend in self.candidates:
-            if backend.supports_m(m):
-                return backend
-        return self.candidates[-1]
-
-    def apply(
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_global_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # One candidate: call it directly (no registry lookup, no op boundary, and no read of
-        # x.shape that could put a shape guard into a compiled graph).
-        if len(self.candidates) == 1:
-            return self.candidates[0].apply(layer, x, bias, act_global_scale)
-        if self.key is None:
-            raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
-        return torch.ops.vllm_mxplus.linear_dispatch(x, bias, act_global_scale, self.key)
+__all__ = [
+    "LAYER_KINDS",
+    "REFERENCE",
+    "BackendUnavailable",
+    "backend_names",
+    "current_platform_of",
+    "first_uncovered_m",
+    "pick",
+    "register_backend",
+    "registered_backends",
+    "select",
+]

@@ -29,58 +29,70 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
 
-from vllm_mxplus.backends.base import LinearBackend, LinearSpec
+from vllm_mxplus import settings
+from vllm_mxplus.backends.base import (
+    Backend,
+    ExpertBackend,
+    ExpertSpec,
+    LinearBackend,
+    LinearSpec,
+    Spec,
+)
+from vllm_mxplus.backends.checks import first_bit_difference, output_bound
+from vllm_mxplus.backends.selftest_experts import run_expert_self_test
 from vllm_mxplus.formats import QuantizedTensor, fake_quantize, quantize
 from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "VLLM_MXPLUS_SELFTEST"
 # (N, K) of the test problem, first the one the backend can implement: K = 320 holds a
 # partial macro block (320 = 2*128 + 64); N = 40 is not a multiple of 16 or 32.
 SHAPES = ((40, 320), (48, 256))
 TEST_MS = (1, 3, 16, 17, 33)  # decode sizes, the usual decode/prefill border, prefill
-EXTRA_ROUNDINGS = 8  # per product, beyond the fp32 accumulation (see the module docstring)
 
 _VERDICTS: dict[tuple, tuple[bool, str]] = {}
 
 
 def enabled() -> bool:
     """False when VLLM_MXPLUS_SELFTEST=0 (the self-test is skipped, kernels trusted)."""
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+    return settings.selftest_enabled()
 
 
-def _device(spec: LinearSpec) -> torch.device:
+def device_of(spec: Spec) -> torch.device:
     if spec.device_type == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(spec.device_type)
 
 
 def verdict(
-    cls: type[LinearBackend], spec: LinearSpec, platform: str, capability: int | None
+    cls: type[Backend], spec: Spec, platform: str, capability: int | None
 ) -> tuple[bool, str]:
     """(True, "") when the backend passed its self-test for this (device, scheme, dtype),
-    else (False, why). Runs the test the first time only; logs a failure as an ERROR."""
-    device = _device(spec)
+    else (False, why). Runs the test the first time only (a linear problem for a linear
+    backend, an MoE layer for an expert backend); logs a failure as an ERROR."""
+    device = device_of(spec)
     key = (
         f"{cls.__module__}.{cls.__qualname__}",
         str(device),
         platform,
         capability,
         spec.scheme,
-        spec.out_dtype,
-        spec.macro_block,
+        getattr(spec, "out_dtype", None),
     )
     if key in _VERDICTS:
         return _VERDICTS[key]
     t0 = time.perf_counter()
     try:
-        failure = run_self_test(cls, spec, device)
+        if isinstance(spec, LinearSpec) and issubclass(cls, LinearBackend):
+            failure = run_self_test(cls, spec, device)
+        elif isinstance(spec, ExpertSpec) and issubclass(cls, ExpertBackend):
+            failure = run_expert_self_test(cls, spec, device)
+        else:
+            raise TypeError(f"{cls.name} ({cls.kind}) cannot be tested on a {spec.kind} spec")
     except Exception as e:  # a kernel that cannot run is as unusable as a wrong one
         failure = f"raised {type(e).__name__}: {e}"
     ms = 1e3 * (time.perf_counter() - t0)
@@ -89,7 +101,7 @@ def verdict(
             "mxplus self-test: %s passed for %s, %s on %s (%.0f ms)",
             cls.name,
             spec.scheme,
-            spec.out_dtype,
+            getattr(spec, "out_dtype", "experts"),
             device,
             ms,
         )
@@ -101,10 +113,10 @@ def verdict(
             "(%s=0 skips the self-test).",
             cls.name,
             spec.scheme,
-            spec.out_dtype,
+            getattr(spec, "out_dtype", "experts"),
             device,
             failure,
-            ENV_VAR,
+            settings.SELFTEST.name,
         )
         result = (False, f"self-test failed: {failure}")
     _VERDICTS[key] = result
@@ -125,7 +137,7 @@ def _test_ms(cls: type[LinearBackend]) -> list[int]:
     return ms or [cls.min_m]
 
 
-def _test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> torch.Tensor:
+def test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> torch.Tensor:
     """fp32 N(0, 1) values times 2^e per 16-block, e uniform in [lo, hi]: block scales spread
     over the exponent range, MBS factors exercised. Explicit device / dtype, because vLLM
     may call this under a default device / dtype context."""
@@ -139,10 +151,10 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
     small = _test_spec(cls, spec)
     ms = _test_ms(cls)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = _test_data(max(ms), small.k, gen, -6, 6)
+    x = test_data(max(ms), small.k, gen, -6, 6)
     x[0, :SMALL_BLOCK] = 0.0  # an all-zero block: code 0, zero elements
     x = x.to(device=device, dtype=small.out_dtype)
-    w = _test_data(small.n, small.k, gen, -5, 1).to(device)
+    w = test_data(small.n, small.k, gen, -5, 1).to(device)
     bias = torch.randn(small.n, generator=gen, device="cpu", dtype=torch.float32)
     bias = bias.to(device=device, dtype=small.out_dtype)
     qweight = quantize(w, small.weight_format, macro_block=small.macro_block)
@@ -166,68 +178,19 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
     return None
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of t as integers (NaN payloads and -0 compared exactly)."""
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(view)
-
-
-def first_bit_difference(
-    name: str, got: torch.Tensor | None, want: torch.Tensor | None
-) -> str | None:
-    """None when got and want are bit-identical, else the first differing element."""
-    if got is None or want is None:
-        return (
-            None
-            if got is None and want is None
-            else (
-                f"{name}: got {'None' if got is None else tuple(got.shape)}, "
-                f"want {'None' if want is None else tuple(want.shape)}"
-            )
-        )
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
-    diff = _bits(got.cpu()) != _bits(want.cpu())
-    if not bool(diff.any()):
-        return None
-    idx = tuple(int(i) for i in diff.nonzero()[0])
-    return (
-        f"{name}{list(idx)} = {got.cpu()[idx].item()!r}, want {want.cpu()[idx].item()!r} "
-        f"(bit for bit; elements differing: {int(diff.sum())})"
-    )
-
-
 def check_activation(act, x: torch.Tensor, spec: LinearSpec) -> str | None:
     """Compare a backend's activation quantization with `formats`, bit for bit."""
     fmt = spec.activation_format
     x32 = x.to(torch.float32)
     if isinstance(act, QuantizedTensor):
-        want = quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
+        q = quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
         for field in ("codes", "scales", "mbs"):
-            failure = first_bit_difference(field, getattr(act, field), getattr(want, field))
+            failure = first_bit_difference(field, getattr(act, field), getattr(q, field))
             if failure:
                 return failure
         return None
     want = fake_quantize(x32, fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row)
     return first_bit_difference("values", act, want)
-
-
-def output_bound(
-    a: torch.Tensor,
-    y64: torch.Tensor,
-    bias64: torch.Tensor,
-    k: int,
-    out_dtype: torch.dtype,
-    accumulator_bits: int = 24,
-) -> torch.Tensor:
-    """The per-element bound on |y - y64| of the module docstring (float64)."""
-    u = 2.0**-accumulator_bits
-    fi = torch.finfo(out_dtype)
-    u_out = fi.eps / 2
-    n = k + EXTRA_ROUNDINGS
-    gamma = n * u / (1 - n * u)
-    r = y64.abs() + bias64.abs() + gamma * a
-    return gamma * a + 2 * (u + u_out) * (1 + u_out) * r + fi.smallest_normal * fi.eps
 
 
 def check_output(

@@ -28,7 +28,6 @@ from vllm_mxplus.backends.reference.activation import e2m1_round
 from vllm_mxplus.calibration.group_params import (
     GroupParams,
     empty_params,
-    group_width,
     nvfp4_weight_global,
     padded_k,
     quantize_columns,
@@ -48,7 +47,7 @@ DAMP = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
 
 
 def _global(fmt: str, w: torch.Tensor) -> torch.Tensor | None:
-    return nvfp4_weight_global(w) if get_format(fmt).scale_rule == "e4m3" else None
+    return nvfp4_weight_global(w) if get_format(fmt).has_global_scale else None
 
 
 def _choose(
@@ -142,7 +141,7 @@ def gptq(
     d_diag = torch.diagonal(h).to(torch.float32)
     g = _global(fmt, w)  # fixed from the original weight
     kp = padded_k(fmt, k, macro_block)
-    gw = group_width(fmt, macro_block)
+    gw = get_format(fmt).group_size(macro_block)
     lazy = _lazy(gw)
     # padding columns are zero and independent (identity in H^-1): they quantize to 0
     hinv = F.pad(hinv, (0, kp - k, 0, kp - k))
@@ -192,7 +191,7 @@ class _ColumnQuantizer:
         blk = torch.arange(col0, col0 + width) // spec.block_size
         self.col0 = col0
         self.f: torch.Tensor | None = None
-        if spec.scale_rule == "e4m3":
+        if spec.has_global_scale:
             g = p.global_scale
             assert g is not None  # nvfp4 parameters carry the global scale
             sf = p.scales[:, blk].to(torch.float32).t().contiguous()  # [width, N]
@@ -253,7 +252,7 @@ def split_rows(q: QuantizedTensor, rows: list[int]) -> list[QuantizedTensor]:
 def can_fuse_rows(fmt: str) -> bool:
     """Whether linears sharing H can run as one GPTQ over their stacked rows: GPTQ, the group
     parameters and the rounding are row by row, except nvfp4's per-tensor global scale."""
-    return get_format(fmt).scale_rule != "e4m3"
+    return not get_format(fmt).has_global_scale
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, name: str) -> torch.Tensor:

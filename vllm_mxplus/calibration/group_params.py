@@ -56,7 +56,7 @@ E4M3_SEARCH = 4  # nvfp4: codes c0 - 4 .. c0 + 4 (one code = 1/8 of a binade)
 
 @dataclass
 class GroupParams:
-    """Parameters of a padded weight [N, Kp] (Kp a multiple of group_width(fmt)).
+    """Parameters of a padded weight [N, Kp] (Kp a multiple of FormatSpec.group_size).
 
     scales: uint8 E8M0 codes, or float8_e4m3fn (nvfp4), [N, Kp/block].
     mbs: uint8 [N, Kp/macro_block] (MBS formats). bm_index: uint8 [N, Kp/32] (mxplus; 255 =
@@ -71,15 +71,8 @@ class GroupParams:
     macro_block: int = MACRO_BLOCK
 
 
-def group_width(fmt: str, macro_block: int = MACRO_BLOCK) -> int:
-    """Columns whose parameters are chosen together: the macro block (macro_block columns)
-    for MBS, else a block."""
-    spec = get_format(fmt)
-    return macro_block if spec.mbs else spec.block_size
-
-
 def padded_k(fmt: str, k: int, macro_block: int = MACRO_BLOCK) -> int:
-    gw = group_width(fmt, macro_block)
+    gw = get_format(fmt).group_size(macro_block)
     return ceil_div(k, gw) * gw
 
 
@@ -89,7 +82,7 @@ def empty_params(
     """Parameters to be filled group by group (gptq): zero scales, no block max."""
     spec = get_format(fmt)
     nb = kp // spec.block_size
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         scales = torch.zeros(n, nb, dtype=torch.float8_e4m3fn)
     else:
         scales = torch.zeros(n, nb, dtype=torch.uint8)
@@ -127,7 +120,7 @@ def spec_params(
     """The parameters `formats.quantize(w, fmt, macro_block=...)` chooses for fp32 w [N, Kp]
     (Kp whole groups)."""
     spec = get_format(fmt)
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         assert global_scale is not None  # nvfp4 callers pass the weight's global scale
         _, s = quantize_nvfp4_blocks(w, global_scale)
         return GroupParams(s, global_scale=global_scale)
@@ -165,7 +158,7 @@ def quantize_columns(
     cols = torch.arange(col0, col0 + c)
     blk = cols // spec.block_size
     neg = sign_bit(w).to(torch.uint8) << 3
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         sf = p.scales[:, blk].to(torch.float32)
         g = p.global_scale
         assert g is not None  # nvfp4 parameters carry the global scale
@@ -232,7 +225,7 @@ def weighted_params(
     """Input-weighted parameters for fp32 w [N, Kp] (whole groups, finite), d [Kp] >= 0."""
     spec = get_format(fmt)
     base = spec_params(fmt, w, global_scale, macro_block) if spec.mbs != "dynamic" else None
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         assert base is not None  # nvfp4 has no MBS
         return GroupParams(_weighted_e4m3(w, d, base), global_scale=global_scale)
     if spec.mbs == "dynamic":
@@ -254,7 +247,7 @@ def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
         return quantize_columns(fmt, w, p, 0)[1]
     n = w.shape[0]
     wb = w.reshape(n, -1, spec.block_size)
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         assert p.global_scale is not None
         sf = p.scales.to(torch.float32)[..., None]
         zero = (sf == 0) | ~torch.isfinite(sf)

@@ -34,8 +34,13 @@ from vllm_mxplus.calibration.gptq import (
     split_rows,
 )
 from vllm_mxplus.checkpoint.errors import UsageError
-from vllm_mxplus.checkpoint.layout import check_macro_block
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, get_scheme
+from vllm_mxplus.formats import (
+    MACRO_BLOCK,
+    QuantizedTensor,
+    check_macro_block,
+    get_format,
+    get_scheme,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +121,12 @@ def calibrate_and_quantize(
     per MBS byte of the weights and of the activations the layers see (as served).
     """
     try:
-        check_macro_block(scheme, macro_block)
+        check_macro_block(scheme, macro_block, "--macro-block")
     except ValueError as e:
         raise UsageError(str(e)) from None
     s = get_scheme(scheme)
     wfmt, afmt = s.weight_format, s.activation_format
-    per_row = get_format(afmt).scale_rule == "e4m3"
+    per_row = get_format(afmt).has_global_scale
     targets = set(targets)
     prefix, layers = _decoder_layers(model)
     model.eval()

@@ -92,7 +92,7 @@ def quantize_weight(
     """
     spec = get_format(fmt)
     k = w.shape[-1]
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         units = [w] if w.dim() == 2 else list(w.unbind(0))
     else:
         rows = w.reshape(-1, k)
@@ -137,7 +137,7 @@ def _merge(
         ts = [getattr(p, field) for p in parts]
         if ts[0] is None:
             return None
-        if spec.scale_rule == "e4m3" and len(shape) == 3:
+        if spec.has_global_scale and len(shape) == 3:
             return torch.stack(ts)  # one whole weight per expert
         t = torch.cat([x.reshape(-1, x.shape[-1]) for x in ts]) if ts[0].dim() else ts[0]
         return t.reshape(*lead, t.shape[-1]) if t.dim() else t

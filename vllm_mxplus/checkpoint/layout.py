@@ -25,7 +25,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme
+from vllm_mxplus.formats import MACRO_BLOCK, check_macro_block, get_format, get_scheme
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
 
@@ -71,7 +71,7 @@ def stored_tensors(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTenso
         out.append(StoredTensor(SUFFIX_SCALE, "F8_E4M3", torch.float8_e4m3fn, spec.block_size))
     if spec.mbs:
         out.append(StoredTensor(SUFFIX_MBS, "U8", torch.uint8, macro_block))
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         out.append(StoredTensor(SUFFIX_GLOBAL, "F32", torch.float32, 0))
     if spec.block_max_mantissa:
         out.append(StoredTensor(SUFFIX_BM_INDEX, "U8", torch.uint8, MX_BLOCK))
@@ -125,26 +125,6 @@ def is_mxplus_quantization_config(qcfg: object) -> TypeGuard[dict[str, Any]]:
         return False
     producer = qcfg.get("producer")
     return isinstance(producer, dict) and producer.get("name") == "vllm-mxplus"
-
-
-def check_macro_block(scheme: str, macro_block: int, what: str = "--macro-block") -> None:
-    """ValueError naming `what` unless macro_block suits the scheme: a positive multiple of
-    its MBS formats' block size (docs/numerics.md, Macro Block Scaling); 128 for a scheme
-    without MBS (nothing to size)."""
-    s = get_scheme(scheme)
-    mbs = [get_format(f) for f in (s.weight_format, s.activation_format) if get_format(f).mbs]
-    if not mbs:
-        if macro_block != MACRO_BLOCK:
-            raise ValueError(f"{what} {macro_block}: scheme {s.name} has no macro blocks")
-        return
-    block = mbs[0].block_size
-    if isinstance(macro_block, bool) or not isinstance(macro_block, int):
-        raise ValueError(f"{what} {macro_block!r}: not an integer")
-    if macro_block <= 0 or macro_block % block:
-        raise ValueError(
-            f"{what} {macro_block}: a macro block must be a positive multiple of the block "
-            f"size {block} (e.g. 32, 64, 128)"
-        )
 
 
 def checkpoint_macro_block(cfg: dict[str, Any]) -> int:

@@ -9,8 +9,9 @@ model in transformers layer by layer and keep the quantized linears (4-bit, ~1/4
 until they are written.
 
 Atomic (`shard_writer.py`): everything is written into a hidden temporary directory next to
-DST (config.json last) and renamed to DST at the end; a failure or Ctrl-C removes it, so no DST that looks
-complete ever exists unless the run finished.
+DST (config.json last) and renamed to DST at the end; a failure or Ctrl-C removes it, so no DST
+that looks complete ever exists unless the run finished. A run killed outright (SIGKILL) leaves
+that directory behind, hidden; the next run on the same DST removes it (`claim_dst`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
 from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
-from vllm_mxplus.checkpoint.layout import check_macro_block, make_quantization_config
+from vllm_mxplus.checkpoint.layout import make_quantization_config
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
 from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
 from vllm_mxplus.checkpoint.safetensors_io import (
@@ -42,14 +43,14 @@ from vllm_mxplus.checkpoint.safetensors_io import (
 )
 from vllm_mxplus.checkpoint.shard_writer import (
     Item,
-    claim_dst,
     check_disk_space,
+    claim_dst,
     split_shards,
     swap_in,
     write_all,
 )
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_scheme
+from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, check_macro_block, get_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def quantize_checkpoint(
     if smooth is not None:
         check_alpha(smooth)
     try:
-        check_macro_block(s.name, macro_block)
+        check_macro_block(s, macro_block, "--macro-block")
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:

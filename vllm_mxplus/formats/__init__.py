@@ -7,13 +7,20 @@ nor Triton.
 from vllm_mxplus.formats.mbs import mbs_dynamic_bruteforce, mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.qsnr import qsnr
-from vllm_mxplus.formats.qtensor import QuantizedTensor, fake_quantize, quantize
+from vllm_mxplus.formats.qtensor import (
+    QuantizedTensor,
+    fake_quantize,
+    logical_amax,
+    quantize,
+    quantize_nvfp4_logical,
+)
 from vllm_mxplus.formats.schemes import (
     FORMATS,
     MACRO_BLOCK,
     SCHEMES,
     FormatSpec,
     Scheme,
+    check_macro_block,
     get_format,
     get_scheme,
 )
@@ -25,12 +32,15 @@ __all__ = [
     "FormatSpec",
     "QuantizedTensor",
     "Scheme",
+    "check_macro_block",
     "fake_quantize",
     "get_format",
     "get_scheme",
+    "logical_amax",
     "mbs_dynamic",
     "mbs_dynamic_bruteforce",
     "mbs_static",
     "qsnr",
     "quantize",
+    "quantize_nvfp4_logical",
 ]

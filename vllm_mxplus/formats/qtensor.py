@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats.constants import NO_BLOCK_MAX, ceil_div
+from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, NO_BLOCK_MAX, ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4, unpack_fp4
 from vllm_mxplus.formats.mbs import mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
@@ -22,6 +23,7 @@ from vllm_mxplus.formats.nvfp4 import (
     dequantize_nvfp4_blocks,
     nvfp4_global_scale,
     quantize_nvfp4_blocks,
+    quantize_nvfp4_given,
 )
 from vllm_mxplus.formats.schemes import MACRO_BLOCK, FormatSpec, get_format
 
@@ -51,6 +53,21 @@ class QuantizedTensor:
     @property
     def spec(self) -> FormatSpec:
         return get_format(self.fmt)
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """The same quantized tensor with every field on `device`."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return dataclasses.replace(
+            self,
+            codes=self.codes.to(device),
+            scales=self.scales.to(device),
+            mbs=move(self.mbs),
+            global_scale=move(self.global_scale),
+            block_max_index=move(self.block_max_index),
+        )
 
     def _field(self, name: str) -> torch.Tensor:
         """A field the format needs (global_scale, block_max_index, mbs); clear error if absent."""
@@ -82,7 +99,7 @@ class QuantizedTensor:
 
 
 def _padded_k(spec: FormatSpec, k: int, macro_block: int) -> int:
-    unit = macro_block if spec.mbs else spec.block_size
+    unit = spec.group_size(macro_block)
     return ceil_div(k, unit) * unit
 
 
@@ -157,3 +174,36 @@ def fake_quantize(
 ) -> torch.Tensor:
     """quantize(x, fmt).dequantize(): fp32, same shape as x."""
     return quantize(x, fmt, macro_block=macro_block, per_row=per_row).dequantize()
+
+
+def logical_amax(parts: torch.Tensor) -> torch.Tensor:
+    """The NVFP4 weight amax of each logical weight: finite |w| max over the last two dims of
+    parts [..., rows, K] (q, k, v of a fused qkv_proj, or gate / up of one expert, apart).
+    Reduce it over TP ranks before `quantize_nvfp4_logical` when the weight is sharded."""
+    a = torch.where(torch.isfinite(parts), parts.abs(), torch.zeros_like(parts))
+    return a.amax(-1).amax(-1)
+
+
+def quantize_nvfp4_logical(
+    w: torch.Tensor, amax: torch.Tensor, widths: list[int]
+) -> QuantizedTensor:
+    """NVFP4 of a fused weight w [N, K] whose consecutive row groups of `widths` are separate
+    logical weights, each with its global scale g = amax / (6 * 448) from its own (whole,
+    unsharded) amax [len(widths)]; the scales are kept per row, g [N, 1] (docs/numerics.md,
+    NVFP4)."""
+    n, k = w.shape
+    if sum(widths) != n or amax.numel() != len(widths):
+        raise ValueError(
+            f"quantize_nvfp4_logical: widths {widths} (sum {sum(widths)}) and amax of "
+            f"{amax.numel()} values do not describe a weight of {n} rows"
+        )
+    g = amax.to(torch.float32).reshape(-1) / (E2M1_MAX * F8E4M3_MAX)
+    g_rows = torch.cat([g[i : i + 1].expand(width) for i, width in enumerate(widths)])[:, None]
+    codes, scales = quantize_nvfp4_given(w, g_rows.contiguous())
+    return QuantizedTensor(
+        codes=pack_fp4(codes),
+        scales=scales,
+        fmt="nvfp4",
+        shape=torch.Size((n, k)),
+        global_scale=g_rows.contiguous(),
+    )

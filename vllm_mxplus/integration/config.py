@@ -5,6 +5,11 @@ How vLLM 0.32 reaches us:
   vLLM calls `cls()` -> online mode, weights quantized after loading.
 - a checkpoint whose config.json has `quantization_config.quant_method == NAME`: vLLM picks
   NAME with no flag and calls `cls.from_config(that dict)` -> pre-quantized mode.
+- online mode with options: vLLM users pass a quantization method's options as a
+  `quantization_config` through `--hf-overrides` (vLLM reads it as the model's own), e.g.
+  `--hf-overrides '{"quantization_config": {"quant_method": "mxfp4-mbs",
+  "macro_block_size": 64}}'`. A dict without our `producer` entry is such an options dict
+  (`ONLINE_OPTIONS`): `from_config` takes it as online mode with those options.
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-from vllm_mxplus.checkpoint.layout import check_quantization_config, checkpoint_macro_block
-from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES, Scheme, get_scheme
+from vllm_mxplus.checkpoint.layout import (
+    check_quantization_config,
+    checkpoint_macro_block,
+    is_mxplus_quantization_config,
+)
+from vllm_mxplus.formats import SCHEMES, Scheme, get_scheme
+from vllm_mxplus.integration.fused_moe import MxplusFusedMoEMethod
+from vllm_mxplus.integration.linear import MxplusLinearMethod
 from vllm_mxplus.quant_rules import stays_unquantized
 
 logger = logging.getLogger(__name__)
+
+# The keys of an online options dict (`--hf-overrides '{"quantization_config": {...}}'`).
+ONLINE_OPTIONS = ("quant_method", "macro_block_size", "modules_to_not_convert")
 
 
 class MxplusConfig(QuantizationConfig):
@@ -36,25 +50,26 @@ class MxplusConfig(QuantizationConfig):
         self,
         is_checkpoint_quantized: bool = False,
         modules_to_not_convert: list[str] | None = None,
-        macro_block: int = MACRO_BLOCK,
+        macro_block: int | None = None,
     ) -> None:
         super().__init__()
         if not self.scheme_name:
             raise TypeError("use a per-scheme subclass (get_quantization_config(NAME))")
-        self.scheme: Scheme = get_scheme(self.scheme_name)
+        # The one scheme value of this model, made here once and passed whole; macro_block
+        # None: the scheme's default (only a checkpoint or an options dict sets another).
+        self.scheme: Scheme = get_scheme(self.scheme_name, macro_block)
         self.is_checkpoint_quantized = is_checkpoint_quantized
         self.modules_to_not_convert = list(modules_to_not_convert or [])
-        self.macro_block = macro_block
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(scheme={self.scheme.name}, "
+            f"{type(self).__name__}(scheme={self.scheme}, "
             f"checkpoint_quantized={self.is_checkpoint_quantized}, "
             f"modules_to_not_convert={self.modules_to_not_convert})"
         )
 
     @classmethod
-    def get_name(cls) -> str:
+    def get_name(cls) -> str:  # type: ignore[override]  # vLLM's Literal lists its built-ins
         return cls.scheme_name
 
     @classmethod
@@ -91,6 +106,8 @@ class MxplusConfig(QuantizationConfig):
                 f"{cls.scheme_name!r} loader was selected (--quantization "
                 f"{cls.scheme_name}). {fix}"
             )
+        if not is_mxplus_quantization_config(config):
+            return cls._online_with_options(config)
         check_quantization_config(config)
         macro = checkpoint_macro_block(config)
         return cls(
@@ -98,6 +115,33 @@ class MxplusConfig(QuantizationConfig):
             modules_to_not_convert=config.get("modules_to_not_convert") or [],
             macro_block=int(macro),
         )
+
+    @classmethod
+    def _online_with_options(cls, config: dict[str, Any]) -> MxplusConfig:
+        """Online mode (weights quantized at load) with the options of a `quantization_config`
+        that no vllm-mxplus quantizer wrote (e.g. from `--hf-overrides`)."""
+        where = "quantization_config (--hf-overrides or config.json)"
+        unknown = sorted(set(config) - set(ONLINE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"{where}: {', '.join(map(repr, unknown))} "
+                f"{'is not an option' if len(unknown) == 1 else 'are not options'} of "
+                f"--quantization {cls.scheme_name} (options: {', '.join(ONLINE_OPTIONS[1:])}); "
+                f"a checkpoint quantized by `mxplus quantize` carries a 'producer' entry"
+            )
+        macro = config.get("macro_block_size")
+        ignore = config.get("modules_to_not_convert") or []
+        if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+            raise ValueError(f"{where}: modules_to_not_convert must be a list of strings")
+        scheme = get_scheme(cls.scheme_name)
+        if macro is not None:
+            scheme.with_macro_block(macro, f"{where}: macro_block_size")
+        logger.info(
+            "vllm-mxplus %s: online quantization with options %s",
+            cls.scheme_name,
+            {k: v for k, v in config.items() if k != "quant_method"},
+        )
+        return cls(modules_to_not_convert=ignore, macro_block=macro)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_to_not_convert:
@@ -116,8 +160,6 @@ class MxplusConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             if self.is_skipped(prefix):
                 return UnquantizedLinearMethod()
-            from vllm_mxplus.integration.linear import MxplusLinearMethod
-
             return MxplusLinearMethod(self)
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
@@ -128,8 +170,6 @@ class MxplusConfig(QuantizationConfig):
                 )
 
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            from vllm_mxplus.integration.fused_moe import MxplusFusedMoEMethod
-
             return MxplusFusedMoEMethod(self, layer.moe_config)
         return None  # embeddings, lm_head, norms, attention: unquantized (paper §5.1)
 

@@ -26,7 +26,7 @@ naming the layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
@@ -37,13 +37,16 @@ from vllm.model_executor.layers.fused_moe.routed_experts import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_mxplus.backends.experts import (
+from vllm_mxplus.backends import (
+    ExpertBackend,
+    ExpertSpec,
     ExpertWeights,
-    MoESpec,
-    select_expert_backend,
+    current_platform_of,
+    pick,
+    select,
 )
 from vllm_mxplus.backends.reference.experts import GATED_ACTIVATIONS
-from vllm_mxplus.backends.selection import current_platform_of
+from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_BM_INDEX,
     SUFFIX_GLOBAL,
@@ -51,36 +54,25 @@ from vllm_mxplus.checkpoint.layout import (
     StoredTensor,
     stored_tensors,
 )
-from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
-from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
-from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
-from vllm_mxplus.integration.params import check_row_parallel, tp_max
-
-if TYPE_CHECKING:
-    from vllm_mxplus.integration.config import MxplusConfig
-
-
-def _finite_amax(w: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax(-1).amax(-1)
+from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
+from vllm_mxplus.integration.params import Layer, LayerQuantConfig, check_row_parallel, tp_max
 
 
 class MxplusFusedMoEMethod(FusedMoEMethodBase):
     """W4A4 routed experts of one vllm-mxplus scheme (reference execution)."""
 
-    def __init__(self, quant_config: MxplusConfig, moe: Any):
+    def __init__(self, quant_config: LayerQuantConfig, moe: Any):
         super().__init__(moe)
         self.quant_config = quant_config
-        self.scheme = quant_config.scheme
-        self.macro_block = quant_config.macro_block
+        self.scheme = quant_config.scheme  # with its macro block
         self.fmt = self.scheme.weight_format
-        self.act_per_row = get_format(self.scheme.activation_format).scale_rule == "e4m3"
         self.act_fn = GATED_ACTIVATIONS.get(moe.activation.value)
 
     # -- weights ---------------------------------------------------------------------------
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Layer,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -114,7 +106,6 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             i_part,
             i_full,
             self.scheme,
-            self.macro_block,
         )
         layer.mxplus_dims = {
             "w13": (2 * i_part, hidden_size, hidden_size),
@@ -132,7 +123,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return
         layer.mxplus_loaded = {}
         for stem, (n, k, k_full) in layer.mxplus_dims.items():
-            for tspec in stored_tensors(self.fmt, self.macro_block):
+            for tspec in stored_tensors(self.fmt, self.scheme.macro_block):
                 if tspec.k_per_col == 0:  # nvfp4: one fp32 global scale per logical weight
                     shape = (num_experts, 2) if stem == "w13" else (num_experts,)
                     data = torch.zeros(shape, dtype=tspec.dtype)
@@ -152,7 +143,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 )
 
     def _checked_loader(
-        self, layer: torch.nn.Module, stem: str, tspec: StoredTensor, k_full: int, inner: Callable
+        self, layer: Layer, stem: str, tspec: StoredTensor, k_full: int, inner: Callable
     ) -> Callable:
         """vLLM's MoE loader, after checking dtype and K-derived width; records arrivals."""
 
@@ -187,10 +178,10 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
 
         return loader
 
-    def _check_all_loaded(self, layer: torch.nn.Module) -> None:
+    def _check_all_loaded(self, layer: Layer) -> None:
         n_local = self.moe.num_local_experts
         for stem, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
-            for tspec in stored_tensors(self.fmt, self.macro_block):
+            for tspec in stored_tensors(self.fmt, self.scheme.macro_block):
                 got = layer.mxplus_loaded.get(f"{stem}_{tspec.suffix}", set())
                 per_shard = {sh: {e for e, s in got if s == sh} for sh in shards}
                 for sh, experts in per_shard.items():
@@ -203,7 +194,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"{', '.join(t.suffix for t in stored_tensors(self.fmt))})"
                         )
 
-    def _loaded_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
+    def _loaded_rows(self, layer: Layer, stem: str) -> tuple[QuantizedTensor, int]:
         """All local experts at once: every tensor is per row, so [E, N, .] -> [E*N, .]."""
         n, k, _ = layer.mxplus_dims[stem]
         packed = getattr(layer, f"{stem}_weight_packed").data
@@ -214,7 +205,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return t.reshape(e * n, t.shape[-1])
 
         g = None
-        if get_format(self.fmt).scale_rule == "e4m3":
+        if self.scheme.weight.has_global_scale:
             per_shard = getattr(layer, f"{stem}_{SUFFIX_GLOBAL}").data.reshape(e, -1)
             g = (
                 per_shard.to(torch.float32)
@@ -232,55 +223,40 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             fmt=self.fmt,
             shape=torch.Size((e * n, k)),
             global_scale=g,
-            macro_block=self.macro_block,
+            macro_block=self.scheme.macro_block,
             **extra,
         )
         return q, e
 
-    def _quantized_rows(self, layer: torch.nn.Module, stem: str) -> tuple[QuantizedTensor, int]:
+    def _quantized_rows(self, layer: Layer, stem: str) -> tuple[QuantizedTensor, int]:
         """Online: all experts' rows (w1 and w3 apart or not) quantize in one call exactly as
         separate weights. NVFP4: each logical weight (w1, w3, w2 of one expert) has its own
         global scale from its whole (unsharded) amax, given per row."""
         w = getattr(layer, f"{stem}_weight").data
         e, n, k = w.shape
-        if get_format(self.fmt).scale_rule != "e4m3":
-            return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.macro_block), e
+        if not self.scheme.weight.has_global_scale:
+            return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.scheme.macro_block), e
         n_shards = 2 if stem == "w13" else 1
-        parts = w.reshape(e, n_shards, n // n_shards, k)
-        amax = tp_max(_finite_amax(parts.to(torch.float32)).contiguous(), layer.moe_config.tp_size)
-        g_rows = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // n_shards, dim=1)
-        g_rows = g_rows.reshape(e * n, 1)
-        codes, scales = quantize_nvfp4_given(w.reshape(e * n, k).to(torch.float32), g_rows)
-        q = QuantizedTensor(
-            codes=pack_fp4(codes),
-            scales=scales,
-            fmt=self.fmt,
-            shape=torch.Size((e * n, k)),
-            global_scale=g_rows,
-        )
-        return q, e
+        parts = w.reshape(e, n_shards, n // n_shards, k).to(torch.float32)
+        amax = tp_max(logical_amax(parts).contiguous(), layer.moe_config.tp_size)
+        widths = [n // n_shards] * (e * n_shards)
+        return quantize_nvfp4_logical(w.reshape(e * n, k), amax.reshape(-1), widths), e
 
-    def _dequantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+    def _dequantize_loaded(self, layer: Layer, stem: str) -> torch.Tensor:
         q, e = self._loaded_rows(layer, stem)
         return q.dequantize(torch.float32).reshape(e, *layer.mxplus_dims[stem][:2])
 
-    def _quantize_loaded(self, layer: torch.nn.Module, stem: str) -> torch.Tensor:
+    def _quantize_loaded(self, layer: Layer, stem: str) -> torch.Tensor:
         e, n, k = getattr(layer, f"{stem}_weight").shape
         q, _ = self._quantized_rows(layer, stem)
         return q.dequantize(torch.float32).reshape(e, n, k)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         pre = self.quant_config.is_checkpoint_quantized
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
-        spec = MoESpec(
-            scheme=self.scheme.name,
-            weight_format=self.fmt,
-            activation_format=self.scheme.activation_format,
-            macro_block=self.macro_block,
-            device_type=device.type,
-        )
+        spec = ExpertSpec(self.scheme, device_type=device.type)
         weights = ExpertWeights(
             quantized=lambda stem: (self._loaded_rows if pre else self._quantized_rows)(
                 layer, stem
@@ -290,21 +266,23 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             ),
         )
         platform, capability = current_platform_of(device)
-        self.backend = select_expert_backend(spec, platform, capability)
-        self.backend.process_weights_after_loading(layer, weights)
+        layer.mxplus_row_global_scale = self._row_global_scale(layer)
+        self.backends: list[ExpertBackend] = select(spec, platform, capability, layer.layer_name)
+        for backend in self.backends:
+            backend.process_weights_after_loading(layer, weights)
         for name in [
             n for n in list(layer._parameters) if n.startswith(("w13_weight", "w2_weight"))
         ]:
             delattr(layer, name)
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+    def get_fused_moe_quant_config(self, layer: Layer) -> None:
         return None  # no modular kernel: apply() computes the experts itself
 
     # -- execution -------------------------------------------------------------------------
 
     def apply(
         self,
-        layer: torch.nn.Module,
+        layer: Layer,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
@@ -312,4 +290,19 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Shared experts (if any) run in the MoERunner (moe_kernel is None: NO_OVERLAP order).
-        return self.backend.apply(layer, x, topk_weights, topk_ids, self.act_fn)
+        backend = pick(self.backends, x.shape[0])
+        assert isinstance(backend, ExpertBackend) and self.act_fn is not None  # create_weights
+        return backend.apply(layer, x, topk_weights, topk_ids, self.act_fn)
+
+    def _row_global_scale(self, layer: Layer) -> Callable | None:
+        """NVFP4 under TP: the down projection's input rows are sharded, so their per-row global
+        scales must come from the whole rows (the max over ranks): h [R, I_part] -> g [R, 1].
+        None otherwise (each row's own scale). The expert backends read it from the layer."""
+        tp = layer.moe_config.tp_size
+        if not (self.scheme.activations_per_row and tp > 1):
+            return None
+
+        def row_g(h: torch.Tensor) -> torch.Tensor:
+            return tp_max(nvfp4_row_global_scale(h).contiguous(), tp)
+
+        return row_g

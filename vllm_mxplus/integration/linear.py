@@ -12,8 +12,6 @@ Either way the result is one `QuantizedTensor` per layer, handed to the selected
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
@@ -22,6 +20,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from vllm_mxplus.backends import LinearDispatch, LinearSpec, current_platform_of, select
+from vllm_mxplus.backends.base import Layer
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_BM_INDEX,
@@ -31,9 +30,7 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_SCALE,
     weight_suffixes,
 )
-from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
-from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
-from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
+from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
 from vllm_mxplus.integration.mla import (
     apply_weight_only,
     install_dequantized_weight,
@@ -41,49 +38,33 @@ from vllm_mxplus.integration.mla import (
     weight_read_by_attention,
 )
 from vllm_mxplus.integration.params import (
+    LayerQuantConfig,
     check_all_loaded,
     check_row_parallel,
     create_quantized_params,
     tp_max,
 )
 
-if TYPE_CHECKING:
-    from vllm_mxplus.integration.config import MxplusConfig
 
-
-def quantize_nvfp4_logical(
-    w: torch.Tensor, widths: list[int], layer: torch.nn.Module
-) -> QuantizedTensor:
-    """NVFP4 of a fused weight with one global scale per logical weight (per-row g [N, 1])."""
-    n, k = w.shape
+def quantize_nvfp4_fused(w: torch.Tensor, widths: list[int], tp_size: int) -> QuantizedTensor:
+    """NVFP4 of a fused weight with one global scale per logical weight (q, k, v apart), each
+    from its whole amax over the TP ranks (`formats.quantize_nvfp4_logical`)."""
     parts = torch.split(w.to(torch.float32), widths, dim=0)
-    amax = torch.stack(
-        [torch.where(torch.isfinite(p), p.abs(), torch.zeros_like(p)).amax() for p in parts]
-    )
-    g = tp_max(amax, getattr(layer, "tp_size", 1)) / (E2M1_MAX * F8E4M3_MAX)
-    g_rows = torch.repeat_interleave(g, torch.tensor(widths, device=g.device))[:, None]
-    codes, scales = quantize_nvfp4_given(w, g_rows)
-    return QuantizedTensor(
-        codes=pack_fp4(codes),
-        scales=scales,
-        fmt="nvfp4",
-        shape=torch.Size((n, k)),
-        global_scale=g_rows,
-    )
+    amax = tp_max(torch.stack([logical_amax(p) for p in parts]), tp_size)
+    return quantize_nvfp4_logical(w, amax, widths)
 
 
 @register_weight_loader_v2_supported_method
 class MxplusLinearMethod(LinearMethodBase):
     """W4A4 linear of one vllm-mxplus scheme (weights and activations in block FP4)."""
 
-    def __init__(self, quant_config: MxplusConfig):
+    def __init__(self, quant_config: LayerQuantConfig):
         self.quant_config = quant_config
-        self.scheme = quant_config.scheme
-        self.macro_block = quant_config.macro_block
+        self.scheme = quant_config.scheme  # with its macro block
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Layer,
         input_size_per_partition: int,
         output_partition_sizes: list[int],
         input_size: int,
@@ -98,9 +79,8 @@ class MxplusLinearMethod(LinearMethodBase):
             input_size_per_partition,
             input_size,
             s,
-            self.macro_block,
         )
-        weight_loader = extra_weight_attrs.get("weight_loader")
+        weight_loader = extra_weight_attrs["weight_loader"]  # vLLM always passes it
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = input_size_per_partition
         layer.output_size_per_partition = sum(output_partition_sizes)
@@ -114,7 +94,7 @@ class MxplusLinearMethod(LinearMethodBase):
                 input_size,
                 weight_loader,
                 self.quant_config.packed_modules_mapping,
-                self.macro_block,
+                s.macro_block,
             )
         else:
             weight = ModelWeightParameter(
@@ -127,12 +107,12 @@ class MxplusLinearMethod(LinearMethodBase):
             )
             layer.register_parameter("weight", weight)
 
-    def _loaded_qweight(self, layer: torch.nn.Module) -> QuantizedTensor:
+    def _loaded_qweight(self, layer: Layer) -> QuantizedTensor:
         fmt = self.scheme.weight_format
         check_all_loaded(layer, fmt, self.quant_config.packed_modules_mapping)
         n, k = layer.output_size_per_partition, layer.input_size_per_partition
         g = None
-        if get_format(fmt).scale_rule == "e4m3":
+        if self.scheme.weight.has_global_scale:
             per_shard = layer.weight_global_scale.data.to(torch.float32)
             g = torch.repeat_interleave(
                 per_shard, torch.tensor(layer.logical_widths, device=per_shard.device)
@@ -149,19 +129,19 @@ class MxplusLinearMethod(LinearMethodBase):
             fmt=fmt,
             shape=torch.Size((n, k)),
             global_scale=g,
-            macro_block=self.macro_block,
+            macro_block=self.scheme.macro_block,
             **extra,
         )
 
-    def _quantize_loaded(self, layer: torch.nn.Module) -> QuantizedTensor:
+    def _quantize_loaded(self, layer: Layer) -> QuantizedTensor:
         w = layer.weight.data
         fmt = self.scheme.weight_format
-        if get_format(fmt).scale_rule == "e4m3":
-            return quantize_nvfp4_logical(w, layer.logical_widths, layer)
+        if self.scheme.weight.has_global_scale:
+            return quantize_nvfp4_fused(w, layer.logical_widths, getattr(layer, "tp_size", 1))
         # Every other format is per row: fused shards quantize exactly as separate weights.
-        return quantize(w, fmt, macro_block=self.macro_block)
+        return quantize(w, fmt, macro_block=self.scheme.macro_block)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         if self.quant_config.is_checkpoint_quantized:
             qweight = self._loaded_qweight(layer)
             device = layer.weight_packed.device
@@ -172,15 +152,15 @@ class MxplusLinearMethod(LinearMethodBase):
             install_dequantized_weight(layer, qweight)
             return
         spec = LinearSpec(
-            scheme=self.scheme.name,
+            self.scheme,
             n=layer.output_size_per_partition,
             k=layer.input_size_per_partition,
             out_dtype=layer.orig_dtype,
             device_type=device.type,
-            macro_block=self.macro_block,
         )
         platform, capability = current_platform_of(device)
-        layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability))
+        where = getattr(layer, "prefix", "") or "linear"
+        layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability, where))
         layer.mxplus_row_amax_reduce = (
             spec.activation_per_row
             and getattr(layer, "tp_size", 1) > 1
@@ -200,7 +180,7 @@ class MxplusLinearMethod(LinearMethodBase):
 
     def apply(
         self,
-        layer: torch.nn.Module,
+        layer: Layer,
         x: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -19,9 +19,9 @@ and prefix-cache path from this weight (`_get_kv_b_proj_input_dtype`); an fp32 W
 fp32 next to a bf16 q. It also halves the memory (DeepSeek-V3: 61 layers x 32768 x 512 =
 1.02e9 elements, 3.8 GiB in fp32, 1.9 GiB in bf16, before TP). W_hat is rounded once from
 its fp32 value (round to nearest even): exact for the E8M0 formats without MBS (an E2M1 value
-times a power of two fits bf16), within 2^-8 relative (bf16; 2^-11 fp16) for MBS and NVFP4 weights, the same
-rounding every unquantized bf16 weight of the model carries (docs/numerics.md, "Kernel
-numerics and error bounds").
+times a power of two fits bf16), within 2^-8 relative in bf16 (2^-11 in fp16) for MBS and
+NVFP4 weights, the rounding every unquantized bf16 weight of the model carries
+(docs/numerics.md, "Kernel numerics and error bounds").
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus.backends.base import Layer
 from vllm_mxplus.formats import QuantizedTensor
 
 # Last name component of the linears read directly by attention.
@@ -36,13 +37,13 @@ WEIGHT_READ_BY_ATTENTION = ("kv_b_proj",)
 WEIGHT_ONLY_ATTR = "mxplus_weight_only"
 
 
-def weight_read_by_attention(layer: torch.nn.Module) -> bool:
+def weight_read_by_attention(layer: Layer) -> bool:
     """Whether vLLM's attention reads this linear's weight directly (by its prefix)."""
     prefix = getattr(layer, "prefix", "") or ""
     return prefix.rsplit(".", 1)[-1] in WEIGHT_READ_BY_ATTENTION
 
 
-def model_dtype(layer: torch.nn.Module) -> torch.dtype:
+def model_dtype(layer: Layer) -> torch.dtype:
     """The dtype vLLM created the layer's parameters in (the model's), else torch's default
     (vLLM loads a model under its dtype as the default)."""
     dtype = getattr(layer, "params_dtype", None)
@@ -50,7 +51,7 @@ def model_dtype(layer: torch.nn.Module) -> torch.dtype:
 
 
 def install_dequantized_weight(
-    layer: torch.nn.Module, qweight: QuantizedTensor, dtype: torch.dtype | None = None
+    layer: Layer, qweight: QuantizedTensor, dtype: torch.dtype | None = None
 ) -> None:
     """Replace the layer's checkpoint tensors by `weight` = W_hat ([N, K] in `dtype`, default
     the model's: `model_dtype`), which `get_and_maybe_dequant_weights` finds, and mark the
@@ -63,13 +64,11 @@ def install_dequantized_weight(
     setattr(layer, WEIGHT_ONLY_ATTR, True)
 
 
-def is_weight_only(layer: torch.nn.Module) -> bool:
+def is_weight_only(layer: Layer) -> bool:
     return getattr(layer, WEIGHT_ONLY_ATTR, False)
 
 
-def apply_weight_only(
-    layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def apply_weight_only(layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W_hat^T (+ bias) in W_hat's dtype (the model's), cast to x's dtype: the input is
     not quantized."""
     w = layer.weight

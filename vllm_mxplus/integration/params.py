@@ -6,7 +6,7 @@ Every 2-D tensor (weight_packed, weight_scale, weight_mbs, weight_bm_index) is a
 shards (qkv_proj, gate_up_proj) concatenate along N and TP narrows N (column-parallel) or the
 K-derived dim (row-parallel) with vLLM's own v2 loaders. That narrowing is exact because a
 row-parallel partition always holds whole blocks and whole macro blocks (see
-`row_parallel_unit`). The nvfp4 global scale is a `PerTensorScaleParameter`: one fp32 value
+`Scheme.group_size`). The nvfp4 global scale is a `PerTensorScaleParameter`: one fp32 value
 per logical weight (q, k, v kept apart).
 
 Which tensors a format stores, with their dtypes and widths, comes from the checkpoint layout's
@@ -18,7 +18,7 @@ with its checkpoint name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from vllm.model_executor.parameter import (
@@ -27,29 +27,23 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
+from vllm_mxplus.backends.base import Layer
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_PACKED,
     StoredTensor,
     stored_tensors,
     weight_suffixes,
 )
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
-from vllm_mxplus.formats.constants import MX_BLOCK
+from vllm_mxplus.formats import Scheme
 
 
-def row_parallel_unit(
-    weight_format: str, activation_format: str, macro_block: int = MACRO_BLOCK
-) -> int:
-    """K per TP partition of a row-parallel layer must be a multiple of this.
+class LayerQuantConfig(Protocol):
+    """What the linear and MoE methods read from the model's quantization config
+    (`config.MxplusConfig`): the one scheme value, the load path, vLLM's fused-module map."""
 
-    The rule: a partition holds whole quantization groups of both operands, so sharding
-    changes no number: the macro block (128) when either format uses MBS, else the larger
-    block size (16, or 32 for mxfp4-ocp / mxplus).
-    """
-    w, a = get_format(weight_format), get_format(activation_format)
-    if w.mbs or a.mbs:
-        return macro_block
-    return max(w.block_size, a.block_size, MX_BLOCK if w.block_max_mantissa else 1)
+    scheme: Scheme
+    is_checkpoint_quantized: bool
+    packed_modules_mapping: dict[str, list[str]]
 
 
 def working_tp_sizes(k_full: int, unit: int, limit: int = 64) -> list[int]:
@@ -74,16 +68,16 @@ def tp_hint(k_full: int, unit: int) -> str:
 
 
 def check_row_parallel(
-    where: str, what: tuple[str, str], k_part: int, k_full: int, scheme: Any, macro_block: int
+    where: str, what: tuple[str, str], k_part: int, k_full: int, scheme: Scheme
 ) -> None:
     """Refuse a row-parallel K partition that would split a quantization group, naming the
     layer (`where`), the dimension (`what`: its per-partition and full names) and the
     tensor_parallel_size values that work."""
-    unit = row_parallel_unit(scheme.weight_format, scheme.activation_format, macro_block)
+    unit = scheme.group_size
     if k_part != k_full and k_part % unit:
         raise ValueError(
             f"{where}: {what[0]} {k_part} ({what[1]}={k_full}) is not a multiple of {unit}; "
-            f"scheme {scheme.name} needs whole {'macro ' if unit == macro_block else ''}"
+            f"scheme {scheme.name} needs whole {'macro ' if scheme.has_mbs else ''}"
             f"blocks on every rank. {tp_hint(k_full, unit)}"
         )
 
@@ -100,7 +94,7 @@ def tp_max(t: torch.Tensor, tp_size: int) -> torch.Tensor:
     return t
 
 
-def shard_names(layer: torch.nn.Module, packed_mapping: dict[str, list[str]]) -> list[str]:
+def shard_names(layer: Layer, packed_mapping: dict[str, list[str]]) -> list[str]:
     """Checkpoint module names of the logical weights of a (possibly fused) layer."""
     prefix = getattr(layer, "prefix", "") or "<linear>"
     parent, _, proj = prefix.rpartition(".")
@@ -121,7 +115,7 @@ def _shard_index(shard_id: Any) -> int | None:
 
 
 def _make_loader(
-    layer: torch.nn.Module, tspec: StoredTensor, inner: Callable, names: list[str], k_full: int
+    layer: Layer, tspec: StoredTensor, inner: Callable, names: list[str], k_full: int
 ) -> Callable:
     """Wrap the layer's v2 loader: check dtype and the K-derived width, record the shard."""
 
@@ -160,14 +154,14 @@ def _make_loader(
 
 
 def create_quantized_params(
-    layer: torch.nn.Module,
+    layer: Layer,
     weight_format: str,
     n_per_partition: list[int],
     k_per_partition: int,
     k_full: int,
     weight_loader: Callable,
     packed_mapping: dict[str, list[str]],
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
 ) -> None:
     """Register the checkpoint tensors of one quantized linear as vLLM v2 parameters."""
     names = shard_names(layer, packed_mapping)
@@ -175,6 +169,7 @@ def create_quantized_params(
     n = sum(n_per_partition)
     for tspec in stored_tensors(weight_format, macro_block):
         loader = _make_loader(layer, tspec, weight_loader, names, k_full)
+        param: PerTensorScaleParameter | ModelWeightParameter | GroupQuantScaleParameter
         if tspec.k_per_col == 0:
             param = PerTensorScaleParameter(
                 data=torch.zeros(len(n_per_partition), dtype=tspec.dtype), weight_loader=loader
@@ -188,7 +183,7 @@ def create_quantized_params(
 
 
 def check_all_loaded(
-    layer: torch.nn.Module, weight_format: str, packed_mapping: dict[str, list[str]]
+    layer: Layer, weight_format: str, packed_mapping: dict[str, list[str]]
 ) -> None:
     """Raise ValueError naming the first checkpoint tensor that never arrived."""
     names = shard_names(layer, packed_mapping)

@@ -100,9 +100,123 @@ def _drive_decode_gemm(quick: bool) -> None:
         )
 
 
+def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tuple:
+    """(codes, scales, extra, global) of `rows` rows of an `mx_gemm` operand of kind fmt
+    ('e8m0' with MBS bytes when macro is given, 'nvfp4', 'mxplus') at block size bs."""
+    from vllm_mxplus.formats.constants import ceil_div
+
+    extra = None
+    if fmt == "mxplus":
+        extra = _meta((rows, ceil_div(k, 32)), torch.uint8)
+    elif macro is not None:
+        extra = _meta((rows, ceil_div(k, macro)), torch.uint8)
+    g = _meta((rows,), torch.float32) if fmt == "nvfp4" else None
+    return (
+        _meta((rows, ceil_div(k, 2)), torch.uint8),
+        _meta((rows, ceil_div(k, bs)), torch.uint8),
+        extra,
+        g,
+    )
+
+
+#: mx_gemm operand kinds: (fmt, block size, macro block or None): E8M0 without MBS at block
+#: 16 and 32, with MBS under / equal to / over the 64-element K step, NVFP4, MX+.
+_MX_KINDS = (
+    ("e8m0", 16, None),
+    ("e8m0", 32, None),
+    ("e8m0", 16, 16),
+    ("e8m0", 16, 32),
+    ("e8m0", 16, 64),
+    ("e8m0", 16, 128),
+    ("e8m0", 16, 2048),
+    ("nvfp4", 16, None),
+    ("mxplus", 32, None),
+)
+
+
+def _drive_mx_gemm(quick: bool) -> None:
+    """Linears: the prefill tile (64 rows) for every kind, and the decode tile (16 rows,
+    split-K) for NVFP4 and MX+ (E8M0 decode is `decode_gemm`'s)."""
+    from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
+
+    out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    shapes = ((4096, 4096), (100, 72)) if quick else ((4096, 4096), (576, 1536), (100, 72))
+    kinds = _MX_KINDS
+    if quick:
+        kinds = tuple(kd for kd in _MX_KINDS if kd[2] not in (64, 2048))
+    for (fmt, bs, macro), out_dtype, (n, k), bias, m in itertools.product(
+        kinds, out_dtypes, shapes, (False, True), (64, 16)
+    ):
+        if m == 16 and fmt == "e8m0":
+            continue
+        if quick and (bias or (n, k) == (100, 72)) and (fmt, macro) != ("e8m0", 128):
+            continue
+        for split in (1, 4) if m == 16 else (1,):
+            mx_gemm(
+                _mx_operand(m, k, fmt, bs, macro),
+                _mx_operand(n, k, fmt, bs, macro),
+                k,
+                _meta((n,), out_dtype) if bias else None,
+                out_dtype,
+                fmt=fmt,
+                block_size=bs,
+                macro_block=macro or 128,
+                split_k=split,
+            )
+
+
+def _drive_moe_gemm(quick: bool) -> None:
+    """Grouped experts: w13 (rows gathered per token, top-k 8) and w2 (rows per pair) at the
+    decode and prefill row tiles, every operand kind."""
+    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_gemm
+
+    experts = 8
+    out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    # (N, K) per stem: Qwen3-30B-A3B-like (w13 2I x H, w2 H x I), and nothing 16-divisible
+    shapes = ((1536, 2048, 8), (2048, 768, 1), (100, 72, 8))
+    kinds = _MX_KINDS if not quick else tuple(kd for kd in _MX_KINDS if kd[2] in (None, 32, 128))
+    for (fmt, bs, macro), out_dtype, (n, k, topk), block_m in itertools.product(
+        kinds, out_dtypes, shapes, (16, 64)
+    ):
+        if quick and ((n, k) == (100, 72) or block_m == 16) and (fmt, macro) != ("e8m0", 128):
+            continue
+        pairs = 64
+        codes, scales, extra, g = _mx_operand(experts * n, k, fmt, bs, macro)
+        w = PackedExpertWeights(codes, scales, extra, g, experts, n, k)
+        moe_gemm(
+            _mx_operand(pairs // topk, k, fmt, bs, macro),
+            w,
+            _meta((pairs + experts * block_m,), torch.int32),
+            _meta((pairs // block_m + experts,), torch.int32),
+            num_pairs=pairs,
+            topk=topk,
+            out_dtype=out_dtype,
+            fmt=fmt,
+            block_size=bs,
+            macro_block=macro or 128,
+            block_m=block_m,
+        )
+
+
+def _drive_act_quant_plus(quick: bool) -> None:
+    from vllm_mxplus.backends.triton import act_quant_plus as ap
+
+    dtypes = (
+        (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    )
+    ms = (1, 64) if quick else (1, 2, 3, 4, 64)
+    ks = (4096,) if quick else (32, 48, 576, 4096, 4104)
+    for dtype, m, k in itertools.product(dtypes, ms, ks):
+        ap.act_quant_mxplus(_meta((m, k), dtype))
+        ap.act_quant_nvfp4_given(_meta((m, k), dtype), _meta((m, 1), torch.float32))
+
+
 #: The launchers, by the kernels they launch; each driver calls its wrapper over its domain.
 DRIVERS: dict[str, Callable[[bool], None]] = {
     "act_quant": _drive_act_quant,
     "act_quant_fp8_chunks": _drive_act_fp8,
     "decode_gemm": _drive_decode_gemm,
+    "mx_gemm": _drive_mx_gemm,
+    "moe_gemm": _drive_moe_gemm,
+    "act_quant_plus": _drive_act_quant_plus,
 }

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_mxplus.backends.base import LinearSpec
     from vllm_mxplus.backends.cpu import kernels as cpu_kernels
     from vllm_mxplus.backends.selection import select
-    from vllm_mxplus.formats import SCHEMES
+    from vllm_mxplus.formats import SCHEMES, get_scheme
 
     t0 = time.time()
     ok, why = cpu_kernels.load()
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name in SCHEMES:
             chosen = select(
-                LinearSpec(scheme=name, n=16, k=128, out_dtype=torch.bfloat16), "cpu", None
+                LinearSpec(get_scheme(name), n=16, k=128, out_dtype=torch.bfloat16), "cpu", None
             )
             print(f"  {name:14s} -> {' > '.join(b.name for b in chosen)}")
     finally:

@@ -18,9 +18,9 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 from __future__ import annotations
 
 from torch import Tensor
-from torch.nn import Module
 
 from vllm_mxplus.backends.base import (
+    Layer,
     LinearBackend,
     LinearSpec,
     check_e8m0_pair,
@@ -60,7 +60,7 @@ class CpuPackedBackend(LinearBackend):
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
         return cpu_kernels_take(spec.weight_format, spec.activation_format)
 
-    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         from vllm_mxplus.backends.cpu.kernels import (
             linear_args,
             pack_mxplus,
@@ -96,7 +96,7 @@ class CpuPackedBackend(LinearBackend):
         )
 
     def apply(
-        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
         from vllm_mxplus.backends.cpu.kernels import (
             linear_packed,

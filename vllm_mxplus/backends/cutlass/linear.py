@@ -16,9 +16,8 @@ import os
 
 import torch
 from torch import Tensor
-from torch.nn import Module
 
-from vllm_mxplus.backends.base import LinearBackend, LinearSpec
+from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
 from vllm_mxplus.backends.cutlass.build import arch_of, is_available
 from vllm_mxplus.backends.cutlass.fp8_chunks import BLOCK, CHUNK
 from vllm_mxplus.backends.cutlass.gemm import prefill_gemm_from_x, prepare_weight
@@ -51,7 +50,7 @@ class CutlassPrefillBackend(LinearBackend):
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
         for role, fmt in (("weight", spec.weight_format), ("activation", spec.activation_format)):
             f = get_format(fmt)
-            if f.block_size != BLOCK or f.scale_rule == "e4m3" or f.block_max_mantissa:
+            if f.block_size != BLOCK or f.has_global_scale or f.block_max_mantissa:
                 return False, f"{role} format {fmt} is not E8M0 at block 16"
         if spec.macro_block != CHUNK:
             return False, f"macro block {spec.macro_block} != {CHUNK}"
@@ -59,7 +58,7 @@ class CutlassPrefillBackend(LinearBackend):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
         return True, ""
 
-    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
         act_mbs = bool(get_format(spec.activation_format).mbs)
         setattr(
@@ -69,7 +68,7 @@ class CutlassPrefillBackend(LinearBackend):
         )
 
     def apply(
-        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
         spec = self.spec
         lead, k = x.shape[:-1], x.shape[-1]

@@ -51,7 +51,7 @@ def fast_fake_quantize(
     """
     spec = get_format(fmt)
     k = x.shape[-1]
-    unit = macro_block if spec.mbs else spec.block_size
+    unit = spec.group_size(macro_block)
     xf = x.to(torch.float32)
     if k % unit:
         xf = F.pad(xf, (0, unit - k % unit))

@@ -20,9 +20,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
 from vllm_mxplus.backends.reference.linear import fake_quant_activation, fake_quant_nvfp4_rows
-from vllm_mxplus.formats import MACRO_BLOCK
+
+W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
 
 # The gated activations the reference implements (vLLM MoEActivation values).
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -61,7 +64,7 @@ def moe_experts_reference(
     *,
     per_row: bool,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
     expert_map: torch.Tensor | None = None,
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -92,3 +95,38 @@ def moe_experts_reference(
         y = F.linear(hq[sel], w2[e]).to(out_dtype).to(torch.float32)
         out.index_add_(0, tok[sel], y * weights[sel, None])
     return out.to(out_dtype)
+
+
+class ReferenceExperts(ExpertBackend):
+    """Any scheme, any device: experts dequantized once to fp32, activations fake-quantized
+    per token before each expert GEMM (`moe_experts_reference`). Correct everywhere, slow on
+    a GPU, 4 bytes per weight."""
+
+    name = "reference"
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
+        return True, ""
+
+    def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:
+        fp32 = {stem: weights.dequantized(stem).contiguous() for stem in STEMS}
+        for stem, attr in zip(STEMS, (W13_FP32, W2_FP32)):
+            layer.register_parameter(attr, torch.nn.Parameter(fp32[stem], requires_grad=False))
+
+    def apply(
+        self, layer: Layer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
+        spec = self.spec
+        return moe_experts_reference(
+            x,
+            getattr(layer, W13_FP32),
+            getattr(layer, W2_FP32),
+            topk_weights,
+            topk_ids,
+            spec.activation_format,
+            per_row=spec.activation_per_row,
+            activation=act,
+            macro_block=spec.macro_block,
+            expert_map=layer.expert_map,
+            row_global_scale=getattr(layer, "mxplus_row_global_scale", None),
+        )

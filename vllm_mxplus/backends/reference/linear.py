@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Module
 
-from vllm_mxplus.backends.base import LinearBackend
+from vllm_mxplus.backends.base import Layer, LinearBackend
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.reference.activation import FAST_FORMATS, fast_fake_quantize
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
@@ -96,12 +95,12 @@ class ReferenceBackend(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         return True, ""
 
-    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         w = qweight.dequantize(torch.float32).contiguous()
         layer.register_parameter(WEIGHT_ATTR, torch.nn.Parameter(w, requires_grad=False))
 
     def apply(
-        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
         spec = self.spec
         return reference_linear(

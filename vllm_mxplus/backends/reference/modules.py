@@ -16,14 +16,14 @@ the plugin and the offline quantizer use).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from vllm_mxplus.backends.reference.experts import moe_experts_reference
 from vllm_mxplus.backends.reference.linear import reference_linear
-from vllm_mxplus.formats import MACRO_BLOCK, get_format, get_scheme, quantize
+from vllm_mxplus.formats import Scheme, get_format, get_scheme, quantize
 from vllm_mxplus.quant_rules import stays_unquantized
 
 
@@ -32,28 +32,32 @@ def _fake_quant_weight(w: torch.Tensor, fmt: str, macro_block: int) -> torch.Ten
 
 
 class _FakeQuantModule(nn.Module):
-    """The scheme's formats, as every fake-quant module keeps them."""
+    """The scheme (with its macro block), as every fake-quant module keeps it."""
 
-    def __init__(self, scheme: str, macro_block: int) -> None:
+    def __init__(self, scheme: Scheme) -> None:
         super().__init__()
-        s = get_scheme(scheme)
-        self.scheme = s.name
-        self.weight_format = s.weight_format
-        self.activation_format = s.activation_format
+        self.scheme = scheme
+        self.weight_format = scheme.weight_format
+        self.activation_format = scheme.activation_format
         # nvfp4 activations: one global scale per row (token), independent of batching
-        self.per_row = get_format(s.activation_format).scale_rule == "e4m3"
-        self.macro_block = macro_block
+        self.per_row = scheme.activations_per_row
+        self.macro_block = scheme.macro_block
 
 
 class FakeQuantLinear(_FakeQuantModule):
     """A drop-in for nn.Linear with W4A4 fake quantization of one scheme."""
 
-    def __init__(self, linear: nn.Linear, scheme: str, macro_block: int = MACRO_BLOCK):
-        super().__init__(scheme, macro_block)
+    weight_fp32: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, scheme: Scheme):
+        super().__init__(scheme)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         w = linear.weight.detach()
-        self.register_buffer("weight_fp32", _fake_quant_weight(w, self.weight_format, macro_block))
+        self.register_buffer(
+            "weight_fp32", _fake_quant_weight(w, self.weight_format, self.macro_block)
+        )
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
 
@@ -78,11 +82,14 @@ class FakeQuantLinear(_FakeQuantModule):
 class FakeQuantExperts(_FakeQuantModule):
     """A drop-in for a transformers >= 5 expert stack with W4A4 fake quantization."""
 
-    def __init__(self, experts: nn.Module, scheme: str, macro_block: int = MACRO_BLOCK):
-        super().__init__(scheme, macro_block)
-        self.act_fn = experts.act_fn
-        gate_up = experts.gate_up_proj.detach()
-        down = experts.down_proj.detach()
+    w13_fp32: torch.Tensor
+    w2_fp32: torch.Tensor
+
+    def __init__(self, experts: nn.Module, scheme: Scheme):
+        super().__init__(scheme)
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn  # type: ignore[assignment]
+        gate_up = experts.get_parameter("gate_up_proj").detach()
+        down = experts.get_parameter("down_proj").detach()
         self.num_experts = gate_up.shape[0]
         self.register_buffer("w13_fp32", self._fake_quant_stack(gate_up, 2, self.weight_format))
         self.register_buffer("w2_fp32", self._fake_quant_stack(down, 1, self.weight_format))
@@ -90,7 +97,7 @@ class FakeQuantExperts(_FakeQuantModule):
     def _fake_quant_stack(self, w: torch.Tensor, n_logical: int, fmt: str) -> torch.Tensor:
         """[E, N, K] of E * n_logical logical weights (gate | up stacked along N)."""
         e, n, k = w.shape
-        if get_format(fmt).scale_rule == "e4m3":  # one global scale per logical weight
+        if get_format(fmt).has_global_scale:  # one global scale per logical weight
             return torch.stack(
                 [
                     torch.cat(
@@ -143,16 +150,14 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
 
 
 def apply_fake_quant(
-    model: nn.Module,
-    scheme: str,
-    skip: Iterable[str] | None = None,
-    macro_block: int = MACRO_BLOCK,
+    model: nn.Module, scheme: str | Scheme, skip: Iterable[str] | None = None
 ) -> list[str]:
     """Replace every nn.Linear of `model` in place (and every MoE expert stack by a
     `FakeQuantExperts`), except lm_head, embeddings and MoE routers (vllm_mxplus.quant_rules)
     and those named in `skip` (a module name, its last component(s), or any path
-    component). Returns the names of the replaced modules."""
-    get_scheme(scheme)  # fail early on an unknown name
+    component), with the scheme's fake quantization (a name: at its default macro block).
+    Returns the names of the replaced modules."""
+    s = get_scheme(scheme)  # fails early on an unknown name
     skip = tuple(skip or ())
     targets = [
         (name, mod)
@@ -163,5 +168,5 @@ def apply_fake_quant(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         cls = FakeQuantLinear if isinstance(mod, nn.Linear) else FakeQuantExperts
-        setattr(parent, child, cls(mod, scheme, macro_block))
+        setattr(parent, child, cls(mod, s))
     return [name for name, _ in targets]

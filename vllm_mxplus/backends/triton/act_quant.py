@@ -222,7 +222,7 @@ def check_act_input(
     return spec
 
 
-def check_macro_block(macro_block: int, who: str) -> None:
+def check_tileable_macro_block(macro_block: int, who: str) -> None:
     """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
     if macro_block not in SUPPORTED_MACRO_BLOCKS:
         # the kernel reshapes tiles into macro blocks (a power of two) held in registers
@@ -244,7 +244,7 @@ def act_quant(
     """
     spec = check_act_input(x, fmt, SUPPORTED_FORMATS, "act_quant")
     if spec.mbs:
-        check_macro_block(macro_block, "act_quant")
+        check_tileable_macro_block(macro_block, "act_quant")
     check_available(x)
 
     lead, k = x.shape[:-1], x.shape[-1]
@@ -258,7 +258,7 @@ def act_quant(
     nb = ceil_div(k, spec.block_size)
     mbs = gs = None
 
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
         gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
@@ -282,7 +282,7 @@ def act_quant(
         gs = gs.reshape(*lead, 1)
     else:
         scales = torch.empty((m, nb), dtype=torch.uint8, device=x.device)
-        unit = macro_block if spec.mbs else spec.block_size
+        unit = spec.group_size(macro_block)
         if spec.mbs:
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False

@@ -25,12 +25,12 @@ from vllm_mxplus.formats.constants import ceil_div
 def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
     spec = get_format(fmt)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    scale_dtype = torch.float8_e4m3fn if spec.scale_rule == "e4m3" else torch.uint8
+    scale_dtype = spec.scale_dtype
     return (
         ((*lead, ceil_div(k, 2)), torch.uint8),
         ((*lead, ceil_div(k, spec.block_size)), scale_dtype),
         ((*lead, ceil_div(k, macro_block) if spec.mbs else 0), torch.uint8),
-        ((*lead, 1 if spec.scale_rule == "e4m3" else 0), torch.float32),
+        ((*lead, 1 if spec.has_global_scale else 0), torch.float32),
     )
 
 
@@ -100,4 +100,4 @@ def act_quant_op(
     """`triton_act_quant.act_quant` through the custom op (traceable); same return values."""
     spec = get_format(fmt)
     codes, scales, mbs, gs = torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block)
-    return codes, scales, mbs if spec.mbs else None, gs if spec.scale_rule == "e4m3" else None
+    return codes, scales, mbs if spec.mbs else None, gs if spec.has_global_scale else None

@@ -1,0 +1,143 @@
+"""Expert backends in the one registry: priority order, rejection reasons, reference fallback,
+the first-use self-test of an expert kernel (fast: no engine; the backends run under vLLM in
+tests/integration/test_moe.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_mxplus.backends import ExpertBackend, ExpertSpec, ReferenceExperts, selection
+from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
+from vllm_mxplus.backends.selftest_experts import run_expert_self_test
+from vllm_mxplus.formats import SCHEMES, Scheme, get_scheme
+
+
+def _spec(scheme: str | Scheme = "mxfp4-mbs", device: str = "cpu") -> ExpertSpec:
+    return ExpertSpec(get_scheme(scheme), device_type=device)
+
+
+class _Grouped(ExpertBackend):
+    """A stand-in for a grouped GPU kernel that serves every scheme."""
+
+    name = "grouped-test"
+
+    @classmethod
+    def is_supported(cls, platform, capability):
+        return (capability or 0) >= 90, "needs sm_90"
+
+    def process_weights_after_loading(self, layer, weights):
+        raise AssertionError("not called here")
+
+    def apply(self, layer, x, topk_weights, topk_ids, act):
+        raise AssertionError("not called here")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    saved = {k: {p: list(v) for p, v in r.items()} for k, r in selection._REGISTRY.items()}
+    monkeypatch.setattr(selection, "_LOGGED", set())
+    yield selection
+    selection._REGISTRY.clear()
+    selection._REGISTRY.update(saved)
+
+
+def test_grouped_kernel_slots_in_first(registry):
+    registry.register_backend("cuda", _Grouped, priority=0)
+    assert registry.registered_backends("cuda", "experts")[0] is _Grouped
+    assert _Grouped not in registry.registered_backends("cuda", "linear")
+    got = registry.select(_spec(device="cuda"), "cuda", 90)
+    assert [type(b) for b in got] == [_Grouped]
+
+
+def test_unsupported_capability_falls_back_to_reference_with_reason(registry, caplog):
+    registry.register_backend("cuda", _Grouped, priority=0)
+    with caplog.at_level(logging.INFO, logger=selection.__name__):
+        got = registry.select(_spec("mxfp4-16-oas", device="cuda"), "cuda", 80)
+    assert [type(b) for b in got] == [ReferenceExperts]
+    assert "grouped-test: needs sm_90" in caplog.text
+
+
+def test_a_linear_spec_is_refused_by_an_expert_backend():
+    from vllm_mxplus.backends import LinearSpec
+
+    with pytest.raises(TypeError, match="experts backend, given a linear spec"):
+        ReferenceExperts(LinearSpec("nvfp4", n=8, k=16, out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    "w,a,ok",
+    [
+        ("mxfp4-mbs-d", "mxfp4-mbs-s", True),
+        ("nvfp4", "nvfp4", True),
+        ("mxplus", "mxplus", True),
+        ("nvfp4", "mxfp4-mbs-s", False),
+    ],
+    ids=["mbs", "nvfp4", "mxplus", "mixed"],
+)
+def test_cpu_packed_takes_every_scheme_and_refuses_mixed_pairs(w, a, ok):
+    got, why = CpuPackedExperts.can_implement(_spec(Scheme("test", w, a, "a test pair")))
+    assert got is ok
+    assert ok or f"no CPU kernel for weights {w}" in why
+
+
+# ------------------------------------------------------------------ the expert self-test
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_expert_self_test_passes_the_cpu_kernels_and_the_reference(scheme):
+    spec = _spec(get_scheme(scheme, 64) if get_scheme(scheme).has_mbs else scheme)
+    for cls in (ReferenceExperts, CpuPackedExperts):
+        assert run_expert_self_test(cls, spec, torch.device("cpu")) is None, cls.name
+
+
+class _OffByOne(ReferenceExperts):
+    """The reference with one output element moved by 2^-12 of its value: a kernel bug as
+    small as a lost bit of a scale product."""
+
+    name = "off-by-one"
+
+    def apply(self, layer, x, topk_weights, topk_ids, act):
+        y = super().apply(layer, x, topk_weights, topk_ids, act).clone()
+        y[-1, 7] += y[-1, 7].abs() * 2.0**-12 + 1e-30
+        return y
+
+
+class _NoMacroBlock(ReferenceExperts):
+    """The reference with the activations quantized at macro block 128 whatever the scheme
+    says: the forgotten-argument bug the scheme value exists to prevent."""
+
+    name = "no-macro-block"
+
+    def apply(self, layer, x, topk_weights, topk_ids, act):
+        import dataclasses
+
+        saved = self.spec
+        self.spec = dataclasses.replace(saved, scheme=get_scheme(saved.scheme.name))
+        try:
+            return super().apply(layer, x, topk_weights, topk_ids, act)
+        finally:
+            self.spec = saved
+
+
+@pytest.mark.parametrize("cls", [_OffByOne, _NoMacroBlock], ids=lambda c: c.name)
+def test_expert_self_test_rejects_a_wrong_backend(cls):
+    failure = run_expert_self_test(cls, _spec(get_scheme("mxfp4-mbs", 32)), torch.device("cpu"))
+    assert failure is not None and "outside the bound" in failure
+
+
+def test_selector_runs_the_expert_self_test_and_moves_on(registry, monkeypatch, caplog):
+    class _BadKernel(_OffByOne):
+        name = "bad-kernel"
+        kernel = True
+
+        @classmethod
+        def is_supported(cls, platform, capability):
+            return True, ""
+
+    monkeypatch.setattr(selection.selftest, "_VERDICTS", {})
+    registry.register_backend("cpu", _BadKernel, priority=0)
+    with caplog.at_level(logging.INFO):
+        got = registry.select(_spec(get_scheme("mxfp4-mbs", 32)), "cpu", None)
+    assert [type(b) for b in got] == [CpuPackedExperts]
+    assert "bad-kernel REJECTED" in caplog.text

@@ -1,0 +1,149 @@
+"""Self-test of an expert backend at first use: one small MoE layer through its real
+`process_weights_after_loading` + `apply`, checked against `vllm_mxplus.formats`.
+
+An MoE layer chains two GEMMs through an activation and a second activation quantization,
+so a rounding difference in the first GEMM could flip a code of the second quantization and
+no tight bound would hold. The test problem is built so that the first stage is EXACT for any
+correct backend, and the second is checked within the linear self-test's bound:
+
+1. Stage 1 is exact. Every activation and w13 block is on the format's grid (E2M1 values
+   times a power of two, each block holding a +-6 element; for NVFP4 the row amax is
+   5.25 * 2^j so the global scale is a power of two), so quantization is lossless (x̂ = x,
+   Ŵ13 = w13, MBS bytes 0) and every product x̂ Ŵ13 is a dyadic number of at most 8
+   significant bits. With block exponents in [-1, 1] (NVFP4: 0) and H = 128, every partial
+   sum fits in 21 bits: any fp32 summation order gives the exact g|u, so the model-dtype
+   cast of it is the same for every correct backend.
+2. The activation is relu(g) * u, computed by the backend in the model dtype: one IEEE
+   multiplication of identical operands, the same bits on every device.
+3. Stage 2, y_e = Q(h) Ŵ2[e]^T: Q(h) is the spec's quantization of identical values
+   (`formats.fake_quantize`, per token), Ŵ2 the spec's dequantized weight (random data,
+   scales spread), and y_e is compared in float64 within `checks.output_bound` (K = INTER).
+4. The combine out = sum_k w_k fp32(y_k) in fp32, then the model dtype: the error is at most
+   sum_k |w_k| b_k + k u32 sum_k |w_k y_k| (summation) + u_o |out| (the final cast), with
+   b_k the stage-2 bound of slot k; the test allows twice the summation term (the products
+   w_k y_k round too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mxplus.backends.base import ExpertBackend, ExpertSpec, ExpertWeights, Layer
+from vllm_mxplus.backends.checks import output_bound
+from vllm_mxplus.formats import fake_quantize, logical_amax, quantize, quantize_nvfp4_logical
+from vllm_mxplus.formats.constants import E2M1_MAX
+
+E, TOPK = 4, 2  # local experts (expert 3 gets no token), slots per token
+H, INTER = 128, 96  # hidden size (one macro block), intermediate size (a partial macro block)
+TEST_MS = (1, 5, 33)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_ROW_AMAX = 5.25  # 2688 * 2^-9: the global scale amax / (6 * 448) is 2^-9
+
+
+def _grid_rows(rows: int, k: int, block: int, nvfp4: bool, gen: torch.Generator) -> torch.Tensor:
+    """Rows on the format's grid: E2M1 values with a +-6 in every block, times 2^e per block
+    (e in [-1, 1]); NVFP4: e = 0 and every value times 0.875 (row amax 5.25)."""
+    grid = torch.tensor(E2M1_GRID)
+    v = grid[torch.randint(0, len(grid), (rows, k), generator=gen)]
+    v = v * (torch.randint(0, 2, (rows, k), generator=gen) * 2 - 1)
+    nb = k // block
+    at = torch.randint(0, block, (rows, nb), generator=gen) + torch.arange(nb) * block
+    v.scatter_(1, at, E2M1_MAX * (torch.randint(0, 2, (rows, nb), generator=gen) * 2.0 - 1))
+    if nvfp4:
+        return v * (NVFP4_ROW_AMAX / E2M1_MAX)
+    e = torch.randint(-1, 2, (rows, nb), generator=gen).to(torch.float32)
+    return v * torch.exp2(e).repeat_interleave(block, dim=1)
+
+
+def _quantized(w: torch.Tensor, spec: ExpertSpec):
+    """All experts' rows [E*N, K] in the weight format (NVFP4: one global scale per expert's
+    gate, up and down weight, as the FusedMoE method quantizes them)."""
+    e, n, k = w.shape
+    flat = w.reshape(e * n, k)
+    if not spec.scheme.weight.has_global_scale:
+        return quantize(flat, spec.weight_format, macro_block=spec.macro_block)
+    parts = 2 if n == 2 * INTER else 1
+    amax = logical_amax(w.reshape(e, parts, n // parts, k)).reshape(-1)
+    return quantize_nvfp4_logical(flat, amax, [n // parts] * (e * parts))
+
+
+def run_expert_self_test(
+    cls: type[ExpertBackend], spec: ExpertSpec, device: torch.device
+) -> str | None:
+    """None when the backend agrees with `formats` on the test layer, else what differed."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    fmt = spec.scheme.weight
+    afmt = spec.scheme.activation
+    nvfp4 = fmt.has_global_scale or afmt.has_global_scale
+    w13 = _grid_rows(E * 2 * INTER, H, fmt.block_size, nvfp4, gen).reshape(E, 2 * INTER, H)
+    w2 = torch.randn(E, H, INTER, generator=gen) * torch.exp2(
+        torch.randint(-3, 2, (E, H, 1), generator=gen).to(torch.float32)
+    )
+    q = {"w13": _quantized(w13, spec), "w2": _quantized(w2, spec)}
+    hat = {
+        s: q[s].dequantize(torch.float32).reshape(t.shape) for s, t in (("w13", w13), ("w2", w2))
+    }
+    if not torch.equal(hat["w13"], w13):
+        return "test construction: w13 is not on the weight format's grid (a test bug)"
+    weights = ExpertWeights(
+        quantized=lambda stem: (q[stem].to(device), E),
+        dequantized=lambda stem: hat[stem].to(device),
+    )
+    backend = cls(spec)
+    layer: Layer = torch.nn.Module()
+    layer.expert_map = None
+    layer.mxplus_row_global_scale = None
+    backend.process_weights_after_loading(layer, weights)
+    for m in TEST_MS:
+        x = _grid_rows(m, H, afmt.block_size, nvfp4, gen)
+        xq = fake_quantize(
+            x, afmt.name, macro_block=spec.macro_block, per_row=afmt.has_global_scale
+        )
+        if not torch.equal(xq, x):
+            return f"M={m}: test construction: x is not on the activation grid (a test bug)"
+        ids = (torch.arange(m * TOPK).reshape(m, TOPK) % (E - 1)).to(torch.int32)
+        wts = torch.rand(m, TOPK, generator=gen)
+        failure = _check(backend, layer, x, ids, wts, hat, spec, device)
+        if failure:
+            return f"M={m}, E={E}, H={H}, INTER={INTER}: {failure}"
+    return None
+
+
+def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | None:
+    dtype = torch.float32
+    y = backend.apply(layer, x.to(device), wts.to(device), ids.to(device), F.relu)
+    if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
+        return f"output is {tuple(y.shape)} {y.dtype}, want {tuple(x.shape)} {x.dtype}"
+    m = x.shape[0]
+    want = torch.zeros(m, H, dtype=torch.float64)
+    summed = torch.zeros(m, H, dtype=torch.float64)
+    bound = torch.zeros(m, H, dtype=torch.float64)
+    afmt = spec.scheme.activation
+    for slot in range(TOPK):
+        e = ids[:, slot].long()
+        gu = torch.einsum("mk,mnk->mn", x.double(), hat["w13"][e].double()).to(dtype)
+        g, u = gu.chunk(2, dim=-1)
+        h = F.relu(g) * u
+        hq = fake_quantize(
+            h, afmt.name, macro_block=spec.macro_block, per_row=afmt.has_global_scale
+        )
+        w2 = hat["w2"][e].double()
+        y64 = torch.einsum("mk,mnk->mn", hq.double(), w2)
+        a = torch.einsum("mk,mnk->mn", hq.double().abs(), w2.abs())
+        b = output_bound(a, y64, torch.zeros_like(y64), INTER, dtype, backend.accumulator_bits)
+        wk = wts[:, slot : slot + 1].double()
+        want += wk * y64
+        summed += (wk * y64).abs()
+        bound += wk.abs() * b
+    u32 = torch.finfo(torch.float32).eps / 2
+    bound += 2 * TOPK * u32 * summed + u32 * want.abs()
+    got = y.double().cpu()
+    bad = ~((got - want).abs() <= bound)
+    if not bool(bad.any()):
+        return None
+    r, c = (int(i) for i in bad.nonzero()[0])
+    return (
+        f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
+        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} outside the bound)"
+    )

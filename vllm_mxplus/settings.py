@@ -1,0 +1,181 @@
+"""Every `VLLM_MXPLUS_*` environment variable, in one place, read when used (never at import).
+
+The README's "Settings" table is `python -m vllm_mxplus.settings` (and a test checks that the
+two agree). Each accessor reads the environment at the moment it is called, so a variable set
+after import (by a test, or by vLLM in a worker process) takes effect, and a bad value fails
+with a message naming the variable and what it accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str  # as written in the environment; "" = unset
+    help: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, "").strip()
+
+    def value(self) -> str:
+        return self.raw() or self.default
+
+
+BACKEND = Setting(
+    "VLLM_MXPLUS_BACKEND",
+    "",
+    "Force a backend by name (`cpu-packed`, `triton-decode`, `reference`, ...) or allow only a "
+    "comma list of them (in priority order; `reference` only if named). `linear:NAME` / "
+    "`experts:NAME` apply a name to one layer kind. A layer the allowed backends cannot "
+    "serve fails to load with the reason.",
+)
+SELFTEST = Setting(
+    "VLLM_MXPLUS_SELFTEST",
+    "1",
+    "`0` skips the first-use self-test of kernel backends against `vllm_mxplus.formats`.",
+)
+CPU_KERNELS = Setting(
+    "VLLM_MXPLUS_CPU_KERNELS", "1", "`0` disables the C++ CPU kernels (the reference serves)."
+)
+CPU_MARCH = Setting(
+    "VLLM_MXPLUS_CPU_MARCH",
+    "native",
+    "`-march` for the CPU kernel build (e.g. `x86-64-v3` to build for another machine).",
+)
+CPU_BUILD_DIR = Setting(
+    "VLLM_MXPLUS_CPU_BUILD_DIR",
+    "",
+    "Cache directory of the CPU kernel builds (default `~/.cache/vllm-mxplus/cpu_kernels`).",
+)
+CUTLASS_EXT = Setting(
+    "VLLM_MXPLUS_CUTLASS_EXT", "", "Path of a built `mxplus_cutlass*.so` to load."
+)
+CUTLASS_BUILD_DIR = Setting(
+    "VLLM_MXPLUS_CUTLASS_BUILD_DIR",
+    "",
+    "Cache directory of the CUTLASS builds (default `~/.cache/vllm-mxplus/cutlass`).",
+)
+PREFILL_MIN_M = Setting(
+    "VLLM_MXPLUS_PREFILL_MIN_M",
+    "17",
+    "Smallest token count M served by the CUTLASS prefill GEMM (decode kernels below it).",
+)
+SM90_FALLBACK_ROWS = Setting(
+    "VLLM_MXPLUS_SM90_FALLBACK_ROWS",
+    "64",
+    "Rows per call the sm_90 prefill GEMM may recompute exactly (docs/numerics.md).",
+)
+ALL: tuple[Setting, ...] = (
+    BACKEND,
+    SELFTEST,
+    CPU_KERNELS,
+    CPU_MARCH,
+    CPU_BUILD_DIR,
+    CUTLASS_EXT,
+    CUTLASS_BUILD_DIR,
+    PREFILL_MIN_M,
+    SM90_FALLBACK_ROWS,
+)
+
+
+def _flag(s: Setting) -> bool:
+    v = s.value().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{s.name}={s.raw()!r}: expected 0 or 1")
+
+
+def _positive_int(s: Setting) -> int:
+    v = s.value()
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{s.name}={v!r}: expected a positive integer")
+    return n
+
+
+def _path(s: Setting) -> Path | None:
+    return Path(s.raw()).expanduser() if s.raw() else None
+
+
+def selftest_enabled() -> bool:
+    return _flag(SELFTEST)
+
+
+def cpu_kernels_enabled() -> bool:
+    return _flag(CPU_KERNELS)
+
+
+def cpu_march() -> str:
+    return CPU_MARCH.value()
+
+
+def cpu_build_dir() -> Path | None:
+    return _path(CPU_BUILD_DIR)
+
+
+def cutlass_ext() -> Path | None:
+    return _path(CUTLASS_EXT)
+
+
+def cutlass_build_dir() -> Path | None:
+    return _path(CUTLASS_BUILD_DIR)
+
+
+def prefill_min_m() -> int:
+    return _positive_int(PREFILL_MIN_M)
+
+
+def sm90_fallback_rows() -> int:
+    return _positive_int(SM90_FALLBACK_ROWS)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """VLLM_MXPLUS_BACKEND parsed: the names for every layer kind (key "") and the names
+    given with a `KIND:` prefix (key KIND). The selector checks kinds and names."""
+
+    raw: str
+    names: dict[str, tuple[str, ...]]
+
+    def names_for(self, kind: str) -> tuple[str, ...]:
+        both = self.names.get("", ())
+        return both + tuple(n for n in self.names.get(kind, ()) if n not in both)
+
+
+def backend_choice() -> BackendChoice | None:
+    """VLLM_MXPLUS_BACKEND, parsed; None when unset."""
+    raw = BACKEND.raw()
+    if not raw:
+        return None
+    names: dict[str, list[str]] = {}
+    for item in (p.strip() for p in raw.split(",")):
+        kind, sep, name = item.rpartition(":")
+        name = name.strip()
+        if not name:
+            raise ValueError(f"{BACKEND.name}={raw!r}: an empty backend name in {item!r}")
+        bucket = names.setdefault(kind.strip(), [])
+        if name not in bucket:
+            bucket.append(name)
+    return BackendChoice(raw, {k: tuple(v) for k, v in names.items()})
+
+
+def table() -> str:
+    """The README's Settings table (markdown)."""
+    rows = ["| variable | default | what it does |", "|---|---|---|"]
+    for s in ALL:
+        rows.append(f"| `{s.name}` | {f'`{s.default}`' if s.default else 'unset'} | {s.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
