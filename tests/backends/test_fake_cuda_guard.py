@@ -98,6 +98,21 @@ def test_triton_act_fp8_launcher(fmt, m):
     assert len(launches) == 1 and lay.fp8.device.type == "cuda"
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas"])
+@pytest.mark.parametrize("rows", [1, 24, 64])
+def test_triton_act_fp8_split_launcher(fmt, rows):
+    """The sm_90a fallback's fused split (act_fp8): allocations, one launch, the row `all`."""
+    from vllm_mxplus.backends.triton import act_fp8
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    x, idx = cuda_empty((512, K), torch.bfloat16), cuda_empty((rows,), torch.int64)
+    with capture_launches() as launches:
+        (fp8, scale, exact), _ = guarded(act_fp8._split_fields, x, fmt, idx)
+    assert len(launches) == 1 and fp8.shape[0] == 2 * rows and exact.shape[0] == rows
+    (_, _, exact_rows), _ = guarded(act_fp8.act_fp8_split_rows, x, fmt, idx)
+    assert exact_rows.shape == (rows,)
+
+
 # ----------------------------------------------------------------------------- CUTLASS
 def _sm90_weight(inexact_rows: int):
     from benchmarks_count import sm90_weight  # type: ignore[import-not-found]

@@ -15,7 +15,8 @@ allocated on or copied from the CPU (tests/backends/test_cutlass_graph_safety.py
 a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that:
 activation rows with an inexact FP8 chunk (rare: a chunk whose block exponents span more than
 14 binades) are found with `nonzero_static` (at most VLLM_MXPLUS_SM90_FALLBACK_ROWS = 64 rows
-per call) and recomputed from a two-operand split (`split_fp8_chunks`) by the same kernel;
+per call) and recomputed from a two-operand split (`split_fp8_chunks`; from x, one Triton
+kernel `act_fp8_split_rows`) by the same kernel, high and low operands stacked in one launch;
 a row the split cannot make exact (a NaN block, a span over 28 binades) or past that capacity
 gets NaN (its scales are poisoned before the GEMM), never a silently wrong number. Weight rows
 with an inexact chunk are known at load and recomputed against the spec's x_hat.
@@ -49,12 +50,14 @@ from vllm_mxplus.backends.cutlass.ops import (
     sigma_chunks,
 )
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format, quantize
+from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 from vllm_mxplus.formats.mx import dequantize_mbs
 
 FALLBACK_ROWS = int(os.environ.get("VLLM_MXPLUS_SM90_FALLBACK_ROWS", "64"))
-RowsQuant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# rows_split(idx) -> (fp8 [2R, Kp], scale [Kp/128, 2R], exact rows [R]): activation rows idx
+# split into a high operand (rows [0, R)) and a low one (rows [R, 2R)), `split_fp8_chunks`
+RowsSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Sm90Weight(NamedTuple):
@@ -125,7 +128,7 @@ def prepare_weight(
 # ----------------------------------------------------------------------------- sm_90a
 def _sm90_gemm(
     xl: Fp8ChunkLayout,
-    rows_quant: RowsQuant,
+    rows_split: RowsSplit,
     x_hat_all: Callable[[], torch.Tensor],
     w: Sm90Weight,
     bias: torch.Tensor | None,
@@ -133,9 +136,12 @@ def _sm90_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The sm_90a GEMM on an activation layout with both exact fallbacks (module docstring).
-    rows_quant(idx) gives (codes, scales, mbs) of activation rows idx; x_hat_all() the spec's
-    fp32 x_hat of every row (used only when the weight has inexact rows)."""
-    m, k = xl.fp8.shape[0], xl.k
+    rows_split(idx) gives the two-operand split of activation rows idx (`RowsSplit`); x_hat_all()
+    the spec's fp32 x_hat of every row (used only when the weight has inexact rows).
+
+    Two GEMM launches per call: all rows, then the fallback rows' high and low operands
+    stacked as one [2 * cap, Kp] operand (fp32 out; high + bias, then + low, in fp32)."""
+    m = xl.fp8.shape[0]
     b32 = bias_f32(bias, w.fp8.shape[0])
     nan = float("nan")  # a Python scalar: no tensor built on (or copied from) the host
     bad = ~xl.exact_rows  # [M]
@@ -144,7 +150,7 @@ def _sm90_gemm(
     if cap:
         found = torch.nonzero_static(bad, size=cap, fill_value=-1)[:, 0]  # no host sync
         valid = found >= 0
-        slot = torch.where(valid, found, torch.full_like(found, m))  # row m: a spare slot
+        slot = torch.where(valid, found, m)  # row m: a spare slot
         patched = torch.zeros(m + 1, dtype=torch.bool, device=bad.device)
         lost = bad & ~patched.index_fill_(0, slot, True)[:m]
     # rows that stay inexact come out NaN: poison their scales ([nc, M], cheap) up front
@@ -155,12 +161,10 @@ def _sm90_gemm(
         # unused slots repeat the first found row (or row 0 when none) and write exactly what
         # that row gets, so duplicate indices in index_put_ agree
         idx = torch.where(valid, found, found[:1].clamp(min=0))
-        hi, lo, exact = split_fp8_chunks(*rows_quant(idx), k)
-        v = (
-            fp8_chunk_gemm(hi.fp8, hi.scale, w.fp8, w.scale, b32, torch.float32)
-            + fp8_chunk_gemm(lo.fp8, lo.scale, w.fp8, w.scale, None, torch.float32)
-        )[:, :n]
-        v = torch.where(exact[:, None], v, nan)
+        fp8_2, scale_2, exact = rows_split(idx)
+        v2 = fp8_chunk_gemm(fp8_2, scale_2, w.fp8, w.scale, None, torch.float32)[:, :n]
+        hi = v2[:cap] if b32 is None else v2[:cap] + b32[:n]
+        v = torch.where(exact[:, None], hi + v2[cap:], nan)
         v = torch.where(valid[:, None], v, v[:1])
         v = torch.where(valid[:1, None], v.to(y.dtype), y[idx])  # none found: a no-op write
         y.index_put_((idx,), v)
@@ -170,6 +174,14 @@ def _sm90_gemm(
             cols = cols + b32[w.fallback_idx]
         y[:, w.fallback_idx] = cols.to(y.dtype)
     return y
+
+
+def _stacked_split(
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`split_fp8_chunks` of quantized rows, its two operands stacked (`RowsSplit`)."""
+    hi, lo, exact = split_fp8_chunks(codes, scales, mbs, k)
+    return torch.cat([hi.fp8, lo.fp8]), torch.cat([hi.scale, lo.scale], dim=1), exact
 
 
 def _codes_x_hat(
@@ -203,7 +215,9 @@ def prefill_sm90_impl(
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
-        lambda idx: (x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx]),
+        lambda idx: _stacked_split(
+            x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx], k
+        ),
         lambda: _codes_x_hat(x_codes, x_scales, x_mbs, k),
         Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w),
         bias,
@@ -220,14 +234,6 @@ _prefill_sm90 = torch.library.custom_op(
 @_prefill_sm90.register_fake
 def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, fallback_idx, fallback_w, bias, n, out_dtype):
     return x_codes.new_empty((x_codes.shape[0], n), dtype=out_dtype)
-
-
-def _x_rows_quant(x: torch.Tensor, fmt: str) -> RowsQuant:
-    def rows_quant(idx: torch.Tensor):
-        q = quantize(x[idx], fmt)
-        return q.codes, q.scales, q.mbs
-
-    return rows_quant
 
 
 def prefill_sm90_fused_impl(
@@ -247,13 +253,22 @@ def prefill_sm90_fused_impl(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """From activation rows x [M, K] and their fused FP8 layout (`triton_act_fp8`): GEMM;
-    inexact rows are re-quantized from x by `formats.quantize` and split."""
+    inexact rows are re-quantized from x and split in one Triton kernel
+    (`act_fp8_split_rows`, bit for bit `split_fp8_chunks` of `formats.quantize(x[idx])`)."""
+    from vllm_mxplus.backends.triton.act_fp8 import act_fp8_split_rows
+
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
     )
     w = Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w)
     return _sm90_gemm(
-        xl, _x_rows_quant(x, fmt), lambda: fake_quantize(x, fmt), w, bias, n, out_dtype
+        xl,
+        lambda idx: act_fp8_split_rows(x, fmt, idx),
+        lambda: fake_quantize(x, fmt),
+        w,
+        bias,
+        n,
+        out_dtype,
     )
 
 
