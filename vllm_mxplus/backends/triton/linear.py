@@ -1,40 +1,80 @@
-"""The Triton backends: fused activation quantizer + memory-bound FP4 GEMM.
+"""The Triton backends on CUDA: fused activation quantizer + FP4 GEMM, every scheme, every M.
 
-For few rows (M <= DECODE_MAX_M) the packed FP4 weight, its E8M0 scales and MBS bytes are
-streamed once and dequantized in registers (`triton_decode_gemm`); activations are quantized
-by the fused Triton quantizer into the same layout, so decode computes the same numbers as
-the reference (up to fp32 accumulation order). MBS macro blocks: powers of two 16..2048
-(`SUPPORTED_MACRO_BLOCKS`); others go to the reference path.
-
-Larger M goes to the next backend. With macro block 128 that is the CUTLASS prefill GEMM
-(sm_90a / sm_100a, where built), else the reference. The CUTLASS kernels take only 128, so
-for any other macro block `TritonGemmBackend` (the same kernels, which are correct for any M)
-serves M > DECODE_MAX_M instead of the reference, whose fp32 weight copy costs 4 bytes per
-weight.
+- `triton-decode` (M <= DECODE_MAX_M): E8M0 schemes run the memory-bound decode GEMM
+  (`decode_gemm`: the packed weight, its E8M0 scales and MBS bytes streamed once); NVFP4 and
+  MX+ run `mx_gemm` with the same 16 x 32 decode tile and split-K.
+- `triton-gemm` (M > DECODE_MAX_M): `mx_gemm` with 64 x 64 output tiles, every format (E8M0 at
+  block 16 / 32 with MBS at any power-of-two macro block 16..2048, NVFP4, MX+).
+Weights stay packed (codes, scales, MBS bytes / MX+ block-max indices, NVFP4 global scales:
+~0.57 bytes per weight), never an fp32 copy; activations are quantized by the fused Triton
+quantizers into the same layout, bit for bit with `vllm_mxplus.formats`. Where the CUTLASS
+prefill GEMM is built it comes first for M > 16 (the selector's priority order decides; this
+backend does not encode what CUTLASS takes). MBS macro blocks that are not a power of two
+(48, 80, ...) are refused with the reason, and run the reference.
+Error bound: docs/numerics.md, "Kernel numerics and error bounds" (`mx_gemm`'s docstring).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn import Module
 
 from vllm_mxplus.backends.base import (
+    Layer,
     LinearBackend,
     LinearSpec,
     check_e8m0_pair,
     set_packed_buffers,
 )
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.formats.constants import MACRO_BLOCK
 
 DECODE_MAX_M = 16
-PREFILL_MACRO_BLOCK = MACRO_BLOCK  # the one macro block the CUTLASS prefill GEMM takes
+# codes, scales (E8M0 bytes, or float8_e4m3fn for NVFP4), and the MBS bytes or MX+ block-max
+# indices (None otherwise)
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
+GLOBAL_ATTR = "mxplus_w_global"  # NVFP4: fp32 global scale of each weight row [N]
+PLUS_PAIRS = (("nvfp4", "nvfp4"), ("mxplus", "mxplus"))  # read by mx_gemm only
+
+
+def triton_takes(weight_format: str, activation_format: str, macro_block: int) -> tuple[bool, str]:
+    """Whether the Triton kernels take this scheme (linears and MoE experts): the E8M0 pairs
+    with a macro block the tiles hold, NVFP4 and MX+. (True, "") or (False, why)."""
+    if (weight_format, activation_format) in PLUS_PAIRS:
+        return True, ""
+    ok, why = check_e8m0_pair(weight_format, activation_format, "Triton kernel")
+    if not ok:
+        return ok, why
+    # What the kernels can tile (a macro block the act-quant tile or the GEMM's K step
+    # cannot hold would fail to compile on the GPU; the interpreter accepts more).
+    from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
+    from vllm_mxplus.backends.triton.mx_gemm import supports_macro_block
+
+    mbs = get_format(weight_format).mbs or get_format(activation_format).mbs
+    if mbs and not (macro_block in SUPPORTED_MACRO_BLOCKS and supports_macro_block(macro_block)):
+        return False, (
+            f"macro block {macro_block} (the Triton kernels take the powers of two "
+            f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))}: their tiles hold whole "
+            "macro blocks)"
+        )
+    return True, ""
+
+
+def weight_operands(qweight: QuantizedTensor) -> tuple:
+    """(codes, scales, extra, global) of a packed weight [N, K]: extra the MBS bytes or the
+    MX+ block-max indices; global the NVFP4 fp32 global scale of each row [N] (one per
+    logical weight, repeated over its rows)."""
+    rows = qweight.codes.shape[0]
+    extra = qweight.block_max_index if qweight.fmt == "mxplus" else qweight.mbs
+    g = qweight.global_scale
+    if g is not None:
+        g = g.to(torch.float32).reshape(-1).expand(rows).contiguous()
+    return qweight.codes, qweight.scales, extra, g
 
 
 class TritonDecodeBackend(LinearBackend):
     name = "triton-decode"
+    min_m, max_m = 1, DECODE_MAX_M
+    kernel = True  # self-tested against `formats` at first use
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
@@ -46,55 +86,54 @@ class TritonDecodeBackend(LinearBackend):
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        ok, why = check_e8m0_pair(spec.weight_format, spec.activation_format, "decode kernel")
-        if not ok:
-            return ok, why
         if spec.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
-        # What the kernels can tile (a macro block the act-quant tile or the GEMM's K step
-        # cannot hold would fail to compile on the GPU; the interpreter accepts more).
-        from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
-        from vllm_mxplus.backends.triton.decode_gemm import supports_macro_block
-
-        mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
-        if mbs and not (
-            spec.macro_block in SUPPORTED_MACRO_BLOCKS and supports_macro_block(spec.macro_block)
-        ):
-            return False, (
-                f"macro block {spec.macro_block} (the Triton kernels take the powers of two "
-                f"{', '.join(map(str, SUPPORTED_MACRO_BLOCKS))}: their tiles hold whole "
-                "macro blocks)"
-            )
-        return True, ""
-
-    min_m, max_m = 1, DECODE_MAX_M
-    kernel = True  # self-tested against `formats` at first use
+        return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
 
     def selftest_activation(self, x: Tensor) -> QuantizedTensor:
-        spec = self.spec
         """The fused quantizer's codes, compared bit for bit by the self-test."""
-        from vllm_mxplus.backends.triton.ops import act_quant_op
+        from vllm_mxplus.backends.triton.gemm_ops import act_operands
 
-        c, s, m, _ = act_quant_op(x, spec.activation_format, macro_block=spec.macro_block)
+        spec = self.spec
+        fmt = spec.activation_format
+        c, s, extra, g = act_operands(x, fmt, spec.macro_block)
         return QuantizedTensor(
             codes=c,
             scales=s,
-            fmt=spec.activation_format,
+            fmt=fmt,
             shape=x.shape,
-            mbs=m,
+            mbs=None if fmt == "mxplus" else extra,
+            global_scale=g,
+            block_max_index=extra if fmt == "mxplus" else None,
             macro_block=spec.macro_block,
         )
 
-    def process_weights_after_loading(self, layer: Module, qweight: QuantizedTensor) -> None:
-        set_packed_buffers(layer, ATTRS, (qweight.codes, qweight.scales, qweight.mbs))
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
+        codes, scales, extra, g = weight_operands(qweight)
+        set_packed_buffers(layer, (*ATTRS, GLOBAL_ATTR), (codes, scales, extra, g))
 
-    def apply(
-        self, layer: Module, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
-    ) -> Tensor:
-        from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
+    def _apply_mx_gemm(self, layer: Layer, x2: Tensor, bias: Tensor | None, g: Tensor | None):
+        from vllm_mxplus.backends.triton.gemm_ops import act_operands
+        from vllm_mxplus.backends.triton.mx_gemm import operand_format
 
         spec = self.spec
+        a = act_operands(x2, spec.activation_format, spec.macro_block, g)
+        fmt, bs = operand_format(spec.weight_format)
+        weight = (*(getattr(layer, a_) for a_ in ATTRS), getattr(layer, GLOBAL_ATTR, None))
+        return torch.ops.vllm_mxplus.triton_mx_gemm(
+            *a, *weight, spec.k, bias, spec.out_dtype, fmt, bs, spec.macro_block
+        )
+
+    def apply(
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
+        spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
+        if (spec.weight_format, spec.activation_format) in PLUS_PAIRS:
+            y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
+            return y.reshape(*x.shape[:-1], spec.n)
+        from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
+
         a_codes, a_scales, a_mbs, _ = act_quant_op(
             x2, spec.activation_format, macro_block=spec.macro_block
         )
@@ -115,23 +154,16 @@ class TritonDecodeBackend(LinearBackend):
 
 
 class TritonGemmBackend(TritonDecodeBackend):
-    """The Triton kernels for M > DECODE_MAX_M, for MBS macro blocks the CUTLASS prefill GEMM
-    does not take (all but 128): registered after it, so a layer gets Triton for every M and
-    no fp32 weight copy. It shares the decode backend's packed buffers (same tensors)."""
+    """`mx_gemm` with prefill tiles for M > DECODE_MAX_M, every scheme and every macro block
+    the kernels tile. Registered after the CUTLASS prefill GEMM, which serves first where it
+    is built and takes the layer. It shares the decode backend's packed buffers."""
 
     name = "triton-gemm"
     min_m, max_m = DECODE_MAX_M + 1, None
 
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
-        ok, why = super().can_implement(spec)
-        if not ok:
-            return ok, why
-        mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
-        if not mbs or spec.macro_block == PREFILL_MACRO_BLOCK:
-            what = f"macro block {PREFILL_MACRO_BLOCK}" if mbs else "formats without MBS"
-            return False, (
-                f"prefill for {what} is the CUTLASS GEMM's (or the reference's); this one "
-                "takes the other macro blocks"
-            )
-        return True, ""
+    def apply(
+        self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
+    ) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
+        return y.reshape(*x.shape[:-1], self.spec.n)

@@ -1,0 +1,94 @@
+"""`triton-grouped` experts on CUDA: every scheme's experts stay packed on the GPU (codes,
+scales, MBS bytes / MX+ block-max indices, NVFP4 global scales: ~0.57 bytes per weight) and
+run the grouped Triton GEMM of `moe_gemm` (pairs sorted into per-expert row tiles on the
+device; activations quantized per token / pair row by the fused quantizers). The same values
+as the reference experts up to fp32 accumulation order (docs/numerics.md, "Kernel numerics
+and error bounds"; `moe_gemm`'s docstring). Expert parallelism (`layer.expert_map`, -1 for
+other ranks' experts) and tensor parallelism (NVFP4 down-projection rows quantized with the
+whole row's global scale, `layer.mxplus_row_global_scale`) as the CPU experts do.
+
+Every call is CUDA-graph capturable: torch ops and kernel launches only, shapes from the
+input shapes, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vllm_mxplus.backends.base import (
+    STEMS,
+    Activation,
+    ExpertBackend,
+    ExpertSpec,
+    ExpertWeights,
+    Layer,
+)
+
+PACKED_ATTR = "mxplus_triton_experts"  # {stem: PackedExpertWeights} on the layer
+
+
+class TritonExperts(ExpertBackend):
+    name = "triton-grouped"
+    summary = "triton-grouped GEMM (packed FP4 experts on the GPU)"
+    kernel = True  # self-tested against `formats` at first use (selftest_experts.py)
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
+        if platform != "cuda":
+            return False, f"Triton kernels are built for CUDA, not {platform}"
+        from vllm_mxplus.backends.triton.launch import is_available
+
+        return is_available(torch.device("cuda"))
+
+    @classmethod
+    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:  # type: ignore[override]
+        from vllm_mxplus.backends.triton.linear import triton_takes
+
+        return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
+
+    def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:
+        from vllm_mxplus.backends.triton.linear import weight_operands
+        from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights
+
+        packed = {}
+        for stem in STEMS:
+            q, e = weights.quantized(stem)
+            codes, scales, extra, g = (
+                None if t is None else t.contiguous() for t in weight_operands(q)
+            )
+            if scales.dtype == torch.float8_e4m3fn:
+                scales = scales.view(torch.uint8)
+            packed[stem] = PackedExpertWeights(
+                codes, scales, extra, g, e, q.shape[0] // e, q.shape[-1]
+            )
+        setattr(layer, PACKED_ATTR, packed)
+
+    def apply(
+        self, layer: Layer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
+    ) -> Tensor:
+        from vllm_mxplus.backends.triton.gemm_ops import act_operands
+        from vllm_mxplus.backends.triton.moe_gemm import moe_experts_triton
+
+        spec = self.spec
+        packed = getattr(layer, PACKED_ATTR)
+
+        def quantize_rows(rows: Tensor, g: Tensor | None) -> tuple:
+            c, s, extra, gs = act_operands(rows, spec.activation_format, spec.macro_block, g)
+            if s.dtype == torch.float8_e4m3fn:
+                s = s.view(torch.uint8)
+            return c, s, extra, None if gs is None else gs.reshape(-1)
+
+        return moe_experts_triton(
+            x,
+            packed["w13"],
+            packed["w2"],
+            topk_weights,
+            topk_ids,
+            weight_format=spec.weight_format,
+            quantize_rows=quantize_rows,
+            macro_block=spec.macro_block,
+            activation=act,
+            expert_map=getattr(layer, "expert_map", None),
+            row_global_scale=getattr(layer, "mxplus_row_global_scale", None),
+        )
