@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from vllm_mxplus.assets.smollm2 import smollm2_dir
 from vllm_mxplus.calibration.gptq import gptq, prepare_hessian, split_rows
+from vllm_mxplus.formats import MACRO_BLOCK
 
 sd = load_file(glob.glob(str(smollm2_dir()) + "/*.safetensors")[0])
 fmt = sys.argv[1]
@@ -34,13 +35,16 @@ for grp in groups:
     h = (x.T @ x).double()
     prep = prepare_hessian(h, k)
     t = time.process_time()
-    sep = [gptq(w, h, fmt, prepared=prep) for w in ws]
+    sep = [gptq(w, h, fmt, prepared=prep, macro_block=MACRO_BLOCK) for w in ws]
     tsep += time.process_time() - t
     t = time.process_time()
     fus = (
-        split_rows(gptq(torch.cat(ws, 0), h, fmt, prepared=prep), [w.shape[0] for w in ws])
+        split_rows(
+            gptq(torch.cat(ws, 0), h, fmt, prepared=prep, macro_block=MACRO_BLOCK),
+            [w.shape[0] for w in ws],
+        )
         if len(ws) > 1
-        else [gptq(ws[0], h, fmt, prepared=prep)]
+        else [gptq(ws[0], h, fmt, prepared=prep, macro_block=MACRO_BLOCK)]
     )
     tfus += time.process_time() - t
     for a, b in zip(sep, fus):

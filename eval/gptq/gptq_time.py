@@ -41,6 +41,7 @@ def main() -> int:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from vllm_mxplus.calibration.rtn_aware import calibrate_and_quantize
+        from vllm_mxplus.formats import MACRO_BLOCK
 
         cfg = LlamaConfig(
             hidden_size=576,
@@ -56,7 +57,9 @@ def main() -> int:
         tokens = torch.randint(0, 49152, (8, 256))
         targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         t, c = time.time(), time.process_time()
-        calibrate_and_quantize(model, tokens, scheme, method, targets, progress=False)
+        calibrate_and_quantize(
+            model, tokens, scheme, method, targets, progress=False, macro_block=MACRO_BLOCK
+        )
     print(
         f"{what} {scheme} {method}, {torch.get_num_threads()} threads: wall "
         f"{time.time() - t:.1f} s, CPU {time.process_time() - c:.1f} s, load average "

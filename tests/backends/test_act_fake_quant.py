@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from vllm_mxplus.backends.reference.activation import FAST_FORMATS, e2m1_round, fast_fake_quantize
+from vllm_mxplus.backends.reference.activation import FAST_FORMATS, fast_fake_quantize
 from vllm_mxplus.formats import fake_quantize
+from vllm_mxplus.formats.e2m1 import e2m1_round
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends import selection as dispatch
 from vllm_mxplus.backends import selftest
 from vllm_mxplus.backends.base import LinearBackend, LinearSpec
+from vllm_mxplus.backends.checks import output_bound
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
 from vllm_mxplus.backends.selection import register_backend, select
-from vllm_mxplus import settings
-from vllm_mxplus.backends.checks import output_bound
 from vllm_mxplus.backends.selftest import run_self_test
 from vllm_mxplus.formats import SCHEMES, fake_quantize, quantize
 

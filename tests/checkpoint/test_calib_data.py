@@ -62,7 +62,7 @@ def test_calib_file_windows(tmp_path: Path) -> None:
 
 
 def test_calib_file_too_short_names_the_file(tmp_path: Path) -> None:
-    from vllm_mxplus.checkpoint.errors import UsageError
+    from vllm_mxplus.errors import UsageError
 
     tok = _smollm2_dir()
     f = tmp_path / "short.txt"

@@ -17,7 +17,7 @@ from vllm_mxplus.backends.reference.linear import fake_quant_activation
 from vllm_mxplus.calibration.gptq import gptq
 from vllm_mxplus.checkpoint import CheckpointError, load, open_checkpoint, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize, get_scheme, quantize
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 

@@ -22,11 +22,11 @@ from vllm_mxplus.calibration.group_params import (
     spec_params,
     weighted_params,
 )
-from vllm_mxplus.calibration.weighted_mbs import weighted_mbs_dynamic
 from vllm_mxplus.checkpoint.codec import decode, encode
 from vllm_mxplus.formats import FORMATS, QuantizedTensor, quantize
 from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
 from vllm_mxplus.formats.e2m1 import unpack_fp4
+from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
 
 ALL_FORMATS = list(FORMATS)
@@ -64,8 +64,14 @@ def _correlated_inputs(k: int, tokens: int = 512, seed: int = 1) -> torch.Tensor
 def test_identity_hessian_spec_rule_equals_formats_quantize(fmt: str, shape: tuple) -> None:
     w = _weight(*shape)
     expected = quantize(w, fmt)
-    assert_same_encoding(gptq(w, torch.eye(shape[1]), fmt, "spec"), expected, f"gptq {fmt}")
-    assert_same_encoding(rtn_aware(w, torch.ones(shape[1]), fmt, "spec"), expected, f"rtn {fmt}")
+    assert_same_encoding(
+        gptq(w, torch.eye(shape[1]), fmt, "spec", macro_block=MACRO_BLOCK), expected, f"gptq {fmt}"
+    )
+    assert_same_encoding(
+        rtn_aware(w, torch.ones(shape[1]), fmt, "spec", macro_block=MACRO_BLOCK),
+        expected,
+        f"rtn {fmt}",
+    )
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -75,7 +81,11 @@ def test_identity_hessian_weighted_rule_equals_rtn_aware(fmt: str, shape: tuple)
     k = shape[1]
     h = torch.diag(torch.rand(k, generator=torch.Generator().manual_seed(3)) + 0.5)
     # a diagonal H: GPTQ's error feedback vanishes, the weighted choice sees diag(H)
-    assert_same_encoding(gptq(w, h, fmt), rtn_aware(w, torch.diagonal(h), fmt), fmt)
+    assert_same_encoding(
+        gptq(w, h, fmt, macro_block=MACRO_BLOCK),
+        rtn_aware(w, torch.diagonal(h), fmt, macro_block=MACRO_BLOCK),
+        fmt,
+    )
 
 
 def _own_params(q: QuantizedTensor, kp: int) -> GroupParams:
@@ -96,7 +106,7 @@ def _own_params(q: QuantizedTensor, kp: int) -> GroupParams:
         pad(q.mbs, kp // q.macro_block),
         pad(q.block_max_index, nb, 255),
         q.global_scale,
-        q.macro_block,
+        macro_block=q.macro_block,
     )
 
 
@@ -108,9 +118,13 @@ def test_output_is_exact_encoding(fmt: str, method: str, shape: tuple) -> None:
     w = _weight(n, k)
     x = _correlated_inputs(k)
     h = x.T @ x
-    q = gptq(w, h, fmt) if method == "gptq" else rtn_aware(w, torch.diagonal(h) / len(x), fmt)
+    q = (
+        gptq(w, h, fmt, macro_block=MACRO_BLOCK)
+        if method == "gptq"
+        else rtn_aware(w, torch.diagonal(h) / len(x), fmt, macro_block=MACRO_BLOCK)
+    )
     w_hat = q.dequantize()
-    kp = padded_k(fmt, k)
+    kp = padded_k(fmt, k, macro_block=MACRO_BLOCK)
     codes, again = quantize_columns(fmt, F.pad(w_hat, (0, kp - k)), _own_params(q, kp), 0)
     assert torch.equal(unpack_fp4(q.codes, k), codes[:, :k]), f"{fmt}: codes changed"
     assert torch.equal(again[:, :k], w_hat), f"{fmt}: values changed"
@@ -130,8 +144,8 @@ def test_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
         return float((ref - x @ q.dequantize().T).square().sum())
 
     e_rtn = out_err(quantize(w, fmt))
-    e_gptq = out_err(gptq(w, h, fmt))
-    e_gptq_spec = out_err(gptq(w, h, fmt, "spec"))
+    e_gptq = out_err(gptq(w, h, fmt, macro_block=MACRO_BLOCK))
+    e_gptq_spec = out_err(gptq(w, h, fmt, "spec", macro_block=MACRO_BLOCK))
     assert e_gptq <= e_rtn, f"{fmt}: GPTQ {e_gptq:.4g} > RTN {e_rtn:.4g}"
     assert e_gptq_spec <= e_rtn, (
         f"{fmt}: GPTQ (spec parameters) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
@@ -149,8 +163,11 @@ def test_weighted_choice_never_worse_than_spec(fmt: str) -> None:
         _, w_hat = quantize_columns(fmt, w, p, 0)
         return ((w - w_hat).square() * d).sum(-1, dtype=torch.float64)
 
-    e_spec, e_w = werr(spec_params(fmt, w, g)), werr(weighted_params(fmt, w, d, g))
-    # the weighted objective uses the exact quotient value*X/F (weighted_mbs.py): a choice
+    e_spec, e_w = (
+        werr(spec_params(fmt, w, g, macro_block=MACRO_BLOCK)),
+        werr(weighted_params(fmt, w, d, g, macro_block=MACRO_BLOCK)),
+    )
+    # the weighted objective uses the exact quotient value*X/F (formats/mbs_search.py): a choice
     # can lose to the spec's by fp32 rounding only, ~2^-23 relative
     assert bool((e_w <= e_spec * (1 + 1e-6)).all()), f"{fmt}: weighted choice lost on some row"
     assert float(e_w.sum()) < float(e_spec.sum()), f"{fmt}: weighted choice gained nothing"
@@ -175,7 +192,7 @@ def test_weighted_mbs_byte_equals_bruteforce(k: int, macro: int) -> None:
         better = err < best * (1 - 1e-9)  # ties (to fp32 rounding) keep the smaller m
         best = torch.where(better, err, best)
         best_m = torch.where(better, mm, best_m)
-    assert torch.equal(weighted_mbs_dynamic(wp, dp, macro), best_m)
+    assert torch.equal(mbs_dynamic(wp, macro, weights=dp), best_m)
 
 
 @pytest.mark.parametrize("bad", ["nan", "shape", "hessian"])
@@ -189,7 +206,7 @@ def test_bad_input_names_the_tensor(bad: str) -> None:
     else:
         h = torch.eye(31)
     with pytest.raises(ValueError, match="layers.3.q_proj"):
-        gptq(w, h, "mxfp4-mbs-d", name="layers.3.q_proj")
+        gptq(w, h, "mxfp4-mbs-d", name="layers.3.q_proj", macro_block=MACRO_BLOCK)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -197,7 +214,7 @@ def test_value_path_equals_quantize_columns(fmt: str) -> None:
     from vllm_mxplus.calibration.group_params import _values
 
     w = _weight(40, 256, seed=13)
-    p = spec_params(fmt, w, quantize(w, fmt).global_scale)
+    p = spec_params(fmt, w, quantize(w, fmt).global_scale, macro_block=MACRO_BLOCK)
     assert torch.equal(_values(fmt, w, p), quantize_columns(fmt, w, p, 0)[1])
 
 
@@ -209,9 +226,11 @@ def test_stacked_siblings_equal_separate_gptq(fmt: str) -> None:
     parts = [_weight(n, k, seed=20 + n) for n in (24, 8, 8)]
     x = _correlated_inputs(k)
     h = x.T @ x
-    fused = split_rows(gptq(torch.cat(parts, 0), h, fmt), [p.shape[0] for p in parts])
+    fused = split_rows(
+        gptq(torch.cat(parts, 0), h, fmt, macro_block=MACRO_BLOCK), [p.shape[0] for p in parts]
+    )
     for i, (p, q) in enumerate(zip(parts, fused)):
-        assert_same_encoding(q, gptq(p, h, fmt), f"{fmt} part {i}")
+        assert_same_encoding(q, gptq(p, h, fmt, macro_block=MACRO_BLOCK), f"{fmt} part {i}")
     assert not can_fuse_rows("nvfp4")  # a per-tensor global scale: not by rows
 
 
@@ -270,7 +289,7 @@ def test_macro_block_output_is_exact_encoding(fmt: str, method: str, macro: int)
         q = rtn_aware(w, torch.diagonal(h) / len(x), fmt, macro_block=macro)
     assert q.macro_block == macro
     w_hat = q.dequantize()
-    kp = padded_k(fmt, k, macro)
+    kp = padded_k(fmt, k, macro, macro_block=MACRO_BLOCK)
     codes, again = quantize_columns(fmt, F.pad(w_hat, (0, kp - k)), _own_params(q, kp), 0)
     assert torch.equal(unpack_fp4(q.codes, k), codes[:, :k]), f"{fmt}: codes changed"
     assert torch.equal(again[:, :k], w_hat), f"{fmt}: values changed"

@@ -14,7 +14,7 @@ from ckpt_helpers import cli_args, make_llama, source_tensors
 from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint import load, quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import run
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import fake_quantize, qsnr
 
 ALPHA = 0.5

@@ -10,10 +10,10 @@ the right place and NVFP4 activation scales are reduced over the ranks.
 from __future__ import annotations
 
 import pytest
-from vllm_mxplus.formats import get_scheme
 from integration_harness import gen_job, run_driver
 from test_vllm_generate import _check_against_reference
 
+from vllm_mxplus.formats import get_scheme
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_mxplus.calibration.smooth_option import add_smooth_option, check_alpha
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats.constants import MACRO_BLOCK
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 
 HELD_OUT_FROM = 50  # first Wikipedia article calibration may use (evaluation uses 0..19)
 DEFAULT_NSAMPLES = 32

@@ -24,7 +24,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.backends.reference.activation import e2m1_round
 from vllm_mxplus.calibration.group_params import (
     GroupParams,
     empty_params,
@@ -37,7 +36,8 @@ from vllm_mxplus.calibration.group_params import (
     weighted_params,
 )
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.e2m1 import e2m1_round
 from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
 from vllm_mxplus.formats.mx import mbs_factor
 
@@ -59,8 +59,8 @@ def _choose(
     macro_block: int,
 ) -> GroupParams:
     if rule == "spec":
-        return spec_params(fmt, w, g, macro_block)
-    return weighted_params(fmt, w, d, g, macro_block)
+        return spec_params(fmt, w, g, macro_block=macro_block)
+    return weighted_params(fmt, w, d, g, macro_block=macro_block)
 
 
 def _lazy(gw: int) -> int:
@@ -90,7 +90,8 @@ def rtn_aware(
     fmt: str,
     rule: Rule = "weighted",
     name: str = "weight",
-    macro_block: int = MACRO_BLOCK,
+    *,
+    macro_block: int,
 ) -> QuantizedTensor:
     """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K]); MBS
     formats: one byte per `macro_block` columns."""
@@ -128,7 +129,8 @@ def gptq(
     name: str = "weight",
     damp: float = DAMP,
     prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
-    macro_block: int = MACRO_BLOCK,
+    *,
+    macro_block: int,
 ) -> QuantizedTensor:
     """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order.
 

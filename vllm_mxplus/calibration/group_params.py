@@ -24,22 +24,20 @@ again with the same parameters returns the same codes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from vllm_mxplus.backends.reference.activation import e2m1_round
-from vllm_mxplus.calibration.weighted_mbs import weighted_mbs_dynamic
 from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import (
     E8M0_NAN,
-    MACRO_BLOCK,
     NO_BLOCK_MAX,
     ceil_div,
 )
 from vllm_mxplus.formats.e2m1 import (
     e2m1_decode,
     e2m1_magnitude_code,
+    e2m1_round,
     pack_fp4,
     sign_bit,
 )
@@ -68,16 +66,16 @@ class GroupParams:
     mbs: torch.Tensor | None = None
     bm_index: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
-    macro_block: int = MACRO_BLOCK
+    macro_block: int = field(kw_only=True)
 
 
-def padded_k(fmt: str, k: int, macro_block: int = MACRO_BLOCK) -> int:
+def padded_k(fmt: str, k: int, macro_block: int) -> int:
     gw = get_format(fmt).group_size(macro_block)
     return ceil_div(k, gw) * gw
 
 
 def empty_params(
-    fmt: str, n: int, kp: int, global_scale: torch.Tensor | None, macro_block: int = MACRO_BLOCK
+    fmt: str, n: int, kp: int, global_scale: torch.Tensor | None, macro_block: int
 ) -> GroupParams:
     """Parameters to be filled group by group (gptq): zero scales, no block max."""
     spec = get_format(fmt)
@@ -88,7 +86,7 @@ def empty_params(
         scales = torch.zeros(n, nb, dtype=torch.uint8)
     mbs = torch.zeros(n, kp // macro_block, dtype=torch.uint8) if spec.mbs else None
     bm = torch.full((n, nb), NO_BLOCK_MAX, dtype=torch.uint8) if spec.block_max_mantissa else None
-    return GroupParams(scales, mbs, bm, global_scale, macro_block)
+    return GroupParams(scales, mbs, bm, global_scale, macro_block=macro_block)
 
 
 def set_group(p: GroupParams, fmt: str, col0: int, g: GroupParams) -> None:
@@ -115,7 +113,8 @@ def spec_params(
     fmt: str,
     w: torch.Tensor,
     global_scale: torch.Tensor | None = None,
-    macro_block: int = MACRO_BLOCK,
+    *,
+    macro_block: int,
 ) -> GroupParams:
     """The parameters `formats.quantize(w, fmt, macro_block=...)` chooses for fp32 w [N, Kp]
     (Kp whole groups)."""
@@ -123,15 +122,15 @@ def spec_params(
     if spec.has_global_scale:
         assert global_scale is not None  # nvfp4 callers pass the weight's global scale
         _, s = quantize_nvfp4_blocks(w, global_scale)
-        return GroupParams(s, global_scale=global_scale)
+        return GroupParams(s, global_scale=global_scale, macro_block=macro_block)
     if spec.block_max_mantissa:
         _, s, bm = quantize_mxplus_blocks(w)
-        return GroupParams(s, bm_index=bm)
+        return GroupParams(s, bm_index=bm, macro_block=macro_block)
     if spec.mbs:
         m = mbs_static(w, macro_block) if spec.mbs == "static" else mbs_dynamic(w, macro_block)
         y = _macro_mul(w, mbs_factor(m))
         return GroupParams(_e8m0_scales(y, spec.block_size, "oas"), mbs=m, macro_block=macro_block)
-    return GroupParams(_e8m0_scales(w, spec.block_size, spec.scale_rule))
+    return GroupParams(_e8m0_scales(w, spec.block_size, spec.scale_rule), macro_block=macro_block)
 
 
 def _e8m0_scales(y: torch.Tensor, block: int, rule: str) -> torch.Tensor:
@@ -220,16 +219,23 @@ def weighted_params(
     w: torch.Tensor,
     d: torch.Tensor,
     global_scale: torch.Tensor | None = None,
-    macro_block: int = MACRO_BLOCK,
+    *,
+    macro_block: int,
 ) -> GroupParams:
     """Input-weighted parameters for fp32 w [N, Kp] (whole groups, finite), d [Kp] >= 0."""
     spec = get_format(fmt)
-    base = spec_params(fmt, w, global_scale, macro_block) if spec.mbs != "dynamic" else None
+    base = (
+        spec_params(fmt, w, global_scale, macro_block=macro_block)
+        if spec.mbs != "dynamic"
+        else None
+    )
     if spec.has_global_scale:
         assert base is not None  # nvfp4 has no MBS
-        return GroupParams(_weighted_e4m3(w, d, base), global_scale=global_scale)
+        return GroupParams(
+            _weighted_e4m3(w, d, base), global_scale=global_scale, macro_block=macro_block
+        )
     if spec.mbs == "dynamic":
-        m = weighted_mbs_dynamic(w, d, macro_block)
+        m = mbs_dynamic(w, macro_block, spec.block_size, weights=d)
         base = GroupParams(
             _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"),
             mbs=m,
@@ -316,7 +322,9 @@ def _weighted_e4m3(w: torch.Tensor, d: torch.Tensor, base: GroupParams) -> torch
     for delta in [s * k for k in range(1, E4M3_SEARCH + 1) for s in (-1, 1)]:
         c = torch.where(movable, (c0 + delta).clamp(1, E4M3_MAX_CODE), c0)
         cand = GroupParams(
-            c.to(torch.uint8).view(torch.float8_e4m3fn), global_scale=base.global_scale
+            c.to(torch.uint8).view(torch.float8_e4m3fn),
+            global_scale=base.global_scale,
+            macro_block=base.macro_block,
         )
         err = _block_err("nvfp4", w, d, cand)
         better = err < best_err

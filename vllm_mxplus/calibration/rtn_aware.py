@@ -33,9 +33,8 @@ from vllm_mxplus.calibration.gptq import (
     rtn_aware,
     split_rows,
 )
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import (
-    MACRO_BLOCK,
     QuantizedTensor,
     check_macro_block,
     get_format,
@@ -111,7 +110,8 @@ def calibrate_and_quantize(
     device: str = "cpu",
     progress: bool = True,
     on_layer: Callable[[int, int], None] | None = None,
-    macro_block: int = MACRO_BLOCK,
+    *,
+    macro_block: int,
 ) -> CalibrationResult:
     """Quantize the nn.Linear modules named in `targets` (inside decoder layers) of `model`.
 
@@ -245,7 +245,8 @@ class _act_quant:
         afmt: str,
         per_row: bool,
         hess: dict[str, list] | None = None,
-        macro_block: int = MACRO_BLOCK,
+        *,
+        macro_block: int,
     ):
         self.mods, self.afmt, self.per_row, self.hess = mods, afmt, per_row, hess
         self.macro_block = macro_block
@@ -289,13 +290,13 @@ def _collect_hessians(
     batches: list[tuple[torch.Tensor, dict]],
     afmt: str,
     per_row: bool,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
 ) -> dict[str, tuple[torch.Tensor, int]]:
     hess: dict[str, list] = {
         n: [torch.zeros(m.in_features, m.in_features, dtype=torch.float64), 0]
         for n, m in mods.items()
     }
-    with _act_quant(mods, afmt, per_row, hess, macro_block):
+    with _act_quant(mods, afmt, per_row, hess, macro_block=macro_block):
         for hs, kw in batches:
             _layer_out(layer, hs, kw)
     # siblings share one accumulator list, hence one H tensor object

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 
 
 def add_smooth_option(parser: argparse.ArgumentParser, help: str) -> None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from vllm_mxplus.calibration.smooth_option import check_alpha
-from vllm_mxplus.checkpoint.errors import UsageError
+from vllm_mxplus.errors import UsageError
 
 #: model types whose norms multiply by `weight` and whose layers have the modules folded here
 SMOOTH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -8,7 +8,7 @@ docs/numerics.md, Packing and checkpoint layout.
     open_checkpoint(dst)    # validated layout, config, per-module shapes, no data read
 """
 
-from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 from vllm_mxplus.checkpoint.reader import (
     QuantizedCheckpoint,
@@ -17,6 +17,7 @@ from vllm_mxplus.checkpoint.reader import (
     open_checkpoint,
 )
 from vllm_mxplus.checkpoint.report import QuantizeReport
+from vllm_mxplus.errors import UsageError
 
 __all__ = [
     "CheckpointError",

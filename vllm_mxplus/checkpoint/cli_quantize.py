@@ -11,8 +11,9 @@ import sys
 from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from vllm_mxplus.calibration.rtn_aware import METHODS
 from vllm_mxplus.calibration.smooth_option import add_smooth_option
-from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

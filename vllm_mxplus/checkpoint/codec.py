@@ -81,6 +81,7 @@ def quantize_weight(
     fmt: str,
     device: torch.device | str = "cpu",
     on_progress: Callable[[float], None] | None = None,
+    *,
     macro_block: int = MACRO_BLOCK,
 ) -> tuple[QuantizedTensor, float, float]:
     """Quantize one (possibly expert-stacked) weight: (QuantizedTensor on CPU, ‖w‖², ‖w − ŵ‖²).

@@ -1,4 +1,5 @@
-"""The errors of the checkpoint package; each message is one line naming the file / tensor."""
+"""The errors of the checkpoint package; each message is one line naming the file / tensor.
+(`vllm_mxplus.errors.UsageError`: a wrong request, shared with the calibration package.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,6 @@ NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 class CheckpointError(RuntimeError):
     """A source or quantized checkpoint cannot be read or written (CLI exit code 1)."""
-
-
-class UsageError(ValueError):
-    """The request itself is wrong: unknown scheme, DST exists, SRC missing (CLI exit code 2)."""
 
 
 def write_failure(path: Path, e: OSError, what: str = "write") -> CheckpointError:

@@ -80,7 +80,7 @@ def stored_tensors(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTenso
 
 def weight_suffixes(fmt: str) -> tuple[str, ...]:
     """The tensor suffixes stored for one quantized weight of format fmt."""
-    return tuple(t.suffix for t in stored_tensors(fmt))
+    return tuple(t.suffix for t in stored_tensors(fmt, MACRO_BLOCK))  # suffixes: any macro block
 
 
 @lru_cache(maxsize=1)

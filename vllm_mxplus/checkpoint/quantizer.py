@@ -34,7 +34,7 @@ from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
-from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.layout import make_quantization_config
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
 from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
@@ -50,6 +50,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
     write_all,
 )
 from vllm_mxplus.checkpoint.source import SourceModel, open_source
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, check_macro_block, get_scheme
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def _calibrated_weights(
     device: str,
     progress: bool,
     smooth: float | None,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
 ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
     """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
     for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name)."""
@@ -252,9 +253,7 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
             raise UsageError(f"{dst}: DST exists; pass --force to replace it")
 
 
-def _plan(
-    source: SourceModel, fmt: str, matcher: IgnoreMatcher, macro_block: int = MACRO_BLOCK
-) -> list[Item]:
+def _plan(source: SourceModel, fmt: str, matcher: IgnoreMatcher, macro_block: int) -> list[Item]:
     items = []
     for t in source.tensors:
         d = classify(t.name, t.dtype, t.shape, matcher, source.model_type)

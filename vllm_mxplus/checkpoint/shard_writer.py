@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vllm_mxplus.checkpoint.codec import WEIGHTS_METADATA_KEY, encode, quantize_weight
-from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError, write_failure
+from vllm_mxplus.checkpoint.errors import CheckpointError, write_failure
 from vllm_mxplus.checkpoint.layout import FORMAT_VERSION
 from vllm_mxplus.checkpoint.report import QuantizeReport
 from vllm_mxplus.checkpoint.rules import Decision
@@ -48,6 +48,7 @@ from vllm_mxplus.checkpoint.safetensors_io import (
     read_tensor,
 )
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, SourceModel
+from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ def _quantize_one(
         done_bytes = target
 
     try:
-        q, sig, err = quantize_weight(w, fmt, device, on_progress, macro_block)
+        q, sig, err = quantize_weight(w, fmt, device, on_progress, macro_block=macro_block)
     except (RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{it.info.path}: cannot quantize tensor {it.info.name!r} ({e})"

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_mxplus.checkpoint.errors import CheckpointError, UsageError
+from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.safetensors_io import TensorInfo, read_header
+from vllm_mxplus.errors import UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

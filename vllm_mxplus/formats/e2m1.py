@@ -27,6 +27,13 @@ def e2m1_magnitude_code(v: torch.Tensor) -> torch.Tensor:
     return code
 
 
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude VALUE of non-negative fp32 v (ties to the even code, saturating at 6):
+    the value of `e2m1_magnitude_code(v)`, in arithmetic (no comparisons per threshold)."""
+    step = torch.where(v < 2.0, 0.5, torch.where(v < 4.0, 1.0, 2.0))
+    return torch.clamp_max(torch.round(v / step) * step, E2M1_MAX)
+
+
 def e2m1_encode(v: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     """Codes for already-scaled values: magnitude code of |v| with the sign bit from `negative`."""
     return e2m1_magnitude_code(v.abs()) | (negative.to(torch.uint8) << 3)

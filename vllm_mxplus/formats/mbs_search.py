@@ -73,8 +73,12 @@ def _first_true(u: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return first.clamp(0.0, float(N_CAND)).to(torch.int64)
 
 
-def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SSE, error bound), each float64 [n, 256], for macro blocks xm fp32 [n, L].
+def _approx_sse(
+    xm: torch.Tensor, block: int, dm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SSE, error bound), each float64 [n, 256], for macro blocks xm fp32 [n, L]; with
+    weights dm [n, L] >= 0 the weighted SSE sum_k d_k (x_k - x_hat_k)^2 (bound not computed:
+    zeros), which uses the exact quotient value X / F for x_hat.
 
     Per block and scale option k (X_k = 2^(s0 + k), used for m in [0, m*) when k = 0
     and [m*, 256) when k = 1), A(m) = sum |x| value X and B(m) = sum (value X)^2 are built
@@ -106,6 +110,9 @@ def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     pos_end = macro_of_block + N_CAND  # the unused slot 256 of each macro block
     axf = ax.flatten()
     ax64 = axf.double()
+    d64 = None if dm is None else dm.double().flatten()
+    if d64 is not None:
+        ax64 = ax64 * d64
 
     for k in (0, 1):
         xk = pow2_f32(s0 + k).double().flatten()  # [n*nb] block scale X of this option
@@ -113,7 +120,10 @@ def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
         c0 = _code(u, thr)  # E2M1 code at m = 0
         # sums at m = 0 per block
         s_a = (ax64 * _take(vals, c0)).view(-1, block).sum(-1) * xk
-        s_b = _take(vals2, c0).view(-1, block).sum(-1).double() * (xk * xk)
+        if d64 is None:
+            s_b = _take(vals2, c0).view(-1, block).sum(-1).double() * (xk * xk)
+        else:
+            s_b = (d64 * _take(vals2, c0)).view(-1, block).sum(-1) * (xk * xk)
         step_a = torch.zeros_like(s_a)
         step_b = torch.zeros_like(s_b)
         for level in (0, 1):
@@ -127,7 +137,10 @@ def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
             cs = _take(c, sel)
             xb = _take(xk, blk)
             w_a = _take(ax64, sel) * _take(dvals, cs) * xb
-            w_b = _take(dvals2, cs).double() * (xb * xb)
+            if d64 is None:
+                w_b = _take(dvals2, cs).double() * (xb * xb)
+            else:
+                w_b = _take(d64, sel) * _take(dvals2, cs) * (xb * xb)
             ms = _take(m_star, blk)
             if k == 0:  # steps before m* only, each undone at m*; others go to slot 256
                 before = b < ms
@@ -150,6 +163,9 @@ def _approx_sse(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     big_a = diff_a.view(n, width).cumsum(1)[:, :N_CAND]
     big_b = diff_b.view(n, width).cumsum(1)[:, :N_CAND]
     f = 1.0 + torch.arange(N_CAND, dtype=torch.float64, device=dev) / 256.0
+    if dm is not None:
+        energy = (xm.double().square() * dm.double()).sum(-1, keepdim=True)
+        return energy - 2.0 * big_a / f + big_b / (f * f), torch.zeros_like(big_a)
     energy = xm.double().square().sum(-1, keepdim=True)
     xhat_energy = big_b / (f * f)
     sse = energy - 2.0 * big_a / f + xhat_energy
@@ -184,10 +200,22 @@ def _pick(xm: torch.Tensor, macro: int, block: int) -> torch.Tensor:
     return result
 
 
-def mbs_dynamic(x: torch.Tensor, macro: int, block: int = 16) -> torch.Tensor:
-    """MBS-D bytes (uint8 [..., nM]) for fp32 x [..., nM*macro]; equals the brute force."""
+def mbs_dynamic(
+    x: torch.Tensor, macro: int, block: int = 16, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """MBS-D bytes (uint8 [..., nM]) for fp32 x [..., nM*macro]; equals the brute force.
+
+    weights: d [nM*macro] >= 0 per column (an input second moment, shared by all rows): the
+    input-weighted byte argmin_m sum_k d_k (x_k - x_hat_k)^2 instead (calibrated
+    quantization; x_hat as the exact quotient, ties to the smaller m). Macro blocks outside the
+    safe exponent range take the unweighted byte."""
     lead = x.shape[:-1]
     xm = x.reshape(-1, macro)
+    dm = None
+    if weights is not None:
+        nm = weights.numel() // macro
+        dm = weights.to(torch.float32).reshape(1, nm, macro).expand(xm.shape[0] // nm, nm, macro)
+        dm = dm.reshape(-1, macro)
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=x.device)
     a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
     finite = torch.isfinite(a).all(-1)
@@ -198,7 +226,10 @@ def mbs_dynamic(x: torch.Tensor, macro: int, block: int = 16) -> torch.Tensor:
     step = max(1, CHUNK_ELEMS // macro)
     for i in range(0, fast_rows.numel(), step):
         rows = fast_rows[i : i + step]
-        out[rows] = _pick(xm[rows], macro, block)
+        if dm is None:
+            out[rows] = _pick(xm[rows], macro, block)
+        else:
+            out[rows] = _approx_sse(xm[rows], block, dm[rows])[0].argmin(-1)
     if slow_rows.numel():
         out[slow_rows] = mbs_dynamic_bruteforce(xm[slow_rows], macro, block).squeeze(-1).long()
     return out.to(torch.uint8).reshape(*lead, -1)

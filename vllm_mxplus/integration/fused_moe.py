@@ -53,6 +53,7 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_MBS,
     StoredTensor,
     stored_tensors,
+    weight_suffixes,
 )
 from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
 from vllm_mxplus.integration.params import Layer, LayerQuantConfig, check_row_parallel, tp_max
@@ -191,7 +192,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                             f"{layer.layer_name}: checkpoint tensors *.{proj}.{tspec.suffix} "
                             f"arrived for {len(experts)} of {n_local} local experts "
                             f"(format {self.fmt} stores "
-                            f"{', '.join(t.suffix for t in stored_tensors(self.fmt))})"
+                            f"{', '.join(weight_suffixes(self.fmt))})"
                         )
 
     def _loaded_rows(self, layer: Layer, stem: str) -> tuple[QuantizedTensor, int]:

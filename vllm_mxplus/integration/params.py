@@ -34,7 +34,7 @@ from vllm_mxplus.checkpoint.layout import (
     stored_tensors,
     weight_suffixes,
 )
-from vllm_mxplus.formats import Scheme
+from vllm_mxplus.formats import MACRO_BLOCK, Scheme
 
 
 class LayerQuantConfig(Protocol):
@@ -188,7 +188,7 @@ def check_all_loaded(
     """Raise ValueError naming the first checkpoint tensor that never arrived."""
     names = shard_names(layer, packed_mapping)
     n_logical = len(layer.logical_widths)
-    for tspec in stored_tensors(weight_format):
+    for tspec in stored_tensors(weight_format, MACRO_BLOCK):  # suffixes only
         got = layer.mxplus_loaded.get(tspec.suffix, set())
         if None in got:
             continue  # fused on disk: one tensor carried every shard

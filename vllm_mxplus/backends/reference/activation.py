@@ -17,19 +17,15 @@ import torch.nn.functional as F
 
 from vllm_mxplus.formats import fake_quantize, get_format
 from vllm_mxplus.formats.constants import (
-    E2M1_MAX,
     FLOOR_MANTISSA,
     FP32_MANTISSA_BITS,
+    MBS_STATIC_MASK,
+    MBS_STATIC_SHIFT,
     OAS_MANTISSA,
 )
+from vllm_mxplus.formats.e2m1 import e2m1_round
 
 FAST_FORMATS = ("mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s")
-
-
-def e2m1_round(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 magnitude value of non-negative fp32 v (ties to the even code, saturating)."""
-    step = torch.where(v < 2.0, 0.5, torch.where(v < 4.0, 1.0, 2.0))
-    return torch.clamp_max(torch.round(v / step) * step, E2M1_MAX)
 
 
 # d = [fp32 mantissa bits of the block absmax > threshold]; ocp: never
@@ -58,7 +54,7 @@ def fast_fake_quantize(
     lead = xf.shape[:-1]
     if spec.mbs:
         a = xf.abs().view(*lead, -1, macro_block).amax(-1, keepdim=True)
-        m = ((6.0 / a).view(torch.int32) & 0x007F8000) >> 15  # paper eq. 3
+        m = ((6.0 / a).view(torch.int32) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT  # paper eq. 3
         f = (m + 256).to(torch.float32) * (1.0 / 256.0)
         y = xf.view(*lead, -1, macro_block) * f
     else:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
 from vllm_mxplus.backends.reference.linear import fake_quant_activation, fake_quant_nvfp4_rows
+from vllm_mxplus.formats import MACRO_BLOCK
 
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
 
@@ -64,7 +65,7 @@ def moe_experts_reference(
     *,
     per_row: bool,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-    macro_block: int,
+    macro_block: int = MACRO_BLOCK,
     expert_map: torch.Tensor | None = None,
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
