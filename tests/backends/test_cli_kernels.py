@@ -41,11 +41,14 @@ def test_aot_enumerates_configs_from_the_launchers():
 
     quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
     kernels = {c.kernel for cs in quick.values() for c in cs}
-    assert kernels == {
+    assert kernels >= {
         "_mx_act_quant_kernel",
         "_nvfp4_act_quant_kernel",
         "_act_fp8_chunks_kernel",
         "_decode_gemm_kernel",
+        "_mx_gemm_kernel",
+        "_mxplus_act_quant_kernel",
+        "_nvfp4_given_act_quant_kernel",
     }
     for name in aot.DRIVERS:
         assert set(quick[name]) <= set(full[name]) and len(full[name]) > len(quick[name])
@@ -100,12 +103,14 @@ def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
     with pytest.raises(ValueError, match="--macro-block"):
         aot.parse_macro_blocks("32x")
     only = aot.select_macro_blocks(quick, [32])
-    assert set(only) == {"act_quant", "decode_gemm"}  # the fp8 encoder has no macro block
+    # the fp8 encoder and the MX+ / NVFP4 quantizers have no macro block
+    assert set(only) == {"act_quant", "decode_gemm", "mx_gemm", "moe_gemm"}
     consts = [dict(c.constexprs) for cs in only.values() for c in cs]
     assert consts and all(d["MACRO"] == 32 for d in consts)
     assert {c.kernel for cs in only.values() for c in cs} == {
         "_mx_act_quant_kernel",
         "_decode_gemm_kernel",
+        "_mx_gemm_kernel",
     }
     small = aot.select_macro_blocks(full, [16, 32, 64])
     mx = [dict(c.constexprs) for c in small["act_quant"]]
@@ -113,6 +118,31 @@ def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
     assert set(aq.SUPPORTED_MACRO_BLOCKS) >= {16, 32, 64}
     assert main(["kernels", "--aot", "--macro-block", "32x"]) == 2
     assert "--macro-block" in capsys.readouterr().out
+
+
+def test_aot_mx_gemm_and_experts_configs():
+    """The FP4 GEMM of every format and the grouped experts: --quick holds every operand
+    kind (E8M0 with and without MBS, NVFP4, MX+), linear and MoE launches, the decode and
+    prefill tiles (GPU tile choices, not the interpreter's)."""
+    from vllm_mxplus.backends.triton import mx_gemm as mg
+    from vllm_mxplus.kernel_tools import aot
+
+    quick = aot.enumerate_configs(quick=True, launchers=["mx_gemm", "moe_gemm"])
+    lin = [dict(c.constexprs) for c in quick["mx_gemm"]]
+    moe = [dict(c.constexprs) for c in quick["moe_gemm"]]
+    for cs in (lin, moe):
+        assert {d["FMT"] for d in cs} == {mg.FMT_E8M0, mg.FMT_NVFP4, mg.FMT_MXPLUS}
+        assert {d["X_MBS"] for d in cs} == {True, False}
+    assert not any(d["MOE"] for d in lin) and all(d["MOE"] for d in moe)
+    tiles = {(d["BLOCK_M"], d["BLOCK_N"]) for d in lin}
+    assert tiles == {
+        (mg.DECODE_BLOCK_M, mg.DECODE_BLOCK_N),
+        (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N),
+    }
+    assert {d["BLOCK_M"] for d in moe} == {mg.DECODE_BLOCK_M, mg.PREFILL_BLOCK_M}
+    narrow = [d for d in lin if d["X_MBS"] and d["MACRO"] < mg.GPU_BLOCK_K]
+    assert narrow and all(d["BLOCK_K"] == mg.PREFILL_MBS_BLOCK_K for d in narrow)
+    assert all(d["BLOCK_K"] == mg.GPU_BLOCK_K for d in lin if not d["X_MBS"])
 
 
 def test_aot_failure_rules():
@@ -215,6 +245,9 @@ def test_aot_quick_passes_for_ampere_hopper_blackwell(tmp_path):
         "_nvfp4_act_quant_kernel",
         "_act_fp8_chunks_kernel",
         "_decode_gemm_kernel",
+        "_mx_gemm_kernel",
+        "_mxplus_act_quant_kernel",
+        "_nvfp4_given_act_quant_kernel",
     ):
         rows = [ln.split() for ln in out.splitlines() if ln.startswith(kernel)]
         assert sorted(int(r[1]) for r in rows) == [80, 90, 100], out
