@@ -8,9 +8,11 @@ F.linear (and, with --reference, the pure-torch reference backend), in one run.
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
   bf16      torch.nn.functional.linear on bf16 weights (the unquantized baseline; oneDNN)
+  fp32      the same on fp32 weights and activations (the stronger baseline on a CPU without
+            avx512_bf16 / AMX, where bf16 F.linear converts to fp32 on the fly)
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
   reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
-and the ratio bf16/packed (>= 1: packed is faster than bf16). With --macro-block N (an MBS
+and the ratios bf16/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
 of the smaller macro blocks). Weight bytes per element:
@@ -21,6 +23,7 @@ and after) are printed: on a shared machine only the ratios measured in one run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -39,17 +42,32 @@ SHAPES = {
 _FLUSH: list[torch.Tensor] = []
 
 
+def _l3_bytes() -> int:
+    """The last-level cache of cpu0 (sysfs), 32 MiB if it cannot be read."""
+    try:
+        size = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()  # noqa: SIM115
+        return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]]
+    except (OSError, ValueError, KeyError):
+        return 32 << 20
+
+
 def _flush_caches() -> None:
-    """Write 96 MiB (3x this machine's 32 MiB L3) so the next call reads its weights from DRAM,
-    as in a model whose weights exceed the caches (each layer's are read once per step)."""
+    """Write twice the L3 (at least 96 MiB, at most 1 GiB) so the next call reads its weights
+    from DRAM, as in a model whose weights exceed the caches (each layer's are read once per
+    step)."""
     if not _FLUSH:
-        _FLUSH.append(torch.empty(96 << 18, dtype=torch.float32))
+        nbytes = min(max(2 * _l3_bytes(), 96 << 20), 1 << 30)
+        _FLUSH.append(torch.empty(nbytes // 4, dtype=torch.float32))
     _FLUSH[0].fill_(1.0)
 
 
-def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5) -> list[float]:
-    """Median wall time of each callable, timed in alternation (a, b, c, a, b, c, ...) so
-    that load from other processes on a shared machine falls on all of them alike."""
+def _medians_us(
+    fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5, clock=time.perf_counter
+) -> list[float]:
+    """Median time of each callable, timed in alternation (a, b, c, a, b, c, ...) so that
+    load from other processes on a shared machine falls on all of them alike. `clock`:
+    time.perf_counter (wall) or time.thread_time (this thread's CPU time: with one torch
+    thread, the time the call ran, without the time other processes held the core)."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -58,9 +76,9 @@ def _medians_us(fns: list, cold: bool, min_time: float = 0.3, min_iters: int = 5
         for fn, ts in zip(fns, times):
             if cold:
                 _flush_caches()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            ts.append(time.perf_counter() - t0)
+            ts.append(clock() - t0)
     return [statistics.median(ts) * 1e6 for ts in times]
 
 
@@ -90,6 +108,17 @@ def cpu_description() -> str:
     return f"{model} [{' '.join(f for f in keep if f in flags)}]"
 
 
+def _linear_spec(spec_cls: type, scheme: str, n: int, k: int, macro_block: int):
+    """A LinearSpec for one bf16-output linear, whether the spec carries the macro block itself
+    or inside its Scheme (`get_scheme(name, macro_block=...)`)."""
+    if "macro_block" in {f.name for f in dataclasses.fields(spec_cls)}:
+        return spec_cls(scheme=scheme, n=n, k=k, out_dtype=torch.bfloat16, macro_block=macro_block)
+    from vllm_mxplus.formats import MACRO_BLOCK, get_scheme
+
+    macro = None if macro_block == MACRO_BLOCK else macro_block
+    return spec_cls(scheme=get_scheme(scheme, macro), n=n, k=k, out_dtype=torch.bfloat16)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,6 +130,13 @@ def main() -> int:
     ap.add_argument("--min-iters", type=int, default=5, help="timed calls per backend, at least")
     ap.add_argument(
         "--min-time", type=float, default=0.3, help="seconds per backend per row, at least"
+    )
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall time (default) or this thread's CPU time (--threads 1 only: on a shared "
+        "machine it leaves out the time other processes held the core)",
     )
     ap.add_argument(
         "--warm",
@@ -123,12 +159,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu times one thread: pass --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     from vllm_mxplus.backends.base import LinearSpec
     from vllm_mxplus.backends.cpu import kernels as cpu_kernels
     from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
     from vllm_mxplus.backends.reference.linear import ReferenceBackend
-    from vllm_mxplus.formats import quantize
+    from vllm_mxplus.formats import MACRO_BLOCK, quantize
 
     ok, why = cpu_kernels.load()
     if not ok:
@@ -144,25 +183,21 @@ def main() -> int:
     )
     cold = not args.warm
     print(f"caches  : {'warm (weights stay cached)' if args.warm else 'evicted before each call'}")
+    print(f"clock   : {'thread CPU time' if args.clock == 'cpu' else 'wall time'}")
     models = list(SHAPES) if args.model == "all" else [args.model]
     ms = [int(v) for v in args.m.split(",")]
     print(
-        f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'ref us':>9s} "
-        f"{'packed us':>9s} {'bf16/packed':>11s} {'ref/packed':>10s}"
+        f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'fp32 us':>9s} "
+        f"{'ref us':>9s} {'packed us':>9s} {'bf16/packed':>11s} {'fp32/packed':>11s} "
+        f"{'ref/packed':>10s}"
         + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
     )
     g = torch.Generator().manual_seed(0)
-    tot = {"bf16": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0}
+    tot = {"bf16": 0.0, "fp32": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0}
     for model in models:
         for n, k in SHAPES[model]:
             w = torch.randn(n, k, generator=g) * 0.02
-            spec = LinearSpec(
-                scheme=args.scheme,
-                n=n,
-                k=k,
-                out_dtype=torch.bfloat16,
-                macro_block=args.macro_block,
-            )
+            spec = _linear_spec(LinearSpec, args.scheme, n, k, args.macro_block)
             q = quantize(w, spec.weight_format, macro_block=args.macro_block)
             ref_layer, packed_layer = torch.nn.Module(), torch.nn.Module()
             ref, packed = ReferenceBackend(spec), CpuPackedBackend(spec)
@@ -173,35 +208,39 @@ def main() -> int:
                 ref.process_weights_after_loading(ref_layer, q)
             packed.process_weights_after_loading(packed_layer, q)
             if args.macro_block != 128:
-                spec128 = LinearSpec(scheme=args.scheme, n=n, k=k, out_dtype=torch.bfloat16)
+                spec128 = _linear_spec(LinearSpec, args.scheme, n, k, MACRO_BLOCK)
                 p128, p128_layer = CpuPackedBackend(spec128), torch.nn.Module()
                 p128.process_weights_after_loading(p128_layer, quantize(w, spec.weight_format))
             wb = w.to(torch.bfloat16)
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+                xf = x.float()
                 fns = [
                     lambda: torch.nn.functional.linear(x, wb),
+                    lambda: torch.nn.functional.linear(xf, w),
                     lambda: packed.apply(packed_layer, x, None),
                 ]
                 if args.macro_block != 128:
                     fns.append(lambda: p128.apply(p128_layer, x, None))
                 if args.reference:
                     fns.append(lambda: ref.apply(ref_layer, x, None))
-                t_b, t_p, *rest = _medians_us(fns, cold, args.min_time, args.min_iters)
+                t_b, t_f, t_p, *rest = _medians_us(fns, cold, args.min_time, args.min_iters, clock)
                 t_128 = rest.pop(0) if args.macro_block != 128 else float("nan")
                 t_r = rest[0] if rest else float("nan")
                 tot["p128"] += t_128
                 tot["bf16"] += t_b
+                tot["fp32"] += t_f
                 tot["ref"] += t_r
                 tot["packed"] += t_p
                 print(
-                    f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_r:9.1f} {t_p:9.1f} "
-                    f"{t_b / t_p:11.2f} {t_r / t_p:10.2f}"
+                    f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_f:9.1f} {t_r:9.1f} "
+                    f"{t_p:9.1f} {t_b / t_p:11.2f} {t_f / t_p:11.2f} {t_r / t_p:10.2f}"
                     + (f" {t_128:9.1f} {t_p / t_128:6.2f}" if args.macro_block != 128 else ""),
                     flush=True,
                 )
     print(
         f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
+        f"fp32/packed = {tot['fp32'] / tot['packed']:.2f}x, "
         f"reference/packed = {tot['ref'] / tot['packed']:.2f}x"
         + (
             f", packed at {args.macro_block} / packed at 128 = {tot['packed'] / tot['p128']:.2f}x"
@@ -221,6 +260,7 @@ def main() -> int:
                 ("min-iters", args.min_iters),
                 ("min-time", args.min_time),
                 ("macro-block", args.macro_block),
+                ("clock", args.clock),
             )
         )
         + (f" --threads {args.threads}" if args.threads else "")

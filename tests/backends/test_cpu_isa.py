@@ -2,7 +2,8 @@
 AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512) and the
 portable C++ (x86-64) give the activation codes of `formats` bit for bit and outputs within
 the same bounds as the native build (tests/backends/test_cpu_kernels.py, test_cpu_nvfp4.py,
-test_cpu_mxplus.py). One subprocess per target (one process loads one build of the ops);
+test_cpu_mxplus.py), and the E8M0 schemes' outputs bit for bit with the fp32 model of the
+kernels' operations (test_cpu_panel.py): every instruction set gives the same bits. One subprocess per target (one process loads one build of the ops);
 builds are cached per -march like any other. A target this CPU cannot run is skipped with
 the missing feature flags named (an AVX-512 build on an AVX2-only CPU would die of SIGILL).
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, sys.argv[1])
 import test_cpu_kernels as t
 import test_cpu_mxplus as tm
 import test_cpu_nvfp4 as tn
+import test_cpu_panel as tp
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.backends.cpu import kernels as ck
 ok, why = ck.load()
@@ -58,6 +60,10 @@ for k in (33, 577):
     for m in (1, 3, 9, 12):
         y = ck.mxplus_linear_packed(x[:m], 21, k, *ck.pack_mxplus(q), None, torch.float32)
         tm.assert_within_bound(y, tm.reference(x[:m], q, None), k)
+for pair in t.PAIRS:  # bit for bit with the fp32 model of the kernel's operations
+    for m in (1, 5, 35, 66):
+        tp.test_linear_bits_equal_model(ck, pair, m, 577)
+tp.test_plain_weights_take_the_fast_terms(ck)
 print("ISA-OK", ck.cflags()[0])
 """
 

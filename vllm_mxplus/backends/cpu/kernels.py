@@ -58,6 +58,7 @@ HEADERS = tuple(
         "mx_cpu_common.h",
         "mx_tiles.h",
         "mx_tile_avx512.h",
+        "mx_tile_avx512_panel.h",
         "mx_tile_avx2.h",
         "mx_tile_scalar.h",
     )
@@ -132,11 +133,12 @@ def load() -> tuple[bool, str]:
                 "serves instead. Build output:\n%s",
                 "\n".join(msg[-40:]),
             )
-            _state["error"] = (
+            error = (
                 f"building the CPU kernels failed ({type(e).__name__}: "
                 f"{msg[-1] if msg else ''}); set {ENV_DISABLE}=0 to skip them"
             )
-            return False, _state["error"]
+            _state["error"] = error
+            return False, error
         _state["loaded"] = build_name()
         return True, ""
 
@@ -291,16 +293,16 @@ def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     _require()
     if q.fmt != "nvfp4" or q.codes.dim() != 2:
         raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
+    gs = q.global_scale
+    if gs is None:
+        raise ValueError("pack_nvfp4: the nvfp4 weight has no global scale")
     n, k = q.shape
     codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
         q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK, MACRO_BLOCK
     )
     g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
-    g[:n] = (
-        q.global_scale.to(torch.float32).reshape(-1).expand(n)
-        if q.global_scale.numel() == 1
-        else q.global_scale.to(torch.float32).reshape(n)
-    )
+    gs32 = gs.to(torch.float32)
+    g[:n] = gs32.reshape(-1).expand(n) if gs.numel() == 1 else gs32.reshape(n)
     return codes, scales, g
 
 

@@ -43,6 +43,7 @@
 
 #include "mx_tile_avx2.h"
 #include "mx_tile_avx512.h"
+#include "mx_tile_avx512_panel.h"
 #include "mx_tile_scalar.h"
 
 namespace mxplus_cpu {
@@ -125,8 +126,8 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 // Threads over N (weight tiles); each thread walks its tiles kTilesPerPass at a time, and
 // for each activation row tile runs those weight tiles, so the row tile is read from cache.
 template <bool MBS, bool BM>
-void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
-          const float* bias) {
+void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
+                const float* bias) {
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
       const int64_t tend = std::min(tp + kTilesPerPass, t1);
@@ -135,6 +136,60 @@ void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, flo
                             bias);
     }
   });
+}
+
+#ifdef MXPLUS_AVX512
+// Several activation rows on AVX-512 (mx_tile_avx512_panel.h): threads over N; each thread
+// takes the rows in chunks of about kPanelActBytes of codes, and for each chunk decodes its
+// weight tiles kPanelTiles at a time into panels that all the chunk's rows then run against.
+template <bool MBS>
+void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
+                 const float* bias) {
+  std::vector<int32_t> ebits(M * a.nb), start(M * a.nb);
+  std::vector<RowExp> range(M);
+  for (int64_t i = 0; i < M * a.nb; ++i) start[i] = a.corr[i] + kMagicBits;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* ea = a.ea + m * a.nb;
+    range[m] = row_exp_range(ea, a.nb);
+    for (int64_t b = 0; b < a.nb; ++b)  // (ea - 256 + 127) << 23, as unsigned: ea may be < -127
+      ebits[m * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
+          static_cast<uint32_t>(static_cast<int>(ea[b]) + 127) << 23);
+  }
+  const PanelRows pr{ebits.data(), start.data(), range.data()};
+  const int64_t mc = std::max<int64_t>(kPanelRows, kPanelActBytes / a.kp / kPanelRows * kPanelRows);
+  at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
+    // 64-byte aligned scratch (the CPU allocator's alignment) for kPanelTiles panels
+    at::Tensor ops = at::empty({kPanelTiles * w.groups * kPanelGroupBytes}, at::kByte);
+    at::Tensor eb = at::empty({kPanelTiles * w.nb * kTileN}, at::kInt);
+    for (int64_t r0 = 0; r0 < M; r0 += mc) {
+      const int64_t r1 = std::min(M, r0 + mc);
+      for (int64_t tp = t0; tp < t1; tp += kPanelTiles) {
+        const int ntp = static_cast<int>(std::min<int64_t>(kPanelTiles, t1 - tp));
+        Panel pn[kPanelTiles];
+        for (int j = 0; j < ntp; ++j)
+          pn[j] = decode_panel(w, tp + j, ops.data_ptr<uint8_t>() + j * w.groups * kPanelGroupBytes,
+                               eb.data_ptr<int32_t>() + j * w.nb * kTileN);
+        for (int64_t m0 = r0; m0 < r1; m0 += kPanelRows) {
+          const int64_t mt = std::min<int64_t>(kPanelRows, r1 - m0);
+          if (ntp == kPanelTiles)
+            panel_rows<kPanelRows, kPanelTiles, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias);
+          else
+            panel_rows<kPanelRows, 1, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// MX+ (BM) and, off AVX-512 or with few rows, the register tiles; else the panels.
+template <bool MBS, bool BM>
+void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
+          const float* bias) {
+#ifdef MXPLUS_AVX512
+  if (!BM && M >= kPanelMinRows) return gemm_panels<MBS>(w, a, s, M, y, bias);
+#endif
+  gemm_tiles<MBS, BM>(w, a, s, M, y, bias);
 }
 
 }  // namespace

@@ -200,23 +200,6 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
 // tile_avx2 does. Same operations in the same
 // order per output as tile_avx2<1, ...>, so the same results bit for bit.
 
-// The extremes of one activation row's block exponents (ea - 256 per block, NaN for code
-// 255): computed once per row and pass over the weight tiles, not once per tile.
-struct RowExp {
-  bool finite;  // no NaN exponent in the row
-  int lo, hi;
-};
-
-inline RowExp row_exp_range(const float* ea, int64_t nb) {
-  float elo = ea[0], ehi = ea[0];
-  for (int64_t b = 0; b < nb; ++b) {
-    if (std::isnan(ea[b])) return {false, 0, 0};
-    elo = std::min(elo, ea[b]);
-    ehi = std::max(ehi, ea[b]);
-  }
-  return {true, static_cast<int>(elo), static_cast<int>(ehi)};
-}
-
 // True when 2^(ea + ew) is a normal fp32 for every block of this row and tile: the row's
 // exponent extremes and the tile's E8M0 codes (all 16 rows, nb blocks) checked from theirs.
 inline bool tile_exp_fast(const uint8_t* sc, int64_t nb, const RowExp& re) {

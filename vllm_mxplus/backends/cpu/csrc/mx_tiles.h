@@ -50,6 +50,23 @@ inline int64_t tile_grain(int64_t M, int64_t K) {
   return std::max<int64_t>(1, kMinParallelMacs / std::max<int64_t>(1, kTileN * K * M));
 }
 
+// The extremes of one activation row's block exponents (ea - 256 per block, NaN for code
+// 255): computed once per row and call (or pass over the weight tiles), not once per tile.
+struct RowExp {
+  bool finite;  // no NaN exponent in the row
+  int lo, hi;
+};
+
+inline RowExp row_exp_range(const float* ea, int64_t nb) {
+  float elo = ea[0], ehi = ea[0];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (std::isnan(ea[b])) return {false, 0, 0};
+    elo = std::min(elo, ea[b]);
+    ehi = std::max(ehi, ea[b]);
+  }
+  return {true, static_cast<int>(elo), static_cast<int>(ehi)};
+}
+
 // mx_gemm_cpu.cpp: checkpoint-layout codes / scales / MBS bytes -> (codes, scales, MBS) tiles.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_tiles(const at::Tensor& codes,
                                                           const at::Tensor& scales,

@@ -1,0 +1,210 @@
+// The AVX-512 kernel of the integer GEMM for several activation rows (prefill, batched
+// decode): mx_gemm_cpu.cpp states what it computes, docs/cpu_kernels.md how it is blocked.
+//
+// A pass takes a chunk of activation rows (their codes about half of L2) and walks the
+// thread's weight tiles kPanelTiles at a time. Each tile is decoded once per pass into a
+// panel: the four unsigned vpdpbusd operands of every group (2 * value + 12 per byte, what
+// tile_avx512 decodes in registers per group and row tile) and each block's E8M0 codes as
+// fp32 exponent bits (ew << 23). The rows of the chunk then run against the panels
+// kPanelRows at a time, each vpdpbusd taking its 4 activation codes as a broadcast: no
+// weight decoding and no exponent arithmetic in the inner loop.
+//
+// Block terms: when every 2^(ea + ew - 256) of a row tile against a weight tile is a normal
+// fp32 (checked once per row tile and panel from the rows' and the tile's exponent
+// extremes), the block term is I * 2^(ea + ew - 256) with the power of two built by one
+// integer add of exponent bits: the same value as vscalefps (both exact). Otherwise the
+// blocks take vscalefps as tile_avx512 does. Per output the same operations in the same
+// order as tile_avx512: the same results bit for bit.
+#pragma once
+
+#include "mx_tile_avx512.h"
+
+namespace mxplus_cpu {
+namespace gemm_detail {
+
+#ifdef MXPLUS_AVX512
+constexpr int kPanelTiles = 2;                       // weight tiles per register tile
+constexpr int kPanelRows = 4;                        // activation rows per register tile
+constexpr int64_t kPanelMinRows = 32;                // M from which the panel kernel runs
+constexpr int64_t kPanelActBytes = int64_t{1} << 19;  // activation codes per pass (L2 / 4)
+constexpr int64_t kPanelGroupBytes = 4 * 64;         // decoded operands of one group
+
+// One weight tile decoded for a pass (see the top of this file).
+struct Panel {
+  const uint8_t* ops;    // [groups][4][64] unsigned operands, in vpdpbusd order
+  const int32_t* ebits;  // [nb][16] E8M0 code << 23 per tile row
+  int lo, hi;            // smallest / largest E8M0 code in the tile (255: a NaN block)
+};
+
+inline Panel decode_panel(const WeightTiles& w, int64_t t, uint8_t* ops, int32_t* ebits) {
+  const __m512i lut = weight_lut();
+  const uint8_t* src = w.codes + t * w.groups * kGroupBytes;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512i p0 = _mm512_loadu_si512(src + g * kGroupBytes);
+    const __m512i p1 = _mm512_loadu_si512(src + g * kGroupBytes + 64);
+    uint8_t* o = ops + g * kPanelGroupBytes;
+    _mm512_store_si512(o, nib_lo(p0, lut));
+    _mm512_store_si512(o + 64, nib_hi(p0, lut));
+    _mm512_store_si512(o + 128, nib_lo(p1, lut));
+    _mm512_store_si512(o + 192, nib_hi(p1, lut));
+  }
+  const uint8_t* sc = w.scales + t * w.nb * kTileN;
+  __m512i lo = _mm512_set1_epi32(kE8m0Nan), hi = _mm512_setzero_si512();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const __m512i e =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * kTileN)));
+    lo = _mm512_min_epu32(lo, e);
+    hi = _mm512_max_epu32(hi, e);
+    _mm512_store_si512(ebits + b * kTileN, _mm512_slli_epi32(e, 23));
+  }
+  return {ops, ebits, static_cast<int>(_mm512_reduce_min_epu32(lo)),
+          static_cast<int>(_mm512_reduce_max_epu32(hi))};
+}
+
+// The integer block sums start at the bits of the fp32 1.5 * 2^23 (plus the offset
+// correction): I in [-2^22, 2^22) leaves them the bits of 1.5 * 2^23 + I, so one exact
+// subtraction gives I as fp32 (on a port other than vpdpbusd's, unlike vcvtdq2ps).
+constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23
+inline __m512 block_sum(__m512i iacc) {
+  return _mm512_sub_ps(_mm512_castsi512_ps(iacc), _mm512_set1_ps(12582912.0f));
+}
+
+// The activation side of the panel kernel: per row and block (ea - 256 + 127) << 23, the
+// exponent bits that make 2^(ea + ew - 256) from ew << 23 by one integer add (0 where ea is
+// NaN: those rows never take that path), and per row its exponent extremes.
+struct PanelRows {
+  const int32_t* ebits;  // [M, nb]
+  const int32_t* start;  // [M, nb] the block sums' start: corr + kMagicBits
+  const RowExp* range;   // [M]
+};
+
+// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP] from the panels pn[0 .. NTP).
+// GPB = 16-element groups per block; FAST: every block term's power of two is a normal fp32.
+template <int MT, int NTP, int GPB, bool MBS, bool FAST>
+void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const PanelRows& pr,
+                  const Shape& s, int64_t t0, int64_t m0, float* y, const float* bias) {
+  const int8_t* xr[MT];
+  const int32_t* cr[MT];
+  const float* er[MT];
+  const int32_t* eb[MT];
+  for (int m = 0; m < MT; ++m) {
+    xr[m] = a.codes + (m0 + m) * a.kp;
+    cr[m] = pr.start + (m0 + m) * a.nb;
+    er[m] = a.ea + (m0 + m) * a.nb;
+    eb[m] = pr.ebits + (m0 + m) * a.nb;
+  }
+  alignas(64) float ysum[NTP][MT][kTileN];
+  __m512 acc[NTP][MT];
+  for (int j = 0; j < NTP; ++j)
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      acc[j][m] = _mm512_setzero_ps();
+      if (MBS) _mm512_store_ps(ysum[j][m], acc[j][m]);
+    }
+  for (int64_t c = 0; c < s.nc; ++c) {
+    const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
+    for (int64_t b = c * s.bpc; b < b1; ++b) {
+      __m512i iacc[NTP][MT];
+      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+        const __m512i c0 = _mm512_set1_epi32(cr[m][b]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) iacc[j][m] = c0;
+      }
+      _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
+        const int64_t g = b * GPB + gg;
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+          __m512i wv[NTP];
+          _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+            wv[j] = _mm512_load_si512(pn[j].ops + g * kPanelGroupBytes + 64 * q);
+          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+            const __m512i xb =
+                _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xr[m] + g * kGroupK)[q]);
+            _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+              iacc[j][m] = dot4(iacc[j][m], wv[j], xb);
+          }
+        }
+      }
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+        if constexpr (FAST) {  // + I * 2^(ea + ew - 256), the power of two from its bits
+          const __m512i ewb = _mm512_load_si512(pn[j].ebits + b * kTileN);
+          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+            const __m512 p2 = _mm512_castsi512_ps(_mm512_add_epi32(ewb, _mm512_set1_epi32(eb[m][b])));
+            acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
+          }
+        } else {
+          const __m512 ew = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
+            acc[j][m] = _mm512_add_ps(
+                acc[j][m], _mm512_scalef_ps(block_sum(iacc[j][m]),
+                                            _mm512_add_ps(ew, _mm512_set1_ps(er[m][b]))));
+        }
+      }
+    }
+    if (MBS) {
+      for (int j = 0; j < NTP; ++j) {
+        __m512 fw = _mm512_set1_ps(1.0f);
+        if (w.mbs) {
+          const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
+          fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
+                             _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        }
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+          const __m512 f =
+              a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
+          _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
+                                                    _mm512_div_ps(acc[j][m], f)));
+          acc[j][m] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NTP; ++j) {
+    const int64_t n0 = (t0 + j) * kTileN;
+    const int64_t valid = std::min<int64_t>(kTileN, w.n - n0);
+    const __mmask16 lm = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(lm, bias + n0) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      const __m512 v = MBS ? _mm512_load_ps(ysum[j][m]) : acc[j][m];
+      _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
+    }
+  }
+}
+
+// Whether every block term of rows m0 .. m0+mt against the panels has a normal fp32 power
+// of two 2^(ea + ew - 256) with |I| * 2^(ea + ew - 256) < 2^128 (|I| < 2^13): then I times
+// it is exact and finite, and one FMA adds it to the sum with the rounding of the add alone.
+// From the rows' exponent extremes and the tiles' code extremes.
+constexpr int kFastMaxExp = 127 - 13;
+inline bool panel_fast(const Panel* pn, int ntp, const PanelRows& pr, int64_t m0, int64_t mt) {
+  int wlo = kE8m0Nan, whi = 0;
+  for (int j = 0; j < ntp; ++j) {
+    wlo = std::min(wlo, pn[j].lo);
+    whi = std::max(whi, pn[j].hi);
+  }
+  if (whi == kE8m0Nan) return false;
+  for (int64_t m = m0; m < m0 + mt; ++m) {
+    const RowExp& r = pr.range[m];
+    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > kFastMaxExp) return false;
+  }
+  return true;
+}
+
+// rows m0 .. m0+mt (mt <= MT) against NTP panels.
+template <int MT, int NTP, bool MBS>
+void panel_rows(const Panel* pn, const WeightTiles& w, const ActRows& a, const PanelRows& pr,
+                const Shape& s, int64_t t0, int64_t m0, int64_t mt, float* y, const float* bias) {
+  if constexpr (MT > 1) {
+    if (mt < MT) return panel_rows<MT - 1, NTP, MBS>(pn, w, a, pr, s, t0, m0, mt, y, bias);
+  }
+  const bool fast = panel_fast(pn, NTP, pr, m0, MT);
+  if (s.gpb == 1) {
+    if (fast) panel_avx512<MT, NTP, 1, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias);
+    else panel_avx512<MT, NTP, 1, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias);
+  } else {
+    if (fast) panel_avx512<MT, NTP, 2, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias);
+    else panel_avx512<MT, NTP, 2, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias);
+  }
+}
+#endif
+
+}  // namespace gemm_detail
+}  // namespace mxplus_cpu
