@@ -4,13 +4,12 @@ bound of docs/numerics.md, "Kernel numerics and error bounds".
 
 The bound (mx_gemm's docstring): the kernel's products of dequantized operands are exact
 (E2M1 value x power of two, MX+ block max 4..7.5 x power of two, E2M1 x E4M3: at most 6
-significant bits), its fp32 accumulation adds one rounding per 64-element K step plus one
-per dot inside a step, MBS one exact-factor IEEE division per macro block and step, NVFP4
-two products by the global scales (and the spec's own rounding of x_hat = (v*s)*g, 2 per
-term). With K <= 256 that is < 16 roundings of at most 2^-24 S each, so
-|y - y64| <= 2^-16 S (+ the fp32 output's 2^-24 |y64|) holds with a wide margin, while one
-wrong code, scale, MBS byte or block-max index moves an output by at least 2^-6 of its
-term (the negative controls below).
+significant bits), so its error is the fp32 summation of K terms in any order, (K - 1) u S
+with u = 2^-24, plus a few relative roundings per term (MBS: the sigma = fp32(1/F) scaling,
+NVFP4: the products by the global scales, the spec's own rounding of x_hat, bias): at most
+(K + 8) u S <= 2^-16 S for K <= 248 (these tests: K <= 200), plus the output dtype's
+rounding (fp32: 2^-24 |y64|). One wrong code, scale, MBS byte or block-max index moves an
+output by far more (the negative controls below).
 """
 
 from __future__ import annotations

@@ -34,6 +34,10 @@ from vllm_mxplus.backends.triton.mx_gemm import (
     operand_format,
 )
 
+# MBS row tiles of 32 pairs: the gathered rows' offsets and the sigma scaling live beside the
+# accumulator; 4 warps spilled on sm_80 / sm_100 (kernels/README.md), 8 do not
+MOE_NUM_WARPS_MBS = 8
+
 
 @dataclass
 class PackedExpertWeights:
@@ -123,6 +127,8 @@ def moe_gemm(
         return out.to(out_dtype)
     has_mbs = fmt == "e8m0" and (x[2] is not None or w.extra is not None)
     bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size)
+    if has_mbs and block_m > DECODE_BLOCK_M:
+        warps = MOE_NUM_WARPS_MBS
     tiles = (block_m, bn, bk, warps)
     launch_mx_gemm(
         x,

@@ -1,10 +1,10 @@
 """Triton FP4 GEMM for every weight format, tiled for any M: y = x_hat @ W_hat^T (+ bias).
 
 One kernel, `_mx_gemm_kernel`, serves
-- linears at M > 16 (prefill: BLOCK_M x BLOCK_N = 64 x 64 output tiles), every format:
-  E8M0 at block 16 / 32 with MBS bytes on either operand at any power-of-two macro block
-  16..2048, NVFP4 (E4M3 block scales, fp32 global scale per activation row and per weight
-  row) and MX+ (E8M0 block 32 plus each block's block-max index);
+- linears at M > 16 (prefill: 32 x 64 output tiles, 64 of K per step), every format: E8M0
+  at block 16 / 32 with MBS bytes on either operand at any power-of-two macro block
+  16..2048, NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per
+  weight row) and MX+ (E8M0 block 32 plus each block's block-max index);
 - linears at M <= 16 for NVFP4 and MX+ (the decode tile of `decode_gemm`, 16 x 32, with
   split-K), whose formats the E8M0 decode kernel does not read;
 - MoE experts (`MOE`): rows are gathered through a list of (token, slot) pairs sorted into
@@ -15,22 +15,25 @@ Both operands arrive packed (codes, scales, extra bytes), as the fused activatio
 write them, so nothing is ever stored dequantized: each K step dequantizes the tile's codes
 in registers into values that are exact in bf16, and tl.dot forms exact products accumulated
 in fp32 (docs/numerics.md, "Kernel numerics and error bounds"):
-- E8M0: value(code) * 2^e, two significant bits. MBS: the partial dot of each macro block is
-  divided once by the exact Fx * Fw (`div_rn`), as in `decode_gemm` (macro blocks narrower
-  than the 64-element K step: one dot per macro block on x with the others' columns zeroed).
+- E8M0: value(code) * 2^e, two significant bits. MBS: each macro block's partial dot is
+  scaled by sigma_x * sigma_w with sigma = fp32(1 / F) (an IEEE reciprocal, `div_rn`), the
+  paper's per-chunk scaling (section 4.3.2) as the CUTLASS GEMMs apply it; macro blocks
+  narrower than the K step (16 with the prefill tile's 32-element step; 16 / 32 with the
+  decode tile's 64) get one dot each, on x with the other macro blocks' columns zeroed.
 - MX+: the element at the block-max index decodes to +-(4 + j/2) (4, 4.5, ..., 7.5: four
   significant bits) times 2^e; every other element is plain E2M1.
-- NVFP4: value(code) * s with s the E4M3 scale (at most 2 + 4 significant bits: exact);
-  the fp32 global scales are factored out of the sum, y = (acc * g_x[m]) * g_w[n]. The spec's
-  x_hat = fp32((v*s)*g) rounds once per operand, so this differs from sum(x_hat * w_hat) by
-  at most 2u per term plus the 2 roundings of the two final products.
-Error against the float64 product y64 of the spec's x_hat and W_hat, with S = |x_hat||W_hat|^T:
-|y - y64| <= 2^-16 * S (K <= 4096: about K/64 + 64/MACRO + 8 fp32 roundings per output, each
-at most 2^-24 S; NVFP4 adds 4 more), plus the rounding of a bf16 / fp16 output, plus, for
-NVFP4, terms below fp32's normal range (|g_x * g_w * p| < 2^-126). The tests hold every
-format to this bound.
+- NVFP4: value(code) * s with s the E4M3 scale (at most 2 + 4 significant bits: exact); the
+  fp32 global scales are factored out of the sum, y = (acc * g_x[m]) * g_w[n].
+Error against the float64 product y64 of the spec's x_hat and W_hat, S = |x_hat| |W_hat|^T:
+every product is exact, so the error is that of summing K terms in fp32 in some order
+((K - 1) u S, u = 2^-24) plus a few relative roundings per term: MBS 4 (two sigma roundings,
+two products) against the spec's 2 (x_hat = fp32(v X / F) per operand); NVFP4 2 (the two
+products by g) against the spec's 2 (x_hat = fp32((v s) g)); bias and output 2. So
+|y - y64| <= (K + 8) u S + the output dtype's rounding, <= 2^-16 S for K <= 248 (the tests'
+shapes); for large K the bound grows as K u S (fp32 accumulation of any kernel). NVFP4 also
+rounds terms below fp32's normal range (|g_x g_w p| < 2^-126) to zero or subnormals.
 
-Offsets: the rows of a tile are gathered through int64 row offsets (row * stride), so no
+Offsets: the rows of a tile are addressed through int64 row offsets (row * stride), so no
 row * stride product wraps when M*K/2 or N*K/2 bytes exceed 2^31 (MoE row ids are pair ids,
 arbitrary); column offsets inside a row are 32-bit.
 """
