@@ -324,3 +324,45 @@ def test_guard_passes_good_code_and_counts_ops():
 def test_non_strict_guard_records_violations():
     _, guard = guarded(_table_decode, cuda_empty((4,), torch.uint8), strict=False)
     assert guard.violations and any("cpu" in v.lower() for v in guard.violations)
+
+
+# ----------------------------------------------------------------------------- real CUDA
+@pytest.fixture
+def _real_tensors():
+    """The GPU tests below need real tensors: leave the module's fake CUDA mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, FakeTensorMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_check_on_the_device(_real_tensors, cuda_device):
+    """graph_guard.cuda_graph_replay_mismatch passes a capturable fn and reports one that
+    syncs (the capture raises) or one whose replay differs from eager."""
+    from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
+
+    x = torch.randn(24, 64, device=cuda_device)
+    fresh = torch.randn(24, 64, device=cuda_device)
+    assert cuda_graph_replay_mismatch(lambda t: t * 2 + 1, x.clone(), fresh) is None
+    assert "raised" in cuda_graph_replay_mismatch(lambda t: t * t.sum().item(), x.clone(), fresh)
+    state = {"calls": 0}
+
+    def drifts(t):  # a host-side value baked into the graph at capture time
+        state["calls"] += 1
+        return t * float(state["calls"])
+
+    assert "differs" in cuda_graph_replay_mismatch(drifts, x.clone(), fresh)
+
+
+def test_cuda_graph_replay_check_off_cuda(_real_tensors):
+    from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
+
+    assert (
+        cuda_graph_replay_mismatch(lambda t: t.sum().item(), torch.ones(3), torch.ones(3)) is None
+    )

@@ -246,3 +246,35 @@ def guarded(
 def cuda_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A fake CUDA tensor of shape / dtype (call inside `fake_cuda()`)."""
     return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def cuda_graph_replay_mismatch(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, fresh: torch.Tensor
+) -> str | None:
+    """On a real CUDA device: fn(x) captured in a CUDA graph (after an eager warm-up on a
+    side stream, as vLLM does), x refilled with `fresh`, the graph replayed; None when the
+    replayed output equals eager fn(fresh) bit for bit, else what differed (a capture that
+    raises is reported too). Not CUDA: None (nothing to capture; the fake-CUDA guard above
+    is the CPU-side check). For the self-test of the chosen backend at an M above 16."""
+    if x.device.type != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x)
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        got, want = out.clone(), fn(fresh)
+    except Exception as e:  # a capture error is a failure of the backend on this device
+        return f"CUDA-graph capture / replay raised {type(e).__name__}: {e}"
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    if got.shape == want.shape and torch.equal(got.view(view), want.view(view)):
+        return None
+    differ = int((got.view(view) != want.view(view)).sum()) if got.shape == want.shape else -1
+    return f"CUDA-graph replay differs from eager ({differ} elements, shape {tuple(got.shape)})"

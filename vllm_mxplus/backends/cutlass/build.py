@@ -133,16 +133,28 @@ def default_build_dir(archs: list[str]) -> Path:
 
 def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = False) -> Path:
     """Compile the kernels for `archs` (stubs for the others) and link the extension; returns
-    the .so path. Raises BuildError naming the step that failed."""
+    the .so path. With the default (keyed) directory an extension already built there is
+    reused: the key covers the sources, torch / CUDA and the archs. Raises BuildError naming
+    the step that failed."""
     missing = [str(p) for p in source_files() if not p.is_file()]
     if missing:
         raise BuildError(f"CUTLASS sources missing from the installed package: {missing}")
+    keyed = out is None  # the default directory is keyed by sources, torch and archs
     out = out or default_build_dir(archs)
     out.mkdir(parents=True, exist_ok=True)
+    cached = sorted(out.glob("mxplus_cutlass*.so"))
+    if keyed and cached:  # same sources, torch and archs: built before on this machine
+        print(f"[build] cached: {cached[0]} (archs {archs}; key {out.name})")
+        return cached[0]
+    real = [a for a in SOURCES if a in archs]
+    # nvcc's optimizer threads per kernel file: the cores left over by the parallel files
+    split = max(1, jobs // max(1, len(real)))
     procs = []
     for arch, name in SOURCES.items():
         obj = out / (Path(name).stem + ".o")
-        cmd = nvcc_command(SOURCE_DIR / name, obj, arch if arch in archs else None)
+        built = arch in archs
+        extra = (f"--split-compile={split}",) if built and split > 1 else ()
+        cmd = nvcc_command(SOURCE_DIR / name, obj, arch if built else None, extra)
         if verbose:
             print(" ".join(cmd))
         procs.append((name, obj, time.time(), subprocess.Popen(cmd)))
@@ -252,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"build directory (default: ~/.cache/vllm-mxplus/cutlass/<key>, "
         f"root from {BUILD_ENV})",
     )
-    ap.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="cores to use: parallel nvcc processes, the rest as nvcc --split-compile threads",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     try:
