@@ -133,10 +133,12 @@ def analyze(iters: int) -> dict[str, Any]:
                 ),
             }
     base, target = cfg.baseline, cfg.target
+    if target in out["rows"]:
+        for row in out["rows"].values():
+            row["gap_to_target"] = row["avg"] - out["rows"][target]["avg"]
     if base in out["rows"] and target in out["rows"]:
         span = out["rows"][target]["avg"] - out["rows"][base]["avg"]
         for row in out["rows"].values():
-            row["gap_to_target"] = row["avg"] - out["rows"][target]["avg"]
             row["gap_closed"] = (row["avg"] - out["rows"][base]["avg"]) / span if span else None
     files = [f for r in out["rows"].values() for f in r["files"]]
     out["cpu"] = _cpu_models([str(REPO / f) for f in files])
