@@ -634,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_bound": args.rss_growth_mib,
         "abort_timeout": args.abort_timeout,
     }
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the server (its own session)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t_start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
