@@ -20,7 +20,6 @@ from vllm_mxplus.calibration.group_params import GroupParams, padded_k, quantize
 from vllm_mxplus.checkpoint import load
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.formats import get_scheme, quantize
-from vllm_mxplus.formats.constants import MACRO_BLOCK
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 
 SCHEMES = ["mxfp4-mbs-h", "nvfp4", "mxplus"]
@@ -29,7 +28,7 @@ SCHEMES = ["mxfp4-mbs-h", "nvfp4", "mxplus"]
 def _requantized_codes(q, k: int) -> torch.Tensor:  # noqa: ANN001
     """The codes of q's dequantized values re-quantized with q's own parameters (its block
     scales, MBS bytes per q.macro_block, block-max indices, global scale)."""
-    kp = padded_k(q.fmt, k, q.macro_block, macro_block=MACRO_BLOCK)
+    kp = padded_k(q.fmt, k, q.macro_block)
     nb = kp // q.spec.block_size
 
     def pad(t, n, value=0):  # noqa: ANN001, ANN202

@@ -289,7 +289,7 @@ def test_macro_block_output_is_exact_encoding(fmt: str, method: str, macro: int)
         q = rtn_aware(w, torch.diagonal(h) / len(x), fmt, macro_block=macro)
     assert q.macro_block == macro
     w_hat = q.dequantize()
-    kp = padded_k(fmt, k, macro, macro_block=MACRO_BLOCK)
+    kp = padded_k(fmt, k, macro)
     codes, again = quantize_columns(fmt, F.pad(w_hat, (0, kp - k)), _own_params(q, kp), 0)
     assert torch.equal(unpack_fp4(q.codes, k), codes[:, :k]), f"{fmt}: codes changed"
     assert torch.equal(again[:, :k], w_hat), f"{fmt}: values changed"

@@ -10,6 +10,10 @@ say which backend each scheme gets on this machine; or compile the GPU kernels a
     mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
     mxplus kernels --aot --macro-block 16,32,64     # the MBS configurations of these macro
                                                     # blocks only, one line per compile
+    mxplus kernels --plan --device cuda --capability 90 --cutlass absent [--json]
+                              # no GPU needed: which backend serves which M, per scheme, for
+                              # linears and MoE experts (the selector's choice, minus the
+                              # first-use self-test on the hardware)
 """
 
 from __future__ import annotations
@@ -31,6 +35,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--check",
         action="store_true",
         help="run a bit-exactness self-test of the kernels against vllm_mxplus.formats",
+    )
+    g = p.add_argument_group("plan: which backend will serve which M (no GPU needed)")
+    g.add_argument("--plan", action="store_true", help="print the backend plan and exit")
+    g.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="platform (default: cuda)"
+    )
+    g.add_argument(
+        "--capability",
+        type=int,
+        default=90,
+        metavar="CC",
+        help="compute capability as 10*major+minor: 80, 90, 100 (default: 90)",
+    )
+    g.add_argument(
+        "--cutlass",
+        choices=("built", "absent"),
+        default="absent",
+        help="whether the CUTLASS extension will be built on that machine (default: absent)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="the model dtype (default: bfloat16)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON: a list of {scheme, layer, m_min, m_max, backend} (m_max null: no bound)",
     )
     g = p.add_argument_group("ahead-of-time GPU compilation (no GPU needed)")
     g.add_argument(
@@ -142,9 +175,22 @@ def _run_aot(args: argparse.Namespace) -> int:
         return 2
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from vllm_mxplus.kernel_tools import plan
+
+    cap = args.capability if args.device == "cuda" else None
+    rows = plan.plan(args.device, cap, args.cutlass == "built", getattr(torch, args.dtype))
+    print(plan.render(rows, args.json))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "aot", False):
         return _run_aot(args)
+    if getattr(args, "plan", False):
+        return _run_plan(args)
     import torch
 
     from vllm_mxplus.backends.base import LinearSpec

@@ -1,0 +1,56 @@
+"""`mxplus kernels --plan`: the selector's choice per scheme and layer kind on a GPU this
+machine does not have; on sm_90 and sm_100 no scheme falls to the reference (fp32 copies)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_mxplus.cli import main
+from vllm_mxplus.formats import SCHEMES
+from vllm_mxplus.kernel_tools.plan import plan
+
+
+def _check_cover(rows) -> None:
+    """Per (scheme, layer): contiguous ranges from M = 1 with no upper end."""
+    for scheme in SCHEMES:
+        for layer in ("linear", "experts"):
+            mine = sorted(
+                (r for r in rows if r.scheme == scheme and r.layer == layer), key=lambda r: r.m_min
+            )
+            assert mine, (scheme, layer)
+            assert mine[0].m_min == 1 and mine[-1].m_max is None, (scheme, layer, mine)
+            for a, b in zip(mine, mine[1:]):
+                assert a.m_max is not None and b.m_min == a.m_max + 1, (scheme, layer, mine)
+
+
+@pytest.mark.parametrize("cc", [90, 100])
+@pytest.mark.parametrize("cutlass", [True, False], ids=["cutlass-built", "cutlass-absent"])
+def test_no_reference_on_hopper_or_blackwell(cc, cutlass):
+    rows = plan("cuda", cc, cutlass, torch.bfloat16)
+    _check_cover(rows)
+    assert not [r for r in rows if r.backend == "reference"], rows
+    prefill = {r.scheme: r.backend for r in rows if r.layer == "linear" and r.m_max is None}
+    assert (prefill["mxfp4-mbs"] == "cutlass_prefill") is cutlass  # CUTLASS first where built
+    assert prefill["nvfp4"] != "cutlass_prefill"  # its kernels take E8M0 at block 16 only
+
+
+def test_cutlass_is_not_planned_on_ampere():
+    rows = plan("cuda", 80, True, torch.bfloat16)
+    _check_cover(rows)
+    assert "cutlass_prefill" not in {r.backend for r in rows}
+
+
+def test_cpu_plan_is_the_packed_kernels():
+    rows = plan("cpu", None, False, torch.bfloat16)
+    _check_cover(rows)
+    assert {r.backend for r in rows} <= {"cpu-packed", "reference"}
+
+
+def test_cli_json_shape(capsys):
+    assert main(["kernels", "--plan", "--capability", "100", "--cutlass", "built", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out and all(set(o) == {"scheme", "layer", "m_min", "m_max", "backend"} for o in out)
+    assert {o["layer"] for o in out} == {"linear", "experts"}
