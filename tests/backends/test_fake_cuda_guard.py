@@ -50,8 +50,10 @@ def _packed_layer(scheme: str, n: int = N, k: int = K, macro_block: int = 128):
 
 
 def _spec(scheme: str, dtype=torch.bfloat16, macro_block: int = 128) -> LinearSpec:
+    from vllm_mxplus.formats import get_scheme
+
     return LinearSpec(
-        scheme=scheme, n=N, k=K, out_dtype=dtype, device_type="cuda", macro_block=macro_block
+        scheme=get_scheme(scheme, macro_block), n=N, k=K, out_dtype=dtype, device_type="cuda"
     )
 
 
@@ -71,7 +73,8 @@ def test_triton_backends(scheme, m):
     x = cuda_empty((m, K), torch.bfloat16)
     y, guard = guarded(cls(_spec(scheme)).apply, _packed_layer(scheme), x, cuda_empty((N,)))
     _assert_cuda_out(y, m)
-    assert guard.count("vllm_mxplus.triton_decode_gemm") == 1
+    gemms = [op for op in guard.ops if op.startswith("vllm_mxplus.triton_") and "gemm" in op]
+    assert len(gemms) == 1, guard.ops  # one Triton GEMM op (decode_gemm or mx_gemm)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4"])
@@ -218,6 +221,43 @@ def test_cutlass_sm100_prefill(monkeypatch, use_mbs, m):
     )
     _assert_cuda_out(y, m, torch.float32)
     assert guard.count("vllm_mxplus.cutlass_fp4_mbs_gemm") == 1
+
+
+# ----------------------------------------------------------------------------- MoE
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_experts(scheme, m):
+    """TritonExperts.apply (routing alignment on the device, two grouped GEMMs) at top-2
+    over 8 experts: weights prepared from fake quantized tensors, then the guarded call."""
+    from vllm_mxplus.backends.base import ExpertSpec, ExpertWeights
+    from vllm_mxplus.backends.triton.experts import TritonExperts
+    from vllm_mxplus.formats import QuantizedTensor, get_format
+
+    e, inter, hidden = 8, 256, K
+    spec = ExpertSpec(scheme=scheme, device_type="cuda")
+    mb = spec.macro_block
+
+    def qt(rows: int, k: int) -> QuantizedTensor:
+        f = get_format(spec.weight_format)
+        return QuantizedTensor(
+            codes=cuda_empty((rows, k // 2), torch.uint8),
+            scales=cuda_empty((rows, -(-k // f.block_size)), torch.uint8),
+            fmt=spec.weight_format,
+            shape=torch.Size((rows, k)),
+            mbs=cuda_empty((rows, -(-k // mb)), torch.uint8) if f.mbs else None,
+            macro_block=mb,
+        )
+
+    shapes = {"w13": (e * 2 * inter, hidden), "w2": (e * hidden, inter)}
+    weights = ExpertWeights(quantized=lambda stem: (qt(*shapes[stem]), e), dequantized=None)
+    layer = types.SimpleNamespace()
+    backend = TritonExperts(spec)
+    backend.process_weights_after_loading(layer, weights)
+    x = cuda_empty((m, hidden), torch.bfloat16)
+    ids = cuda_empty((m, 2), torch.int32)
+    y, guard = guarded(backend.apply, layer, x, cuda_empty((m, 2)), ids, torch.nn.functional.silu)
+    assert tuple(y.shape) == (m, hidden) and y.device.type == "cuda"
+    assert guard.count("vllm_mxplus.triton_moe_gemm") == 2
 
 
 # ----------------------------------------------------------------------------- reference

@@ -138,7 +138,8 @@ def _basic_index(t: torch.Tensor, index: Any) -> tuple[torch.Tensor, list]:
     ops; returns (the view, per-dim tensor indices or None for the advanced part)."""
     idx = index if isinstance(index, tuple) else (index,)
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
-    out, dim, adv = t, 0, []
+    out, dim = t, 0
+    adv: list[torch.Tensor | None] = []
     for i in idx:
         if i is Ellipsis:
             skip = t.dim() - n_real

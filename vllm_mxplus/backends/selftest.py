@@ -175,6 +175,15 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
         failure = check_output(y, xm, w_hat, bias, small, cls.accumulator_bits)
         if failure:
             return f"M={m}, {where}: {failure}"
+    if device.type == "cuda":  # vLLM runs every linear inside CUDA graphs: capture + replay
+        from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
+
+        mg = max(ms)  # 33 for a prefill backend (above 16), the largest M it serves otherwise
+        failure = cuda_graph_replay_mismatch(
+            lambda t: backend.apply(layer, t, bias), x[:mg].clone(), x[:mg].flip(0).contiguous()
+        )
+        if failure:
+            return f"M={mg}, {where}: {failure}"
     return None
 
 

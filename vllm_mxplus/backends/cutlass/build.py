@@ -216,6 +216,8 @@ def load_extension() -> ModuleType | None:
         try:
             loader = importlib.machinery.ExtensionFileLoader("mxplus_cutlass", str(path))
             spec = importlib.util.spec_from_loader("mxplus_cutlass", loader)
+            if spec is None:
+                raise ImportError(f"no module spec for {path}")
             mod = importlib.util.module_from_spec(spec)
             loader.exec_module(mod)
             _EXT = mod

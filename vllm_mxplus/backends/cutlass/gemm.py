@@ -168,8 +168,8 @@ def _sm90_gemm(
         v = torch.where(valid[:, None], v, v[:1])
         v = torch.where(valid[:1, None], v.to(y.dtype), y[idx])  # none found: a no-op write
         y.index_put_((idx,), v)
-    if w.fallback_idx is not None and w.fallback_idx.numel():  # static (load time): no sync
-        cols = F.linear(x_hat_all(), w.fallback_w)
+    if w.fallback_idx is not None and w.fallback_w is not None and w.fallback_idx.numel():
+        cols = F.linear(x_hat_all(), w.fallback_w)  # static (known at load): no sync
         if b32 is not None:
             cols = cols + b32[w.fallback_idx]
         y[:, w.fallback_idx] = cols.to(y.dtype)

@@ -61,11 +61,10 @@ class CutlassPrefillBackend(LinearBackend):
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
         act_mbs = bool(get_format(spec.activation_format).mbs)
-        setattr(
-            layer,
-            self.WEIGHT_ATTR,
-            prepare_weight(qweight, arch_of(qweight.codes.device), activation_mbs=act_mbs),
-        )
+        arch = arch_of(qweight.codes.device)
+        if arch is None:
+            raise RuntimeError(f"CUTLASS prefill: no kernel for {qweight.codes.device}")
+        setattr(layer, self.WEIGHT_ATTR, prepare_weight(qweight, arch, activation_mbs=act_mbs))
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None

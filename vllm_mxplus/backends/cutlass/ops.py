@@ -14,6 +14,8 @@ Bias is taken in fp32, so an fp16 or fp32 bias is never rounded to bf16.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from vllm_mxplus.backends.cutlass.build import load_extension
@@ -22,6 +24,16 @@ from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.formats.mx import mbs_factor
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _ext() -> ModuleType:
+    """The loaded extension; an error naming why when it is not built or does not load."""
+    ext = load_extension()
+    if ext is None:
+        from vllm_mxplus.backends.cutlass import build
+
+        raise RuntimeError(f"CUTLASS extension unavailable: {build._EXT_ERROR}")
+    return ext
 
 
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
@@ -50,7 +62,7 @@ def fp8_chunk_gemm(
     _check_out_dtype(out_dtype)
     kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     out = a_fp8.new_empty((a_fp8.shape[0], b_fp8.shape[0]), dtype=kernel_dtype)
-    load_extension().sm90_fp8_chunk_gemm(a_fp8, a_scale, b_fp8, b_scale, bias, out)
+    _ext().sm90_fp8_chunk_gemm(a_fp8, a_scale, b_fp8, b_scale, bias, out)
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
 
 
@@ -76,9 +88,7 @@ def fp4_mbs_gemm(
     use_mbs, else the whole K: one launch); sigma_* fp32 [K/128, ceil4(rows)] from
     sigma_chunks (read only when use_mbs); bias fp32 [N] or None."""
     _check_out_dtype(out_dtype)
-    acc = load_extension().sm100_fp4_mbs_gemm(
-        a_codes, a_sf, b_codes, b_sf, sigma_a, sigma_b, use_mbs
-    )
+    acc = _ext().sm100_fp4_mbs_gemm(a_codes, a_sf, b_codes, b_sf, sigma_a, sigma_b, use_mbs)
     if bias is not None:
         acc = acc + bias
     return acc.to(out_dtype)
@@ -105,4 +115,4 @@ def sigma_chunks(
 def pack_scales_sm100(scales: torch.Tensor, k: int, chunk_k: int = CHUNK) -> torch.Tensor:
     """Row-major E8M0 [R, K/16] -> CUTLASS's interleaved SF layout, chunk by chunk (CUDA);
     chunk_k = K packs the whole K as one chunk (the no-MBS single launch)."""
-    return load_extension().sm100_pack_scales(pad_last(scales, k // BLOCK).contiguous(), k, chunk_k)
+    return _ext().sm100_pack_scales(pad_last(scales, k // BLOCK).contiguous(), k, chunk_k)
