@@ -37,6 +37,7 @@ SHAPES = {
     # Llama-3.1-8B: qkv, o, gate_up, down
     "llama8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
 }
+SHAPE_NAMES = ("qkv", "o", "gate_up", "down")  # the order of each model's SHAPES
 
 
 _FLUSH: list[torch.Tensor] = []
@@ -126,6 +127,11 @@ def main() -> int:
     ap.add_argument("--scheme", default="mxfp4-mbs")
     ap.add_argument("--model", default="smollm2", choices=[*SHAPES, "all"])
     ap.add_argument("--m", default="1,4,16,64,256,1024", help="comma-separated row counts")
+    ap.add_argument(
+        "--shapes",
+        default=",".join(SHAPE_NAMES),
+        help=f"comma-separated subset of {','.join(SHAPE_NAMES)} (default: all)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--min-iters", type=int, default=5, help="timed calls per backend, at least")
     ap.add_argument(
@@ -195,7 +201,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     tot = {"bf16": 0.0, "fp32": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0}
     for model in models:
-        for n, k in SHAPES[model]:
+        for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
+            if name not in args.shapes.split(","):
+                continue
             w = torch.randn(n, k, generator=g) * 0.02
             spec = _linear_spec(LinearSpec, args.scheme, n, k, args.macro_block)
             q = quantize(w, spec.weight_format, macro_block=args.macro_block)
@@ -257,6 +265,7 @@ def main() -> int:
                 ("scheme", args.scheme),
                 ("model", args.model),
                 ("m", args.m),
+                ("shapes", args.shapes),
                 ("min-iters", args.min_iters),
                 ("min-time", args.min_time),
                 ("macro-block", args.macro_block),

