@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -112,7 +112,10 @@ class ExpertWeights:
 Activation = Callable[[Tensor], Tensor]  # the layer's gated activation, [M, 2I] -> [M, I]
 
 
-class Backend(ABC):
+S = TypeVar("S", bound=Spec)
+
+
+class Backend(ABC, Generic[S]):
     """One way to run one kind of quantized layer, made for one layer: the backend owns the
     layer's spec (`self.spec`, given once by the selector) and keeps the runtime tensors it
     prepares on the layer, so `apply` takes only what changes per call."""
@@ -144,7 +147,7 @@ class Backend(ABC):
         (e.g. 90 for sm_90); otherwise (False, the reason)."""
 
     @classmethod
-    def can_implement(cls, spec: Spec) -> tuple[bool, str]:
+    def can_implement(cls, spec: S) -> tuple[bool, str]:
         """(True, "") when the backend handles this layer's scheme and shape."""
         return True, ""
 
@@ -161,21 +164,16 @@ class Backend(ABC):
         """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
         return cls.min_m <= m and (cls.max_m is None or m <= cls.max_m)
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: S) -> None:
         if spec.kind != self.kind:
             raise TypeError(f"{self.name} is a {self.kind} backend, given a {spec.kind} spec")
         self.spec = spec
 
 
-class LinearBackend(Backend):
+class LinearBackend(Backend[LinearSpec]):
     """A backend for one quantized linear (`LinearSpec`)."""
 
     kind: ClassVar[LayerKind] = "linear"
-    spec: LinearSpec
-
-    @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:  # type: ignore[override]
-        return True, ""
 
     def selftest_activation(self, x: Tensor) -> QuantizedTensor | Tensor | None:
         """The backend's own activation quantization of rows x, for the self-test to compare
@@ -198,15 +196,10 @@ class LinearBackend(Backend):
         instead of x's own (row-parallel TP shards pass the whole row's)."""
 
 
-class ExpertBackend(Backend):
+class ExpertBackend(Backend[ExpertSpec]):
     """A backend for one MoE layer's routed experts (`ExpertSpec`)."""
 
     kind: ClassVar[LayerKind] = "experts"
-    spec: ExpertSpec
-
-    @classmethod
-    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:  # type: ignore[override]
-        return True, ""
 
     @abstractmethod
     def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:

@@ -32,7 +32,7 @@ class CpuPackedExperts(ExpertBackend):
         return cpu_kernels.load()
 
     @classmethod
-    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:  # type: ignore[override]
+    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
         return cpu_kernels_take(spec.weight_format, spec.activation_format)
 
     def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:

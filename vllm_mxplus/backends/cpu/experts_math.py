@@ -52,8 +52,11 @@ class PackedExperts:
         n = q.shape[0] // experts
         k = q.shape[-1]
 
-        def rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
-            return None if t is None else t[e * n : (e + 1) * n]
+        def rows(t: torch.Tensor, e: int) -> torch.Tensor:
+            return t[e * n : (e + 1) * n]
+
+        def opt_rows(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+            return None if t is None else rows(t, e)
 
         def expert(e: int) -> QuantizedTensor:
             """Expert e's rows as one weight [N, K] (NVFP4: the global scale for all rows,
@@ -65,7 +68,7 @@ class PackedExperts:
                 fmt=q.fmt,
                 shape=torch.Size((n, k)),
                 global_scale=g if g is None or g.numel() == 1 else rows(g.reshape(-1, 1), e),
-                block_max_index=rows(q.block_max_index, e),
+                block_max_index=opt_rows(q.block_max_index, e),
             )
 
         if q.fmt in ("nvfp4", "mxplus"):
@@ -75,7 +78,7 @@ class PackedExperts:
         else:
             packed = [
                 pack_weight(
-                    rows(q.codes, e), rows(q.scales, e), rows(q.mbs, e), k, q.fmt, macro_block
+                    rows(q.codes, e), rows(q.scales, e), opt_rows(q.mbs, e), k, q.fmt, macro_block
                 )
                 for e in range(experts)
             ]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.backends.cpu.kernels import TILE_N
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
 
 
-def register_fakes() -> None:
-    """Shape-only implementations so torch.compile / FakeTensor tracing can use the ops."""
+def register_fakes(tile_n: int) -> None:
+    """Shape-only implementations so torch.compile / FakeTensor tracing can use the ops;
+    tile_n: weight rows per packed tile (`kernels.tile_n`)."""
 
     @torch.library.register_fake(op_name("cpu_act_fake_quant"))
     def _(x, block, rule, mbs, macro):
@@ -34,11 +34,11 @@ def register_fakes() -> None:
 
     @torch.library.register_fake(op_name("cpu_pack_weight"))
     def _(codes, scales, mbs, k, block, macro):
-        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, block)
+        nt, nb = ceil_div(codes.shape[0], tile_n), ceil_div(k, block)
         return (
-            codes.new_empty((nt, nb * block // 2 * TILE_N)),
-            codes.new_empty((nt, nb * TILE_N)),
-            codes.new_empty((nt, ceil_div(k, macro) * TILE_N) if mbs.numel() else (0, 0)),
+            codes.new_empty((nt, nb * block // 2 * tile_n)),
+            codes.new_empty((nt, nb * tile_n)),
+            codes.new_empty((nt, ceil_div(k, macro) * tile_n) if mbs.numel() else (0, 0)),
         )
 
     @torch.library.register_fake(op_name("cpu_nvfp4_act_quant"))
@@ -75,11 +75,11 @@ def register_fakes() -> None:
 
     @torch.library.register_fake(op_name("cpu_mxplus_pack_weight"))
     def _(codes, scales, bm_index, k):
-        nt, nb = ceil_div(codes.shape[0], TILE_N), ceil_div(k, MX_BLOCK)
+        nt, nb = ceil_div(codes.shape[0], tile_n), ceil_div(k, MX_BLOCK)
         return (
-            codes.new_empty((nt, nb * MX_BLOCK // 2 * TILE_N)),
-            codes.new_empty((nt, nb * TILE_N)),
-            codes.new_empty((nt, nb * 2 * TILE_N)),
+            codes.new_empty((nt, nb * MX_BLOCK // 2 * tile_n)),
+            codes.new_empty((nt, nb * tile_n)),
+            codes.new_empty((nt, nb * 2 * tile_n)),
         )
 
     @torch.library.register_fake(op_name("cpu_mxplus_linear"))
