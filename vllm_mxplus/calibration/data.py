@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_mxplus.assets import AssetError, prepare_wikipedia_text, read_articles
 from vllm_mxplus.errors import UsageError
 
 HELD_OUT_FROM = 50  # first Wikipedia article calibration may use (evaluation uses 0..19)
@@ -27,7 +28,6 @@ SEED = 0
 
 def default_calibration_text() -> str:
     """The held-out part of the embedded Wikipedia text (articles >= HELD_OUT_FROM)."""
-    from vllm_mxplus.assets import AssetError, prepare_wikipedia_text, read_articles
 
     try:
         articles = read_articles(prepare_wikipedia_text())

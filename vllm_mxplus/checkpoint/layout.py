@@ -25,6 +25,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from vllm_mxplus import __version__
 from vllm_mxplus.formats import MACRO_BLOCK, check_macro_block, get_format, get_scheme
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
@@ -93,8 +94,6 @@ def package_version() -> str:
     try:
         return importlib.metadata.version("vllm-mxplus")
     except importlib.metadata.PackageNotFoundError:
-        from vllm_mxplus import __version__
-
         return __version__
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 
+from vllm_mxplus.formats import SCHEMES
+from vllm_mxplus.integration.config import CONFIG_CLASSES
+
 _REGISTERED = False
 
 
@@ -33,13 +36,10 @@ def _route_logs_to_vllm() -> None:
 def register_all() -> list[str]:
     """Register one QuantizationConfig per scheme; returns the registered names."""
     global _REGISTERED
-    from vllm_mxplus.formats import SCHEMES
 
     if _REGISTERED:
         return list(SCHEMES)
     from vllm.model_executor.layers.quantization import register_quantization_config
-
-    from vllm_mxplus.integration.config import CONFIG_CLASSES
 
     for name, cls in CONFIG_CLASSES.items():
         register_quantization_config(name)(cls)

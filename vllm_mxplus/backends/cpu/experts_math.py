@@ -20,6 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus.backends.cpu.kernels import (
+    linear_args,
+    linear_packed,
+    mxplus_linear_packed,
+    nvfp4_linear_packed,
+    pack_mxplus,
+    pack_nvfp4,
+    pack_weight,
+)
 from vllm_mxplus.backends.reference.experts import route
 from vllm_mxplus.formats import QuantizedTensor
 
@@ -42,12 +51,6 @@ class PackedExperts:
         cls, q: QuantizedTensor, experts: int, activation_format: str, macro_block: int
     ) -> PackedExperts:
         """From a QuantizedTensor of all experts' rows [E*N, K]."""
-        from vllm_mxplus.backends.cpu.kernels import (
-            linear_args,
-            pack_mxplus,
-            pack_nvfp4,
-            pack_weight,
-        )
 
         n = q.shape[0] // experts
         k = q.shape[-1]
@@ -95,11 +98,6 @@ class PackedExperts:
     ) -> torch.Tensor:
         """Expert e's GEMM on x's rows. act_global_scale: NVFP4 only, per-row global scales
         [R, 1] to quantize x with instead of its rows' own."""
-        from vllm_mxplus.backends.cpu.kernels import (
-            linear_packed,
-            mxplus_linear_packed,
-            nvfp4_linear_packed,
-        )
 
         if self.args[0] == "nvfp4":
             _, n, k = self.args

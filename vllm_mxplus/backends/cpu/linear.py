@@ -26,6 +26,16 @@ from vllm_mxplus.backends.base import (
     check_e8m0_pair,
     set_packed_buffers,
 )
+from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+from vllm_mxplus.backends.cpu.kernels import (
+    linear_args,
+    linear_packed,
+    mxplus_linear_packed,
+    nvfp4_linear_packed,
+    pack_mxplus,
+    pack_nvfp4,
+    pack_weight,
+)
 from vllm_mxplus.formats import QuantizedTensor
 
 # codes, scales, and the MBS bytes (E8M0 formats), the fp32 global scales (NVFP4) or the
@@ -52,7 +62,6 @@ class CpuPackedBackend(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cpu":
             return False, f"the C++ kernels run on the CPU, not {platform}"
-        from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 
         return cpu_kernels.load()
 
@@ -61,12 +70,6 @@ class CpuPackedBackend(LinearBackend):
         return cpu_kernels_take(spec.weight_format, spec.activation_format)
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
-        from vllm_mxplus.backends.cpu.kernels import (
-            linear_args,
-            pack_mxplus,
-            pack_nvfp4,
-            pack_weight,
-        )
 
         spec = self.spec
         if qweight.codes.dim() != 2:
@@ -98,11 +101,6 @@ class CpuPackedBackend(LinearBackend):
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
-        from vllm_mxplus.backends.cpu.kernels import (
-            linear_packed,
-            mxplus_linear_packed,
-            nvfp4_linear_packed,
-        )
 
         out_dtype = self.spec.out_dtype
         args = self._args

@@ -50,6 +50,9 @@ from vllm_mxplus.backends.cutlass.ops import (
     sigma_chunks,
 )
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton import act_fp8 as triton_act_fp8
+from vllm_mxplus.backends.triton.act_fp8 import act_fp8_split_rows
+from vllm_mxplus.backends.triton.ops import act_quant_op
 from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 from vllm_mxplus.formats.mx import dequantize_mbs
@@ -255,7 +258,6 @@ def prefill_sm90_fused_impl(
     """From activation rows x [M, K] and their fused FP8 layout (`triton_act_fp8`): GEMM;
     inexact rows are re-quantized from x and split in one Triton kernel
     (`act_fp8_split_rows`, bit for bit `split_fp8_chunks` of `formats.quantize(x[idx])`)."""
-    from vllm_mxplus.backends.triton.act_fp8 import act_fp8_split_rows
 
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
@@ -377,14 +379,12 @@ def prefill_gemm_from_x(
     sm_90a with an activation format of the fused kernel (`triton_act_fp8.supports`): one
     Triton kernel writes the FP8 layout straight from x, then the GEMM op. Otherwise: the
     Triton act-quant, then `prefill_gemm`. Same numbers either way."""
-    from vllm_mxplus.backends.triton import act_fp8 as triton_act_fp8  # Triton: on CUDA only
 
     if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
         xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
             x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype
         )
-    from vllm_mxplus.backends.triton.ops import act_quant_op
 
     codes, scales, mbs, _ = act_quant_op(x, fmt)
     return prefill_gemm(
