@@ -51,7 +51,8 @@ def _fmt_paired(p: Paired | None, unit: str = "") -> str:
         return "—"
     star = " **real**" if p.p_adj is not None and p.p_adj < 0.05 else ""
     adj = f", Holm {p.p_adj:.3f}" if p.p_adj is not None else ""
-    return f"{p.diff:+.2f}{unit} [{p.lo:+.2f}, {p.hi:+.2f}] p={p.p:.3f}{adj}{star}"
+    pv = "p<0.001" if p.p < 0.001 else f"p={p.p:.3f}"
+    return f"{p.diff:+.2f}{unit} [{p.lo:+.2f}, {p.hi:+.2f}] {pv}{adj}{star}"
 
 
 def _cpu_models(files: list[str]) -> list[str]:
