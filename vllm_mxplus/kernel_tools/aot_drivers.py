@@ -30,7 +30,7 @@ def _drive_act_quant(quick: bool) -> None:
     ks = (4096,) if quick else (16, 48, 64, 128, 256, 576, 4096, 4104)
     for fmt in aq.SUPPORTED_FORMATS:
         mbs = bool(get_format(fmt).mbs)
-        macros = aq.SUPPORTED_MACRO_BLOCKS if mbs else (128,)
+        macros: tuple[int, ...] = aq.SUPPORTED_MACRO_BLOCKS if mbs else (128,)
         if quick and mbs:
             # the default, the widest, and 32 (many macro blocks per tile) on the largest tile
             macros = (128, macros[-1])
@@ -51,7 +51,7 @@ def _drive_act_fp8(quick: bool) -> None:
 
 def _gemm_operand(
     rows: int, k: int, fmt: str, bs: int, macro: int
-) -> tuple[torch.Tensor | None, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes, E8M0 scales and MBS bytes (or None) of `rows` rows of a decode-GEMM operand."""
     from vllm_mxplus.formats import get_format
     from vllm_mxplus.formats.constants import ceil_div
@@ -88,9 +88,15 @@ def _drive_decode_gemm(quick: bool) -> None:
             continue
         bs = get_format(wf).block_size
 
+        xc, xs, xm = _gemm_operand(16, k, af, bs, macro)
+        wc, ws, wm = _gemm_operand(n, k, wf, bs, macro)
         decode_gemm(
-            *_gemm_operand(16, k, af, bs, macro),
-            *_gemm_operand(n, k, wf, bs, macro),
+            xc,
+            xs,
+            xm,
+            wc,
+            ws,
+            wm,
             k,
             _meta((n,), out_dtype) if bias else None,
             out_dtype,
@@ -121,7 +127,7 @@ def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tupl
 
 #: mx_gemm operand kinds: (fmt, block size, macro block or None): E8M0 without MBS at block
 #: 16 and 32, with MBS under / equal to / over the 64-element K step, NVFP4, MX+.
-_MX_KINDS = (
+_MX_KINDS: tuple[tuple[str, int, int | None], ...] = (
     ("e8m0", 16, None),
     ("e8m0", 32, None),
     ("e8m0", 16, 16),

@@ -39,6 +39,8 @@ dot(x_lo, W_lo^T) + dot(x_hi, W_hi^T) over the even and the odd elements.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from vllm_mxplus.backends.triton.launch import (
@@ -336,10 +338,18 @@ def _check_operand(
         )
 
 
+@overload
+def _row_major(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _row_major(t: None) -> None: ...
 def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+@overload
+def _tile_addressable(t: torch.Tensor, rows: int) -> torch.Tensor: ...
+@overload
+def _tile_addressable(t: None, rows: int) -> None: ...
 def _tile_addressable(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """t, or a compact copy, such that offsets inside a tile of `rows` rows fit in 32 bits
     (the kernel offsets only a tile's first row in 64 bits)."""
@@ -413,9 +423,14 @@ def decode_gemm(
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
     check_available(w_codes)
-    x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias = map(
-        _row_major, (x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs, bias)
+    x_codes, x_scales, w_codes, w_scales = (
+        _row_major(x_codes),
+        _row_major(x_scales),
+        _row_major(w_codes),
+        _row_major(w_scales),
     )
+    x_mbs, w_mbs = (None if t is None else _row_major(t) for t in (x_mbs, w_mbs))
+    bias = None if bias is None else _row_major(bias)
 
     interp = interpreting()
     # GPU: GPU_BLOCK_M x GPU_BLOCK_N output tiles, GPU_BLOCK_K of K per step (inside one
@@ -435,15 +450,18 @@ def decode_gemm(
         block_n = block_n or GPU_BLOCK_N
         block_k = GPU_BLOCK_K
     launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
-    x_codes, x_scales, x_mbs = (_tile_addressable(t, block_m) for t in (x_codes, x_scales, x_mbs))
-    w_codes, w_scales, w_mbs = (_tile_addressable(t, block_n) for t in (w_codes, w_scales, w_mbs))
+    x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
+    w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
+    x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
+    w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
         rows = MAX_GRID_M_TILES * block_m
-        xs = (x_codes, x_scales, x_mbs)
         return torch.cat(
             [
                 decode_gemm(
-                    *(None if t is None else t[r : r + rows] for t in xs),
+                    x_codes[r : r + rows],
+                    x_scales[r : r + rows],
+                    None if x_mbs is None else x_mbs[r : r + rows],
                     w_codes,
                     w_scales,
                     w_mbs,

@@ -42,7 +42,7 @@ class TritonExperts(ExpertBackend):
         return is_available(torch.device("cuda"))
 
     @classmethod
-    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:  # type: ignore[override]
+    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
         from vllm_mxplus.backends.triton.linear import triton_takes
 
         return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
@@ -54,9 +54,10 @@ class TritonExperts(ExpertBackend):
         packed = {}
         for stem in STEMS:
             q, e = weights.quantized(stem)
-            codes, scales, extra, g = (
-                None if t is None else t.contiguous() for t in weight_operands(q)
-            )
+            codes, scales, extra, g = weight_operands(q)
+            codes, scales = codes.contiguous(), scales.contiguous()
+            extra = None if extra is None else extra.contiguous()
+            g = None if g is None else g.contiguous()
             if scales.dtype == torch.float8_e4m3fn:
                 scales = scales.view(torch.uint8)
             packed[stem] = PackedExpertWeights(

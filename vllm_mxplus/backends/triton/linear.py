@@ -59,7 +59,9 @@ def triton_takes(weight_format: str, activation_format: str, macro_block: int) -
     return True, ""
 
 
-def weight_operands(qweight: QuantizedTensor) -> tuple:
+def weight_operands(
+    qweight: QuantizedTensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(codes, scales, extra, global) of a packed weight [N, K]: extra the MBS bytes or the
     MX+ block-max indices; global the NVFP4 fp32 global scale of each row [N] (one per
     logical weight, repeated over its rows)."""
@@ -73,7 +75,8 @@ def weight_operands(qweight: QuantizedTensor) -> tuple:
 
 class TritonDecodeBackend(LinearBackend):
     name = "triton-decode"
-    min_m, max_m = 1, DECODE_MAX_M
+    min_m: int = 1
+    max_m: int | None = DECODE_MAX_M
     kernel = True  # self-tested against `formats` at first use
 
     @classmethod
@@ -159,7 +162,8 @@ class TritonGemmBackend(TritonDecodeBackend):
     is built and takes the layer. It shares the decode backend's packed buffers."""
 
     name = "triton-gemm"
-    min_m, max_m = DECODE_MAX_M + 1, None
+    min_m: int = DECODE_MAX_M + 1
+    max_m: int | None = None
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None

@@ -469,7 +469,7 @@ def operand_format(fmt_name: str) -> tuple[str, int]:
     from vllm_mxplus.formats import get_format
 
     spec = get_format(fmt_name)
-    if spec.scale_rule == "e4m3":
+    if spec.has_global_scale:
         return "nvfp4", spec.block_size
     return ("mxplus" if fmt_name == "mxplus" else "e8m0"), spec.block_size
 
