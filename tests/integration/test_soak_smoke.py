@@ -1,8 +1,8 @@
 """A 60-second run of the soak test (`scripts/soak_server.py`) on the tiny model: the same
 script, criteria and report as the 10-minute study in eval/soak/, shorter and smaller.
 
-Slow (vLLM start-up + 60 s of load + 2 disconnect waves and bursts: about 2 minutes on a
-2-core CPU), so it is marked `slow` as well as `vllm`.
+Slow (vLLM start-up + 60 s of load + 2 disconnect waves and bursts), so it is marked `slow`
+as well as `vllm`.
 """
 
 from __future__ import annotations
