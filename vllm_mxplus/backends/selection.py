@@ -258,13 +258,13 @@ def _log_choice(
 ) -> None:
     names = tuple(b.name for b in chosen)
     key = (spec.kind, platform, capability, spec.scheme, names, tuple(rejected))
-    what = "MoE experts" if spec.kind == "experts" else "linears"
+    what = " MoE experts" if spec.kind == "experts" else ""  # linears: the plain message
     if rejected and len(chosen) == 1 and gap is not None:
         log_once(
             logger,
             key,
             logging.WARNING,
-            "mxplus %s %s on %s (capability %s): falling back to the reference backend "
+            "mxplus %s%s on %s (capability %s): falling back to the reference backend "
             "(dequantized fp32 weights, fake-quant activations) because %s",
             spec.scheme,
             what,
@@ -284,7 +284,7 @@ def _log_choice(
         logger,
         key,
         logging.INFO,
-        "mxplus %s %s on %s (capability %s): backends %s%s",
+        "mxplus %s%s on %s (capability %s): backends %s%s",
         spec.scheme,
         what,
         platform,

@@ -1,7 +1,7 @@
 """Calibration tokens for the calibrated methods (`mxplus quantize --method rtn-aware|gptq`).
 
 Default text: the embedded Wikipedia text (`mxplus prepare`), HELD OUT from the evaluation.
-The perplexity task of the studies (eval/build_tasks.py) takes articles from the start of the
+The perplexity task of the studies (eval/tasks/build.py) takes articles from the start of the
 file in order and stopped at article 19 (16k tokens); calibration only reads articles from
 HELD_OUT_FROM on, so the two never share text (tests/checkpoint/test_calib_data.py checks
 the committed eval task files against it). A user's own text: `--calib FILE` (plain UTF-8).

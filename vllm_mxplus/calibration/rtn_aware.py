@@ -209,7 +209,7 @@ def _one_thread() -> Iterator[None]:
     Its ops are small (one column of N weights per GPTQ step, chunks of the parameter
     search), so threads buy little on an idle machine; on a loaded one every parallel region
     waits for a descheduled thread: 2 threads on the shared 2-core machine of this project
-    took 12x the CPU time and 40x the wall time of 1 (eval/results/gptq-smollm2-135m/).
+    took 12x the CPU time and 40x the wall time of 1 (eval/gptq/results/).
     The ops are row by row or sequential (index_add_, cumsum, per-row reductions): the
     output with 2 threads was bit-identical to 1 thread's on that machine.
     """

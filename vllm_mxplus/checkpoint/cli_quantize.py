@@ -47,7 +47,7 @@ weighted by E[x^2] of the layer's inputs, still rounding to nearest; `gptq` also
 each column's rounding error on the columns not yet quantized (GPTQ, 1% damping, natural
 order). Both write the same checkpoint layout, served by vLLM unchanged; they need a
 transformers-loadable decoder (Llama-like) and take minutes on a small model on CPU.
-Measured on SmolLM2 served by vLLM (eval/results/smollm2-135m-calibrated-grid/): use
+Measured on SmolLM2 served by vLLM (eval/calibrated-grid/): use
 `rtn-aware` for the MBS schemes' MBS-D weights (mxfp4-mbs-h / mxfp4-mbs) and `gptq` for the
 others.
 
