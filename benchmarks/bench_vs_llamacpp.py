@@ -22,8 +22,8 @@ Parts (each prints its rows with the command that produced llama.cpp's numbers):
   batched  decode throughput at 4 and 16 concurrent streams, each a 128-token prompt and 128
            generated tokens: generated tokens / total time, llama-batched-bench (-npp 128
            -ntg 128 -npl 4,16) vs vLLM's generate on as many prompts
-  linear   one linear [M, K] x [N, K]^T at M = 1, 16, 256 on Llama-3-8B shapes: ggml's
-           test-backend-ops perf mode (MUL_MAT of a Q4_0 / MXFP4 weight and an fp32
+  linear   one linear [M, K] x [N, K]^T, Llama-3-8B's down shape (N 4096, K 14336) at
+           M = 1, 8, 512 (the cases test-backend-ops has): ggml's test-backend-ops perf mode (MUL_MAT of a Q4_0 / MXFP4 weight and an fp32
            activation, which ggml quantizes to Q8_0) vs the plugin's kernel (its scheme's
            weight, bf16 activations quantized to FP4 in the call); warm caches on both sides
            (test-backend-ops repeats one op), the plugin's median wall time
@@ -61,11 +61,10 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 )
-# Llama-3-8B: qkv, o, gate_up, down as (N, K)
-LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-LINEAR_MS = (1, 16, 256)
-# ggml block formats: (elements, bytes) per block
-GGML_BLOCKS = {"q4_0": (32, 18), "mxfp4": (32, 17)}
+# one linear: the Llama-3-8B shape and row counts that test-backend-ops' perf mode has cases for
+# (down, M = 1 / 8 / 512); a test file of other shapes makes it time thousands of copies
+LINEAR_SHAPES = [(4096, 14336)]
+LINEAR_MS = (1, 8, 512)
 
 
 def _run(cmd: list[str], both: bool = False) -> str:
@@ -218,45 +217,19 @@ def llama_batched(bin_dir: Path, model: Path, threads: int, streams: tuple[int, 
     return out, " ".join(cmd)
 
 
-def _ggml_enums(src: Path) -> tuple[dict[str, int], dict[str, int]]:
-    """GGML_OP_* and GGML_TYPE_* values from this llama.cpp's ggml.h."""
-    text = (src / "ggml" / "include" / "ggml.h").read_text()
-
-    def enum(name: str, prefix: str) -> dict[str, int]:
-        body = re.search(r"enum " + name + r"\s*\{(.*?)\};", text, re.S).group(1)
-        vals, nxt = {}, 0
-        for m in re.finditer(r"(" + prefix + r"\w+)\s*(?:=\s*(\d+))?\s*,", body):
-            nxt = int(m.group(2)) if m.group(2) else nxt
-            vals[m.group(1)] = nxt
-            nxt += 1
-        return vals
-
-    return enum("ggml_op", "GGML_OP_"), enum("ggml_type", "GGML_TYPE_")
-
-
-def llama_linear(bin_dir: Path, src: Path, wtype: str) -> tuple[dict, str]:
-    """test-backend-ops perf of MUL_MAT (weight wtype [N, K], fp32 activations [M, K]) for the
-    8B shapes and LINEAR_MS, from a test file: {(N, K, M): us per run}."""
-    ops, types = _ggml_enums(src)
-    blk, bsz = GGML_BLOCKS[wtype]
-    lines = []
-    for n, k in LLAMA8B:
-        for m in LINEAR_MS:
-            row = k // blk * bsz
-            a = f"{types['GGML_TYPE_' + wtype.upper()]} {k} {n} 1 1 {bsz} {row} {row * n} {row * n}"
-            b = f"{types['GGML_TYPE_F32']} {k} {m} 1 1 4 {4 * k} {4 * k * m} {4 * k * m}"
-            lines.append(
-                f"{ops['GGML_OP_MUL_MAT']} {types['GGML_TYPE_F32']} {n} {m} 1 1 0 2 {a} {b} -"
-            )
-    f = CACHE / f"linear-{wtype}.txt"
-    f.write_text("\n".join(lines) + "\n")
-    cmd = [str(bin_dir / "test-backend-ops"), "perf", "-b", "CPU", "--test-file", str(f)]
-    text = _run(cmd, both=True)
-    times = re.findall(r"([\d.]+) us/run", text)
-    if len(times) != len(lines):
-        raise SystemExit(f"test-backend-ops: expected {len(lines)} timings, got:\n{text[-3000:]}")
-    keys = [(n, k, m) for n, k in LLAMA8B for m in LINEAR_MS]
-    return dict(zip(keys, map(float, times))), " ".join(cmd)
+def llama_linear(bin_dir: Path, wtype: str) -> tuple[dict, str]:
+    """test-backend-ops perf of its own MUL_MAT cases for a wtype weight [N, K] and fp32
+    activations [M, K] on LINEAR_SHAPES x LINEAR_MS (cases with flop counts: each graph holds
+    about 8 GFLOP of the op): {(N, K, M): us per run}."""
+    ns = "|".join(str(n) for n, _ in LINEAR_SHAPES)
+    ks = "|".join(str(k) for _, k in LINEAR_SHAPES)
+    ms = "|".join(map(str, LINEAR_MS))
+    regex = f"type_a={wtype},type_b=f32,m=({ns}),n=({ms}),k=({ks}),bs=\\[1,1\\],nr=\\[1,1\\]"
+    cmd = [str(bin_dir / "test-backend-ops"), "perf", "-b", "CPU", "-o", "MUL_MAT", "-p", regex]
+    out = {}
+    for m in re.finditer(r"m=(\d+),n=(\d+),k=(\d+),.*?([\d.]+) us/run", _run(cmd, both=True)):
+        out[(int(m.group(1)), int(m.group(3)), int(m.group(2)))] = float(m.group(4))
+    return out, " ".join(cmd)
 
 
 # ---- the plugin's side ------------------------------------------------------------------
@@ -275,7 +248,7 @@ def plugin_linear(scheme: str, reps: int) -> dict:
 
     out = {}
     g = torch.Generator().manual_seed(0)
-    for n, k in LLAMA8B:
+    for n, k in LINEAR_SHAPES:
         w = torch.randn(n, k, generator=g) * 0.02
         spec = _linear_spec(LinearSpec, scheme, n, k, MACRO_BLOCK)
         backend, layer = CpuPackedBackend(spec), torch.nn.Module()
@@ -417,15 +390,19 @@ def main() -> int:
     if "linear" in parts:
         ggml = {}
         for wtype in ("q4_0", "mxfp4"):
-            ggml[wtype], cmd = llama_linear(bin_dir, src, wtype)
+            ggml[wtype], cmd = llama_linear(bin_dir, wtype)
             print(f"  llama.cpp: {cmd}")
         ours = plugin_linear(args.scheme, 7)
-        print("\nOne Llama-3-8B linear, us per call (warm caches); ratio = ggml time / plugin time")
+        print(
+            "\nOne Llama-3-8B linear, us per call (warm caches); ratio = ggml time / plugin time;"
+            f" ggml on hardware_concurrency/2 = {max(1, (os.cpu_count() or 2) // 2)} threads "
+            f"(test-backend-ops' own choice), the plugin on {args.threads}"
+        )
         print(
             f"{'N x K':>12s} {'M':>4s} {'ggml q4_0':>10s} {'ggml mxfp4':>10s} {args.scheme:>10s}"
             f" {'vs q4_0':>8s} {'vs mxfp4':>8s}"
         )
-        for n, k in LLAMA8B:
+        for n, k in LINEAR_SHAPES:
             for m in LINEAR_MS:
                 q, x, p = ggml["q4_0"][(n, k, m)], ggml["mxfp4"][(n, k, m)], ours[(n, k, m)]
                 print(
