@@ -281,6 +281,7 @@ def vllm_rates(model: str, quantization: str | None, streams: tuple[int, ...]) -
         max_num_seqs=max(streams),
         seed=0,
         max_num_batched_tokens=2048,
+        enable_prefix_caching=False,  # the warm-up must not serve the timed prompts
     )
 
     def ids(n: int, seed: int) -> TokensPrompt:
