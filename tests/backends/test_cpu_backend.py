@@ -14,8 +14,8 @@ import torch
 from vllm_mxplus.backends import selection as dispatch
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
-from vllm_mxplus.backends.reference.linear import WEIGHT_ATTR, ReferenceBackend
 from vllm_mxplus.backends.linear_op import LinearDispatch
+from vllm_mxplus.backends.reference.linear import WEIGHT_ATTR, ReferenceBackend
 from vllm_mxplus.backends.selection import select
 from vllm_mxplus.formats import fake_quantize, quantize
 
@@ -101,3 +101,21 @@ def test_same_numbers_as_reference_backend(scheme, m):
     assert y.shape == (m, n)
     assert ((y - y_ref).abs() <= 2.0**-16 * scale).all()
     assert not torch.equal(y, torch.zeros_like(y))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    """A killed build leaves torch's lock file behind; every later build would wait on it."""
+    import os
+    import time
+
+    from vllm_mxplus.backends.cpu import kernels as ck
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    ck._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - ck.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING"):
+        ck._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "stale CPU-kernel build lock" in caplog.text

@@ -144,6 +144,28 @@ def load() -> tuple[bool, str]:
         return True, ""
 
 
+STALE_LOCK_S = 30 * 60  # a build takes ~20 s idle, minutes on a loaded box; never half an hour
+
+
+def _clear_stale_lock(out: Path) -> None:
+    """torch's build lock (`out/lock`, a file with no owner recorded) left by a build that was
+    killed makes every later build wait on it forever. One older than STALE_LOCK_S is from a
+    dead build: remove it, saying so."""
+    lock = out / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning(
+            "mxplus: removing the stale CPU-kernel build lock %s (%.0f min old: a build that "
+            "was killed left it behind)",
+            lock,
+            age / 60,
+        )
+        lock.unlink(missing_ok=True)
+
+
 def _build_and_load() -> None:
     for src in SOURCES + HEADERS:
         if not src.exists():
@@ -156,6 +178,7 @@ def _build_and_load() -> None:
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     lib = out / f"{name}.so"
+    _clear_stale_lock(out)
     fresh = not lib.exists()
     if fresh:
         logger.info("mxplus: building the CPU kernels into %s (once per machine, ~20 s)", out)
