@@ -70,7 +70,6 @@ class CpuPackedBackend(LinearBackend):
         return cpu_kernels_take(spec.weight_format, spec.activation_format)
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
-
         spec = self.spec
         if qweight.codes.dim() != 2:
             raise ValueError(

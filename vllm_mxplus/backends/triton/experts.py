@@ -24,6 +24,10 @@ from vllm_mxplus.backends.base import (
     ExpertWeights,
     Layer,
 )
+from vllm_mxplus.backends.triton import launch
+from vllm_mxplus.backends.triton.gemm_ops import act_operands
+from vllm_mxplus.backends.triton.linear import triton_takes, weight_operands
+from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
 
 PACKED_ATTR = "mxplus_triton_experts"  # {stem: PackedExpertWeights} on the layer
 
@@ -37,20 +41,13 @@ class TritonExperts(ExpertBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cuda":
             return False, f"Triton kernels are built for CUDA, not {platform}"
-        from vllm_mxplus.backends.triton.launch import is_available
-
-        return is_available(torch.device("cuda"))
+        return launch.is_available(torch.device("cuda"))
 
     @classmethod
     def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
-        from vllm_mxplus.backends.triton.linear import triton_takes
-
         return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
 
     def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:
-        from vllm_mxplus.backends.triton.linear import weight_operands
-        from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights
-
         packed = {}
         for stem in STEMS:
             q, e = weights.quantized(stem)
@@ -68,8 +65,6 @@ class TritonExperts(ExpertBackend):
     def apply(
         self, layer: Layer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: Activation
     ) -> Tensor:
-        from vllm_mxplus.backends.triton.gemm_ops import act_operands
-        from vllm_mxplus.backends.triton.moe_gemm import moe_experts_triton
 
         spec = self.spec
         packed = getattr(layer, PACKED_ATTR)

@@ -26,6 +26,11 @@ from vllm_mxplus.backends.base import (
     check_e8m0_pair,
     set_packed_buffers,
 )
+from vllm_mxplus.backends.triton import launch
+from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
+from vllm_mxplus.backends.triton.gemm_ops import act_operands
+from vllm_mxplus.backends.triton.mx_gemm import operand_format, supports_macro_block
+from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
 from vllm_mxplus.formats import QuantizedTensor, get_format
 
 DECODE_MAX_M = 16
@@ -46,8 +51,6 @@ def triton_takes(weight_format: str, activation_format: str, macro_block: int) -
         return ok, why
     # What the kernels can tile (a macro block the act-quant tile or the GEMM's K step
     # cannot hold would fail to compile on the GPU; the interpreter accepts more).
-    from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
-    from vllm_mxplus.backends.triton.mx_gemm import supports_macro_block
 
     mbs = get_format(weight_format).mbs or get_format(activation_format).mbs
     if mbs and not (macro_block in SUPPORTED_MACRO_BLOCKS and supports_macro_block(macro_block)):
@@ -83,9 +86,7 @@ class TritonDecodeBackend(LinearBackend):
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cuda":
             return False, f"Triton kernels are built for CUDA, not {platform}"
-        from vllm_mxplus.backends.triton.launch import is_available
-
-        return is_available(torch.device("cuda"))
+        return launch.is_available(torch.device("cuda"))
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -95,7 +96,6 @@ class TritonDecodeBackend(LinearBackend):
 
     def selftest_activation(self, x: Tensor) -> QuantizedTensor:
         """The fused quantizer's codes, compared bit for bit by the self-test."""
-        from vllm_mxplus.backends.triton.gemm_ops import act_operands
 
         spec = self.spec
         fmt = spec.activation_format
@@ -116,9 +116,6 @@ class TritonDecodeBackend(LinearBackend):
         set_packed_buffers(layer, (*ATTRS, GLOBAL_ATTR), (codes, scales, extra, g))
 
     def _apply_mx_gemm(self, layer: Layer, x2: Tensor, bias: Tensor | None, g: Tensor | None):
-        from vllm_mxplus.backends.triton.gemm_ops import act_operands
-        from vllm_mxplus.backends.triton.mx_gemm import operand_format
-
         spec = self.spec
         a = act_operands(x2, spec.activation_format, spec.macro_block, g)
         fmt, bs = operand_format(spec.weight_format)
@@ -135,7 +132,6 @@ class TritonDecodeBackend(LinearBackend):
         if (spec.weight_format, spec.activation_format) in PLUS_PAIRS:
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
-        from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
 
         a_codes, a_scales, a_mbs, _ = act_quant_op(
             x2, spec.activation_format, macro_block=spec.macro_block
