@@ -459,8 +459,12 @@ def render(meta: dict, results: list[Result], waves: list[dict], verdict: dict) 
         f"- responses failing their body / stream checks: "
         f"{sum(bool(r.problems) for r in results)} (must be 0)",
         f"- disconnect waves drained to 0 running + waiting within {meta['abort_timeout']:.0f} s "
-        f"with at most half the tokens of unaborted streams ({WAVE_MAX_TOKENS} each): "
-        f"{verdict['waves_ok']}/{len(waves)} (must be all, >= 1)",
+        + (
+            f"with at most half the tokens of unaborted streams ({WAVE_MAX_TOKENS} each): "
+            if meta.get("abort_token_check", True)
+            else "(token check off: --no-abort-token-check): "
+        )
+        + f"{verdict['waves_ok']}/{len(waves)} (must be all, >= 1)",
         f"- server log lines with ERROR / CRITICAL / Traceback: {len(verdict['log_errors'])} "
         "(must be 0)",
         f"- server RSS (process tree): start {verdict['rss_start']:.0f} MiB (after warm-up), "
@@ -534,7 +538,9 @@ def wave_and_burst(port, model, args, vocab, seed) -> tuple[dict, list[Result]]:
         "left": busy,
         "drain_s": time.time() - t0,
         # drained, and at most half of the tokens the streams would have made unaborted
-        "ok": busy == 0 and tokens - tokens0 <= full / 2,
+        # (not judged with --no-abort-token-check: a tiny model finishes its streams before
+        # any disconnect reaches it, so its tokens say nothing about aborts)
+        "ok": busy == 0 and (not args.abort_token_check or tokens - tokens0 <= full / 2),
     }
     rng = random.Random(seed)
     kinds = rng.choices(
@@ -577,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wave-size", type=int, default=16, help="streams hung up per wave")
     p.add_argument("--burst", type=int, default=64, help="concurrent requests after a wave")
     p.add_argument("--abort-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--no-abort-token-check",
+        dest="abort_token_check",
+        action="store_false",
+        help="judge a disconnect wave by draining to zero running requests only, not also by "
+        "the tokens it generated (for a tiny model that finishes every stream before the "
+        "disconnects reach it; the real-model soak keeps the check)",
+    )
     p.add_argument(
         "--rss-growth-mib",
         type=float,
@@ -633,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         "burst": args.burst,
         "rss_bound": args.rss_growth_mib,
         "abort_timeout": args.abort_timeout,
+        "abort_token_check": args.abort_token_check,
     }
     # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the server (its own session)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

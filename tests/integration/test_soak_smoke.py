@@ -33,6 +33,10 @@ def test_soak_smoke_passes(tmp_path: Path, subprocess_env) -> None:
         *("--model", str(model), "--quantization", "mxfp4-mbs"),
         *("--duration", "60", "--wave-every", "25", "--clients", "4"),
         *("--wave-size", "8", "--burst", "64", "--max-model-len", "256"),
+        # the tiny model generates a wave's streams to the end before any disconnect reaches
+        # it, so aborts are judged by the drain to zero running requests (the 10-minute
+        # SmolLM2 study keeps the token check too)
+        "--no-abort-token-check",
         *("--out", str(report), "--server-log", str(log)),
     ]
     r = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=900)
