@@ -274,6 +274,25 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+def _resized(
+    config: dict[str, Any],
+    hidden: int | None,
+    intermediate: int | None,
+    heads: int | None,
+    kv_heads: int | None,
+) -> dict[str, Any]:
+    """The size fields of a tiny config with the given sizes in place (None keeps the config's);
+    head_dim then follows hidden // heads. No size given: no field changes."""
+    if hidden is None and intermediate is None and heads is None and kv_heads is None:
+        return {}
+    return _dense(
+        hidden or config["hidden_size"],
+        intermediate or config["intermediate_size"],
+        heads or config["num_attention_heads"],
+        kv_heads or config["num_key_value_heads"],
+    )
+
+
 def _randomize(model: torch.nn.Module, router_std: float, poison: bool) -> None:
     """Random norms and biases (a fresh init zeroes biases and sets norms to one, which
     hides mistakes in where they are applied) and a decisive router."""
@@ -299,6 +318,10 @@ def build_tiny(
     *,
     layers: int = 2,
     vocab: int = 256,
+    hidden: int | None = None,
+    intermediate: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     init_std: float = 0.05,
     router_std: float = 0.5,
@@ -308,6 +331,8 @@ def build_tiny(
 ) -> Path:
     """Write a random checkpoint of ARCHS[arch] (safetensors + tokenizer) to path.
 
+    hidden / intermediate / heads / kv_heads: sizes in place of the architecture's (see
+    _resized); overrides: any other config field.
     poison: the last token's embedding row is +inf, so a prompt holding the word POISON
     drives NaN activations through every layer (RMSNorm: inf * rsqrt(inf) = NaN); its lm_head
     row is zero, so greedy decoding never picks it by itself (other logits are mostly > 0).
@@ -315,7 +340,8 @@ def build_tiny(
     import transformers
 
     a = ARCHS[arch]
-    kw = {"tie_word_embeddings": False, **a.config, **overrides}
+    sizes = _resized(a.config, hidden, intermediate, heads, kv_heads)
+    kw = {"tie_word_embeddings": False, **a.config, **sizes, **overrides}
     cfg = getattr(transformers, a.config_cls)(
         vocab_size=vocab,
         num_hidden_layers=layers,
@@ -335,54 +361,29 @@ def build_tiny(
     return path
 
 
-def build_tiny_llama(
-    path: str | Path,
-    *,
-    hidden: int = 256,
-    intermediate: int = 512,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    vocab: int = 512,
-    **kw: Any,
-) -> Path:
-    """A random LlamaForCausalLM (see build_tiny for the other options)."""
-    return build_tiny(
-        "llama",
-        path,
-        layers=layers,
-        vocab=vocab,
-        **_dense(hidden, intermediate, heads, kv_heads),
-        **kw,
-    )
+def build_tiny_llama(path: str | Path, *, vocab: int = 512, **kw: Any) -> Path:
+    """A random LlamaForCausalLM: ARCHS["llama"] (hidden 256, intermediate 512, 4 heads, 2 KV
+    heads) unless kw says otherwise (see build_tiny for the options)."""
+    return build_tiny("llama", path, vocab=vocab, **kw)
 
 
 def build_tiny_moe(
     arch: str,
     path: str | Path,
     *,
-    hidden: int = 128,
     intermediate: int = 128,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
     experts: int = 8,
     top_k: int = 2,
     **kw: Any,
 ) -> Path:
     """A random MoE model of `arch` ("qwen3_moe" or "mixtral"), every layer MoE, experts of
-    width `intermediate` (see build_tiny for the other options)."""
+    width `intermediate`; hidden 128, 4 heads, 2 KV heads as in ARCHS unless kw says otherwise
+    (see build_tiny for the options)."""
     if arch == "qwen3_moe":  # its dense MLP width (unused: every layer is MoE) is 2x
         dense, moe = 2 * intermediate, dict(moe_intermediate_size=intermediate, num_experts=experts)
     else:
         dense, moe = intermediate, dict(num_local_experts=experts)
-    return build_tiny(
-        arch,
-        path,
-        layers=layers,
-        **_dense(hidden, dense, heads, kv_heads, hidden // heads, num_experts_per_tok=top_k, **moe),
-        **kw,
-    )
+    return build_tiny(arch, path, intermediate=dense, num_experts_per_tok=top_k, **moe, **kw)
 
 
 def build_tiny_qwen3_moe(
