@@ -86,16 +86,30 @@ def _logprob_values(values: list[object], what: str) -> list[str]:
     return [f"{what}: {len(bad)} logprobs not finite and <= 0 (e.g. {bad[0]!r})"] if bad else []
 
 
-def check_completion(body: object, req: dict) -> list[str]:
-    """A non-streamed /v1/completions body against its request."""
-    if not isinstance(body, dict) or body.get("object") != "text_completion":
-        return [f"not a text_completion: {str(body)[:120]}"]
+def _choices(body: object, req: dict, kind: str) -> tuple[list[dict] | None, list[str], int | None]:
+    """(choices, problems, completion_tokens when n = 1) of a non-streamed body whose "object"
+    must be `kind`: the envelope checks (object, one choice per n, usage) of both endpoints.
+    choices None: the body is not usable, the problems say why."""
+    if not isinstance(body, dict) or body.get("object") != kind:
+        return None, [f"not a {kind}: {str(body)[:120]}"], None
     n = req.get("n", 1)
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != n:
-        return [f"{len(choices) if isinstance(choices, list) else choices!r} choices, n = {n}"]
-    p = _usage(body, req, n)
+        return (
+            None,
+            [f"{len(choices) if isinstance(choices, list) else choices!r} choices, n = {n}"],
+            None,
+        )
     tokens = body.get("usage", {}).get("completion_tokens") if n == 1 else None
+    return choices, _usage(body, req, n), tokens
+
+
+def check_completion(body: object, req: dict) -> list[str]:
+    """A non-streamed /v1/completions body against its request."""
+    choices, p, tokens = _choices(body, req, "text_completion")
+    if choices is None:
+        return p
+    n = len(choices)
     if sorted(c.get("index") for c in choices) != list(range(n)):
         p.append("choice indices are not 0..n-1")
     for c in choices:
@@ -130,14 +144,9 @@ def _completion_logprobs(lp: object, k: int, tokens: int | None) -> list[str]:
 
 def check_chat(body: object, req: dict) -> list[str]:
     """A non-streamed /v1/chat/completions body against its request."""
-    if not isinstance(body, dict) or body.get("object") != "chat.completion":
-        return [f"not a chat.completion: {str(body)[:120]}"]
-    n = req.get("n", 1)
-    choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) != n:
-        return [f"{len(choices) if isinstance(choices, list) else choices!r} choices, n = {n}"]
-    p = _usage(body, req, n)
-    tokens = body.get("usage", {}).get("completion_tokens") if n == 1 else None
+    choices, p, tokens = _choices(body, req, "chat.completion")
+    if choices is None:
+        return p
     for c in choices:
         msg = c.get("message")
         if not isinstance(msg, dict) or msg.get("role") != "assistant":
