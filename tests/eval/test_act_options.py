@@ -83,3 +83,18 @@ def test_weight_macro_option_sets_both_sides() -> None:
     x = _acts()
     got = act_options.activation_quantizer("wmb32")(x)
     assert torch.equal(got, fake_quantize(x, "mxfp4-mbs-s", macro_block=32))
+
+
+@pytest.mark.parametrize("act", ["mb24", "mb0", "wmb8"])
+def test_invalid_macro_block_option_names_itself(act: str) -> None:
+    """A macro block option follows the formats' one rule (a positive multiple of the block
+    size) and the error names the option."""
+    with pytest.raises(
+        SystemExit, match=rf"@{act}: the macro block .*positive multiple of the block size 16"
+    ):
+        act_options.parse(act)
+
+
+@pytest.mark.parametrize(("act", "n"), [("mb32", 32), ("wmb48", 48)])
+def test_valid_macro_block_option(act: str, n: int) -> None:
+    assert act_options.parse(act) == (act.rstrip("0123456789"), n)

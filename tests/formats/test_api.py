@@ -4,7 +4,17 @@ import pytest
 import torch
 from spec_reference import ref_quantize
 
-from vllm_mxplus.formats import FORMATS, SCHEMES, fake_quantize, get_scheme, qsnr, quantize
+from vllm_mxplus.formats import (
+    FORMATS,
+    SCHEMES,
+    check_format_macro_block,
+    check_macro_block,
+    fake_quantize,
+    get_format,
+    get_scheme,
+    qsnr,
+    quantize,
+)
 
 ALL = list(FORMATS)
 
@@ -129,3 +139,25 @@ def test_cuda_matches_cpu(fmt):
     assert torch.equal(a.codes, b.codes.cpu())
     assert torch.equal(a.scales.view(torch.uint8), b.scales.cpu().view(torch.uint8))
     assert torch.equal(a.dequantize(), b.dequantize().cpu())
+
+
+@pytest.mark.parametrize("mb", [0, -16, 8, 24, 100])
+def test_macro_block_rule_is_one_rule(mb: int) -> None:
+    """The scheme-level check and the format-level check refuse the same macro blocks, with
+    the caller's name for the value."""
+    with pytest.raises(
+        ValueError,
+        match=rf"--mb {mb}: a macro block must be a positive multiple of the block size 16",
+    ):
+        check_macro_block("mxfp4-mbs", mb, "--mb")
+    with pytest.raises(
+        ValueError,
+        match=rf"--mb {mb}: a macro block must be a positive multiple of the block size 16",
+    ):
+        check_format_macro_block(get_format("mxfp4-mbs-s"), mb, "--mb")
+
+
+@pytest.mark.parametrize("mb", [16, 32, 48, 128, 2048])
+def test_macro_block_rule_accepts_multiples_of_the_block(mb: int) -> None:
+    check_macro_block("mxfp4-mbs", mb)
+    check_format_macro_block(get_format("mxfp4-mbs-d"), mb)

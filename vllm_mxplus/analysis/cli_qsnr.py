@@ -8,14 +8,16 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+
+from vllm_mxplus.analysis import report as rep
+from vllm_mxplus.analysis import sources
+from vllm_mxplus.assets import default_cache_dir
 from vllm_mxplus.calibration.smooth_option import add_smooth_option, check_alpha
 from vllm_mxplus.errors import UsageError
+from vllm_mxplus.formats import check_format_macro_block, get_format
 from vllm_mxplus.formats.constants import MACRO_BLOCK
-
-if TYPE_CHECKING:
-    import torch
 
 DEFAULT_FORMATS = ["mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "mxfp4-mbs-d", "nvfp4"]
 
@@ -78,13 +80,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from vllm_mxplus.formats import get_format
-
-    for f in args.formats:
-        get_format(f)
+    fmts = [get_format(f) for f in args.formats]
     for m in args.macro_block:
-        if m <= 0 or m % 16:
-            raise ValueError(f"--macro-block {m}: must be a positive multiple of 16")
+        for fmt in fmts:
+            if fmt.mbs:
+                check_format_macro_block(fmt, m, "--macro-block")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"{args.model}: not a model dir (no config.json)")
     if args.text is not None and not args.text.is_file():
@@ -99,8 +99,6 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _default_text() -> Path | None:
-    from vllm_mxplus.assets import default_cache_dir
-
     path = default_cache_dir() / "text" / "wikipedia.txt"
     return path if path.is_file() else None
 
@@ -111,9 +109,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mxplus qsnr: error: {e}", file=sys.stderr)
         return 2
-    from vllm_mxplus.analysis import report as rep
-    from vllm_mxplus.analysis import sources
-
     t0 = time.time()
     progress = not args.no_progress
     weights: Iterable[tuple[str, torch.Tensor]]

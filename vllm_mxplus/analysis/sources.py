@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.rules import module_of
 from vllm_mxplus.quant_rules import stays_unquantized
 
@@ -78,8 +79,6 @@ def capture_linear_inputs(
         raise ValueError("the text gives no tokens")
     smoothed: dict[str, torch.Tensor] = {}
     if smooth is not None:
-        from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
-
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         changed = smooth_model(model, input_absmax(model, ids, "cpu"), smooth, dtypes)
         params = dict(model.named_parameters())

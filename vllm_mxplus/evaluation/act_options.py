@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats import MACRO_BLOCK, check_format_macro_block, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.mbs import mbs_sse, mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
@@ -56,8 +56,11 @@ def parse(act: str) -> tuple[str, int | None]:
     n = int(num) if num else None
     if kind == "mbsg" and (n is None or not 2 <= n <= 256 or n & (n - 1)):
         raise SystemExit(f"@{act}: the candidate count must be a power of two in 2..256")
-    if kind in ("mb", "wmb") and (n is None or n <= 0 or n % 16):
-        raise SystemExit(f"@{act}: the macro block must be a positive multiple of 16")
+    if kind in ("mb", "wmb"):
+        try:
+            check_format_macro_block(get_format(MBS_ACT), n or 0, f"@{act}: the macro block")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if kind == "had" and (n is None or n < 2 or n & (n - 1)):
         raise SystemExit(f"@{act}: the Hadamard block must be a power of two >= 2")
     return kind, n

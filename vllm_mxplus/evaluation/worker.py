@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_mxplus.evaluation.offline_data import hub_offline, use_local_benchmarks
+
 
 def run_spec(spec: dict, offline_used: dict[str, str] | None = None) -> dict:
     """Run lm-eval's simple_evaluate with the vLLM backend; returns its results dict.
@@ -36,8 +38,6 @@ def run_spec(spec: dict, offline_used: dict[str, str] | None = None) -> dict:
 
     import lm_eval
     from lm_eval.tasks import TaskManager
-
-    from vllm_mxplus.evaluation.offline_data import hub_offline, use_local_benchmarks
 
     include = spec.get("include_path")
     task_manager = TaskManager(include_path=include) if include else TaskManager()

@@ -151,6 +151,16 @@ def get_scheme(name: str | Scheme, macro_block: int | None = None) -> Scheme:
     )
 
 
+def check_format_macro_block(fmt: FormatSpec, macro_block: int, what: str = "macro_block") -> None:
+    """The macro block rule for one MBS format (docs/numerics.md, Macro Block Scaling): a
+    positive multiple of the format's block size. ValueError naming `what` otherwise."""
+    if macro_block <= 0 or macro_block % fmt.block_size:
+        raise ValueError(
+            f"{what} {macro_block}: a macro block must be a positive multiple of the block "
+            f"size {fmt.block_size} (e.g. 32, 64, 128)"
+        )
+
+
 def check_macro_block(scheme: str | Scheme, macro_block: object, what: str = "macro_block") -> None:
     """The one validity rule for a macro block (docs/numerics.md, Macro Block Scaling): a
     positive integer multiple of the block size of the scheme's MBS formats; MACRO_BLOCK for a
@@ -164,9 +174,4 @@ def check_macro_block(scheme: str | Scheme, macro_block: object, what: str = "ma
         if macro_block != MACRO_BLOCK:
             raise ValueError(f"{what} {macro_block}: scheme {s.name} has no macro blocks")
         return
-    block = mbs[0].block_size
-    if macro_block <= 0 or macro_block % block:
-        raise ValueError(
-            f"{what} {macro_block}: a macro block must be a positive multiple of the block "
-            f"size {block} (e.g. 32, 64, 128)"
-        )
+    check_format_macro_block(mbs[0], macro_block, what)
