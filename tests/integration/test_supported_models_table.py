@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import load_repo_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "supported_models", REPO / "scripts" / "supported_models.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_repo_script("scripts/supported_models.py")
 
 
 def test_readme_table_is_current():

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import REPO, load_repo_script
 
 
 def _inventory():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_inventory", REPO / "kernels" / "inventory.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_repo_script("kernels/inventory.py", "kernel_inventory")
 
 
 def test_inventory_is_current():
