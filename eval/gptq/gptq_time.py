@@ -40,21 +40,14 @@ def main() -> int:
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        from vllm_mxplus.assets.smollm2 import EXPECTED as SMOLLM2
         from vllm_mxplus.calibration.rtn_aware import calibrate_and_quantize
         from vllm_mxplus.formats import MACRO_BLOCK
 
-        cfg = LlamaConfig(
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=2,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            vocab_size=49152,
-            tie_word_embeddings=True,
-        )
+        cfg = LlamaConfig(**{**SMOLLM2, "num_hidden_layers": 2}, tie_word_embeddings=True)
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).float().eval()
-        tokens = torch.randint(0, 49152, (8, 256))
+        tokens = torch.randint(0, SMOLLM2["vocab_size"], (8, 256))
         targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         t, c = time.time(), time.process_time()
         calibrate_and_quantize(
