@@ -29,7 +29,7 @@ from vllm_mxplus.assets import (
     prepare_wikipedia_text,
 )
 from vllm_mxplus.assets.benchmarks import prepare_benchmarks
-from vllm_mxplus.assets.smollm2 import MARKER
+from vllm_mxplus.assets.smollm2 import DTYPES, MARKER
 
 _DESCRIPTION = """\
 Prepare the embedded default assets (idempotent; finished assets are reused):
@@ -77,7 +77,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("bfloat16", "float16", "float32"),
+        choices=DTYPES,
         default="bfloat16",
         help="dtype of the saved model weights (default: bfloat16)",
     )

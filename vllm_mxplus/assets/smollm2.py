@@ -37,7 +37,8 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 #: changes so that existing caches are rebuilt.
 MARKER = ".mxplus-complete.json"
 FORMAT_VERSION = 1
-_DTYPES = ("bfloat16", "float16", "float32")
+#: The dtypes the checkpoint can be saved in (`mxplus prepare --dtype`).
+DTYPES = ("bfloat16", "float16", "float32")
 
 #: Architecture facts the conversion is checked against (SmolLM2-135M's published config).
 EXPECTED = {
@@ -62,8 +63,8 @@ def smollm2_dir(cache_dir: str | os.PathLike[str] | None = None, dtype: str = "b
 
 
 def _check_dtype(dtype: str) -> None:
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
 
 
 def _expected_marker(gguf: Path, dtype: str) -> dict[str, object]:
