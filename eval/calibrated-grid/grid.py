@@ -29,36 +29,28 @@ BF16 = EVAL / "smollm2-135m" / "smollm2-135m.json"
 BF16_SOURCE = "`eval/smollm2-135m/smollm2-135m.md`"
 
 
+def _calibrated(rtn_row: str, study_row: str) -> dict[str, tuple[Path, str]]:
+    """A scheme's RTN cell (the RTN study's row) and its rtn-aware / gptq cells (this study's
+    rows `STUDY_ROW-rtnaware` / `STUDY_ROW-gptq`)."""
+    return {
+        "rtn": (RTN, f"smollm2-135m/{rtn_row}"),
+        "rtn-aware": (GRID, f"{study_row}-rtnaware/served"),
+        "gptq": (GRID, f"{study_row}-gptq/served"),
+    }
+
+
 # row label -> {method: (results file, "model/row" key prefix in its "values")}
 ROWS: Rows = {
-    "MXFP4-OCP": {
-        "rtn": (RTN, "smollm2-135m/mxfp4-ocp"),
-        "rtn-aware": (GRID, "ocp-rtnaware/served"),
-        "gptq": (GRID, "ocp-gptq/served"),
-    },
-    "MXFP4-16-OAS": {
-        "rtn": (RTN, "smollm2-135m/mxfp4-16-oas"),
-        "rtn-aware": (GRID, "oas16-rtnaware/served"),
-        "gptq": (GRID, "oas16-gptq/served"),
-    },
-    "MXFP4-MBS-S": {
-        "rtn": (RTN, "smollm2-135m/mxfp4-mbs-s"),
-        "rtn-aware": (GRID, "mbss-rtnaware/served"),
-        "gptq": (GRID, "mbss-gptq/served"),
-    },
-    "MXFP4-MBS-H": {
-        "rtn": (RTN, "smollm2-135m/mxfp4-mbs-h"),
-        "rtn-aware": (GRID, "mbsh-rtnaware/served"),
-        "gptq": (GRID, "mbsh-gptq/served"),
-    },
+    "MXFP4-OCP": _calibrated("mxfp4-ocp", "ocp"),
+    "MXFP4-16-OAS": _calibrated("mxfp4-16-oas", "oas16"),
+    "MXFP4-MBS-S": _calibrated("mxfp4-mbs-s", "mbss"),
+    "MXFP4-MBS-H": _calibrated("mxfp4-mbs-h", "mbsh"),
     "MXFP4-MBS-H, macro block 32": {
         "rtn-aware + smooth 0.5": (SMOOTH, "mbsh-mb32/served"),
         "gptq + smooth 0.5": (SMOOTH, "mbsh-mb32-gptq/served"),
     },
     "NVFP4": {
-        "rtn": (RTN, "smollm2-135m/nvfp4"),
-        "rtn-aware": (GRID, "nvfp4-rtnaware/served"),
-        "gptq": (GRID, "nvfp4-gptq/served"),
+        **_calibrated("nvfp4", "nvfp4"),
         "rtn-aware + smooth 0.5": (SMOOTH, "nvfp4/served"),
         "gptq + smooth 0.5": (SMOOTH, "nvfp4-gptq/served"),
     },
