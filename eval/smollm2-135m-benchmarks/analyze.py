@@ -42,8 +42,22 @@ from vllm_mxplus.evaluation.paired import (
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFIG = REPO / "configs" / "smollm2-135m-benchmarks.yaml"
+CALIBRATED = HERE / "calibrated.yaml"  # the calibrated checkpoints, one model each, row "served"
 MODEL = "smollm2-135m"
 PPL_TASK, PPL_METRIC = "lambada_openai", "perplexity"
+# Published lm-eval 0-shot figures for SmolLM2-135M-Instruct (HuggingFaceTB's bf16 weights,
+# full evaluation sets): the "Baseline" column of the lm-eval table in the model card of
+# lldois/SmolLM2-135M-Reasoning-SLERP-Champion (Hugging Face). task -> (metric, percent).
+PUBLISHED_SOURCE = (
+    "https://huggingface.co/lldois/SmolLM2-135M-Reasoning-SLERP-Champion "
+    '(lm-eval, 0-shot, full sets; its "Baseline" column is SmolLM2-135M-Instruct)'
+)
+PUBLISHED = {
+    "hellaswag": ("acc_norm", 42.99),
+    "piqa": ("acc_norm", 66.92),
+    "arc_easy": ("acc", 54.12),
+    "arc_challenge": ("acc_norm", 27.73),
+}
 
 
 def _fmt_paired(p: Paired | None, unit: str = "") -> str:
@@ -82,6 +96,15 @@ def analyze(iters: int) -> dict[str, Any]:
         raise SystemExit(f"no finished row under {HERE / 'raw'}")
     check_same_items(list(rows.values()), [t.task for t in tasks])
     labels = {r.id: r.label for r in cfg.rows}
+    calibrated = load_config(CALIBRATED)
+    missing_calibrated = []
+    for m in calibrated.models:
+        items = load_row_items(HERE / "raw" / m.id / "served", limit)
+        if items is not None and all(t.task in items.values for t in tasks):
+            rows[m.id] = items
+            labels[m.id] = m.label
+        else:
+            missing_calibrated.append(m.id)
     acc = {rid: [it.values[t.task][metric[t.task]] for t in tasks] for rid, it in rows.items()}
     out: dict[str, Any] = {"limit": limit, "tasks": [t.task for t in tasks], "rows": {}}
     for rid, it in rows.items():
@@ -149,7 +172,17 @@ def analyze(iters: int) -> dict[str, Any]:
     out["modified_files"] = sorted(
         {m for r in out["rows"].values() for s in r["source"] for m in s.get("modified_files", [])}
     )
-    out["missing_rows"] = [r.id for r in cfg.rows if r.id not in rows]
+    out["missing_rows"] = [r.id for r in cfg.rows if r.id not in rows] + missing_calibrated
+    if "bf16" in rows:
+        out["bf16_vs_published"] = {
+            t: {
+                "metric": m,
+                "ours": 100 * mean_se(rows["bf16"].values[t][m])[0],
+                "ours_se": 100 * mean_se(rows["bf16"].values[t][m])[1],
+                "published": pub,
+            }
+            for t, (m, pub) in PUBLISHED.items()
+        }
     out["labels"] = {t.task: t.label for t in tasks}
     out["iters"] = iters
     return out
@@ -177,6 +210,25 @@ def markdown(res: dict[str, Any]) -> str:
             + f" | {r['lambada_ppl']:.1f} |"
         )
     out = lines
+    pub = res.get("bf16_vs_published")
+    if pub:
+        out += [
+            "",
+            f"**BF16 against published figures** ({PUBLISHED_SOURCE}). Ours: the first "
+            f"{res['limit']:g} documents, the bf16 checkpoint dequantized from the Q4_1 GGUF; "
+            "theirs: the full sets, the original bf16 weights. Difference in standard errors "
+            "of ours:",
+            "",
+            "| Task (metric) | ours | published | ours − published | in SEs |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for t, v in pub.items():
+            d = v["ours"] - v["published"]
+            z = d / v["ours_se"] if v["ours_se"] else float("nan")
+            out.append(
+                f"| {labels[t]} ({v['metric']}) | {v['ours']:.1f} ± {v['ours_se']:.1f} | "
+                f"{v['published']:.2f} | {d:+.1f} | {z:+.1f} |"
+            )
     for ref, name in (("nvfp4", "NVFP4"), ("mxfp4-ocp", "MXFP4-OCP")):
         key = f"vs_{ref}"
         if not any(key in r for r in rows.values()):
