@@ -1,0 +1,89 @@
+"""Where a vLLM CPU decode step goes: torch.profiler over one batched generate.
+
+    OMP_NUM_THREADS=1 python benchmarks/profile_serve_step.py [--scheme mxfp4-mbs-s | bf16]
+        [--streams 16] [--prompt-tokens 128] [--tokens 32] [--threads 1] [--rows 25]
+
+One vLLM engine (eager, in-process) on the embedded SmolLM2 (`mxplus prepare`), --streams
+prompts of --prompt-tokens tokens, --tokens greedy tokens each, profiled after a warm-up; it
+prints the tokens/s under the profiler (lower than without it) and the ops by CPU self time,
+so each share is that of the profiled step: the plugin's linears appear as
+`vllm_mxplus::cpu_mx_linear`, vLLM's bf16 lm_head as `_C::onednn_mm`. A diagnostic, not a
+benchmark: compare rates with bench_vs_llamacpp.py / bench_serve_cpu.py, which run unprofiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--scheme", default="mxfp4-mbs-s", help="a scheme, or bf16 (unquantized)")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=25, help="ops to list")
+    args = ap.parse_args()
+    for k, v in {
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(k, v)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_serve_cpu import _smollm2_dir
+
+    model = _smollm2_dir()
+    if model is None:
+        raise SystemExit("SmolLM2 not prepared: run `mxplus prepare` first")
+    llm = LLM(
+        model=model,
+        quantization=None if args.scheme == "bf16" else args.scheme,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=args.streams,
+        seed=0,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    )
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=[
+                (i * 7919 + s * 104729 + 13) % 40000 + 4 for i in range(args.prompt_tokens)
+            ]
+        )
+        for s in range(args.streams)
+    ]
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+    print(
+        f"{args.scheme}, {args.streams} streams: {args.streams * args.tokens / dt:.1f} tokens/s "
+        f"under the profiler, load {os.getloadavg()}"
+    )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    sys.stdout.flush()
+    os._exit(0)  # vLLM CPU 0.32 has aborted at engine shutdown after printing results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
