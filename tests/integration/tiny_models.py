@@ -263,7 +263,7 @@ ARCHS: dict[str, Arch] = {
             2,
             64,
             num_local_experts=4,
-            experts_per_token=2,
+            num_experts_per_tok=2,  # GptOssConfig's name (experts_per_token is not read)
             sliding_window=16,
             layer_types=["sliding_attention", "full_attention"],
             rope_scaling=None,
