@@ -24,6 +24,9 @@ from typing import Any
 
 from vllm_mxplus.evaluation.config import EvalConfig, ModelSpec, RowSpec, TaskSpec
 
+# the directory holding the vllm_mxplus package this process runs: its workers import the same
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
 log = logging.getLogger(__name__)
 
 # vLLM 0.32 on CPU takes 90% of RAM for its KV cache by default; no hub is reachable.
@@ -266,6 +269,7 @@ def run_cell(
     for k in DEFAULT_ENV:  # a value the user exported wins over our default
         if k in os.environ:
             env[k] = os.environ[k]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
     t0 = time.time()
     with open(log_path, "w") as fh:
         fh.write(f"# {spec['meta']['lm_eval_command']}\n")
@@ -273,7 +277,9 @@ def run_cell(
         # Own process group: the worker leaves with os._exit, and vLLM's engine-core and
         # worker processes (same group) must not outlive it (each holds GBs of memory).
         proc = subprocess.Popen(
-            [python, "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
+            # -P: no working directory first on sys.path, so the worker imports the package
+            # this process imported (PACKAGE_ROOT), e.g. a clean worktree's, never the cwd's.
+            [python, "-P", "-m", "vllm_mxplus.evaluation.worker", str(spec_path)],
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
