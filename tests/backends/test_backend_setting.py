@@ -40,22 +40,23 @@ def test_default_on_cpu_is_the_packed_kernels_alone():
     assert _names(EXP) == ["cpu-packed"]
 
 
-def test_forcing_the_reference_applies_to_both_kinds(monkeypatch):
-    monkeypatch.setenv(settings.BACKEND.name, "reference")
-    assert [type(b) for b in selection.select(LIN, "cpu", None)] == [ReferenceBackend]
-    assert [type(b) for b in selection.select(EXP, "cpu", None)] == [ReferenceExperts]
-
-
-def test_a_kind_prefix_forces_one_kind_only(monkeypatch):
-    monkeypatch.setenv(settings.BACKEND.name, "experts:reference")
-    assert [type(b) for b in selection.select(LIN, "cpu", None)] == [CpuPackedBackend]
-    assert [type(b) for b in selection.select(EXP, "cpu", None)] == [ReferenceExperts]
-
-
-def test_an_allow_list_keeps_priority_order_and_skips_the_unneeded_reference(monkeypatch):
-    monkeypatch.setenv(settings.BACKEND.name, "reference,cpu-packed")
-    assert [type(b) for b in selection.select(LIN, "cpu", None)] == [CpuPackedBackend]
-    assert [type(b) for b in selection.select(EXP, "cpu", None)] == [CpuPackedExperts]
+@pytest.mark.parametrize(
+    "value,linear,experts",
+    [
+        ("reference", ReferenceBackend, ReferenceExperts),
+        ("experts:reference", CpuPackedBackend, ReferenceExperts),
+        ("reference,cpu-packed", CpuPackedBackend, CpuPackedExperts),
+    ],
+    ids=[
+        "forcing-the-reference-applies-to-both-kinds",
+        "a-kind-prefix-forces-one-kind-only",
+        "an-allow-list-keeps-priority-order-and-skips-the-unneeded-reference",
+    ],
+)
+def test_the_setting_picks_the_backends_per_kind(monkeypatch, value, linear, experts):
+    monkeypatch.setenv(settings.BACKEND.name, value)
+    assert [type(b) for b in selection.select(LIN, "cpu", None)] == [linear]
+    assert [type(b) for b in selection.select(EXP, "cpu", None)] == [experts]
 
 
 def test_a_forced_backend_that_cannot_serve_the_layer_fails_naming_layer_and_reason(monkeypatch):
