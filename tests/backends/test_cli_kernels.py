@@ -14,6 +14,16 @@ from vllm_mxplus.backends.triton.launch import HAS_TRITON
 from vllm_mxplus.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
+# every Triton kernel the launchers launch (what --aot must enumerate and compile)
+LAUNCHED_KERNELS = {
+    "_mx_act_quant_kernel",
+    "_nvfp4_act_quant_kernel",
+    "_act_fp8_chunks_kernel",
+    "_decode_gemm_kernel",
+    "_mx_gemm_kernel",
+    "_mxplus_act_quant_kernel",
+    "_nvfp4_given_act_quant_kernel",
+}
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
@@ -41,15 +51,7 @@ def test_aot_enumerates_configs_from_the_launchers():
 
     quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
     kernels = {c.kernel for cs in quick.values() for c in cs}
-    assert kernels >= {
-        "_mx_act_quant_kernel",
-        "_nvfp4_act_quant_kernel",
-        "_act_fp8_chunks_kernel",
-        "_decode_gemm_kernel",
-        "_mx_gemm_kernel",
-        "_mxplus_act_quant_kernel",
-        "_nvfp4_given_act_quant_kernel",
-    }
+    assert kernels >= LAUNCHED_KERNELS
     for name in aot.DRIVERS:
         assert set(quick[name]) <= set(full[name]) and len(full[name]) > len(quick[name])
     mx = [dict(c.constexprs) for c in full["act_quant"] if c.kernel == "_mx_act_quant_kernel"]
@@ -240,15 +242,7 @@ def test_aot_quick_passes_for_ampere_hopper_blackwell(tmp_path):
     )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    for kernel in (
-        "_mx_act_quant_kernel",
-        "_nvfp4_act_quant_kernel",
-        "_act_fp8_chunks_kernel",
-        "_decode_gemm_kernel",
-        "_mx_gemm_kernel",
-        "_mxplus_act_quant_kernel",
-        "_nvfp4_given_act_quant_kernel",
-    ):
+    for kernel in sorted(LAUNCHED_KERNELS):
         rows = [ln.split() for ln in out.splitlines() if ln.startswith(kernel)]
         assert sorted(int(r[1]) for r in rows) == [80, 90, 100], out
         assert all(r[4] == "0" and r[-1] == "0" for r in rows), out  # no spill, no failure
