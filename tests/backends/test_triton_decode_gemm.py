@@ -14,6 +14,8 @@ Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA whe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -223,9 +225,7 @@ def test_weight_row_offsets_are_64_bit(triton_device):
     base = torch.empty((n - 1) * pitch + k // 2, dtype=torch.uint8)
     w_codes = base.as_strided((n, k // 2), (pitch, 1))
     w_codes.copy_(qw.codes)
-    y = decode_gemm(
-        qx.codes, qx.scales, qx.mbs, w_codes, qw.scales, qw.mbs, k, out_dtype=torch.float32
-    )
+    y = run(qx, replace(qw, codes=w_codes), k, out_dtype=torch.float32)
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
@@ -239,17 +239,7 @@ def test_macro_block_wider_than_k_step(macro_block, triton_device):
     w = torch.randn(n, k, generator=gen).to(triton_device)
     qx = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
     qw = quantize(w, "mxfp4-mbs-s", macro_block=macro_block)
-    y = decode_gemm(
-        qx.codes,
-        qx.scales,
-        qx.mbs,
-        qw.codes,
-        qw.scales,
-        qw.mbs,
-        k,
-        out_dtype=torch.float32,
-        macro_block=macro_block,
-    )
+    y = run(qx, qw, k, out_dtype=torch.float32, macro_block=macro_block)
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
@@ -335,17 +325,7 @@ def test_small_macro_block_wrong_factor_is_caught(triton_device):
     y_ref, scale = reference(qx, qw)
     bad_w = qw.mbs.clone()
     bad_w[0, 3] = (bad_w[0, 3].int() + 40).clamp(max=255).to(torch.uint8)
-    y = decode_gemm(
-        qx.codes,
-        qx.scales,
-        qx.mbs,
-        qw.codes,
-        qw.scales,
-        bad_w,
-        k,
-        out_dtype=torch.float32,
-        macro_block=32,
-    )
+    y = run(qx, replace(qw, mbs=bad_w), k, out_dtype=torch.float32, macro_block=32)
     err = (y.double().cpu() - y_ref.cpu()).abs()
     assert (err[:, 0] > ACC_BOUND * scale[:, 0].cpu()).any()
 
