@@ -133,26 +133,6 @@ def test_output_is_exact_encoding(fmt: str, method: str, shape: tuple) -> None:
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
-    n, k = 48, 256
-    w = _weight(n, k, seed=5)
-    x = _correlated_inputs(k, tokens=1024)
-    h = x.T @ x
-    ref = x @ w.T
-
-    def out_err(q: QuantizedTensor) -> float:
-        return float((ref - x @ q.dequantize().T).square().sum())
-
-    e_rtn = out_err(quantize(w, fmt))
-    e_gptq = out_err(gptq(w, h, fmt, macro_block=MACRO_BLOCK))
-    e_gptq_spec = out_err(gptq(w, h, fmt, "spec", macro_block=MACRO_BLOCK))
-    assert e_gptq <= e_rtn, f"{fmt}: GPTQ {e_gptq:.4g} > RTN {e_rtn:.4g}"
-    assert e_gptq_spec <= e_rtn, (
-        f"{fmt}: GPTQ (spec parameters) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
-    )
-
-
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_weighted_choice_never_worse_than_spec(fmt: str) -> None:
     n, k = 32, 384
     w = _weight(n, k, seed=7)
@@ -302,9 +282,14 @@ def test_macro_block_output_is_exact_encoding(fmt: str, method: str, macro: int)
     assert torch.equal(stored.dequantize(), w_hat), f"{fmt}: codec round trip changed values"
 
 
-@pytest.mark.parametrize("fmt", MBS_FORMATS)
-def test_macro_block_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
-    n, k, macro = 48, 256, 32
+@pytest.mark.parametrize(
+    "fmt,macro",
+    [(f, MACRO_BLOCK) for f in ALL_FORMATS] + [(f, 32) for f in MBS_FORMATS],
+    ids=lambda v: f"mb{v}" if isinstance(v, int) else v,
+)
+def test_gptq_layer_output_error_at_most_rtn(fmt: str, macro: int) -> None:
+    """Every format at the default macro block; the MBS formats also at macro block 32."""
+    n, k = 48, 256
     w = _weight(n, k, seed=5)
     x = _correlated_inputs(k, tokens=1024)
     h = x.T @ x
@@ -317,7 +302,9 @@ def test_macro_block_gptq_layer_output_error_at_most_rtn(fmt: str) -> None:
     e_gptq = out_err(gptq(w, h, fmt, macro_block=macro))
     e_gptq_spec = out_err(gptq(w, h, fmt, "spec", macro_block=macro))
     assert e_gptq <= e_rtn, f"{fmt}: GPTQ {e_gptq:.4g} > RTN {e_rtn:.4g} at N={macro}"
-    assert e_gptq_spec <= e_rtn, f"{fmt}: GPTQ (spec) {e_gptq_spec:.4g} > RTN {e_rtn:.4g}"
+    assert e_gptq_spec <= e_rtn, (
+        f"{fmt}: GPTQ (spec parameters) {e_gptq_spec:.4g} > RTN {e_rtn:.4g} at N={macro}"
+    )
 
 
 @pytest.mark.parametrize("fmt", MBS_FORMATS)
