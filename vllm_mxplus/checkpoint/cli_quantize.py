@@ -7,10 +7,12 @@ import logging
 import re
 import signal
 import sys
+from typing import Any
 
 from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from vllm_mxplus.calibration.rtn_aware import METHODS
 from vllm_mxplus.calibration.smooth_option import add_smooth_option
+from vllm_mxplus.checkpoint.ct_format import FORMAT_MXPLUS, FORMATS
 from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.quantizer import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
 from vllm_mxplus.errors import UsageError
@@ -51,6 +53,19 @@ Measured on SmolLM2 served by vLLM (eval/calibrated-grid/): use
 `rtn-aware` for the MBS schemes' MBS-D weights (mxfp4-mbs-h / mxfp4-mbs) and `gptq` for the
 others.
 
+Formats (--format): `mxplus` (default) writes the plugin's layout, for every scheme;
+`compressed-tensors` writes nvfp4 / mxfp4-ocp in the layout of llm-compressor
+(quant_method compressed-tensors, nvfp4-pack-quantized / mxfp4-pack-quantized), which vLLM
+serves with its in-tree method and transformers reads; its decompressed weights equal the
+plugin's dequantized ones bit for bit (nvfp4: power-of-two global scale per fused layer;
+static activation scale from the calibration text, --calib or the embedded default). The
+paper's formats (mxplus, mxfp4-16-oas, MBS) exist only in the plugin's layout.
+
+Quantized sources: SRC may be a compressed-tensors NVFP4 / MXFP4 checkpoint or a gpt-oss
+MXFP4 one (quant_method mxfp4, *_blocks / *_scales experts). It is dequantized exactly and
+requantized to --scheme; an mxfp4-ocp target keeps an MXFP4 source's codes and scales bit
+for bit (--method rtn, no --smooth).
+
 Smoothing (--smooth ALPHA, with any method): per input channel of each group of linears a
 factor moves quantization difficulty from the activations to the weights (SmoothQuant),
 folded exactly into the operation before them (the norms, up_proj rows, v_proj rows), so the
@@ -64,6 +79,8 @@ examples:
   mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs-gptq --scheme mxfp4-mbs --method gptq
   mxplus quantize ./llama ./llama-aware --method rtn-aware --calib my_text.txt --nsamples 64
   mxplus quantize ./SmolLM2-135M ./SmolLM2-135M-mbs-sq --scheme mxfp4-mbs --smooth 0.5
+  mxplus quantize ./llama ./llama-nvfp4-ct --scheme nvfp4 --format compressed-tensors
+  mxplus quantize ./llama-nvfp4-ct ./llama-mbs --scheme mxfp4-mbs   # a quantized SRC
 """
 
 
@@ -119,6 +136,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--format",
+        default=FORMAT_MXPLUS,
+        choices=list(FORMATS),
+        help="checkpoint layout: mxplus (the plugin's, every scheme, detected by vllm-mxplus) or "
+        "compressed-tensors (nvfp4 and mxfp4-ocp only: the layout llm-compressor writes, "
+        "served by vLLM's in-tree compressed-tensors method and read by transformers; nvfp4 "
+        "measures its static activation scale on the calibration text, see --calib) "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--method",
         default="rtn",
@@ -180,6 +207,29 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
+# quantize_checkpoint keyword -> the argparse dest it takes its value from
+_OPTION_DESTS = {
+    "ignore": "ignore",
+    "device": "device",
+    "force": "force",
+    "max_shard_bytes": "max_shard_size",
+    "method": "method",
+    "calib": "calib",
+    "nsamples": "nsamples",
+    "seqlen": "seqlen",
+    "smooth": "smooth",
+    "macro_block": "macro_block",
+    "out_format": "format",
+}
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """quantize_checkpoint's keyword arguments from the parsed command line."""
+    return {kw: getattr(args, dest) for kw, dest in _OPTION_DESTS.items()} | {
+        "progress": not args.no_progress
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `quantize` for parsed args; print a summary; return the exit code."""
     logging.basicConfig(level=logging.WARNING, format="mxplus quantize: warning: %(message)s")
@@ -188,22 +238,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         previous = None
     try:
-        report = quantize_checkpoint(
-            args.src,
-            args.dst,
-            args.scheme,
-            ignore=args.ignore,
-            device=args.device,
-            force=args.force,
-            max_shard_bytes=args.max_shard_size,
-            progress=not args.no_progress,
-            method=args.method,
-            calib=args.calib,
-            nsamples=args.nsamples,
-            seqlen=args.seqlen,
-            smooth=args.smooth,
-            macro_block=args.macro_block,
-        )
+        report = quantize_checkpoint(args.src, args.dst, args.scheme, **_options(args))
     except UsageError as e:
         print(f"mxplus quantize: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,20 +29,37 @@ from typing import cast
 import torch
 
 from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
+from vllm_mxplus.calibration.input_amax import linear_input_amax
 from vllm_mxplus.calibration.rtn_aware import METHODS, Method, calibrate_and_quantize
 from vllm_mxplus.calibration.smooth_option import check_alpha
 from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
 from vllm_mxplus.checkpoint.codec import (
     stored_layout,
 )
+from vllm_mxplus.checkpoint.ct_format import (
+    FORMAT_CT,
+    FORMAT_MXPLUS,
+    FORMATS,
+    check_ct_request,
+    check_ct_shape,
+    ct_encode,
+    ct_stored_layout,
+    fused_group_key,
+    make_ct_quantization_config,
+    pow2_global_scale,
+    quantize_nvfp4_ct,
+)
 from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.layout import make_quantization_config
+from vllm_mxplus.checkpoint.quantized_source import materialize, quantized_source
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
 from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
 from vllm_mxplus.checkpoint.safetensors_io import (
     PlannedTensor,
+    read_tensor,
 )
 from vllm_mxplus.checkpoint.shard_writer import (
+    Encoder,
     Item,
     check_disk_space,
     claim_dst,
@@ -49,7 +67,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
     swap_in,
     write_all,
 )
-from vllm_mxplus.checkpoint.source import SourceModel, open_source
+from vllm_mxplus.checkpoint.source import SourceModel, open_source, read_json
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, check_macro_block, get_scheme
 
@@ -81,8 +99,13 @@ def quantize_checkpoint(
     seqlen: int = DEFAULT_SEQLEN,
     smooth: float | None = None,
     macro_block: int = MACRO_BLOCK,
+    out_format: str = FORMAT_MXPLUS,
 ) -> QuantizeReport:
     """Quantize the HF model dir `src` into `dst` with `scheme` (any name in formats.SCHEMES).
+
+    src may itself be quantized (compressed-tensors NVFP4/MXFP4, gpt-oss mxfp4): it is
+    dequantized exactly first (quantized_source.py). out_format: "mxplus" (the plugin's
+    layout) or "compressed-tensors" (nvfp4 / mxfp4-ocp only, ct_format.py).
 
     ignore: module-name patterns kept in high precision (rules.IgnoreMatcher).
     method: "rtn" (the spec's parameters, round to nearest), "rtn-aware" (group parameters
@@ -102,7 +125,6 @@ def quantize_checkpoint(
         s = get_scheme(scheme)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    fmt = s.weight_format
     src_p, dst_p = Path(src).absolute(), Path(dst).absolute()
     _check_paths(src_p, dst_p, force)
     device = device or default_device()
@@ -118,6 +140,10 @@ def quantize_checkpoint(
         raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
     if smooth is not None:
         check_alpha(smooth)
+    if out_format not in FORMATS:
+        raise UsageError(f"--format {out_format!r}: choose one of {', '.join(FORMATS)}")
+    if out_format == FORMAT_CT:
+        check_ct_request(s.name, method)
     try:
         check_macro_block(s, macro_block, "--macro-block")
     except ValueError as e:
@@ -126,16 +152,90 @@ def quantize_checkpoint(
         matcher = IgnoreMatcher(list(ignore))
     except ValueError as e:  # an invalid regular expression
         raise UsageError(str(e)) from None
+    cfg_path = src_p / "config.json"  # missing: open_source says so
+    qsrc = quantized_source(read_json(cfg_path), cfg_path) if cfg_path.is_file() else None
+    if qsrc is None:
+        return _quantize(
+            src_p,
+            dst_p,
+            s.name,
+            matcher,
+            device,
+            force,
+            max_shard_bytes,
+            progress,
+            method,
+            calib,
+            nsamples,
+            seqlen,
+            smooth,
+            macro_block,
+            out_format,
+            t0,
+        )
+    # keep the source's MXFP4 codes where the target is the same format, rounded alike
+    keep = qsrc.is_mxfp4 and s.name == "mxfp4-ocp" and method == "rtn" and smooth is None
+    dst_p.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dst_p.name}.mxplus-src-", dir=dst_p.parent) as d:
+        kept = materialize(src_p, Path(d), qsrc, keep_codes=keep)
+        report = _quantize(
+            Path(d),
+            dst_p,
+            s.name,
+            matcher,
+            device,
+            force,
+            max_shard_bytes,
+            progress,
+            method,
+            calib,
+            nsamples,
+            seqlen,
+            smooth,
+            macro_block,
+            out_format,
+            t0,
+            kept,
+        )
+    report.src = str(src_p)
+    return report
+
+
+def _quantize(
+    src_p: Path,
+    dst_p: Path,
+    scheme: str,
+    matcher: IgnoreMatcher,
+    device: str,
+    force: bool,
+    max_shard_bytes: int,
+    progress: bool,
+    method: str,
+    calib: str | os.PathLike[str] | None,
+    nsamples: int,
+    seqlen: int,
+    smooth: float | None,
+    macro_block: int,
+    out_format: str,
+    t0: float,
+    kept: dict[str, QuantizedTensor] | None = None,
+) -> QuantizeReport:
+    """quantize_checkpoint for a bf16/fp16/fp32 src (checked arguments). kept: QuantizedTensors
+    by module written as they are (a quantized source's own MXFP4 codes)."""
+    s = get_scheme(scheme)
+    fmt = s.weight_format
     source = open_source(src_p)
-    items = _plan(source, fmt, matcher, macro_block)
+    items = _plan(source, fmt, matcher, macro_block, out_format, s.name)
     unquantized = _unquantized_modules(items, source.config)
     _warn_split_fused_groups(items)
     shards = split_shards(items, max_shard_bytes)
     check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
-    precomputed: dict[str, QuantizedTensor] = {}
+    precomputed: dict[str, QuantizedTensor] = dict(kept or {})
     rewritten: dict[str, torch.Tensor] = {}
-    if method != "rtn" or smooth is not None:
-        precomputed, rewritten = _calibrated_weights(
+    input_amax: dict[str, torch.Tensor] = {}
+    ct_nvfp4 = out_format == FORMAT_CT and s.weight_format == "nvfp4"
+    if method != "rtn" or smooth is not None or ct_nvfp4:
+        precomputed, rewritten, input_amax = _calibrated_weights(
             src_p,
             items,
             s.name,
@@ -147,7 +247,12 @@ def quantize_checkpoint(
             progress,
             smooth,
             macro_block,
+            ct_nvfp4,
         )
+    encoder: Encoder | None = None
+    if ct_nvfp4:
+        precomputed = _nvfp4_ct_weights(source, items, rewritten)
+        encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
 
     report = QuantizeReport(
         src=str(src_p),
@@ -160,13 +265,29 @@ def quantize_checkpoint(
     )
     with claim_dst(dst_p, force) as tmp:  # locked; interrupted runs cleaned; removed on error
         write_all(
-            source, shards, fmt, tmp, device, report, progress, precomputed, rewritten, macro_block
+            source,
+            shards,
+            fmt,
+            tmp,
+            device,
+            report,
+            progress,
+            precomputed,
+            rewritten,
+            macro_block,
+            encoder,
         )
         for f in source.other_files:
             shutil.copy2(f, tmp / f.name)
         config = dict(source.config)
-        config["quantization_config"] = make_quantization_config(s.name, unquantized, macro_block)
-        if method != "rtn" or smooth is not None:  # provenance only; loaders ignore it
+        if out_format == FORMAT_CT:
+            config["quantization_config"] = make_ct_quantization_config(s.name, unquantized)
+        else:
+            config["quantization_config"] = make_quantization_config(
+                s.name, unquantized, macro_block
+            )
+        if out_format == FORMAT_MXPLUS and (method != "rtn" or smooth is not None):
+            # provenance only; loaders ignore it
             config["quantization_config"]["calibration"] = {
                 "method": method,
                 "nsamples": nsamples,
@@ -194,9 +315,12 @@ def _calibrated_weights(
     progress: bool,
     smooth: float | None,
     macro_block: int,
-) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
+    want_input_amax: bool = False,
+) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
-    for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name)."""
+    for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name,
+    max |input| by module over the calibration text when want_input_amax, measured after
+    smoothing and before any quantization)."""
     targets = {
         i.decision.module
         for i in items
@@ -218,8 +342,15 @@ def _calibrated_weights(
         changed = smooth_model(model, input_absmax(model, tokens, device), smooth, dtypes)
         params = dict(model.named_parameters())
         rewritten = {n: params[n].detach().to("cpu", dtypes[n]).clone() for n in changed}
+    input_amax: dict[str, torch.Tensor] = {}
+    if want_input_amax:
+        quantized = {i.decision.module for i in items if i.decision.quantize}
+        try:
+            input_amax = linear_input_amax(model, tokens, device, {m for m in quantized if m})
+        except ValueError as e:
+            raise CheckpointError(f"{src}: {e}") from None
     if method == "rtn":
-        return {}, rewritten
+        return {}, rewritten, input_amax
     res = calibrate_and_quantize(
         model,
         tokens,
@@ -239,7 +370,34 @@ def _calibrated_weights(
             len(missed),
             missed[0],
         )
-    return res.weights, rewritten
+    return res.weights, rewritten, input_amax
+
+
+def _nvfp4_ct_weights(
+    source: SourceModel, items: list[Item], rewritten: dict[str, torch.Tensor]
+) -> dict[str, QuantizedTensor]:
+    """NVFP4 for compressed-tensors: one power-of-two global scale per vLLM layer (the fused
+    siblings' amax together, ct_format.py), then the spec's block scales and codes. Reads
+    every quantized weight twice (amax, then quantize) to keep memory at one weight."""
+
+    def weight(it: Item) -> torch.Tensor:
+        w = rewritten.get(it.info.name)
+        return (w if w is not None else read_tensor(it.info)).to(torch.float32)
+
+    todo = [i for i in items if i.decision.quantize and i.decision.module is not None]
+    amax: dict[str, torch.Tensor] = {}
+    for it in todo:
+        w = weight(it)
+        a = torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax()
+        key = fused_group_key(str(it.decision.module))
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+    out = {}
+    for it in todo:
+        module = str(it.decision.module)
+        out[module] = quantize_nvfp4_ct(
+            weight(it), pow2_global_scale(amax[fused_group_key(module)])
+        )
+    return out
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
@@ -253,15 +411,26 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
             raise UsageError(f"{dst}: DST exists; pass --force to replace it")
 
 
-def _plan(source: SourceModel, fmt: str, matcher: IgnoreMatcher, macro_block: int) -> list[Item]:
+def _plan(
+    source: SourceModel,
+    fmt: str,
+    matcher: IgnoreMatcher,
+    macro_block: int,
+    out_format: str = FORMAT_MXPLUS,
+    scheme: str = "",
+) -> list[Item]:
     items = []
     for t in source.tensors:
         d = classify(t.name, t.dtype, t.shape, matcher, source.model_type)
         if d.quantize:
             assert d.module is not None
+            if out_format == FORMAT_CT:
+                check_ct_shape(t.name, t.shape, scheme)
+                layout = ct_stored_layout(scheme, t.shape)
+            else:
+                layout = stored_layout(fmt, t.shape, macro_block)
             outs = [
-                PlannedTensor(f"{d.module}.{sfx}", dt, shp)
-                for sfx, (dt, shp) in stored_layout(fmt, t.shape, macro_block).items()
+                PlannedTensor(f"{d.module}.{sfx}", dt, shp) for sfx, (dt, shp) in layout.items()
             ]
         else:
             outs = [PlannedTensor(t.name, t.dtype, t.shape)]

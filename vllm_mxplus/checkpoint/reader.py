@@ -34,8 +34,8 @@ from vllm_mxplus.checkpoint.safetensors_io import DTYPES, TensorInfo, read_heade
 from vllm_mxplus.checkpoint.source import (
     INDEX_NAME,
     SINGLE_NAME,
-    _read_json,  # one JSON reader for the package
     is_plain_file_name,
+    read_json,  # one JSON reader for the package
 )
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
@@ -111,7 +111,7 @@ def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: not found")
-    config = _read_json(config_path)
+    config = read_json(config_path)
     qcfg = config.get("quantization_config")
     if not is_mxplus_quantization_config(qcfg):
         raise CheckpointError(f"{config_path}: no vllm-mxplus quantization_config")
@@ -135,7 +135,7 @@ def open_checkpoint(path: str | Path) -> QuantizedCheckpoint:
 def _read_shards(path: Path) -> tuple[dict[str, TensorInfo], dict[str, dict]]:
     index = path / INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map") or {}
+        weight_map = read_json(index).get("weight_map") or {}
         if not isinstance(weight_map, dict) or not all(
             map(is_plain_file_name, weight_map.values())
         ):

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,8 @@ from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
+# (module, QuantizedTensor) -> suffix -> the tensor stored as MODULE.SUFFIX
+Encoder = Callable[[str, QuantizedTensor], dict[str, torch.Tensor]]
 TMP_TAG = ".mxplus-tmp-"
 OLD_TAG = ".mxplus-old-"
 LOCK_TAG = ".mxplus-lock"
@@ -224,10 +226,13 @@ def write_all(
     precomputed: dict[str, QuantizedTensor],
     rewritten: dict[str, torch.Tensor] | None = None,
     macro_block: int = MACRO_BLOCK,
+    encoder: Encoder | None = None,
 ) -> None:
     """Write every shard into tmp (MBS bytes per `macro_block` elements). `precomputed`: QuantizedTensors by module (calibrated
     methods); `rewritten`: source tensors by name that replace the file's (smoothing), in
-    the source dtype: quantized like a source tensor, or written as they are."""
+    the source dtype: quantized like a source tensor, or written as they are. `encoder`:
+    (module, QuantizedTensor) -> suffix -> stored tensor (default: codec.encode, the
+    plugin's layout)."""
     rewritten = dict(rewritten or {})
     total_in = sum(i.info.nbytes for s in shards for i in s.items)
     n_tensors = sum(len(s.items) for s in shards)
@@ -269,6 +274,7 @@ def write_all(
                             precomputed.pop(it.decision.module, None),
                             src,
                             macro_block,
+                            encoder,
                         )
                         qsnrs[fmt].append(q_db)
                         report.n_quantized += 1
@@ -316,15 +322,19 @@ def _quantize_one(
     done: QuantizedTensor | None = None,
     src: torch.Tensor | None = None,
     macro_block: int = MACRO_BLOCK,
+    encoder: Encoder | None = None,
 ) -> float:
+    encoder = encoder or _encode_mxplus
+    module = it.decision.module
+    assert module is not None  # a quantized tensor's module
     w = read_tensor(it.info, f) if src is None else src  # type: ignore[arg-type]
     if done is not None:  # quantized by calibration: only its error is measured here
         x32 = w.float()
         sig = float(torch.sum(x32.square(), dtype=torch.float64))
         err = float(torch.sum((x32 - done.dequantize()).square_(), dtype=torch.float64))
         bar.update(it.info.nbytes)
-        for sfx, t in encode(done).items():
-            writer.write(f"{it.decision.module}.{sfx}", t)
+        for sfx, t in encoder(module, done).items():
+            writer.write(f"{module}.{sfx}", t)
         return math.nan if sig == 0 else (math.inf if err == 0 else 10.0 * math.log10(sig / err))
     done_bytes = 0
 
@@ -341,12 +351,15 @@ def _quantize_one(
             f"{it.info.path}: cannot quantize tensor {it.info.name!r} ({e})"
         ) from None
     del w
-    module = it.decision.module
-    for sfx, t in encode(q).items():
+    for sfx, t in encoder(module, q).items():
         writer.write(f"{module}.{sfx}", t)
     if sig == 0:
         return math.nan
     return math.inf if err == 0 else 10.0 * math.log10(sig / err)
+
+
+def _encode_mxplus(module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    return encode(q)
 
 
 def _mean_finite(v: list[float]) -> float:

@@ -41,7 +41,7 @@ def open_source(path: Path) -> SourceModel:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: not found (SRC must be a Hugging Face model dir)")
-    config = _read_json(config_path)
+    config = read_json(config_path)
     if "quantization_config" in config:
         qcfg = config["quantization_config"]
         method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
@@ -49,7 +49,7 @@ def open_source(path: Path) -> SourceModel:
             f"{config_path}: the model is already quantized (quant_method {method!r}); "
             "quantize a bf16/fp16/fp32 checkpoint"
         )
-    shards = _shard_files(path)
+    shards = shard_files(path)
     tensors: list[TensorInfo] = []
     seen: dict[str, Path] = {}
     for shard in shards:
@@ -70,10 +70,11 @@ def open_source(path: Path) -> SourceModel:
     return SourceModel(path, config, tensors, other)
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a model dir: the index's shards, model.safetensors or a glob."""
     index = path / INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
         bad = [v for v in weight_map.values() if not is_plain_file_name(v)]
@@ -100,7 +101,8 @@ def is_plain_file_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and name == Path(name).name
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; CheckpointError naming the file otherwise."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
