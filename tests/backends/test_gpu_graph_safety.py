@@ -25,10 +25,10 @@ import types
 
 import pytest
 import torch
+from repo_scripts import load_repo_script
 
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
-from vllm_mxplus.backends.cutlass.fp8_chunks import Fp8ChunkLayout
 from vllm_mxplus.backends.cutlass.gemm import PreparedWeight
 from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 from vllm_mxplus.backends.graph_guard import GraphCaptureViolation as GraphSafetyViolation
@@ -36,6 +36,7 @@ from vllm_mxplus.backends.graph_guard import cuda_empty, fake_cuda, guarded
 from vllm_mxplus.formats import get_scheme
 
 DEVICE = "cuda"  # fake CUDA tensors (graph_guard.fake_cuda), on any machine
+_count_prefill_ops = load_repo_script("benchmarks/count_prefill_ops.py")
 
 
 @pytest.fixture(autouse=True)
@@ -55,18 +56,9 @@ def _e(shape, dtype=torch.float32):
 
 
 def _sm90_weight(n: int, k: int, with_fallback: bool) -> PreparedWeight:
-    nc, npad = -(-k // 128), -(-n // 8) * 8
-    lay = Fp8ChunkLayout(
-        fp8=_e((npad, nc * 128), torch.float8_e4m3fn),
-        scale=_e((nc, npad)),
-        ref=_e((npad, nc), torch.int32),
-        mbs=_e((npad, nc), torch.uint8),
-        exact=_e((npad, nc), torch.bool),
-        k=k,
-    )
-    idx = _e((3,), torch.int64) if with_fallback else _e((0,), torch.int64)
-    fw = _e((3, k)) if with_fallback else None
-    return PreparedWeight("sm90a", n, k, True, layout=lay, fallback_idx=idx, fallback_w=fw)
+    """The op-count benchmark's fake prepared sm_90a weight, 3 rows on the exact fallback or
+    none."""
+    return _count_prefill_ops.sm90_weight(n, k, 3 if with_fallback else 0)
 
 
 SM90_CASES = [
