@@ -15,7 +15,6 @@ METHODS = ("rtn", "rtn-aware", "gptq", "rtn-aware + smooth 0.5", "gptq + smooth 
 TARGET = "NVFP4"
 
 Rows = dict[str, dict[str, tuple[Path, str]]]  # row label -> {method: (results file, prefix)}
-Tasks = tuple[tuple[str, str], ...]
 Grid = dict[str, dict[str, dict[str, float]]]  # row -> method -> task -> value
 
 
@@ -27,54 +26,49 @@ def load_values(path: Path) -> dict[str, float]:
     return {k: v["value"] for k, v in values.items() if v.get("value") is not None}
 
 
-def collect(rows: Rows, tasks: Tasks = TASKS) -> Grid:
+def collect(rows: Rows) -> Grid:
     """row -> method -> task -> word perplexity, for the cells that have results."""
     cache: dict[Path, dict[str, float]] = {}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for row, methods in rows.items():
         for method, (path, prefix) in methods.items():
             values = cache.setdefault(path, load_values(path))
-            got = {t: values[f"{prefix}/{t}"] for t, _ in tasks if f"{prefix}/{t}" in values}
+            got = {t: values[f"{prefix}/{t}"] for t, _ in TASKS if f"{prefix}/{t}" in values}
             if got:
                 out.setdefault(row, {})[method] = got
     return out
+
+
+def _cell(grid: Grid, row: str, method: str, task: str) -> float | None:
+    return grid.get(row, {}).get(method, {}).get(task)
 
 
 def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
-def table(
-    grid: Grid,
-    bf16: dict[str, float],
-    rows: Rows,
-    bf16_source: str,
-    methods: tuple[str, ...] = METHODS,
-    tasks: Tasks = TASKS,
-    target: str = TARGET,
-) -> str:
-    """Markdown: perplexity per row x (method, task), then the gap to `target` per method."""
+def table(grid: Grid, bf16: dict[str, float], rows: Rows, bf16_source: str) -> str:
+    """Markdown: perplexity per row x (method, task), then the gap to TARGET per method."""
     head = [
-        "| scheme | " + " | ".join(f"{m} ({t})" for m in methods for _, t in tasks) + " |",
-        "|---|" + "---:|" * (len(methods) * len(tasks)),
+        "| scheme | " + " | ".join(f"{m} ({t})" for m in METHODS for _, t in TASKS) + " |",
+        "|---|" + "---:|" * (len(METHODS) * len(TASKS)),
     ]
     lines = list(head)
     for row in rows:
-        cells = [_fmt(grid.get(row, {}).get(m, {}).get(task)) for m in methods for task, _ in tasks]
+        cells = [_fmt(_cell(grid, row, m, task)) for m in METHODS for task, _ in TASKS]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     if bf16:
-        ppl = " / ".join(_fmt(bf16.get(task)) for task, _ in tasks)
+        ppl = " / ".join(_fmt(bf16.get(task)) for task, _ in TASKS)
         lines += ["", f"BF16 (unquantized, {bf16_source}): {ppl}."]
-    lines += ["", f"Against {target} under the same method (+: above {target}'s perplexity):", ""]
+    lines += ["", f"Against {TARGET} under the same method (+: above {TARGET}'s perplexity):", ""]
     lines += head
-    ref_cells = grid.get(target, {})
     for row in rows:
-        if row == target:
+        if row == TARGET:
             continue
         cells = []
-        for m in methods:
-            for task, _ in tasks:
-                mine, ref = grid.get(row, {}).get(m, {}).get(task), ref_cells.get(m, {}).get(task)
+        for m in METHODS:
+            for task, _ in TASKS:
+                mine, ref = _cell(grid, row, m, task), _cell(grid, TARGET, m, task)
                 cells.append(
                     "–" if mine is None or ref is None else f"{100 * (mine / ref - 1):+.1f} %"
                 )
@@ -82,14 +76,7 @@ def table(
     return "\n".join(lines) + "\n"
 
 
-def chart(
-    grid: Grid,
-    bf16: dict[str, float],
-    png: Path,
-    rows: Rows,
-    methods: tuple[str, ...] = METHODS,
-    tasks: Tasks = TASKS,
-) -> None:
+def chart(grid: Grid, bf16: dict[str, float], png: Path, rows: Rows) -> None:
     """Bars per row and method, one panel per task, log scale, BF16 as a dashed line."""
     import matplotlib
 
@@ -97,16 +84,16 @@ def chart(
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(tasks), figsize=(13, 4.8), sharey=False)
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(13, 4.8), sharey=False)
     row_names = list(rows)
-    width = 0.8 / len(methods)
-    for ax, (task, label) in zip(axes, tasks, strict=True):
-        for i, m in enumerate(methods):
+    width = 0.8 / len(METHODS)
+    for ax, (task, label) in zip(axes, TASKS, strict=True):
+        for i, m in enumerate(METHODS):
             xs, ys = [], []
             for j, row in enumerate(row_names):
-                v = grid.get(row, {}).get(m, {}).get(task)
+                v = _cell(grid, row, m, task)
                 if v is not None:
-                    xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                    xs.append(j + (i - (len(METHODS) - 1) / 2) * width)
                     ys.append(v)
             ax.bar(xs, ys, width, label=m)
         if task in bf16:
