@@ -34,34 +34,21 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llama(tmp_path_factory.mktemp("ct") / "llama", intermediate=128, layers=2)
 
 
-@pytest.fixture(scope="module")
-def written(src: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture
+def written(src: Path, tmp_path: Path, random_tokens: None) -> dict[str, Path]:
     """scheme -> checkpoint dir, quantized with --format compressed-tensors (random tokens)."""
-    import vllm_mxplus.checkpoint.quantizer as quantizer_mod
-
     out: dict[str, Path] = {}
-    mp = pytest.MonkeyPatch()
-
-    def fake(src, calib=None, nsamples=32, seqlen=512):  # noqa: ANN001, ANN202
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, 96, (nsamples, seqlen), generator=g)
-
-    mp.setattr(quantizer_mod, "calibration_tokens", fake)
-    try:
-        for scheme in ("nvfp4", "mxfp4-ocp"):
-            dst = tmp_path_factory.mktemp("out") / scheme
-            quantize_checkpoint(
-                src,
-                dst,
-                scheme,
-                out_format="compressed-tensors",
-                progress=False,
-                nsamples=4,
-                seqlen=16,
-            )
-            out[scheme] = dst
-    finally:
-        mp.undo()
+    for scheme in ("nvfp4", "mxfp4-ocp"):
+        out[scheme] = tmp_path / scheme
+        quantize_checkpoint(
+            src,
+            out[scheme],
+            scheme,
+            out_format="compressed-tensors",
+            progress=False,
+            nsamples=4,
+            seqlen=16,
+        )
     return out
 
 
@@ -78,11 +65,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).view(torch.int32)
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4-ocp"])
-def test_library_decompresses_the_plugin_s_weights_bit_for_bit(
-    scheme: str, written: dict[str, Path], src: Path
-) -> None:
-    dst = written[scheme]
+def _check_library_decompression(dst: Path, scheme: str, original: dict | None) -> None:
+    """Every quantized module of dst decompressed by compressed-tensors' registered compressor
+    equals the plugin's dequantization of its codes and scales, bit for bit; with `original`
+    (the source tensors), also close to the source weight."""
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors"
     qc = QuantizationConfig.model_validate(cfg)
@@ -92,7 +78,6 @@ def test_library_decompresses_the_plugin_s_weights_bit_for_bit(
     assert "lm_head" in qc.ignore
     compressor = BaseCompressor.get_value_from_registry(fmt)
     mods = _modules(source_tensors(dst))
-    original = source_tensors(src)
     assert len(mods) == 2 * 7  # every attention and MLP linear of both layers
     for module, stored in mods.items():
         ct = compressor.decompress(dict(stored), group)["weight"]
@@ -102,19 +87,56 @@ def test_library_decompresses_the_plugin_s_weights_bit_for_bit(
             g = (1.0 / stored["weight_global_scale"]).reshape(())
         else:
             assert stored["weight_scale"].dtype == torch.uint8
+        packed = stored["weight_packed"]
         q = QuantizedTensor(
-            codes=stored["weight_packed"],
+            codes=packed,
             scales=stored["weight_scale"],
             fmt=scheme,
-            shape=torch.Size(original[f"{module}.weight"].shape),
+            shape=torch.Size((packed.shape[0], packed.shape[1] * 2)),
             global_scale=g,
         )
         ours = q.dequantize()
         assert ct.dtype == torch.bfloat16
         assert torch.equal(_bits(ct), _bits(ours)), module  # and so ours is exact in bf16
-        w = original[f"{module}.weight"].float()
-        err = (w - ours).square().sum() / w.square().sum()
-        assert err < 0.02, (module, float(err))  # ~17 dB or better: the weight, not noise
+        if original is not None:
+            w = original[f"{module}.weight"].float()
+            err = (w - ours).square().sum() / w.square().sum()
+            assert err < 0.02, (module, float(err))  # ~17 dB or better: the weight, not noise
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4-ocp"])
+def test_library_decompresses_the_plugin_s_weights_bit_for_bit(
+    scheme: str, written: dict[str, Path], src: Path
+) -> None:
+    _check_library_decompression(written[scheme], scheme, source_tensors(src))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "method", "smooth"),
+    [("nvfp4", "rtn", 0.5), ("mxfp4-ocp", "gptq", None), ("mxfp4-ocp", "rtn-aware", 0.5)],
+)
+def test_calibrated_and_smoothed_checkpoints_decompress_bit_for_bit(
+    scheme: str, method: str, smooth: float | None, src: Path, tmp_path: Path, random_tokens: None
+) -> None:
+    dst = tmp_path / "out"
+    quantize_checkpoint(
+        src,
+        dst,
+        scheme,
+        method=method,
+        smooth=smooth,
+        nsamples=4,
+        seqlen=16,
+        out_format="compressed-tensors",
+        progress=False,
+    )
+    _check_library_decompression(dst, scheme, None)
+    if method != "rtn":  # the calibrated weights, not RTN's
+        mods = _modules(source_tensors(dst))
+        w = source_tensors(src)["model.layers.0.mlp.down_proj.weight"]
+        assert not torch.equal(
+            mods["model.layers.0.mlp.down_proj"]["weight_packed"], quantize(w, scheme).codes
+        )
 
 
 def test_nvfp4_global_scale_is_a_shared_power_of_two(written: dict[str, Path], src: Path) -> None:

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 from vllm_mxplus.checkpoint.layout import SUFFIX_GLOBAL, SUFFIX_PACKED, SUFFIX_SCALE
+from vllm_mxplus.checkpoint.rules import FUSED_GROUPS
+from vllm_mxplus.checkpoint.safetensors_io import read_tensor
+from vllm_mxplus.checkpoint.shard_writer import Item
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import QuantizedTensor
 from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX
@@ -42,8 +45,6 @@ CT_SCHEMES = {
     "mxfp4-ocp": ("MXFP4", "mxfp4-pack-quantized", 32),
 }
 CT_TARGETS = ["Linear"]
-# vLLM fuses these siblings into one layer with one nvfp4 global scale (quantizer.FUSED_GROUPS).
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def check_ct_request(scheme: str, method: str) -> None:
@@ -91,7 +92,7 @@ def ct_stored_layout(scheme: str, shape: tuple[int, ...]) -> dict[str, tuple[str
 def fused_group_key(module: str) -> str:
     """The vLLM layer a module is loaded into: `a.b.qkv` for a.b.{q,k,v}_proj, else itself."""
     parent, _, leaf = module.rpartition(".")
-    for group in FUSED_SIBLINGS:
+    for group in FUSED_GROUPS:
         if leaf in group:
             return f"{parent}.{'+'.join(group)}"
     return module
@@ -174,3 +175,30 @@ def make_ct_quantization_config(scheme: str, unquantized_modules: list[str]) -> 
         TRANSFORM_CONFIG_NAME: {},
         **qc.model_dump(mode="json", exclude={"quant_method"}),
     }
+
+
+def nvfp4_ct_weights(
+    items: list[Item], rewritten: dict[str, torch.Tensor]
+) -> dict[str, QuantizedTensor]:
+    """NVFP4 for compressed-tensors: one power-of-two global scale per vLLM layer (the fused
+    siblings' amax together, see the module docstring), then the spec's block scales and codes. Reads
+    every quantized weight twice (amax, then quantize) to keep memory at one weight."""
+
+    def weight(it: Item) -> torch.Tensor:
+        w = rewritten.get(it.info.name)
+        return (w if w is not None else read_tensor(it.info)).to(torch.float32)
+
+    todo = [i for i in items if i.decision.quantize and i.decision.module is not None]
+    amax: dict[str, torch.Tensor] = {}
+    for it in todo:
+        w = weight(it)
+        a = torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax()
+        key = fused_group_key(str(it.decision.module))
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+    out = {}
+    for it in todo:
+        module = str(it.decision.module)
+        out[module] = quantize_nvfp4_ct(
+            weight(it), pow2_global_scale(amax[fused_group_key(module)])
+        )
+    return out

@@ -44,19 +44,16 @@ from vllm_mxplus.checkpoint.ct_format import (
     check_ct_shape,
     ct_encode,
     ct_stored_layout,
-    fused_group_key,
     make_ct_quantization_config,
-    pow2_global_scale,
-    quantize_nvfp4_ct,
+    nvfp4_ct_weights,
 )
 from vllm_mxplus.checkpoint.errors import CheckpointError
 from vllm_mxplus.checkpoint.layout import make_quantization_config
 from vllm_mxplus.checkpoint.quantized_source import materialize, quantized_source
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
-from vllm_mxplus.checkpoint.rules import IgnoreMatcher, classify
+from vllm_mxplus.checkpoint.rules import FUSED_GROUPS, IgnoreMatcher, classify
 from vllm_mxplus.checkpoint.safetensors_io import (
     PlannedTensor,
-    read_tensor,
 )
 from vllm_mxplus.checkpoint.shard_writer import (
     Encoder,
@@ -74,8 +71,6 @@ from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, check_macro_block,
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' historical default shard size (5 GB)
-# vLLM fuses these siblings into one layer, which must be all quantized or all not.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def default_device() -> str:
@@ -251,7 +246,7 @@ def _quantize(
         )
     encoder: Encoder | None = None
     if ct_nvfp4:
-        precomputed = _nvfp4_ct_weights(source, items, rewritten)
+        precomputed = nvfp4_ct_weights(items, rewritten)
         encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
 
     report = QuantizeReport(
@@ -371,33 +366,6 @@ def _calibrated_weights(
             missed[0],
         )
     return res.weights, rewritten, input_amax
-
-
-def _nvfp4_ct_weights(
-    source: SourceModel, items: list[Item], rewritten: dict[str, torch.Tensor]
-) -> dict[str, QuantizedTensor]:
-    """NVFP4 for compressed-tensors: one power-of-two global scale per vLLM layer (the fused
-    siblings' amax together, ct_format.py), then the spec's block scales and codes. Reads
-    every quantized weight twice (amax, then quantize) to keep memory at one weight."""
-
-    def weight(it: Item) -> torch.Tensor:
-        w = rewritten.get(it.info.name)
-        return (w if w is not None else read_tensor(it.info)).to(torch.float32)
-
-    todo = [i for i in items if i.decision.quantize and i.decision.module is not None]
-    amax: dict[str, torch.Tensor] = {}
-    for it in todo:
-        w = weight(it)
-        a = torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax()
-        key = fused_group_key(str(it.decision.module))
-        amax[key] = torch.maximum(amax[key], a) if key in amax else a
-    out = {}
-    for it in todo:
-        module = str(it.decision.module)
-        out[module] = quantize_nvfp4_ct(
-            weight(it), pow2_global_scale(amax[fused_group_key(module)])
-        )
-    return out
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:

@@ -27,6 +27,9 @@ FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1"
 # along their last dim would use the wrong reduction dim, so they stay unquantized.
 TRANSPOSED_EXPERT_MODEL_TYPES = ("gpt_oss",)
 REGEX_PREFIX = "re:"
+# vLLM fuses these siblings into one layer, which must be all quantized or all not (and, for
+# nvfp4 in compressed-tensors, shares one global scale).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
