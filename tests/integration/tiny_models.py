@@ -268,7 +268,7 @@ ARCHS: dict[str, Arch] = {
             layer_types=["sliding_attention", "full_attention"],
             rope_scaling=None,
         ),
-        "MoE with expert biases, attention sinks, hidden 192",
+        "MoE 4 experts top-2, expert biases, swigluoai, attention sinks, hidden 192",
         moe=True,
     ),
 }
