@@ -26,6 +26,8 @@ correct backend, and the second is checked within the linear self-test's bound:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -115,29 +117,12 @@ def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | 
     y = backend.apply(layer, x.to(device), wts.to(device), ids.to(device), F.relu)
     if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
         return f"output is {tuple(y.shape)} {y.dtype}, want {tuple(x.shape)} {x.dtype}"
-    m = x.shape[0]
-    want = torch.zeros(m, H, dtype=torch.float64)
-    summed = torch.zeros(m, H, dtype=torch.float64)
-    bound = torch.zeros(m, H, dtype=torch.float64)
-    afmt = spec.scheme.activation
-    for slot in range(TOPK):
-        e = ids[:, slot].long()
-        gu = torch.einsum("mk,mnk->mn", x.double(), hat["w13"][e].double()).to(dtype)
-        g, u = gu.chunk(2, dim=-1)
-        h = F.relu(g) * u
-        hq = fake_quantize(
-            h, afmt.name, macro_block=spec.macro_block, per_row=afmt.has_global_scale
-        )
-        w2 = hat["w2"][e].double()
-        y64 = torch.einsum("mk,mnk->mn", hq.double(), w2)
-        a = torch.einsum("mk,mnk->mn", hq.double().abs(), w2.abs())
-        b = output_bound(a, y64, torch.zeros_like(y64), INTER, dtype, backend.accumulator_bits)
-        wk = wts[:, slot : slot + 1].double()
-        want += wk * y64
-        summed += (wk * y64).abs()
-        bound += wk.abs() * b
-    u32 = torch.finfo(torch.float32).eps / 2
-    bound += 2 * TOPK * u32 * summed + u32 * want.abs()
+
+    def relu_gated(e: torch.Tensor, gu64: torch.Tensor) -> torch.Tensor:
+        g, u = gu64.to(dtype).chunk(2, dim=-1)
+        return F.relu(g) * u
+
+    want, bound = expected_layer(x, ids, wts, hat, spec, relu_gated, backend.accumulator_bits)
     got = y.double().cpu()
     bad = ~((got - want).abs() <= bound)
     if not bool(bad.any()):
@@ -147,3 +132,42 @@ def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | 
         f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
         f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} outside the bound)"
     )
+
+
+def expected_layer(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    wts: torch.Tensor,
+    hat: dict[str, torch.Tensor],
+    spec: ExpertSpec,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    accumulator_bits: int = 24,
+    w2_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, bound) in float64 for a layer whose stage 1 is exact (module docstring): out =
+    sum_k w_k (Q(h_k) Ŵ2[e_k]^T (+ b2[e_k])), h_k = activation(e_k, x Ŵ13[e_k]^T in float64)
+    in fp32, Q the spec's activation quantization; bound the stage-2 and combine bounds."""
+    m, h_dim = x.shape[0], hat["w2"].shape[1]
+    want = torch.zeros(m, h_dim, dtype=torch.float64)
+    summed = torch.zeros_like(want)
+    bound = torch.zeros_like(want)
+    afmt = spec.scheme.activation
+    for slot in range(ids.shape[1]):
+        e = ids[:, slot].long()
+        gu = torch.einsum("mk,mnk->mn", x.double(), hat["w13"][e].double())
+        h = activation(e, gu)
+        hq = fake_quantize(
+            h, afmt.name, macro_block=spec.macro_block, per_row=afmt.has_global_scale
+        )
+        w2 = hat["w2"][e].double()
+        b2 = torch.zeros(m, h_dim, dtype=torch.float64) if w2_bias is None else w2_bias[e].double()
+        y64 = torch.einsum("mk,mnk->mn", hq.double(), w2) + b2
+        a = torch.einsum("mk,mnk->mn", hq.double().abs(), w2.abs())
+        b = output_bound(a, y64, b2, w2.shape[-1], torch.float32, accumulator_bits)
+        wk = wts[:, slot : slot + 1].double()
+        want += wk * y64
+        summed += (wk * y64).abs()
+        bound += wk.abs() * b
+    u32 = torch.finfo(torch.float32).eps / 2
+    bound += 2 * ids.shape[1] * u32 * summed + u32 * want.abs()
+    return want, bound

@@ -17,12 +17,13 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from vllm_mxplus.backends.base import (
     Layer,
     LinearBackend,
-    LinearSpec,
+    Spec,
     check_e8m0_pair,
     set_packed_buffers,
 )
@@ -53,21 +54,59 @@ def cpu_kernels_take(weight_format: str, activation_format: str) -> tuple[bool, 
     return check_e8m0_pair(weight_format, activation_format, "CPU kernel")
 
 
-class CpuPackedBackend(LinearBackend):
-    name = "cpu-packed"
-    kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
-    _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
+class CpuKernels:
+    """Where the C++ kernels serve (linears and MoE experts alike): on the CPU once they are
+    built, for the pairs of `cpu_kernels_take`."""
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cpu":
             return False, f"the C++ kernels run on the CPU, not {platform}"
-
         return cpu_kernels.load()
 
     @classmethod
-    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+    def can_implement(cls, spec: Spec) -> tuple[bool, str]:
         return cpu_kernels_take(spec.weight_format, spec.activation_format)
+
+
+def pack_for_kernels(
+    q: QuantizedTensor, activation_format: str, macro_block: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple]:
+    """A weight [N, K] in the kernels' 16-row tiles: ((codes, scales, third), args), third
+    the MBS bytes (E8M0 formats), the NVFP4 fp32 global scale of each row or the MX+ block
+    maxima; args what `cpu_linear` needs to run it (resolved once, so a decode step pays one
+    C++ op call per GEMM and no lookups)."""
+    n, k = q.codes.shape[0], q.shape[-1]
+    if q.fmt == "nvfp4":
+        return pack_nvfp4(q), ("nvfp4", n, k)  # codes, E4M3, global
+    if q.fmt == "mxplus":
+        return pack_mxplus(q), ("mxplus", n, k)  # codes, E8M0, block maxima
+    packed = pack_weight(q.codes, q.scales, q.mbs, k, q.fmt, macro_block)
+    return packed, linear_args(q.fmt, activation_format, n, k, macro_block)
+
+
+def cpu_linear(
+    x: Tensor,
+    args: tuple,
+    weight: tuple[Tensor, Tensor, Tensor],
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    act_global_scale: Tensor | None = None,
+) -> Tensor:
+    """Q_act(x) @ W_hat^T (+ bias) by the C++ kernel of a `pack_for_kernels` weight.
+    act_global_scale: NVFP4 only, per-row global scales [R, 1] to quantize x with instead of
+    its rows' own."""
+    if args[0] == "nvfp4":
+        return nvfp4_linear_packed(x, args[1], args[2], *weight, bias, out_dtype, act_global_scale)
+    if args[0] == "mxplus":
+        return mxplus_linear_packed(x, args[1], args[2], *weight, bias, out_dtype)
+    return linear_packed(x, args, *weight, bias, out_dtype)
+
+
+class CpuPackedBackend(CpuKernels, LinearBackend):
+    name = "cpu-packed"
+    kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
+    _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
@@ -75,39 +114,11 @@ class CpuPackedBackend(LinearBackend):
             raise ValueError(
                 f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}"
             )
-        if qweight.fmt == "nvfp4":
-            set_packed_buffers(layer, ATTRS, pack_nvfp4(qweight))  # codes, E4M3, global
-            self._args = ("nvfp4", qweight.codes.shape[0], spec.k)
-            return
-        if qweight.fmt == "mxplus":
-            set_packed_buffers(layer, ATTRS, pack_mxplus(qweight))  # codes, E8M0, block maxima
-            self._args = ("mxplus", qweight.codes.shape[0], spec.k)
-            return
-        packed = pack_weight(
-            qweight.codes, qweight.scales, qweight.mbs, spec.k, spec.weight_format, spec.macro_block
-        )
+        packed, self._args = pack_for_kernels(qweight, spec.activation_format, spec.macro_block)
         set_packed_buffers(layer, ATTRS, packed)
-        # Resolved once here (this backend serves this layer alone), so a decode step pays one
-        # C++ op call per linear and no lookups.
-        self._args = linear_args(
-            spec.weight_format,
-            spec.activation_format,
-            qweight.codes.shape[0],
-            spec.k,
-            spec.macro_block,
-        )
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
-
-        out_dtype = self.spec.out_dtype
-        args = self._args
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
-        if args[0] == "nvfp4":
-            return nvfp4_linear_packed(
-                x, args[1], args[2], *weight, bias, out_dtype, act_global_scale
-            )
-        if args[0] == "mxplus":
-            return mxplus_linear_packed(x, args[1], args[2], *weight, bias, out_dtype)
-        return linear_packed(x, args, *weight, bias, out_dtype)
+        return cpu_linear(x, self._args, weight, bias, self.spec.out_dtype, act_global_scale)

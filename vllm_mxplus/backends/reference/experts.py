@@ -6,10 +6,13 @@ accumulation order (and by the router's own rounding, computed by each framework
 
 Per token t and each of its top-k (expert e, weight w):
   a   = Q_act(x_t)                               (activation format, per token)
-  g|u = a @ W13_hat[e]^T                         fp32 GEMM, cast to the model dtype
-  h   = act(g) * u                               in the model dtype (vLLM's SiluAndMul)
-  y  += w * (Q_act(h) @ W2_hat[e]^T)             fp32 GEMM, cast, weighted, summed in fp32
-W13_hat / W2_hat are the scheme's dequantized weights (fp32, exact), dequantized once.
+  g|u = a @ W13_hat[e]^T (+ b13[e])              fp32 GEMM and bias, cast to the model dtype
+  h   = act(g) * u                               in the model dtype (vLLM's SiluAndMul), or
+                                                 swigluoai(g|u) (gpt-oss, `SwigluOAI`)
+  y  += w * (Q_act(h) @ W2_hat[e]^T (+ b2[e]))   fp32 GEMM and bias, cast, weighted, summed
+                                                 in fp32
+W13_hat / W2_hat are the scheme's dequantized weights (fp32, exact), dequantized once; the
+expert biases (gpt-oss) stay in the model dtype and are added in fp32, as linear biases are.
 Both activations are quantized along K per row, so quantizing all rows at once equals
 quantizing each expert's rows apart (the nvfp4 global scale is per row: docs/numerics.md, NVFP4).
 """
@@ -17,23 +20,93 @@ quantizing each expert's rows apart (the nvfp4 global scale is per row: docs/num
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
+from vllm_mxplus.backends.base import (
+    STEMS,
+    Activation,
+    ExpertBackend,
+    ExpertSpec,
+    ExpertWeights,
+    Layer,
+)
 from vllm_mxplus.backends.reference.linear import fake_quant_activation, fake_quant_nvfp4_rows
 from vllm_mxplus.formats import MACRO_BLOCK
 
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
 
-# The gated activations the reference implements (vLLM MoEActivation values).
+# The gated activations act(g) * u on w13's halves (gate rows, then up rows), by vLLM
+# MoEActivation value.
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
 }
+SWIGLUOAI = "swigluoai"  # gpt-oss: gate / up interleaved along w13's rows, clamped
+# vLLM 0.32's SwigluOAIAndMul defaults, which its gpt-oss experts use (the layer's
+# swiglu_alpha / swiglu_limit take precedence where a model sets them)
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+# Every expert activation the expert backends implement
+EXPERT_ACTIVATIONS = (*GATED_ACTIVATIONS, SWIGLUOAI)
+
+
+@dataclass(frozen=True)
+class SwigluOAI:
+    """gpt-oss's clamped SwiGLU on the whole g|u row [R, 2I] -> [R, I], gate in the even and
+    up in the odd columns (vLLM's SwigluOAIAndMul.forward_native, transformers'
+    GptOssExperts._apply_gate), in the dtype of g|u:
+    g = min(g, limit); u = clamp(u, -limit, limit); h = (u + 1) * g * sigmoid(alpha * g)."""
+
+    alpha: float = SWIGLUOAI_ALPHA
+    limit: float = SWIGLUOAI_LIMIT
+    takes_gate_up: ClassVar[bool] = True  # see gated()
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def expert_activation(
+    name: str, alpha: float | None = None, limit: float | None = None
+) -> Activation | None:
+    """The activation callable of a vLLM MoEActivation value (alpha / limit: the layer's
+    swiglu_alpha / swiglu_limit, None for the defaults), or None when none implements it."""
+    if name == SWIGLUOAI:
+        return SwigluOAI(
+            SWIGLUOAI_ALPHA if alpha is None else alpha, SWIGLUOAI_LIMIT if limit is None else limit
+        )
+    return GATED_ACTIVATIONS.get(name)
+
+
+def gated(activation: Activation, gate_up: torch.Tensor) -> torch.Tensor:
+    """h [R, I] from g|u [R, 2I]: an activation that takes the whole row (`takes_gate_up`,
+    `SwigluOAI`) gets it; any other is act(g) * u on the halves."""
+    if getattr(activation, "takes_gate_up", False):
+        return activation(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activation(gate) * up
+
+
+@dataclass(frozen=True)
+class GatedExpertSpec(ExpertSpec):
+    """An `ExpertSpec` that also says the layer's expert activation (a vLLM MoEActivation
+    value) and whether its experts have biases, for backends that implement only some."""
+
+    activation: str = field(default="silu", kw_only=True)
+    has_bias: bool = field(default=False, kw_only=True)
+
+
+def expert_bias(layer: Layer, stem: str) -> torch.Tensor | None:
+    """The layer's expert biases of a stem (w13 [E, 2I], w2 [E, H]) or None."""
+    return getattr(layer, f"{stem}_bias", None)
 
 
 def route(
@@ -68,10 +141,14 @@ def moe_experts_reference(
     macro_block: int = MACRO_BLOCK,
     expert_map: torch.Tensor | None = None,
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype.
 
-    x [M, H]; w13 [E, 2I, H] fp32 (gate rows then up rows); w2 [E, H, I] fp32;
+    x [M, H]; w13 [E, 2I, H] fp32 (gate rows then up rows, or interleaved for an activation
+    that takes the whole row, see `gated`); w2 [E, H, I] fp32; w13_bias [E, 2I] / w2_bias
+    [E, H] (gpt-oss) or None;
     topk_weights / topk_ids [M, k] (ids global). expert_map: global id -> local slot or -1
     (expert parallel; tokens routed to other ranks' experts contribute nothing here).
     row_global_scale: nvfp4 under TP only, h [R, I_part] -> per-row global scales of the
@@ -85,15 +162,16 @@ def moe_experts_reference(
     tok, weights, experts, rows = route(topk_weights, topk_ids, expert_map)
     xq = fake_quant_activation(x, act_format, per_row, macro_block)
     h = torch.zeros(m * k, w2.shape[2], dtype=out_dtype, device=x.device)
+    b13, b2 = (None if b is None else b.to(torch.float32) for b in (w13_bias, w2_bias))
     for e, sel in zip(experts, rows):
-        gate, up = F.linear(xq[tok[sel]], w13[e]).to(out_dtype).chunk(2, dim=-1)
-        h[sel] = activation(gate) * up
+        gu = F.linear(xq[tok[sel]], w13[e], None if b13 is None else b13[e]).to(out_dtype)
+        h[sel] = gated(activation, gu)
     if row_global_scale is not None:
         hq = fake_quant_nvfp4_rows(h, row_global_scale(h))
     else:
         hq = fake_quant_activation(h, act_format, per_row, macro_block)
     for e, sel in zip(experts, rows):
-        y = F.linear(hq[sel], w2[e]).to(out_dtype).to(torch.float32)
+        y = F.linear(hq[sel], w2[e], None if b2 is None else b2[e]).to(out_dtype).float()
         out.index_add_(0, tok[sel], y * weights[sel, None])
     return out.to(out_dtype)
 
@@ -130,4 +208,6 @@ class ReferenceExperts(ExpertBackend):
             macro_block=spec.macro_block,
             expert_map=layer.expert_map,
             row_global_scale=getattr(layer, "mxplus_row_global_scale", None),
+            w13_bias=expert_bias(layer, "w13"),
+            w2_bias=expert_bias(layer, "w2"),
         )

@@ -9,6 +9,10 @@ whole row's global scale, `layer.mxplus_row_global_scale`) as the CPU experts do
 
 Every call is CUDA-graph capturable: torch ops and kernel launches only, shapes from the
 input shapes, no host synchronisation.
+
+The grouped kernel computes act(g) * u on w13's halves without expert biases: a layer with
+gpt-oss's swigluoai activation or expert biases is refused (`can_implement`, with the reason)
+and served by the next backend (the reference experts on CUDA).
 """
 
 from __future__ import annotations
@@ -24,27 +28,33 @@ from vllm_mxplus.backends.base import (
     ExpertWeights,
     Layer,
 )
-from vllm_mxplus.backends.triton import launch
+from vllm_mxplus.backends.reference.experts import GATED_ACTIVATIONS, GatedExpertSpec
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
-from vllm_mxplus.backends.triton.linear import triton_takes, weight_operands
+from vllm_mxplus.backends.triton.linear import TritonKernels, triton_takes, weight_operands
 from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
 
 PACKED_ATTR = "mxplus_triton_experts"  # {stem: PackedExpertWeights} on the layer
 
 
-class TritonExperts(ExpertBackend):
+class TritonExperts(TritonKernels, ExpertBackend):
     name = "triton-grouped"
     summary = "triton-grouped GEMM (packed FP4 experts on the GPU)"
     kernel = True  # self-tested against `formats` at first use (selftest_experts.py)
 
     @classmethod
-    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
-        if platform != "cuda":
-            return False, f"Triton kernels are built for CUDA, not {platform}"
-        return launch.is_available(torch.device("cuda"))
-
-    @classmethod
     def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
+        lacks = []  # a plain ExpertSpec (the self-tests' layer): gated, no biases
+        if isinstance(spec, GatedExpertSpec):
+            if spec.activation not in GATED_ACTIVATIONS:
+                lacks.append(f"the expert activation {spec.activation!r}")
+            if spec.has_bias:
+                lacks.append("expert biases")
+        if lacks:
+            return False, (
+                f"the grouped Triton GEMM computes act(gate) * up "
+                f"({', '.join(GATED_ACTIVATIONS)}) without expert biases; this layer has "
+                f"{' and '.join(lacks)}"
+            )
         return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
 
     def process_weights_after_loading(self, layer: Layer, weights: ExpertWeights) -> None:

@@ -76,17 +76,22 @@ def weight_operands(
     return qweight.codes, qweight.scales, extra, g
 
 
-class TritonDecodeBackend(LinearBackend):
-    name = "triton-decode"
-    min_m: int = 1
-    max_m: int | None = DECODE_MAX_M
-    kernel = True  # self-tested against `formats` at first use
+class TritonKernels:
+    """Where the Triton kernels run (linears and MoE experts alike): CUDA, with a working
+    Triton."""
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
         if platform != "cuda":
             return False, f"Triton kernels are built for CUDA, not {platform}"
         return launch.is_available(torch.device("cuda"))
+
+
+class TritonDecodeBackend(TritonKernels, LinearBackend):
+    name = "triton-decode"
+    min_m: int = 1
+    max_m: int | None = DECODE_MAX_M
+    kernel = True  # self-tested against `formats` at first use
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
