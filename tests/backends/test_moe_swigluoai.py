@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from vllm_mxplus.backends.base import ExpertBackend, ExpertWeights
-from vllm_mxplus.backends.reference.experts import (
+from vllm_mxplus.backends.expert_layer import (
     SWIGLUOAI_ALPHA,
     SWIGLUOAI_LIMIT,
     GatedExpertSpec,
-    ReferenceExperts,
     SwigluOAI,
     expert_activation,
 )
+from vllm_mxplus.backends.reference.experts import ReferenceExperts
 from vllm_mxplus.backends.selftest_experts import _grid_rows, _quantized, expected_layer
 from vllm_mxplus.formats import fake_quantize, get_scheme, quantize
 

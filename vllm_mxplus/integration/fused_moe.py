@@ -17,14 +17,21 @@ Two load paths, as for linears (linear.py):
   uint8 / e4m3 tensors load through vLLM's own MoE loader (N-sharded for w13, K-sharded for
   w2), the nvfp4 global scales as per-tensor scales [E, 2] / [E].
 Execution: the expert backend comes from a per-platform priority list
-(`moe_backends.select_expert_backend`; today `cpu-packed` C++ kernels for the E8M0 formats on
-the CPU, else the fp32 reference, `moe_cpu_backend.py`); a grouped GPU kernel registers
-itself there. Expert biases and activations other than the gated ones are refused at load,
-naming the layer.
+(`backends/selection.py`: the `cpu-packed` C++ kernels on the CPU, the grouped Triton GEMM on
+CUDA, else the fp32 reference), given the layer's expert activation and whether it has expert
+biases (`GatedExpertSpec`), since not every backend implements all of them.
+
+Activations: the gated ones on w13's halves (silu, gelu, gelu_tanh) and gpt-oss's swigluoai
+(gate / up interleaved along w13's rows, clamped; alpha and limit from the layer's
+swiglu_alpha / swiglu_limit, else vLLM's defaults). Expert biases (gpt-oss: w13_bias [E, 2I]
+N-sharded, w2_bias [E, H] on TP rank 0 only, both loaded by vLLM) stay in the model dtype
+and are added in fp32 after each expert GEMM. Other activations are refused at load, naming
+the layer and how to keep its experts unquantized (`ignore` in the quantization options).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +46,17 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_mxplus.backends import (
     ExpertBackend,
-    ExpertSpec,
     ExpertWeights,
     current_platform_of,
     pick,
     select,
 )
-from vllm_mxplus.backends.reference.experts import GATED_ACTIVATIONS
+from vllm_mxplus.backends.base import Activation
+from vllm_mxplus.backends.expert_layer import (
+    EXPERT_ACTIVATIONS,
+    GatedExpertSpec,
+    expert_activation,
+)
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
     SUFFIX_BM_INDEX,
@@ -67,7 +78,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         self.quant_config = quant_config
         self.scheme = quant_config.scheme  # with its macro block
         self.fmt = self.scheme.weight_format
-        self.act_fn = GATED_ACTIVATIONS.get(moe.activation.value)
+        self.act_fn: Activation | None = None  # create_weights: from the layer
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -80,23 +91,21 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        # Refused at load, naming the layer: never wrong numbers (e.g. gpt-oss experts have
-        # biases and the clamped, interleaved 'swigluoai' activation).
+        # Refused at load, naming the layer: never wrong numbers.
         act = self.moe.activation.value
+        self.act_fn = expert_activation(
+            act, getattr(layer, "swiglu_alpha", None), getattr(layer, "swiglu_limit", None)
+        )
         if self.act_fn is None:
             raise NotImplementedError(
                 f"{layer.layer_name}: vllm-mxplus MoE does not support the expert activation "
-                f"{act!r} (supported: {', '.join(GATED_ACTIVATIONS)}); serve this model "
-                f"without --quantization or keep its experts unquantized"
-            )
-        if self.moe.has_bias:
-            raise NotImplementedError(
-                f"{layer.layer_name}: vllm-mxplus MoE does not support expert biases; serve "
-                f"this model without --quantization or keep its experts unquantized"
+                f"{act!r} (supported: {', '.join(EXPERT_ACTIVATIONS)}); "
+                f"{self._keep_experts_hint()}"
             )
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(
-                f"{layer.layer_name}: apply_router_weight_on_input is not supported"
+                f"{layer.layer_name}: vllm-mxplus MoE does not support "
+                f"apply_router_weight_on_input; {self._keep_experts_hint()}"
             )
         i_part = intermediate_size_per_partition
         i_full = self.moe.intermediate_size
@@ -113,6 +122,13 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             "w2": (hidden_size, i_part, i_full),
         }
         layer.orig_dtype = params_dtype
+        if self.moe.has_bias:  # as vLLM's unquantized method: loaded by the model's loader
+            for stem, width in (("w13", 2 * i_part), ("w2", hidden_size)):
+                b = torch.nn.Parameter(
+                    torch.zeros(num_experts, width, dtype=params_dtype), requires_grad=False
+                )
+                layer.register_parameter(f"{stem}_bias", b)
+                set_weight_attrs(b, extra_weight_attrs)
         loader = extra_weight_attrs["weight_loader"]
         if not self.quant_config.is_checkpoint_quantized:
             for stem, (n, k, _) in layer.mxplus_dims.items():
@@ -142,6 +158,21 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                         "weight_loader": self._checked_loader(layer, stem, tspec, k_full, loader),
                     },
                 )
+
+    def _keep_experts_hint(self) -> str:
+        """How to serve the model anyway: the online option `ignore` (integration/config.py)."""
+        options = {"quant_method": self.scheme.name, "ignore": ["re:.*experts.*"]}
+        return (
+            "serve this model without --quantization, or keep its experts unquantized: "
+            f"--hf-overrides '{json.dumps({'quantization_config': options})}'"
+        )
+
+    @property
+    def _w13_logical_weights(self) -> int:
+        """Logical weights in each expert's w13: gate and up apart (2), or one interleaved
+        gate_up tensor (gpt-oss, an activation that takes the whole row): one NVFP4 global
+        scale each."""
+        return 1 if getattr(self.act_fn, "takes_gate_up", False) else 2
 
     def _checked_loader(
         self, layer: Layer, stem: str, tspec: StoredTensor, k_full: int, inner: Callable
@@ -237,7 +268,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         e, n, k = w.shape
         if not self.scheme.weight.has_global_scale:
             return quantize(w.reshape(e * n, k), self.fmt, macro_block=self.scheme.macro_block), e
-        n_shards = 2 if stem == "w13" else 1
+        n_shards = self._w13_logical_weights if stem == "w13" else 1
         parts = w.reshape(e, n_shards, n // n_shards, k).to(torch.float32)
         amax = tp_max(logical_amax(parts).contiguous(), layer.moe_config.tp_size)
         widths = [n // n_shards] * (e * n_shards)
@@ -257,7 +288,12 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
-        spec = ExpertSpec(self.scheme, device_type=device.type)
+        spec = GatedExpertSpec(
+            self.scheme,
+            device_type=device.type,
+            activation=self.moe.activation.value,
+            has_bias=self.moe.has_bias,
+        )
         weights = ExpertWeights(
             quantized=lambda stem: (self._loaded_rows if pre else self._quantized_rows)(
                 layer, stem

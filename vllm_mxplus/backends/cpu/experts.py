@@ -12,7 +12,7 @@ from torch import Tensor
 from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
 from vllm_mxplus.backends.cpu.experts_math import PackedExperts, moe_experts_packed
 from vllm_mxplus.backends.cpu.linear import CpuKernels
-from vllm_mxplus.backends.reference.experts import expert_bias
+from vllm_mxplus.backends.expert_layer import expert_bias
 
 
 class CpuPackedExperts(CpuKernels, ExpertBackend):

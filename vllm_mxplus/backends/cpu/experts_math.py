@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.backends.cpu.linear import cpu_linear, pack_for_kernels
-from vllm_mxplus.backends.reference.experts import gated, route
+from vllm_mxplus.backends.expert_layer import gated
+from vllm_mxplus.backends.reference.experts import route
 from vllm_mxplus.formats import QuantizedTensor
 
 

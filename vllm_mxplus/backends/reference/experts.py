@@ -8,7 +8,7 @@ Per token t and each of its top-k (expert e, weight w):
   a   = Q_act(x_t)                               (activation format, per token)
   g|u = a @ W13_hat[e]^T (+ b13[e])              fp32 GEMM and bias, cast to the model dtype
   h   = act(g) * u                               in the model dtype (vLLM's SiluAndMul), or
-                                                 swigluoai(g|u) (gpt-oss, `SwigluOAI`)
+                                                 swigluoai(g|u) (gpt-oss; expert_layer.py)
   y  += w * (Q_act(h) @ W2_hat[e]^T (+ b2[e]))   fp32 GEMM and bias, cast, weighted, summed
                                                  in fp32
 W13_hat / W2_hat are the scheme's dequantized weights (fp32, exact), dequantized once; the
@@ -20,93 +20,17 @@ quantizing each expert's rows apart (the nvfp4 global scale is per row: docs/num
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_mxplus.backends.base import (
-    STEMS,
-    Activation,
-    ExpertBackend,
-    ExpertSpec,
-    ExpertWeights,
-    Layer,
-)
+from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
+from vllm_mxplus.backends.expert_layer import expert_bias, gated
 from vllm_mxplus.backends.reference.linear import fake_quant_activation, fake_quant_nvfp4_rows
 from vllm_mxplus.formats import MACRO_BLOCK
 
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
-
-# The gated activations act(g) * u on w13's halves (gate rows, then up rows), by vLLM
-# MoEActivation value.
-GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-}
-SWIGLUOAI = "swigluoai"  # gpt-oss: gate / up interleaved along w13's rows, clamped
-# vLLM 0.32's SwigluOAIAndMul defaults, which its gpt-oss experts use (the layer's
-# swiglu_alpha / swiglu_limit take precedence where a model sets them)
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
-# Every expert activation the expert backends implement
-EXPERT_ACTIVATIONS = (*GATED_ACTIVATIONS, SWIGLUOAI)
-
-
-@dataclass(frozen=True)
-class SwigluOAI:
-    """gpt-oss's clamped SwiGLU on the whole g|u row [R, 2I] -> [R, I], gate in the even and
-    up in the odd columns (vLLM's SwigluOAIAndMul.forward_native, transformers'
-    GptOssExperts._apply_gate), in the dtype of g|u:
-    g = min(g, limit); u = clamp(u, -limit, limit); h = (u + 1) * g * sigmoid(alpha * g)."""
-
-    alpha: float = SWIGLUOAI_ALPHA
-    limit: float = SWIGLUOAI_LIMIT
-    takes_gate_up: ClassVar[bool] = True  # see gated()
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
-def expert_activation(
-    name: str, alpha: float | None = None, limit: float | None = None
-) -> Activation | None:
-    """The activation callable of a vLLM MoEActivation value (alpha / limit: the layer's
-    swiglu_alpha / swiglu_limit, None for the defaults), or None when none implements it."""
-    if name == SWIGLUOAI:
-        return SwigluOAI(
-            SWIGLUOAI_ALPHA if alpha is None else alpha, SWIGLUOAI_LIMIT if limit is None else limit
-        )
-    return GATED_ACTIVATIONS.get(name)
-
-
-def gated(activation: Activation, gate_up: torch.Tensor) -> torch.Tensor:
-    """h [R, I] from g|u [R, 2I]: an activation that takes the whole row (`takes_gate_up`,
-    `SwigluOAI`) gets it; any other is act(g) * u on the halves."""
-    if getattr(activation, "takes_gate_up", False):
-        return activation(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return activation(gate) * up
-
-
-@dataclass(frozen=True)
-class GatedExpertSpec(ExpertSpec):
-    """An `ExpertSpec` that also says the layer's expert activation (a vLLM MoEActivation
-    value) and whether its experts have biases, for backends that implement only some."""
-
-    activation: str = field(default="silu", kw_only=True)
-    has_bias: bool = field(default=False, kw_only=True)
-
-
-def expert_bias(layer: Layer, stem: str) -> torch.Tensor | None:
-    """The layer's expert biases of a stem (w13 [E, 2I], w2 [E, H]) or None."""
-    return getattr(layer, f"{stem}_bias", None)
 
 
 def route(

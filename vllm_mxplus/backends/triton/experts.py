@@ -28,7 +28,7 @@ from vllm_mxplus.backends.base import (
     ExpertWeights,
     Layer,
 )
-from vllm_mxplus.backends.reference.experts import GATED_ACTIVATIONS, GatedExpertSpec
+from vllm_mxplus.backends.expert_layer import GATED_ACTIVATIONS, GatedExpertSpec
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.linear import TritonKernels, triton_takes, weight_operands
 from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
