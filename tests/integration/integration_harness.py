@@ -2,25 +2,26 @@
 a uniquely named module, because `from conftest import ...` can resolve to another
 directory's conftest).
 
-Every engine the generation tests need runs in one `vllm_driver.py` process (engines built
-one after another), because process start-up dominates on a 2-core CI box.
+Every engine the generation tests need runs in one `vllm_mxplus.evaluation.vllm_jobs` process
+(engines built one after another), because process start-up dominates on a 2-core CI box.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+from repo_scripts import load_repo_script
 
 from vllm_mxplus.formats import MACRO_BLOCK, SCHEMES
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
+VLLM_JOBS = "vllm_mxplus.evaluation.vllm_jobs"  # the job driver (python -m)
 PROMPTS = ["the capital of france is", "hello world", "one two three four five"]
 MAX_TOKENS = 32
 # Pre-quantized checkpoints tested through vLLM: one per tensor set of the layout (E8M0
@@ -133,13 +134,8 @@ def greedy_mismatch(
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/NAME.py as a module (registered in sys.modules: dataclasses look their module
-    up there)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """scripts/NAME.py as a module (see repo_scripts.load_repo_script)."""
+    return load_repo_script(f"scripts/{name}.py")
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +151,7 @@ def run_driver(
     timeout: int = 900,
     multiprocess: bool = False,
 ) -> tuple[dict, str]:
-    """Run vllm_driver.py on jobs; returns (results by id, combined log text).
+    """Run vllm_mxplus.evaluation.vllm_jobs on jobs; returns (results by id, combined log text).
     tp: one core per rank; multiprocess: vLLM's default layout (engine core in a spawned
     child); otherwise every engine runs in the driver process, one after another."""
     jobs_file, out_file, log_file = (workdir / n for n in ("jobs.json", "out.json", "log.txt"))
@@ -171,7 +167,7 @@ def run_driver(
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in-process, one after another
     with open(log_file, "w") as log:
         subprocess.run(
-            [sys.executable, str(HERE / "vllm_driver.py"), str(jobs_file), str(out_file)],
+            [sys.executable, "-m", VLLM_JOBS, str(jobs_file), str(out_file)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -182,7 +178,9 @@ def run_driver(
     return results, log_file.read_text(errors="replace")
 
 
-def gen_job(job_id: str, model: str, quantization: str | None, tp: int = 1) -> dict:
+def gen_job(job_id: str, model: str, quantization: str | None, tp: int = 1, **keys: Any) -> dict:
+    """A greedy fp32 driver job over PROMPTS; `keys`: other job keys or replacements (see
+    vllm_mxplus.evaluation.vllm_jobs), e.g. prompts=..., max_tokens=..., hf_overrides=..."""
     return {
         "id": job_id,
         "model": model,
@@ -191,6 +189,7 @@ def gen_job(job_id: str, model: str, quantization: str | None, tp: int = 1) -> d
         "prompts": PROMPTS,
         "max_tokens": MAX_TOKENS,
         "tp": tp,
+        **keys,
     }
 
 
@@ -203,7 +202,7 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
         jobs.append(gen_job(f"online-{scheme}", m["tiny256"], scheme))
     for scheme in PRE_SCHEMES:
         jobs.append(gen_job(f"pre-{scheme}", m[f"tiny256-{scheme}"], None))
-    jobs.append(dict(gen_job("compiled-mxfp4-mbs", m["tiny256"], "mxfp4-mbs"), eager=False))
+    jobs.append(gen_job("compiled-mxfp4-mbs", m["tiny256"], "mxfp4-mbs", eager=False))
     jobs.append(gen_job("online320-mxfp4-mbs", m["tiny320"], "mxfp4-mbs"))
     jobs.append(gen_job("pre320-mxfp4-mbs", m["tiny320-mxfp4-mbs"], None))
     jobs.append(gen_job("pre-sq-mxfp4-mbs", m["tiny256-sq"], None))
@@ -212,14 +211,18 @@ def driver_run(tiny_models, tmp_path_factory, subprocess_env) -> tuple[dict, str
     # quantization method's options: a quantization_config through --hf-overrides
     opts = {"quant_method": "mxfp4-mbs", "macro_block_size": MB32}
     jobs.append(
-        dict(
-            gen_job("online-mb32-mxfp4-mbs", m["tiny256"], "mxfp4-mbs"),
+        gen_job(
+            "online-mb32-mxfp4-mbs",
+            m["tiny256"],
+            "mxfp4-mbs",
             hf_overrides={"quantization_config": opts},
         )
     )
     jobs.append(
-        dict(
-            gen_job("bad-option", m["tiny256"], "mxfp4-mbs"),
+        gen_job(
+            "bad-option",
+            m["tiny256"],
+            "mxfp4-mbs",
             hf_overrides={"quantization_config": {**opts, "macro_block": 64}},
         )
     )

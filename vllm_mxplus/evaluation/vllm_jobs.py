@@ -2,7 +2,8 @@
 
     python -m vllm_mxplus.evaluation.vllm_jobs JOBS.json OUT.json
 
-Used by eval/gptq/gptq_serve_check.py (greedy tokens and logprobs of served checkpoints).
+Used by the integration tests (tests/integration/integration_harness.run_driver) and
+eval/gptq/gptq_serve_check.py (greedy tokens and logprobs of served checkpoints).
 
 Engine start-up (imports, spawn) dominates on a 2-core CI box, so a caller batches every
 engine it needs into one run: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the engines are
@@ -13,8 +14,10 @@ A job: {"id", "model", "quantization" (or null), "dtype", "prompts" (strings, or
 token ids: some tokenizer classes that transformers forces by model type cannot encode the
 test vocabulary), "max_tokens", "tp" (default 1), "pp" (default 1), "logprobs" (default 1),
 "eager" (default true; false = vLLM's torch.compile mode), "backend" (distributed executor,
-default vLLM's choice)}. A result: {"tokens": [[int]], "logprobs":
-[[float]] (of the chosen tokens), "error": str or null, "load_s", "gen_s"}.
+default vLLM's choice), "hf_overrides" (config fields set over the checkpoint's, default none),
+"compilation_config" (passed to `vllm.LLM` as is, default none)}.
+A result: {"tokens": [[int]], "logprobs": [[float]] (of the chosen tokens), "error": str or
+null, "load_s", "gen_s"}.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def run_job(job: dict) -> dict:
             tensor_parallel_size=job.get("tp", 1),
             pipeline_parallel_size=job.get("pp", 1),
             distributed_executor_backend=job.get("backend"),
+            **{key: job[key] for key in ("hf_overrides", "compilation_config") if job.get(key)},
         )
     except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
