@@ -1,0 +1,96 @@
+"""Judging MLA (DeepSeek-V2-class) models numerically: engine options, reference and rule.
+
+The transformers reference cannot judge MLA on vLLM 0.32's CPU build because vLLM itself is
+off there: its CPU `rotary_embedding` op misrotates MLA's multi-head q_pe (mla_driver.py),
+which moved first-token logprobs by up to 0.07 nats without quantization and flipped tokens
+with it. Engines judged here run with vLLM's torch rotary instead (`ENGINE_OPTIONS`), and are
+compared with mla_reference.py (float64, vLLM's MLA formulation, the plugin's quantization
+points) by the rule every integration test uses (`integration_harness.greedy_mismatch`):
+tokens identical and |dlogprob| <= LOGPROB_ATOL until a rare 4-bit rounding flip, which may
+part one prompt at most and never at the first token.
+
+Why LOGPROB_ATOL (1e-4 nats) holds for MLA: the reference is float64 and quantizes the same
+fp32 values, so before a flip the two differ by vLLM's fp32 rounding alone; the unquantized
+control measures that rounding on the same model (`rounding_floor`), and the tests require it
+to stay below LOGPROB_ATOL / ROUNDING_HEADROOM. A plugin error in MLA (kv_b_proj's input
+quantized, the weight absorbed from another W_hat, a wrong format) moves the first token of
+every prompt by far more (test_mla_judged.py measures the kv_b_proj case).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from integration_harness import LOGPROB_ATOL, greedy_mismatch
+from mla_driver import RoPE_NATIVE
+from mla_reference import mla_greedy
+
+from vllm_mxplus.formats import MACRO_BLOCK
+
+# Architectures of tiny_models.ARCHS judged by this module instead of transformers.
+MLA_ARCHS = ("deepseek_v2",)
+# Job keys every judged MLA engine gets (mla_driver.py forwards them to vllm.LLM).
+ENGINE_OPTIONS = {"compilation_config": RoPE_NATIVE}
+# The unquantized control's fp32-vs-float64 gap must leave this factor below LOGPROB_ATOL.
+ROUNDING_HEADROOM = 10.0
+
+
+def mla_job(
+    job_id: str,
+    model: str | Path,
+    quantization: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+) -> dict:
+    """A driver job (vllm_jobs keys) for an MLA engine: fp32, the judged engine options."""
+    return {
+        "id": job_id,
+        "model": str(model),
+        "quantization": quantization,
+        "dtype": "float32",
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        **ENGINE_OPTIONS,
+    }
+
+
+def rounding_floor(res: dict, ref: tuple[list[list[int]], list[list[float]]]) -> float:
+    """Largest |dlogprob| between a result and a reference over the positions before their
+    tokens first differ (every prompt): for the unquantized control, vLLM's fp32 rounding."""
+    worst = 0.0
+    for toks, lps, rtoks, rlps in zip(res["tokens"], res["logprobs"], *ref):
+        for t, lp, rt, rlp in zip(toks, lps, rtoks, rlps):
+            worst = max(worst, abs(lp - rlp))
+            if t != rt:
+                break
+    return worst
+
+
+def judge_mla(
+    res: dict,
+    model_dir: str | Path,
+    scheme: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    macro_block: int = MACRO_BLOCK,
+) -> tuple[str, str]:
+    """("ok", "") or (status, why) for a driver result of an MLA engine run with
+    ENGINE_OPTIONS on the bf16 checkpoint model_dir (online `--quantization scheme`, a
+    `mxplus quantize` checkpoint of it, or unquantized: scheme None), against the float64
+    reference; statuses as model_matrix.judge ("error" for a failed engine)."""
+    if res.get("error"):
+        return "error", res["error"].strip().splitlines()[0][:300]
+    ref = mla_greedy(model_dir, scheme, prompts, max_tokens, macro_block)
+    why = greedy_mismatch(res, *ref, max_tokens)
+    return ("ok", "") if why is None else ("mismatch", why)
+
+
+__all__ = [
+    "ENGINE_OPTIONS",
+    "LOGPROB_ATOL",
+    "MLA_ARCHS",
+    "ROUNDING_HEADROOM",
+    "judge_mla",
+    "mla_job",
+    "rounding_floor",
+]
