@@ -109,6 +109,17 @@ def cpu_description() -> str:
     return f"{model} [{' '.join(f for f in keep if f in flags)}]"
 
 
+def machine_line(*extra: str) -> str:
+    """The `machine :` banner line of the CPU benchmarks, then `extra` fields."""
+    fields = [
+        f"machine : {cpu_description()} cores={os.cpu_count()}",
+        f"torch_threads={torch.get_num_threads()}",
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}",
+        f"load={os.getloadavg()}",
+    ]
+    return " ".join(fields + list(extra))
+
+
 def _linear_spec(spec_cls: type, scheme: str, n: int, k: int, macro_block: int):
     """A LinearSpec for one bf16-output linear, whether the spec carries the macro block itself
     or inside its Scheme (`get_scheme(name, macro_block=...)`)."""
@@ -178,12 +189,7 @@ def main() -> int:
     ok, why = cpu_kernels.load()
     if not ok:
         raise SystemExit(f"CPU kernels unavailable: {why}")
-    print(
-        f"machine : {cpu_description()} cores={os.cpu_count()} "
-        f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
-        f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()} "
-        f"torch_cpu={torch.backends.cpu.get_cpu_capability()}"
-    )
+    print(machine_line(f"torch_cpu={torch.backends.cpu.get_cpu_capability()}"))
     print(
         f"versions: torch {torch.__version__}; scheme {args.scheme}; build {cpu_kernels.build_name()}"
     )

