@@ -10,6 +10,11 @@ How vLLM 0.32 reaches us:
   `--hf-overrides '{"quantization_config": {"quant_method": "mxfp4-mbs",
   "macro_block_size": 64}}'`. A dict without our `producer` entry is such an options dict
   (`ONLINE_OPTIONS`): `from_config` takes it as online mode with those options.
+  `"ignore": [PATTERN, ...]` keeps the matching layers unquantized, with the patterns and the
+  matcher of `mxplus quantize --ignore` (`checkpoint.rules.IgnoreMatcher`), matched against
+  vLLM's module names: each linear (a fused one, e.g. qkv_proj, also by its parts' names, all
+  or none of them) and each MoE layer's experts as one module (`model.layers.0.mlp.experts`:
+  `"re:.*experts.*"` keeps every layer's experts in the model dtype).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from vllm_mxplus.checkpoint.layout import (
     checkpoint_macro_block,
     is_mxplus_quantization_config,
 )
+from vllm_mxplus.checkpoint.rules import IgnoreMatcher
 from vllm_mxplus.formats import SCHEMES, Scheme, get_scheme
 from vllm_mxplus.integration.fused_moe import MxplusFusedMoEMethod
 from vllm_mxplus.integration.linear import MxplusLinearMethod
@@ -38,7 +44,12 @@ from vllm_mxplus.quant_rules import stays_unquantized
 logger = logging.getLogger(__name__)
 
 # The keys of an online options dict (`--hf-overrides '{"quantization_config": {...}}'`).
-ONLINE_OPTIONS = ("quant_method", "macro_block_size", "modules_to_not_convert")
+ONLINE_OPTIONS = ("quant_method", "macro_block_size", "modules_to_not_convert", "ignore")
+# A checkpoint's modules_to_not_convert entries that keep a MoE layer's whole expert stacks
+# (transformers' fused `experts.gate_up_proj` / `experts.down_proj`, as `mxplus quantize`
+# keeps gpt-oss's; after vLLM's name mapper `experts.w13_weight` / `experts.w2_weight`): one
+# of each pair under the layer's prefix keeps the layer unquantized.
+KEPT_EXPERT_STACKS = (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))
 
 
 class MxplusConfig(QuantizationConfig):
@@ -51,6 +62,7 @@ class MxplusConfig(QuantizationConfig):
         is_checkpoint_quantized: bool = False,
         modules_to_not_convert: list[str] | None = None,
         macro_block: int | None = None,
+        ignore: list[str] | None = None,
     ) -> None:
         super().__init__()
         if not self.scheme_name:
@@ -60,12 +72,14 @@ class MxplusConfig(QuantizationConfig):
         self.scheme: Scheme = get_scheme(self.scheme_name, macro_block)
         self.is_checkpoint_quantized = is_checkpoint_quantized
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.ignore = IgnoreMatcher(list(ignore or []))  # online option `ignore`
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(scheme={self.scheme}, "
             f"checkpoint_quantized={self.is_checkpoint_quantized}, "
-            f"modules_to_not_convert={self.modules_to_not_convert})"
+            f"modules_to_not_convert={self.modules_to_not_convert}, "
+            f"ignore={self.ignore.patterns})"
         )
 
     @classmethod
@@ -130,9 +144,14 @@ class MxplusConfig(QuantizationConfig):
                 f"a checkpoint quantized by `mxplus quantize` carries a 'producer' entry"
             )
         macro = config.get("macro_block_size")
-        ignore = config.get("modules_to_not_convert") or []
-        if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
-            raise ValueError(f"{where}: modules_to_not_convert must be a list of strings")
+        lists = {k: config.get(k) or [] for k in ("modules_to_not_convert", "ignore")}
+        for key, names in lists.items():
+            if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
+                raise ValueError(f"{where}: {key} must be a list of strings")
+        try:
+            IgnoreMatcher(lists["ignore"])
+        except ValueError as e:  # names the pattern; here the option is `ignore`
+            raise ValueError(f"{where}: ignore: {e}") from None
         scheme = get_scheme(cls.scheme_name)
         if macro is not None:
             scheme.with_macro_block(macro, f"{where}: macro_block_size")
@@ -141,7 +160,11 @@ class MxplusConfig(QuantizationConfig):
             cls.scheme_name,
             {k: v for k, v in config.items() if k != "quant_method"},
         )
-        return cls(modules_to_not_convert=ignore, macro_block=macro)
+        return cls(
+            modules_to_not_convert=lists["modules_to_not_convert"],
+            macro_block=macro,
+            ignore=lists["ignore"],
+        )
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         if self.modules_to_not_convert:
@@ -149,12 +172,41 @@ class MxplusConfig(QuantizationConfig):
 
     def is_skipped(self, prefix: str) -> bool:
         """lm_head, embeddings and MoE routers (vllm_mxplus.quant_rules, as the offline
-        quantizer decides) and the checkpoint's modules_to_not_convert stay unquantized."""
-        if stays_unquantized(prefix):
+        quantizer decides), the layers the `ignore` patterns match and the checkpoint's
+        modules_to_not_convert stay unquantized."""
+        if stays_unquantized(prefix) or self._ignored(prefix):
             return True
         return is_layer_skipped(
             prefix, self.modules_to_not_convert, self.packed_modules_mapping, match_mode="suffix"
         )
+
+    def _ignored(self, prefix: str) -> bool:
+        """Whether the `ignore` patterns keep the layer `prefix`: its own name matches, or (a
+        fused linear) the names of all its parts; some parts only is an error."""
+        if self.ignore.match(prefix):
+            return True
+        parent, _, last = prefix.rpartition(".")
+        parts = [
+            f"{parent}.{p}" if parent else p for p in self.packed_modules_mapping.get(last, [])
+        ]
+        hits = [p for p in parts if self.ignore.match(p)]
+        if hits and len(hits) < len(parts):
+            raise ValueError(
+                f"{prefix}: the quantization option ignore={self.ignore.patterns} matches "
+                f"{', '.join(hits)} but not {', '.join(p for p in parts if p not in hits)}; "
+                f"vLLM runs them as one fused layer: ignore all of its parts or none"
+            )
+        return bool(hits)
+
+    def experts_kept(self, prefix: str) -> bool:
+        """Whether the MoE layer `prefix` stays unquantized: is_skipped, or a checkpoint that
+        keeps its whole expert stacks (KEPT_EXPERT_STACKS)."""
+        if self.is_skipped(prefix):
+            return True
+        under = {
+            m[len(prefix) + 1 :] for m in self.modules_to_not_convert if m.startswith(prefix + ".")
+        }
+        return all(any(name in under for name in pair) for pair in KEPT_EXPERT_STACKS)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
@@ -164,7 +216,7 @@ class MxplusConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
-            if self.is_skipped(prefix):
+            if self.experts_kept(prefix):
                 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
                     UnquantizedFusedMoEMethod,
                 )
