@@ -47,7 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_mxplus.assets import AssetError, atomic_write_text, resolve_cache_dir
+from vllm_mxplus.assets import (
+    AssetError,
+    atomic_write_text,
+    default_cache_dir,
+    resolve_cache_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -408,7 +413,6 @@ def _validate(spec: LocalDataset, dd: Any, where: str, counts: dict[str, int] | 
 
 def benchmarks_dir(cache_dir: str | Path | None = None) -> Path:
     """``<cache>/benchmarks`` (not created)."""
-    from vllm_mxplus.assets import default_cache_dir
 
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return base.resolve() / "benchmarks"

@@ -29,7 +29,7 @@ from vllm_mxplus.assets import (
     prepare_wikipedia_text,
 )
 from vllm_mxplus.assets.benchmarks import prepare_benchmarks
-from vllm_mxplus.assets.smollm2 import DTYPES, MARKER
+from vllm_mxplus.assets.smollm2 import DTYPES, MARKER, smollm2_dir
 
 _DESCRIPTION = """\
 Prepare the embedded default assets (idempotent; finished assets are reused):
@@ -123,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_ready(cache_dir: Path | None, dtype: str) -> bool:
-    from vllm_mxplus.assets.smollm2 import smollm2_dir
 
     return (smollm2_dir(cache_dir, dtype) / MARKER).is_file()
 
@@ -140,7 +139,6 @@ def _token_counts(results: dict[str, Path], cache_dir: Path | None, dtype: str) 
     """
     if not _model_ready(cache_dir, dtype):
         return {}
-    from vllm_mxplus.assets.smollm2 import smollm2_dir
 
     tokenizer_dir = smollm2_dir(cache_dir, dtype)
     counts: dict[str, int] = {}

@@ -23,6 +23,14 @@ import logging
 import os
 import time
 
+import torch
+
+from vllm_mxplus.backends.base import LinearSpec
+from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+from vllm_mxplus.backends.selection import select
+from vllm_mxplus.formats import SCHEMES, fake_quantize, get_scheme, quantize
+from vllm_mxplus.kernel_tools import aot, plan
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -109,11 +117,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _self_test() -> list[str]:
     """Failures of a quick comparison with formats (empty: all bit-exact / in bound)."""
-    import torch
-
-    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
-    from vllm_mxplus.formats import fake_quantize, quantize
-
     bad = []
     g = torch.Generator().manual_seed(0)
     for wf, af in (
@@ -153,8 +156,6 @@ def _self_test() -> list[str]:
 
 
 def _run_aot(args: argparse.Namespace) -> int:
-    from vllm_mxplus.kernel_tools import aot
-
     try:
         targets = aot.parse_targets(args.targets)
         launchers = aot.parse_kernels(args.kernel)
@@ -176,10 +177,6 @@ def _run_aot(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import torch
-
-    from vllm_mxplus.kernel_tools import plan
-
     cap = args.capability if args.device == "cuda" else None
     rows = plan.plan(args.device, cap, args.cutlass == "built", getattr(torch, args.dtype))
     print(plan.render(rows, args.json))
@@ -191,13 +188,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_aot(args)
     if getattr(args, "plan", False):
         return _run_plan(args)
-    import torch
-
-    from vllm_mxplus.backends.base import LinearSpec
-    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
-    from vllm_mxplus.backends.selection import select
-    from vllm_mxplus.formats import SCHEMES, get_scheme
-
     t0 = time.time()
     ok, why = cpu_kernels.load()
     if not ok:
