@@ -19,6 +19,14 @@ import torch
 
 PROMPT = [1, 5, 7, 9, 11]
 MAX_TOKENS = 6
+# the tiny model's tokenizer is a stub: token ids in, token ids out
+ENGINE_ARGS = {
+    "skip_tokenizer_init": True,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 64,
+    "max_num_seqs": 2,
+}
 
 
 def _probe(model: torch.nn.Module) -> dict:
@@ -49,14 +57,7 @@ def main(model_dir: str, out: str, emulate: bool) -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=64,
-            max_num_seqs=2,
-        )
+        llm = LLM(model=model_dir, **ENGINE_ARGS)
         res["quantization"] = llm.llm_engine.vllm_config.model_config.quantization
         res["layer"] = llm.apply_model(_probe)[0]
         sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False)

@@ -119,17 +119,14 @@ def test_calibrated_and_smoothed_checkpoints_decompress_bit_for_bit(
     scheme: str, method: str, smooth: float | None, src: Path, tmp_path: Path, random_tokens: None
 ) -> None:
     dst = tmp_path / "out"
-    quantize_checkpoint(
-        src,
-        dst,
-        scheme,
-        method=method,
-        smooth=smooth,
-        nsamples=4,
-        seqlen=16,
-        out_format="compressed-tensors",
-        progress=False,
-    )
+    calibration = {
+        "method": method,
+        "smooth": smooth,
+        "nsamples": 4,
+        "seqlen": 16,
+        "progress": False,
+    }
+    quantize_checkpoint(src, dst, scheme, out_format="compressed-tensors", **calibration)
     _check_library_decompression(dst, scheme, None)
     if method != "rtn":  # the calibrated weights, not RTN's
         mods = _modules(source_tensors(dst))

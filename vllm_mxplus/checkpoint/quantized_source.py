@@ -78,8 +78,9 @@ def quantized_source(config: dict[str, Any], where: Path) -> QuantizedSource | N
             (g.get("format") if isinstance(g, dict) else None) or qcfg.get("format")
             for g in groups.values()
         }
-        if len(fmts) == 1 and next(iter(fmts)) in (CT_NVFP4, CT_MXFP4):
-            return QuantizedSource(next(iter(fmts)))
+        fmt = next(iter(fmts)) if len(fmts) == 1 else None
+        if fmt in (CT_NVFP4, CT_MXFP4):
+            return QuantizedSource(str(fmt))
         raise CheckpointError(
             f"{where}: compressed-tensors format(s) {sorted(map(str, fmts))} cannot be read; "
             f"a quantized source must be all {CT_NVFP4} or all {CT_MXFP4} (or gpt-oss "
@@ -202,8 +203,8 @@ def materialize(
         try:
             for o in outs:
                 if o.module is None:
-                    with open(o.parts[""].path, "rb") as f:
-                        writer.copy_from(o.parts[""], f)
+                    with open(o.parts[""].path, "rb") as fh:
+                        writer.copy_from(o.parts[""], fh)
                 else:
                     writer.write(o.planned.name, _make(o, qsrc))
                     if keep_codes and qsrc.kind == CT_MXFP4:

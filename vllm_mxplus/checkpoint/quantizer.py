@@ -149,153 +149,100 @@ def quantize_checkpoint(
         raise UsageError(str(e)) from None
     cfg_path = src_p / "config.json"  # missing: open_source says so
     qsrc = quantized_source(read_json(cfg_path), cfg_path) if cfg_path.is_file() else None
-    if qsrc is None:
-        return _quantize(
-            src_p,
-            dst_p,
-            s.name,
-            matcher,
-            device,
-            force,
-            max_shard_bytes,
-            progress,
-            method,
-            calib,
-            nsamples,
-            seqlen,
-            smooth,
-            macro_block,
-            out_format,
-            t0,
-        )
-    # keep the source's MXFP4 codes where the target is the same format, rounded alike
-    keep = qsrc.is_mxfp4 and s.name == "mxfp4-ocp" and method == "rtn" and smooth is None
-    dst_p.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{dst_p.name}.mxplus-src-", dir=dst_p.parent) as d:
-        kept = materialize(src_p, Path(d), qsrc, keep_codes=keep)
-        report = _quantize(
-            Path(d),
-            dst_p,
-            s.name,
-            matcher,
-            device,
-            force,
-            max_shard_bytes,
-            progress,
-            method,
-            calib,
-            nsamples,
-            seqlen,
-            smooth,
-            macro_block,
-            out_format,
-            t0,
-            kept,
-        )
-    report.src = str(src_p)
-    return report
-
-
-def _quantize(
-    src_p: Path,
-    dst_p: Path,
-    scheme: str,
-    matcher: IgnoreMatcher,
-    device: str,
-    force: bool,
-    max_shard_bytes: int,
-    progress: bool,
-    method: str,
-    calib: str | os.PathLike[str] | None,
-    nsamples: int,
-    seqlen: int,
-    smooth: float | None,
-    macro_block: int,
-    out_format: str,
-    t0: float,
-    kept: dict[str, QuantizedTensor] | None = None,
-) -> QuantizeReport:
-    """quantize_checkpoint for a bf16/fp16/fp32 src (checked arguments). kept: QuantizedTensors
-    by module written as they are (a quantized source's own MXFP4 codes)."""
-    s = get_scheme(scheme)
-    fmt = s.weight_format
-    source = open_source(src_p)
-    items = _plan(source, fmt, matcher, macro_block, out_format, s.name)
-    unquantized = _unquantized_modules(items, source.config)
-    _warn_split_fused_groups(items)
-    shards = split_shards(items, max_shard_bytes)
-    check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
-    precomputed: dict[str, QuantizedTensor] = dict(kept or {})
-    rewritten: dict[str, torch.Tensor] = {}
-    input_amax: dict[str, torch.Tensor] = {}
-    ct_nvfp4 = out_format == FORMAT_CT and s.weight_format == "nvfp4"
-    if method != "rtn" or smooth is not None or ct_nvfp4:
-        precomputed, rewritten, input_amax = _calibrated_weights(
-            src_p,
-            items,
-            s.name,
-            method,
-            calib,
-            nsamples,
-            seqlen,
-            device,
-            progress,
-            smooth,
-            macro_block,
-            ct_nvfp4,
-        )
-    encoder: Encoder | None = None
-    if ct_nvfp4:
-        precomputed = nvfp4_ct_weights(items, rewritten)
-        encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
-
-    report = QuantizeReport(
-        src=str(src_p),
-        dst=str(dst_p),
-        scheme=s.name,
-        weight_format=fmt,
-        device=device,
-        unquantized_modules=unquantized,
-        unused_ignore=matcher.unused(),
-    )
-    with claim_dst(dst_p, force) as tmp:  # locked; interrupted runs cleaned; removed on error
-        write_all(
-            source,
-            shards,
-            fmt,
-            tmp,
-            device,
-            report,
-            progress,
-            precomputed,
-            rewritten,
-            macro_block,
-            encoder,
-        )
-        for f in source.other_files:
-            shutil.copy2(f, tmp / f.name)
-        config = dict(source.config)
-        if out_format == FORMAT_CT:
-            config["quantization_config"] = make_ct_quantization_config(s.name, unquantized)
-        else:
-            config["quantization_config"] = make_quantization_config(
-                s.name, unquantized, macro_block
+    # a quantized source is dequantized into a hidden directory next to DST, read from there
+    read_p = src_p
+    kept: dict[str, QuantizedTensor] = {}
+    tmp_src: tempfile.TemporaryDirectory[str] | None = None
+    if qsrc is not None:
+        # keep the source's MXFP4 codes where the target is the same format, rounded alike
+        keep = qsrc.is_mxfp4 and s.name == "mxfp4-ocp" and method == "rtn" and smooth is None
+        dst_p.parent.mkdir(parents=True, exist_ok=True)
+        tmp_src = tempfile.TemporaryDirectory(prefix=f".{dst_p.name}.mxplus-src-", dir=dst_p.parent)
+        read_p = Path(tmp_src.name)
+    try:
+        if qsrc is not None:
+            kept = materialize(src_p, read_p, qsrc, keep_codes=keep)
+        fmt = s.weight_format
+        source = open_source(read_p)
+        items = _plan(source, fmt, matcher, macro_block, out_format, s.name)
+        unquantized = _unquantized_modules(items, source.config)
+        _warn_split_fused_groups(items)
+        shards = split_shards(items, max_shard_bytes)
+        check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
+        precomputed: dict[str, QuantizedTensor] = dict(kept)
+        rewritten: dict[str, torch.Tensor] = {}
+        input_amax: dict[str, torch.Tensor] = {}
+        ct_nvfp4 = out_format == FORMAT_CT and s.weight_format == "nvfp4"
+        if method != "rtn" or smooth is not None or ct_nvfp4:
+            precomputed, rewritten, input_amax = _calibrated_weights(
+                read_p,
+                items,
+                s.name,
+                method,
+                calib,
+                nsamples,
+                seqlen,
+                device,
+                progress,
+                smooth,
+                macro_block,
+                ct_nvfp4,
             )
-        if out_format == FORMAT_MXPLUS and (method != "rtn" or smooth is not None):
-            # provenance only; loaders ignore it
-            config["quantization_config"]["calibration"] = {
-                "method": method,
-                "nsamples": nsamples,
-                "seqlen": seqlen,
-                "text": str(calib) if calib is not None else "embedded Wikipedia (held out)",
-                **({"smoothing": {"alpha": smooth}} if smooth is not None else {}),
-            }
-        # config.json last: a directory without it is never taken for a finished checkpoint.
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        swap_in(tmp, dst_p)
-    report.seconds = time.perf_counter() - t0
-    report.peak_rss = peak_rss_bytes()
-    return report
+        encoder: Encoder | None = None
+        if ct_nvfp4:
+            precomputed = nvfp4_ct_weights(items, rewritten)
+            encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
+
+        report = QuantizeReport(
+            src=str(src_p),
+            dst=str(dst_p),
+            scheme=s.name,
+            weight_format=fmt,
+            device=device,
+            unquantized_modules=unquantized,
+            unused_ignore=matcher.unused(),
+        )
+        with claim_dst(dst_p, force) as tmp:  # locked; interrupted runs cleaned; removed on error
+            write_all(
+                source,
+                shards,
+                fmt,
+                tmp,
+                device,
+                report,
+                progress,
+                precomputed,
+                rewritten,
+                macro_block,
+                encoder,
+            )
+            for f in source.other_files:
+                shutil.copy2(f, tmp / f.name)
+            config = dict(source.config)
+            if out_format == FORMAT_CT:
+                config["quantization_config"] = make_ct_quantization_config(s.name, unquantized)
+            else:
+                config["quantization_config"] = make_quantization_config(
+                    s.name, unquantized, macro_block
+                )
+            if out_format == FORMAT_MXPLUS and (method != "rtn" or smooth is not None):
+                # provenance only; loaders ignore it
+                config["quantization_config"]["calibration"] = {
+                    "method": method,
+                    "nsamples": nsamples,
+                    "seqlen": seqlen,
+                    "text": str(calib) if calib is not None else "embedded Wikipedia (held out)",
+                    **({"smoothing": {"alpha": smooth}} if smooth is not None else {}),
+                }
+            # config.json last: a directory without it is never taken for a finished checkpoint.
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            swap_in(tmp, dst_p)
+        report.seconds = time.perf_counter() - t0
+        report.peak_rss = peak_rss_bytes()
+        return report
+    finally:
+        if tmp_src is not None:
+            tmp_src.cleanup()
 
 
 def _calibrated_weights(
