@@ -31,9 +31,11 @@ _SIZE_UNITS = {
 }
 
 DESCRIPTION = """\
-Quantize a local Hugging Face model directory (safetensors, single file or sharded) into the
-vllm-mxplus checkpoint layout: packed FP4 weights, E8M0 (or E4M3) block scales, MBS bytes, and
-a quantization_config in config.json that vLLM detects with no flag.
+Quantize a local Hugging Face model directory (safetensors, single file or sharded; bf16/fp16/
+fp32, or FP4-quantized, see below) into the vllm-mxplus checkpoint layout: packed FP4 weights,
+E8M0 (or E4M3) block scales, MBS bytes, and a quantization_config in config.json that vLLM
+detects with no flag; or, with --format compressed-tensors, into the layout other tools read
+(docs/checkpoints.md).
 
 Linear weights (attention, MLP, MoE experts) are quantized with the scheme's weight format;
 lm_head, embeddings and MoE routers stay in their original dtype, as do modules matched by
@@ -158,7 +160,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--calib",
         default=None,
         metavar="FILE",
-        help="calibration text (UTF-8) for rtn-aware / gptq / --smooth (default: the embedded "
+        help="calibration text (UTF-8) for rtn-aware / gptq / --smooth / the static activation "
+        "scale of --scheme nvfp4 --format compressed-tensors (default: the embedded "
         "Wikipedia text, held out from the evaluation text; needs mxplus prepare)",
     )
     p.add_argument(
