@@ -29,6 +29,7 @@ Per program: a tile of BLOCK_M rows x BLOCK_K columns, BLOCK_K a whole number of
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -40,15 +41,8 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import (
     Fp8ChunkLayout,
 )
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.backends.triton.act_quant import GPU_BLOCK_K, check_act_input
-from vllm_mxplus.backends.triton.launch import (
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
-)
+from vllm_mxplus.backends.triton.act_quant import GPU_BLOCK_K, act_rows, check_act_input
+from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     e4m3_round,
@@ -58,7 +52,7 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     mbs_static_scale,
 )
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
-from vllm_mxplus.formats.constants import E8M0_NAN
+from vllm_mxplus.formats.constants import E8M0_NAN, ceil_div
 
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16")
 
@@ -89,88 +83,33 @@ def pow2_f32(k):
     return tl.where(k >= -126, normal, subnormal).to(tl.float32, bitcast=True)
 
 
-# ----------------------------------------------------------------------------- kernel
 @triton.jit
-def _act_fp8_chunks_kernel(
-    x_ptr,
-    fp8_ptr,
-    scale_ptr,
-    ref_ptr,
-    mbs_ptr,
-    exact_ptr,
-    M,
-    K,
-    KP,
-    NCH,
-    stride_xm,
-    stride_fm,
-    stride_sc,
-    stride_cm,
-    MANT_THRESHOLD: tl.constexpr,
-    HAS_MBS: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
-    NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
-    BPC: tl.constexpr = CHUNK_K // BLOCK_K16  # 16-blocks per chunk (8)
-    pid_k = tl.program_id(1)
-    offs_m, offs_k, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
-
-    # -- 1. MBS-S and the block-16 quantization (exactly triton_act_quant's arithmetic)
+def _quantize_tile(
+    x, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, BLOCK_M: tl.constexpr,
+    NC: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """MBS-S per chunk (if HAS_MBS) and the block-16 E8M0 quantization of fp32 x [BLOCK_M,
+    NC*128], exactly triton_act_quant's arithmetic: (MBS bytes m [BM, NC] (HAS_MBS only), F
+    [BM, NC] (1 without MBS), scale codes s [BM, NB] (255: NaN block), magnitude codes and
+    sign bits [BM, NB, 16])."""
     if HAS_MBS:
         m, f, y = mbs_static_scale(x, BLOCK_M, NC, CHUNK_K)
     else:
         m = tl.zeros((BLOCK_M, NC), tl.int32)
         f = tl.full((BLOCK_M, NC), 1.0, tl.float32)
         y = x
-
     s, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK_K16)
-    nan_blk = s == NAN_CODE  # [BM, NB] int32 scale codes, 255 = NaN block (codes 0, sign 0)
+    return m, f, s, mag, neg
 
-    # -- 2. reference exponent per chunk: top live block at d = 6
-    live = tl.max(mag, axis=2) > 0  # [BM, NB]: a block with a nonzero code
-    s_live = tl.reshape(tl.where(live, s, -1), (BLOCK_M, NC, BPC))
-    s_max = tl.max(s_live, axis=2)  # [BM, NC]; -1: all-zero chunk
-    ref = tl.where(s_max >= 0, s_max - TOP, 127)
-    ref_b = tl.reshape(tl.broadcast_to(ref[:, :, None], (BLOCK_M, NC, BPC)), (BLOCK_M, NB))
-    d = tl.minimum(tl.maximum(s - ref_b, -149), 127)
 
-    # -- 3. FP8 elements, built from bits (RNE like torch's cast; exact where it matters)
-    val = e2m1_value(mag) * pow2_f32(d)[:, :, None]  # fp32, exact unless fp32-subnormal
-    byte, fval = e4m3_round(val)
-    fp8 = tl.reshape(byte | (neg << 7), (BLOCK_M, BLOCK_K))
-
-    # -- 4. the exact flag (encode_fp8_chunks's rule)
-    ok = (fval == val) & ((val != 0.0) | (mag == 0))
-    lost = tl.reshape(tl.where(ok, 0, 1), (BLOCK_M, NC, CHUNK_K))
-    survives = tl.max(lost, axis=2) == 0
-    no_nan = tl.max(tl.reshape(nan_blk.to(tl.int32), (BLOCK_M, NC, BPC)), axis=2) == 0
-    exact = survives & no_nan & (ref >= MIN_REF)
-
-    # -- 5. folded scale 2^(ref-127) * fp32(1/F)
+@triton.jit
+def _folded_scale(ref, f):
+    """The chunk scale 2^(ref-127) * fp32(1/F): the power of two from bits, sigma = 1/F an IEEE
+    reciprocal (`div_rn`), one fp32 multiply."""
     sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
-    scale = pow2_f32(tl.minimum(tl.maximum(ref - 127, -149), 127)) * sigma
-
-    # offs_m is int64 (load_row_tile): M * Kp and Kp/128 * M may pass 2^31
-    tl.store(
-        fp8_ptr + offs_m[:, None] * stride_fm + offs_k[None, :],
-        fp8.to(tl.uint8),
-        mask=mask_m[:, None] & (offs_k[None, :] < KP),
-    )
-    offs_c = pid_k * NC + tl.arange(0, NC)
-    cmask = mask_m[:, None] & (offs_c[None, :] < NCH)
-    cptr = offs_m[:, None] * stride_cm + offs_c[None, :]
-    tl.store(ref_ptr + cptr, ref, mask=cmask)
-    tl.store(mbs_ptr + cptr, m.to(tl.uint8), mask=cmask)
-    tl.store(exact_ptr + cptr, exact.to(tl.uint8), mask=cmask)
-    tl.store(
-        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_m[:, None], scale, mask=cmask
-    )
+    return pow2_f32(tl.minimum(tl.maximum(ref - 127, -149), 127)) * sigma
 
 
-# ----------------------------------------------------------------------------- exact split
 @triton.jit
 def _encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr):
     """`fp8_chunks._encode` on a tile: the FP8 layout of the blocks where live [BM, NB] is
@@ -194,27 +133,55 @@ def _encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB:
     return byte, ref, survives & no_nan & (ref >= MIN_REF), ok
 
 
+# ----------------------------------------------------------------------------- kernel
+@triton.jit
+def _act_fp8_chunks_kernel(
+    x_ptr, fp8_ptr, scale_ptr, ref_ptr, mbs_ptr, exact_ptr,
+    M, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_cm,
+    MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
+    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
+    NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
+    pid_k = tl.program_id(1)
+    offs_m, offs_k, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
+
+    # -- 1. MBS-S and the block-16 quantization (exactly triton_act_quant's arithmetic)
+    m, f, s, mag, neg = _quantize_tile(x, MANT_THRESHOLD, HAS_MBS, BLOCK_M, NC, NB)
+
+    # -- 2.-4. reference exponents, FP8 bytes and exact flags of every block
+    every = tl.full((BLOCK_M, NB), 1, tl.int32)
+    byte, ref, exact, _ok = _encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
+    fp8 = tl.reshape(byte, (BLOCK_M, BLOCK_K))
+
+    # -- 5. folded scale 2^(ref-127) * fp32(1/F)
+    scale = _folded_scale(ref, f)
+
+    # offs_m is int64 (load_row_tile): M * Kp and Kp/128 * M may pass 2^31
+    tl.store(
+        fp8_ptr + offs_m[:, None] * stride_fm + offs_k[None, :],
+        fp8.to(tl.uint8),
+        mask=mask_m[:, None] & (offs_k[None, :] < KP),
+    )
+    offs_c = pid_k * NC + tl.arange(0, NC)
+    cmask = mask_m[:, None] & (offs_c[None, :] < NCH)
+    cptr = offs_m[:, None] * stride_cm + offs_c[None, :]
+    tl.store(ref_ptr + cptr, ref, mask=cmask)
+    tl.store(mbs_ptr + cptr, m.to(tl.uint8), mask=cmask)
+    tl.store(exact_ptr + cptr, exact.to(tl.uint8), mask=cmask)
+    tl.store(
+        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_m[:, None], scale, mask=cmask
+    )
+
+
+# ----------------------------------------------------------------------------- exact split
 @triton.jit
 def _act_fp8_split_kernel(
-    x_ptr,
-    idx_ptr,
-    fp8_ptr,
-    scale_ptr,
-    exact_ptr,
-    R,
-    K,
-    KP,
-    NCH,
-    stride_xm,
-    stride_fm,
-    stride_sc,
-    stride_em,
-    MANT_THRESHOLD: tl.constexpr,
-    HAS_MBS: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, idx_ptr, fp8_ptr, scale_ptr, exact_ptr,
+    R, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_em,
+    MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
+    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     """Rows x[idx[r]] quantized and split as `fp8_chunks.split_fp8_chunks`: the high operand
     in rows [0, R) of fp8 / scale, the low one in rows [R, 2R); exact [R, NCH] per chunk of
     both. (The torch path quantizes x[idx] with `formats.quantize`: the same codes.)"""
@@ -229,12 +196,7 @@ def _act_fp8_split_kernel(
         mask_r[:, None] & (offs_k[None, :] < K),
         BF16_BITS,
     )
-    if HAS_MBS:
-        m, f, y = mbs_static_scale(x, BLOCK_M, NC, CHUNK_K)
-    else:
-        f = tl.full((BLOCK_M, NC), 1.0, tl.float32)
-        y = x
-    s, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK_K16)
+    _m, f, s, mag, neg = _quantize_tile(x, MANT_THRESHOLD, HAS_MBS, BLOCK_M, NC, NB)
 
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
     _b, _r, _e, ok = _encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
@@ -243,9 +205,8 @@ def _act_fp8_split_kernel(
     hi, hi_ref, hi_exact, _ok = _encode_live(s, mag, neg, hi_live, BLOCK_M, NC, NB)
     lo, lo_ref, lo_exact, _ok2 = _encode_live(s, mag, neg, 1 - hi_live, BLOCK_M, NC, NB)
 
-    sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
-    hi_scale = pow2_f32(tl.minimum(tl.maximum(hi_ref - 127, -149), 127)) * sigma
-    lo_scale = pow2_f32(tl.minimum(tl.maximum(lo_ref - 127, -149), 127)) * sigma
+    hi_scale = _folded_scale(hi_ref, f)
+    lo_scale = _folded_scale(lo_ref, f)
 
     offs_r = offs_r.to(tl.int64)  # rows * Kp may pass 2^31
     fmask = mask_r[:, None] & (offs_k[None, :] < KP)
@@ -280,51 +241,56 @@ def _check(x: torch.Tensor, fmt: str, macro_block: int) -> None:
         )
 
 
-def _fields(x: torch.Tensor, fmt: str, macro_block: int):
-    """Launch the kernel: (fp8, scale, ref, mbs, exact) for the rows of x [..., K]."""
+def _layout_dims(x: torch.Tensor, fmt: str, macro_block: int) -> tuple[int, int]:
+    """(Kp, Kp/128): the FP8 layout's padded K and chunks of x [..., K], after the input,
+    format and device checks."""
     _check(x, fmt, macro_block)
     check_available(x)
+    kp = ceil_div(x.shape[-1], CHUNK) * CHUNK
+    return kp, kp // CHUNK
+
+
+def _launch(kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple) -> None:
+    """Launch `kernel` over `rows` rows of x [..., K] quantized with fmt: (row tile, K tile)
+    programs; outputs: its pointer arguments after x, then the row strides it takes."""
+    if not rows:
+        return
     spec = get_format(fmt)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2, x_arg, bf16_bits = act_rows(x)
+    k = x2.shape[1]
     kp = ceil_div(k, CHUNK) * CHUNK
-    nc = kp // CHUNK
-    dev = x.device
+    block_m, block_k = _tile_sizes(rows, kp)
+    pointers, strides = outputs
+    launch(
+        kernel,
+        (triton.cdiv(rows, block_m), triton.cdiv(kp, block_k)),
+        x_arg,
+        *pointers,
+        rows,
+        k,
+        kp,
+        kp // CHUNK,
+        x2.stride(0),
+        *strides,
+        MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
+        HAS_MBS=bool(spec.mbs),
+        BF16_BITS=bf16_bits,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+    )
+
+
+def _fields(x: torch.Tensor, fmt: str, macro_block: int):
+    """Launch the kernel: (fp8, scale, ref, mbs, exact) for the rows of x [..., K]."""
+    kp, nc = _layout_dims(x, fmt, macro_block)
+    m, dev = math.prod(x.shape[:-1]), x.device
     fp8 = torch.empty((m, kp), dtype=torch.uint8, device=dev)
     scale = torch.empty((nc, m), dtype=torch.float32, device=dev)
     ref = torch.empty((m, nc), dtype=torch.int32, device=dev)
     mbs = torch.empty((m, nc), dtype=torch.uint8, device=dev)
     exact = torch.empty((m, nc), dtype=torch.uint8, device=dev)
-    if m:
-        bf16_bits = x2.dtype == torch.bfloat16
-        block_m, block_k = _tile_sizes(m, kp)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
-        launch(
-            _act_fp8_chunks_kernel,
-            grid,
-            x2.view(torch.int16) if bf16_bits else x2,
-            fp8,
-            scale,
-            ref,
-            mbs,
-            exact,
-            m,
-            k,
-            kp,
-            nc,
-            x2.stride(0),
-            fp8.stride(0),
-            scale.stride(0),
-            ref.stride(0),
-            MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
-            HAS_MBS=bool(spec.mbs),
-            BF16_BITS=bf16_bits,
-            BLOCK_M=block_m,
-            BLOCK_K=block_k,
-        )
+    strides = (fp8.stride(0), scale.stride(0), ref.stride(0))
+    _launch(_act_fp8_chunks_kernel, x, fmt, m, ((fp8, scale, ref, mbs, exact), strides))
     return fp8.view(torch.float8_e4m3fn), scale, ref, mbs, exact.view(torch.bool)
 
 
@@ -377,46 +343,13 @@ def act_quant_fp8_chunks_op(
 
 def _split_fields(x: torch.Tensor, fmt: str, idx: torch.Tensor):
     """Launch the split kernel: (fp8 [2R, Kp], scale [Kp/128, 2R], exact [R, Kp/128])."""
-    _check(x, fmt, CHUNK)
-    check_available(x)
-    spec = get_format(fmt)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    r = idx.shape[0]
-    kp = ceil_div(k, CHUNK) * CHUNK
-    nc = kp // CHUNK
-    dev = x.device
+    kp, nc = _layout_dims(x, fmt, CHUNK)
+    r, dev = idx.shape[0], x.device
     fp8 = torch.empty((2 * r, kp), dtype=torch.uint8, device=dev)
     scale = torch.empty((nc, 2 * r), dtype=torch.float32, device=dev)
     exact = torch.empty((r, nc), dtype=torch.uint8, device=dev)
-    if r:
-        bf16_bits = x2.dtype == torch.bfloat16
-        block_m, block_k = _tile_sizes(r, kp)
-        grid = (triton.cdiv(r, block_m), triton.cdiv(kp, block_k))
-        launch(
-            _act_fp8_split_kernel,
-            grid,
-            x2.view(torch.int16) if bf16_bits else x2,
-            idx.contiguous(),
-            fp8,
-            scale,
-            exact,
-            r,
-            k,
-            kp,
-            nc,
-            x2.stride(0),
-            fp8.stride(0),
-            scale.stride(0),
-            exact.stride(0),
-            MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
-            HAS_MBS=bool(spec.mbs),
-            BF16_BITS=bf16_bits,
-            BLOCK_M=block_m,
-            BLOCK_K=block_k,
-        )
+    strides = (fp8.stride(0), scale.stride(0), exact.stride(0))
+    _launch(_act_fp8_split_kernel, x, fmt, r, ((idx.contiguous(), fp8, scale, exact), strides))
     return fp8.view(torch.float8_e4m3fn), scale, exact.view(torch.bool)
 
 

@@ -23,30 +23,25 @@ Numerics that the GPU could get wrong and how they are avoided:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from vllm_mxplus.backends.triton.launch import (
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
-)
+from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
-    E2M1_MAX,
-    F8E4M3_MAX,
     MANTISSA_THRESHOLD,
+    NVFP4_BLOCK,
     NVFP4_GLOBAL_DIV,
-    e2m1_magnitude_code,
-    e4m3_round,
     e8m0_block_quant,
     load_f32,
     load_row_tile,
     mbs_static_scale,
-    pack_nibbles,
+    nvfp4_block_quant,
+    store_codes_and_scales,
+    store_row_tile,
 )
 from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.schemes import FormatSpec
 
 SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
@@ -62,24 +57,11 @@ GPU_BLOCK_K = 512
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
 def _mx_act_quant_kernel(
-    x_ptr,
-    codes_ptr,
-    scales_ptr,
-    mbs_ptr,
-    M,
-    K,
-    stride_xm,
-    stride_cm,
-    stride_sm,
-    stride_mm,
-    BLOCK: tl.constexpr,
-    MANT_THRESHOLD: tl.constexpr,
-    HAS_MBS: tl.constexpr,
-    MACRO: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, codes_ptr, scales_ptr, mbs_ptr,
+    M, K, stride_xm, stride_cm, stride_sm, stride_mm,
+    BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, MACRO: tl.constexpr,
+    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_k = tl.program_id(1)
     # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
     offs_m, _, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
@@ -87,52 +69,28 @@ def _mx_act_quant_kernel(
     if HAS_MBS:
         NM: tl.constexpr = BLOCK_K // MACRO
         m, _, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
-        offs_mb = pid_k * NM + tl.arange(0, NM)
-        tl.store(
-            mbs_ptr + offs_m[:, None] * stride_mm + offs_mb[None, :],
-            m.to(tl.uint8),
-            mask=mask_m[:, None] & (offs_mb[None, :] < tl.cdiv(K, MACRO)),
+        store_row_tile(
+            mbs_ptr, m.to(tl.uint8), offs_m, mask_m, stride_mm, pid_k, tl.cdiv(K, MACRO), NM
         )
     else:
         y = x
 
     NB: tl.constexpr = BLOCK_K // BLOCK
     code, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
-    c = mag | (neg << 3)
-    packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
-
-    offs_c = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(
-        codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
-        packed,
-        mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
-    )
-    offs_s = pid_k * NB + tl.arange(0, NB)
-    tl.store(
-        scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
-        code.to(tl.uint8),
-        mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
-    )
+    store_codes_and_scales(
+        codes_ptr, scales_ptr, mag | (neg << 3), code, offs_m, mask_m, stride_cm, stride_sm,
+        pid_k, K, BLOCK, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- NVFP4 kernel
 @triton.jit
 def _nvfp4_act_quant_kernel(
-    x_ptr,
-    codes_ptr,
-    scales_ptr,
-    gs_ptr,
-    M,
-    K,
-    stride_xm,
-    stride_cm,
-    stride_sm,
-    BF16_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    BLOCK: tl.constexpr = 16
-    NB: tl.constexpr = BLOCK_K // BLOCK
+    x_ptr, codes_ptr, scales_ptr, gs_ptr,  # gs: out, the rows' fp32 global scales
+    M, K, stride_xm, stride_cm, stride_sm,
+    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    NB: tl.constexpr = BLOCK_K // NVFP4_BLOCK
     pid_m = tl.program_id(0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -154,41 +112,11 @@ def _nvfp4_act_quant_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = load_f32(row + offs_k[None, :], mask_m[:, None] & (offs_k[None, :] < K), BF16_BITS)
-        xb = tl.reshape(x, (BLOCK_M, NB, BLOCK))
-        ax = tl.abs(xb)
-        # block absmax with torch.amax semantics: NaN wins, else the max (Inf included)
-        has_nan = tl.max((ax != ax).to(tl.int32), axis=2) > 0
-        bmax = tl.max(tl.where(ax == ax, ax, 0.0), axis=2)
-        nonfinite = has_nan | (bmax == float("inf"))
-        bmax = tl.where(nonfinite, 0.0, bmax)
-        gb = tl.broadcast_to(g[:, None], bmax.shape)
-        s32 = tl.math.div_rn(
-            tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
-            tl.where(gb > 0.0, gb, 1.0),
-        )
-        s32 = tl.where(gb > 0.0, s32, 0.0)
-        s32 = tl.where(nonfinite, float("nan"), s32)  # NaN/Inf block: NaN scale (formats.nvfp4)
-        s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
-        sbyte, sf = e4m3_round(s32)
-        zero = (sf == 0.0) | (sf != sf)
-        denom = tl.where(zero, 1.0, sf * gb)
-        v = tl.math.div_rn(ax, tl.broadcast_to(denom[:, :, None], ax.shape))
-        neg = (xb.to(tl.int32, bitcast=True) < 0).to(tl.int32)
-        c = tl.where(zero[:, :, None], 0, e2m1_magnitude_code(v) | (neg << 3))
-        packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
-
-        offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(
-            codes_ptr + offs_m[:, None] * stride_cm + offs_c[None, :],
-            packed,
-            mask=mask_m[:, None] & (offs_c[None, :] < tl.cdiv(K, 2)),
-        )
-        offs_s = k0 // BLOCK + tl.arange(0, NB)
-        tl.store(
-            scales_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
-            sbyte.to(tl.uint8),
-            mask=mask_m[:, None] & (offs_s[None, :] < tl.cdiv(K, BLOCK)),
-        )
+        sbyte, c = nvfp4_block_quant(x, g, BLOCK_M, NB, NVFP4_BLOCK)
+        store_codes_and_scales(
+            codes_ptr, scales_ptr, c, sbyte, offs_m, mask_m, stride_cm, stride_sm,
+            k0 // BLOCK_K, K, NVFP4_BLOCK, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -222,6 +150,50 @@ def check_act_input(
     return spec
 
 
+def act_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """x [..., K] as rows [M, K] with unit column stride, the kernel argument for them (bf16
+    as its int16 bits: `load_f32` widens them exactly), and whether x is bf16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    bf16 = x2.dtype == torch.bfloat16
+    return x2, (x2.view(torch.int16) if bf16 else x2), bf16
+
+
+def launch_row_tiles(
+    kernel: Any,
+    rows: tuple[torch.Tensor, torch.Tensor, bool],
+    unit: int,
+    outputs: tuple[torch.Tensor, ...],
+    *inputs: torch.Tensor,
+    **constexprs: Any,
+) -> None:
+    """Launch an activation kernel over (row tile, K tile) programs of the `act_rows` rows
+    [M, K] (tiles of `tile_sizes(M, K, unit)`; nothing for M = 0), the kernel taking
+    (x, *inputs, *outputs, M, K, x's row stride, the outputs' row strides, constexprs...,
+    BF16_BITS, BLOCK_M, BLOCK_K)."""
+    x2, x_arg, bf16 = rows
+    m, k = x2.shape
+    if not m:
+        return
+    block_m, block_k = tile_sizes(m, k, unit)
+    launch(
+        kernel,
+        (triton.cdiv(m, block_m), triton.cdiv(k, block_k)),
+        x_arg,
+        *inputs,
+        *outputs,
+        m,
+        k,
+        x2.stride(0),
+        *(t.stride(0) for t in outputs),
+        **constexprs,
+        BF16_BITS=bf16,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+    )
+
+
 def check_tileable_macro_block(macro_block: int, who: str) -> None:
     """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
     if macro_block not in SUPPORTED_MACRO_BLOCKS:
@@ -248,12 +220,9 @@ def act_quant(
     check_available(x)
 
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    rows = act_rows(x)
+    x2, x_arg, bf16_bits = rows
     m = x2.shape[0]
-    bf16_bits = x2.dtype == torch.bfloat16
-    x_arg = x2.view(torch.int16) if bf16_bits else x2
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     nb = ceil_div(k, spec.block_size)
     mbs = gs = None
@@ -262,7 +231,7 @@ def act_quant(
         scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
         gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
-            block_m, block_k = tile_sizes(m, k, 16)
+            block_m, block_k = tile_sizes(m, k, spec.block_size)
             launch(
                 _nvfp4_act_quant_kernel,
                 (triton.cdiv(m, block_m),),
@@ -286,30 +255,16 @@ def act_quant(
         if spec.mbs:
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
-        if m:
-            block_m, block_k = tile_sizes(m, k, max(unit, 32))
-            grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-            launch(
-                _mx_act_quant_kernel,
-                grid,
-                x_arg,
-                codes,
-                scales,
-                mbs_arg,
-                m,
-                k,
-                x2.stride(0),
-                codes.stride(0),
-                scales.stride(0),
-                mbs_arg.stride(0),
-                BLOCK=spec.block_size,
-                MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
-                HAS_MBS=bool(spec.mbs),
-                MACRO=macro_block,
-                BF16_BITS=bf16_bits,
-                BLOCK_M=block_m,
-                BLOCK_K=block_k,
-            )
+        launch_row_tiles(
+            _mx_act_quant_kernel,
+            rows,
+            max(unit, 32),
+            (codes, scales, mbs_arg),
+            BLOCK=spec.block_size,
+            MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
+            HAS_MBS=bool(spec.mbs),
+            MACRO=macro_block,
+        )
         if mbs is not None:
             mbs = mbs.reshape(*lead, mbs.shape[-1])
     return (

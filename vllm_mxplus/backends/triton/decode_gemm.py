@@ -43,86 +43,32 @@ from typing import overload
 
 import torch
 
-from vllm_mxplus.backends.triton.launch import (
-    capturing,
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
+from vllm_mxplus.backends.triton.gemm_blocks import (
+    e2m1_value,
+    e8m0_value,
+    macro_block_dot,
+    mbs_factors,
+    pair_dot,
+    store_out_tile,
 )
+from vllm_mxplus.backends.triton.gemm_launch import (
+    MAX_GRID_M_TILES,
+    by_row_chunks,
+    check_gemm_args,
+    dot_dtype,
+    finish_output,
+    plan_split_k,
+)
+from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats.constants import ceil_div
 
 SUPPORTED_BLOCK_SIZES = (16, 32)
-MAX_SPLIT_K = 16
 GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 GPU_BLOCK_N = 32
 GPU_BLOCK_K = 64  # K elements per step on the GPU: one 32-byte sector per weight row
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
-MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
-MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
-NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
-
-
-@triton.jit
-def e2m1_value(c):
-    """fp32 value of E2M1 codes c (int32, 0..15): magnitudes 0, .5, 1, ..., 6; code 8 is -0.0.
-
-    With e = (c & 7) >> 1 and m = c & 1, the bits (c & 7) << 22 are the fp32 with exponent
-    field e and mantissa m/2: 2^(e-127) * (1 + m/2) for e >= 1, the subnormal m * 2^-127 for
-    e = 0. One multiply by 2^126 is exact and gives 2^(e-1) * (1 + m/2), resp. m/2: the E2M1
-    magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
-    """
-    bits = ((c & 7) << 22) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-
-
-@triton.jit
-def e8m0_value(code):
-    """fp32 2^(code - 127) from the bits; code 0 is the subnormal 2^-127, code 255 is NaN."""
-    bits = tl.where(code == 0, 1 << 22, code << 23)
-    bits = tl.where(code == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def mbs_factor(m):
-    """F = 1 + m/256 in fp32 (exact)."""
-    return (m.to(tl.float32) + 256.0) * 0.00390625
-
-
-@triton.jit
-def mbs_pair_factor(
-    xmbs_ptr,
-    wmbs_ptr,
-    m0,
-    n0,
-    stride_xmm,
-    stride_wmn,
-    c,
-    valid,
-    mask_m,
-    mask_n,
-    X_MBS: tl.constexpr,
-    W_MBS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Fx[m] * Fw[n] [BLOCK_M, BLOCK_N] of macro block c of the tile's rows (1 for an operand
-    without MBS; `valid` False: 1, nothing read). Exact: two 9-bit integers over 2^16."""
-    fx = tl.full((BLOCK_M,), 1.0, tl.float32)
-    fw = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if X_MBS:
-        xm = xmbs_ptr + m0.to(tl.int64) * stride_xmm + c
-        i_m = tl.arange(0, BLOCK_M)
-        fx = mbs_factor(tl.load(xm + i_m * stride_xmm, mask=mask_m & valid, other=0))
-    if W_MBS:
-        wm = wmbs_ptr + n0.to(tl.int64) * stride_wmn + c
-        i_n = tl.arange(0, BLOCK_N)
-        fw = mbs_factor(tl.load(wm + i_n * stride_wmn, mask=mask_n & valid, other=0))
-    return fx[:, None] * fw[None, :]
 
 
 @triton.jit
@@ -157,13 +103,12 @@ def _decode_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
+    NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
+    HB: tl.constexpr = BS // 2  # bytes per scale block
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
     pid_m = tl.program_id(2)
-    NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
-    HB: tl.constexpr = BS // 2  # bytes per scale block
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     i_m = tl.arange(0, BLOCK_M)
@@ -177,6 +122,11 @@ def _decode_gemm_kernel(
     xs_base = xs_ptr + m0.to(tl.int64) * stride_xsm
     wc_base = wc_ptr + n0.to(tl.int64) * stride_wcn
     ws_base = ws_ptr + n0.to(tl.int64) * stride_wsn
+    xm_base = xmbs_ptr + m0.to(tl.int64) * stride_xmm
+    wm_base = wmbs_ptr + n0.to(tl.int64) * stride_wmn
+    # MBS bytes of macro block c of the tile's rows: x at xm_base + c + xm_off, W likewise
+    xm_off = i_m * stride_xmm
+    wm_off = i_n * stride_wmn
     # x tile [BLOCK_M, NB, HB] and its scales [BLOCK_M, NB, 1]
     jx = i_b[None, :, None] * HB + i_h[None, None, :]
     x_off = i_m[:, None, None] * stride_xcm + jx
@@ -218,84 +168,36 @@ def _decode_gemm_kernel(
 
         if (X_MBS or W_MBS) and MACRO < BLOCK_K:
             # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
-            # error bounds"): one dot per macro block, on x with the other macro blocks'
-            # columns zeroed (x is the small operand: BLOCK_M rows; the weight tile is loaded
-            # and dequantized once per step as for any macro block), each partial divided
-            # once by its own exact Fx * Fw, the quotients summed in the step.
-            HMB: tl.constexpr = MACRO // 2  # bytes (= columns of x_lo / x_hi) per macro block
-            col_mb = tl.arange(0, BLOCK_K // 2)[None, :] // HMB
+            # error bounds"): one dot per macro block (`macro_block_dot`), each partial
+            # divided once by its own exact Fx * Fw (two 9-bit integers over 2^16), the
+            # quotients summed in the step.
             part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for j in tl.static_range(BLOCK_K // MACRO):
-                sel = col_mb == j
-                pj = tl.dot(
-                    tl.where(sel, x_lo, 0.0).to(DOT_DTYPE),
-                    w_lo,
-                    input_precision=DOT_PRECISION,
-                    out_dtype=tl.float32,
-                )
-                pj = tl.dot(
-                    tl.where(sel, x_hi, 0.0).to(DOT_DTYPE),
-                    w_hi,
-                    pj,
-                    input_precision=DOT_PRECISION,
-                    out_dtype=tl.float32,
-                )
-                f = mbs_pair_factor(
-                    xmbs_ptr,
-                    wmbs_ptr,
-                    m0,
-                    n0,
-                    stride_xmm,
-                    stride_wmn,
-                    k0 // MACRO + j,
+                pj = macro_block_dot(x_lo, x_hi, w_lo, w_hi, j, MACRO, BLOCK_K, DOT_DTYPE)
+                c = k0 // MACRO + j
+                fx, fw = mbs_factors(
+                    xm_base + c + xm_off, wm_base + c + wm_off,
                     k0 + j * MACRO < K,  # a macro block past K: no byte to read
-                    mask_m,
-                    mask_n,
-                    X_MBS,
-                    W_MBS,
-                    BLOCK_M,
-                    BLOCK_N,
-                )
-                part += tl.math.div_rn(pj, f)  # exact F product, IEEE division
+                    mask_m, mask_n, X_MBS, W_MBS,
+                )  # fmt: skip
+                part += tl.math.div_rn(pj, fx[:, None] * fw[None, :])  # exact, IEEE division
         else:
-            part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-            part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
             if X_MBS or W_MBS:
                 # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
-                f = mbs_pair_factor(
-                    xmbs_ptr,
-                    wmbs_ptr,
-                    m0,
-                    n0,
-                    stride_xmm,
-                    stride_wmn,
-                    k0 // MACRO,
-                    True,
-                    mask_m,
-                    mask_n,
-                    X_MBS,
-                    W_MBS,
-                    BLOCK_M,
-                    BLOCK_N,
+                c = k0 // MACRO
+                fx, fw = mbs_factors(
+                    xm_base + c + xm_off, wm_base + c + wm_off, True, mask_m, mask_n, X_MBS, W_MBS
                 )
-                part = tl.math.div_rn(part, f)  # exact F product, IEEE division
+                part = tl.math.div_rn(part, fx[:, None] * fw[None, :])  # exact, IEEE division
         acc += part
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n0 + i_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = (
-        out_ptr
-        + pid_s.to(tl.int64) * stride_os
-        + (m0 + i_m).to(tl.int64)[:, None] * stride_om
-        + (n0 + i_n)[None, :]
-    )
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def supports_macro_block(macro_block: int) -> bool:
-    """Whether the kernel tiles this MBS macro block: a power of two >= 16, so a K step
-    (itself a power of two) lies inside one macro block or holds whole ones, never parts."""
-    return macro_block >= MIN_MACRO_BLOCK and macro_block & (macro_block - 1) == 0
+    out_row = (m0 + i_m).to(tl.int64)
+    store_out_tile(
+        out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
+        HAS_BIAS, BLOCK_N,
+    )  # fmt: skip
 
 
 def _infer_block_size(k: int, n_scales: int) -> int:
@@ -364,19 +266,6 @@ def _tile_addressable(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return t
 
 
-def _default_split_k(out_tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Enough (output tile, K slice) programs to fill the GPU about twice; 1 in the
-    interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
-    fp32 partials would cost split x M x N x 4 bytes."""
-    if capturing():
-        sms = NOMINAL_SMS
-    elif interpreting() or device.type != "cuda":
-        return 1
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
-
-
 def decode_gemm(
     x_codes: torch.Tensor,
     x_scales: torch.Tensor,
@@ -387,9 +276,9 @@ def decode_gemm(
     K: int,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    *,
     block_size: int | None = None,
     macro_block: int = MACRO_BLOCK,
+    *,
     block_n: int | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
@@ -399,24 +288,19 @@ def decode_gemm(
     [M, ceil(K/macro_block)] or None; w_* the same with N rows (the `formats.quantize` layout
     of a weight [N, K]). Formats: block 16 or 32 E8M0 (`mxfp4-16-oas`, `mxfp4-ocp`, ...) with
     or without MBS on either operand (`mxfp4-mbs-d` weights with `mxfp4-mbs-s` activations);
-    macro_block: a power of two >= 16 (`supports_macro_block`). Any M: rows are tiled (more
-    than MAX_GRID_M_TILES row tiles run as consecutive launches).
-    block_size is inferred from the scale count when not given. fp32 accumulation; the
-    output dtype is bf16, fp16 or fp32. block_n / split_k override the launch heuristics.
+    macro_block: a power of two >= 16 (`gemm_launch.supports_macro_block`). Any M: rows are
+    tiled (more than MAX_GRID_M_TILES row tiles run as consecutive launches).
+    block_size is inferred from the scale count when not given (None or 0). fp32
+    accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k override the
+    launch heuristics. `ops.decode_gemm_op` is this function as a custom op.
     """
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"decode_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     if bs not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
             f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}"
         )
     has_mbs = x_mbs is not None or w_mbs is not None
-    if has_mbs and not supports_macro_block(macro_block):
-        raise ValueError(
-            f"decode_gemm: macro_block must be a power of two >= {MIN_MACRO_BLOCK} (a K step "
-            f"holds whole macro blocks), got {macro_block}"
-        )
+    check_gemm_args("decode_gemm", out_dtype, macro_block, has_mbs)
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
     m, n = x_codes.shape[0], w_codes.shape[0]
@@ -455,48 +339,19 @@ def decode_gemm(
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
-        rows = MAX_GRID_M_TILES * block_m
-        return torch.cat(
-            [
-                decode_gemm(
-                    x_codes[r : r + rows],
-                    x_scales[r : r + rows],
-                    None if x_mbs is None else x_mbs[r : r + rows],
-                    w_codes,
-                    w_scales,
-                    w_mbs,
-                    K,
-                    bias,
-                    out_dtype,
-                    block_size=bs,
-                    macro_block=macro_block,
-                    block_n=block_n,
-                    split_k=split_k,
-                )
-                for r in range(0, m, rows)
-            ]
+        w = (w_codes, w_scales, w_mbs, K, bias, out_dtype, bs, macro_block)
+        return by_row_chunks(
+            (x_codes, x_scales, x_mbs),
+            MAX_GRID_M_TILES * block_m,
+            lambda xr: decode_gemm(xr[0], xr[1], xr[2], *w, block_n=block_n, split_k=split_k),
         )
-    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(K, block_k)
-    out_tiles = n_tiles * triton.cdiv(m, block_m)
-    split = max(1, min(split_k or _default_split_k(out_tiles, k_tiles, w_codes.device), k_tiles))
-    k_per_split = ceil_div(k_tiles, split) * block_k
-    split = ceil_div(K, k_per_split)  # no empty slices
-
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=w_codes.device)
-    if interp and bias is not None:
-        bias = bias.to(torch.float32)  # the interpreter's bf16/fp16 conversions are not exact
-    if split == 1:
-        # The interpreter's fp32 -> bf16 cast does not round to nearest even: cast outside.
-        out = torch.empty(
-            (m, n), dtype=torch.float32 if interp else out_dtype, device=w_codes.device
-        )
-        stride_os = 0
-    else:  # fp32 partials per K slice, summed below (deterministic, unlike atomics)
-        out = torch.empty((split, m, n), dtype=torch.float32, device=w_codes.device)
-        stride_os = out.stride(0)
+    n_tiles = triton.cdiv(n, block_n)
+    out_tiles = n_tiles * triton.cdiv(m, block_m)
+    sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
 
-    grid = (n_tiles, split, triton.cdiv(m, block_m))
+    grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
     dummy = w_scales  # stands in for absent optional pointers; never dereferenced
     launch(
         _decode_gemm_kernel,
@@ -507,37 +362,30 @@ def decode_gemm(
         w_codes,
         w_scales,
         w_mbs if w_mbs is not None else dummy,
-        bias if (bias is not None and split == 1) else dummy,
-        out,
+        sk.bias if sk.bias is not None else dummy,
+        sk.out,
         m,
         n,
         K,
         ceil_div(K, 2),
-        k_per_split,
+        sk.k_per_split,
         x_codes.stride(0),
         x_scales.stride(0),
         x_mbs.stride(0) if x_mbs is not None else 0,
         w_codes.stride(0),
         w_scales.stride(0),
         w_mbs.stride(0) if w_mbs is not None else 0,
-        stride_os,
-        out.stride(-2),
+        sk.out.stride(0) if sk.split > 1 else 0,
+        sk.out.stride(-2),
         BS=bs,
         MACRO=macro_block,
         X_MBS=x_mbs is not None,
         W_MBS=w_mbs is not None,
-        HAS_BIAS=bias is not None and split == 1,
+        HAS_BIAS=sk.bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        # The interpreter's bf16 is wrong: it multiplies in fp32 ("ieee").
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
-        DOT_PRECISION="ieee" if interp else None,  # None: bf16 operands, no fp32 mode
+        DOT_DTYPE=dot_dtype(),
         **launch_options,
     )
-    if split == 1:
-        return out.to(out_dtype)
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y.to(out_dtype)
+    return finish_output(sk.out, bias, out_dtype)

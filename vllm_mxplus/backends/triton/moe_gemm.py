@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton.gemm_launch import SplitK
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
 from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
@@ -130,74 +131,41 @@ def moe_gemm(
     if has_mbs and block_m > DECODE_BLOCK_M:
         warps = MOE_NUM_WARPS_MBS
     tiles = (block_m, bn, bk, warps)
-    launch_mx_gemm(
-        x,
-        w.operands,
-        out,
-        m=num_pairs,
-        n=w.n,
-        k=w.k,
-        fmt=fmt,
-        bs=block_size,
-        macro_block=macro_block,
-        tiles=tiles,
-        grid_m=tile_expert.shape[0],
-        moe=(pairs, tile_expert, w.experts, topk),
-    )
+    sk = SplitK(split=1, k_per_split=w.k, out=out, bias=None)
+    moe = (pairs, tile_expert, w.experts, topk)
+    grid_m = tile_expert.shape[0]
+    launch_mx_gemm(x, w.operands, sk, w.k, fmt, block_size, macro_block, tiles, grid_m, moe)
     return out.to(out_dtype)
 
 
-@torch.library.custom_op(op_name("triton_moe_gemm"), mutates_args=())
-def moe_gemm_op(
-    x_codes: torch.Tensor,
-    x_scales: torch.Tensor,
-    x_extra: torch.Tensor | None,
-    x_global: torch.Tensor | None,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_extra: torch.Tensor | None,
-    w_global: torch.Tensor | None,
-    pairs: torch.Tensor,
-    tile_expert: torch.Tensor,
-    experts: int,
-    n: int,
-    k: int,
-    num_pairs: int,
-    topk: int,
-    out_dtype: torch.dtype,
-    fmt: str,
-    block_size: int,
-    macro_block: int,
-    block_m: int,
-) -> torch.Tensor:
-    """`moe_gemm` as a custom op (traceable; its fake gives [num_pairs, n] in out_dtype)."""
-    w = PackedExpertWeights(w_codes, w_scales, w_extra, w_global, experts, n, k)
-    return moe_gemm(
-        (x_codes, x_scales, x_extra, x_global),
-        w,
-        pairs,
-        tile_expert,
-        num_pairs=num_pairs,
-        topk=topk,
-        out_dtype=out_dtype,
-        fmt=fmt,
-        block_size=block_size,
-        macro_block=macro_block,
-        block_m=block_m,
-    )
+#: `moe_gemm` as a custom op (traceable): x and w packed operands (codes, scales, extra,
+#: global), w stacked [experts * n rows, .]; the keyword arguments are moe_gemm's.
+MOE_GEMM_SCHEMA = (
+    "(Tensor?[] x, Tensor?[] w, Tensor pairs, Tensor tile_expert, SymInt experts, SymInt n, "
+    "SymInt k, *, SymInt num_pairs, SymInt topk, ScalarType out_dtype, str fmt, "
+    "SymInt block_size, SymInt macro_block, SymInt block_m) -> Tensor"
+)
+
+
+@torch.library.custom_op(op_name("triton_moe_gemm"), mutates_args=(), schema=MOE_GEMM_SCHEMA)
+def moe_gemm_op(x, w, pairs, tile_expert, experts, n, k, **kw) -> torch.Tensor:
+    """`moe_gemm` on operand lists (x per token or pair, w of `experts` x n rows)."""
+    codes, scales, extra, g = w
+    weights = PackedExpertWeights(codes, scales, extra, g, experts, n, k)
+    return moe_gemm(tuple(x), weights, pairs, tile_expert, **kw)
 
 
 @moe_gemm_op.register_fake
-def _moe_gemm_fake(xc, xs, xe, xg, wc, ws, we, wg, pairs, tile_expert, experts, n, k, num_pairs,
-                   topk, out_dtype, fmt, block_size, macro_block, block_m):  # fmt: skip
-    return wc.new_empty((num_pairs, n), dtype=out_dtype)
+def _moe_gemm_fake(x, w, pairs, tile_expert, experts, n, k, *, num_pairs, out_dtype, **_kw):
+    return w[0].new_empty((num_pairs, n), dtype=out_dtype)
 
 
 def _grouped(x: tuple, w: PackedExpertWeights, pairs, tile_expert, **kw) -> torch.Tensor:
+    """`moe_gemm` through its custom op."""
+    operands = (list(x), list(w.operands))
     return torch.ops.vllm_mxplus.triton_moe_gemm(
-        *x, *w.operands, pairs, tile_expert, w.experts, w.n, w.k, kw["num_pairs"], kw["topk"],
-        kw["out_dtype"], kw["fmt"], kw["block_size"], kw["macro_block"], kw["block_m"],
-    )  # fmt: skip
+        *operands, pairs, tile_expert, w.experts, w.n, w.k, **kw
+    )
 
 
 Quantizer = Callable[[torch.Tensor, torch.Tensor | None], tuple]

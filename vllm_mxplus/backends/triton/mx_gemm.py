@@ -40,19 +40,35 @@ arbitrary); column offsets inside a row are 32-bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from vllm_mxplus.backends.triton.decode_gemm import e2m1_value, e8m0_value, mbs_factor
-from vllm_mxplus.backends.triton.launch import (
-    capturing,
-    ceil_div,
-    check_available,
-    interpreting,
-    launch,
-    tl,
-    triton,
+from vllm_mxplus.backends.triton.gemm_blocks import (
+    e2m1_value,
+    e4m3_value,
+    e8m0_value,
+    macro_block_dot,
+    mbs_factors,
+    mbs_sigma,
+    pair_dot,
+    store_out_tile,
 )
+from vllm_mxplus.backends.triton.gemm_launch import (
+    MAX_GRID_M_TILES,
+    SplitK,
+    by_row_chunks,
+    check_gemm_args,
+    dot_dtype,
+    finish_output,
+    plan_split_k,
+)
+from vllm_mxplus.backends.triton.gemm_launch import (  # re-exported: linear.py imports it here
+    supports_macro_block as supports_macro_block,
+)
+from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats.constants import ceil_div
 
 # operand formats (constexpr FMT): what the scales and the extra bytes mean
 FMT_E8M0, FMT_NVFP4, FMT_MXPLUS = 0, 1, 2
@@ -60,7 +76,6 @@ FMT_CODES = {"e8m0": FMT_E8M0, "nvfp4": FMT_NVFP4, "mxplus": FMT_MXPLUS}
 MXPLUS_BLOCK = 32
 BLOCK_SIZES = {"e8m0": (16, 32), "nvfp4": (16,), "mxplus": (MXPLUS_BLOCK,)}
 NO_BLOCK_MAX = tl.constexpr(255)
-E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
 
 PREFILL_BLOCK_M = 32
 PREFILL_BLOCK_N = 64
@@ -76,21 +91,6 @@ DECODE_BLOCK_N = 32
 DECODE_NUM_WARPS = 4
 GPU_BLOCK_K = 64  # one 32-byte sector per row and step
 DECODE_MAX_M = 16
-MAX_SPLIT_K = 16
-MAX_GRID_M_TILES = 65535  # the grid's third axis is at most 2^16 - 1 on CUDA
-NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
-
-
-@triton.jit
-def e4m3_value(b):
-    """fp32 value of float8_e4m3fn bytes b (int32 0..255): normal (8 + m) * 2^(e - 10), the
-    subnormal m * 2^-9, 0x7F / 0xFF NaN; exact (built from the bits)."""
-    e = (b >> 3) & 15
-    mnt = b & 7
-    normal = (((e + 120) << 23) | (mnt << 20)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, mnt.to(tl.float32) * E4M3_SUB_STEP, normal)
-    v = tl.where((b & 0x80) != 0, -v, v)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
 @triton.jit
@@ -154,35 +154,6 @@ def dequant_rows(
 
 
 @triton.jit
-def mbs_sigmas(
-    xe_ptr,
-    we_ptr,
-    rows_xe,
-    rows_we,
-    c,
-    valid,
-    mask_m,
-    mask_n,
-    X_MBS: tl.constexpr,
-    W_MBS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """(sigma_x [BLOCK_M], sigma_w [BLOCK_N]) = fp32(1 / F) of macro block c of the tile's
-    rows (1 for an operand without MBS; `valid` False: 1, nothing read): the paper's
-    per-chunk sigma_A, sigma_B (section 4.3.2), each an IEEE reciprocal (`div_rn`)."""
-    sx = tl.full((BLOCK_M,), 1.0, tl.float32)
-    sw = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if X_MBS:
-        fx = mbs_factor(tl.load(xe_ptr + rows_xe + c, mask=mask_m & valid, other=0))
-        sx = tl.math.div_rn(sx, fx)
-    if W_MBS:
-        fw = mbs_factor(tl.load(we_ptr + rows_we + c, mask=mask_n & valid, other=0))
-        sw = tl.math.div_rn(sw, fw)
-    return sx, sw
-
-
-@triton.jit
 def _mx_gemm_kernel(
     xc_ptr,
     xs_ptr,
@@ -222,7 +193,6 @@ def _mx_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
@@ -269,62 +239,38 @@ def _mx_gemm_kernel(
         w_lo = tl.trans(w_lo)
         w_hi = tl.trans(w_hi)
         if (X_MBS or W_MBS) and MACRO < BLOCK_K:
-            # one dot per macro block, x's other columns zeroed, each partial scaled by its
-            # own sigma_x * sigma_w (docs/numerics.md, "Kernel numerics and error bounds")
-            HMB: tl.constexpr = MACRO // 2
-            col_mb = tl.arange(0, BLOCK_K // 2)[None, :] // HMB
+            # one dot per macro block (`macro_block_dot`), each partial scaled by its own
+            # sigma_x * sigma_w (docs/numerics.md, "Kernel numerics and error bounds")
             for j in tl.static_range(BLOCK_K // MACRO):
-                sel = col_mb == j
-                pj = tl.dot(
-                    tl.where(sel, x_lo, 0.0).to(DOT_DTYPE),
-                    w_lo,
-                    input_precision=DOT_PRECISION,
-                    out_dtype=tl.float32,
-                )
-                pj = tl.dot(
-                    tl.where(sel, x_hi, 0.0).to(DOT_DTYPE),
-                    w_hi,
-                    pj,
-                    input_precision=DOT_PRECISION,
-                    out_dtype=tl.float32,
-                )
-                sx, sw = mbs_sigmas(
-                    xe_ptr, we_ptr, rows_xe, rows_we, k0 // MACRO + j, k0 + j * MACRO < K,
-                    mask_m, mask_n, X_MBS, W_MBS, BLOCK_M, BLOCK_N,
+                pj = macro_block_dot(x_lo, x_hi, w_lo, w_hi, j, MACRO, BLOCK_K, DOT_DTYPE)
+                c = k0 // MACRO + j
+                fx, fw = mbs_factors(
+                    xe_ptr + rows_xe + c, we_ptr + rows_we + c, k0 + j * MACRO < K,
+                    mask_m, mask_n, X_MBS, W_MBS,
                 )  # fmt: skip
-                acc += (pj * sx[:, None]) * sw[None, :]
+                acc += (pj * mbs_sigma(fx, X_MBS)[:, None]) * mbs_sigma(fw, W_MBS)[None, :]
         elif X_MBS or W_MBS:  # the step lies inside one macro block
-            part = tl.dot(x_lo, w_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-            part = tl.dot(x_hi, w_hi, part, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-            sx, sw = mbs_sigmas(
-                xe_ptr, we_ptr, rows_xe, rows_we, k0 // MACRO, True,
-                mask_m, mask_n, X_MBS, W_MBS, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            acc += (part * sx[:, None]) * sw[None, :]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
+            c = k0 // MACRO
+            fx, fw = mbs_factors(
+                xe_ptr + rows_xe + c, we_ptr + rows_we + c, True, mask_m, mask_n, X_MBS, W_MBS
+            )
+            acc += (part * mbs_sigma(fx, X_MBS)[:, None]) * mbs_sigma(fw, W_MBS)[None, :]
         else:
-            acc = tl.dot(x_lo, w_lo, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-            acc = tl.dot(x_hi, w_hi, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            acc = pair_dot(x_lo, x_hi, w_lo, w_hi, acc, DOT_DTYPE)
 
     if FMT == 1:  # NVFP4: the global scales, factored out of the sum
         gx = tl.load(xg_ptr + x_row, mask=mask_m, other=0.0)
         gw = tl.load(wg_ptr + w_row, mask=mask_n, other=0.0)
         acc = (acc * gx[:, None]) * gw[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n0 + i_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + pid_s.to(tl.int64) * stride_os + out_row[:, None] * stride_om
-    tl.store(
-        out_ptrs + (n0 + i_n)[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    store_out_tile(
+        out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
+        HAS_BIAS, BLOCK_N,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
-def supports_macro_block(macro_block: int) -> bool:
-    """A power of two >= 16: a K step lies inside one macro block or holds whole ones."""
-    return macro_block >= 16 and macro_block & (macro_block - 1) == 0
-
-
 def gemm_tiles(m: int, macro_block: int, has_mbs: bool, bs: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows: the decode tile up to
     DECODE_MAX_M rows, the prefill tile above. The interpreter pays per program and per
@@ -345,18 +291,6 @@ def gemm_tiles(m: int, macro_block: int, has_mbs: bool, bs: int) -> tuple[int, i
         bk = min(macro_block, 256) if has_mbs and macro_block >= GPU_BLOCK_K else bk
         bk = 256 if not has_mbs else bk
     return bm, bn, max(bk, bs), warps
-
-
-def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Enough (output tile, K slice) programs to fill the GPU about twice (decode); 1 in the
-    interpreter and wherever the output tiles alone fill it."""
-    if capturing():
-        sms = NOMINAL_SMS
-    elif interpreting() or device.type != "cuda":
-        return 1
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
 
 
 def _check_operand(name: str, t: tuple, k: int, fmt: str, bs: int, macro: int) -> None:
@@ -389,27 +323,24 @@ def _u8(t: torch.Tensor | None) -> torch.Tensor | None:
 def launch_mx_gemm(
     x: tuple,
     w: tuple,
-    out: torch.Tensor,
-    *,
-    m: int,
-    n: int,
+    sk: SplitK,
     k: int,
     fmt: str,
     bs: int,
     macro_block: int,
     tiles: tuple[int, int, int, int],
     grid_m: int,
-    split: int = 1,
-    k_per_split: int | None = None,
-    bias: torch.Tensor | None = None,
     moe: tuple | None = None,
 ) -> None:
-    """One launch of _mx_gemm_kernel (shared by `mx_gemm` and `moe_gemm.moe_gemm`).
+    """One launch of _mx_gemm_kernel (shared by `mx_gemm` and `moe_gemm.moe_gemm`) writing
+    sk.out [m, n] (or partials [split, m, n]) for operands of kind fmt at block size bs.
 
     x, w: (codes, scales, extra, global scales) as uint8 row-major views (extra: MBS bytes or
     MX+ block-max indices; global: fp32 per row, NVFP4 only). moe: (sorted pairs, expert per
     row tile, local experts, top_k) or None."""
     bm, bn, bk, warps = tiles
+    out, bias = sk.out, sk.bias
+    m, n = out.shape[-2:]
     interp = interpreting()
     dummy = w[1]  # stands in for absent pointers; never dereferenced
     pairs, tile_expert, n_experts, topk = moe if moe is not None else (dummy, dummy, 0, 1)
@@ -419,7 +350,7 @@ def launch_mx_gemm(
     w_mbs = fmt == "e8m0" and w[2] is not None
     launch(
         _mx_gemm_kernel,
-        (triton.cdiv(n, bn), split, grid_m),
+        (triton.cdiv(n, bn), sk.split, grid_m),
         x[0],
         x[1],
         x[2] if x[2] is not None else dummy,
@@ -436,7 +367,7 @@ def launch_mx_gemm(
         n,
         k,
         ceil_div(k, 2),
-        k_per_split if k_per_split is not None else k,
+        sk.k_per_split,
         n_experts,
         topk,
         x[0].stride(0),
@@ -457,9 +388,7 @@ def launch_mx_gemm(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        # The interpreter's bf16 is wrong: it multiplies in fp32 ("ieee").
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
-        DOT_PRECISION="ieee" if interp else None,
+        DOT_DTYPE=dot_dtype(),
         **({} if interp else {"num_warps": warps}),
     )
 
@@ -493,15 +422,12 @@ def mx_gemm(
     mxplus: block-max indices [rows, ceil(K/32)]), global scales fp32 [rows] / [rows, 1]
     (nvfp4) or None). fmt: 'e8m0', 'nvfp4' or 'mxplus' (both operands). fp32 accumulation,
     output bf16, fp16 or fp32."""
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"mx_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     if fmt not in FMT_CODES:
         raise ValueError(f"mx_gemm: fmt must be one of {tuple(FMT_CODES)}, got {fmt!r}")
     if block_size not in BLOCK_SIZES[fmt]:
         raise ValueError(f"mx_gemm: {fmt} takes block sizes {BLOCK_SIZES[fmt]}, not {block_size}")
     has_mbs = fmt == "e8m0" and (x[2] is not None or w[2] is not None)
-    if has_mbs and not supports_macro_block(macro_block):
-        raise ValueError(f"mx_gemm: macro_block must be a power of two >= 16, got {macro_block}")
+    check_gemm_args("mx_gemm", out_dtype, macro_block, has_mbs)
     x = tuple(_u8(t) if i < 3 else t for i, t in enumerate(x))
     w = tuple(_u8(t) if i < 3 else t for i, t in enumerate(w))
     _check_operand("x", x, K, fmt, block_size, macro_block)
@@ -520,55 +446,17 @@ def mx_gemm(
     tiles = gemm_tiles(m, macro_block, has_mbs, block_size)
     bm, bn, bk, _ = tiles
     if triton.cdiv(m, bm) > MAX_GRID_M_TILES:  # more rows than one grid holds
-        rows = MAX_GRID_M_TILES * bm
-        parts = [
-            mx_gemm(
-                tuple(None if t is None else t[r : r + rows] for t in x),
-                w,
-                K,
-                bias,
-                out_dtype,
-                fmt=fmt,
-                block_size=block_size,
-                macro_block=macro_block,
-                split_k=split_k,
-            )
-            for r in range(0, m, rows)
-        ]
-        return torch.cat(parts)
-    interp = interpreting()
-    n_tiles, k_tiles = triton.cdiv(n, bn), triton.cdiv(K, bk)
-    out_tiles = n_tiles * triton.cdiv(m, bm)
-    split = 1 if m > DECODE_MAX_M else split_k or split_k_for(out_tiles, k_tiles, device)
-    split = max(1, min(split, k_tiles))
-    k_per_split = ceil_div(k_tiles, split) * bk
-    split = ceil_div(K, k_per_split)  # no empty slices
-    if interp and bias is not None:
-        bias = bias.to(torch.float32)  # the interpreter's bf16 / fp16 conversions are inexact
-    if split == 1:
-        # the interpreter's fp32 -> bf16 cast does not round to nearest even: cast outside
-        out = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=device)
-    else:  # fp32 partials per K slice, summed below (deterministic)
-        out = torch.empty((split, m, n), dtype=torch.float32, device=device)
-    launch_mx_gemm(
-        x,
-        w,
-        out,
-        m=m,
-        n=n,
-        k=K,
-        fmt=fmt,
-        bs=block_size,
-        macro_block=macro_block,
-        tiles=tiles,
-        grid_m=triton.cdiv(m, bm),
-        split=split,
-        k_per_split=k_per_split,
-        bias=bias if split == 1 else None,
-    )
-    if split == 1:
-        return out.to(out_dtype)
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y.to(out_dtype)
+        kw: dict[str, Any] = {
+            "fmt": fmt,
+            "block_size": block_size,
+            "macro_block": macro_block,
+            "split_k": split_k,
+        }
+        return by_row_chunks(
+            x, MAX_GRID_M_TILES * bm, lambda xr: mx_gemm(xr, w, K, bias, out_dtype, **kw)
+        )
+    grid_m = triton.cdiv(m, bm)
+    split_k = 1 if m > DECODE_MAX_M else split_k  # prefill: the row tiles fill the GPU
+    sk = plan_split_k(m, n, K, bk, triton.cdiv(n, bn) * grid_m, split_k, bias, out_dtype, device)
+    launch_mx_gemm(x, w, sk, K, fmt, block_size, macro_block, tiles, grid_m)
+    return finish_output(sk.out, bias, out_dtype)

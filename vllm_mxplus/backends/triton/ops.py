@@ -2,8 +2,8 @@
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
-                                           K, bias=None, out_dtype=bf16, block_size=0,
-                                           macro_block=128) -> y
+                                           K, bias=None, out_dtype=bf16, block_size=None,
+                                           macro_block=128, *, block_n=None, split_k=None) -> y
 
 A custom op returns tensors only, so absent outputs (mbs without MBS, global_scale outside
 nvfp4) come back as empty tensors with a last dim of 0; the Python wrappers below map them
@@ -12,6 +12,8 @@ inputs alone, which is what torch.compile needs.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -54,44 +56,20 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
     )
 
 
-@torch.library.custom_op(op_name("triton_decode_gemm"), mutates_args=())
-def decode_gemm_op(
-    x_codes: torch.Tensor,
-    x_scales: torch.Tensor,
-    x_mbs: torch.Tensor | None,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_mbs: torch.Tensor | None,
-    K: int,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    block_size: int = 0,
-    macro_block: int = MACRO_BLOCK,
-) -> torch.Tensor:
-    """`triton_decode_gemm.decode_gemm` as a custom op (traceable); block_size 0: the one
-    the scale shapes imply; macro_block: the MBS bytes' macro block (one per that many K)."""
-    x, w = (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs)
-    return decode_gemm(
-        *x, *w, K, bias, out_dtype, block_size=block_size or None, macro_block=macro_block
-    )
+#: `decode_gemm` itself as a custom op (traceable): one signature, defaults included.
+decode_gemm_op = torch.library.custom_op(
+    op_name("triton_decode_gemm"), decode_gemm, mutates_args=()
+)
+_DECODE_GEMM_SIGNATURE = inspect.signature(decode_gemm)
 
 
 @decode_gemm_op.register_fake
-def _decode_gemm_fake(
-    xc,
-    xs,
-    xm,
-    wc,
-    ws,
-    wm,
-    K,
-    bias=None,
-    out_dtype=torch.bfloat16,
-    block_size=0,
-    macro_block=MACRO_BLOCK,
-):
+def _decode_gemm_fake(*args, **kwargs):
     """[M, N] in out_dtype: x codes [M, K/2], weight codes [N, K/2]."""
-    return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=out_dtype)
+    call = _DECODE_GEMM_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    xc, wc = call.arguments["x_codes"], call.arguments["w_codes"]
+    return xc.new_empty((xc.shape[0], wc.shape[0]), dtype=call.arguments["out_dtype"])
 
 
 def act_quant_op(

@@ -23,6 +23,7 @@ E2M1_MAX = tl.constexpr(C.E2M1_MAX)
 F8E4M3_MAX = tl.constexpr(C.F8E4M3_MAX)
 F8E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 F8E4M3_SUB_ROUNDER = tl.constexpr(16384.0)  # 2^14: fp32 ulp 2^-9, the e4m3 subnormal step
+NVFP4_BLOCK = tl.constexpr(C.SMALL_BLOCK)  # 16
 
 #: d = 1 above these fp32 mantissa bits, per E8M0 scale rule (docs/numerics.md, "E8M0 block
 #: scales"); shared with the fused sm_90a encoder (triton_act_fp8).
@@ -111,6 +112,12 @@ def load_row_tile(
 
 
 @triton.jit
+def mbs_factor(m):
+    """F = 1 + m/256 in fp32 (exact) of MBS bytes m."""
+    return (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM
+
+
+@triton.jit
 def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.constexpr):
     """MBS-S of fp32 tile rows x [BLOCK_M, NM*MACRO]: (m int32 [BLOCK_M, NM], F fp32
     [BLOCK_M, NM], y = fp32(x*F)).
@@ -122,7 +129,7 @@ def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.const
     r = tl.math.div_rn(tl.full(a.shape, E2M1_MAX, tl.float32), tl.where(finite, a, 1.0))
     m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
     m = tl.where(finite, m, 0)
-    f = (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM  # F = 1 + m/256, exact
+    f = mbs_factor(m)
     y = tl.reshape(
         tl.reshape(x, (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, NM * MACRO)
     )  # one fp32 multiply (RNE)
@@ -161,3 +168,67 @@ def e4m3_round(s):
     byte = tl.where(is_normal, normal_byte, sub_byte)
     val = tl.where(is_normal, normal_val, sub_val)
     return tl.where(is_nan, 0x7F, byte), tl.where(is_nan, float("nan"), val)
+
+
+@triton.jit
+def nvfp4_block_quant(x, g, BLOCK_M: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """NVFP4 block quantization of fp32 x [BLOCK_M, NB*BLOCK] with the rows' global scales
+    g [BLOCK_M]: (E4M3 scale bytes int32 [BM, NB], signed E2M1 codes int32 [BM, NB, BLOCK]).
+
+    Block absmax with torch.amax semantics (NaN wins, else the max, Inf included); a NaN / Inf
+    block gets the NaN scale and codes 0, like a zero scale (`formats.nvfp4`)."""
+    xb = tl.reshape(x, (BLOCK_M, NB, BLOCK))
+    ax = tl.abs(xb)
+    has_nan = tl.max((ax != ax).to(tl.int32), axis=2) > 0
+    bmax = tl.max(tl.where(ax == ax, ax, 0.0), axis=2)
+    nonfinite = has_nan | (bmax == float("inf"))
+    bmax = tl.where(nonfinite, 0.0, bmax)
+    gb = tl.broadcast_to(g[:, None], bmax.shape)
+    s32 = tl.math.div_rn(
+        tl.math.div_rn(bmax, tl.full(bmax.shape, E2M1_MAX, tl.float32)),
+        tl.where(gb > 0.0, gb, 1.0),
+    )
+    s32 = tl.where(gb > 0.0, s32, 0.0)
+    s32 = tl.where(nonfinite, float("nan"), s32)
+    s32 = tl.where(s32 > F8E4M3_MAX, F8E4M3_MAX, s32)  # saturate; NaN stays NaN
+    sbyte, sf = e4m3_round(s32)
+    zero = (sf == 0.0) | (sf != sf)
+    denom = tl.where(zero, 1.0, sf * gb)
+    v = tl.math.div_rn(ax, tl.broadcast_to(denom[:, :, None], ax.shape))
+    neg = (xb.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+    return sbyte, tl.where(zero[:, :, None], 0, e2m1_magnitude_code(v) | (neg << 3))
+
+
+@triton.jit
+def store_row_tile(ptr, vals, offs_m, mask_m, stride_m, tile, n_cols, WIDTH: tl.constexpr):
+    """Store vals [BLOCK_M, WIDTH] at columns tile*WIDTH.. of rows offs_m (int64) of a row-major
+    output; rows past M (mask_m False) and columns past n_cols are not written."""
+    offs = tile * WIDTH + tl.arange(0, WIDTH)
+    mask = mask_m[:, None] & (offs[None, :] < n_cols)
+    tl.store(ptr + offs_m[:, None] * stride_m + offs[None, :], vals, mask=mask)
+
+
+@triton.jit
+def store_codes_and_scales(
+    codes_ptr,
+    scales_ptr,
+    c,
+    s,
+    offs_m,
+    mask_m,
+    stride_cm,
+    stride_sm,
+    tile,
+    K,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Store K tile `tile` of rows offs_m: signed E2M1 codes c [BLOCK_M, NB, BLOCK] packed two
+    per byte (`pack_nibbles`), and the scale bytes s [BLOCK_M, NB] (int32 codes)."""
+    packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+    store_row_tile(codes_ptr, packed, offs_m, mask_m, stride_cm, tile, tl.cdiv(K, 2), BLOCK_K // 2)
+    sb = s.to(tl.uint8)
+    store_row_tile(
+        scales_ptr, sb, offs_m, mask_m, stride_sm, tile, tl.cdiv(K, BLOCK), BLOCK_K // BLOCK
+    )

@@ -1,0 +1,132 @@
+"""Triton device functions of the GEMMs (`triton_decode_gemm`, `triton_mx_gemm`): code ->
+value decoders that build exact fp32 values from bits, and the pair of dots over the even
+and the odd elements that every K step runs.
+
+The values are exact in fp32 and in bf16 (docs/numerics.md, "Kernel numerics and error
+bounds"), so the tensor-core dots form exact products; the module docstrings of the two
+GEMMs say how the partial sums are scaled.
+"""
+
+from __future__ import annotations
+
+from vllm_mxplus.backends.triton.launch import tl, triton
+from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
+
+# Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
+E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
+
+
+@triton.jit
+def e2m1_value(c):
+    """fp32 value of E2M1 codes c (int32, 0..15): magnitudes 0, .5, 1, ..., 6; code 8 is -0.0.
+
+    With e = (c & 7) >> 1 and m = c & 1, the bits (c & 7) << 22 are the fp32 with exponent
+    field e and mantissa m/2: 2^(e-127) * (1 + m/2) for e >= 1, the subnormal m * 2^-127 for
+    e = 0. One multiply by 2^126 is exact and gives 2^(e-1) * (1 + m/2), resp. m/2: the E2M1
+    magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
+    """
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def e8m0_value(code):
+    """fp32 2^(code - 127) from the bits; code 0 is the subnormal 2^-127, code 255 is NaN."""
+    bits = tl.where(code == 0, 1 << 22, code << 23)
+    bits = tl.where(code == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(b):
+    """fp32 value of float8_e4m3fn bytes b (int32 0..255): normal (8 + m) * 2^(e - 10), the
+    subnormal m * 2^-9, 0x7F / 0xFF NaN; exact (built from the bits)."""
+    e = (b >> 3) & 15
+    mnt = b & 7
+    normal = (((e + 120) << 23) | (mnt << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, mnt.to(tl.float32) * E4M3_SUB_STEP, normal)
+    v = tl.where((b & 0x80) != 0, -v, v)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def mbs_factors(x_ptrs, w_ptrs, valid, mask_m, mask_n, X_MBS: tl.constexpr, W_MBS: tl.constexpr):
+    """(Fx [BLOCK_M], Fw [BLOCK_N]): the MBS factors F = 1 + m/256 of one macro block of the
+    tile's x and weight rows, their bytes at x_ptrs / w_ptrs; 1 for an operand without MBS
+    (nothing read), and 1 where `valid` is False (a macro block past K: nothing to read)."""
+    fx = tl.full(mask_m.shape, 1.0, tl.float32)
+    fw = tl.full(mask_n.shape, 1.0, tl.float32)
+    if X_MBS:
+        fx = mbs_factor(tl.load(x_ptrs, mask=mask_m & valid, other=0))
+    if W_MBS:
+        fw = mbs_factor(tl.load(w_ptrs, mask=mask_n & valid, other=0))
+    return fx, fw
+
+
+@triton.jit
+def mbs_sigma(f, HAS_MBS: tl.constexpr):
+    """sigma = fp32(1 / F), an IEEE reciprocal (`div_rn`), of `mbs_factors`' F; 1 for an
+    operand without MBS (the paper's per-chunk sigma_A, sigma_B, section 4.3.2)."""
+    if HAS_MBS:
+        f = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
+    return f
+
+
+@triton.jit
+def pair_dot(x_lo, x_hi, w_lo, w_hi, acc, DOT_DTYPE: tl.constexpr):
+    """acc + x_lo @ w_lo + x_hi @ w_hi in fp32: the packed layout's even and odd elements
+    (element 2i in the low nibble of byte i), so the kernels never interleave them.
+
+    Operands in DOT_DTYPE (`gemm_launch.dot_dtype`): bf16 on the GPU, whose tensor-core
+    products of these values are exact; fp32 under the interpreter (its bf16 is wrong),
+    multiplied in IEEE fp32."""
+    if DOT_DTYPE == tl.float32:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
+        acc = tl.dot(x_lo, w_lo, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(x_hi, w_hi, acc, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        acc = tl.dot(x_lo, w_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(x_hi, w_hi, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def macro_block_dot(
+    x_lo, x_hi, w_lo, w_hi, j, MACRO: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr
+):
+    """`pair_dot` from zero over macro block j of a K step of BLOCK_K > MACRO elements: x's
+    columns of the step's other macro blocks zeroed (x is the small operand; the weight tile
+    is loaded and dequantized once per step), so each macro block's partial can be scaled
+    by its own factors (docs/numerics.md, "Kernel numerics and error bounds")."""
+    sel = tl.arange(0, BLOCK_K // 2)[None, :] // (MACRO // 2) == j
+    zero = tl.zeros((x_lo.shape[0], w_lo.shape[1]), tl.float32)
+    x_lo_j = tl.where(sel, x_lo, 0.0).to(DOT_DTYPE)
+    x_hi_j = tl.where(sel, x_hi, 0.0).to(DOT_DTYPE)
+    return pair_dot(x_lo_j, x_hi_j, w_lo, w_hi, zero, DOT_DTYPE)
+
+
+@triton.jit
+def store_out_tile(
+    out_ptr,
+    acc,
+    bias_ptr,
+    out_row,
+    n0,
+    mask_m,
+    mask_n,
+    pid_s,
+    stride_os,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] (+ bias[n0:]) into rows out_row (int64) and columns n0.. of out,
+    in its dtype; K slice pid_s's plane of fp32 partials when split (stride_os 0 if not)."""
+    i_n = tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n0 + i_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + pid_s.to(tl.int64) * stride_os + out_row[:, None] * stride_om
+    tl.store(
+        out_ptrs + (n0 + i_n)[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )

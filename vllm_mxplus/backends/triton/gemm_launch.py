@@ -1,0 +1,119 @@
+"""What the GEMM launchers (`triton_decode_gemm`, `triton_mx_gemm`) share on the host: their
+argument checks, the macro blocks their K steps tile, and split-K (how many K slices, the
+output the kernel writes, the deterministic sum of the fp32 partials, the interpreter's
+cast outside the kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, tl, triton
+
+MAX_SPLIT_K = 16
+MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
+MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
+NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supports_macro_block(macro_block: int) -> bool:
+    """Whether the GEMMs tile this MBS macro block: a power of two >= 16, so a K step (itself
+    a power of two) lies inside one macro block or holds whole ones, never parts."""
+    return macro_block >= MIN_MACRO_BLOCK and macro_block & (macro_block - 1) == 0
+
+
+def check_gemm_args(who: str, out_dtype: torch.dtype, macro_block: int, has_mbs: bool) -> None:
+    """Raise a ValueError naming `who` for an out_dtype other than bf16, fp16 and fp32, or for
+    MBS operands with a macro block the K steps cannot tile (`supports_macro_block`)."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{who}: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    if has_mbs and not supports_macro_block(macro_block):
+        raise ValueError(
+            f"{who}: macro_block must be a power of two >= {MIN_MACRO_BLOCK} (a K step holds "
+            f"whole macro blocks), got {macro_block}"
+        )
+
+
+def dot_dtype() -> Any:
+    """The dot operands' dtype (constexpr DOT_DTYPE): bf16 on the GPU; fp32 under the
+    interpreter, whose bf16 arithmetic is wrong (`gemm_blocks.pair_dot` then multiplies in
+    IEEE fp32)."""
+    return tl.float32 if interpreting() else tl.bfloat16
+
+
+def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Enough (output tile, K slice) programs to fill the GPU about twice; 1 in the
+    interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
+    fp32 partials would cost split x M x N x 4 bytes."""
+    if capturing():
+        sms = NOMINAL_SMS
+    elif interpreting() or device.type != "cuda":
+        return 1
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
+
+
+class SplitK(NamedTuple):
+    """A launch's K slices and what its kernel writes and reads besides the operands."""
+
+    split: int  # K slices (grid axis 1)
+    k_per_split: int  # K per slice: a whole number of K steps
+    out: torch.Tensor  # y [m, n] itself (split 1), or fp32 partials [split, m, n]
+    bias: torch.Tensor | None  # the bias as the kernel reads it (split 1), else None
+
+
+def plan_split_k(
+    m: int,
+    n: int,
+    k: int,
+    block_k: int,
+    out_tiles: int,
+    split_k: int | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    device: torch.device,
+) -> SplitK:
+    """Split K in split_k slices when given (at most one per K step), else `split_k_for`;
+    no slice is empty. Partials are summed by `finish_output`: deterministic, unlike atomics.
+    Under the interpreter y stays fp32 (its fp32 -> bf16 cast does not round to nearest
+    even: `finish_output` casts) and the bias is read as fp32 (its bf16 / fp16 conversions
+    are not exact)."""
+    k_tiles = triton.cdiv(k, block_k)
+    split = max(1, min(split_k or split_k_for(out_tiles, k_tiles, device), k_tiles))
+    k_per_split = ceil_div(k_tiles, split) * block_k
+    split = ceil_div(k, k_per_split)
+    if split > 1:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=device)
+        return SplitK(split, k_per_split, out, None)
+    interp = interpreting()
+    out = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=device)
+    return SplitK(
+        1, k_per_split, out, bias.to(torch.float32) if interp and bias is not None else bias
+    )
+
+
+def by_row_chunks(x: tuple, rows: int, gemm: Callable[[tuple], torch.Tensor]) -> torch.Tensor:
+    """gemm(x's rows) for consecutive chunks of at most `rows` rows of the x operands (None
+    stays None), concatenated: more row tiles than one grid holds (MAX_GRID_M_TILES) run as
+    consecutive launches."""
+    m = x[0].shape[0]
+    chunks = (tuple(None if t is None else t[r : r + rows] for t in x) for r in range(0, m, rows))
+    return torch.cat([gemm(xr) for xr in chunks])
+
+
+def finish_output(
+    out: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """y in out_dtype from `SplitK.out`: the K slices' partials summed in fp32 plus the bias
+    (which the kernel adds only without split-K), or y itself cast."""
+    if out.dim() == 2:
+        return out.to(out_dtype)
+    y = out.sum(0)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(out_dtype)
