@@ -37,6 +37,7 @@ from vllm_mxplus.checkpoint.safetensors_io import (
     read_header,
     read_tensor,
 )
+from vllm_mxplus.checkpoint.shard_writer import check_disk_space
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIXES, shard_files
 from vllm_mxplus.formats import QuantizedTensor
 from vllm_mxplus.formats.constants import E8M0_BIAS
@@ -118,8 +119,11 @@ def dequantize_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     """A gpt-oss expert stack [E, N, G, 16] + [E, N, G] -> bf16 [E, K, N] (transformers'
     `convert_moe_packed_tensors`: dequantized along K, then transposed)."""
     e, n, g, b = blocks.shape
-    w = _mx_dequant(blocks.reshape(e, n, g * b), scales, g * b * 2)
-    return w.to(torch.bfloat16).transpose(1, 2).contiguous()
+    out = torch.empty(e, g * b * 2, n, dtype=torch.bfloat16)
+    for i in range(e):  # one expert at a time: fp32 temporaries of one expert, not the stack
+        w = _mx_dequant(blocks[i].reshape(n, g * b), scales[i], g * b * 2)
+        out[i] = w.to(torch.bfloat16).T
+    return out
 
 
 @dataclass
@@ -197,8 +201,9 @@ def materialize(
     by_name = {t.name: t for infos in per_shard for t in infos}
     kept: dict[str, QuantizedTensor] = {}
     weight_map: dict[str, str] = {}
-    for shard, infos in zip(shards, per_shard):
-        outs = _plan_shard(infos, by_name, qsrc)
+    plans = [_plan_shard(infos, by_name, qsrc) for infos in per_shard]
+    check_disk_space(dst, sum(o.planned.nbytes for outs in plans for o in outs))
+    for shard, outs in zip(shards, plans):
         writer = StreamingWriter(dst / shard.name, [o.planned for o in outs], {"format": "pt"})
         try:
             for o in outs:
