@@ -5,7 +5,7 @@
 
 The MLA judgement (mla_judge.py) needs it: vLLM 0.32's CPU `rotary_embedding` op rotates a
 3-D query [tokens, heads, rope_dim] as tokens x heads rows of ONE head each, row t*heads + h
-at positions[t*heads + h] (past the end of `positions` for most rows), while the 1-head key
+at positions[t*heads + h] (past the step's own positions for most rows), while the 1-head key
 is rotated right. DeepSeek-V2's MLA passes exactly such a query (`q[..., qk_nope_head_dim:]`,
 vllm/model_executor/layers/mla.py), so on CPU every head's q_pe but the first few rows is
 rotated at a wrong position, with or without quantization. The MLA engines therefore run
@@ -37,10 +37,12 @@ def run_job(job: dict) -> dict:
     cc = job.get("compilation_config")
     if cc is None:
         return _run_job(job)
+    # the key is ours alone: a vllm_jobs that learns it would pass it twice
+    rest = {k: v for k, v in job.items() if k != "compilation_config"}
     llm_cls = vllm.LLM
     vllm.LLM = functools.partial(llm_cls, compilation_config=cc)  # type: ignore[misc]
     try:
-        return _run_job(job)
+        return _run_job(rest)
     finally:
         vllm.LLM = llm_cls  # type: ignore[misc]
 
