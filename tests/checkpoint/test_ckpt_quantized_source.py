@@ -33,9 +33,10 @@ FMT = {"NVFP4": "nvfp4-pack-quantized", "MXFP4": "mxfp4-pack-quantized"}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _ct_source(llama: Path, dst: Path, preset: str, scale_shift: int = 0) -> Path:
+def _ct_source(llama: Path, dst: Path, preset: str, scale_shift: int = 0, shards: int = 1) -> Path:
     """The llama's linears compressed by compressed-tensors' own compressor for `preset`
-    (NVFP4: its global scale 2688 / amax; MXFP4: its E8M0 scales times 2^scale_shift)."""
+    (NVFP4: its global scale 2688 / amax; MXFP4: its E8M0 scales times 2^scale_shift), in
+    `shards` files (tensors dealt round-robin: a weight's parts land in different files)."""
     scheme = preset_name_to_scheme(preset, ["Linear"])
     args = scheme.weights
     compressor = BaseCompressor.get_value_from_registry(FMT[preset])
@@ -64,7 +65,7 @@ def _ct_source(llama: Path, dst: Path, preset: str, scale_shift: int = 0) -> Pat
     qc["quant_method"] = "compressed-tensors"
     config = json.loads((llama / "config.json").read_text())
     config["quantization_config"] = qc
-    return make_custom(dst, out, config)
+    return make_custom(dst, out, config, shards=shards)
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +96,12 @@ def _library_weights(src: Path, preset: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_mxfp4_source_to_mxfp4_ocp_keeps_the_codes(llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [1, 3])
+def test_mxfp4_source_to_mxfp4_ocp_keeps_the_codes(
+    llama: Path, tmp_path: Path, shards: int
+) -> None:
     # scales twice the library's: every block's codes stay <= 3, which requantizing would change
-    src = _ct_source(llama, tmp_path / "ct-mxfp4", "MXFP4", scale_shift=1)
+    src = _ct_source(llama, tmp_path / "ct-mxfp4", "MXFP4", scale_shift=1, shards=shards)
     dst = tmp_path / "out"
     quantize_checkpoint(src, dst, "mxfp4-ocp", progress=False)
     stored = source_tensors(src)
