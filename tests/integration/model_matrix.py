@@ -8,6 +8,10 @@ transformers fake-quant reference (hf_reference.py) with the rule of `integratio
 
 The results go to docs/model_matrix.json (committed); scripts/supported_models.py renders
 the README "Supported models" table from it.
+
+gpt-oss: transformers' GptOssExperts are fake-quantized by hf_gpt_oss.py; `mxplus quantize`
+keeps gpt-oss's expert stacks in bf16 (stored [E, K, N]: checkpoint/rules.py,
+TRANSPOSED_EXPERT_MODEL_TYPES), so its checkpoint's reference has unquantized experts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hf_gpt_oss import gpt_oss_experts_fake_quant
 from integration_harness import greedy_mismatch, run_driver
 from tiny_models import ARCHS, build_tiny, prequantize, word_ids
+
+from vllm_mxplus.checkpoint.rules import TRANSPOSED_EXPERT_MODEL_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 MATRIX_JSON = REPO / "docs" / "model_matrix.json"
@@ -45,8 +52,11 @@ EXPECTED = {
     # vLLM 0.32 (CPU MLA) and transformers 5 already differ unquantized on this model.
     ("deepseek_v2", "online"): ("reference-differs", "without quantization"),
     ("deepseek_v2", "prequantized"): ("reference-differs", "without quantization"),
-    ("gpt_oss", "online"): ("refused", "does not support the expert activation 'swigluoai'"),
-    ("gpt_oss", "prequantized"): ("refused", "does not support the expert activation"),
+}
+# What a passing row should say beyond "yes".
+OK_NOTES = {
+    ("gpt_oss", "prequantized"): "`mxplus quantize` keeps gpt-oss's experts in bf16 (stored "
+    "[E, K, N]); online, they are quantized",
 }
 
 
@@ -111,6 +121,22 @@ def _short(err: str) -> str:
     return re.sub(r"/\S*/", "", line)[:300]
 
 
+def experts_quantized(arch: str, kind: str) -> bool:
+    """Whether the served model's experts are quantized (the offline quantizer keeps those
+    stored [E, K, N]); decides the reference."""
+    return not (kind == "prequantized" and arch in TRANSPOSED_EXPERT_MODEL_TYPES)
+
+
+def reference(src: str, quantized_experts: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers with the scheme's fake quantization (gpt-oss experts too, or not)."""
+    from hf_reference import hf_greedy
+
+    if not quantized_experts:
+        return hf_greedy(src, SCHEME, PROMPTS, TOKENS)
+    with gpt_oss_experts_fake_quant():
+        return hf_greedy(src, SCHEME, PROMPTS, TOKENS)
+
+
 def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[str, Any]:
     """Build, serve and judge every architecture; returns the matrix document."""
     from hf_reference import hf_greedy
@@ -140,14 +166,17 @@ def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[st
             row["unquantized"] = status
             if status != "ok":
                 control = f"vLLM and transformers differ without quantization: {why}"
-        ref = None
+        refs: dict[bool, tuple[list[list[int]], list[list[float]]]] = {}
         for kind in KINDS:
             res = results.get(f"{kind}-{arch}", {"error": "no result (driver crashed)"})
-            if not res.get("error") and ref is None:
-                ref = hf_greedy(models[arch]["src"], SCHEME, PROMPTS, TOKENS)
-            status, why = judge(res, ref) if not res.get("error") else judge(res, ([], []))
+            q_experts = experts_quantized(arch, kind)
+            if not res.get("error") and q_experts not in refs:
+                refs[q_experts] = reference(models[arch]["src"], q_experts)
+            status, why = judge(res, refs.get(q_experts, ([], [])))
             if control and not res.get("error"):
                 status, why = "reference-differs", control
+            if status == "ok":
+                why = OK_NOTES.get((arch, kind), "")
             row[kind] = status
             if why:
                 row[f"{kind}_note"] = why
