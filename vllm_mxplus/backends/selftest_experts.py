@@ -112,28 +112,6 @@ def run_expert_self_test(
     return None
 
 
-def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | None:
-    dtype = torch.float32
-    y = backend.apply(layer, x.to(device), wts.to(device), ids.to(device), F.relu)
-    if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
-        return f"output is {tuple(y.shape)} {y.dtype}, want {tuple(x.shape)} {x.dtype}"
-
-    def relu_gated(e: torch.Tensor, gu64: torch.Tensor) -> torch.Tensor:
-        g, u = gu64.to(dtype).chunk(2, dim=-1)
-        return F.relu(g) * u
-
-    want, bound = expected_layer(x, ids, wts, hat, spec, relu_gated, backend.accumulator_bits)
-    got = y.double().cpu()
-    bad = ~((got - want).abs() <= bound)
-    if not bool(bad.any()):
-        return None
-    r, c = (int(i) for i in bad.nonzero()[0])
-    return (
-        f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
-        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} outside the bound)"
-    )
-
-
 def expected_layer(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -171,3 +149,25 @@ def expected_layer(
     u32 = torch.finfo(torch.float32).eps / 2
     bound += 2 * ids.shape[1] * u32 * summed + u32 * want.abs()
     return want, bound
+
+
+def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | None:
+    dtype = torch.float32
+    y = backend.apply(layer, x.to(device), wts.to(device), ids.to(device), F.relu)
+    if tuple(y.shape) != tuple(x.shape) or y.dtype != x.dtype:
+        return f"output is {tuple(y.shape)} {y.dtype}, want {tuple(x.shape)} {x.dtype}"
+
+    def relu_gated(e: torch.Tensor, gu64: torch.Tensor) -> torch.Tensor:
+        g, u = gu64.to(dtype).chunk(2, dim=-1)
+        return F.relu(g) * u
+
+    want, bound = expected_layer(x, ids, wts, hat, spec, relu_gated, backend.accumulator_bits)
+    got = y.double().cpu()
+    bad = ~((got - want).abs() <= bound)
+    if not bool(bad.any()):
+        return None
+    r, c = (int(i) for i in bad.nonzero()[0])
+    return (
+        f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
+        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} outside the bound)"
+    )
