@@ -1,7 +1,7 @@
 """Judging MLA (DeepSeek-V2-class) models numerically: engine options, reference and rule.
 
 The transformers reference cannot judge MLA on vLLM 0.32's CPU build because vLLM itself is
-off there: its CPU `rotary_embedding` op misrotates MLA's multi-head q_pe (mla_driver.py),
+off there: its CPU `rotary_embedding` op misrotates MLA's multi-head q_pe (`RoPE_NATIVE`),
 which moved first-token logprobs by up to 0.07 nats without quantization and flipped tokens
 with it. Engines judged here run with vLLM's torch rotary instead (`ENGINE_OPTIONS`), and are
 compared with mla_reference.py (float64, vLLM's MLA formulation, the plugin's quantization
@@ -22,14 +22,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from integration_harness import LOGPROB_ATOL, greedy_mismatch
-from mla_driver import RoPE_NATIVE
 from mla_reference import mla_greedy
 
 from vllm_mxplus.formats import MACRO_BLOCK
 
 # Architectures of tiny_models.ARCHS judged by this module instead of transformers.
 MLA_ARCHS = ("deepseek_v2",)
-# Job keys every judged MLA engine gets (mla_driver.py forwards them to vllm.LLM).
+# vLLM 0.32's CPU `rotary_embedding` op rotates a 3-D query [tokens, heads, rope_dim] as
+# tokens x heads rows of ONE head each, row t*heads + h at positions[t*heads + h] (past the
+# step's own positions for most rows), while the 1-head key is rotated right. DeepSeek-V2's
+# MLA passes exactly such a query (`q[..., qk_nope_head_dim:]`, vllm/model_executor/layers/
+# mla.py), so on CPU almost every head's q_pe is rotated at a wrong position, with or without
+# quantization. The judged engines run with that op off: vLLM's own torch rotary
+# (`forward_native`), in compilation_config.custom_ops syntax.
+RoPE_NATIVE = {"custom_ops": ["all", "-rotary_embedding"]}
+# Job keys every judged MLA engine gets (vllm_jobs forwards them to vllm.LLM).
 ENGINE_OPTIONS = {"compilation_config": RoPE_NATIVE}
 # The unquantized control's fp32-vs-float64 gap must leave this factor below LOGPROB_ATOL.
 ROUNDING_HEADROOM = 10.0

@@ -2,12 +2,13 @@
 float64 reference of mla_reference.py, unquantized (the control), with an MBS and two non-MBS
 schemes online, and from an `mxplus quantize` checkpoint (mla_judge.py says how and why).
 
-All engines run in one driver process (mla_driver.py), one after another.
+All engines run in one driver process (vllm_jobs), one after another.
 """
 
 from __future__ import annotations
 
 import pytest
+from integration_harness import run_driver
 from mla_judge import (
     ENGINE_OPTIONS,
     LOGPROB_ATOL,
@@ -77,15 +78,15 @@ def test_vllm_cpu_rotary_misrotates_a_multihead_query():
 
 @pytest.fixture(scope="module")
 def engines(model, tmp_path_factory, subprocess_env) -> dict:
-    from mla_driver import run
-
     pre = prequantize(model, tmp_path_factory.mktemp("mla-pre") / PRE, PRE)
     jobs = [mla_job("control", model, None, PROMPTS, TOKENS)]
     # the engine as the matrix ran it: vLLM's CPU rotary op
     jobs.append({k: v for k, v in jobs[0].items() if k not in ENGINE_OPTIONS} | {"id": "cpu-op"})
     jobs += [mla_job(f"online-{s}", model, s, PROMPTS, TOKENS) for s in ONLINE]
     jobs.append(mla_job(f"pre-{PRE}", pre, None, PROMPTS, TOKENS))
-    results, log = run(jobs, tmp_path_factory.mktemp("mla-driver"), subprocess_env, timeout=1500)
+    results, log = run_driver(
+        jobs, tmp_path_factory.mktemp("mla-driver"), subprocess_env, timeout=1500
+    )
     missing = [j["id"] for j in jobs if j["id"] not in results]
     assert not missing, f"driver produced no result for {missing}; log tail:\n{log[-3000:]}"
     return results
