@@ -1,9 +1,11 @@
 // Shared scalar helpers of the CPU kernels (the E8M0 formats of docs/numerics.md): fp32 bit
 // access, exact powers of two, the E8M0 scale rules, E2M1 rounding and the MBS factors.
-// Every function here is the scalar form of a `vllm_mxplus.formats` function, bit for bit.
+// Every function here is the scalar form of a `vllm_mxplus.formats` function, bit for bit
+// (and cpu_kernel, how each translation unit registers its ops).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -125,6 +127,14 @@ inline bool overflows(int scale, int twice) {
 }
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// An op's kernel for the CPU dispatch key, for Library::def: each translation unit's
+// TORCH_LIBRARY_FRAGMENT defines its ops together with their kernels (the ops' fakes, for
+// torch.compile, are backends/cpu/fakes.py).
+template <class Fn>
+torch::CppFunction cpu_kernel(Fn* fn) {
+  return torch::dispatch(c10::DispatchKey::CPU, fn);
+}
 
 // ---- shared between the quantization and the GEMM translation units ----------------------
 

@@ -194,7 +194,7 @@ void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, flo
 
 }  // namespace
 
-// ---- shared with mx_mxplus_cpu.cpp (mx_tiles.h) ---------------------------------------
+// ---- shared with mx_mxplus_cpu.cpp and mx_nvfp4_cpu.cpp (mx_tiles.h) ------------------
 
 // Checkpoint layout (codes [N, ceil(K/2)], scales [N, nb], mbs [N, nm]) -> tiles. The scales
 // are copied, except that a block whose dequantized values overflow fp32 gets code 255. Tile t,
@@ -267,46 +267,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_detail::pack_tiles(const at:
   return {wc, ws, wm};
 }
 
+gemm_detail::LinearCall gemm_detail::linear_call(const at::Tensor& x, int64_t n, int64_t k,
+                                                 int64_t block,
+                                                 const c10::optional<at::Tensor>& bias,
+                                                 const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x has last dim ", x.size(-1),
+              " but the weight has K=", k);
+  LinearCall c;
+  c.out_shape.assign(x.sizes().begin(), x.sizes().end());
+  c.out_shape.back() = n;
+  c.M = x.numel() / k;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",
+                n);
+    c.bias = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t nb = cdiv(k, block);
+  c.xf = x.reshape({c.M, k}).to(at::kFloat).contiguous();
+  const auto o = c.xf.options();
+  c.codes = at::empty({c.M, nb * block}, o.dtype(at::kChar));
+  c.corr = at::empty({c.M, nb}, o.dtype(at::kInt));
+  c.scale = at::empty({c.M, nb}, o);
+  c.y = at::empty({c.M, n}, o);
+  return c;
+}
+
 at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule, bool act_mbs,
                                     int64_t macro, const WeightTiles& w, int64_t k,
                                     const c10::optional<at::Tensor>& bias,
                                     at::ScalarType out_dtype, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x has last dim ", x.size(-1),
-              " but the weight has K=", k);
-  const int64_t n = w.n, nb = cdiv(k, block), kp = nb * block, nm = cdiv(k, macro);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  const int64_t M = x.numel() / k;
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",
-                n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  if (M == 0) return at::empty(out_shape, x.options().dtype(out_dtype));
+  LinearCall call = linear_call(x, w.n, k, block, bias, op);
+  const int64_t M = call.M, nb = cdiv(k, block), kp = nb * block, nm = cdiv(k, macro);
+  if (M == 0) return call.result(out_dtype);
 
   // Activation rows, quantized once per call.
-  const at::Tensor xf = x.reshape({M, k}).to(at::kFloat).contiguous();
-  const auto o = xf.options();
-  at::Tensor acodes = at::empty({M, kp}, o.dtype(at::kChar));
-  at::Tensor corr = at::empty({M, nb}, o.dtype(at::kInt));
-  at::Tensor ea = at::empty({M, nb}, o);
-  at::Tensor fa = at::empty({act_mbs ? M : 0, nm}, o);
+  at::Tensor fa = at::empty({act_mbs ? M : 0, nm}, call.xf.options());
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> ybuf(std::max(macro, block));
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
-      int8_t* cr = acodes.data_ptr<int8_t>() + r * kp;
-      int32_t* sums = corr.data_ptr<int32_t>() + r * nb;
-      quant_row(xf.data_ptr<float>() + r * k, k, block, rule, act_mbs, macro, cr, sc.data(),
+      int8_t* cr = call.codes.data_ptr<int8_t>() + r * kp;
+      int32_t* sums = call.corr.data_ptr<int32_t>() + r * nb;
+      quant_row(call.xf.data_ptr<float>() + r * k, k, block, rule, act_mbs, macro, cr, sc.data(),
                 mb.data(), sums, ybuf.data());
       for (int64_t b = 0; b < nb; ++b) {
         int big = 0;
         for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
           big = std::max(big, std::abs(static_cast<int>(cr[b * block + i])));
         sums[b] *= -kOffset;
-        ea.data_ptr<float>()[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
+        call.scale.data_ptr<float>()[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
             ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(sc[b]) - 256.0f;
       }
       for (int64_t c = 0; act_mbs && c < nm; ++c) fa.data_ptr<float>()[r * nm + c] = mbs_factor(mb[c]);
@@ -314,15 +324,16 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
   });
   const bool any_mbs = act_mbs || w.mbs;
   TORCH_CHECK(!(any_mbs && w.bm), op, ": MX+ weights take no MBS");
-  const ActRows a{acodes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), ea.data_ptr<float>(),
-                  act_mbs ? fa.data_ptr<float>() : nullptr, kp, nb, nm};
+  const ActRows a{call.codes.data_ptr<int8_t>(), call.corr.data_ptr<int32_t>(),
+                  call.scale.data_ptr<float>(), act_mbs ? fa.data_ptr<float>() : nullptr, kp, nb,
+                  nm};
   const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
-  at::Tensor y = at::empty({M, n}, o);
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (any_mbs) gemm<true, false>(w, a, s, M, y.data_ptr<float>(), bp);
-  else if (w.bm) gemm<false, true>(w, a, s, M, y.data_ptr<float>(), bp);
-  else gemm<false, false>(w, a, s, M, y.data_ptr<float>(), bp);
-  return y.to(out_dtype).view(out_shape);
+  float* y = call.y.data_ptr<float>();
+  const float* bp = call.bias_ptr();
+  if (any_mbs) gemm<true, false>(w, a, s, M, y, bp);
+  else if (w.bm) gemm<false, true>(w, a, s, M, y, bp);
+  else gemm<false, false>(w, a, s, M, y, bp);
+  return call.result(out_dtype);
 }
 
 namespace {
@@ -370,15 +381,12 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
   m.def("cpu_pack_weight(Tensor codes, Tensor scales, Tensor mbs, int k, int block, int macro)"
-        " -> (Tensor, Tensor, Tensor)");
+        " -> (Tensor, Tensor, Tensor)",
+        cpu_kernel(&pack_weight));
   m.def("cpu_mx_linear(Tensor x, int act_block, int act_rule, bool act_mbs, int macro, "
         "Tensor wcodes, Tensor wscales, Tensor wmbs, int n, int k, int w_block, Tensor? bias, "
-        "ScalarType out_dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
-  m.impl("cpu_pack_weight", &pack_weight);
-  m.impl("cpu_mx_linear", &mx_linear);
+        "ScalarType out_dtype) -> Tensor",
+        cpu_kernel(&mx_linear));
 }
 
 }  // namespace mxplus_cpu

@@ -122,14 +122,11 @@ at::Tensor mxplus_linear(const at::Tensor& x, const at::Tensor& wcodes, const at
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
   m.def("cpu_mxplus_pack_weight(Tensor codes, Tensor scales, Tensor bm_index, int k) -> "
-        "(Tensor, Tensor, Tensor)");
+        "(Tensor, Tensor, Tensor)",
+        cpu_kernel(&mxplus_pack_weight));
   m.def("cpu_mxplus_linear(Tensor x, Tensor wcodes, Tensor wscales, Tensor wbm, int n, int k, "
-        "Tensor? bias, ScalarType out_dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
-  m.impl("cpu_mxplus_pack_weight", &mxplus_pack_weight);
-  m.impl("cpu_mxplus_linear", &mxplus_linear);
+        "Tensor? bias, ScalarType out_dtype) -> Tensor",
+        cpu_kernel(&mxplus_linear));
 }
 
 }  // namespace mxplus_cpu

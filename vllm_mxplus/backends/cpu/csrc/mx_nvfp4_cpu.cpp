@@ -228,75 +228,57 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
                         const at::Tensor& wglobal, int64_t n, int64_t k,
                         const c10::optional<at::Tensor>& act_global,
                         const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.device().is_cpu(), "vllm_mxplus::cpu_nvfp4_linear: x must be on the CPU");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "vllm_mxplus::cpu_nvfp4_linear: x has last dim ",
-              x.size(-1), " but the weight has K=", k);
   const int64_t nb = cdiv(k, 16), kp = nb * 16, nt = cdiv(n, kTileN);
+  LinearCall call = linear_call(x, n, k, 16, bias, "vllm_mxplus::cpu_nvfp4_linear");
   check_tiles(wcodes, {nt, nb * kGroupBytes}, at::kByte, "packed weight codes");
   check_tiles(wscales, {nt, nb * kTileN}, at::kByte, "packed weight scales");
   check_tiles(wglobal, {nt * kTileN}, at::kFloat, "weight global scales");
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  const int64_t M = x.numel() / k;
-  at::Tensor bias_f, g_in;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "vllm_mxplus::cpu_nvfp4_linear: bias has ", bias->numel(),
-                " elements, expected N=", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const int64_t M = call.M;
+  at::Tensor g_in;
   if (act_global.has_value() && act_global->defined()) {
     TORCH_CHECK(act_global->numel() == M, "vllm_mxplus::cpu_nvfp4_linear: act_global_scale has ",
                 act_global->numel(), " elements, expected one per row (", M, ")");
     g_in = act_global->to(at::kFloat).contiguous();
   }
-  if (M == 0) return at::empty(out_shape, x.options().dtype(out_dtype));
-  const at::Tensor xf = x.reshape({M, k}).to(at::kFloat).contiguous();
-  const auto o = xf.options();
-  at::Tensor acodes = at::empty({M, kp}, o.dtype(at::kChar));
-  at::Tensor corr = at::empty({M, nb}, o.dtype(at::kInt));
-  at::Tensor sa = at::empty({M, nb}, o);
-  at::Tensor ga = at::empty({M}, o);
+  if (M == 0) return call.result(out_dtype);
+  at::Tensor ga = at::empty({M}, call.xf.options());
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> sc(nb);
     for (int64_t r = r0; r < r1; ++r) {
-      int32_t* sums = corr.data_ptr<int32_t>() + r * nb;
+      int32_t* sums = call.corr.data_ptr<int32_t>() + r * nb;
       ga.data_ptr<float>()[r] = nvfp4_quant_row(
-          xf.data_ptr<float>() + r * k, k, g_in.defined() ? g_in.data_ptr<float>()[r] : -1.0f,
-          acodes.data_ptr<int8_t>() + r * kp, sc.data(), sums);
+          call.xf.data_ptr<float>() + r * k, k, g_in.defined() ? g_in.data_ptr<float>()[r] : -1.0f,
+          call.codes.data_ptr<int8_t>() + r * kp, sc.data(), sums);
       for (int64_t b = 0; b < nb; ++b) {
         sums[b] *= -kOffset;
-        sa.data_ptr<float>()[r * nb + b] = e4m3_value(sc[b]);
+        call.scale.data_ptr<float>()[r * nb + b] = e4m3_value(sc[b]);
       }
     }
   });
   const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(), nullptr, nt, nb,
                       nb, 0, n};
-  const Nvfp4Rows a{acodes.data_ptr<int8_t>(), corr.data_ptr<int32_t>(), sa.data_ptr<float>(),
-                    ga.data_ptr<float>(), kp, nb};
-  at::Tensor y = at::empty({M, n}, o);
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const Nvfp4Rows a{call.codes.data_ptr<int8_t>(), call.corr.data_ptr<int32_t>(),
+                    call.scale.data_ptr<float>(), ga.data_ptr<float>(), kp, nb};
+  const float* bp = call.bias_ptr();
   const float* gw = wglobal.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = call.y.data_ptr<float>();
   at::parallel_for(0, nt, tile_grain(M, kp), [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += kNvfp4TileM)
       for (int64_t t = t0; t < t1; ++t)
         nvfp4_rows<kNvfp4TileM>(w, gw, a, t, m0, std::min<int64_t>(kNvfp4TileM, M - m0), yp,
                                 bp);
   });
-  return y.to(out_dtype).view(out_shape);
+  return call.result(out_dtype);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
-  m.def("cpu_nvfp4_act_quant(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("cpu_nvfp4_act_quant(Tensor x) -> (Tensor, Tensor, Tensor)",
+        cpu_kernel(&nvfp4_act_quant));
   m.def("cpu_nvfp4_linear(Tensor x, Tensor wcodes, Tensor wscales, Tensor wglobal, int n, "
-        "int k, Tensor? act_global_scale, Tensor? bias, ScalarType out_dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
-  m.impl("cpu_nvfp4_act_quant", &nvfp4_act_quant);
-  m.impl("cpu_nvfp4_linear", &nvfp4_linear);
+        "int k, Tensor? act_global_scale, Tensor? bias, ScalarType out_dtype) -> Tensor",
+        cpu_kernel(&nvfp4_linear));
 }
 
 }  // namespace mxplus_cpu

@@ -217,17 +217,14 @@ at::Tensor dequant_weight(const at::Tensor& codes, const at::Tensor& scales,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
-  m.def("cpu_act_fake_quant(Tensor x, int block, int rule, bool mbs, int macro) -> Tensor");
+  m.def("cpu_act_fake_quant(Tensor x, int block, int rule, bool mbs, int macro) -> Tensor",
+        cpu_kernel(&act_fake_quant));
   m.def("cpu_act_quant(Tensor x, int block, int rule, bool mbs, int macro) -> "
-        "(Tensor, Tensor, Tensor)");
+        "(Tensor, Tensor, Tensor)",
+        cpu_kernel(&act_quant));
   m.def("cpu_dequant_weight(Tensor codes, Tensor scales, Tensor mbs, int k, int block, "
-        "int macro) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vllm_mxplus, CPU, m) {
-  m.impl("cpu_act_fake_quant", &act_fake_quant);
-  m.impl("cpu_act_quant", &act_quant);
-  m.impl("cpu_dequant_weight", &dequant_weight);
+        "int macro) -> Tensor",
+        cpu_kernel(&dequant_weight));
 }
 
 }  // namespace mxplus_cpu

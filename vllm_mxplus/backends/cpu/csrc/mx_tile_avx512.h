@@ -73,24 +73,42 @@ inline void block_max16(const uint8_t* p, __m512i* sel, __m512i* w16) {
       _mm512_set1_epi32(0xFFFF));
 }
 
-// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block;
-// BM: MX+ block maxima (GPB = 2): + x[index] * (2 * value), exact, per lane (vpermw picks
-// x[index] from the block's 32 codes widened to int16; vpmaddwd multiplies it, the lane's
-// other int16 product is x[0] * 0).
-template <int MT, int NTP, int GPB, bool MBS, bool BM>
-void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
-                 int64_t m0, float* y, const float* bias) {
-  const __m512i lut = weight_lut();
-  const int8_t* xr[MT];
-  const int32_t* cr[MT];
-  const float* er[MT];
+// The kernels' helpers are inlined always: what the compiler makes of each kernel must not
+// depend on its inlining heuristics.
+#define MXPLUS_FORCE_INLINE __attribute__((always_inline))
+
+// Per row of a register tile (MT rows from m0): its codes, its block sums' start (ActRows::corr,
+// or the panel kernel's PanelRows::start) and its block exponents.
+template <int MT>
+struct RowPtrs {
+  const int8_t* x[MT];
+  const int32_t* c[MT];
+  const float* e[MT];
+};
+
+template <int MT>
+inline MXPLUS_FORCE_INLINE RowPtrs<MT> row_ptrs(const ActRows& a, const int32_t* start, int64_t m0) {
+  RowPtrs<MT> r;
   for (int m = 0; m < MT; ++m) {
-    xr[m] = a.codes + (m0 + m) * a.kp;
-    cr[m] = a.corr + (m0 + m) * a.nb;
-    er[m] = a.ea + (m0 + m) * a.nb;
+    r.x[m] = a.codes + (m0 + m) * a.kp;
+    r.c[m] = start + (m0 + m) * a.nb;
+    r.e[m] = a.ea + (m0 + m) * a.nb;
   }
-  // With MBS the chunk sums live in registers and the row sums in memory (updated once per
-  // chunk): keeping both in zmm registers spills.
+  return r;
+}
+
+// The frame of both AVX-512 kernels, tile_avx512 and panel_avx512 (one code path, so the
+// panel kernel rounds as the register tile does): y[m0 .. m0+MT, the 16 rows of each tile
+// t0 .. t0+NTP]. acc [NTP][MT] gets the current chunk's block terms, block(b, acc) adding
+// block b's for the blocks of each macro chunk in K order; with MBS each chunk then enters
+// the row sums ysum (in memory, updated once per chunk: keeping both in zmm registers spills)
+// as acc / (Fa * Fw), Fa * Fw exact and one IEEE division per lane. Last the sums (+ bias)
+// are stored, the rows of a tile past N left out. Always inlined (`block` too: the kernels
+// mark their lambdas so) so acc stays in registers as a local array of the kernel would.
+template <int MT, int NTP, bool MBS, class Block>
+inline MXPLUS_FORCE_INLINE void tile_frame(const WeightTiles& w, const ActRows& a,
+                                           const Shape& s, int64_t t0, int64_t m0, float* y,
+                                           const float* bias, Block&& block) {
   alignas(64) float ysum[NTP][MT][kTileN];
   __m512 acc[NTP][MT];
   for (int j = 0; j < NTP; ++j)
@@ -100,55 +118,22 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     }
   for (int64_t c = 0; c < s.nc; ++c) {
     const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
-    for (int64_t b = c * s.bpc; b < b1; ++b) {
-      __m512 ew[NTP];
-      __m512i iacc[NTP][MT];
-      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
-        ew[j] = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
-          iacc[j][m] = _mm512_set1_epi32(cr[m][b]);
-      }
-      _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
-        const int64_t g = b * GPB + gg;
-        const uint8_t* wg[NTP];
-        for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
-        group_dots<MT, NTP>(wg, xr, g * kGroupK, lut, iacc);
-      }
-      if constexpr (BM) {
-        __m512i sel[NTP], w16[NTP];
-        for (int j = 0; j < NTP; ++j)
-          block_max16(w.bm + ((t0 + j) * w.nb + b) * 2 * kTileN, &sel[j], &w16[j]);
-        for (int m = 0; m < MT; ++m) {
-          const __m512i x16 = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m] + b * 32)));
-          for (int j = 0; j < NTP; ++j)
-            iacc[j][m] = _mm512_add_epi32(
-                iacc[j][m], _mm512_madd_epi16(_mm512_permutexvar_epi16(sel[j], x16), w16[j]));
-        }
+    for (int64_t b = c * s.bpc; b < b1; ++b) block(b, acc);
+    if (!MBS) continue;
+    for (int j = 0; j < NTP; ++j) {
+      __m512 fw = _mm512_set1_ps(1.0f);
+      if (w.mbs) {
+        const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
+        fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
+                           _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
       }
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512 ea = _mm512_set1_ps(er[m][b]);
-        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
-          acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
-                                                                _mm512_add_ps(ew[j], ea)));
-      }
-    }
-    if (MBS) {
-      for (int j = 0; j < NTP; ++j) {
-        __m512 fw = _mm512_set1_ps(1.0f);
-        if (w.mbs) {
-          const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
-          fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
-                             _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
-        }
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-          const __m512 f =
-              a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
-          _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
-                                                    _mm512_div_ps(acc[j][m], f)));
-          acc[j][m] = _mm512_setzero_ps();
-        }
+        const __m512 f =
+            a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
+        _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
+                                                  _mm512_div_ps(acc[j][m], f)));
+        acc[j][m] = _mm512_setzero_ps();
       }
     }
   }
@@ -162,6 +147,52 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
       _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
     }
   }
+}
+
+// y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block;
+// BM: MX+ block maxima (GPB = 2): + x[index] * (2 * value), exact, per lane (vpermw picks
+// x[index] from the block's 32 codes widened to int16; vpmaddwd multiplies it, the lane's
+// other int16 product is x[0] * 0).
+template <int MT, int NTP, int GPB, bool MBS, bool BM>
+void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
+                 int64_t m0, float* y, const float* bias) {
+  const __m512i lut = weight_lut();
+  const RowPtrs<MT> r = row_ptrs<MT>(a, a.corr, m0);
+  // Block b's terms: + I * 2^(ea + ew - 256) per row and tile.
+  auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
+    __m512 ew[NTP];
+    __m512i iacc[NTP][MT];
+    _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+      ew[j] = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
+        iacc[j][m] = _mm512_set1_epi32(r.c[m][b]);
+    }
+    _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
+      const int64_t g = b * GPB + gg;
+      const uint8_t* wg[NTP];
+      for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
+      group_dots<MT, NTP>(wg, r.x, g * kGroupK, lut, iacc);
+    }
+    if constexpr (BM) {
+      __m512i sel[NTP], w16[NTP];
+      for (int j = 0; j < NTP; ++j)
+        block_max16(w.bm + ((t0 + j) * w.nb + b) * 2 * kTileN, &sel[j], &w16[j]);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i x16 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.x[m] + b * 32)));
+        for (int j = 0; j < NTP; ++j)
+          iacc[j][m] = _mm512_add_epi32(
+              iacc[j][m], _mm512_madd_epi16(_mm512_permutexvar_epi16(sel[j], x16), w16[j]));
+      }
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+      const __m512 ea = _mm512_set1_ps(r.e[m][b]);
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
+        acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
+                                                              _mm512_add_ps(ew[j], ea)));
+    }
+  };
+  tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);
 }
 #endif
 

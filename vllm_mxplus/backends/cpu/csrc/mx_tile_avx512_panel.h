@@ -14,7 +14,8 @@
 // extremes), the block term is I * 2^(ea + ew - 256) with the power of two built by one
 // integer add of exponent bits: the same value as vscalefps (both exact). Otherwise the
 // blocks take vscalefps as tile_avx512 does. Per output the same operations in the same
-// order as tile_avx512: the same results bit for bit.
+// order as tile_avx512 (both kernels run in tile_frame, mx_tile_avx512.h, which adds the
+// block terms per chunk, divides by the MBS factors and stores): the same results bit for bit.
 #pragma once
 
 #include "mx_tile_avx512.h"
@@ -83,90 +84,47 @@ struct PanelRows {
 template <int MT, int NTP, int GPB, bool MBS, bool FAST>
 void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const PanelRows& pr,
                   const Shape& s, int64_t t0, int64_t m0, float* y, const float* bias) {
-  const int8_t* xr[MT];
-  const int32_t* cr[MT];
-  const float* er[MT];
+  const RowPtrs<MT> r = row_ptrs<MT>(a, pr.start, m0);
   const int32_t* eb[MT];
-  for (int m = 0; m < MT; ++m) {
-    xr[m] = a.codes + (m0 + m) * a.kp;
-    cr[m] = pr.start + (m0 + m) * a.nb;
-    er[m] = a.ea + (m0 + m) * a.nb;
-    eb[m] = pr.ebits + (m0 + m) * a.nb;
-  }
-  alignas(64) float ysum[NTP][MT][kTileN];
-  __m512 acc[NTP][MT];
-  for (int j = 0; j < NTP; ++j)
+  for (int m = 0; m < MT; ++m) eb[m] = pr.ebits + (m0 + m) * a.nb;
+  // Block b's terms, from the panels (the register tile's rounding: see the top of the file).
+  auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
+    __m512i iacc[NTP][MT];
     _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-      acc[j][m] = _mm512_setzero_ps();
-      if (MBS) _mm512_store_ps(ysum[j][m], acc[j][m]);
+      const __m512i c0 = _mm512_set1_epi32(r.c[m][b]);
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) iacc[j][m] = c0;
     }
-  for (int64_t c = 0; c < s.nc; ++c) {
-    const int64_t b1 = std::min((c + 1) * s.bpc, w.nb);
-    for (int64_t b = c * s.bpc; b < b1; ++b) {
-      __m512i iacc[NTP][MT];
-      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512i c0 = _mm512_set1_epi32(cr[m][b]);
-        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) iacc[j][m] = c0;
-      }
-      _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
-        const int64_t g = b * GPB + gg;
-        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
-          __m512i wv[NTP];
-          _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
-            wv[j] = _mm512_load_si512(pn[j].ops + g * kPanelGroupBytes + 64 * q);
-          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-            const __m512i xb =
-                _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xr[m] + g * kGroupK)[q]);
-            _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
-              iacc[j][m] = dot4(iacc[j][m], wv[j], xb);
-          }
-        }
-      }
-      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
-        if constexpr (FAST) {  // + I * 2^(ea + ew - 256), the power of two from its bits
-          const __m512i ewb = _mm512_load_si512(pn[j].ebits + b * kTileN);
-          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-            const __m512 p2 = _mm512_castsi512_ps(_mm512_add_epi32(ewb, _mm512_set1_epi32(eb[m][b])));
-            acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
-          }
-        } else {
-          const __m512 ew = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
-          _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
-            acc[j][m] = _mm512_add_ps(
-                acc[j][m], _mm512_scalef_ps(block_sum(iacc[j][m]),
-                                            _mm512_add_ps(ew, _mm512_set1_ps(er[m][b]))));
-        }
-      }
-    }
-    if (MBS) {
-      for (int j = 0; j < NTP; ++j) {
-        __m512 fw = _mm512_set1_ps(1.0f);
-        if (w.mbs) {
-          const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
-          fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
-                             _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
-        }
+    _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
+      const int64_t g = b * GPB + gg;
+      _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+        __m512i wv[NTP];
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+          wv[j] = _mm512_load_si512(pn[j].ops + g * kPanelGroupBytes + 64 * q);
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-          const __m512 f =
-              a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
-          _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
-                                                    _mm512_div_ps(acc[j][m], f)));
-          acc[j][m] = _mm512_setzero_ps();
+          const __m512i xb =
+              _mm512_set1_epi32(reinterpret_cast<const int32_t*>(r.x[m] + g * kGroupK)[q]);
+          _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+            iacc[j][m] = dot4(iacc[j][m], wv[j], xb);
         }
       }
     }
-  }
-  for (int j = 0; j < NTP; ++j) {
-    const int64_t n0 = (t0 + j) * kTileN;
-    const int64_t valid = std::min<int64_t>(kTileN, w.n - n0);
-    const __mmask16 lm = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(lm, bias + n0) : _mm512_setzero_ps();
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-      const __m512 v = MBS ? _mm512_load_ps(ysum[j][m]) : acc[j][m];
-      _mm512_mask_storeu_ps(y + (m0 + m) * w.n + n0, lm, bias ? _mm512_add_ps(v, bv) : v);
+    _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+      if constexpr (FAST) {  // + I * 2^(ea + ew - 256), the power of two from its bits
+        const __m512i ewb = _mm512_load_si512(pn[j].ebits + b * kTileN);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+          const __m512 p2 = _mm512_castsi512_ps(_mm512_add_epi32(ewb, _mm512_set1_epi32(eb[m][b])));
+          acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
+        }
+      } else {
+        const __m512 ew = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
+          acc[j][m] = _mm512_add_ps(
+              acc[j][m], _mm512_scalef_ps(block_sum(iacc[j][m]),
+                                          _mm512_add_ps(ew, _mm512_set1_ps(r.e[m][b]))));
+      }
     }
-  }
+  };
+  tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);
 }
 
 // Whether every block term of rows m0 .. m0+mt against the panels has a normal fp32 power

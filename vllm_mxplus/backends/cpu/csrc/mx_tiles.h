@@ -1,6 +1,9 @@
 // The integer GEMM's operand layout and its tile kernels (one file per instruction set);
-// included by mx_gemm_cpu.cpp only. The numerics are stated at the top of mx_gemm_cpu.cpp.
+// included by the GEMM translation units (mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp,
+// mx_mxplus_cpu.cpp). The numerics are stated at the top of mx_gemm_cpu.cpp.
 #pragma once
+
+#include <vector>
 
 #include "mx_cpu_common.h"
 
@@ -72,6 +75,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_tiles(const at::Tensor& code
                                                           const at::Tensor& scales,
                                                           const at::Tensor& mbs, int64_t k,
                                                           int64_t block, int64_t macro);
+
+// The start every integer GEMM op shares (tile_linear; mx_nvfp4_cpu.cpp): x [..., k] checked
+// (on the CPU, last dim k), its rows as contiguous fp32, the bias as fp32, the fp32 output, and
+// the activation operand's buffers, which the op's row quantizer fills. `op` names the caller
+// in errors. mx_gemm_cpu.cpp.
+struct LinearCall {
+  std::vector<int64_t> out_shape;  // x's shape with the last dim n
+  int64_t M;                       // rows of x
+  at::Tensor xf;                   // fp32 [M, k]
+  at::Tensor bias;                 // fp32 [n], or undefined
+  at::Tensor codes;                // int8 [M, kp]: 2 * value, zero padded
+  at::Tensor corr;                 // int32 [M, nb]: the block code sums, then the correction
+  at::Tensor scale;                // fp32 [M, nb]: each block's scale term (the op's own)
+  at::Tensor y;                    // fp32 [M, n]
+
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  // y in the op's output dtype and x's leading shape.
+  at::Tensor result(at::ScalarType out_dtype) const { return y.to(out_dtype).view(out_shape); }
+};
+LinearCall linear_call(const at::Tensor& x, int64_t n, int64_t k, int64_t block,
+                       const c10::optional<at::Tensor>& bias, const char* op);
 
 // mx_gemm_cpu.cpp: quantize x's rows once (quant_row with this block, rule, MBS) and run the
 // integer GEMM against the checked weight tiles w; `op` names the caller in errors.
