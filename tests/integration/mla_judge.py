@@ -25,6 +25,7 @@ from integration_harness import LOGPROB_ATOL, greedy_mismatch
 from mla_reference import mla_greedy
 
 from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.integration.mla import CPU_ROPE_FIX
 
 # Architectures of tiny_models.ARCHS judged by this module instead of transformers.
 MLA_ARCHS = ("deepseek_v2",)
@@ -35,7 +36,7 @@ MLA_ARCHS = ("deepseek_v2",)
 # mla.py), so on CPU almost every head's q_pe is rotated at a wrong position, with or without
 # quantization. The judged engines run with that op off: vLLM's own torch rotary
 # (`forward_native`), in compilation_config.custom_ops syntax.
-RoPE_NATIVE = {"custom_ops": ["all", "-rotary_embedding"]}
+RoPE_NATIVE = {"custom_ops": ["all", CPU_ROPE_FIX]}
 # Job keys every judged MLA engine gets (vllm_jobs forwards them to vllm.LLM).
 ENGINE_OPTIONS = {"compilation_config": RoPE_NATIVE}
 # The unquantized control's fp32-vs-float64 gap must leave this factor below LOGPROB_ATOL.

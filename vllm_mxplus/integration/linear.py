@@ -35,6 +35,7 @@ from vllm_mxplus.integration.mla import (
     apply_weight_only,
     install_dequantized_weight,
     is_weight_only,
+    warn_cpu_rotary,
     weight_read_by_attention,
 )
 from vllm_mxplus.integration.params import (
@@ -150,6 +151,7 @@ class MxplusLinearMethod(LinearMethodBase):
             device = layer.weight.device
         if weight_read_by_attention(layer):  # MLA kv_b_proj: weight-only (integration/mla.py)
             install_dequantized_weight(layer, qweight)
+            warn_cpu_rotary(device.type)
             return
         spec = LinearSpec(
             self.scheme,

@@ -26,8 +26,11 @@ NVFP4 weights, the rounding every unquantized bf16 weight of the model carries
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+from vllm.config import get_current_vllm_config
 
 from vllm_mxplus.backends.base import Layer
 from vllm_mxplus.formats import QuantizedTensor
@@ -35,6 +38,35 @@ from vllm_mxplus.formats import QuantizedTensor
 # Last name component of the linears read directly by attention.
 WEIGHT_READ_BY_ATTENTION = ("kv_b_proj",)
 WEIGHT_ONLY_ATTR = "mxplus_weight_only"
+# vLLM 0.32's CPU `rotary_embedding` op rotates a 3-D query [tokens, heads, rope_dim] as
+# tokens x heads one-head rows at positions[t * heads + h], so MLA's multi-head q_pe is rotated
+# at wrong positions on CPU, quantized or not (measured: tests/integration/test_mla_judged.py).
+# vLLM's torch rotary is right; this custom_ops entry selects it.
+CPU_ROPE_FIX = "-rotary_embedding"
+CPU_ROPE_ADVICE = (
+    "vLLM's CPU rotary_embedding op rotates MLA's multi-head query at wrong positions "
+    "(with or without quantization); serve with --compilation-config "
+    '\'{"custom_ops": ["all", "-rotary_embedding"]}\' to use vLLM\'s torch rotary instead'
+)
+
+logger = logging.getLogger(__name__)
+_cpu_rope_warned = False
+
+
+def warn_cpu_rotary(device_type: str, custom_ops: list[str] | None = None) -> bool:
+    """Warn once when an MLA model is served on CPU with vLLM's CPU rotary op (custom_ops:
+    the engine's compilation_config.custom_ops; None: read from vLLM's current config).
+    Returns whether it warned."""
+    global _cpu_rope_warned
+    if device_type != "cpu" or _cpu_rope_warned:
+        return False
+    if custom_ops is None:
+        custom_ops = list(get_current_vllm_config().compilation_config.custom_ops)
+    if CPU_ROPE_FIX in custom_ops:
+        return False
+    _cpu_rope_warned = True
+    logger.warning("MLA on CPU: %s", CPU_ROPE_ADVICE)
+    return True
 
 
 def weight_read_by_attention(layer: Layer) -> bool:
