@@ -3,6 +3,8 @@
 docs/numerics.md, Packing and checkpoint layout.
 
     quantize_checkpoint(src, dst, "mxfp4-mbs")  # HF dir -> quantized dir (mxplus quantize)
+    quantize_checkpoint(src, dst, "nvfp4", out_format="compressed-tensors")  # ct_format.py
+    # src may be FP4 already (compressed-tensors, gpt-oss mxfp4): quantized_source.py
     load(dst)               # {module: formats.QuantizedTensor}
     load_unquantized(dst)   # {tensor name: tensor} kept in high precision
     open_checkpoint(dst)    # validated layout, config, per-module shapes, no data read
