@@ -67,6 +67,23 @@ LINEAR_SHAPES = [(4096, 14336)]
 LINEAR_MS = (1, 8, 512)
 
 
+def in_process_engine_env(threads: int):
+    """Environment for vLLM CPU engines run in this process on `threads` threads, set before
+    vLLM is imported (a variable the user exported wins, but OMP_NUM_THREADS); returns torch."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    for k, v in {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(k, v)
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
+
+
 def _run(cmd: list[str], both: bool = False) -> str:
     """stdout of a command (with both: stdout and stderr), or exit naming it."""
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -319,17 +336,7 @@ def main() -> int:
     ap.add_argument("--sdist-version", default=SDIST_VERSION)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    for k, v in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(k, v)
-    import torch
-
-    torch.set_num_threads(args.threads)
+    torch = in_process_engine_env(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cpu_linear import cpu_description
 

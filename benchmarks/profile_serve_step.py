@@ -31,22 +31,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=25, help="ops to list")
     args = ap.parse_args()
-    for k, v in {
-        "OMP_NUM_THREADS": str(args.threads),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(k, v)
-    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_vs_llamacpp import in_process_engine_env
+
+    in_process_engine_env(args.threads)
+    from bench_serve_cpu import _smollm2_dir
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_serve_cpu import _smollm2_dir
 
     model = _smollm2_dir()
     if model is None:
