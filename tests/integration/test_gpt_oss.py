@@ -195,3 +195,19 @@ def test_unsupported_activation_points_at_the_ignore_option():
     )
     with pytest.raises(NotImplementedError, match=want):
         method.create_weights(layer, 4, 64, 64, torch.float32, weight_loader=None)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tp2_nvfp4_matches_the_unsharded_reference(gpt_oss, tmp_path_factory, subprocess_env):
+    """TP=2: w13 N-sharded by whole gate / up pairs (vLLM's gpt-oss loader), w2 K-sharded,
+    w2_bias on rank 0 only, each expert's NVFP4 global scale from the whole weight (max over
+    ranks), the down projection's activation rows with the whole row's global scale."""
+    src = gpt_oss[2]
+    res, _ = run_driver(
+        [_job("tp-nvfp4", src, "nvfp4", tp=2)],
+        tmp_path_factory.mktemp("gpt-oss-tp"),
+        subprocess_env,
+        tp=True,
+    )
+    _ok(res["tp-nvfp4"], _reference(src, "nvfp4", quantized_experts=True))
