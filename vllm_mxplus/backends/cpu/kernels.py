@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.cpu.fakes import register_fakes
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
@@ -64,11 +65,11 @@ HEADERS = tuple(
         "mx_tile_scalar.h",
     )
 )
-ENV_MARCH = "VLLM_MXPLUS_CPU_MARCH"  # -march for the build (default: native)
+ENV_MARCH = settings.CPU_MARCH.name  # -march for the build (default: native)
 _BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
-ENV_DISABLE = "VLLM_MXPLUS_CPU_KERNELS"
-ENV_BUILD_DIR = "VLLM_MXPLUS_CPU_BUILD_DIR"
+ENV_DISABLE = settings.CPU_KERNELS.name
+ENV_BUILD_DIR = settings.CPU_BUILD_DIR.name
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
 MXPLUS_RULE = 3  # `ocp` block 32 with the MX+ block max (csrc/mx_quant_cpu.cpp)
 TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
@@ -78,7 +79,7 @@ _state: dict[str, str | None] = {"error": None, "loaded": None}
 
 
 def cflags() -> list[str]:
-    return [f"-march={os.environ.get(ENV_MARCH, 'native')}"] + _BASE_CFLAGS
+    return [f"-march={settings.cpu_march()}"] + _BASE_CFLAGS
 
 
 def _cpu_signature() -> str:
@@ -105,8 +106,7 @@ def build_name() -> str:
 
 
 def build_dir() -> Path:
-    root = os.environ.get(ENV_BUILD_DIR)
-    base = Path(root) if root else Path.home() / ".cache" / "vllm-mxplus" / "cpu_kernels"
+    base = settings.cpu_build_dir() or Path.home() / ".cache" / "vllm-mxplus" / "cpu_kernels"
     return base / build_name()
 
 
@@ -116,7 +116,7 @@ def _compiler() -> str | None:
 
 def load() -> tuple[bool, str]:
     """Build (first time) and load the kernels: (True, "") or (False, why not)."""
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.cpu_kernels_enabled():
         return False, f"disabled by {ENV_DISABLE}=0"
     if _state["loaded"]:
         return True, ""
