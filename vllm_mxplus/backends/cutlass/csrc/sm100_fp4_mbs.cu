@@ -34,7 +34,7 @@
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/detail/sm100_blockscaled_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
-
+#include "mxplus_cutlass_gemm.h"
 
 using namespace cute;
 
@@ -144,16 +144,19 @@ static_assert(cute::is_same_v<typename MbsGemm::GemmKernel::CollectiveMainloop::
 static_assert(MbsGemm::GemmKernel::CollectiveMainloop::SFVecSize == kVec, "block 16");
 
 template <class Gemm>
-int launch(typename Gemm::Arguments& args, void* workspace, size_t workspace_bytes,
-           size_t* workspace_needed, cudaStream_t stream) {
-  Gemm gemm;
-  size_t need = Gemm::get_workspace_size(args);
-  if (workspace_needed && need > *workspace_needed) *workspace_needed = need;
-  if (need > 0 && (workspace == nullptr || need > workspace_bytes)) return MXPLUS_ERR_WORKSPACE;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return MXPLUS_ERR_CANNOT_IMPLEMENT;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_INIT;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_RUN;
-  return MXPLUS_OK;
+using Operands = mxplus_cutlass::Operands<Gemm, SfConfig>;  // strides and UE8M0 SF layouts
+
+// The mainloop arguments of one launch: FP4 operands from a / b (their row pitch in ops),
+// their UE8M0 scale factors from a_sf / b_sf (packed by mxplus_sm100_pack_scales).
+template <class Gemm>
+typename Gemm::GemmKernel::MainloopArguments fp4_operands(const uint8_t* a, const uint8_t* a_sf,
+                                                          const uint8_t* b, const uint8_t* b_sf,
+                                                          const Operands<Gemm>& ops) {
+  using Mainloop = typename Gemm::GemmKernel::CollectiveMainloop;
+  using SF = cutlass::float_ue8m0_t;
+  return {reinterpret_cast<const typename Mainloop::ElementA*>(a), ops.a,
+          reinterpret_cast<const typename Mainloop::ElementB*>(b), ops.b,
+          reinterpret_cast<const SF*>(a_sf), ops.sfa, reinterpret_cast<const SF*>(b_sf), ops.sfb};
 }
 
 // Operand pointers of chunk c: FP4 rows keep their full-K stride (k/2 bytes), the chunk starts
@@ -163,19 +166,8 @@ int run_mbs(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8
             int k, int* result, void* workspace, size_t workspace_bytes,
             size_t* workspace_needed, cudaStream_t stream) {
   using Gemm = MbsGemm;
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  using StrideC = typename Gemm::GemmKernel::StrideC;
-  using DataA = typename Gemm::GemmKernel::CollectiveMainloop::ElementA;
-  using DataB = typename Gemm::GemmKernel::CollectiveMainloop::ElementB;
-  using SF = cutlass::float_ue8m0_t;
-
   // Strides of the full-K operands (row pitch k elements); the problem's K is one chunk.
-  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
-  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-  auto stride_c = cutlass::make_cute_packed_stride(StrideC{}, make_shape(m, n, 1));
-  auto layout_sfa = SfConfig::tile_atom_to_shape_SFA(make_shape(m, n, kChunk, 1));
-  auto layout_sfb = SfConfig::tile_atom_to_shape_SFB(make_shape(m, n, kChunk, 1));
+  const Operands<Gemm> ops(m, n, k, kChunk);
   size_t sfa_bytes = mxplus_sm100_sf_bytes(m, kChunk), sfb_bytes = mxplus_sm100_sf_bytes(n, kChunk);
 
   // The broadcast loads are 16-byte vectors: each chunk's sigma row starts 16-byte aligned.
@@ -189,18 +181,16 @@ int run_mbs(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, kChunk, 1},
-        {reinterpret_cast<const DataA*>(a + size_t(c) * kChunk / 2), stride_a,
-         reinterpret_cast<const DataB*>(b + size_t(c) * kChunk / 2), stride_b,
-         reinterpret_cast<const SF*>(a_sf + c * sfa_bytes), layout_sfa,
-         reinterpret_cast<const SF*>(b_sf + c * sfb_bytes), layout_sfb},
-        {{}, src, stride_c, dst, stride_c}};
+        fp4_operands<Gemm>(a + size_t(c) * kChunk / 2, a_sf + c * sfa_bytes,
+                           b + size_t(c) * kChunk / 2, b_sf + c * sfb_bytes, ops),
+        {{}, src, ops.c, dst, ops.c}};
     // Fusion args mirror the EVT tree: {sigma_a, {sigma_b, acc, op}, src, op}.
     args.epilogue.thread = {
         {sigma_a + size_t(c) * ld_sigma_a},
         {{sigma_b + size_t(c) * ld_sigma_b}, {}, {}},
         {},
         {}};
-    int rc = launch<Gemm>(args, workspace, workspace_bytes, &need, stream);
+    int rc = mxplus_cutlass::launch<Gemm>(args, workspace, workspace_bytes, &need, stream);
     if (workspace_needed) *workspace_needed = need;
     if (rc != MXPLUS_OK) return rc;
   }
@@ -212,30 +202,15 @@ int run_plain(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uin
               float* out, int m, int n, int k, void* workspace, size_t workspace_bytes,
               size_t* workspace_needed, cudaStream_t stream) {
   using Gemm = PlainGemm;
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  using StrideD = typename Gemm::GemmKernel::StrideD;
-  using DataA = typename Gemm::GemmKernel::CollectiveMainloop::ElementA;
-  using DataB = typename Gemm::GemmKernel::CollectiveMainloop::ElementB;
-  using SF = cutlass::float_ue8m0_t;
-  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
-  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-  auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
-  auto layout_sfa = SfConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
-  auto layout_sfb = SfConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {reinterpret_cast<const DataA*>(a), stride_a, reinterpret_cast<const DataB*>(b), stride_b,
-       reinterpret_cast<const SF*>(a_sf), layout_sfa, reinterpret_cast<const SF*>(b_sf),
-       layout_sfb},
-      {{}, nullptr, stride_d, out, stride_d}};
+  const Operands<Gemm> ops(m, n, k, k);
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {m, n, k, 1},
+                                fp4_operands<Gemm>(a, a_sf, b, b_sf, ops),
+                                {{}, nullptr, ops.d, out, ops.d}};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  size_t need = 0;
-  int rc = launch<Gemm>(args, workspace, workspace_bytes, &need, stream);
-  if (workspace_needed) *workspace_needed = need;
-  return rc;
+  return mxplus_cutlass::launch_once<Gemm>(args, workspace, workspace_bytes, workspace_needed,
+                                           stream);
 }
 
 }  // namespace mxplus_sm100

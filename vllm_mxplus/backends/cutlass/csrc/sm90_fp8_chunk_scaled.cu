@@ -30,6 +30,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "mxplus_cutlass_gemm.h"
 
 #endif
 
@@ -103,35 +104,21 @@ int run(const void* a, const float* sfa, const void* b, const float* sfb, const 
         void* d, int m, int n, int k, void* workspace, size_t workspace_bytes,
         size_t* workspace_needed, cudaStream_t stream) {
   using Gemm = typename Sm90Gemm<ElementD>::Gemm;
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  using StrideD = typename Gemm::GemmKernel::StrideD;
-  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, k, 1));
-  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-  auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
-  auto layout_sfa = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
-  auto layout_sfb = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+  const mxplus_cutlass::Operands<Gemm, ScaleConfig> ops(m, n, k, k);
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {static_cast<const ElementA*>(a), stride_a, static_cast<const ElementB*>(b), stride_b,
-       sfa, layout_sfa, sfb, layout_sfb},
-      {{}, nullptr, stride_d, static_cast<ElementD*>(d), stride_d}};
+      {static_cast<const ElementA*>(a), ops.a, static_cast<const ElementB*>(b), ops.b,
+       sfa, ops.sfa, sfb, ops.sfb},
+      {{}, nullptr, ops.d, static_cast<ElementD*>(d), ops.d}};
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
   fusion.bias_ptr = bias;
-
-  Gemm gemm;
-  size_t need = Gemm::get_workspace_size(args);
-  if (workspace_needed) *workspace_needed = need;
   // A query (workspace too small, e.g. NULL) returns before running anything.
-  if (need > 0 && (workspace == nullptr || need > workspace_bytes)) return MXPLUS_ERR_WORKSPACE;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return MXPLUS_ERR_CANNOT_IMPLEMENT;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_INIT;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return MXPLUS_ERR_RUN;
-  return MXPLUS_OK;
+  return mxplus_cutlass::launch_once<Gemm>(args, workspace, workspace_bytes, workspace_needed,
+                                           stream);
 }
 
 }  // namespace mxplus_sm90
