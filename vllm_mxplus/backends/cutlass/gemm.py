@@ -24,6 +24,7 @@ with an inexact chunk are known at load and recomputed against the spec's x_hat.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,21 @@ FALLBACK_ROWS = int(os.environ.get("VLLM_MXPLUS_SM90_FALLBACK_ROWS", "64"))
 # rows_split(idx) -> (fp8 [2R, Kp], scale [Kp/128, 2R], exact rows [R]): activation rows idx
 # split into a high operand (rows [0, R)) and a low one (rows [R, 2R)), `split_fp8_chunks`
 RowsSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _prefill_op(name: str, impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`impl` as the opaque custom op vllm_mxplus::<name>, with its fake: [M, n] in
+    `out_dtype`, M the rows of the first argument (each prefill op's activation rows)."""
+    op = torch.library.custom_op(op_name(name), impl, mutates_args=())
+    sig = inspect.signature(impl)
+
+    @op.register_fake
+    def _(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments
+        rows = next(iter(bound.values()))
+        return rows.new_empty((rows.shape[0], bound["n"]), dtype=bound["out_dtype"])
+
+    return op
 
 
 class Sm90Weight(NamedTuple):
@@ -229,14 +245,7 @@ def prefill_sm90_impl(
     )
 
 
-_prefill_sm90 = torch.library.custom_op(
-    op_name("cutlass_prefill_sm90"), prefill_sm90_impl, mutates_args=()
-)
-
-
-@_prefill_sm90.register_fake
-def _(x_codes, x_scales, x_mbs, k, w_fp8, w_scale, fallback_idx, fallback_w, bias, n, out_dtype):
-    return x_codes.new_empty((x_codes.shape[0], n), dtype=out_dtype)
+_prefill_sm90 = _prefill_op("cutlass_prefill_sm90", prefill_sm90_impl)
 
 
 def prefill_sm90_fused_impl(
@@ -274,29 +283,7 @@ def prefill_sm90_fused_impl(
     )
 
 
-_prefill_sm90_fused = torch.library.custom_op(
-    op_name("cutlass_prefill_sm90_fused"), prefill_sm90_fused_impl, mutates_args=()
-)
-
-
-@_prefill_sm90_fused.register_fake
-def _(
-    x,
-    fmt,
-    x_fp8,
-    x_scale,
-    x_ref,
-    x_mbs,
-    x_exact,
-    w_fp8,
-    w_scale,
-    fallback_idx,
-    fallback_w,
-    bias,
-    n,
-    out_dtype,
-):
-    return x.new_empty((x.shape[0], n), dtype=out_dtype)
+_prefill_sm90_fused = _prefill_op("cutlass_prefill_sm90_fused", prefill_sm90_fused_impl)
 
 
 # ----------------------------------------------------------------------------- sm_100a
@@ -330,14 +317,7 @@ def prefill_sm100_impl(
     return y[:, :n].contiguous() if y.shape[1] != n else y
 
 
-_prefill_sm100 = torch.library.custom_op(
-    op_name("cutlass_prefill_sm100"), prefill_sm100_impl, mutates_args=()
-)
-
-
-@_prefill_sm100.register_fake
-def _(x_codes, x_scales, x_mbs, k, w_codes, w_sf, w_sigma, bias, n, use_mbs, out_dtype):
-    return x_codes.new_empty((x_codes.shape[0], n), dtype=out_dtype)
+_prefill_sm100 = _prefill_op("cutlass_prefill_sm100", prefill_sm100_impl)
 
 
 # ----------------------------------------------------------------------------- API
