@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -45,6 +45,24 @@ E8M0_PAIRS = frozenset(
 )
 
 
+T = TypeVar("T")
+
+
+class _FromScheme(Generic[T]):
+    """A read-only attribute of `Spec` that reads its scheme's attribute `name` (the spec
+    holds the scheme, not copies of its parts)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, spec: None, owner: type) -> _FromScheme[T]: ...
+    @overload
+    def __get__(self, spec: Spec, owner: type) -> T: ...
+    def __get__(self, spec: Spec | None, owner: type) -> T | _FromScheme[T]:
+        return self if spec is None else getattr(spec.scheme, self.name)
+
+
 @dataclass(frozen=True)
 class Spec:
     """What a backend needs to know about one layer (per TP partition): its whole scheme
@@ -59,22 +77,11 @@ class Spec:
         if not isinstance(self.scheme, Scheme):
             object.__setattr__(self, "scheme", get_scheme(self.scheme))
 
-    @property
-    def weight_format(self) -> str:
-        return self.scheme.weight_format
-
-    @property
-    def activation_format(self) -> str:
-        return self.scheme.activation_format
-
-    @property
-    def macro_block(self) -> int:
-        return self.scheme.macro_block
-
-    @property
-    def activation_per_row(self) -> bool:
-        """NVFP4 activations take one global scale per token (docs/numerics.md, NVFP4)."""
-        return self.scheme.activations_per_row
+    weight_format = _FromScheme[str]("weight_format")
+    activation_format = _FromScheme[str]("activation_format")
+    macro_block = _FromScheme[int]("macro_block")
+    # NVFP4 activations take one global scale per token (docs/numerics.md, NVFP4)
+    activation_per_row = _FromScheme[bool]("activations_per_row")
 
 
 @dataclass(frozen=True)
