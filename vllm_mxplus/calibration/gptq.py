@@ -46,8 +46,22 @@ LAZY_BLOCK = 128  # GPTQ's lazy batch, rounded up to a multiple of the group wid
 DAMP = 0.01  # fraction of the mean Hessian diagonal added to the diagonal
 
 
-def _global(fmt: str, w: torch.Tensor) -> torch.Tensor | None:
-    return nvfp4_weight_global(w) if get_format(fmt).has_global_scale else None
+def _global(
+    fmt: str, w: torch.Tensor, given: torch.Tensor | None, name: str
+) -> torch.Tensor | None:
+    """The fixed nvfp4 global scale: the caller's `given` (a checkpoint layout's own rule,
+    e.g. ct_format.py's power of two per fused layer), else the plugin's rule on the original
+    weight (nvfp4_weight_global); None for the formats without one."""
+    if not get_format(fmt).has_global_scale:
+        if given is not None:
+            raise ValueError(f"{name}: {fmt} has no global scale, yet one was given")
+        return None
+    if given is None:
+        return nvfp4_weight_global(w)
+    g = given.to(torch.float32).reshape(())
+    if not (bool(torch.isfinite(g)) and bool(g > 0)):
+        raise ValueError(f"{name}: the given nvfp4 global scale {float(g)} is not positive")
+    return g
 
 
 def _choose(
@@ -92,15 +106,17 @@ def rtn_aware(
     name: str = "weight",
     *,
     macro_block: int,
+    global_scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """RTN with the group parameters chosen by `rule` (weighted by d = E[x^2] [K]); MBS
-    formats: one byte per `macro_block` columns."""
+    formats: one byte per `macro_block` columns. global_scale: nvfp4's fixed global scale
+    (default: the plugin's rule on w, nvfp4_weight_global)."""
     w = check_weight(w, name)
     n, k = w.shape
     kp = padded_k(fmt, k, macro_block)
     wp = F.pad(w, (0, kp - k))
     dp = F.pad(d.to(torch.float32), (0, kp - k))
-    p = _choose(rule, fmt, wp, dp, _global(fmt, w), macro_block)
+    p = _choose(rule, fmt, wp, dp, _global(fmt, w, global_scale, name), macro_block)
     codes, _ = quantize_columns(fmt, wp, p, 0)
     return to_quantized_tensor(fmt, codes, p, (n, k))
 
@@ -131,17 +147,20 @@ def gptq(
     prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     macro_block: int,
+    global_scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """GPTQ of w [N, K] under Hessian h [K, K] (any positive scale), natural column order.
 
     prepared: prepare_hessian(h, K) when the caller already has it. macro_block: MBS formats'
     elements per MBS byte (a positive multiple of the block size; the caller checks it).
+    global_scale: nvfp4's global scale, fixed for the whole run (default: the plugin's rule
+    on the original w, nvfp4_weight_global).
     """
     w = check_weight(w, name)
     n, k = w.shape
     hinv, dead = prepared if prepared is not None else prepare_hessian(h, k, name, damp)
     d_diag = torch.diagonal(h).to(torch.float32)
-    g = _global(fmt, w)  # fixed from the original weight
+    g = _global(fmt, w, global_scale, name)  # fixed: from the original weight, or given
     kp = padded_k(fmt, k, macro_block)
     gw = get_format(fmt).group_size(macro_block)
     lazy = _lazy(gw)

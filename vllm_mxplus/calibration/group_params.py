@@ -14,7 +14,8 @@ layer's input Hessian). What moves per format (docs/numerics.md, "Formats and sc
   the macro block is the checkpoint's (`--macro-block N`, any positive multiple of the block
   size; docs/numerics.md, "Macro Block Scaling"): one byte per N columns, N = 128 by default;
 * nvfp4: each E4M3 block scale among the spec's code and its +-4 neighbouring codes, the
-  fp32 global scale fixed (from the original weight).
+  fp32 global scale fixed (from the original weight by the plugin's rule, or the one the
+  caller's checkpoint layout stores: gptq.py's `global_scale`).
 
 `quantize_columns` then rounds elements to nearest (ties to even code) under the given
 parameters with the very fp32 operations of `formats` (docs/numerics.md, "E2M1 elements",

@@ -112,6 +112,7 @@ def calibrate_and_quantize(
     on_layer: Callable[[int, int], None] | None = None,
     *,
     macro_block: int,
+    nvfp4_global: Callable[[str], torch.Tensor] | None = None,
 ) -> CalibrationResult:
     """Quantize the nn.Linear modules named in `targets` (inside decoder layers) of `model`.
 
@@ -119,6 +120,9 @@ def calibrate_and_quantize(
     value. Returns the QuantizedTensors by module name; targets outside the decoder layers
     are not in the result (the caller quantizes them with plain RTN). macro_block: elements
     per MBS byte of the weights and of the activations the layers see (as served).
+    nvfp4_global: module name -> the fixed nvfp4 global scale its group parameters are chosen
+    under, the one the checkpoint layout stores (ct_format.py); None: the plugin's rule on
+    each original weight (gptq.nvfp4_weight_global).
     """
     try:
         check_macro_block(scheme, macro_block, "--macro-block")
@@ -127,6 +131,8 @@ def calibrate_and_quantize(
     s = get_scheme(scheme)
     wfmt, afmt = s.weight_format, s.activation_format
     per_row = get_format(afmt).has_global_scale
+    if nvfp4_global is not None and not get_format(wfmt).has_global_scale:
+        raise ValueError(f"nvfp4_global given for {scheme}, whose weights have no global scale")
     targets = set(targets)
     prefix, layers = _decoder_layers(model)
     model.eval()
@@ -156,6 +162,8 @@ def calibrate_and_quantize(
                     ):
                         h, n_tok = hess[group[0]]
                         label = "+".join(group)
+                        # nvfp4 is never row-fused (can_fuse_rows): one module per group
+                        given = None if nvfp4_global is None else nvfp4_global(group[0])
                         try:
                             ws = [
                                 check_weight(names[n].weight.detach().to("cpu", torch.float32), n)
@@ -174,6 +182,7 @@ def calibrate_and_quantize(
                                     name=label,
                                     prepared=prepared[id(h)],
                                     macro_block=macro_block,
+                                    global_scale=given,
                                 )
                                 qs = (
                                     [q] if len(ws) == 1 else split_rows(q, [x.shape[0] for x in ws])
@@ -181,7 +190,14 @@ def calibrate_and_quantize(
                             else:
                                 d = torch.diagonal(h) / max(n_tok, 1)
                                 qs = [
-                                    rtn_aware(ws[0], d, wfmt, name=label, macro_block=macro_block)
+                                    rtn_aware(
+                                        ws[0],
+                                        d,
+                                        wfmt,
+                                        name=label,
+                                        macro_block=macro_block,
+                                        global_scale=given,
+                                    )
                                 ]
                         except ValueError as e:
                             raise UsageError(str(e)) from None

@@ -59,8 +59,9 @@ Formats (--format): `mxplus` (default) writes the plugin's layout, for every sch
 `compressed-tensors` writes nvfp4 / mxfp4-ocp in the layout of llm-compressor
 (quant_method compressed-tensors, nvfp4-pack-quantized / mxfp4-pack-quantized), which vLLM
 serves with its in-tree method and transformers reads; its decompressed weights equal the
-plugin's dequantized ones bit for bit (nvfp4: power-of-two global scale per fused layer;
-static activation scale from the calibration text, --calib or the embedded default). The
+plugin's dequantized ones bit for bit (nvfp4: power-of-two global scale per fused layer, under
+which rtn-aware / gptq choose their block scales; static activation scale from the calibration
+text, --calib or the embedded default); every --method and --smooth. The
 paper's formats (mxplus, mxfp4-16-oas, MBS) exist only in the plugin's layout.
 
 Quantized sources: SRC may be a compressed-tensors NVFP4 / MXFP4 checkpoint or a gpt-oss

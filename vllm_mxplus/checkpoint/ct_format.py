@@ -16,6 +16,9 @@ Two choices make the written values equal the plugin's dequantized weights bit f
   plugin's own rule, has no exact reciprocal);
 * amax is over vLLM's fused siblings together (q/k/v, gate/up), because vLLM keeps one global
   scale per fused layer (the max of the siblings'), as llm-compressor also writes them.
+The calibrated methods (--method rtn-aware | gptq) choose nvfp4 block scales under that same g
+(nvfp4_ct_globals, given to the calibration as its fixed global scale), so every --method and
+--smooth is written exactly.
 """
 
 from __future__ import annotations
@@ -47,20 +50,15 @@ CT_SCHEMES = {
 CT_TARGETS = ["Linear"]
 
 
-def check_ct_request(scheme: str, method: str) -> None:
-    """Raise UsageError unless `scheme` / `method` can be written as compressed-tensors."""
+def check_ct_request(scheme: str) -> None:
+    """Raise UsageError unless `scheme` can be written as compressed-tensors (every --method
+    and --smooth can: nvfp4's calibrated methods choose their block scales under the global
+    scale this layout stores, nvfp4_ct_globals)."""
     if scheme not in CT_SCHEMES:
         raise UsageError(
             f"--format {FORMAT_CT}: scheme {scheme!r} has no compressed-tensors format (only "
             f"{', '.join(CT_SCHEMES)}); write it with --format {FORMAT_MXPLUS}, whose "
             f"quant_method {scheme!r} only vllm-mxplus loads"
-        )
-    if scheme == "nvfp4" and method != "rtn":
-        raise UsageError(
-            f"--format {FORMAT_CT} --scheme nvfp4 --method {method}: the calibrated methods "
-            "choose block scales under the plugin's per-weight global scale, which "
-            "compressed-tensors cannot store exactly; use --method rtn (with --smooth if "
-            f"wanted) or --format {FORMAT_MXPLUS}"
         )
 
 
@@ -177,28 +175,58 @@ def make_ct_quantization_config(scheme: str, unquantized_modules: list[str]) -> 
     }
 
 
-def nvfp4_ct_weights(
+def nvfp4_ct_globals(
     items: list[Item], rewritten: dict[str, torch.Tensor]
-) -> dict[str, QuantizedTensor]:
-    """NVFP4 for compressed-tensors: one power-of-two global scale per vLLM layer (the fused
-    siblings' amax together, see the module docstring), then the spec's block scales and codes. Reads
-    every quantized weight twice (amax, then quantize) to keep memory at one weight."""
-
-    def weight(it: Item) -> torch.Tensor:
-        w = rewritten.get(it.info.name)
-        return (w if w is not None else read_tensor(it.info)).to(torch.float32)
-
-    todo = [i for i in items if i.decision.quantize and i.decision.module is not None]
+) -> dict[str, torch.Tensor]:
+    """module -> the NVFP4 global scale g this layout stores for it: the power of two
+    (pow2_global_scale) of the max finite |w| over its vLLM layer (the fused siblings together,
+    see the module docstring). The one rule for g: the rtn pass (nvfp4_ct_weights) quantizes
+    under it and the calibrated methods choose their block scales under it. Reads each
+    quantized weight once (`rewritten`: the smoothed ones), keeping memory at one weight."""
     amax: dict[str, torch.Tensor] = {}
-    for it in todo:
-        w = weight(it)
+    modules = []
+    for it in _quantized(items):
+        w = _weight(it, rewritten)
         a = torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax()
-        key = fused_group_key(str(it.decision.module))
-        amax[key] = torch.maximum(amax[key], a) if key in amax else a
-    out = {}
-    for it in todo:
         module = str(it.decision.module)
-        out[module] = quantize_nvfp4_ct(
-            weight(it), pow2_global_scale(amax[fused_group_key(module)])
-        )
+        key = fused_group_key(module)
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+        modules.append(module)
+    return {m: pow2_global_scale(amax[fused_group_key(m)]) for m in modules}
+
+
+def nvfp4_ct_weights(
+    items: list[Item],
+    rewritten: dict[str, torch.Tensor],
+    calibrated: dict[str, QuantizedTensor] | None = None,
+) -> dict[str, QuantizedTensor]:
+    """NVFP4 for compressed-tensors by module: `calibrated` ones (rtn-aware / gptq, chosen
+    under nvfp4_ct_globals) as they are, the others the spec's block scales and codes under
+    that global scale. Reads every quantized weight twice (global scales, then quantize) to
+    keep memory at one weight."""
+    calibrated = calibrated or {}
+    globals_ = nvfp4_ct_globals(items, rewritten)
+    out = {}
+    for it in _quantized(items):
+        module = str(it.decision.module)
+        g = globals_[module]
+        q = calibrated.get(module)
+        if q is None:
+            q = quantize_nvfp4_ct(_weight(it, rewritten), g)
+        elif q.global_scale is None or not torch.equal(q.global_scale.reshape(()), g):
+            got = None if q.global_scale is None else float(q.global_scale)
+            raise RuntimeError(
+                f"{module}: calibrated under global scale {got}, not the stored {float(g)} "
+                "(a bug; please report it)"
+            )
+        out[module] = q
     return out
+
+
+def _quantized(items: list[Item]) -> list[Item]:
+    return [i for i in items if i.decision.quantize and i.decision.module is not None]
+
+
+def _weight(it: Item, rewritten: dict[str, torch.Tensor]) -> torch.Tensor:
+    w = rewritten.get(it.info.name)
+    return (w if w is not None else read_tensor(it.info)).to(torch.float32)

@@ -45,6 +45,7 @@ from vllm_mxplus.checkpoint.ct_format import (
     ct_encode,
     ct_stored_layout,
     make_ct_quantization_config,
+    nvfp4_ct_globals,
     nvfp4_ct_weights,
 )
 from vllm_mxplus.checkpoint.errors import CheckpointError
@@ -138,7 +139,7 @@ def quantize_checkpoint(
     if out_format not in FORMATS:
         raise UsageError(f"--format {out_format!r}: choose one of {', '.join(FORMATS)}")
     if out_format == FORMAT_CT:
-        check_ct_request(s.name, method)
+        check_ct_request(s.name)
     try:
         check_macro_block(s, macro_block, "--macro-block")
     except ValueError as e:
@@ -190,7 +191,7 @@ def quantize_checkpoint(
             )
         encoder: Encoder | None = None
         if ct_nvfp4:
-            precomputed = nvfp4_ct_weights(items, rewritten)
+            precomputed = nvfp4_ct_weights(items, rewritten, precomputed)
             encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
 
         report = QuantizeReport(
@@ -257,12 +258,14 @@ def _calibrated_weights(
     progress: bool,
     smooth: float | None,
     macro_block: int,
-    want_input_amax: bool = False,
+    ct_nvfp4: bool = False,
 ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
     for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name,
-    max |input| by module over the calibration text when want_input_amax, measured after
-    smoothing and before any quantization)."""
+    max |input| by module over the calibration text when ct_nvfp4, measured after
+    smoothing and before any quantization). ct_nvfp4 (nvfp4 written as compressed-tensors):
+    also choose the group parameters under the global scales that layout stores
+    (ct_format.nvfp4_ct_globals) instead of the plugin's per-weight ones."""
     targets = {
         i.decision.module
         for i in items
@@ -285,7 +288,7 @@ def _calibrated_weights(
         params = dict(model.named_parameters())
         rewritten = {n: params[n].detach().to("cpu", dtypes[n]).clone() for n in changed}
     input_amax: dict[str, torch.Tensor] = {}
-    if want_input_amax:
+    if ct_nvfp4:
         quantized = {i.decision.module for i in items if i.decision.quantize}
         try:
             input_amax = linear_input_amax(model, tokens, device, {m for m in quantized if m})
@@ -293,6 +296,9 @@ def _calibrated_weights(
             raise CheckpointError(f"{src}: {e}") from None
     if method == "rtn":
         return {}, rewritten, input_amax
+    # of the very weights calibration quantizes: the source's, or `rewritten` (smooth_model
+    # rounds the model's weights to their stored dtype)
+    ct_globals = nvfp4_ct_globals(items, rewritten) if ct_nvfp4 else None
     res = calibrate_and_quantize(
         model,
         tokens,
@@ -302,6 +308,7 @@ def _calibrated_weights(
         device=device,
         progress=progress,
         macro_block=macro_block,
+        nvfp4_global=None if ct_globals is None else ct_globals.__getitem__,
     )
     del model
     missed = sorted(targets - set(res.weights))
