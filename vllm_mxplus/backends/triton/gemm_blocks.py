@@ -73,20 +73,23 @@ def mbs_sigma(f, HAS_MBS: tl.constexpr):
 
 
 @triton.jit
-def pair_dot(x_lo, x_hi, w_lo, w_hi, acc, DOT_DTYPE: tl.constexpr):
-    """acc + x_lo @ w_lo + x_hi @ w_hi in fp32: the packed layout's even and odd elements
-    (element 2i in the low nibble of byte i), so the kernels never interleave them.
-
-    Operands in DOT_DTYPE (`gemm_launch.dot_dtype`): bf16 on the GPU, whose tensor-core
-    products of these values are exact; fp32 under the interpreter (its bf16 is wrong),
-    multiplied in IEEE fp32."""
+def dot_f32(x, w, acc, DOT_DTYPE: tl.constexpr):
+    """acc + x @ w in fp32, operands in DOT_DTYPE (`gemm_launch.dot_dtype`): bf16 on the GPU,
+    whose tensor-core products of these values are exact; fp32 under the interpreter (its
+    bf16 is wrong), multiplied in IEEE fp32."""
     if DOT_DTYPE == tl.float32:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
-        acc = tl.dot(x_lo, w_lo, acc, input_precision="ieee", out_dtype=tl.float32)
-        acc = tl.dot(x_hi, w_hi, acc, input_precision="ieee", out_dtype=tl.float32)
+        acc = tl.dot(x, w, acc, input_precision="ieee", out_dtype=tl.float32)
     else:
-        acc = tl.dot(x_lo, w_lo, acc, out_dtype=tl.float32)
-        acc = tl.dot(x_hi, w_hi, acc, out_dtype=tl.float32)
+        acc = tl.dot(x, w, acc, out_dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def pair_dot(x_lo, x_hi, w_lo, w_hi, acc, DOT_DTYPE: tl.constexpr):
+    """acc + x_lo @ w_lo + x_hi @ w_hi in fp32 (`dot_f32`): the packed layout's even and odd
+    elements (element 2i in the low nibble of byte i), so the kernels never interleave them."""
+    acc = dot_f32(x_lo, w_lo, acc, DOT_DTYPE)
+    return dot_f32(x_hi, w_hi, acc, DOT_DTYPE)
 
 
 @triton.jit
@@ -98,10 +101,9 @@ def macro_block_dot(
     is loaded and dequantized once per step), so each macro block's partial can be scaled
     by its own factors (docs/numerics.md, "Kernel numerics and error bounds")."""
     sel = tl.arange(0, BLOCK_K // 2)[None, :] // (MACRO // 2) == j
-    zero = tl.zeros((x_lo.shape[0], w_lo.shape[1]), tl.float32)
-    x_lo_j = tl.where(sel, x_lo, 0.0).to(DOT_DTYPE)
-    x_hi_j = tl.where(sel, x_hi, 0.0).to(DOT_DTYPE)
-    return pair_dot(x_lo_j, x_hi_j, w_lo, w_hi, zero, DOT_DTYPE)
+    acc = tl.zeros((x_lo.shape[0], w_lo.shape[1]), tl.float32)
+    acc = dot_f32(tl.where(sel, x_lo, 0.0).to(DOT_DTYPE), w_lo, acc, DOT_DTYPE)
+    return dot_f32(tl.where(sel, x_hi, 0.0).to(DOT_DTYPE), w_hi, acc, DOT_DTYPE)
 
 
 @triton.jit
