@@ -40,6 +40,25 @@ def first_bit_difference(
     )
 
 
+def first_outside_bound(
+    got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, nan_ok: bool = False
+) -> str | None:
+    """None when |got - want| <= bound at every element of the 2-D outputs (with nan_ok, also
+    where both are NaN), else the first element outside the bound: a NaN where a number is
+    expected is outside."""
+    bad = ~((got - want).abs() <= bound)
+    if nan_ok:
+        bad &= ~(got.isnan() & want.isnan())
+    if not bool(bad.any()):
+        return None
+    r, c = (int(i) for i in bad.nonzero()[0])
+    return (
+        f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
+        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} elements "
+        f"outside the bound)"
+    )
+
+
 def output_bound(
     a: torch.Tensor,
     y64: torch.Tensor,

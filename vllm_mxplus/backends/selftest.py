@@ -42,7 +42,7 @@ from vllm_mxplus.backends.base import (
     LinearSpec,
     Spec,
 )
-from vllm_mxplus.backends.checks import first_bit_difference, output_bound
+from vllm_mxplus.backends.checks import first_bit_difference, first_outside_bound, output_bound
 from vllm_mxplus.backends.selftest_experts import run_expert_self_test
 from vllm_mxplus.formats import QuantizedTensor, fake_quantize, quantize
 from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
@@ -226,14 +226,4 @@ def check_output(
     y64 = xq64 @ w64.T + b64
     a = xq64.abs() @ w64.abs().T
     bound = output_bound(a, y64, b64, spec.k, spec.out_dtype, accumulator_bits)
-    got = y.to(torch.float64).cpu()
-    both_nan = got.isnan() & y64.isnan()
-    bad = ~((got - y64).abs() <= bound) & ~both_nan
-    if not bool(bad.any()):
-        return None
-    r, c = (int(i) for i in bad.nonzero()[0])
-    return (
-        f"y[{r}, {c}] = {got[r, c].item()!r}, want {y64[r, c].item()!r} "
-        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} elements "
-        f"outside the bound)"
-    )
+    return first_outside_bound(y.to(torch.float64).cpu(), y64, bound, nan_ok=True)

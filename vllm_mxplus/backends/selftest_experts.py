@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.backends.base import ExpertBackend, ExpertSpec, ExpertWeights, Layer
-from vllm_mxplus.backends.checks import output_bound
+from vllm_mxplus.backends.checks import first_outside_bound, output_bound
 from vllm_mxplus.formats import fake_quantize, logical_amax, quantize, quantize_nvfp4_logical
 from vllm_mxplus.formats.constants import E2M1_MAX
 
@@ -162,12 +162,4 @@ def _check(backend, layer, x, ids, wts, hat, spec: ExpertSpec, device) -> str | 
         return F.relu(g) * u
 
     want, bound = expected_layer(x, ids, wts, hat, spec, relu_gated, backend.accumulator_bits)
-    got = y.double().cpu()
-    bad = ~((got - want).abs() <= bound)
-    if not bool(bad.any()):
-        return None
-    r, c = (int(i) for i in bad.nonzero()[0])
-    return (
-        f"y[{r}, {c}] = {got[r, c].item()!r}, want {want[r, c].item()!r} "
-        f"± {bound[r, c].item():.3g} ({int(bad.sum())} of {bad.numel()} outside the bound)"
-    )
+    return first_outside_bound(y.double().cpu(), want, bound)

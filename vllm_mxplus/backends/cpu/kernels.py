@@ -187,7 +187,7 @@ def _build_and_load() -> None:
         name=name,
         sources=[str(p) for p in SOURCES],
         extra_cflags=cflags(),
-        extra_ldflags=LDFLAGS,
+        extra_ldflags=list(LDFLAGS),  # load() appends to the list it is given
         build_directory=str(out),
         is_python_module=False,
         verbose=False,

@@ -38,7 +38,7 @@ import torch
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = {"90a": "sm90_fp8_chunk_scaled.cu", "100a": "sm100_fp4_mbs.cu"}
 BINDINGS = "torch_bindings.cpp"
-HEADERS = ("mxplus_launchers.h",)
+HEADERS = ("mxplus_launchers.h", "mxplus_cutlass_gemm.h")
 NVCC_FLAGS = [
     "-std=c++17",
     "--expt-relaxed-constexpr",
