@@ -12,6 +12,6 @@ def test_build_name_stable_across_load() -> None:
     flags = list(cpu_kernels.LDFLAGS)
     ok, why = cpu_kernels.load()
     assert ok, why
-    assert cpu_kernels.LDFLAGS == flags
+    assert flags == cpu_kernels.LDFLAGS
     assert cpu_kernels.build_name() == before
     assert cpu_kernels._state["loaded"] == before
