@@ -92,14 +92,15 @@ def _flag(s: Setting) -> bool:
     raise ValueError(f"{s.name}={s.raw()!r}: expected 0 or 1")
 
 
-def _positive_int(s: Setting) -> int:
+def _int_at_least(s: Setting, least: int) -> int:
     v = s.value()
     try:
         n = int(v)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{s.name}={v!r}: expected a positive integer")
+        n = least - 1
+    if n < least:
+        what = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ValueError(f"{s.name}={v!r}: expected {what}")
     return n
 
 
@@ -132,11 +133,12 @@ def cutlass_build_dir() -> Path | None:
 
 
 def prefill_min_m() -> int:
-    return _positive_int(PREFILL_MIN_M)
+    return _int_at_least(PREFILL_MIN_M, 1)
 
 
 def sm90_fallback_rows() -> int:
-    return _positive_int(SM90_FALLBACK_ROWS)
+    """0: no row is recomputed (an inexact row comes out NaN, docs/numerics.md)."""
+    return _int_at_least(SM90_FALLBACK_ROWS, 0)
 
 
 @dataclass(frozen=True)

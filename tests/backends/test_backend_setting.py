@@ -17,8 +17,10 @@ from vllm_mxplus.backends import (
     ReferenceExperts,
     selection,
 )
+from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
 from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 from vllm_mxplus.formats import get_scheme
 
 LIN = LinearSpec(get_scheme("mxfp4-mbs"), n=32, k=128, out_dtype=torch.float32)
@@ -108,6 +110,19 @@ def test_settings_are_read_when_used_not_at_import(monkeypatch):
     monkeypatch.setenv(settings.PREFILL_MIN_M.name, "zero")
     with pytest.raises(ValueError, match="VLLM_MXPLUS_PREFILL_MIN_M='zero': expected a positive"):
         settings.prefill_min_m()
+
+
+def test_every_module_reads_its_settings_when_used(monkeypatch):
+    """The CUTLASS prefill range, the CPU kernels' switch and -march follow a variable set
+    after import (vLLM sets them in worker processes, tests per case)."""
+    assert CutlassPrefillBackend.m_range() == (17, None)
+    monkeypatch.setenv(settings.PREFILL_MIN_M.name, "33")
+    assert CutlassPrefillBackend.m_range() == (33, None)
+    assert not CutlassPrefillBackend.supports_m(32) and CutlassPrefillBackend.supports_m(33)
+    monkeypatch.setenv(settings.CPU_KERNELS.name, "0")
+    assert cpu_kernels.load() == (False, f"disabled by {settings.CPU_KERNELS.name}=0")
+    monkeypatch.setenv(settings.CPU_MARCH.name, "x86-64-v3")
+    assert cpu_kernels.cflags()[0] == "-march=x86-64-v3"
 
 
 def test_readme_settings_table_is_the_generated_one():

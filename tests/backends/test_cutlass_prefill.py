@@ -19,6 +19,7 @@ from cutlass_helpers import (  # tests/backends, on sys.path under pytest
     scheme_supported,
 )
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.cutlass import build as cutlass_ext
 from vllm_mxplus.backends.cutlass import fp8_chunks as fc
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
@@ -132,7 +133,7 @@ def test_prefill_fallback_matches_reference(monkeypatch, m, n, k, with_bias):
     exact fallback; the rest goes through the (emulated) kernel. Compared with the fp64
     x_hat W_hat^T: bf16 output bound. The data spreads block exponents over 24 binades, so
     most rows are out of span: the row capacity is raised to M here (overflow: next test)."""
-    monkeypatch.setattr(cutlass_gemm, "FALLBACK_ROWS", m)
+    monkeypatch.setenv(settings.SM90_FALLBACK_ROWS.name, str(m))
     qx, qw = quantize(_data(m, k, 1), "mxfp4-mbs-s"), quantize(_data(n, k, 2), "mxfp4-mbs-d")
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
     w = cutlass_gemm.prepare_weight(qw, "sm90a")
@@ -154,7 +155,7 @@ def test_prefill_fallback_matches_reference(monkeypatch, m, n, k, with_bias):
 def test_prefill_fallback_overflow_is_nan_not_wrong(monkeypatch, cap):
     """More inexact rows than the fallback capacity: the first `cap` are exact, the others
     come out NaN (loud), and the exact rows are untouched."""
-    monkeypatch.setattr(cutlass_gemm, "FALLBACK_ROWS", cap)
+    monkeypatch.setenv(settings.SM90_FALLBACK_ROWS.name, str(cap))
     m, n, k = 12, 16, 256
     x = torch.randn(m, k)
     bad_rows = [2, 5, 6, 9]

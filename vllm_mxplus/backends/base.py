@@ -159,17 +159,25 @@ class Backend(ABC, Generic[S]):
         return True, ""
 
     @classmethod
+    def m_bounds(cls) -> tuple[int, int | None]:
+        """(min_m, max_m) as declared now: the class attributes, or a setting read at use by a
+        backend that overrides this (e.g. the CUTLASS prefill GEMM's VLLM_MXPLUS_PREFILL_MIN_M)."""
+        return cls.min_m, cls.max_m
+
+    @classmethod
     def m_range(cls) -> tuple[int, int | None] | None:
         """(min_m, max_m) served, or None when unknown (only `covers_all_m = False` and an
         overridden `supports_m`, no declared range): the selector then relies on it for no M."""
-        if not cls.covers_all_m and cls.min_m == 1 and cls.max_m is None:
+        lo, hi = cls.m_bounds()
+        if not cls.covers_all_m and lo == 1 and hi is None:
             return None
-        return cls.min_m, cls.max_m
+        return lo, hi
 
     @classmethod
     def supports_m(cls, m: int) -> bool:
         """Whether the backend serves an activation with m rows (e.g. decode-only kernels)."""
-        return cls.min_m <= m and (cls.max_m is None or m <= cls.max_m)
+        lo, hi = cls.m_bounds()
+        return lo <= m and (hi is None or m <= hi)
 
     def __init__(self, spec: S) -> None:
         if spec.kind != self.kind:

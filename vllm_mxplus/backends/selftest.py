@@ -132,9 +132,10 @@ def _test_spec(cls: type[LinearBackend], spec: LinearSpec) -> LinearSpec:
 
 
 def _test_ms(cls: type[LinearBackend]) -> list[int]:
-    wanted = set(TEST_MS) | {cls.min_m} | ({cls.max_m} if cls.max_m else set())
+    lo, hi = cls.m_bounds()
+    wanted = set(TEST_MS) | {lo} | ({hi} if hi else set())
     ms = sorted(m for m in wanted if m >= 1 and cls.supports_m(m))
-    return ms or [cls.min_m]
+    return ms or [lo]
 
 
 def test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> torch.Tensor:

@@ -25,7 +25,6 @@ with an inexact chunk are known at load and recomputed against the spec's x_hat.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.cutlass.fp8_chunks import (
     BLOCK,
     CHUNK,
@@ -58,7 +58,6 @@ from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 from vllm_mxplus.formats.mx import dequantize_mbs
 
-FALLBACK_ROWS = int(os.environ.get("VLLM_MXPLUS_SM90_FALLBACK_ROWS", "64"))
 # rows_split(idx) -> (fp8 [2R, Kp], scale [Kp/128, 2R], exact rows [R]): activation rows idx
 # split into a high operand (rows [0, R)) and a low one (rows [R, 2R)), `split_fp8_chunks`
 RowsSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -164,7 +163,7 @@ def _sm90_gemm(
     b32 = bias_f32(bias, w.fp8.shape[0])
     nan = float("nan")  # a Python scalar: no tensor built on (or copied from) the host
     bad = ~xl.exact_rows  # [M]
-    cap = min(FALLBACK_ROWS, m)
+    cap = min(settings.sm90_fallback_rows(), m)
     lost = bad
     if cap:
         found = torch.nonzero_static(bad, size=cap, fill_value=-1)[:, 0]  # no host sync

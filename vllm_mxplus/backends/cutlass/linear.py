@@ -12,18 +12,15 @@ the pieces behind it are one job per module:
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
 from vllm_mxplus.backends.cutlass.build import arch_of, is_available
 from vllm_mxplus.backends.cutlass.fp8_chunks import BLOCK, CHUNK
 from vllm_mxplus.backends.cutlass.gemm import prefill_gemm_from_x, prepare_weight
 from vllm_mxplus.formats import QuantizedTensor, get_format
-
-PREFILL_MIN_M = int(os.environ.get("VLLM_MXPLUS_PREFILL_MIN_M", "17"))  # decode: M <= 16
 
 
 class CutlassPrefillBackend(LinearBackend):
@@ -31,7 +28,12 @@ class CutlassPrefillBackend(LinearBackend):
 
     name = "cutlass_prefill"
     WEIGHT_ATTR = "mxplus_cutlass_weight"
-    min_m, max_m = PREFILL_MIN_M, None
+    min_m = int(settings.PREFILL_MIN_M.default)  # decode kernels serve M <= 16
+
+    @classmethod
+    def m_bounds(cls) -> tuple[int, int | None]:
+        return settings.prefill_min_m(), None
+
     kernel = True  # self-tested against `formats` at first use
     # Hopper's FP8 tensor cores (sm_90a) keep about 14 significand bits in the MMA
     # accumulator, truncating, between the promotions into fp32 that the kernel does once per
