@@ -4,7 +4,10 @@ One tiny random checkpoint per architecture of `tiny_models.ARCHS` (bf16 on disk
 by vLLM in fp32 with `--quantization mxfp4-mbs` (online) and from an `mxplus quantize`
 checkpoint (pre-quantized, no flag); every engine runs in ONE driver process (vllm_driver.py)
 because engine start-up dominates on a 2-core box. Each run is judged against the
-transformers fake-quant reference (hf_reference.py) with the rule of `integration_harness.greedy_mismatch`.
+transformers fake-quant reference (hf_reference.py) with the rule of `integration_harness.greedy_mismatch`;
+MLA architectures (mla_judge.MLA_ARCHS) run with mla_judge.ENGINE_OPTIONS and are judged by
+mla_judge.judge_mla (float64 reference) instead. One prompt is longer than every sliding window.
+This is the CI subset; every other scheme, and bf16, are matrix_grid.py's (slow).
 
 The results go to docs/model_matrix.json (committed); scripts/supported_models.py renders
 the README "Supported models" table from it.
@@ -24,6 +27,7 @@ from typing import Any
 
 from hf_gpt_oss import gpt_oss_experts_fake_quant
 from integration_harness import greedy_mismatch, run_driver
+from mla_judge import ENGINE_OPTIONS, MLA_ARCHS, judge_mla
 from tiny_models import ARCHS, build_tiny, prequantize, word_ids
 
 from vllm_mxplus.checkpoint.rules import TRANSPOSED_EXPERT_MODEL_TYPES
@@ -33,26 +37,32 @@ MATRIX_JSON = REPO / "docs" / "model_matrix.json"
 SCHEME = "mxfp4-mbs"
 # Token ids: transformers forces its own tokenizer class for some model types (Qwen2's
 # byte-level BPE), which cannot encode the word-level test vocabulary.
+# The widest sliding window of the matrix's architectures (gemma2 / gemma3 / gpt_oss: 16).
+MAX_SLIDING_WINDOW = max(a.config.get("sliding_window") or 0 for a in ARCHS.values())
+# Longer than every sliding window, so the windowed layers drop keys while they prefill and
+# decode (a plugin or model error that only shows past the window shows here).
+LONG_PROMPT = word_ids(
+    "the river of paris is blue and the sky of france is green . one two three four five "
+    "six seven eight nine ten : who was the star of the world ? the moon"
+)
 PROMPTS = [
     word_ids("the capital of france is"),
     word_ids("hello world"),
     word_ids("one two three four five"),
+    LONG_PROMPT,
 ]
 TOKENS = 12
 KINDS = ("online", "prequantized")
 
-# Architectures also served WITHOUT quantization and compared with unquantized transformers:
-# where even that differs, the quantized comparison cannot judge the plugin, and the row
-# says "reference-differs" with the unquantized numbers.
+# Architectures also served WITHOUT quantization and judged like the quantized runs: where
+# even that fails, the quantized comparison cannot judge the plugin, and the row says
+# "reference-differs" with the unquantized numbers. MLA_ARCHS (DeepSeek-V2) are served with
+# mla_judge.ENGINE_OPTIONS and judged against mla_reference.py (mla_judge.py says why).
 CONTROL = ("deepseek_v2",)
 
 # Outcomes other than "ok" that the matrix expects, with a phrase of the error. Anything
 # else that is not "ok" fails the test.
-EXPECTED = {
-    # vLLM 0.32 (CPU MLA) and transformers 5 already differ unquantized on this model.
-    ("deepseek_v2", "online"): ("reference-differs", "without quantization"),
-    ("deepseek_v2", "prequantized"): ("reference-differs", "without quantization"),
-}
+EXPECTED: dict[tuple[str, str], tuple[str, str]] = {}
 # What a passing row should say beyond "yes".
 OK_NOTES = {
     ("gpt_oss", "prequantized"): "`mxplus quantize` keeps gpt-oss's experts in bf16 (stored "
@@ -75,6 +85,7 @@ def build_all(root: Path, archs: list[str]) -> dict[str, dict[str, str]]:
 def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
     jobs = []
     for arch, m in models.items():
+        options = ENGINE_OPTIONS if arch in MLA_ARCHS else {}
         for kind in KINDS:
             jobs.append(
                 {
@@ -84,6 +95,7 @@ def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
                     "max_tokens": TOKENS,
                     "model": m["src"] if kind == "online" else m["prequantized"],
                     "quantization": SCHEME if kind == "online" else None,
+                    **options,
                 }
             )
         if arch in CONTROL:
@@ -95,6 +107,7 @@ def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
                     "max_tokens": TOKENS,
                     "model": m["src"],
                     "quantization": None,
+                    **options,
                 }
             )
     return jobs
@@ -157,12 +170,12 @@ def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[st
         control = ""
         if arch in CONTROL:
             res = results.get(f"control-{arch}", {"error": "no result (driver crashed)"})
-            status, why = judge(
-                res,
-                hf_greedy(models[arch]["src"], None, PROMPTS, TOKENS)
-                if not res.get("error")
-                else ([], []),
-            )
+            if res.get("error"):
+                status, why = judge(res, ([], []))
+            elif arch in MLA_ARCHS:
+                status, why = judge_mla(res, models[arch]["src"], None, PROMPTS, TOKENS)
+            else:
+                status, why = judge(res, hf_greedy(models[arch]["src"], None, PROMPTS, TOKENS))
             row["unquantized"] = status
             if status != "ok":
                 control = f"vLLM and transformers differ without quantization: {why}"
@@ -170,9 +183,14 @@ def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[st
         for kind in KINDS:
             res = results.get(f"{kind}-{arch}", {"error": "no result (driver crashed)"})
             q_experts = experts_quantized(arch, kind)
-            if not res.get("error") and q_experts not in refs:
-                refs[q_experts] = reference(models[arch]["src"], q_experts)
-            status, why = judge(res, refs.get(q_experts, ([], [])))
+            if res.get("error"):
+                status, why = judge(res, ([], []))
+            elif arch in MLA_ARCHS:  # the bf16 source for the prequantized kind too
+                status, why = judge_mla(res, models[arch]["src"], SCHEME, PROMPTS, TOKENS)
+            else:
+                if q_experts not in refs:
+                    refs[q_experts] = reference(models[arch]["src"], q_experts)
+                status, why = judge(res, refs[q_experts])
             if control and not res.get("error"):
                 status, why = "reference-differs", control
             if status == "ok":
@@ -190,7 +208,22 @@ def expected_status(arch: str, kind: str) -> tuple[str, str]:
     return EXPECTED.get((arch, kind), ("ok", ""))
 
 
+# Sections of docs/model_matrix.json written by the slow grid (matrix_grid.py), kept as they
+# are when the CI matrix rewrites the rest.
+GRID_SECTIONS = ("grid", "bf16")
+
+
 def write_matrix(doc: dict[str, Any], path: Path = MATRIX_JSON) -> None:
-    """The committed form: statuses and notes, no timings (they vary run to run)."""
-    keep = {k: v for k, v in doc.items() if k != "seconds"}
+    """The committed form: statuses and notes, no timings (they vary run to run); the grid's
+    sections of the committed file stay."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    keep = {k: v for k, v in doc.items() if k != "seconds" and k not in GRID_SECTIONS}
+    keep.update({k: old[k] for k in GRID_SECTIONS if k in old})
     path.write_text(json.dumps(keep, indent=2) + "\n")
+
+
+def update_sections(sections: dict[str, Any], path: Path = MATRIX_JSON) -> None:
+    """Replace the grid's sections (GRID_SECTIONS) of the committed file, nothing else."""
+    doc = json.loads(path.read_text())
+    doc.update({k: sections[k] for k in GRID_SECTIONS})
+    path.write_text(json.dumps(doc, indent=2) + "\n")

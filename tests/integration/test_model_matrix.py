@@ -14,7 +14,15 @@ import json
 import os
 
 import pytest
-from model_matrix import KINDS, MATRIX_JSON, expected_status, run_matrix, write_matrix
+from model_matrix import (
+    KINDS,
+    MATRIX_JSON,
+    MAX_SLIDING_WINDOW,
+    PROMPTS,
+    expected_status,
+    run_matrix,
+    write_matrix,
+)
 from tiny_models import ARCHS
 
 pytestmark = pytest.mark.vllm
@@ -50,3 +58,9 @@ def test_committed_matrix_is_current(matrix):
         "docs/model_matrix.json is stale: rerun with MXPLUS_UPDATE_MATRIX=1 "
         "and `python scripts/supported_models.py`"
     )
+
+
+def test_a_prompt_outlasts_every_sliding_window():
+    """The windowed layers (gemma2, gemma3, gpt_oss) drop keys within the prompt itself."""
+    assert MAX_SLIDING_WINDOW > 0
+    assert max(len(p) for p in PROMPTS) > MAX_SLIDING_WINDOW, [len(p) for p in PROMPTS]

@@ -171,6 +171,27 @@ ARCHS: dict[str, Arch] = {
         ),
         "tied embeddings, GeGLU, sliding window, hidden 320",
     ),
+    "gemma2": Arch(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        _dense(
+            320,
+            576,
+            4,
+            2,
+            64,
+            sliding_window=16,
+            query_pre_attn_scalar=64,
+            layer_types=["sliding_attention", "full_attention"],
+            # a cap low enough to bend a tiny random model's logits (Gemma-2's own: 30)
+            final_logit_softcapping=5.0,
+            # vLLM 0.32's CPU attention and transformers differ with attention soft-capping,
+            # unquantized (docs/models.md, Gemma-2): off, so the row judges the plugin
+            attn_logit_softcapping=None,
+            tie_word_embeddings=True,
+        ),
+        "final logit soft-capping, alternate sliding-window layers, tied embeddings, hidden 320",
+    ),
     "phi3": Arch(
         "Phi3Config",
         "Phi3ForCausalLM",
