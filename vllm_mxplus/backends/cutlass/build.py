@@ -35,6 +35,8 @@ from types import ModuleType
 
 import torch
 
+from vllm_mxplus import settings
+
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = {"90a": "sm90_fp8_chunk_scaled.cu", "100a": "sm100_fp4_mbs.cu"}
 BINDINGS = "torch_bindings.cpp"
@@ -48,8 +50,8 @@ NVCC_FLAGS = [
     "-fPIC",
     "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
 ]
-EXT_ENV = "VLLM_MXPLUS_CUTLASS_EXT"  # path of a built mxplus_cutlass*.so
-BUILD_ENV = "VLLM_MXPLUS_CUTLASS_BUILD_DIR"
+EXT_ENV = settings.CUTLASS_EXT.name  # path of a built mxplus_cutlass*.so
+BUILD_ENV = settings.CUTLASS_BUILD_DIR.name
 ARCH_OF_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a"}
 
 
@@ -126,8 +128,7 @@ def build_key(archs: list[str]) -> str:
 
 
 def default_build_dir(archs: list[str]) -> Path:
-    root = os.environ.get(BUILD_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "vllm-mxplus" / "cutlass"
+    base = settings.cutlass_build_dir() or Path.home() / ".cache" / "vllm-mxplus" / "cutlass"
     return base / build_key(archs)
 
 
@@ -191,7 +192,8 @@ _EXT_ERROR = "not loaded yet"
 
 def candidate_paths() -> list[Path]:
     """Where load_extension looks, in order."""
-    paths = [Path(os.environ[EXT_ENV])] if os.environ.get(EXT_ENV) else []
+    ext = settings.cutlass_ext()
+    paths = [ext] if ext else []
     try:
         cache = default_build_dir(requested_archs(None)).parent
         paths += sorted(cache.glob("*/mxplus_cutlass*.so"), key=lambda p: -p.stat().st_mtime)
