@@ -28,8 +28,9 @@ from vllm_mxplus.backends.base import (
 )
 from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
+from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
-from vllm_mxplus.backends.triton.mx_gemm import operand_format, supports_macro_block
+from vllm_mxplus.backends.triton.mx_gemm import operand_format
 from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
 from vllm_mxplus.formats import QuantizedTensor, get_format
 

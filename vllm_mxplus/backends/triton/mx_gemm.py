@@ -63,9 +63,6 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     finish_output,
     plan_split_k,
 )
-from vllm_mxplus.backends.triton.gemm_launch import (  # re-exported: linear.py imports it here
-    supports_macro_block as supports_macro_block,
-)
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.formats import MACRO_BLOCK
 from vllm_mxplus.formats.constants import ceil_div
