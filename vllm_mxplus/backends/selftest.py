@@ -43,6 +43,7 @@ from vllm_mxplus.backends.base import (
     Spec,
 )
 from vllm_mxplus.backends.checks import first_bit_difference, first_outside_bound, output_bound
+from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
 from vllm_mxplus.backends.selftest_experts import run_expert_self_test
 from vllm_mxplus.formats import QuantizedTensor, fake_quantize, quantize
 from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
@@ -177,8 +178,6 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
         if failure:
             return f"M={m}, {where}: {failure}"
     if device.type == "cuda":  # vLLM runs every linear inside CUDA graphs: capture + replay
-        from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
-
         mg = max(ms)  # 33 for a prefill backend (above 16), the largest M it serves otherwise
         failure = cuda_graph_replay_mismatch(
             lambda t: backend.apply(layer, t, bias), x[:mg].clone(), x[:mg].flip(0).contiguous()

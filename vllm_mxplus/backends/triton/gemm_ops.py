@@ -16,6 +16,7 @@ import torch
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus, act_quant_nvfp4_given
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
+from vllm_mxplus.backends.triton.ops import act_quant_op
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 
 
@@ -94,7 +95,6 @@ def act_operands(
     the GEMM's x operand (codes, scales, extra, global): extra the MBS bytes (E8M0 + MBS) or
     the MX+ block-max indices, global the NVFP4 per-row scales (given ones when
     `global_scale` is passed: row-parallel shards under tensor parallelism)."""
-    from vllm_mxplus.backends.triton.ops import act_quant_op
 
     if fmt == "mxplus":
         return (*act_quant_mxplus_op(x), None)

@@ -64,7 +64,7 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     plan_split_k,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
-from vllm_mxplus.formats import MACRO_BLOCK
+from vllm_mxplus.formats import MACRO_BLOCK, get_format
 from vllm_mxplus.formats.constants import ceil_div
 
 # operand formats (constexpr FMT): what the scales and the extra bytes mean
@@ -392,8 +392,6 @@ def launch_mx_gemm(
 
 def operand_format(fmt_name: str) -> tuple[str, int]:
     """('e8m0' | 'nvfp4' | 'mxplus', block size) of a `formats` format name."""
-    from vllm_mxplus.formats import get_format
-
     spec = get_format(fmt_name)
     if spec.has_global_scale:
         return "nvfp4", spec.block_size
