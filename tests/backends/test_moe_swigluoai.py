@@ -22,11 +22,10 @@ import types
 import pytest
 import torch
 
-from vllm_mxplus.backends.base import ExpertBackend, ExpertWeights
+from vllm_mxplus.backends.base import ExpertBackend, ExpertSpec, ExpertWeights
 from vllm_mxplus.backends.expert_layer import (
     SWIGLUOAI_ALPHA,
     SWIGLUOAI_LIMIT,
-    GatedExpertSpec,
     SwigluOAI,
     expert_activation,
 )
@@ -110,7 +109,7 @@ class _Problem:
 
     def __init__(self, scheme: str, seed: int = 0):
         self.scheme = get_scheme(scheme)
-        self.spec = GatedExpertSpec(self.scheme, activation="swigluoai", has_bias=True)
+        self.spec = ExpertSpec(self.scheme, activation="swigluoai", has_bias=True)
         gen = torch.Generator().manual_seed(seed)
         fmt, afmt = self.scheme.weight, self.scheme.activation
         self.nvfp4 = fmt.has_global_scale or afmt.has_global_scale
@@ -212,17 +211,15 @@ def test_triton_experts_refuse_swigluoai_and_biases_with_the_reason():
     from vllm_mxplus.backends.triton.experts import TritonExperts
 
     scheme = get_scheme("mxfp4-mbs")
-    ok, why = TritonExperts.can_implement(
-        GatedExpertSpec(scheme, activation="swigluoai", has_bias=True)
-    )
+    ok, why = TritonExperts.can_implement(ExpertSpec(scheme, activation="swigluoai", has_bias=True))
     assert not ok and "'swigluoai'" in why and "expert biases" in why, why
-    ok, why = TritonExperts.can_implement(GatedExpertSpec(scheme, has_bias=True))
+    ok, why = TritonExperts.can_implement(ExpertSpec(scheme, has_bias=True))
     assert not ok and "expert biases" in why and "activation" not in why.split(";")[1], why
-    assert TritonExperts.can_implement(GatedExpertSpec(scheme, activation="gelu"))[0]
+    assert TritonExperts.can_implement(ExpertSpec(scheme, activation="gelu"))[0]
 
 
 def test_cpu_and_reference_experts_take_gpt_oss_layers():
-    spec = GatedExpertSpec(get_scheme("nvfp4"), activation="swigluoai", has_bias=True)
+    spec = ExpertSpec(get_scheme("nvfp4"), activation="swigluoai", has_bias=True)
     assert ReferenceExperts.can_implement(spec)[0]
     from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
 

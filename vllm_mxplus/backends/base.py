@@ -96,9 +96,13 @@ class LinearSpec(Spec):
 
 @dataclass(frozen=True)
 class ExpertSpec(Spec):
-    """One MoE layer's routed experts (w13 [E, 2I, H], w2 [E, H, I] on this rank)."""
+    """One MoE layer's routed experts (w13 [E, 2I, H], w2 [E, H, I] on this rank): also the
+    layer's expert activation (a vLLM MoEActivation value) and whether its experts have biases,
+    for backends that implement only some (expert_layer.py)."""
 
     kind: ClassVar[LayerKind] = "experts"
+    activation: str = field(default="silu", kw_only=True)
+    has_bias: bool = field(default=False, kw_only=True)
 
 
 STEMS = ("w13", "w2")  # gate|up stacked [E, 2I, H]; down [E, H, I]

@@ -7,20 +7,20 @@ activation and the expert biases, for every expert backend.
   either kind; every backend computes h with it, in the model dtype.
 - Expert biases (gpt-oss): w13_bias [E, 2I] and w2_bias [E, H] on the layer, in the model
   dtype, added in fp32 after each expert GEMM (`expert_bias`).
-- `GatedExpertSpec`: an ExpertSpec that also says the layer's activation and whether it has
-  biases, for backends that implement only some (`can_implement`).
+- `ExpertSpec` (base.py) carries the layer's activation and whether it has biases, for backends
+  that implement only some (`can_implement`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.backends.base import Activation, ExpertSpec, Layer
+from vllm_mxplus.backends.base import Activation, Layer
 
 # The gated activations act(g) * u on w13's halves (gate rows, then up rows), by vLLM
 # MoEActivation value.
@@ -75,15 +75,6 @@ def gated(activation: Activation, gate_up: torch.Tensor) -> torch.Tensor:
         return activation(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return activation(gate) * up
-
-
-@dataclass(frozen=True)
-class GatedExpertSpec(ExpertSpec):
-    """An `ExpertSpec` that also says the layer's expert activation (a vLLM MoEActivation
-    value) and whether its experts have biases, for backends that implement only some."""
-
-    activation: str = field(default="silu", kw_only=True)
-    has_bias: bool = field(default=False, kw_only=True)
 
 
 def expert_bias(layer: Layer, stem: str) -> torch.Tensor | None:

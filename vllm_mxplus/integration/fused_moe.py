@@ -19,7 +19,7 @@ Two load paths, as for linears (linear.py):
 Execution: the expert backend comes from a per-platform priority list
 (`backends/selection.py`: the `cpu-packed` C++ kernels on the CPU, the grouped Triton GEMM on
 CUDA, else the fp32 reference), given the layer's expert activation and whether it has expert
-biases (`GatedExpertSpec`), since not every backend implements all of them.
+biases (`ExpertSpec.activation`, `has_bias`), since not every backend implements all of them.
 
 Activations: the gated ones on w13's halves (silu, gelu, gelu_tanh) and gpt-oss's swigluoai
 (gate / up interleaved along w13's rows, clamped; alpha and limit from the layer's
@@ -51,10 +51,9 @@ from vllm_mxplus.backends import (
     pick,
     select,
 )
-from vllm_mxplus.backends.base import Activation
+from vllm_mxplus.backends.base import Activation, ExpertSpec
 from vllm_mxplus.backends.expert_layer import (
     EXPERT_ACTIVATIONS,
-    GatedExpertSpec,
     expert_activation,
 )
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
@@ -288,7 +287,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         if pre:
             self._check_all_loaded(layer)
         device = next(iter(layer.parameters())).device
-        spec = GatedExpertSpec(
+        spec = ExpertSpec(
             self.scheme,
             device_type=device.type,
             activation=self.moe.activation.value,

@@ -28,7 +28,7 @@ from vllm_mxplus.backends.base import (
     ExpertWeights,
     Layer,
 )
-from vllm_mxplus.backends.expert_layer import GATED_ACTIVATIONS, GatedExpertSpec
+from vllm_mxplus.backends.expert_layer import GATED_ACTIVATIONS
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.linear import TritonKernels, triton_takes, weight_operands
 from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
@@ -43,12 +43,11 @@ class TritonExperts(TritonKernels, ExpertBackend):
 
     @classmethod
     def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
-        lacks = []  # a plain ExpertSpec (the self-tests' layer): gated, no biases
-        if isinstance(spec, GatedExpertSpec):
-            if spec.activation not in GATED_ACTIVATIONS:
-                lacks.append(f"the expert activation {spec.activation!r}")
-            if spec.has_bias:
-                lacks.append("expert biases")
+        lacks = []
+        if spec.activation not in GATED_ACTIVATIONS:
+            lacks.append(f"the expert activation {spec.activation!r}")
+        if spec.has_bias:
+            lacks.append("expert biases")
         if lacks:
             return False, (
                 f"the grouped Triton GEMM computes act(gate) * up "
