@@ -73,8 +73,9 @@ def render_grid(doc: dict) -> list[str]:
     cols = [f"`{doc['scheme']}`", *(f"`{s}`" for s in grid["schemes"]), "bf16 `mxfp4-mbs`"]
     out = [
         f"Every scheme, online (`--quantization`), fp32, same prompts and rule; bf16: "
-        f"`{doc['scheme']}` in bf16, each token within {bf16.get('gap_nats', '-')} nats of the "
-        f"fp32 reference's best (`docs/models.md`). From the slow grid "
+        f"`{doc['scheme']}` in bf16, each token within {bf16.get('max_gap_nats', '-')} nats of "
+        f"the fp32 reference's best, {bf16.get('mean_gap_nats', '-')} on average "
+        f"(`docs/models.md`). From the slow grid "
         f"(`tests/integration/test_matrix_grid.py`).",
         "",
         "| architecture | " + " | ".join(cols) + " |",
