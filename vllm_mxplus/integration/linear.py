@@ -12,6 +12,8 @@ Either way the result is one `QuantizedTensor` per layer, handed to the selected
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from vllm.model_executor.layers.linear import (
     LinearMethodBase,
@@ -53,6 +55,31 @@ def quantize_nvfp4_fused(w: torch.Tensor, widths: list[int], tp_size: int) -> Qu
     parts = torch.split(w.to(torch.float32), widths, dim=0)
     amax = tp_max(torch.stack([logical_amax(p) for p in parts]), tp_size)
     return quantize_nvfp4_logical(w, amax, widths)
+
+
+STORED_FUSED_ATTR = "mxplus_stored_fused"
+
+
+def recording_stored_tensors(layer: Layer, weight_loader: Callable) -> Callable:
+    """The layer's weight loader, noting whether the checkpoint stored a fused layer as ONE
+    tensor (vLLM loads it with no shard id: Phi-3's qkv_proj / gate_up_proj) or its parts apart
+    (a shard id each: Llama's q/k/v)."""
+
+    def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args, **kwargs):
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
+        if shard is None and len(layer.logical_widths) > 1:
+            setattr(layer, STORED_FUSED_ATTR, True)
+        return weight_loader(param, loaded_weight, *args, **kwargs)
+
+    return load
+
+
+def stored_widths(layer: Layer) -> list[int]:
+    """The rows of each weight as the checkpoint stores it: NVFP4 takes one global scale per
+    stored weight (docs/numerics.md, NVFP4), as `mxplus quantize` does offline."""
+    if getattr(layer, STORED_FUSED_ATTR, False):
+        return [sum(layer.logical_widths)]
+    return list(layer.logical_widths)
 
 
 @register_weight_loader_v2_supported_method
@@ -104,7 +131,7 @@ class MxplusLinearMethod(LinearMethodBase):
                 ),
                 input_dim=1,
                 output_dim=0,
-                weight_loader=weight_loader,
+                weight_loader=recording_stored_tensors(layer, weight_loader),
             )
             layer.register_parameter("weight", weight)
 
@@ -138,7 +165,7 @@ class MxplusLinearMethod(LinearMethodBase):
         w = layer.weight.data
         fmt = self.scheme.weight_format
         if self.scheme.weight.has_global_scale:
-            return quantize_nvfp4_fused(w, layer.logical_widths, getattr(layer, "tp_size", 1))
+            return quantize_nvfp4_fused(w, stored_widths(layer), getattr(layer, "tp_size", 1))
         # Every other format is per row: fused shards quantize exactly as separate weights.
         return quantize(w, fmt, macro_block=self.scheme.macro_block)
 
