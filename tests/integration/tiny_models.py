@@ -142,6 +142,21 @@ def _dense(
     )
 
 
+def _gemma(**extra: Any) -> dict[str, Any]:
+    """Gemma-2/3's tiny shape: hidden 320, sliding windows of 16 on every other layer."""
+    return _dense(
+        320,
+        576,
+        4,
+        2,
+        64,
+        sliding_window=16,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"],
+        **extra,
+    )
+
+
 # Hidden sizes 192 / 320 (not multiples of 128: partial macro blocks) among them.
 ARCHS: dict[str, Arch] = {
     "llama": Arch("LlamaConfig", "LlamaForCausalLM", _dense(256, 512, 4, 2), "baseline"),
@@ -158,31 +173,13 @@ ARCHS: dict[str, Arch] = {
     "gemma3": Arch(
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        _dense(
-            320,
-            576,
-            4,
-            2,
-            64,
-            sliding_window=16,
-            query_pre_attn_scalar=64,
-            layer_types=["sliding_attention", "full_attention"],
-            tie_word_embeddings=True,
-        ),
+        _gemma(tie_word_embeddings=True),
         "tied embeddings, GeGLU, sliding window, hidden 320",
     ),
     "gemma2": Arch(
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        _dense(
-            320,
-            576,
-            4,
-            2,
-            64,
-            sliding_window=16,
-            query_pre_attn_scalar=64,
-            layer_types=["sliding_attention", "full_attention"],
+        _gemma(
             # a cap low enough to bend a tiny random model's logits (Gemma-2's own: 30)
             final_logit_softcapping=5.0,
             # vLLM 0.32's CPU attention and transformers differ with attention soft-capping,
