@@ -12,8 +12,12 @@ import torch
 from ckpt_helpers import make_custom, make_llama, source_tensors
 
 from vllm_mxplus.checkpoint import load, load_unquantized, quantize_checkpoint
-from vllm_mxplus.checkpoint.quantized_source import QuantizedSource, materialize
-from vllm_mxplus.formats import quantize
+from vllm_mxplus.checkpoint.quantized_source import (
+    QuantizedSource,
+    dequantize_gpt_oss,
+    materialize,
+)
+from vllm_mxplus.formats import QuantizedTensor, quantize
 
 pytest.importorskip("compressed_tensors")
 
@@ -219,3 +223,20 @@ def test_gpt_oss_source_quantizes(tmp_path: Path) -> None:
         assert torch.equal(kept[base], want)
     assert not any(n.endswith(("_blocks", "_scales")) for n in kept)
     assert not list(dst.parent.glob(".out.mxplus-src-*"))  # the dequantized copy is removed
+
+
+def test_gpt_oss_source_reads_e8m0_as_the_spec_does() -> None:
+    """A gpt-oss block [E, N, G, 16] with E8M0 scales dequantizes as formats' mxfp4-ocp does
+    (code 255 is NaN, not 2^128), so requantizing and passing the codes through agree."""
+    g = torch.Generator().manual_seed(0)
+    q = quantize(torch.randn(8, 64, generator=g), "mxfp4-ocp")
+    scales = q.scales.clone()
+    scales[3, 1] = 255
+    blocks = q.codes.reshape(1, 8, 2, 16)
+    got = dequantize_gpt_oss(blocks, scales[None])[0].T.float()  # [N, K]
+    want = QuantizedTensor(
+        codes=q.codes, scales=scales, fmt="mxfp4-ocp", shape=q.shape
+    ).dequantize()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[3, 32:].isnan().all() and not got[3, :32].isnan().any()
+    assert torch.equal(got.nan_to_num(), want.bfloat16().float().nan_to_num())

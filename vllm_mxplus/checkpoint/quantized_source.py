@@ -40,15 +40,15 @@ from vllm_mxplus.checkpoint.safetensors_io import (
 from vllm_mxplus.checkpoint.shard_writer import check_disk_space
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIXES, shard_files
 from vllm_mxplus.formats import QuantizedTensor
-from vllm_mxplus.formats.constants import E8M0_BIAS
+from vllm_mxplus.formats.constants import MX_BLOCK
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
+from vllm_mxplus.formats.mx import dequantize_e8m0_blocks
 
 CT_METHOD = "compressed-tensors"
 GPT_OSS_METHOD = "mxfp4"
 CT_NVFP4, CT_MXFP4 = "nvfp4-pack-quantized", "mxfp4-pack-quantized"
 CT_DROPPED = ("weight_global_scale", "input_global_scale", "weight_zero_point", "input_zero_point")
 GPT_OSS_BLOCKS, GPT_OSS_SCALES = "_blocks", "_scales"
-MX_GROUP = 32
 SKIPPED = (INDEX_NAME, "config.json")  # rewritten
 
 
@@ -95,11 +95,9 @@ def quantized_source(config: dict[str, Any], where: Path) -> QuantizedSource | N
 
 
 def _mx_dequant(packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
-    """value * 2^(scale - 127) in fp32 [..., K] for E8M0 scales of 32 elements each."""
-    vals = e2m1_decode(unpack_fp4(packed, k)).reshape(*packed.shape[:-1], -1, MX_GROUP)
-    return torch.ldexp(vals, scales.to(torch.int32)[..., None] - E8M0_BIAS).reshape(
-        *packed.shape[:-1], k
-    )
+    """value * 2^(scale - 127) in fp32 [..., K] for E8M0 scales of MX_BLOCK elements each: the
+    formats' own rule (an E8M0 code 255 is NaN), as the mxfp4-ocp passthrough reads them."""
+    return dequantize_e8m0_blocks(unpack_fp4(packed, k), scales, MX_BLOCK)
 
 
 def dequantize_ct(tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
