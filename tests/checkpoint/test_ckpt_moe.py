@@ -11,6 +11,7 @@ from ckpt_helpers import make_custom
 from test_ckpt_roundtrip import check_round_trip
 
 from vllm_mxplus.checkpoint import load, load_unquantized, open_checkpoint, quantize_checkpoint
+from vllm_mxplus.formats import get_scheme, quantize
 
 E, H, I = 4, 64, 48  # experts, hidden, expert intermediate (K = 48: a partial macro block)  # noqa: E741
 
@@ -72,13 +73,30 @@ def test_moe_round_trip(tmp_path: Path, scheme: str) -> None:
         assert stored["weight_mbs"].shape == (E, 2 * I, 1)
 
 
-def test_transposed_expert_layout_is_kept(tmp_path: Path) -> None:
-    """gpt-oss stores experts [E, K, N]: quantizing the last dim would be wrong, so keep them."""
+def test_transposed_expert_stacks_are_quantized_per_expert(tmp_path: Path) -> None:
+    """gpt-oss stores experts [E, K, N] (x @ W): each expert is quantized along K, i.e. its
+    transpose, and stored [E, N, K] like every other quantized weight."""
     tensors = {
         "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
-        "model.layers.0.mlp.experts.down_proj.weight": torch.randn(2, 32, 32),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(2, 32, 32),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(2, 64),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
     }
     src = make_custom(tmp_path / "src", tensors, {"model_type": "gpt_oss"})
-    quantize_checkpoint(src, tmp_path / "q", "mxfp4-mbs-s", progress=False)
-    assert set(load(tmp_path / "q")) == {"model.layers.0.self_attn.q_proj"}
+    for scheme in ("mxfp4-mbs-s", "nvfp4"):
+        quantize_checkpoint(src, tmp_path / scheme, scheme, progress=False)
+        got = load(tmp_path / scheme)
+        assert set(got) == {
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj",
+        }
+        for name in ("gate_up_proj", "down_proj"):
+            w = tensors[f"model.layers.0.mlp.experts.{name}"]
+            q = got[f"model.layers.0.mlp.experts.{name}"]
+            assert q.shape == (2, w.shape[2], w.shape[1])
+            for e in range(2):  # expert e: the format of its [N, K] weight, as online
+                want = quantize(w[e].T.contiguous(), get_scheme(scheme).weight_format)
+                assert torch.equal(q.dequantize()[e], want.dequantize())
+        bias = load_unquantized(tmp_path / scheme)["model.layers.0.mlp.experts.gate_up_proj_bias"]
+        assert torch.equal(bias, tensors["model.layers.0.mlp.experts.gate_up_proj_bias"])

@@ -217,10 +217,16 @@ def test_gpt_oss_source_quantizes(tmp_path: Path) -> None:
         q.codes, quantize(t["model.layers.0.self_attn.q_proj.weight"], "mxfp4-ocp").codes
     )
     kept = load_unquantized(dst)
-    base = "model.layers.0.mlp.experts.gate_up_proj"
-    if base in kept:  # gpt-oss [E, K, N] expert stacks stay bf16 (checkpoint/rules.py)
-        want = convert_moe_packed_tensors(t[f"{base}_blocks"], t[f"{base}_scales"])
-        assert torch.equal(kept[base], want)
+    quantized = load(dst)
+    for base in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        # the expert stacks keep their MXFP4 codes and scales: [E, N, K], as the quantizer
+        # stores gpt-oss's [E, K, N] experts (checkpoint/rules.py)
+        blocks, scales = t[f"{base}_blocks"], t[f"{base}_scales"]
+        q = quantized[base]
+        assert torch.equal(q.codes, blocks.reshape(*blocks.shape[:2], -1))
+        assert torch.equal(q.scales, scales)
+        want = convert_moe_packed_tensors(blocks, scales)  # transformers' bf16 [E, K, N]
+        assert torch.equal(q.dequantize().transpose(1, 2).to(torch.bfloat16), want)
     assert not any(n.endswith(("_blocks", "_scales")) for n in kept)
     assert not list(dst.parent.glob(".out.mxplus-src-*"))  # the dequantized copy is removed
 

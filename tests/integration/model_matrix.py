@@ -12,9 +12,9 @@ This is the CI subset; every other scheme, and bf16, are matrix_grid.py's (slow)
 The results go to docs/model_matrix.json (committed); scripts/supported_models.py renders
 the README "Supported models" table from it.
 
-gpt-oss: transformers' GptOssExperts are fake-quantized by hf_gpt_oss.py; `mxplus quantize`
-keeps gpt-oss's expert stacks in bf16 (stored [E, K, N]: checkpoint/rules.py,
-TRANSPOSED_EXPERT_MODEL_TYPES), so its checkpoint's reference has unquantized experts.
+gpt-oss: transformers' GptOssExperts are fake-quantized by hf_gpt_oss.py, online and for
+`mxplus quantize` checkpoints (whose [E, K, N] expert stacks are quantized transposed:
+checkpoint/rules.py, served by integration/gpt_oss_model.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from integration_harness import greedy_mismatch, run_driver
 from mla_judge import ENGINE_OPTIONS, MLA_ARCHS, judge_mla
 from tiny_models import ARCHS, build_tiny, prequantize, word_ids
 
-from vllm_mxplus.checkpoint.rules import TRANSPOSED_EXPERT_MODEL_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 MATRIX_JSON = REPO / "docs" / "model_matrix.json"
@@ -64,10 +63,7 @@ CONTROL = ("deepseek_v2",)
 # else that is not "ok" fails the test.
 EXPECTED: dict[tuple[str, str], tuple[str, str]] = {}
 # What a passing row should say beyond "yes".
-OK_NOTES = {
-    ("gpt_oss", "prequantized"): "`mxplus quantize` keeps gpt-oss's experts in bf16 (stored "
-    "[E, K, N]); online, they are quantized",
-}
+OK_NOTES: dict[tuple[str, str], str] = {}
 
 
 def build_all(root: Path, archs: list[str]) -> dict[str, dict[str, str]]:
@@ -134,18 +130,10 @@ def _short(err: str) -> str:
     return re.sub(r"/\S*/", "", line)[:300]
 
 
-def experts_quantized(arch: str, kind: str) -> bool:
-    """Whether the served model's experts are quantized (the offline quantizer keeps those
-    stored [E, K, N]); decides the reference."""
-    return not (kind == "prequantized" and arch in TRANSPOSED_EXPERT_MODEL_TYPES)
-
-
-def reference(src: str, quantized_experts: bool) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers with the scheme's fake quantization (gpt-oss experts too, or not)."""
+def reference(src: str) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers with the scheme's fake quantization (gpt-oss's experts too)."""
     from hf_reference import hf_greedy
 
-    if not quantized_experts:
-        return hf_greedy(src, SCHEME, PROMPTS, TOKENS)
     with gpt_oss_experts_fake_quant():
         return hf_greedy(src, SCHEME, PROMPTS, TOKENS)
 
@@ -179,18 +167,16 @@ def run_matrix(root: Path, env: dict, archs: list[str] | None = None) -> dict[st
             row["unquantized"] = status
             if status != "ok":
                 control = f"vLLM and transformers differ without quantization: {why}"
-        refs: dict[bool, tuple[list[list[int]], list[list[float]]]] = {}
+        ref: tuple[list[list[int]], list[list[float]]] | None = None
         for kind in KINDS:
             res = results.get(f"{kind}-{arch}", {"error": "no result (driver crashed)"})
-            q_experts = experts_quantized(arch, kind)
             if res.get("error"):
                 status, why = judge(res, ([], []))
             elif arch in MLA_ARCHS:  # the bf16 source for the prequantized kind too
                 status, why = judge_mla(res, models[arch]["src"], SCHEME, PROMPTS, TOKENS)
             else:
-                if q_experts not in refs:
-                    refs[q_experts] = reference(models[arch]["src"], q_experts)
-                status, why = judge(res, refs[q_experts])
+                ref = ref or reference(models[arch]["src"])
+                status, why = judge(res, ref)
             if control and not res.get("error"):
                 status, why = "reference-differs", control
             if status == "ok":

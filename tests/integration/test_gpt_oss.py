@@ -4,8 +4,11 @@ A tiny random gpt-oss (tiny_models.ARCHS["gpt_oss"]: 4 experts top-2, expert bia
 clamped interleaved swigluoai, attention sinks, sliding + full attention, hidden 192) in fp32:
 - online (`--quantization NAME`), every scheme: token-identical to transformers with every
   linear and expert fake-quantized (hf_gpt_oss.py), by the rule of `greedy_mismatch`;
-- from `mxplus quantize` checkpoints (its experts stay bf16: checkpoint/rules.py), every
-  scheme, against the reference with unquantized experts;
+- from `mxplus quantize` checkpoints, every scheme: the [E, K, N] expert stacks quantized
+  transposed (checkpoint/rules.py) and loaded per expert (integration/gpt_oss_model.py), the
+  same reference; token- and logprob-identical to the online engine where the offline and
+  online weights are the same numbers (every scheme's RTN / MBS-D);
+- a checkpoint whose experts `--ignore` kept in bf16 serves them unquantized;
 - `--hf-overrides '{"quantization_config": {"quant_method": "mxfp4-mbs", "ignore":
   ["re:.*experts.*"]}}'`: the experts stay unquantized, so the served tokens and logprobs are
   those of the `mxplus quantize` checkpoint (only the non-expert layers quantized, the same
@@ -55,6 +58,8 @@ def gpt_oss(tmp_path_factory, subprocess_env) -> tuple[dict, str, str]:
     jobs = [_job(f"online-{s}", src, s) for s in SCHEMES]
     for s in SCHEMES:
         jobs.append(_job(f"pre-{s}", str(prequantize(src, root / f"gpt-oss-{s}", s)), None))
+    kept = prequantize(src, root / "gpt-oss-kept", "mxfp4-mbs", ignore=KEEP_EXPERTS)
+    jobs.append(_job("pre-kept-experts", str(kept), None))
     jobs += [
         _job("ignore-experts", src, "mxfp4-mbs", hf_overrides=_options(ignore=KEEP_EXPERTS)),
         _job("ignore-bad-regex", src, "mxfp4-mbs", hf_overrides=_options(ignore=["re:("])),
@@ -82,8 +87,14 @@ def test_online_every_scheme_matches_reference(gpt_oss, scheme):
 @pytest.mark.vllm
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_offline_checkpoint_every_scheme_matches_reference(gpt_oss, scheme):
+    """The checkpoint's experts are quantized: the reference with fake-quantized experts, and
+    the online engine's very tokens and logprobs (the same weights, stored and reloaded)."""
     results, _, src = gpt_oss
-    _ok(results[f"pre-{scheme}"], _reference(src, scheme, quantized_experts=False))
+    pre, online = results[f"pre-{scheme}"], results[f"online-{scheme}"]
+    _ok(pre, _reference(src, scheme, quantized_experts=True))
+    assert pre["tokens"] == online["tokens"]
+    for a, b in zip(pre["logprobs"], online["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 @pytest.mark.vllm
@@ -99,10 +110,10 @@ def test_experts_run_the_cpu_kernels(gpt_oss):
 @pytest.mark.vllm
 def test_ignore_experts_serves_the_non_expert_quantization(gpt_oss):
     """ignore=["re:.*experts.*"]: the same tokens and logprobs as the checkpoint whose
-    experts `mxplus quantize` kept, and the reference with unquantized experts; not those
-    of the fully quantized model."""
+    experts `mxplus quantize --ignore` kept, and the reference with unquantized experts; not
+    those of the fully quantized model."""
     results, _, src = gpt_oss
-    got, pre = results["ignore-experts"], results["pre-mxfp4-mbs"]
+    got, pre = results["ignore-experts"], results["pre-kept-experts"]
     assert got.get("error") is None, got.get("trace", got.get("error"))
     assert got["tokens"] == pre["tokens"]
     for a, b in zip(got["logprobs"], pre["logprobs"]):

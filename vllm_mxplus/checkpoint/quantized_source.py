@@ -192,8 +192,8 @@ def materialize(
 ) -> dict[str, QuantizedTensor]:
     """Write SRC dequantized into the empty directory dst (see the module docstring).
 
-    keep_codes: also return {module: QuantizedTensor mxfp4-ocp} of every 2-D compressed-tensors
-    MXFP4 weight, its stored codes and scales as they are (`passthrough`)."""
+    keep_codes (an MXFP4 source): also return {module: QuantizedTensor mxfp4-ocp} of every
+    dequantized weight, its stored codes and scales as they are (`_passthrough`)."""
     shards = shard_files(src)
     per_shard = [read_header(s)[0] for s in shards]
     by_name = {t.name: t for infos in per_shard for t in infos}
@@ -210,8 +210,8 @@ def materialize(
                         writer.copy_from(o.parts[""], fh)
                 else:
                     writer.write(o.planned.name, _make(o, qsrc))
-                    if keep_codes and qsrc.kind == CT_MXFP4:
-                        kept[o.module] = _passthrough(o)
+                    if keep_codes:
+                        kept[o.module] = _passthrough(o, qsrc)
                 weight_map[o.planned.name] = shard.name
             writer.close()
         except BaseException:
@@ -229,8 +229,19 @@ def materialize(
     return kept
 
 
-def _passthrough(o: _Out) -> QuantizedTensor:
-    """The stored MXFP4 codes and E8M0 scales of one module as an mxfp4-ocp QuantizedTensor."""
+def _passthrough(o: _Out, src: QuantizedSource) -> QuantizedTensor:
+    """The stored MXFP4 codes and E8M0 scales of one module as an mxfp4-ocp QuantizedTensor:
+    a compressed-tensors weight [N, K], or a gpt-oss expert stack as the [E, N, K] weight the
+    quantizer makes of it (checkpoint/rules.py: its experts are quantized transposed)."""
+    if src.kind == GPT_OSS_METHOD:
+        blocks = read_tensor(o.parts["blocks"])
+        e, n, g, b = blocks.shape
+        return QuantizedTensor(
+            codes=blocks.reshape(e, n, g * b),
+            scales=read_tensor(o.parts["scales"]),
+            fmt="mxfp4-ocp",
+            shape=torch.Size((e, n, g * b * 2)),
+        )
     return QuantizedTensor(
         codes=read_tensor(o.parts[SUFFIX_PACKED]),
         scales=read_tensor(o.parts[SUFFIX_SCALE]),

@@ -346,11 +346,12 @@ def _plan(
         d = classify(t.name, t.dtype, t.shape, matcher, source.model_type)
         if d.quantize:
             assert d.module is not None
+            shape = d.weight_shape(t.shape)
             if out_format == FORMAT_CT:
-                check_ct_shape(t.name, t.shape, scheme)
-                layout = ct_stored_layout(scheme, t.shape)
+                check_ct_shape(t.name, shape, scheme)
+                layout = ct_stored_layout(scheme, shape)
             else:
-                layout = stored_layout(fmt, t.shape, macro_block)
+                layout = stored_layout(fmt, shape, macro_block)
             outs = [
                 PlannedTensor(f"{d.module}.{sfx}", dt, shp) for sfx, (dt, shp) in layout.items()
             ]

@@ -23,8 +23,9 @@ from vllm_mxplus.quant_rules import unquantized_reason
 
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3")
-# Model types whose 3-D expert stacks are stored [E, K, N] (x @ W), not [E, N, K]: quantizing
-# along their last dim would use the wrong reduction dim, so they stay unquantized.
+# Model types whose 3-D expert stacks are stored [E, K, N] (x @ W), not [E, N, K]: each expert
+# is quantized transposed, along its reduction dim K, and stored [E, N, K] like every other
+# quantized weight (vLLM's gpt-oss loader gets them from integration/gpt_oss_model.py).
 TRANSPOSED_EXPERT_MODEL_TYPES = ("gpt_oss",)
 REGEX_PREFIX = "re:"
 # vLLM fuses these siblings into one layer, which must be all quantized or all not (and, for
@@ -79,6 +80,11 @@ class Decision:
     quantize: bool
     module: str | None
     reason: str
+    transposed: bool = False  # a source stack [E, K, N], quantized as [E, N, K]
+
+    def weight_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The logical shape of the quantized weight ([..., N, K]) of a source tensor."""
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else tuple(shape)
 
 
 def module_of(name: str, ndim: int) -> str | None:
@@ -113,5 +119,7 @@ def classify(
     if 0 in shape:
         return Decision(False, module, "empty tensor")
     if len(shape) == 3 and model_type in TRANSPOSED_EXPERT_MODEL_TYPES:
-        return Decision(False, module, f"{model_type} stores experts [E, K, N]")
+        return Decision(
+            True, module, f"quantized ({model_type} experts [E, K, N], transposed)", True
+        )
     return Decision(True, module, "quantized")

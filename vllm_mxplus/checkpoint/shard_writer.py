@@ -328,6 +328,8 @@ def _quantize_one(
     module = it.decision.module
     assert module is not None  # a quantized tensor's module
     w = read_tensor(it.info, f) if src is None else src  # type: ignore[arg-type]
+    if it.decision.transposed:  # stored [E, K, N] (gpt-oss): quantized along K, as [E, N, K]
+        w = w.transpose(-1, -2).contiguous()
     if done is not None:  # quantized by calibration: only its error is measured here
         x32 = w.float()
         sig = float(torch.sum(x32.square(), dtype=torch.float64))
@@ -369,7 +371,10 @@ def _mean_finite(v: list[float]) -> float:
 
 def _shard_metadata(shard: Shard, fmt: str) -> dict[str, str]:
     weights = {
-        i.decision.module: {"shape": list(i.info.shape), "dtype": i.info.dtype}
+        i.decision.module: {
+            "shape": list(i.decision.weight_shape(i.info.shape)),
+            "dtype": i.info.dtype,
+        }
         for i in shard.items
         if i.decision.quantize
     }

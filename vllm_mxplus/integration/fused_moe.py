@@ -68,6 +68,11 @@ from vllm_mxplus.checkpoint.layout import (
 from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
 from vllm_mxplus.integration.params import Layer, LayerQuantConfig, check_row_parallel, tp_max
 
+# vLLM's MoE shard ids -> the checkpoint's projection names
+SHARD_PROJS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# gpt-oss's whole-expert shard ids (integration/gpt_oss_model.py) -> its projection names
+GPT_OSS_SHARDS = {"gpt_oss_w13": "gate_up_proj", "gpt_oss_w2": "down_proj"}
+
 
 class MxplusFusedMoEMethod(FusedMoEMethodBase):
     """W4A4 routed experts of one vllm-mxplus scheme (reference execution)."""
@@ -181,7 +186,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         def loader(
             param, loaded_weight, weight_name, shard_id, expert_id, return_success: bool = False
         ):
-            proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(shard_id, shard_id)
+            proj = {**SHARD_PROJS, **GPT_OSS_SHARDS}.get(shard_id, shard_id)
             name = f"{layer.layer_name}.{expert_id}.{proj}.{tspec.suffix}"
             if loaded_weight.dtype != tspec.dtype:
                 raise ValueError(
@@ -200,14 +205,56 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                     f"checkpoint tensor {name} has shape "
                     f"{tuple(loaded_weight.shape)}, expected one fp32 value"
                 )
-            ok = inner(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
-            if ok:
-                layer.mxplus_loaded.setdefault(f"{stem}_{tspec.suffix}", set()).add(
-                    (expert_id, shard_id)
+            if shard_id in GPT_OSS_SHARDS:
+                ok = self._load_gpt_oss_expert(
+                    layer, param, loaded_weight, name, stem, tspec, expert_id
                 )
+                arrived = ("w1", "w3") if stem == "w13" else ("w2",)  # w13: gate and up at once
+            else:
+                ok = inner(
+                    param, loaded_weight, weight_name, shard_id, expert_id, return_success=True
+                )
+                arrived = (shard_id,)
+            if ok:
+                got = layer.mxplus_loaded.setdefault(f"{stem}_{tspec.suffix}", set())
+                got.update((expert_id, sh) for sh in arrived)
             return ok if return_success else None
 
         return loader
+
+    @staticmethod
+    def _load_gpt_oss_expert(
+        layer: Layer,
+        param: torch.Tensor,
+        t: torch.Tensor,
+        name: str,
+        stem: str,
+        tspec: StoredTensor,
+        expert_id: int,
+    ) -> bool:
+        """One expert's whole tensor (integration/gpt_oss_model.py): w13 [2I, .] with gate and
+        up interleaved along its rows (each rank keeps its contiguous rows, as vLLM's gpt-oss
+        loader does), w2 [H, .] K-sharded (each rank keeps its columns), an NVFP4 global scale
+        [1] for the expert's whole gate_up / down."""
+        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local == -1:  # another rank's expert (expert parallelism)
+            return False
+        dst = param.data[local]
+        if not tspec.k_per_col:
+            dst.fill_(t.reshape(()).item())  # w13 holds it per shard [2]: one logical weight
+            return True
+        tp_rank, tp_size = layer.moe_config.moe_parallel_config.tp_rank, layer.moe_config.tp_size
+        rows = dst.shape[0] * (tp_size if stem == "w13" else 1)
+        if t.dim() != 2 or t.shape[0] != rows:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {list(t.shape)}, expected [{rows}, .]"
+            )
+        if stem == "w13":
+            t = t.narrow(0, tp_rank * dst.shape[0], dst.shape[0])
+        else:
+            t = t.narrow(1, tp_rank * dst.shape[1], dst.shape[1])
+        dst.copy_(t)
+        return True
 
     def _check_all_loaded(self, layer: Layer) -> None:
         n_local = self.moe.num_local_experts
@@ -217,7 +264,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 per_shard = {sh: {e for e, s in got if s == sh} for sh in shards}
                 for sh, experts in per_shard.items():
                     if len(experts) < n_local:
-                        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[sh]
+                        proj = SHARD_PROJS[sh]
                         raise ValueError(
                             f"{layer.layer_name}: checkpoint tensors *.{proj}.{tspec.suffix} "
                             f"arrived for {len(experts)} of {n_local} local experts "

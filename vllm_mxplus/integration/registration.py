@@ -1,4 +1,6 @@
-"""`register_all()`: make every scheme a vLLM quantization name. Idempotent, lazy imports.
+"""`register_all()`: make every scheme a vLLM quantization name, and register the gpt-oss class
+that loads the plugin's quantized experts (integration/gpt_oss_model.py; vLLM's own class in
+every other case). Idempotent, lazy imports.
 
 Runs in every vLLM process through the `vllm.general_plugins` entry point.
 """
@@ -11,6 +13,8 @@ from vllm_mxplus.formats import SCHEMES
 from vllm_mxplus.integration.config import CONFIG_CLASSES
 
 _REGISTERED = False
+GPT_OSS_ARCH = "GptOssForCausalLM"
+GPT_OSS_CLASS = "vllm_mxplus.integration.gpt_oss_model:MxplusGptOssForCausalLM"
 
 
 class _ForwardToVllm(logging.Handler):
@@ -39,10 +43,13 @@ def register_all() -> list[str]:
 
     if _REGISTERED:
         return list(SCHEMES)
+    from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     for name, cls in CONFIG_CLASSES.items():
         register_quantization_config(name)(cls)
+    # by name: imported (with vLLM's gpt-oss module) only when a gpt-oss model is built
+    ModelRegistry.register_model(GPT_OSS_ARCH, GPT_OSS_CLASS)
     _route_logs_to_vllm()
     _REGISTERED = True
     return list(SCHEMES)
