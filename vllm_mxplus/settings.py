@@ -70,6 +70,14 @@ SM90_FALLBACK_ROWS = Setting(
     "64",
     "Rows per call the sm_90 prefill GEMM may recompute exactly (docs/numerics.md).",
 )
+CPU_LM_HEAD_FP32 = Setting(
+    "VLLM_MXPLUS_CPU_LM_HEAD_FP32",
+    "auto",
+    "The bf16/fp16 lm_head on CPU as an fp32 GEMM over an fp32 copy of its weight made at load "
+    "(same values; 4 bytes per weight more memory, logged), for calls of 2+ rows: `auto` where "
+    "the CPU lacks native bf16 (no `avx512_bf16`, no `amx_bf16`), `1` always, `0` never "
+    "(vLLM's own GEMM).",
+)
 ALL: tuple[Setting, ...] = (
     BACKEND,
     SELFTEST,
@@ -80,6 +88,7 @@ ALL: tuple[Setting, ...] = (
     CUTLASS_BUILD_DIR,
     PREFILL_MIN_M,
     SM90_FALLBACK_ROWS,
+    CPU_LM_HEAD_FP32,
 )
 
 
@@ -104,6 +113,17 @@ def _int_at_least(s: Setting, least: int) -> int:
     return n
 
 
+def _auto_flag(s: Setting) -> bool | None:
+    """`auto` -> None (the caller decides), else the flag's value."""
+    v = s.value().lower()
+    if v == "auto":
+        return None
+    try:
+        return _flag(s)
+    except ValueError:
+        raise ValueError(f"{s.name}={s.raw()!r}: expected auto, 0 or 1") from None
+
+
 def _path(s: Setting) -> Path | None:
     return Path(s.raw()).expanduser() if s.raw() else None
 
@@ -114,6 +134,11 @@ def selftest_enabled() -> bool:
 
 def cpu_kernels_enabled() -> bool:
     return _flag(CPU_KERNELS)
+
+
+def cpu_lm_head_fp32() -> bool | None:
+    """VLLM_MXPLUS_CPU_LM_HEAD_FP32: True / False forced, None for `auto`."""
+    return _auto_flag(CPU_LM_HEAD_FP32)
 
 
 def cpu_march() -> str:

@@ -39,6 +39,7 @@ from vllm_mxplus.checkpoint.rules import IgnoreMatcher
 from vllm_mxplus.formats import SCHEMES, Scheme, get_scheme
 from vllm_mxplus.integration.fused_moe import MxplusFusedMoEMethod
 from vllm_mxplus.integration.linear import MxplusLinearMethod
+from vllm_mxplus.integration.lm_head import MxplusLMHeadMethod
 from vllm_mxplus.quant_rules import stays_unquantized
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,12 @@ class MxplusConfig(QuantizationConfig):
 
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             return MxplusFusedMoEMethod(self, layer.moe_config)
-        return None  # embeddings, lm_head, norms, attention: unquantized (paper §5.1)
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        if isinstance(layer, ParallelLMHead):
+            # unquantized (paper §5.1); an fp32 GEMM on CPUs without bf16 (lm_head.py)
+            return MxplusLMHeadMethod()
+        return None  # embeddings, norms, attention: unquantized (paper §5.1)
 
 
 def _class_name(scheme: str) -> str:
