@@ -41,13 +41,25 @@ def grid(tmp_path_factory, subprocess_env) -> dict:
 @pytest.mark.parametrize("scheme", GRID_SCHEMES)
 @pytest.mark.parametrize("arch", GRID_ARCHS)
 def test_scheme_online(grid, arch, scheme):
-    """Greedy tokens identical to the scheme's reference (the flip rule), fp32, or the
-    expected outcome of matrix_grid.EXPECTED_GRID."""
+    """Greedy tokens identical to the scheme's reference (the flip rule of
+    integration_harness), fp32, else the fp32 flip rule of matrix_grid.py (a rounding flip of
+    the reference), or the expected outcome of matrix_grid.EXPECTED_GRID."""
     row = grid["grid"]["archs"][arch]
     want, phrase = expected_grid(arch, scheme)
     note = row.get(f"{scheme}_note", "")
     assert row[scheme] == want, f"{arch} {scheme}: {row[scheme]} ({note})"
     assert phrase in note, note
+
+
+def test_flip_rule_rejects_broken_engines(grid):
+    """Every cell judged "ok" by the fp32 flip rule would fail it with a broken engine:
+    another model's continuation, or a deliberately wrong weight (matrix_grid.broken_engines)."""
+    controls = grid["flip_controls"]
+    assert controls, "no cell judged by the flip rule: update EXPECTED_GRID"
+    for cell, verdicts in controls.items():
+        assert len(verdicts) == 3, f"{cell}: {sorted(verdicts)}"
+        passed = [name for name, why in verdicts.items() if why is None]
+        assert not passed, f"{cell}: the flip rule passes broken engines {passed}"
 
 
 @pytest.mark.parametrize("arch", BF16_ARCHS)
