@@ -125,7 +125,7 @@ def test_this_machine(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="vllm_mxplus")
     monkeypatch.setattr(platform_amx, "_RESULT", None)
     r = request_amx_permission()
-    has_amx = cpu_has_amx_tile(platform_amx._read_cpuinfo())
+    has_amx = cpu_has_amx_tile(platform_amx.read_cpuinfo())
     if has_amx and platform.system() == "Linux":
         assert r.action in ("granted", "already"), r.detail
     else:

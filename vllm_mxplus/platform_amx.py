@@ -52,7 +52,8 @@ class AmxResult:
 _RESULT: AmxResult | None = None
 
 
-def _read_cpuinfo() -> str:
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text, or '' where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -63,7 +64,7 @@ def _read_cpuinfo() -> str:
 def cpu_model_name(default: str) -> str:
     """This CPU's model name from /proc/cpuinfo (for benchmark and report headers), else
     `default`."""
-    for line in _read_cpuinfo().splitlines():
+    for line in read_cpuinfo().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return default
@@ -129,7 +130,7 @@ def request_amx_permission(
         result = decide_and_request(
             system if system is not None else platform.system(),
             machine if machine is not None else platform.machine(),
-            cpuinfo if cpuinfo is not None else _read_cpuinfo(),
+            cpuinfo if cpuinfo is not None else read_cpuinfo(),
             arch_prctl if arch_prctl is not None else _libc_arch_prctl,
         )
     except Exception as e:  # never fatal: a plugin must not stop vLLM from starting

@@ -30,7 +30,6 @@ from integration_harness import greedy_mismatch, run_driver
 from mla_judge import ENGINE_OPTIONS, MLA_ARCHS, judge_mla
 from tiny_models import ARCHS, build_tiny, prequantize, word_ids
 
-
 REPO = Path(__file__).resolve().parents[2]
 MATRIX_JSON = REPO / "docs" / "model_matrix.json"
 SCHEME = "mxfp4-mbs"

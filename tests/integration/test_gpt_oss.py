@@ -210,15 +210,24 @@ def test_unsupported_activation_points_at_the_ignore_option():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_tp2_nvfp4_matches_the_unsharded_reference(gpt_oss, tmp_path_factory, subprocess_env):
-    """TP=2: w13 N-sharded by whole gate / up pairs (vLLM's gpt-oss loader), w2 K-sharded,
-    w2_bias on rank 0 only, each expert's NVFP4 global scale from the whole weight (max over
-    ranks), the down projection's activation rows with the whole row's global scale."""
+def test_tp2_matches_the_unsharded_reference(gpt_oss, tmp_path_factory, subprocess_env):
+    """TP=2, online nvfp4 and two checkpoints: w13 N-sharded by whole gate / up pairs (vLLM's
+    gpt-oss loader online, integration/fused_moe.py's per-expert loader for a checkpoint), w2
+    K-sharded (with MX+'s block-max indices; the MBS schemes' 128-wide macro blocks do not
+    split this model's intermediate 128 over two ranks, refused by name), w2_bias on rank 0 only, each expert's NVFP4
+    global scale from the whole weight (max over ranks online, stored offline), the down
+    projection's activation rows with the whole row's global scale."""
+    from pathlib import Path
+
     src = gpt_oss[2]
+    pre = {s: str(Path(src).parent / f"gpt-oss-{s}") for s in ("nvfp4", "mxplus")}
     res, _ = run_driver(
-        [_job("tp-nvfp4", src, "nvfp4", tp=2)],
+        [_job("tp-nvfp4", src, "nvfp4", tp=2)]
+        + [_job(f"tp-pre-{s}", path, None, tp=2) for s, path in pre.items()],
         tmp_path_factory.mktemp("gpt-oss-tp"),
         subprocess_env,
         tp=True,
     )
     _ok(res["tp-nvfp4"], _reference(src, "nvfp4", quantized_experts=True))
+    for s in pre:
+        _ok(res[f"tp-pre-{s}"], _reference(src, s, quantized_experts=True))

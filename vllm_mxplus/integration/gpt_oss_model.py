@@ -67,8 +67,9 @@ class MxplusGptOssForCausalLM(GptOssForCausalLM):
                         "stack of experts [E, ...]"
                     )
                 param = params[pname]
+                load = param.weight_loader  # type: ignore[attr-defined]  # set by create_weights
                 for e in range(t.shape[0]):
-                    param.weight_loader(param, t[e], pname, shard, e, return_success=True)
+                    load(param, t[e], pname, shard, e, return_success=True)
                 ours.add(pname)
 
         loaded = super().load_weights(others())

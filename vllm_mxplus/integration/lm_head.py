@@ -26,6 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 
 from vllm_mxplus import settings
 from vllm_mxplus.log_once import log_once
+from vllm_mxplus.platform_amx import read_cpuinfo
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,7 @@ def native_bf16_from_cpuinfo(cpuinfo: str) -> bool | None:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs bf16 GEMMs natively (from /proc/cpuinfo, else torch's probes)."""
-    from vllm_mxplus.platform_amx import _read_cpuinfo
-
-    found = native_bf16_from_cpuinfo(_read_cpuinfo())
+    found = native_bf16_from_cpuinfo(read_cpuinfo())
     if found is not None:
         return found
     cpu = torch.cpu
