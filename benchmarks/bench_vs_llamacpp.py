@@ -3,6 +3,7 @@ linear, llama.cpp's Q4_0 and MXFP4 next to vLLM + this plugin (and bf16 vLLM).
 
     python benchmarks/bench_vs_llamacpp.py [--threads 1] [--scheme mxfp4-mbs]
                                            [--parts single,batched,linear] [--jobs 2]
+                                           [--compile]
 
 llama.cpp is an optional dependency (not in setup): its tools are built from the llama.cpp
 sources that the `llama-cpp-python` sdist carries (`pip download --no-deps --no-binary :all:
@@ -283,8 +284,11 @@ def plugin_linear(scheme: str, reps: int) -> dict:
     return out
 
 
-def vllm_rates(model: str, quantization: str | None, streams: tuple[int, ...]) -> dict:
-    """Single-stream prefill / decode and batched decode tokens/s of one vLLM engine."""
+def vllm_rates(
+    model: str, quantization: str | None, streams: tuple[int, ...], compiled: bool = False
+) -> dict:
+    """Single-stream prefill / decode and batched decode tokens/s of one vLLM engine, eager or
+    in vLLM's default compiled mode (torch.compile; the warm-up compiles)."""
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
@@ -293,7 +297,7 @@ def vllm_rates(model: str, quantization: str | None, streams: tuple[int, ...]) -
         model=model,
         quantization=quantization,
         dtype="bfloat16",
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=1024,
         max_num_seqs=max(streams),
         seed=0,
@@ -334,6 +338,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
     ap.add_argument("--sdist-version", default=SDIST_VERSION)
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM engines in vLLM's default compiled mode (torch.compile) instead of eager",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch = in_process_engine_env(args.threads)
@@ -371,14 +380,16 @@ def main() -> int:
                 cmds.append(c)
             llama[name] = r
         ours = {
-            "bf16": vllm_rates(model, None, streams),
-            args.scheme: vllm_rates(model, args.scheme, streams),
+            "bf16": vllm_rates(model, None, streams, args.compile),
+            args.scheme: vllm_rates(model, args.scheme, streams, args.compile),
         }
+        mode = "compiled (torch.compile)" if args.compile else "eager"
         cols = [c for c in ("prefill", "decode") if "single" in parts]
         cols += list(streams) if "batched" in parts else []
         print(
             "\nSmolLM2-135M, tokens/s (prefill: 512-token prompt; decode: 1 stream, 128 "
-            "tokens; N streams: 128+128 tokens each, generated tokens / total time)"
+            "tokens; N streams: 128+128 tokens each, generated tokens / total time); vLLM "
+            f"{mode}"
         )
         print(
             f"{'engine':28s}"

@@ -72,7 +72,9 @@ def render_grid(doc: dict) -> list[str]:
     archs = [a for a in doc["archs"] if a in grid["archs"] or a in bf16["archs"]]
     cols = [f"`{doc['scheme']}`", *(f"`{s}`" for s in grid["schemes"]), "bf16 `mxfp4-mbs`"]
     out = [
-        f"Every scheme, online (`--quantization`), fp32, same prompts and rule; bf16: "
+        f"Every scheme, online (`--quantization`), fp32, same prompts and rule (yes\\*: the "
+        f"cell parts from the fp32 reference only where the reference itself flips under "
+        f"float rounding, judged by the fp32 flip rule); bf16: "
         f"`{doc['scheme']}` in bf16, each token within {bf16.get('max_gap_nats', '-')} nats of "
         f"the fp32 reference's best, {bf16.get('mean_gap_nats', '-')} on average "
         f"(`docs/models.md`). From the slow grid "
@@ -83,9 +85,14 @@ def render_grid(doc: dict) -> list[str]:
     ]
     for a in archs:
         g = grid["archs"].get(a, {})
-        cells = [doc["archs"][a]["online"], *(g.get(s, "-") for s in grid["schemes"])]
-        cells.append(bf16["archs"].get(a, {}).get("online", "-"))
-        shown = " | ".join(SHOWN.get(c, c) for c in cells)
+        cells = [SHOWN.get(doc["archs"][a]["online"], doc["archs"][a]["online"])]
+        for s in grid["schemes"]:
+            c = g.get(s, "-")
+            flip = c == "ok" and "rounding flip" in g.get(f"{s}_note", "")
+            cells.append(SHOWN.get(c, c) + ("\\*" if flip else ""))
+        b = bf16["archs"].get(a, {}).get("online", "-")
+        cells.append(SHOWN.get(b, b))
+        shown = " | ".join(cells)
         # no backticks: the main table's rows are the ones that start with "| `"
         out.append(f"| {doc['archs'][a]['architecture']} | {shown} |")
     return out
