@@ -432,6 +432,7 @@ def main() -> int:
     print(
         "rerun: python benchmarks/bench_vs_llamacpp.py "
         f"--threads {args.threads} --scheme {args.scheme} --parts {args.parts}"
+        + (" --compile" if args.compile else "")
     )
     sys.stdout.flush()
     os._exit(0)  # vLLM CPU 0.32 has aborted at engine shutdown after printing results
