@@ -98,3 +98,41 @@ def test_row_parallel_partition_without_whole_macro_blocks_fails_clearly(registe
     method = MxplusLinearMethod(registered["mxfp4-mbs"]())
     with pytest.raises(ValueError, match=r"down_proj.*288.*multiple of 128"):
         method.create_weights(_StubLayer(), 288, [576], 576, 576, None, weight_loader=None)
+
+
+def test_gpt_oss_architecture_resolves_to_the_plugin_subclass(registered):
+    """vLLM builds gpt-oss from the plugin's subclass (integration/gpt_oss_model.py), which
+    is vLLM's own class with one load_weights case added."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    from vllm_mxplus.integration.gpt_oss_model import MxplusGptOssForCausalLM
+
+    cls = ModelRegistry._try_load_model_cls("GptOssForCausalLM")  # what resolve_model_cls loads
+    assert cls is MxplusGptOssForCausalLM
+    assert issubclass(cls, GptOssForCausalLM)
+    # nothing but load_weights differs from vLLM's class
+    own = {k for k, v in vars(cls).items() if callable(v) and not k.startswith("__")}
+    assert own == {"load_weights"}
+
+
+def test_gpt_oss_expert_stack_names(registered):
+    """Which checkpoint names the subclass hands to the experts' loaders: the plugin's
+    quantized stacks, not vLLM's own (bf16 stacks, biases, MXFP4 blocks)."""
+    from vllm_mxplus.integration.gpt_oss_model import EXPERT_STACK
+
+    ours = "model.layers.3.mlp.experts.gate_up_proj.weight_packed"
+    m = EXPERT_STACK.match(ours)
+    assert m is not None and (m["layer"], m["proj"], m["suffix"]) == (
+        "model.layers.3.mlp.experts",
+        "gate_up_proj",
+        "weight_packed",
+    )
+    assert EXPERT_STACK.match("model.layers.3.mlp.experts.down_proj.weight_mbs")
+    for theirs in (
+        "model.layers.3.mlp.experts.gate_up_proj",
+        "model.layers.3.mlp.experts.gate_up_proj_bias",
+        "model.layers.3.mlp.experts.down_proj_blocks",
+        "model.layers.3.self_attn.q_proj.weight_packed",
+    ):
+        assert EXPERT_STACK.match(theirs) is None, theirs
