@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_gpt_oss import gpt_oss_experts_fake_quant
 from integration_harness import LOGPROB_ATOL, run_driver
 from mla_judge import ENGINE_OPTIONS, MLA_ARCHS, judge_mla
 from model_matrix import PROMPTS, SCHEME, TOKENS, judge
@@ -57,9 +58,10 @@ from tiny_models import ARCHS, build_tiny
 # Every vLLM `--quantization` name but the CI matrix's own (mxfp4-mbs = mxfp4-mbs-h).
 GRID_SCHEMES = ("mxfp4-ocp", "mxplus", "mxfp4-16-oas", "mxfp4-mbs-s", "nvfp4")
 GRID_ARCHS = ("llama", "qwen3", "gemma3", "phi3", "qwen3_moe", "deepseek_v2")
-# bf16: every architecture judged by the transformers reference (MLA's reference is fp32 vLLM's
-# formulation in float64, gpt-oss's experts need their own fake-quant: not here).
-BF16_ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe")
+# bf16: every architecture judged by the transformers reference (gpt-oss's with its experts
+# fake-quantized too: hf_gpt_oss.py; MLA's reference is vLLM's formulation in float64, not a
+# transformers model: not here).
+BF16_ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "gpt_oss")
 # nats: (reference's best logprob - logprob of bf16's token), at any position / on average.
 BF16_MAX_GAP = 2.0
 BF16_MEAN_GAP = 0.5
@@ -300,7 +302,8 @@ def run_grid(root: Path, env: dict) -> dict[str, Any]:
             status, why = judge(res, ([], []))
             bf16[arch] = {"online": status, "online_note": why}
             continue
-        gaps = reference_gaps(models[arch], SCHEME, res["tokens"])
+        with gpt_oss_experts_fake_quant():  # gpt-oss's experts; other models unchanged
+            gaps = reference_gaps(models[arch], SCHEME, res["tokens"])
         why = bf16_mismatch(res, gaps)
         bf16[arch] = {
             "online": "ok" if why is None else "mismatch",
