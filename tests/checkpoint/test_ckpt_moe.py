@@ -100,3 +100,31 @@ def test_transposed_expert_stacks_are_quantized_per_expert(tmp_path: Path) -> No
                 assert torch.equal(q.dequantize()[e], want.dequantize())
         bias = load_unquantized(tmp_path / scheme)["model.layers.0.mlp.experts.gate_up_proj_bias"]
         assert torch.equal(bias, tensors["model.layers.0.mlp.experts.gate_up_proj_bias"])
+
+
+def test_transposed_expert_stacks_in_compressed_tensors_need_ignore(tmp_path: Path) -> None:
+    """--format compressed-tensors stores 2-D weights only: a gpt-oss expert stack is refused
+    by name with the way out (--ignore keeps it bf16, and the rest is written)."""
+    from vllm_mxplus.errors import UsageError
+
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(2, 32, 32),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
+    }
+    src = make_custom(tmp_path / "src", tensors, {"model_type": "gpt_oss"})
+    with pytest.raises(UsageError, match=r"experts\.(gate_up|down)_proj.*--ignore"):
+        quantize_checkpoint(
+            src, tmp_path / "ct", "mxfp4-ocp", progress=False, out_format="compressed-tensors"
+        )
+    assert not (tmp_path / "ct").exists()  # nothing half-written
+    quantize_checkpoint(
+        src,
+        tmp_path / "ct",
+        "mxfp4-ocp",
+        progress=False,
+        out_format="compressed-tensors",
+        ignore=["re:.*experts.*"],
+    )
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"

@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 # The keys of an online options dict (`--hf-overrides '{"quantization_config": {...}}'`).
 ONLINE_OPTIONS = ("quant_method", "macro_block_size", "modules_to_not_convert", "ignore")
 # A checkpoint's modules_to_not_convert entries that keep a MoE layer's whole expert stacks
-# (transformers' fused `experts.gate_up_proj` / `experts.down_proj`, as `mxplus quantize`
-# keeps gpt-oss's; after vLLM's name mapper `experts.w13_weight` / `experts.w2_weight`): one
-# of each pair under the layer's prefix keeps the layer unquantized.
+# (transformers' fused `experts.gate_up_proj` / `experts.down_proj`, as `mxplus quantize
+# --ignore` keeps gpt-oss's; after vLLM's name mapper `experts.w13_weight` /
+# `experts.w2_weight`): one of each pair under the layer's prefix keeps the layer unquantized.
 KEPT_EXPERT_STACKS = (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight"))
 
 
