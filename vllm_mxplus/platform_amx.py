@@ -70,13 +70,19 @@ def cpu_model_name(default: str) -> str:
     return default
 
 
-def cpu_has_amx_tile(cpuinfo: str) -> bool:
-    """Whether a /proc/cpuinfo text lists the `amx_tile` flag on a `flags` line."""
+def cpu_flags(cpuinfo: str) -> set[str] | None:
+    """The feature flags of a /proc/cpuinfo text's first `flags` (x86) or `Features` (Arm)
+    line; None when it has no such line."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags" and "amx_tile" in value.split():
-            return True
-    return False
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return None
+
+
+def cpu_has_amx_tile(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text lists the `amx_tile` flag."""
+    return "amx_tile" in (cpu_flags(cpuinfo) or set())
 
 
 def _libc_arch_prctl(code: int, arg: int) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 
 from vllm_mxplus import settings
 from vllm_mxplus.log_once import log_once
-from vllm_mxplus.platform_amx import read_cpuinfo
+from vllm_mxplus.platform_amx import cpu_flags, read_cpuinfo
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,10 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def native_bf16_from_cpuinfo(cpuinfo: str) -> bool | None:
-    """Whether a /proc/cpuinfo text's first `flags` / `Features` line lists a NATIVE_BF16_FLAGS
-    flag; None when it has no such line."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return any(f in NATIVE_BF16_FLAGS for f in value.split())
-    return None
+    """Whether a /proc/cpuinfo text's flags (`platform_amx.cpu_flags`) list a
+    NATIVE_BF16_FLAGS flag; None when it has no flags line."""
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else not flags.isdisjoint(NATIVE_BF16_FLAGS)
 
 
 def cpu_has_native_bf16() -> bool:
