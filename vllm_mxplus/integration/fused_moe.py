@@ -72,6 +72,7 @@ from vllm_mxplus.integration.params import Layer, LayerQuantConfig, check_row_pa
 SHARD_PROJS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # gpt-oss's whole-expert shard ids (integration/gpt_oss_model.py) -> its projection names
 GPT_OSS_SHARDS = {"gpt_oss_w13": "gate_up_proj", "gpt_oss_w2": "down_proj"}
+ALL_SHARD_PROJS = {**SHARD_PROJS, **GPT_OSS_SHARDS}
 
 
 class MxplusFusedMoEMethod(FusedMoEMethodBase):
@@ -186,7 +187,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         def loader(
             param, loaded_weight, weight_name, shard_id, expert_id, return_success: bool = False
         ):
-            proj = {**SHARD_PROJS, **GPT_OSS_SHARDS}.get(shard_id, shard_id)
+            proj = ALL_SHARD_PROJS.get(shard_id, shard_id)
             name = f"{layer.layer_name}.{expert_id}.{proj}.{tspec.suffix}"
             if loaded_weight.dtype != tspec.dtype:
                 raise ValueError(
