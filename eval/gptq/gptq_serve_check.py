@@ -48,7 +48,7 @@ def layer_check(ckpt: Path, scheme: str, rows: int = 16, seed: int = 0) -> tuple
     """(layers checked, worst error / bound, backend) over the checkpoint's quantized weights.
 
     Inputs: `rows` random activation rows per layer; the bound is the one of
-    tests/backends/test_cpu_kernels.py (fp32 output).
+    tests/backends/cpu/test_cpu_kernels.py (fp32 output).
     """
     from vllm_mxplus.backends import LinearSpec, select
     from vllm_mxplus.checkpoint import load

@@ -5,8 +5,8 @@ serving backends must compute the same numbers for them as for RTN encodings: ev
 the CPU dispatch selects (`ops.dispatch.select`: cpu-packed, the C++ integer GEMM) and the
 reference backend, against the float64 product of the spec's dequantized values, within the
 kernels' stated bounds (csrc/mx_gemm_cpu.cpp and csrc/mx_nvfp4_cpu.cpp; docs/numerics.md,
-"Kernel numerics and error bounds"; the same bounds as tests/backends/test_cpu_kernels.py and
-test_cpu_nvfp4.py, fp32 output).
+"Kernel numerics and error bounds"; the same bounds as tests/backends/cpu/test_cpu_kernels.py and
+test_cpu_kernels_nvfp4.py, fp32 output).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Default text: the embedded Wikipedia text (`mxplus prepare`), HELD OUT from the evaluation.
 The perplexity task of the studies (eval/tasks/build.py) takes articles from the start of the
 file in order and stopped at article 19 (16k tokens); calibration only reads articles from
-HELD_OUT_FROM on, so the two never share text (tests/checkpoint/test_calib_data.py checks
+HELD_OUT_FROM on, so the two never share text (tests/calibration/test_calibration_data.py checks
 the committed eval task files against it). A user's own text: `--calib FILE` (plain UTF-8).
 
 Samples: nsamples windows of seqlen tokens at random offsets (seeded) in the tokenized text,

@@ -10,7 +10,7 @@ group's first column, from the error-updated weights (group_params.py), so the o
 exact encoding of the format (docs/numerics.md, "Formats and schemes").
 
 With H = I no error is propagated (H^-1 is diagonal), so GPTQ returns the RTN result of the
-same parameter rule, bit for bit (tests/checkpoint/test_gptq.py).
+same parameter rule, bit for bit (tests/calibration/test_calibration_gptq.py).
 
 MBS formats take the checkpoint's macro block (`macro_block`, one MBS byte per that many
 columns; docs/numerics.md, "Macro Block Scaling"): it is the group whose parameters are chosen

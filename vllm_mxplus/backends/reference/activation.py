@@ -7,7 +7,7 @@ that op overhead, not arithmetic, dominates the CPU reference path. Here the E2M
 comes straight from the scaled magnitude v: on the grids [0, 2) step 1/2, [2, 4) step 1 and
 [4, 6] step 2 the E2M1 codes and the grid indices have the same parity, so
 round-half-to-even of v / step is exactly E2M1's ties-to-even-code rule; min(., 6) saturates.
-tests/backends/test_act_fake_quant.py checks bit equality with formats for every format it takes.
+tests/backends/reference/test_reference_activation.py checks bit equality with formats for every format it takes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ spec's two fp32 divisions by F that the integer path does not make, the rest the
 additions, the one division per chunk, second-order terms and the roundings below fp32's
 normal range. A wrong code, scale or MBS byte moves the terms it touches by at least 2^-9 of
 themselves, far above the bound; outputs beyond fp32's range must be +-Inf or NaN. The builds
-for other instruction sets: tests/backends/test_cpu_isa.py.
+for other instruction sets: tests/backends/cpu/test_cpu_kernels_isa.py.
 """
 
 from __future__ import annotations

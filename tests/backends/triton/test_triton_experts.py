@@ -4,13 +4,13 @@
   of another rank's expert anywhere, tiles padded with the sentinel, the capacity a bound
   from the shapes.
 - The grouped GEMM (both stems) within the `mx_gemm` bound (docs/numerics.md, "Kernel
-  numerics and error bounds"; test_triton_prefill.py) of the float64 product per pair.
+  numerics and error bounds"; test_triton_mx_gemm.py) of the float64 product per pair.
 - The whole expert layer against `moe_experts_reference`: each GEMM output is in that bound
   before it is rounded to the model dtype; where two fp32 sums straddle a bf16 rounding
   boundary the rounded h differs by one ulp, which can move one element of Q_act(h) across
   a quantization threshold (one code step of its block). So the layers agree to
   rtol = atol / max = 2^-6, the tolerance of the CPU experts against the same reference
-  (tests/backends/test_moe_cpu.py); here they agree exactly where the sums coincide.
+  (tests/backends/cpu/test_cpu_experts.py); here they agree exactly where the sums coincide.
 """
 
 from __future__ import annotations

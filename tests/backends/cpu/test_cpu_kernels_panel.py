@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from test_cpu_kernels import PAIRS, _special_rows, _weight  # tests/backends, on sys.path
+from test_cpu_kernels import PAIRS, _special_rows, _weight  # tests/backends/cpu, on sys.path
 
 from vllm_mxplus.formats import MACRO_BLOCK, get_format, quantize
 from vllm_mxplus.formats.constants import ceil_div

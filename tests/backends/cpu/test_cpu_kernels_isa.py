@@ -1,9 +1,9 @@
 """The CPU kernels built for each instruction set (VLLM_MXPLUS_CPU_MARCH), every scheme: the
 AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512) and the
 portable C++ (x86-64) give the activation codes of `formats` bit for bit and outputs within
-the same bounds as the native build (tests/backends/test_cpu_kernels.py, test_cpu_nvfp4.py,
-test_cpu_mxplus.py), and the E8M0 schemes' outputs bit for bit with the fp32 model of the
-kernels' operations (test_cpu_panel.py): every instruction set gives the same bits. One subprocess per target (one process loads one build of the ops);
+the same bounds as the native build (tests/backends/cpu/test_cpu_kernels.py, test_cpu_kernels_nvfp4.py,
+test_cpu_kernels_mxplus.py), and the E8M0 schemes' outputs bit for bit with the fp32 model of the
+kernels' operations (test_cpu_kernels_panel.py): every instruction set gives the same bits. One subprocess per target (one process loads one build of the ops);
 builds are cached per -march like any other. A target this CPU cannot run is skipped with
 the missing feature flags named (an AVX-512 build on an AVX2-only CPU would die of SIGILL).
 """

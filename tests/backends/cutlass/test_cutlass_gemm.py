@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from cutlass_helpers import (  # tests/backends, on sys.path under pytest
+from cutlass_helpers import (  # tests/backends/cutlass, on sys.path under pytest
     dequantize_folded,
     emulated_sm90,  # noqa: F401  (a fixture, used through pytest.mark.usefixtures)
     scheme_supported,

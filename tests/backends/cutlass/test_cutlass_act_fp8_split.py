@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_act_fp8 import activations, special_rows
+from test_cutlass_act_fp8 import activations, special_rows
 
 from vllm_mxplus.backends.cutlass import fp8_chunks as fc
 from vllm_mxplus.backends.triton.act_fp8 import SUPPORTED_FORMATS, act_fp8_split_rows

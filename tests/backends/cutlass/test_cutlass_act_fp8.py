@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/backends on sys.path)
+from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/backends/cutlass on sys.path)
 from graph_helpers import replay_with
 
 from vllm_mxplus.backends.base import LinearSpec
