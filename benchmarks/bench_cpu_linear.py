@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from vllm_mxplus.platform_amx import cpu_flags, cpu_model_name, read_cpuinfo
+
 SHAPES = {
     # SmolLM2-135M: qkv, o, gate_up, down (hidden 576, FFN 1536, 9 + 3 + 3 heads of 64)
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
@@ -85,15 +87,8 @@ def _medians_us(
 
 def cpu_description() -> str:
     """The CPU model and the flags that matter for these kernels (from /proc/cpuinfo)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):  # noqa: SIM115
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    model = cpu_model_name(platform.processor() or platform.machine())
+    flags = cpu_flags(read_cpuinfo()) or set()
     keep = (
         "avx2",
         "avx_vnni",

@@ -129,7 +129,8 @@ def _self_test() -> list[str]:
         q = quantize(w, wf)
         xq = fake_quantize(x, af)
         if not torch.equal(
-            cpu_kernels.act_fake_quant(x, af).view(torch.int32), xq.view(torch.int32)
+            cpu_kernels.act_fake_quant(x, af, q.macro_block).view(torch.int32),
+            xq.view(torch.int32),
         ):
             bad.append(f"activation fake-quant {af}")
         w_hat = q.dequantize()
@@ -147,7 +148,7 @@ def _self_test() -> list[str]:
                 )
                 if wf == "mxplus"
                 else cpu_kernels.mx_linear(
-                    x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32
+                    x[:m], wf, af, q.codes, q.scales, q.mbs, 576, None, torch.float32, q.macro_block
                 )
             )
             if not bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()):

@@ -3,6 +3,7 @@ values, fp32 accumulation order only."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -10,9 +11,13 @@ import torch
 
 from vllm_mxplus.backends.reference.experts import moe_experts_reference
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
-from vllm_mxplus.formats import QuantizedTensor, get_format, get_scheme, quantize
-from vllm_mxplus.formats.e2m1 import E2M1_MAX, pack_fp4
-from vllm_mxplus.formats.nvfp4 import F8E4M3_MAX, quantize_nvfp4_given
+from vllm_mxplus.formats import (
+    QuantizedTensor,
+    get_format,
+    get_scheme,
+    quantize,
+    quantize_nvfp4_logical,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
@@ -22,15 +27,7 @@ def _nvfp4_per_row(w: torch.Tensor, shards: int) -> QuantizedTensor:
     (w13: gate and up apart), given per row [E*N, 1]."""
     e, n, k = w.shape
     amax = w.reshape(e, shards, n // shards, k).abs().amax((-1, -2))
-    g = (amax / (E2M1_MAX * F8E4M3_MAX)).repeat_interleave(n // shards, dim=1).reshape(e * n, 1)
-    codes, scales = quantize_nvfp4_given(w.reshape(e * n, k), g)
-    return QuantizedTensor(
-        codes=pack_fp4(codes),
-        scales=scales,
-        fmt="nvfp4",
-        shape=torch.Size((e * n, k)),
-        global_scale=g,
-    )
+    return quantize_nvfp4_logical(w.reshape(e * n, k), amax.reshape(-1), [n // shards] * e * shards)
 
 
 def _halved_row_scale(h: torch.Tensor) -> torch.Tensor:
@@ -100,10 +97,10 @@ def test_packed_experts_match_reference(scheme, m, with_map):
         def local_rows(t):
             return None if t is None else t.reshape(e, n, -1)[local].reshape(len(local) * n, -1)
 
-        sub = type(q)(
+        sub = dataclasses.replace(
+            q,
             codes=q.codes.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
             scales=q.scales.reshape(e, n, -1)[local].reshape(len(local) * n, -1),
-            fmt=q.fmt,
             shape=torch.Size((len(local) * n, q.shape[-1])),
             mbs=local_rows(q.mbs),
             block_max_index=local_rows(q.block_max_index),
@@ -113,7 +110,7 @@ def test_packed_experts_match_reference(scheme, m, with_map):
                 else local_rows(q.global_scale)
             ),
         )
-        return PackedExperts.from_rows(sub, len(local), s.activation_format, 128)
+        return PackedExperts.from_rows(sub, len(local), s.activation, s.macro_block)
 
     got = moe_experts_packed(
         x,

@@ -17,6 +17,7 @@ for other instruction sets: tests/backends/cpu/test_cpu_kernels_isa.py.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -60,7 +61,7 @@ def test_act_fake_quant_bit_exact(ck, fmt, k, dtype):
     if dtype != torch.float32:
         x[1, k // 2] = float("nan")
         x[3] = 0.0
-    assert _bits_equal(ck.act_fake_quant(x, fmt), fake_quantize(x, fmt))
+    assert _bits_equal(ck.act_fake_quant(x, fmt, MACRO_BLOCK), fake_quantize(x, fmt))
 
 
 def test_act_fake_quant_all_bf16_patterns(ck):
@@ -68,7 +69,7 @@ def test_act_fake_quant_all_bf16_patterns(ck):
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x.reshape(-1, 1024)
     for fmt in ACT_FORMATS:
-        assert _bits_equal(ck.act_fake_quant(x, fmt), fake_quantize(x, fmt)), fmt
+        assert _bits_equal(ck.act_fake_quant(x, fmt, MACRO_BLOCK), fake_quantize(x, fmt)), fmt
 
 
 @pytest.mark.parametrize("macro", [32, 64, 256])
@@ -82,7 +83,9 @@ def test_act_macro_block_sizes(ck, macro):
 
 def test_act_leading_dims(ck):
     x = torch.randn(2, 3, 200)
-    assert _bits_equal(ck.act_fake_quant(x, "mxfp4-16-oas"), fake_quantize(x, "mxfp4-16-oas"))
+    assert _bits_equal(
+        ck.act_fake_quant(x, "mxfp4-16-oas", MACRO_BLOCK), fake_quantize(x, "mxfp4-16-oas")
+    )
 
 
 def _weight(k: int, n: int = 40, seed: int = 0) -> torch.Tensor:
@@ -120,7 +123,7 @@ def test_act_quant_codes_bit_exact(ck, fmt, k):
     """The GEMM's activation operand: codes, E8M0 codes and MBS bytes equal formats.quantize."""
     g = torch.Generator().manual_seed(k)
     x = _special_rows(torch.randn(9, k, generator=g) * torch.logspace(-6, 6, 9)[:, None])
-    codes, scales, mbs = ck.act_quant(x, fmt)
+    codes, scales, mbs = ck.act_quant(x, fmt, MACRO_BLOCK)
     q = quantize(x, fmt)
     assert torch.equal(codes, _doubled_values(q.codes, k))
     assert torch.equal(scales, q.scales)
@@ -133,7 +136,7 @@ def test_act_quant_all_bf16_patterns(ck):
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x.reshape(-1, 1024)
     for fmt in ACT_FORMATS:
-        codes, scales, mbs = ck.act_quant(x, fmt)
+        codes, scales, mbs = ck.act_quant(x, fmt, MACRO_BLOCK)
         q = quantize(x, fmt)
         assert torch.equal(codes, _doubled_values(q.codes, 1024)), fmt
         assert torch.equal(scales, q.scales), fmt
@@ -143,7 +146,7 @@ def test_pack_weight_holds_the_same_codes(ck):
     """The tile layout documented in csrc/mx_gemm_cpu.cpp (pack_weight), decoded in Python."""
     n, k = 37, 50
     q = quantize(torch.randn(n, k), "mxfp4-mbs-d")
-    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, k, "mxfp4-mbs-d")
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, k, "mxfp4-mbs-d", MACRO_BLOCK)
     nt, groups = 3, 4  # ceil(37 / 16), ceil(50 / 16)
     b = wc.view(nt, groups, 2, 16, 4).long()  # [tile, group, half q, row i, j]
     lo, hi = b & 15, b >> 4
@@ -194,7 +197,7 @@ def test_linear_matches_float64(ck, pair, m, k):
     order = [8, 4, 7, 1, 0, 2, 3, 5, 6] + list(range(9, m))  # a plain row first
     x = x[order[:m]].to(torch.bfloat16)
     bias = torch.randn(45, generator=g)
-    y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32)
+    y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32, MACRO_BLOCK)
     _assert_within_bound(y, _reference(x, q, af, bias), torch.float32, k, wf, af)
 
 
@@ -207,9 +210,7 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
     q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     ref = _reference(x, q, "mxfp4-mbs-s", None)
-    bad = type(q)(
-        codes=q.codes.clone(), scales=q.scales.clone(), fmt=q.fmt, shape=q.shape, mbs=q.mbs.clone()
-    )
+    bad = dataclasses.replace(q, codes=q.codes.clone(), scales=q.scales.clone(), mbs=q.mbs.clone())
     if wrong == "mbs byte":
         bad.mbs[3, 1] ^= 1
     elif wrong == "scale code":
@@ -217,7 +218,16 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
     else:
         bad.codes[3, 70] ^= 0x01
     y = ck.mx_linear(
-        x, "mxfp4-mbs-d", "mxfp4-mbs-s", bad.codes, bad.scales, bad.mbs, k, None, torch.float32
+        x,
+        "mxfp4-mbs-d",
+        "mxfp4-mbs-s",
+        bad.codes,
+        bad.scales,
+        bad.mbs,
+        k,
+        None,
+        torch.float32,
+        MACRO_BLOCK,
     )
     with pytest.raises(AssertionError, match="out of bound"):
         _assert_within_bound(y, ref, torch.float32, k, "mxfp4-mbs-d", "mxfp4-mbs-s")
@@ -229,7 +239,7 @@ def test_linear_dtypes_no_bias_leading_dims(ck, out_dtype, m):
     q = quantize(torch.randn(24, 576) * 0.1, "mxfp4-mbs-d")
     x = torch.randn(2, m // 2, 576, dtype=torch.bfloat16)
     y = ck.mx_linear(
-        x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 576, None, out_dtype
+        x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 576, None, out_dtype, MACRO_BLOCK
     )
     assert y.shape == (2, m // 2, 24) and y.dtype == out_dtype
     _assert_within_bound(
@@ -251,7 +261,16 @@ def test_linear_nan_row_and_special_weights(ck, m):
     x[1, 0] = float("inf")
     x[0] = 0.0
     y = ck.mx_linear(
-        x, "mxfp4-mbs-d", "mxfp4-mbs-s", q.codes, q.scales, q.mbs, 300, None, torch.float32
+        x,
+        "mxfp4-mbs-d",
+        "mxfp4-mbs-s",
+        q.codes,
+        q.scales,
+        q.mbs,
+        300,
+        None,
+        torch.float32,
+        MACRO_BLOCK,
     )
     assert torch.isnan(y[2]).all() and torch.isnan(y[1]).all()
     assert torch.isnan(y[:, 5:8]).all()  # NaN, Inf, and values beyond fp32 in weight rows 5..7
@@ -273,6 +292,7 @@ def test_empty_rows(ck):
         64,
         None,
         torch.bfloat16,
+        MACRO_BLOCK,
     )
     assert y.shape == (0, 8) and y.dtype == torch.bfloat16
 
@@ -289,17 +309,19 @@ def test_bad_inputs_name_the_tensor(ck):
         a = {**good, "bias": None, **bad}
         w = (a["codes"], a["scales"], a["mbs"])
         with pytest.raises(RuntimeError, match=match):
-            ck.mx_linear(a["x"], "mxfp4-mbs-d", "mxfp4-mbs-s", *w, 64, a["bias"], torch.float32)
-    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 64, "mxfp4-mbs-d")
-    args = ck.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", 8, 64)
+            ck.mx_linear(
+                a["x"], "mxfp4-mbs-d", "mxfp4-mbs-s", *w, 64, a["bias"], torch.float32, MACRO_BLOCK
+            )
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 64, "mxfp4-mbs-d", MACRO_BLOCK)
+    args = ck.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", 8, 64, MACRO_BLOCK)
     with pytest.raises(RuntimeError, match="packed weight codes must be"):
         ck.linear_packed(torch.randn(2, 64), args, q.codes, ws, wm, None, torch.float32)
     with pytest.raises(ValueError, match="do not quantize activations as 'nvfp4'"):
-        ck.act_fake_quant(torch.randn(2, 64), "nvfp4")
+        ck.act_fake_quant(torch.randn(2, 64), "nvfp4", MACRO_BLOCK)
     with pytest.raises(ValueError, match="do not read weights stored as 'mxplus'"):
         ck.dequant_weight(quantize(torch.randn(8, 64), "mxplus"))
     with pytest.raises(ValueError, match="need the same block size"):
-        ck.linear_args("mxfp4-ocp", "mxfp4-16-oas", 8, 64)
+        ck.linear_args("mxfp4-ocp", "mxfp4-16-oas", 8, 64, MACRO_BLOCK)
 
 
 def test_ops_trace_and_check(ck):
@@ -312,7 +334,7 @@ def test_ops_trace_and_check(ck):
     torch.library.opcheck(
         ops.cpu_pack_weight.default, (q32.codes, q32.scales, ck.empty_mbs(), 130, 32, 128)
     )
-    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 130, "mxfp4-mbs-d")
+    wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, 130, "mxfp4-mbs-d", MACRO_BLOCK)
     args = (x, 16, 2, True, 128, wc, ws, wm, 20, 130, 16, None, torch.bfloat16)
     torch.library.opcheck(ops.cpu_mx_linear.default, args)
     torch.library.opcheck(ops.cpu_act_fake_quant.default, (x, 16, 2, True, 128))

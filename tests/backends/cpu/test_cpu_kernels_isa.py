@@ -15,9 +15,10 @@ import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from vllm_mxplus.platform_amx import cpu_flags, read_cpuinfo
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
 
@@ -26,10 +27,10 @@ import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import test_cpu_kernels as t
-import test_cpu_mxplus as tm
-import test_cpu_nvfp4 as tn
-import test_cpu_panel as tp
-from vllm_mxplus.formats import quantize
+import test_cpu_kernels_mxplus as tm
+import test_cpu_kernels_nvfp4 as tn
+import test_cpu_kernels_panel as tp
+from vllm_mxplus.formats import MACRO_BLOCK, quantize
 from vllm_mxplus.backends.cpu import kernels as ck
 ok, why = ck.load()
 assert ok, why
@@ -38,11 +39,13 @@ for wf, af in t.PAIRS:
         q = quantize(t._weight(k, n=21, seed=k) * 0.05, wf)
         assert t._bits_equal(ck.dequant_weight(q), q.dequantize())
         x = t._special_rows(torch.randn(11, k) * 3)[[8, 9, 10, 4, 7, 1, 0, 2, 3, 5, 6]]
-        codes, scales, mbs = ck.act_quant(x, af)
+        codes, scales, mbs = ck.act_quant(x, af, MACRO_BLOCK)
         assert torch.equal(codes, t._doubled_values(quantize(x, af).codes, k)), (af, k)
-        assert t._bits_equal(ck.act_fake_quant(x, af), t.fake_quantize(x, af))
+        assert t._bits_equal(ck.act_fake_quant(x, af, MACRO_BLOCK), t.fake_quantize(x, af))
         for m in (1, 3, 9, 11):
-            y = ck.mx_linear(x[:m], wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32)
+            y = ck.mx_linear(
+                x[:m], wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK
+            )
             t._assert_within_bound(y, t._reference(x[:m], q, af, None), torch.float32, k, wf, af)
 for k in (33, 577):
     q = quantize(tn._weight(21, k, k), "nvfp4")
@@ -54,9 +57,9 @@ for k in (33, 577):
 for k in (33, 577):
     q = quantize(tm.weight(21, k, k), "mxplus")
     x = tm.special_rows(torch.randn(12, k) * 3)[[9, 10, 11, 8, 4, 7, 1, 0, 2, 3, 5, 6]]
-    codes, scales, _ = ck.act_quant(x, "mxplus")
+    codes, scales, _ = ck.act_quant(x, "mxplus", MACRO_BLOCK)
     assert torch.equal(codes, tm.doubled(quantize(x, "mxplus"), k)), ("mxplus", k)
-    assert t._bits_equal(ck.act_fake_quant(x, "mxplus"), t.fake_quantize(x, "mxplus"))
+    assert t._bits_equal(ck.act_fake_quant(x, "mxplus", MACRO_BLOCK), t.fake_quantize(x, "mxplus"))
     for m in (1, 3, 9, 12):
         y = ck.mxplus_linear_packed(x[:m], 21, k, *ck.pack_mxplus(q), None, torch.float32)
         tm.assert_within_bound(y, tm.reference(x[:m], q, None), k)
@@ -79,13 +82,7 @@ TARGETS = {
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return cpu_flags(read_cpuinfo()) or set()
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

@@ -16,6 +16,7 @@ an output by at least 2^-5 of the term it touches.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 from bound_helpers import check_bound  # tests/backends, on sys.path under pytest
 from edge_rows import edge_rows
 
-from vllm_mxplus.formats import fake_quantize, quantize
+from vllm_mxplus.formats import MACRO_BLOCK, fake_quantize, quantize
 from vllm_mxplus.formats.constants import NO_BLOCK_MAX, ceil_div
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 
@@ -65,7 +66,7 @@ def doubled(q, k: int) -> torch.Tensor:
 def test_act_quant_bit_exact(ck, k):
     g = torch.Generator().manual_seed(k)
     x = special_rows(torch.randn(10, k, generator=g) * torch.logspace(-6, 6, 10)[:, None])
-    codes, scales, mbs = ck.act_quant(x, "mxplus")
+    codes, scales, mbs = ck.act_quant(x, "mxplus", MACRO_BLOCK)
     q = quantize(x, "mxplus")
     assert torch.equal(codes, doubled(q, k))
     assert torch.equal(scales, q.scales) and mbs.numel() == 0
@@ -77,11 +78,11 @@ def test_act_quant_all_bf16_patterns(ck):
     """Every bf16 bit pattern once, 32 to a block: every scale code, every j and tie."""
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x.reshape(-1, 1024)
-    codes, scales, _ = ck.act_quant(x, "mxplus")
+    codes, scales, _ = ck.act_quant(x, "mxplus", MACRO_BLOCK)
     q = quantize(x, "mxplus")
     assert torch.equal(codes, doubled(q, 1024))
     assert torch.equal(scales, q.scales)
-    fq = ck.act_fake_quant(x, "mxplus")
+    fq = ck.act_fake_quant(x, "mxplus", MACRO_BLOCK)
     assert torch.equal(fq.view(torch.int32), fake_quantize(x, "mxplus").view(torch.int32))
 
 
@@ -92,7 +93,9 @@ def test_act_fake_quant_bit_exact(ck, k, dtype):
     x = torch.randn(10, k, generator=g) * torch.logspace(-4, 4, 10)[:, None]
     x = (special_rows(x) if dtype == torch.float32 else x).to(dtype)
     want = fake_quantize(x, "mxplus")
-    assert torch.equal(ck.act_fake_quant(x, "mxplus").view(torch.int32), want.view(torch.int32))
+    assert torch.equal(
+        ck.act_fake_quant(x, "mxplus", MACRO_BLOCK).view(torch.int32), want.view(torch.int32)
+    )
 
 
 def weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -202,11 +205,10 @@ def test_bound_catches_a_wrong_block_max(ck, wrong):
     q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxplus")
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     ref = reference(x, q, None)
-    bad = type(q)(
+    bad = dataclasses.replace(
+        q,
         codes=q.codes.clone(),
         scales=q.scales.clone(),
-        fmt=q.fmt,
-        shape=q.shape,
         block_max_index=q.block_max_index.clone(),
     )
     i = int(bad.block_max_index[3, 2])
@@ -253,7 +255,7 @@ def test_empty_rows_and_bad_inputs(ck):
     bad[1, 1] = 40
     with pytest.raises(RuntimeError, match="block_max_index 40 at row 1, block 1"):
         torch.ops.vllm_mxplus.cpu_mxplus_pack_weight(q.codes, q.scales, bad, 64)
-    with pytest.raises(ValueError, match="2-D mxplus weight"):
+    with pytest.raises(ValueError, match=r"2-D weight with MX\+ block maxima, got mxfp4-ocp"):
         ck.pack_mxplus(quantize(torch.randn(8, 64), "mxfp4-ocp"))
     with pytest.raises(RuntimeError, match="MX\\+ takes block 32 without MBS"):
         torch.ops.vllm_mxplus.cpu_act_quant(torch.randn(2, 64), 16, 3, False, 128)

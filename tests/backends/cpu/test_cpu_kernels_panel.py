@@ -120,7 +120,7 @@ def test_linear_bits_equal_model(ck, pair, m, k):
     bias = torch.randn(45, generator=torch.Generator().manual_seed(m))
     for special in (False, True) if m >= 9 else (False,):
         x = _rows(m, k, m * 7 + k, special)
-        y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32)
+        y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32, MACRO_BLOCK)
         _assert_bits(y, _model(x.float(), q, af, bias))
 
 
@@ -134,7 +134,7 @@ def test_plain_weights_take_the_fast_terms(ck):
     for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
         q = quantize(torch.randn(70, k, generator=g) * 0.02, wf)
         x = torch.randn(257, k, generator=g).to(torch.bfloat16)
-        y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32)
+        y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK)
         _assert_bits(y, _model(x.float(), q, af, None))
 
 
@@ -153,7 +153,7 @@ def test_rows_do_not_depend_on_blocking(ck, m):
         q = quantize(_weight(k, n=45, seed=k) * 0.05, wf)
         _rowwise_equal(
             lambda r, q=q, wf=wf, af=af: ck.mx_linear(
-                r, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32
+                r, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK
             ),
             x,
         )
@@ -173,7 +173,9 @@ def test_model_catches_a_wrong_term(ck):
     want = _model(x.float(), q, "mxfp4-16", None)
     bad = q.scales.clone()
     bad[3, 9] += 1
-    y = ck.mx_linear(x, "mxfp4-16", "mxfp4-16", q.codes, bad, None, k, None, torch.float32)
+    y = ck.mx_linear(
+        x, "mxfp4-16", "mxfp4-16", q.codes, bad, None, k, None, torch.float32, MACRO_BLOCK
+    )
     with pytest.raises(AssertionError, match="outputs differ"):
         _assert_bits(y, want)
     assert ceil_div(k, 16) > 9

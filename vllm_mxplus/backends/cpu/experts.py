@@ -23,7 +23,7 @@ class CpuPackedExperts(CpuKernels, ExpertBackend):
         spec = self.spec
         layer.mxplus_packed = {
             stem: PackedExperts.from_rows(
-                *weights.quantized(stem), spec.activation_format, spec.macro_block
+                *weights.quantized(stem), spec.scheme.activation, spec.macro_block
             )
             for stem in STEMS
         }

@@ -14,6 +14,7 @@ reference's 4-byte fp32 copy), in the 16-row tiles of `cpu_kernels.pack_weight` 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from vllm_mxplus.backends.cpu.linear import cpu_linear, pack_for_kernels
 from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.reference.experts import route
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import FormatSpec, QuantizedTensor
 
 
 @dataclass
@@ -41,9 +42,10 @@ class PackedExperts:
 
     @classmethod
     def from_rows(
-        cls, q: QuantizedTensor, experts: int, activation_format: str, macro_block: int
+        cls, q: QuantizedTensor, experts: int, activation: FormatSpec, macro_block: int
     ) -> PackedExperts:
-        """From a QuantizedTensor of all experts' rows [E*N, K]."""
+        """From a QuantizedTensor of all experts' rows [E*N, K]; activation: the activation
+        format."""
 
         n = q.shape[0] // experts
         k = q.shape[-1]
@@ -53,22 +55,19 @@ class PackedExperts:
 
         def expert(e: int) -> QuantizedTensor:
             """Expert e's rows as one weight [N, K] (NVFP4: the global scale for all rows,
-            or each row's [E*N, 1])."""
+            or each row's [E*N, 1]); the other fields (format, macro block) are q's."""
             g = q.global_scale
-            return QuantizedTensor(
+            return dataclasses.replace(
+                q,
                 codes=q.codes[e * n : (e + 1) * n],
                 scales=q.scales[e * n : (e + 1) * n],
-                fmt=q.fmt,
                 shape=torch.Size((n, k)),
                 mbs=rows(q.mbs, e),
                 global_scale=g if g is None or g.numel() == 1 else rows(g.reshape(-1, 1), e),
                 block_max_index=rows(q.block_max_index, e),
-                macro_block=macro_block,
             )
 
-        packed = [
-            pack_for_kernels(expert(e), activation_format, macro_block) for e in range(experts)
-        ]
+        packed = [pack_for_kernels(expert(e), activation, macro_block) for e in range(experts)]
         codes, scales, mbs = (torch.stack([p[i] for p, _ in packed]) for i in range(3))
         return cls(codes, scales, mbs, packed[0][1], n)
 

@@ -2,9 +2,11 @@
 
     from vllm_mxplus.backends.cpu import kernels as cpu_kernels
     ok, why = cpu_kernels.load()          # builds on first call (~20 s), then cached
-    packed = cpu_kernels.pack_weight(codes, scales, mbs, k, "mxfp4-mbs-d")   # once, at load
-    y = cpu_kernels.linear_packed(x, cpu_kernels.linear_args("mxfp4-mbs-d", "mxfp4-mbs-s", n, k),
-                                  *packed, bias, torch.bfloat16)
+    # scheme: the layer's Scheme (weight / activation FormatSpec and macro block)
+    mb = scheme.macro_block
+    packed = cpu_kernels.pack_weight(codes, scales, mbs, k, scheme.weight, mb)  # once, at load
+    args = cpu_kernels.linear_args(scheme.weight, scheme.activation, n, k, mb)
+    y = cpu_kernels.linear_packed(x, args, *packed, bias, torch.bfloat16)
 
 The library is compiled with the host C++ compiler for this CPU (-march=native: AVX-512 with
 VNNI / VBMI where the CPU has them, else AVX2 (with AVX-VNNI where present), else portable
@@ -43,9 +45,10 @@ import torch
 
 from vllm_mxplus import settings
 from vllm_mxplus.backends.cpu.fakes import register_fakes
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format
+from vllm_mxplus.formats import MACRO_BLOCK, FormatSpec, QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.nvfp4 import NVFP4_BLOCK
+from vllm_mxplus.platform_amx import cpu_flags, read_cpuinfo
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +68,9 @@ HEADERS = tuple(
         "mx_tile_scalar.h",
     )
 )
-ENV_MARCH = settings.CPU_MARCH.name  # -march for the build (default: native)
 _BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
 LDFLAGS = ["-fopenmp"]
 ENV_DISABLE = settings.CPU_KERNELS.name
-ENV_BUILD_DIR = settings.CPU_BUILD_DIR.name
 RULE_IDS = {"ocp": 0, "floor": 1, "oas": 2}
 MXPLUS_RULE = 3  # `ocp` block 32 with the MX+ block max (csrc/mx_quant_cpu.cpp)
 TILE_N = 16  # weight rows per tile of cpu_pack_weight (one 32-bit lane each)
@@ -83,13 +84,11 @@ def cflags() -> list[str]:
 
 
 def _cpu_signature() -> str:
-    """This CPU's feature flags (x86 /proc/cpuinfo 'flags', else the platform string)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
+    """This CPU's feature flags (platform_amx.cpu_flags of /proc/cpuinfo, sorted), else the
+    platform string."""
+    flags = cpu_flags(read_cpuinfo())
+    if flags:
+        return " ".join(sorted(flags))
     return platform.processor() or platform.machine()
 
 
@@ -203,19 +202,26 @@ def _require() -> None:
         raise RuntimeError(f"mxplus CPU kernels unavailable: {why}")
 
 
-def _act_args(fmt: str) -> tuple[int, int, bool]:
-    spec = get_format(fmt)
+Format = str | FormatSpec  # a FormatSpec, or a format name (looked up, never compared)
+
+
+def _spec(fmt: Format) -> FormatSpec:
+    return fmt if isinstance(fmt, FormatSpec) else get_format(fmt)
+
+
+def _act_args(fmt: Format) -> tuple[int, int, bool]:
+    spec = _spec(fmt)
     if spec.block_max_mantissa:
         return spec.block_size, MXPLUS_RULE, False
     if spec.scale_rule not in RULE_IDS or spec.mbs == "dynamic":
-        raise ValueError(f"the CPU kernels do not quantize activations as {fmt!r}")
+        raise ValueError(f"the CPU kernels do not quantize activations as {spec.name!r}")
     return spec.block_size, RULE_IDS[spec.scale_rule], spec.mbs == "static"
 
 
-def _weight_block(fmt: str) -> int:
-    spec = get_format(fmt)
+def _weight_block(fmt: Format) -> int:
+    spec = _spec(fmt)
     if spec.scale_rule not in RULE_IDS or spec.block_max_mantissa:
-        raise ValueError(f"the CPU kernels do not read weights stored as {fmt!r}")
+        raise ValueError(f"the CPU kernels do not read weights stored as {spec.name!r}")
     return spec.block_size
 
 
@@ -225,7 +231,7 @@ def empty_mbs(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def act_quant(
-    x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
+    x: torch.Tensor, fmt: Format, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integer GEMM's activation operand for rows x [..., K]: (2 * E2M1 value as int8
     [M, K], E8M0 codes [M, ceil(K/block)], MBS-S bytes [M, ceil(K/macro)] or [M, 0]),
@@ -235,7 +241,7 @@ def act_quant(
     return torch.ops.vllm_mxplus.cpu_act_quant(x, block, rule, mbs, macro_block)
 
 
-def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) -> torch.Tensor:
+def act_fake_quant(x: torch.Tensor, fmt: Format, macro_block: int) -> torch.Tensor:
     """formats.fake_quantize(x, fmt) in fp32 (same bits), for the E8M0 activation formats."""
     _require()
     block, rule, mbs = _act_args(fmt)
@@ -245,7 +251,7 @@ def act_fake_quant(x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK) ->
 def dequant_weight(q: QuantizedTensor) -> torch.Tensor:
     """q.dequantize() in fp32 (same bits) for a 2-D E8M0-family weight, by the C++ decoder."""
     _require()
-    block = _weight_block(q.fmt)
+    block = _weight_block(q.spec)
     mbs = empty_mbs(q.codes.device) if q.mbs is None else q.mbs
     return torch.ops.vllm_mxplus.cpu_dequant_weight(
         q.codes, q.scales, mbs, q.shape[-1], block, q.macro_block
@@ -257,8 +263,8 @@ def pack_weight(
     scales: torch.Tensor,
     mbs: torch.Tensor | None,
     k: int,
-    fmt: str,
-    macro_block: int = MACRO_BLOCK,
+    fmt: Format,
+    macro_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A checkpoint-layout weight (codes [N, ceil(K/2)], E8M0 scales, MBS bytes or None) in
     the GEMM's 16-row tile layout: the same bytes re-ordered (N padded to a multiple of 16)."""
@@ -270,15 +276,15 @@ def pack_weight(
 
 
 def linear_args(
-    weight_format: str, activation_format: str, n: int, k: int, macro_block: int = MACRO_BLOCK
+    weight_format: Format, activation_format: Format, n: int, k: int, macro_block: int
 ) -> tuple:
     """The constant arguments of `cpu_mx_linear` for one layer (see `linear_packed`)."""
     a_block, a_rule, a_mbs = _act_args(activation_format)
     w_block = _weight_block(weight_format)
     if w_block != a_block:
         raise ValueError(
-            f"weights {weight_format} (block {w_block}) and activations "
-            f"{activation_format} (block {a_block}) need the same block size"
+            f"weights {_spec(weight_format).name} (block {w_block}) and activations "
+            f"{_spec(activation_format).name} (block {a_block}) need the same block size"
         )
     return a_block, a_rule, a_mbs, macro_block, n, k, w_block
 
@@ -304,7 +310,7 @@ def linear_packed(
 def nvfp4_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 activation rows as the integer GEMM takes them: (2 * E2M1 value as int8 [M, K],
     E4M3 scale bytes [M, ceil(K/16)], per-row global scale fp32 [M]), bit-exact with
-    formats.quantize(x, "nvfp4", per_row=True)."""
+    formats.quantize of x in the NVFP4 format with per_row=True."""
     _require()
     return torch.ops.vllm_mxplus.cpu_nvfp4_act_quant(x)
 
@@ -313,12 +319,16 @@ def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """An NVFP4 weight [N, K] in the GEMM's 16-row tiles: (codes, E4M3 scale bytes, fp32 global
     scale per row [ceil(N/16) * 16]); the global scale is the tensor's (or each row's)."""
     _require()
-    if q.fmt != "nvfp4" or q.codes.dim() != 2:
-        raise ValueError(f"pack_nvfp4 takes a 2-D nvfp4 weight, got {q.fmt} {tuple(q.shape)}")
+    if not q.spec.has_global_scale or q.codes.dim() != 2:
+        raise ValueError(
+            f"pack_nvfp4 takes a 2-D weight with E4M3 block scales and a global scale "
+            f"(NVFP4), got {q.spec.name} {tuple(q.shape)}"
+        )
     gs = q.global_scale
     if gs is None:
         raise ValueError("pack_nvfp4: the nvfp4 weight has no global scale")
     n, k = q.shape
+    # no MBS bytes: the macro block argument is not read (any valid value)
     codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
         q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK, MACRO_BLOCK
     )
@@ -350,8 +360,11 @@ def pack_mxplus(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """An MX+ weight [N, K] in the GEMM's 16-row tiles: (codes with each block max as code 0,
     E8M0 scales, block maxima: index and 2 * value per row and block), csrc/mx_mxplus_cpu.cpp."""
     _require()
-    if q.fmt != "mxplus" or q.codes.dim() != 2:
-        raise ValueError(f"pack_mxplus takes a 2-D mxplus weight, got {q.fmt} {tuple(q.shape)}")
+    if not q.spec.block_max_mantissa or q.codes.dim() != 2:
+        raise ValueError(
+            f"pack_mxplus takes a 2-D weight with MX+ block maxima, got {q.spec.name} "
+            f"{tuple(q.shape)}"
+        )
     return torch.ops.vllm_mxplus.cpu_mxplus_pack_weight(
         q.codes, q.scales, q._field("block_max_index"), q.shape[-1]
     )
@@ -374,15 +387,15 @@ def mxplus_linear_packed(
 
 def mx_linear(
     x: torch.Tensor,
-    weight_format: str,
-    activation_format: str,
+    weight_format: Format,
+    activation_format: Format,
     codes: torch.Tensor,
     scales: torch.Tensor,
     mbs: torch.Tensor | None,
     k: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
 ) -> torch.Tensor:
     """fake_quantize(x, activation_format) @ W_hat^T + bias for a checkpoint-layout weight
     (packs it on every call: for tests and one-off use; layers pack once at load)."""

@@ -24,7 +24,6 @@ from vllm_mxplus.backends.base import (
     Layer,
     LinearBackend,
     Spec,
-    check_e8m0_pair,
     set_packed_buffers,
 )
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
@@ -37,21 +36,38 @@ from vllm_mxplus.backends.cpu.kernels import (
     pack_nvfp4,
     pack_weight,
 )
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme
 
 # codes, scales, and the MBS bytes (E8M0 formats), the fp32 global scales (NVFP4) or the
 # block maxima (MX+)
 ATTRS = ("mxplus_cpu_codes", "mxplus_cpu_scales", "mxplus_cpu_mbs")
-NVFP4_PAIR = ("nvfp4", "nvfp4")
-MXPLUS_PAIR = ("mxplus", "mxplus")
+# which C++ GEMM a packed weight runs (the first element of its `pack_for_kernels` args)
+GLOBAL_SCALE_GEMM = "e4m3-global"  # cpu_nvfp4_linear: E4M3 block scales + fp32 global
+BLOCK_MAX_GEMM = "e8m0-block-max"  # cpu_mxplus_linear: E8M0 + MX+ block maxima
+E8M0_GEMM = "e8m0"  # cpu_mx_linear: E8M0 block scales, MBS optional
 
 
-def cpu_kernels_take(weight_format: str, activation_format: str) -> tuple[bool, str]:
-    """Whether the C++ kernels take this weight x activation pair (linears and MoE experts):
-    the E8M0 family's pairs, NVFP4 and MX+. (True, "") or (False, why)."""
-    if (weight_format, activation_format) in (NVFP4_PAIR, MXPLUS_PAIR):
+def cpu_kernels_take(scheme: Scheme) -> tuple[bool, str]:
+    """Whether the C++ kernels take this scheme's weight x activation pair (linears and MoE
+    experts), from the formats' flags: both NVFP4-like (E4M3 + global scale), both MX+ (block
+    maxima), or both E8M0 with the same block and scale rule, MBS on both sides or on neither,
+    activations without the dynamic (MBS-D) search. (True, "") or (False, why)."""
+    w, a = scheme.weight, scheme.activation
+    if w.has_global_scale and a.has_global_scale:
         return True, ""
-    return check_e8m0_pair(weight_format, activation_format, "CPU kernel")
+    if w.block_max_mantissa and a.block_max_mantissa:
+        return True, ""
+    if (
+        w.scale_is_e8m0
+        and a.scale_is_e8m0
+        and not (w.block_max_mantissa or a.block_max_mantissa)
+        and w.block_size == a.block_size
+        and w.scale_rule == a.scale_rule
+        and bool(w.mbs) == bool(a.mbs)
+        and a.mbs != "dynamic"
+    ):
+        return True, ""
+    return False, f"no CPU kernel for weights {w.name} x activations {a.name}"
 
 
 class CpuKernels:
@@ -66,23 +82,24 @@ class CpuKernels:
 
     @classmethod
     def can_implement(cls, spec: Spec) -> tuple[bool, str]:
-        return cpu_kernels_take(spec.weight_format, spec.activation_format)
+        return cpu_kernels_take(spec.scheme)
 
 
 def pack_for_kernels(
-    q: QuantizedTensor, activation_format: str, macro_block: int
+    q: QuantizedTensor, activation: FormatSpec, macro_block: int
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple]:
     """A weight [N, K] in the kernels' 16-row tiles: ((codes, scales, third), args), third
     the MBS bytes (E8M0 formats), the NVFP4 fp32 global scale of each row or the MX+ block
     maxima; args what `cpu_linear` needs to run it (resolved once, so a decode step pays one
-    C++ op call per GEMM and no lookups)."""
+    C++ op call per GEMM and no lookups). activation: the activation format."""
     n, k = q.codes.shape[0], q.shape[-1]
-    if q.fmt == "nvfp4":
-        return pack_nvfp4(q), ("nvfp4", n, k)  # codes, E4M3, global
-    if q.fmt == "mxplus":
-        return pack_mxplus(q), ("mxplus", n, k)  # codes, E8M0, block maxima
-    packed = pack_weight(q.codes, q.scales, q.mbs, k, q.fmt, macro_block)
-    return packed, linear_args(q.fmt, activation_format, n, k, macro_block)
+    spec = q.spec
+    if spec.has_global_scale:
+        return pack_nvfp4(q), (GLOBAL_SCALE_GEMM, n, k)  # codes, E4M3, global
+    if spec.block_max_mantissa:
+        return pack_mxplus(q), (BLOCK_MAX_GEMM, n, k)  # codes, E8M0, block maxima
+    packed = pack_weight(q.codes, q.scales, q.mbs, k, spec, macro_block)
+    return packed, (E8M0_GEMM, linear_args(spec, activation, n, k, macro_block))
 
 
 def cpu_linear(
@@ -96,11 +113,12 @@ def cpu_linear(
     """Q_act(x) @ W_hat^T (+ bias) by the C++ kernel of a `pack_for_kernels` weight.
     act_global_scale: NVFP4 only, per-row global scales [R, 1] to quantize x with instead of
     its rows' own."""
-    if args[0] == "nvfp4":
+    gemm = args[0]
+    if gemm == GLOBAL_SCALE_GEMM:
         return nvfp4_linear_packed(x, args[1], args[2], *weight, bias, out_dtype, act_global_scale)
-    if args[0] == "mxplus":
+    if gemm == BLOCK_MAX_GEMM:
         return mxplus_linear_packed(x, args[1], args[2], *weight, bias, out_dtype)
-    return linear_packed(x, args, *weight, bias, out_dtype)
+    return linear_packed(x, args[1], *weight, bias, out_dtype)
 
 
 class CpuPackedBackend(CpuKernels, LinearBackend):
@@ -114,7 +132,7 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             raise ValueError(
                 f"cpu-packed expects a 2-D weight, got codes {tuple(qweight.codes.shape)}"
             )
-        packed, self._args = pack_for_kernels(qweight, spec.activation_format, spec.macro_block)
+        packed, self._args = pack_for_kernels(qweight, spec.scheme.activation, spec.macro_block)
         set_packed_buffers(layer, ATTRS, packed)
 
     def apply(
