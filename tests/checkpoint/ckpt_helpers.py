@@ -75,6 +75,44 @@ def make_custom(
     return path
 
 
+def gpt_oss_config(hidden: int, intermediate: int, experts: int, heads: int) -> dict:
+    """A one-layer gpt-oss config.json dict with every size its architecture needs (head_dim
+    16), so that the source check can build its skeleton."""
+    return {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 1,
+        "vocab_size": 64,
+        "layer_types": ["full_attention"],
+        "tie_word_embeddings": False,
+    }
+
+
+def complete_tensors(
+    config: dict, tensors: dict[str, torch.Tensor], stored_as: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """`tensors` plus a random bf16 tensor for every other parameter of the model `config`
+    builds (shapes from the source check's own meta-device skeleton), except the names
+    stored under a suffix of `stored_as` (e.g. gpt-oss's NAME_blocks / NAME_scales)."""
+    from vllm_mxplus.checkpoint.source_check import skeleton_shapes
+
+    skeleton = skeleton_shapes(config, "test config")
+    assert skeleton is not None, config.get("model_type")
+    g = torch.Generator().manual_seed(1)
+    out = dict(tensors)
+    for name, shape in skeleton[0].items():
+        if name not in out and not any(name + sfx in out for sfx in stored_as):
+            out[name] = (0.1 * torch.randn(shape, generator=g)).bfloat16()
+    return out
+
+
 def source_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a model dir, by name (any number of shards)."""
     out = {}

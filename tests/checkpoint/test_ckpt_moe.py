@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import make_custom
+from ckpt_helpers import complete_tensors, gpt_oss_config, make_custom
 from test_ckpt_roundtrip import check_round_trip
 
 from vllm_mxplus.checkpoint import load, load_unquantized, open_checkpoint, quantize_checkpoint
@@ -36,7 +36,9 @@ def moe_tensors() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4", "mxplus"])
 def test_moe_round_trip(tmp_path: Path, scheme: str) -> None:
-    src = make_custom(tmp_path / "src", moe_tensors(), {"model_type": "qwen3_moe"})
+    # a layout test, not a model: Qwen-MoE and Mixtral names side by side under the custom
+    # model_type (a known model_type is checked against its skeleton, source_check.py)
+    src = make_custom(tmp_path / "src", moe_tensors())
     dst = tmp_path / "q"
     report = quantize_checkpoint(src, dst, scheme, progress=False)
     check_round_trip(src, dst, scheme)
@@ -76,18 +78,19 @@ def test_moe_round_trip(tmp_path: Path, scheme: str) -> None:
 def test_transposed_expert_stacks_are_quantized_per_expert(tmp_path: Path) -> None:
     """gpt-oss stores experts [E, K, N] (x @ W): each expert is quantized along K, i.e. its
     transpose, and stored [E, N, K] like every other quantized weight."""
+    cfg = gpt_oss_config(hidden=32, intermediate=32, experts=2, heads=2)
     tensors = {
         "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
         "model.layers.0.mlp.experts.down_proj": torch.randn(2, 32, 32),
         "model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(2, 64),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
     }
-    src = make_custom(tmp_path / "src", tensors, {"model_type": "gpt_oss"})
+    src = make_custom(tmp_path / "src", complete_tensors(cfg, tensors), cfg)
     for scheme in ("mxfp4-mbs-s", "nvfp4"):
         quantize_checkpoint(src, tmp_path / scheme, scheme, progress=False)
         got = load(tmp_path / scheme)
         assert set(got) == {
-            "model.layers.0.self_attn.q_proj",
+            *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"),
             "model.layers.0.mlp.experts.gate_up_proj",
             "model.layers.0.mlp.experts.down_proj",
         }
@@ -107,12 +110,13 @@ def test_transposed_expert_stacks_in_compressed_tensors_need_ignore(tmp_path: Pa
     by name with the way out (--ignore keeps it bf16, and the rest is written)."""
     from vllm_mxplus.errors import UsageError
 
+    cfg = gpt_oss_config(hidden=32, intermediate=32, experts=2, heads=2)
     tensors = {
         "model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 32, 64),
         "model.layers.0.mlp.experts.down_proj": torch.randn(2, 32, 32),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
     }
-    src = make_custom(tmp_path / "src", tensors, {"model_type": "gpt_oss"})
+    src = make_custom(tmp_path / "src", complete_tensors(cfg, tensors), cfg)
     with pytest.raises(UsageError, match=r"experts\.(gate_up|down)_proj.*--ignore"):
         quantize_checkpoint(
             src, tmp_path / "ct", "mxfp4-ocp", progress=False, out_format="compressed-tensors"

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import make_custom, make_llama, source_tensors
+from ckpt_helpers import complete_tensors, gpt_oss_config, make_custom, make_llama, source_tensors
 
 from vllm_mxplus.checkpoint import load, load_unquantized, quantize_checkpoint
 from vllm_mxplus.checkpoint.quantized_source import (
+    GPT_OSS_BLOCKS,
+    GPT_OSS_SCALES,
     QuantizedSource,
     dequantize_gpt_oss,
     materialize,
@@ -177,7 +179,11 @@ def _gpt_oss(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         )
         t[f"{base}_scales"] = torch.randint(118, 131, (e, n, k // 32), generator=g).to(torch.uint8)
     qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    make_custom(path, t, {"model_type": "gpt_oss", "quantization_config": qcfg})
+    cfg = {
+        **gpt_oss_config(hidden=h, intermediate=i, experts=e, heads=4),
+        "quantization_config": qcfg,
+    }
+    make_custom(path, complete_tensors(cfg, t, (GPT_OSS_BLOCKS, GPT_OSS_SCALES)), cfg)
     return path, t
 
 

@@ -66,6 +66,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
     write_all,
 )
 from vllm_mxplus.checkpoint.source import SourceModel, open_source, read_json
+from vllm_mxplus.checkpoint.source_check import check_source
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, check_macro_block, get_scheme
 
@@ -165,6 +166,7 @@ def quantize_checkpoint(
             kept = materialize(src_p, read_p, qsrc, keep_codes=keep)
         fmt = s.weight_format
         source = open_source(read_p)
+        check_source(source, matcher.patterns, src_p)  # headers and config.json only
         items = _plan(source, fmt, matcher, macro_block, out_format, s.name)
         unquantized = _unquantized_modules(items, source.config)
         _warn_split_fused_groups(items)
