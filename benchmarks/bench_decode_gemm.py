@@ -48,13 +48,15 @@ def main() -> None:
             w_bytes = sum(t.numel() for t in (qw.codes, qw.scales, qw.mbs) if t is not None)
             for m in MS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                xc, xs, xm, _ = act_quant(x, xf)
-                t_g = bench_ms(lambda: decode_gemm(xc, xs, xm, qw.codes, qw.scales, qw.mbs, k))
+                xc, xs, xm, _ = act_quant(x, xf, macro_block=128)
+                t_g = bench_ms(
+                    lambda: decode_gemm(xc, xs, xm, qw.codes, qw.scales, qw.mbs, k, macro_block=128)
+                )
                 t_l = bench_ms(lambda: F.linear(x, w))
 
                 def full():
-                    c, s, mb, _ = act_quant(x, xf)
-                    return decode_gemm(c, s, mb, qw.codes, qw.scales, qw.mbs, k)
+                    c, s, mb, _ = act_quant(x, xf, macro_block=128)
+                    return decode_gemm(c, s, mb, qw.codes, qw.scales, qw.mbs, k, macro_block=128)
 
                 t_f = bench_ms(full)
                 print(

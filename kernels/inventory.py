@@ -36,6 +36,12 @@ FAMILIES = (
         r"@triton\.jit\s*\ndef (_[a-z0-9_]+_kernel)\(",
         "triton JIT; AOT: mxplus kernels --aot",
     ),
+    (  # the fused sm_90a FP8 encoder: a Triton kernel of the CUTLASS path
+        "triton",
+        "cutlass/*.py",
+        r"@triton\.jit\s*\ndef (_[a-z0-9_]+_kernel)\(",
+        "triton JIT; AOT: mxplus kernels --aot",
+    ),
 )
 
 

@@ -187,7 +187,9 @@ def test_triton_decode_is_graph_safe(scheme, m):
     n, k = 4096, 576
     with capture_launches() as launches:
         x = _e((m, k), torch.bfloat16)
-        (codes, scales, mbs, _), _ = _checked(lambda t: act_quant(t, s.activation_format), x)
+        (codes, scales, mbs, _), _ = _checked(
+            lambda t: act_quant(t, s.activation_format, macro_block=128), x
+        )
         w = (
             _e((n, k // 2), torch.uint8),
             _e((n, k // wf.block_size), torch.uint8),
@@ -203,6 +205,7 @@ def test_triton_decode_is_graph_safe(scheme, m):
                 _e((n,), torch.bfloat16),
                 torch.bfloat16,
                 block_size=wf.block_size,
+                macro_block=128,
             )
         )
     assert y.shape == (m, n) and len(launches) == 2

@@ -13,6 +13,8 @@ guard deliberately bad applies and expect it to fail.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import types
 
 import pytest
@@ -85,7 +87,7 @@ def test_triton_act_quant_launcher(fmt, m):
     from vllm_mxplus.backends.triton.launch import capture_launches
 
     with capture_launches() as launches:
-        guarded(act_quant, cuda_empty((m, K), torch.bfloat16), fmt)
+        guarded(lambda x: act_quant(x, fmt, macro_block=128), cuda_empty((m, K), torch.bfloat16))
     assert launches
 
 
@@ -93,11 +95,11 @@ def test_triton_act_quant_launcher(fmt, m):
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
 def test_triton_act_fp8_launcher(fmt, m):
     """The fused sm_90a encoder's body (act_fp8): allocations and one launch."""
-    from vllm_mxplus.backends.triton.act_fp8 import act_quant_fp8_chunks
+    from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
     from vllm_mxplus.backends.triton.launch import capture_launches
 
     with capture_launches() as launches:
-        lay, _ = guarded(act_quant_fp8_chunks, cuda_empty((m, K), torch.bfloat16), fmt)
+        lay, _ = guarded(act_quant_fp8_chunks, cuda_empty((m, K), torch.bfloat16), fmt, 128)
     assert len(launches) == 1 and lay.fp8.device.type == "cuda"
 
 
@@ -105,7 +107,7 @@ def test_triton_act_fp8_launcher(fmt, m):
 @pytest.mark.parametrize("rows", [1, 24, 64])
 def test_triton_act_fp8_split_launcher(fmt, rows):
     """The sm_90a fallback's fused split (act_fp8): allocations, one launch, the row `all`."""
-    from vllm_mxplus.backends.triton import act_fp8
+    from vllm_mxplus.backends.cutlass import act_fp8
     from vllm_mxplus.backends.triton.launch import capture_launches
 
     x, idx = cuda_empty((512, K), torch.bfloat16), cuda_empty((rows,), torch.int64)
@@ -231,21 +233,23 @@ def test_triton_experts(scheme, m):
     over 8 experts: weights prepared from fake quantized tensors, then the guarded call."""
     from vllm_mxplus.backends.base import ExpertSpec, ExpertWeights
     from vllm_mxplus.backends.triton.experts import TritonExperts
-    from vllm_mxplus.formats import QuantizedTensor, get_format
+    from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
     e, inter, hidden = 8, 256, K
     spec = ExpertSpec(scheme=scheme, device_type="cuda")
     mb = spec.macro_block
 
     def qt(rows: int, k: int) -> QuantizedTensor:
+        """formats' QuantizedTensor of one CPU row, its fields swapped for fake CUDA ones."""
         f = get_format(spec.weight_format)
-        return QuantizedTensor(
+        with _outside_fake_mode():
+            one = quantize(torch.ones(1, k), spec.weight_format, macro_block=mb)
+        return dataclasses.replace(
+            one,
             codes=cuda_empty((rows, k // 2), torch.uint8),
             scales=cuda_empty((rows, -(-k // f.block_size)), torch.uint8),
-            fmt=spec.weight_format,
             shape=torch.Size((rows, k)),
             mbs=cuda_empty((rows, -(-k // mb)), torch.uint8) if f.mbs else None,
-            macro_block=mb,
         )
 
     shapes = {"w13": (e * 2 * inter, hidden), "w2": (e * hidden, inter)}
@@ -367,9 +371,9 @@ def test_non_strict_guard_records_violations():
 
 
 # ----------------------------------------------------------------------------- real CUDA
-@pytest.fixture
-def _real_tensors():
-    """The GPU tests below need real tensors: leave the module's fake CUDA mode."""
+@contextlib.contextmanager
+def _outside_fake_mode():
+    """Real tensors inside: the module's fake CUDA mode left for the block."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
@@ -378,6 +382,13 @@ def _real_tensors():
         with _pop_mode_temporarily():
             yield
     else:
+        yield
+
+
+@pytest.fixture
+def _real_tensors():
+    """The GPU tests below need real tensors: leave the module's fake CUDA mode."""
+    with _outside_fake_mode():
         yield
 
 

@@ -16,7 +16,7 @@ from vllm_mxplus.backends import selftest
 from vllm_mxplus.backends.base import LinearBackend, LinearSpec
 from vllm_mxplus.backends.checks import output_bound
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
-from vllm_mxplus.backends.selection import register_backend, select
+from vllm_mxplus.backends.selection import BackendUnavailable, register_backend, select
 from vllm_mxplus.backends.selftest import run_self_test
 from vllm_mxplus.formats import SCHEMES, fake_quantize, quantize
 
@@ -213,11 +213,13 @@ def test_verdict_cached_per_device_scheme_dtype(fresh, caplog):
     register_backend("cuda", _WrongColumn)
     caplog.set_level(logging.ERROR, logger="vllm_mxplus")
     _WrongColumn.runs = 0
-    for _ in range(3):
-        assert [b.name for b in select(_spec(torch.bfloat16), "cuda", 90)] == ["reference"]
+    for _ in range(3):  # rejected; the reference serves a CUDA layer only when asked
+        with pytest.raises(BackendUnavailable, match="fake-wrong-column: self-test failed"):
+            select(_spec(torch.bfloat16), "cuda", 90)
     runs = _WrongColumn.runs
     assert runs > 0 and len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
-    select(_spec(torch.float16), "cuda", 90)  # another dtype: tested again
+    with pytest.raises(BackendUnavailable):
+        select(_spec(torch.float16), "cuda", 90)  # another dtype: tested again
     assert _WrongColumn.runs > runs
 
 

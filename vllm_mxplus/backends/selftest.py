@@ -58,11 +58,6 @@ TEST_MS = (1, 3, 16, 17, 33)  # decode sizes, the usual decode/prefill border, p
 _VERDICTS: dict[tuple, tuple[bool, str]] = {}
 
 
-def enabled() -> bool:
-    """False when VLLM_MXPLUS_SELFTEST=0 (the self-test is skipped, kernels trusted)."""
-    return settings.selftest_enabled()
-
-
 def device_of(spec: Spec) -> torch.device:
     if spec.device_type == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

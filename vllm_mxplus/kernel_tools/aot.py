@@ -38,7 +38,6 @@ from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS
 
 #: sm -> max dynamic shared memory per block (bytes), from the CUDA programming guide.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-DEFAULT_TARGETS = (80, 90, 100)
 _DTYPE = {
     torch.uint8: "u8",
     torch.int8: "i8",

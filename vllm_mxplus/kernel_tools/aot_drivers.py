@@ -40,13 +40,13 @@ def _drive_act_quant(quick: bool) -> None:
 
 
 def _drive_act_fp8(quick: bool) -> None:
-    from vllm_mxplus.backends.triton import act_fp8 as af
+    from vllm_mxplus.backends.cutlass import act_fp8 as af
 
     dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
     ms = (64,) if quick else (1, 2, 3, 4, 64)
     ks = (4096,) if quick else (128, 256, 576, 4096, 4104)
     for fmt, dtype, m, k in itertools.product(af.SUPPORTED_FORMATS, dtypes, ms, ks):
-        af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt)
+        af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt, 128)
 
 
 def _gemm_operand(

@@ -25,12 +25,12 @@ from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cutlass import build as cutlass_ext
 from vllm_mxplus.backends.cutlass import fp8_chunks as fc
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
-from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
-from vllm_mxplus.backends.triton.act_fp8 import (
+from vllm_mxplus.backends.cutlass.act_fp8 import (
     SUPPORTED_FORMATS,
     act_quant_fp8_chunks,
     act_quant_fp8_chunks_op,
 )
+from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 from vllm_mxplus.formats import quantize
 
 FORMATS = SUPPORTED_FORMATS  # mxfp4-mbs-s, mxfp4-16-oas, mxfp4-16
@@ -74,7 +74,7 @@ def assert_same_layout(got: fc.Fp8ChunkLayout, want: fc.Fp8ChunkLayout) -> None:
 
 
 def check_bit_exact(x: torch.Tensor, fmt: str) -> fc.Fp8ChunkLayout:
-    got = act_quant_fp8_chunks(x, fmt)
+    got = act_quant_fp8_chunks(x, fmt, 128)
     want = reference_layout(x, fmt)
     assert_same_layout(got, want)
     return want
@@ -195,7 +195,7 @@ def test_odd_and_tiny_k(fmt, k, triton_device):
 
 def test_leading_dims_and_non_contiguous_rows(triton_device):
     x = activations(6, 200, torch.float32, triton_device, seed=11).reshape(2, 3, 200)
-    got = act_quant_fp8_chunks(x, "mxfp4-mbs-s")
+    got = act_quant_fp8_chunks(x, "mxfp4-mbs-s", 128)
     assert got.fp8.shape == (6, 256) and got.scale.shape == (2, 6)
     assert_same_layout(got, reference_layout(x, "mxfp4-mbs-s"))
     base = activations(5, 640, torch.bfloat16, triton_device, seed=5)
@@ -205,7 +205,7 @@ def test_leading_dims_and_non_contiguous_rows(triton_device):
 
 
 def test_empty_rows(triton_device):
-    lay = act_quant_fp8_chunks(torch.zeros(0, 300, device=triton_device), "mxfp4-mbs-s")
+    lay = act_quant_fp8_chunks(torch.zeros(0, 300, device=triton_device), "mxfp4-mbs-s", 128)
     assert lay.fp8.shape == (0, 384) and lay.scale.shape == (3, 0) and lay.exact.shape == (0, 3)
 
 
@@ -215,7 +215,7 @@ def test_rejects_bad_input(triton_device):
     x = torch.zeros(2, 32, device=triton_device)
     for fmt in ("mxfp4-ocp", "mxfp4-mbs-d"):
         with pytest.raises(ValueError, match="no fused kernel"):
-            act_quant_fp8_chunks(x, fmt)
+            act_quant_fp8_chunks(x, fmt, 128)
     with pytest.raises(ValueError, match="macro_block"):
         act_quant_fp8_chunks(x, "mxfp4-mbs-s", macro_block=256)
 
@@ -225,7 +225,7 @@ def test_custom_op_matches_and_traces(triton_device):
     traces under torch.compile (fullgraph, through the fake implementation)."""
     x = activations(3, 160, torch.bfloat16, triton_device, seed=2)
     for fmt in FORMATS:
-        assert_same_layout(act_quant_fp8_chunks_op(x, fmt), act_quant_fp8_chunks(x, fmt))
+        assert_same_layout(act_quant_fp8_chunks_op(x, fmt, 128), act_quant_fp8_chunks(x, fmt, 128))
         torch.library.opcheck(
             torch.ops.vllm_mxplus.triton_act_fp8_chunks.default,
             (x, fmt, 128),
@@ -233,11 +233,11 @@ def test_custom_op_matches_and_traces(triton_device):
         )
 
     def fn(t):
-        lay = act_quant_fp8_chunks_op(t, "mxfp4-mbs-s")
+        lay = act_quant_fp8_chunks_op(t, "mxfp4-mbs-s", 128)
         return lay.fp8, lay.scale, lay.ref, lay.mbs, lay.exact
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    want = act_quant_fp8_chunks(x, "mxfp4-mbs-s")
+    want = act_quant_fp8_chunks(x, "mxfp4-mbs-s", 128)
     for name, g in zip(FIELDS, compiled(x)):
         assert_same_bits(f"compiled {name}", g, getattr(want, name))
 
@@ -268,7 +268,7 @@ def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_devic
     )
     w = cutlass_gemm.prepare_weight(qw, "sm90a")
     bias = torch.randn(n, generator=g).to(torch.bfloat16).to(triton_device) if with_bias else None
-    xl = act_quant_fp8_chunks(x, fmt)
+    xl = act_quant_fp8_chunks(x, fmt, 128)
     assert (~xl.exact_rows).sum() >= 2 and w.fallback_idx.numel() > 0, "must hit fallbacks"
 
     y = cutlass_gemm.prefill_gemm_from_x(x, fmt, w, bias, torch.bfloat16)
@@ -317,7 +317,7 @@ def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     )
     want = cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
     assert torch.equal(compiled(x).view(torch.int16), want.view(torch.int16))
-    xl = act_quant_fp8_chunks(x, "mxfp4-mbs-s")
+    xl = act_quant_fp8_chunks(x, "mxfp4-mbs-s", 128)
     args = (
         x,
         "mxfp4-mbs-s",
@@ -389,7 +389,7 @@ def test_gpu_bit_exact(fmt, dtype, cuda_device):
 def test_gpu_cuda_graph_capture(cuda_device):
     x = activations(16, 4096, torch.bfloat16, cuda_device)
     fresh = activations(16, 4096, torch.bfloat16, cuda_device, seed=9)
-    out = replay_with(lambda t: act_quant_fp8_chunks_op(t, "mxfp4-mbs-s"), x, fresh)
+    out = replay_with(lambda t: act_quant_fp8_chunks_op(t, "mxfp4-mbs-s", 128), x, fresh)
     assert_same_layout(out, reference_layout(x, "mxfp4-mbs-s"))
 
 

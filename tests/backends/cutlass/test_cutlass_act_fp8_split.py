@@ -9,7 +9,7 @@ import torch
 from test_cutlass_act_fp8 import activations, special_rows
 
 from vllm_mxplus.backends.cutlass import fp8_chunks as fc
-from vllm_mxplus.backends.triton.act_fp8 import SUPPORTED_FORMATS, act_fp8_split_rows
+from vllm_mxplus.backends.cutlass.act_fp8 import SUPPORTED_FORMATS, act_fp8_split_rows
 from vllm_mxplus.formats import quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -7,13 +7,14 @@ Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA whe
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
 from graph_helpers import replay_with
 
-from vllm_mxplus.backends.triton.act_fp8 import act_quant_fp8_chunks
+from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
 from vllm_mxplus.backends.triton.act_quant import act_quant
 from vllm_mxplus.formats import quantize
 
@@ -148,7 +149,7 @@ def test_fp32_input_and_leading_dims(triton_device):
     x[0, 1, 5] = 2.0**-140  # fp32-only subnormal
     x = x.to(triton_device)
     for fmt in FORMATS:
-        codes, scales, mbs, gs = act_quant(x, fmt)
+        codes, scales, mbs, gs = act_quant(x, fmt, macro_block=128)
         ref = quantize(x, fmt, per_row=fmt == "nvfp4")
         assert codes.shape == (2, 3, 100)
         assert_same_bits("codes", codes, ref.codes)
@@ -175,6 +176,7 @@ def test_non_contiguous_rows(triton_device):
 def test_rejects_bad_input(triton_device, quantize, no_kernel):
     """The input checks both fused quantizers share (triton_act_quant.check_act_input)."""
     x = torch.zeros(2, 32, device=triton_device)
+    quantize = functools.partial(quantize, macro_block=128)
     with pytest.raises(ValueError, match=no_kernel):
         quantize(x, "mxplus")
     with pytest.raises(ValueError, match="unsupported dtype"):
@@ -192,8 +194,8 @@ def test_custom_op_matches_and_traces(triton_device):
 
     x = activations(3, 160, torch.bfloat16, triton_device, seed=2)
     for fmt in FORMATS:
-        got = act_quant_op(x, fmt)
-        want = act_quant(x, fmt)
+        got = act_quant_op(x, fmt, macro_block=128)
+        want = act_quant(x, fmt, macro_block=128)
         for g, w in zip(got, want):
             assert (g is None) == (w is None)
             if g is not None:
@@ -201,9 +203,11 @@ def test_custom_op_matches_and_traces(triton_device):
         torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_quant.default, (x, fmt, 128))
 
     compiled = torch.compile(
-        lambda t: act_quant_op(t, "mxfp4-mbs-s"), backend="aot_eager", fullgraph=True
+        lambda t: act_quant_op(t, "mxfp4-mbs-s", macro_block=128),
+        backend="aot_eager",
+        fullgraph=True,
     )
-    for g, w in zip(compiled(x), act_quant(x, "mxfp4-mbs-s")):
+    for g, w in zip(compiled(x), act_quant(x, "mxfp4-mbs-s", macro_block=128)):
         if g is not None:
             assert_same_bits("compiled", g, w)
 
@@ -231,7 +235,7 @@ def test_gpu_cuda_graph_capture(cuda_device):
 
     x = activations(16, 4096, torch.bfloat16, cuda_device)
     fresh = activations(16, 4096, torch.bfloat16, cuda_device, seed=9)
-    out = replay_with(lambda t: act_quant_op(t, "mxfp4-mbs-s"), x, fresh)
+    out = replay_with(lambda t: act_quant_op(t, "mxfp4-mbs-s", macro_block=128), x, fresh)
     ref = quantize(x, "mxfp4-mbs-s")
     assert_same_bits("codes", out[0], ref.codes)
     assert_same_bits("mbs", out[2], ref.mbs)
@@ -338,7 +342,7 @@ def test_row_offsets_are_64_bit(triton_device):
     base = torch.empty((m - 1) * stride + k, dtype=torch.bfloat16)
     x = base.as_strided((m, k), (stride, 1))
     x.copy_(activations(m, k, torch.bfloat16, "cpu", seed=7))
-    codes, scales, mbs, _ = act_quant(x, "mxfp4-mbs-s")
+    codes, scales, mbs, _ = act_quant(x, "mxfp4-mbs-s", macro_block=128)
     ref = quantize(x.contiguous(), "mxfp4-mbs-s")
     assert_same_bits("codes", codes, ref.codes)
     assert_same_bits("scales", scales, ref.scales)

@@ -72,6 +72,7 @@ def reference(qx, qw, bias=None):
 
 
 def run(qx, qw, k, **kw):
+    kw.setdefault("macro_block", 128)
     return decode_gemm(qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, k, **kw)
 
 
@@ -142,9 +143,13 @@ def test_block_size_inference_and_errors(triton_device):
     y = run(qx, qw, 256, out_dtype=torch.float32)  # 8 scales for K=256: block 32
     assert_within_bound(y, *reference(qx, qw), torch.float32)
     with pytest.raises(ValueError, match="w_codes"):
-        decode_gemm(qx.codes, qx.scales, None, qw.codes[:, :-1], qw.scales, None, 256)
+        decode_gemm(
+            qx.codes, qx.scales, None, qw.codes[:, :-1], qw.scales, None, 256, macro_block=128
+        )
     with pytest.raises(ValueError, match="fit no block size"):
-        decode_gemm(qx.codes, qx.scales[:, :5], None, qw.codes, qw.scales, None, 256)
+        decode_gemm(
+            qx.codes, qx.scales[:, :5], None, qw.codes, qw.scales, None, 256, macro_block=128
+        )
     with pytest.raises(ValueError, match="bias"):
         decode_gemm(
             qx.codes,
@@ -155,6 +160,7 @@ def test_block_size_inference_and_errors(triton_device):
             None,
             256,
             bias=torch.zeros(7, device=triton_device),
+            macro_block=128,
         )
 
 
@@ -164,14 +170,16 @@ def test_custom_op_matches_and_traces(triton_device):
     qx, qw = operands(3, 256, 32, "mbs-h", triton_device, seed=4)
     bias = torch.randn(32).to(triton_device)
     args = (qx.codes, qx.scales, qx.mbs, qw.codes, qw.scales, qw.mbs, 256)
-    want = decode_gemm(*args, bias=bias, out_dtype=torch.float32)
-    got = decode_gemm_op(*args, bias=bias, out_dtype=torch.float32)
+    want = decode_gemm(*args, bias=bias, out_dtype=torch.float32, macro_block=128)
+    got = decode_gemm_op(*args, bias=bias, out_dtype=torch.float32, macro_block=128)
     assert torch.equal(got, want)
     torch.library.opcheck(
-        torch.ops.vllm_mxplus.triton_decode_gemm.default, (*args, bias, torch.bfloat16, 16)
+        torch.ops.vllm_mxplus.triton_decode_gemm.default,
+        (*args, bias, torch.bfloat16, 16),
+        {"macro_block": 128},
     )
     compiled = torch.compile(
-        lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32),
+        lambda *a: decode_gemm_op(*a, bias=bias, out_dtype=torch.float32, macro_block=128),
         backend="aot_eager",
         fullgraph=True,
     )
@@ -202,8 +210,10 @@ def test_gpu_cuda_graph_capture(cuda_device):
     qw = quantize(torch.randn(4096, 4096, device=cuda_device) * 0.02, "mxfp4-mbs-s")
 
     def step(t):
-        codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s")
-        return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096)
+        codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s", macro_block=128)
+        return decode_gemm_op(
+            codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096, macro_block=128
+        )
 
     step(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -136,16 +136,17 @@ def test_every_scheme_gets_triton_for_every_m_without_cutlass(monkeypatch, trito
     assert _cuda_selection(monkeypatch, 128, False, scheme) == ["triton-decode", "triton-gemm"]
 
 
-def test_untileable_macro_block_falls_back_with_reason(monkeypatch, triton_device, caplog):
-    """N = 48 (a multiple of 16, not a power of two): both Triton backends refuse it, the
-    reference serves every M, and the log says why."""
-    import logging
+def test_untileable_macro_block_fails_with_reason(monkeypatch, triton_device):
+    """N = 48 (a multiple of 16, not a power of two): both Triton backends refuse it and the
+    reference serves a CUDA layer only when VLLM_MXPLUS_BACKEND asks, so the layer fails to
+    load with each backend's reason and the setting that would allow the reference."""
+    from vllm_mxplus.backends.selection import BackendUnavailable
 
-    monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="vllm_mxplus.backends.selection")
-    assert _cuda_selection(monkeypatch, 48, cutlass=False) == ["reference"]
-    msg = caplog.records[-1].getMessage()
+    with pytest.raises(BackendUnavailable) as err:
+        _cuda_selection(monkeypatch, 48, cutlass=False)
+    msg = str(err.value)
     assert "triton-decode: macro block 48" in msg and "power" in msg
+    assert "VLLM_MXPLUS_BACKEND=linear:reference" in msg
 
 
 @pytest.mark.parametrize(

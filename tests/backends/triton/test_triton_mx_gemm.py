@@ -218,6 +218,7 @@ def test_weight_row_offsets_are_64_bit(triton_device):
         torch.float32,
         fmt="mxplus",
         block_size=32,
+        macro_block=128,
     )
     _bound_check(y, qx, qw)
 
@@ -228,9 +229,12 @@ def test_operand_checks_name_the_field(triton_device):
     qx = quantize(_data(2, 64, seed=0).to(triton_device), "mxplus")
     with pytest.raises(ValueError, match="block_max_index"):
         mx_gemm((qx.codes, qx.scales, None, None), operands(qx, "mxplus"), 64, fmt="mxplus",
-                block_size=32)  # fmt: skip
+                block_size=32, macro_block=128)  # fmt: skip
     with pytest.raises(ValueError, match="block sizes"):
-        mx_gemm(operands(qx, "mxplus"), operands(qx, "mxplus"), 64, fmt="nvfp4", block_size=32)
+        mx_gemm(
+            operands(qx, "mxplus"), operands(qx, "mxplus"), 64, fmt="nvfp4", block_size=32,
+            macro_block=128,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- backends

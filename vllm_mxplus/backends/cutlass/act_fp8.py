@@ -7,7 +7,7 @@ One Triton kernel reads bf16/fp16/fp32 activation rows once and writes every fie
 act-quant's codes / E8M0 scales / MBS bytes, then `encode_fp8_chunks`, ~15 torch ops) and is
 bit-identical to it:
 
-    act_quant_fp8_chunks(x, fmt)  ==  encode_fp8_chunks(q.codes, q.scales, q.mbs, K)
+    act_quant_fp8_chunks(x, fmt, 128)  ==  encode_fp8_chunks(q.codes, q.scales, q.mbs, K)
                                       with q = formats.quantize(x, fmt)
 
 for the activation formats the CUTLASS backend runs (E8M0 scales at block 16):
@@ -51,10 +51,22 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     load_row_tile,
     mbs_static_scale,
 )
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import FORMATS, FormatSpec, get_format
 from vllm_mxplus.formats.constants import E8M0_NAN, ceil_div
 
-SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16")
+
+def takes(spec: FormatSpec) -> bool:
+    """Whether the fused kernel encodes activations of this format: E8M0 scales (floor or OAS
+    rule) at block 16, no MBS or MBS-S, no block-max mantissa."""
+    return (
+        spec.scale_is_e8m0
+        and spec.block_size == BLOCK
+        and not spec.block_max_mantissa
+        and spec.mbs in (None, "static")
+    )
+
+
+SUPPORTED_FORMATS = tuple(name for name, spec in FORMATS.items() if takes(spec))
 
 # Globals read inside kernels must be tl.constexpr.
 CHUNK_K = tl.constexpr(CHUNK)
@@ -233,7 +245,7 @@ def _tile_sizes(m: int, kp: int) -> tuple[int, int]:
 
 
 def _check(x: torch.Tensor, fmt: str, macro_block: int) -> None:
-    spec = check_act_input(x, fmt, SUPPORTED_FORMATS, "act_quant_fp8_chunks", "fused kernel")
+    spec = check_act_input(x, fmt, takes, "act_quant_fp8_chunks", "fused kernel")
     if spec.mbs and macro_block != CHUNK:
         raise ValueError(
             f"act_quant_fp8_chunks: the FP8 layout's chunk is the MBS macro block "
@@ -294,9 +306,7 @@ def _fields(x: torch.Tensor, fmt: str, macro_block: int):
     return fp8.view(torch.float8_e4m3fn), scale, ref, mbs, exact.view(torch.bool)
 
 
-def act_quant_fp8_chunks(
-    x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
-) -> Fp8ChunkLayout:
+def act_quant_fp8_chunks(x: torch.Tensor, fmt: str, macro_block: int) -> Fp8ChunkLayout:
     """Quantize activation rows x [..., K] (bf16/fp16/fp32) with `fmt` and re-encode them for
     the sm_90a FP8 GEMM in one kernel. Rows are x's leading dims flattened (R = numel / K).
 
@@ -333,9 +343,7 @@ def _act_fp8_chunks_fake(x: torch.Tensor, fmt: str, macro_block: int):
     return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _field_shapes(x))
 
 
-def act_quant_fp8_chunks_op(
-    x: torch.Tensor, fmt: str, macro_block: int = MACRO_BLOCK
-) -> Fp8ChunkLayout:
+def act_quant_fp8_chunks_op(x: torch.Tensor, fmt: str, macro_block: int) -> Fp8ChunkLayout:
     """`act_quant_fp8_chunks` through the custom op (traceable by torch.compile)."""
     fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, fmt, macro_block)
     return Fp8ChunkLayout(fp8=fp8, scale=scale, ref=ref, mbs=mbs, exact=exact, k=x.shape[-1])
@@ -388,5 +396,5 @@ def act_fp8_split_rows(
 
 
 def supports(fmt: str | None) -> bool:
-    """Whether the fused kernel handles activation format `fmt`."""
-    return fmt in SUPPORTED_FORMATS
+    """Whether the fused kernel handles activation format `fmt` (`takes`)."""
+    return fmt is not None and takes(get_format(fmt))

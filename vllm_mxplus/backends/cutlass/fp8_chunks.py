@@ -1,6 +1,6 @@
 """The sm_90a operand layout: MXFP4 (E8M0 block 16, optional MBS) re-encoded as FP8 E4M3 with
 one fp32 scale per (row, 128-K chunk). Pure torch, any device; the definition that the fused
-Triton encoder (`triton_act_fp8`) and the CUTLASS GEMM (`cutlass_gemm`) are held to.
+Triton encoder (`act_fp8`) and the CUTLASS GEMM (`gemm`) are held to.
 
 Lossless FP8 re-encoding (docs/numerics.md, "Kernel numerics and error bounds"). An element is
 value(code)·2^(s-127)/F with value = 2^p·{1, 1.5}, p in {-1..2}. With d = s - ref its FP8 code

@@ -5,14 +5,14 @@ Two kernels (`cutlass_ops`), both computing acc = sum_c sigma_a[i,c] sigma_b[j,c
 docs/numerics.md, "Kernel numerics and error bounds"):
 
 - sm_90a (H100/H200, no FP4 tensor cores): operands re-encoded as FP8 per (row, chunk)
-  (`fp8_chunks`); activations in one Triton kernel straight from x (`triton_act_fp8`) where
+  (`fp8_chunks`); activations in one Triton kernel straight from x (`act_fp8`) where
   the format has one, else the Triton act-quant and the torch encoder.
 - sm_100a (B200): native block-scaled FP4 MMA; one launch per 128-K chunk with MBS, one
   launch over the whole K without (`mxfp4-16`, `mxfp4-16-oas`).
 
 Every step inside the prefill ops is CUDA-graph safe: fixed shapes, no host sync, nothing
-allocated on or copied from the CPU (tests/backends/test_cutlass_graph_safety.py runs them under
-a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that:
+allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.py runs them
+under a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that:
 activation rows with an inexact FP8 chunk (rare: a chunk whose block exponents span more than
 14 binades) are found with `nonzero_static` (at most VLLM_MXPLUS_SM90_FALLBACK_ROWS = 64 rows
 per call) and recomputed from a two-operand split (`split_fp8_chunks`; from x, one Triton
@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus import settings
+from vllm_mxplus.backends.cutlass import act_fp8
+from vllm_mxplus.backends.cutlass.act_fp8 import act_fp8_split_rows
 from vllm_mxplus.backends.cutlass.fp8_chunks import (
     BLOCK,
     CHUNK,
@@ -51,8 +53,6 @@ from vllm_mxplus.backends.cutlass.ops import (
     sigma_chunks,
 )
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.backends.triton import act_fp8 as triton_act_fp8
-from vllm_mxplus.backends.triton.act_fp8 import act_fp8_split_rows
 from vllm_mxplus.backends.triton.ops import act_quant_op
 from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
 from vllm_mxplus.formats.e2m1 import unpack_fp4
@@ -263,7 +263,7 @@ def prefill_sm90_fused_impl(
     n: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """From activation rows x [M, K] and their fused FP8 layout (`triton_act_fp8`): GEMM;
+    """From activation rows x [M, K] and their fused FP8 layout (`act_fp8`): GEMM;
     inexact rows are re-quantized from x and split in one Triton kernel
     (`act_fp8_split_rows`, bit for bit `split_fp8_chunks` of `formats.quantize(x[idx])`)."""
 
@@ -355,17 +355,17 @@ def prefill_gemm_from_x(
 ) -> torch.Tensor:
     """y [M, N] = Q(x) W_hat^T (+ bias) from activation rows x [M, K] (bf16/fp16/fp32).
 
-    sm_90a with an activation format of the fused kernel (`triton_act_fp8.supports`): one
+    sm_90a with an activation format of the fused kernel (`act_fp8.supports`): one
     Triton kernel writes the FP8 layout straight from x, then the GEMM op. Otherwise: the
     Triton act-quant, then `prefill_gemm`. Same numbers either way."""
 
-    if w.arch == "sm90a" and triton_act_fp8.supports(fmt):
-        xl = triton_act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
+    if w.arch == "sm90a" and act_fp8.supports(fmt):
+        xl = act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
             x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype
         )
 
-    codes, scales, mbs, _ = act_quant_op(x, fmt)
+    codes, scales, mbs, _ = act_quant_op(x, fmt, macro_block=CHUNK)
     return prefill_gemm(
         codes, scales, mbs if get_format(fmt).mbs else None, x.shape[-1], w, bias, out_dtype
     )

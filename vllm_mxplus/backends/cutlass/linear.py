@@ -3,11 +3,11 @@
 The dispatch registry names this class (`vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend`);
 the pieces behind it are one job per module:
 
-- `fp8_chunks`    the sm_90a operand layout (pure torch): the definition of the FP8 re-encoding
-- `cutlass_ext`   the C++ sources (package data), building and loading the extension
-- `cutlass_ops`   the kernels as torch custom ops
-- `cutlass_gemm`  prepared weights and the prefill GEMM API, with the graph-safe exact fallback
-- `triton_act_fp8` the fused sm_90a activation encoder
+- `fp8_chunks`  the sm_90a operand layout (pure torch): the definition of the FP8 re-encoding
+- `build`       the C++ sources (package data, `csrc/`), building and loading the extension
+- `ops`         the kernels as torch custom ops
+- `gemm`        prepared weights and the prefill GEMM API, with the graph-safe exact fallback
+- `act_fp8`     the fused sm_90a activation encoder (a Triton kernel)
 """
 
 from __future__ import annotations

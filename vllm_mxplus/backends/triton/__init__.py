@@ -1,5 +1,6 @@
-"""The Triton family (CUDA): the fused activation quantizers (`act_quant.py`, MX+
-`act_quant_plus.py`, the sm_90a FP8 encoder `act_fp8.py`; shared block code `quant_blocks.py`),
+"""The Triton family (CUDA): the fused activation quantizers (`act_quant.py`, MX+ and NVFP4
+with given global scales `act_quant_plus.py`; shared block code `quant_blocks.py`, also used
+by the CUTLASS path's sm_90a FP8 encoder `backends/cutlass/act_fp8.py`),
 the memory-bound decode GEMM (`decode_gemm.py`), the tiled GEMM (`mx_gemm.py`) and the grouped
 MoE GEMM (`moe_gemm.py`) with the device helpers and host-side launch code they share
 (`gemm_blocks.py`, `gemm_launch.py`), their custom ops (`ops.py`, `gemm_ops.py`) and the linear

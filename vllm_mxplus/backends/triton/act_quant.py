@@ -23,6 +23,7 @@ Numerics that the GPU could get wrong and how they are avoided:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,11 +41,26 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     store_codes_and_scales,
     store_row_tile,
 )
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import FORMATS, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.schemes import FormatSpec
 
-SUPPORTED_FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-16", "mxfp4-ocp", "nvfp4")
+
+def takes(spec: FormatSpec) -> bool:
+    """Whether `act_quant` quantizes activations of this format: E8M0 block scales at block 16
+    or 32 (OCP, floor or OAS rule) with no MBS or MBS-S, or NVFP4 (per-row global scale).
+    MX+ has its own kernel (`act_quant_plus`); MBS-D is a weight-only search."""
+    if spec.has_global_scale:
+        return True
+    return (
+        spec.scale_is_e8m0
+        and spec.block_size in (16, 32)
+        and not spec.block_max_mantissa
+        and spec.mbs in (None, "static")
+    )
+
+
+SUPPORTED_FORMATS = tuple(name for name, spec in FORMATS.items() if takes(spec))
 #: MBS macro blocks the E8M0 kernel tiles (a power of two: tiles reshape into macro blocks;
 #: at most GPU_TILE_ELEMS wide, so one program's tile stays in registers). Under 128 a tile
 #: holds more macro blocks (a 4 x 512 tile: 64 of 32), each with its own absmax and one IEEE
@@ -133,21 +149,30 @@ def tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
 
 
 def check_act_input(
-    x: torch.Tensor, fmt: str, supported: tuple[str, ...], who: str, kernel: str = "Triton kernel"
+    x: torch.Tensor,
+    fmt: str,
+    kernel_takes: Callable[[FormatSpec], bool],
+    who: str,
+    kernel: str = "Triton kernel",
 ) -> FormatSpec:
     """fmt's FormatSpec; a ValueError naming `who` for an unknown format, one its `kernel`
-    does not take (not in `supported`), or rows x not of a float dtype or with an empty
-    last dim."""
+    does not take (`kernel_takes(spec)` false), or rows x not of a float dtype or with an
+    empty last dim."""
     spec = get_format(fmt)
-    if fmt not in supported:
-        raise ValueError(
-            f"{who}: format {fmt!r} has no {kernel}; supported: {', '.join(supported)}"
-        )
+    if not kernel_takes(spec):
+        supported = ", ".join(n for n, s in FORMATS.items() if kernel_takes(s))
+        raise ValueError(f"{who}: format {fmt!r} has no {kernel}; supported: {supported}")
+    check_act_rows(x, who)
+    return spec
+
+
+def check_act_rows(x: torch.Tensor, who: str) -> None:
+    """A ValueError naming `who` when rows x are not of a float dtype or have an empty last
+    dim."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{who}: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{who}: cannot quantize shape {tuple(x.shape)}: empty last dim")
-    return spec
 
 
 def act_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -205,7 +230,7 @@ def check_tileable_macro_block(macro_block: int, who: str) -> None:
 
 
 def act_quant(
-    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+    x: torch.Tensor, fmt: str, *, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Quantize activations x [..., K] (bf16/fp16/fp32) along K in one fused kernel.
 
@@ -214,7 +239,7 @@ def act_quant(
     [..., 1] (nvfp4, per row) or None) -- the fields of `formats.quantize(x, fmt,
     per_row=True)`, bit for bit.
     """
-    spec = check_act_input(x, fmt, SUPPORTED_FORMATS, "act_quant")
+    spec = check_act_input(x, fmt, takes, "act_quant")
     if spec.mbs:
         check_tileable_macro_block(macro_block, "act_quant")
     check_available(x)

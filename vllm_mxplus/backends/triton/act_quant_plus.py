@@ -1,7 +1,7 @@
 """Fused Triton activation quantizers the GEMM of `mx_gemm` needs beyond `act_quant`:
 
 - `mxplus`: codes, E8M0 scales (`ocp`, block 32) and block-max indices, bit-exact to
-  `formats.quantize(x, "mxplus")` (docs/numerics.md, "MX+"): the block max is the FIRST index
+  `formats.quantize` of the MX+ format (docs/numerics.md, "MX+"): the block max is the FIRST index
   of the largest |x|; its scaled magnitude v in [4, 8) is stored as j = round_half_even(2v - 8)
   clamped to 0..7, with the element's sign; a block without one (all zero, NaN / Inf, or a
   scaled max under 4) gets index 255 (`NO_BLOCK_MAX`).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.backends.triton.act_quant import act_rows, check_act_input, launch_row_tiles
+from vllm_mxplus.backends.triton.act_quant import act_rows, check_act_rows, launch_row_tiles
 from vllm_mxplus.backends.triton.launch import check_available, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     NO_THRESHOLD as _NO_THRESHOLD,
@@ -86,8 +86,8 @@ def _nvfp4_given_act_quant_kernel(
 def act_quant_mxplus(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX+ activations x [..., K] -> (codes uint8 [..., ceil(K/2)], E8M0 scales uint8
     [..., ceil(K/32)], block-max indices uint8 [..., ceil(K/32)]): the fields of
-    `formats.quantize(x, "mxplus")`, bit for bit."""
-    check_act_input(x, "mxplus", ("mxplus",), "act_quant_mxplus")
+    `formats.quantize` of the MX+ format, bit for bit."""
+    check_act_rows(x, "act_quant_mxplus")
     check_available(x)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = act_rows(x)
@@ -105,16 +105,16 @@ def act_quant_nvfp4_given(
     """NVFP4 activations x [..., K] with given per-row global scales [..., 1] (fp32) ->
     (codes uint8 [..., ceil(K/2)], float8_e4m3fn scales [..., ceil(K/16)]): bit for bit
     `formats.nvfp4.quantize_nvfp4_given(x, global_scale)`, packed."""
-    spec = check_act_input(x, "nvfp4", ("nvfp4",), "act_quant_nvfp4_given")
+    check_act_rows(x, "act_quant_nvfp4_given")
     check_available(x)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = act_rows(x)
-    m, nb = rows[0].shape[0], ceil_div(k, spec.block_size)
+    m, nb = rows[0].shape[0], ceil_div(k, NVFP4_BLOCK)
     g = global_scale.reshape(-1).to(torch.float32)
     if g.numel() != m:
         raise ValueError(f"act_quant_nvfp4_given: {g.numel()} global scales for {m} rows")
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
     outputs = (codes, scales.view(torch.uint8))
-    launch_row_tiles(_nvfp4_given_act_quant_kernel, rows, spec.block_size, outputs, g)
+    launch_row_tiles(_nvfp4_given_act_quant_kernel, rows, NVFP4_BLOCK, outputs, g)
     return codes.reshape(*lead, -1), scales.reshape(*lead, nb)

@@ -60,7 +60,6 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     plan_split_k,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
-from vllm_mxplus.formats import MACRO_BLOCK
 from vllm_mxplus.formats.constants import ceil_div
 
 SUPPORTED_BLOCK_SIZES = (16, 32)
@@ -277,8 +276,8 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     block_size: int | None = None,
-    macro_block: int = MACRO_BLOCK,
     *,
+    macro_block: int,
     block_n: int | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
@@ -339,11 +338,19 @@ def decode_gemm(
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
-        w = (w_codes, w_scales, w_mbs, K, bias, out_dtype, bs, macro_block)
+        w = (w_codes, w_scales, w_mbs, K, bias, out_dtype, bs)
         return by_row_chunks(
             (x_codes, x_scales, x_mbs),
             MAX_GRID_M_TILES * block_m,
-            lambda xr: decode_gemm(xr[0], xr[1], xr[2], *w, block_n=block_n, split_k=split_k),
+            lambda xr: decode_gemm(
+                xr[0],
+                xr[1],
+                xr[2],
+                *w,
+                macro_block=macro_block,
+                block_n=block_n,
+                split_k=split_k,
+            ),  # fmt: skip
         )
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=w_codes.device)

@@ -17,6 +17,7 @@ from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus, act_quant_nvfp4_given
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
 from vllm_mxplus.backends.triton.ops import act_quant_op
+from vllm_mxplus.formats import get_format
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 
 
@@ -96,9 +97,10 @@ def act_operands(
     the MX+ block-max indices, global the NVFP4 per-row scales (given ones when
     `global_scale` is passed: row-parallel shards under tensor parallelism)."""
 
-    if fmt == "mxplus":
+    spec = get_format(fmt)
+    if spec.block_max_mantissa:
         return (*act_quant_mxplus_op(x), None)
-    if fmt == "nvfp4" and global_scale is not None:
+    if spec.has_global_scale and global_scale is not None:
         g = global_scale.reshape(-1, 1).to(torch.float32)
         return (*act_quant_nvfp4_given_op(x, g), None, g)
     codes, scales, mbs, gs = act_quant_op(x, fmt, macro_block=macro_block)

@@ -16,6 +16,8 @@ Error bound: docs/numerics.md, "Kernel numerics and error bounds" (`mx_gemm`'s d
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -32,20 +34,28 @@ from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.mx_gemm import operand_format
 from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
-from vllm_mxplus.formats import QuantizedTensor, get_format
+from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
 DECODE_MAX_M = 16
 # codes, scales (E8M0 bytes, or float8_e4m3fn for NVFP4), and the MBS bytes or MX+ block-max
 # indices (None otherwise)
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 GLOBAL_ATTR = "mxplus_w_global"  # NVFP4: fp32 global scale of each weight row [N]
-PLUS_PAIRS = (("nvfp4", "nvfp4"), ("mxplus", "mxplus"))  # read by mx_gemm only
+
+
+def mx_gemm_only(weight_format: str, activation_format: str) -> bool:
+    """Whether both operands are of a kind only `mx_gemm` reads: NVFP4 (E4M3 scales under a
+    global scale) or MX+ (block-max mantissa) on both sides."""
+    w, a = get_format(weight_format), get_format(activation_format)
+    return (w.has_global_scale and a.has_global_scale) or (
+        w.block_max_mantissa and a.block_max_mantissa
+    )
 
 
 def triton_takes(weight_format: str, activation_format: str, macro_block: int) -> tuple[bool, str]:
     """Whether the Triton kernels take this scheme (linears and MoE experts): the E8M0 pairs
     with a macro block the tiles hold, NVFP4 and MX+. (True, "") or (False, why)."""
-    if (weight_format, activation_format) in PLUS_PAIRS:
+    if mx_gemm_only(weight_format, activation_format):
         return True, ""
     ok, why = check_e8m0_pair(weight_format, activation_format, "Triton kernel")
     if not ok:
@@ -70,7 +80,7 @@ def weight_operands(
     MX+ block-max indices; global the NVFP4 fp32 global scale of each row [N] (one per
     logical weight, repeated over its rows)."""
     rows = qweight.codes.shape[0]
-    extra = qweight.block_max_index if qweight.fmt == "mxplus" else qweight.mbs
+    extra = qweight.block_max_index if qweight.spec.block_max_mantissa else qweight.mbs
     g = qweight.global_scale
     if g is not None:
         g = g.to(torch.float32).reshape(-1).expand(rows).contiguous()
@@ -101,20 +111,24 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
         return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
 
     def selftest_activation(self, x: Tensor) -> QuantizedTensor:
-        """The fused quantizer's codes, compared bit for bit by the self-test."""
+        """The fused quantizer's fields, compared bit for bit by the self-test: `formats`'
+        QuantizedTensor of x with codes, scales, MBS bytes / MX+ block-max indices and
+        global scales replaced by the kernel's."""
 
         spec = self.spec
         fmt = spec.activation_format
         c, s, extra, g = act_operands(x, fmt, spec.macro_block)
-        return QuantizedTensor(
+        ref = quantize(
+            x.to(torch.float32), fmt, macro_block=spec.macro_block, per_row=spec.activation_per_row
+        )
+        plus = ref.spec.block_max_mantissa
+        return dataclasses.replace(
+            ref,
             codes=c,
             scales=s,
-            fmt=fmt,
-            shape=x.shape,
-            mbs=None if fmt == "mxplus" else extra,
+            mbs=None if plus else extra,
             global_scale=g,
-            block_max_index=extra if fmt == "mxplus" else None,
-            macro_block=spec.macro_block,
+            block_max_index=extra if plus else None,
         )
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
@@ -135,7 +149,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
     ) -> Tensor:
         spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
-        if (spec.weight_format, spec.activation_format) in PLUS_PAIRS:
+        if mx_gemm_only(spec.weight_format, spec.activation_format):
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
 

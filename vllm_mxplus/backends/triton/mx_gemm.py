@@ -64,14 +64,17 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     plan_split_k,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import get_format
 from vllm_mxplus.formats.constants import ceil_div
 
 # operand formats (constexpr FMT): what the scales and the extra bytes mean
 FMT_E8M0, FMT_NVFP4, FMT_MXPLUS = 0, 1, 2
+# operand kinds (the kernel's, not format names): plain E8M0 scales (+ MBS bytes), E4M3
+# scales under fp32 global scales, E8M0 block 32 + block-max indices
 FMT_CODES = {"e8m0": FMT_E8M0, "nvfp4": FMT_NVFP4, "mxplus": FMT_MXPLUS}
+KIND_OF_CODE = {code: kind for kind, code in FMT_CODES.items()}
 MXPLUS_BLOCK = 32
-BLOCK_SIZES = {"e8m0": (16, 32), "nvfp4": (16,), "mxplus": (MXPLUS_BLOCK,)}
+BLOCK_SIZES = {FMT_E8M0: (16, 32), FMT_NVFP4: (16,), FMT_MXPLUS: (MXPLUS_BLOCK,)}
 NO_BLOCK_MAX = tl.constexpr(255)
 
 PREFILL_BLOCK_M = 32
@@ -297,7 +300,7 @@ def _check_operand(name: str, t: tuple, k: int, fmt: str, bs: int, macro: int) -
         "codes": (codes, torch.uint8, ceil_div(k, 2)),
         "scales": (scales, torch.uint8, ceil_div(k, bs)),
     }
-    if fmt == "mxplus":
+    if FMT_CODES[fmt] == FMT_MXPLUS:
         want["block_max_index"] = (extra, torch.uint8, ceil_div(k, MXPLUS_BLOCK))
     elif extra is not None:
         want["mbs"] = (extra, torch.uint8, ceil_div(k, macro))
@@ -305,7 +308,9 @@ def _check_operand(name: str, t: tuple, k: int, fmt: str, bs: int, macro: int) -
         if tt is None or tt.dtype != dtype or tuple(tt.shape) != (rows, cols):
             got = None if tt is None else f"{tt.dtype} {tuple(tt.shape)}"
             raise ValueError(f"mx_gemm: {name} {field} must be {dtype} [{rows}, {cols}], got {got}")
-    if fmt == "nvfp4" and (g is None or g.dtype != torch.float32 or g.numel() not in (1, rows)):
+    if FMT_CODES[fmt] == FMT_NVFP4 and (
+        g is None or g.dtype != torch.float32 or g.numel() not in (1, rows)
+    ):
         raise ValueError(f"mx_gemm: {name} global scales must be fp32, one or {rows} values")
 
 
@@ -343,8 +348,8 @@ def launch_mx_gemm(
     pairs, tile_expert, n_experts, topk = moe if moe is not None else (dummy, dummy, 0, 1)
     xf, wf = FMT_CODES[fmt], FMT_CODES[fmt]
     assert xf == wf
-    x_mbs = fmt == "e8m0" and x[2] is not None
-    w_mbs = fmt == "e8m0" and w[2] is not None
+    x_mbs = xf == FMT_E8M0 and x[2] is not None
+    w_mbs = wf == FMT_E8M0 and w[2] is not None
     launch(
         _mx_gemm_kernel,
         (triton.cdiv(n, bn), sk.split, grid_m),
@@ -391,11 +396,16 @@ def launch_mx_gemm(
 
 
 def operand_format(fmt_name: str) -> tuple[str, int]:
-    """('e8m0' | 'nvfp4' | 'mxplus', block size) of a `formats` format name."""
+    """(operand kind, block size) of a `formats` format, from its flags: the kind (a key of
+    FMT_CODES) is E4M3 scales under global scales, E8M0 scales plus block-max indices (MX+),
+    or plain E8M0 scales (with MBS bytes when the format has MBS)."""
     spec = get_format(fmt_name)
+    kind = FMT_E8M0
     if spec.has_global_scale:
-        return "nvfp4", spec.block_size
-    return ("mxplus" if fmt_name == "mxplus" else "e8m0"), spec.block_size
+        kind = FMT_NVFP4
+    elif spec.block_max_mantissa:
+        kind = FMT_MXPLUS
+    return KIND_OF_CODE[kind], spec.block_size
 
 
 def mx_gemm(
@@ -407,7 +417,7 @@ def mx_gemm(
     *,
     fmt: str = "e8m0",
     block_size: int = 16,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
     split_k: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x_hat @ W_hat^T (+ bias) from packed operands, any M.
@@ -419,9 +429,10 @@ def mx_gemm(
     output bf16, fp16 or fp32."""
     if fmt not in FMT_CODES:
         raise ValueError(f"mx_gemm: fmt must be one of {tuple(FMT_CODES)}, got {fmt!r}")
-    if block_size not in BLOCK_SIZES[fmt]:
-        raise ValueError(f"mx_gemm: {fmt} takes block sizes {BLOCK_SIZES[fmt]}, not {block_size}")
-    has_mbs = fmt == "e8m0" and (x[2] is not None or w[2] is not None)
+    sizes = BLOCK_SIZES[FMT_CODES[fmt]]
+    if block_size not in sizes:
+        raise ValueError(f"mx_gemm: {fmt} takes block sizes {sizes}, not {block_size}")
+    has_mbs = FMT_CODES[fmt] == FMT_E8M0 and (x[2] is not None or w[2] is not None)
     check_gemm_args("mx_gemm", out_dtype, macro_block, has_mbs)
     x = tuple(_u8(t) if i < 3 else t for i, t in enumerate(x))
     w = tuple(_u8(t) if i < 3 else t for i, t in enumerate(w))

@@ -20,7 +20,7 @@ import torch
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.act_quant import act_quant
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
-from vllm_mxplus.formats import MACRO_BLOCK, get_format
+from vllm_mxplus.formats import get_format
 from vllm_mxplus.formats.constants import ceil_div
 
 
@@ -73,7 +73,7 @@ def _decode_gemm_fake(*args, **kwargs):
 
 
 def act_quant_op(
-    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK
+    x: torch.Tensor, fmt: str, *, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`triton_act_quant.act_quant` through the custom op (traceable); same return values."""
     spec = get_format(fmt)
