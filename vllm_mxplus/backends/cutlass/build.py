@@ -13,19 +13,27 @@ sm_90a, sm100 -> sm_100a); a file whose arch is not requested is compiled as a s
 (torch_bindings.cpp) is built and linked by torch.utils.cpp_extension.load. CUTLASS headers
 come from the `nvidia-cutlass` wheel (or CUTLASS_DIR=<a CUTLASS checkout or its headers>).
 
-The default build directory is a per-user cache keyed by the sources, torch and the archs
-(`~/.cache/vllm-mxplus/cutlass/<key>`, root overridable with VLLM_MXPLUS_CUTLASS_BUILD_DIR);
-`load_extension()` looks there, then at VLLM_MXPLUS_CUTLASS_EXT, then at `kernels/build/`
-of a source checkout. It never builds by itself: nvcc takes minutes.
+The default build directory is a per-user cache keyed by the build's identity
+(`~/.cache/vllm-mxplus/cutlass/<key>`, root overridable with VLLM_MXPLUS_CUTLASS_BUILD_DIR):
+a digest of the C++ sources and the nvcc flags, the CUDA toolkit (nvcc's release), torch and
+its CUDA version, and the archs. Every build writes that identity beside its .so
+(`mxplus_cutlass.build.json`). `load_extension()` considers VLLM_MXPLUS_CUTLASS_EXT, then the
+cache, then `kernels/build/` of a source checkout, and loads only a .so whose recorded
+identity matches this package's sources and flags, this torch, and the installed toolkit
+(where nvcc is installed: a serving machine may have none); a stale or unrecorded .so is
+skipped with the reason. It never builds by itself: nvcc takes minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +61,7 @@ NVCC_FLAGS = [
 EXT_ENV = settings.CUTLASS_EXT.name  # path of a built mxplus_cutlass*.so
 BUILD_ENV = settings.CUTLASS_BUILD_DIR.name
 ARCH_OF_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a"}
+MANIFEST = "mxplus_cutlass.build.json"  # the build's identity, beside its .so
 
 
 class BuildError(RuntimeError):
@@ -118,18 +127,82 @@ def source_files() -> list[Path]:
     return [SOURCE_DIR / n for n in (*SOURCES.values(), BINDINGS, *HEADERS)]
 
 
-def build_key(archs: list[str]) -> str:
-    """Hash of the sources, torch / CUDA versions and archs: a cache directory per build."""
+@functools.lru_cache(maxsize=1)
+def toolkit_version() -> str | None:
+    """The CUDA toolkit that builds here: nvcc's release line ('12.8, V12.8.93'), or None
+    without nvcc (a serving machine may have none; then the toolkit is not compared)."""
+    try:
+        out = subprocess.run(
+            [nvcc_path(), "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (BuildError, OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release ([^\n]+)", out)
+    return found.group(1).strip() if found else out.strip() or None
+
+
+def source_digest() -> str:
+    """sha256 of every C++ source and header (names and bytes) and of the nvcc flags."""
     h = hashlib.sha256()
     for path in source_files():
-        h.update(path.read_bytes())
-    h.update(f"{torch.__version__}|{torch.version.cuda}|{','.join(sorted(archs))}".encode())
-    return h.hexdigest()[:16]
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update("\0".join(NVCC_FLAGS).encode())
+    return h.hexdigest()
+
+
+def build_identity(archs: list[str], toolkit: str | None) -> dict[str, object]:
+    """What a built .so depends on: sources and flags, toolkit, torch and its CUDA, archs."""
+    return {
+        "sources": source_digest(),
+        "toolkit": toolkit,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "archs": sorted(archs),
+    }
+
+
+def build_key(archs: list[str]) -> str:
+    """Hash of the build's identity (`build_identity` with the installed toolkit): one cache
+    directory per build."""
+    ident = build_identity(archs, toolkit_version())
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return settings.cutlass_build_dir() or Path.home() / ".cache" / "vllm-mxplus" / "cutlass"
 
 
 def default_build_dir(archs: list[str]) -> Path:
-    base = settings.cutlass_build_dir() or Path.home() / ".cache" / "vllm-mxplus" / "cutlass"
-    return base / build_key(archs)
+    return cache_root() / build_key(archs)
+
+
+def write_manifest(so: Path, archs: list[str]) -> None:
+    """Record the identity of the build that produced `so` beside it."""
+    ident = build_identity(archs, toolkit_version())
+    (so.parent / MANIFEST).write_text(json.dumps(ident, indent=1, sort_keys=True) + "\n")
+
+
+def stale_reason(so: Path) -> str | None:
+    """None when `so` was built from this package's sources and flags, for this torch (and
+    CUDA), with the installed toolkit (when nvcc is installed); else why it must not load."""
+    path = so.parent / MANIFEST
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return f"no build record {path.name} beside it (built by an older version)"
+    if not isinstance(rec, dict):
+        return f"{path.name} is not a build record"
+    now = build_identity(list(rec.get("archs") or []), toolkit_version())
+    for field, what in (
+        ("sources", "the C++ sources or nvcc flags"),
+        ("torch", "torch"),
+        ("torch_cuda", "torch's CUDA version"),
+    ):
+        if rec.get(field) != now[field]:
+            return f"built for other {what} ({field} {rec.get(field)!r}, now {now[field]!r})"
+    if now["toolkit"] is not None and rec.get("toolkit") != now["toolkit"]:
+        return f"built with CUDA toolkit {rec.get('toolkit')!r}, installed {now['toolkit']!r}"
+    return None
 
 
 def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = False) -> Path:
@@ -143,8 +216,8 @@ def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = Fal
     keyed = out is None  # the default directory is keyed by sources, torch and archs
     out = out or default_build_dir(archs)
     out.mkdir(parents=True, exist_ok=True)
-    cached = sorted(out.glob("mxplus_cutlass*.so"))
-    if keyed and cached:  # same sources, torch and archs: built before on this machine
+    cached = [p for p in sorted(out.glob("mxplus_cutlass*.so")) if stale_reason(p) is None]
+    if keyed and cached:  # same identity: built before on this machine
         print(f"[build] cached: {cached[0]} (archs {archs}; key {out.name})")
         return cached[0]
     real = [a for a in SOURCES if a in archs]
@@ -181,6 +254,7 @@ def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = Fal
         verbose=verbose,
     )
     path = Path(mod.__file__)
+    write_manifest(path, archs)
     print(f"[build] {path} (archs {archs}); found automatically, or set {EXT_ENV}={path}")
     return path
 
@@ -195,37 +269,50 @@ def candidate_paths() -> list[Path]:
     ext = settings.cutlass_ext()
     paths = [ext] if ext else []
     try:
-        cache = default_build_dir(requested_archs(None)).parent
+        cache = cache_root()
         paths += sorted(cache.glob("*/mxplus_cutlass*.so"), key=lambda p: -p.stat().st_mtime)
-    except (BuildError, OSError):
+    except OSError:
         pass
     checkout = Path(__file__).resolve().parents[3] / "kernels" / "build"  # a source checkout
     return paths + sorted(checkout.glob("mxplus_cutlass*.so"))
 
 
+def _load_module(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("mxplus_cutlass", str(path))
+    spec = importlib.util.spec_from_loader("mxplus_cutlass", loader)
+    if spec is None:
+        raise ImportError(f"no module spec for {path}")
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
 def load_extension() -> ModuleType | None:
-    """The compiled module, or None; the reason is kept for `is_available`."""
+    """The compiled module, or None; the reason is kept for `is_available`. Only a .so whose
+    build record matches (`stale_reason`) is loaded; the first match in `candidate_paths`
+    order wins."""
     global _EXT, _EXT_ERROR
     if _EXT is not None or _EXT_ERROR != "not loaded yet":
         return _EXT
-    _EXT_ERROR = (
-        "no mxplus_cutlass extension found (build it: python -m "
-        f"vllm_mxplus.backends.cutlass.build; or set {EXT_ENV})"
-    )
+    rebuild = f"build it: python -m vllm_mxplus.backends.cutlass.build; or set {EXT_ENV}"
+    skipped = []
     for path in candidate_paths():
         if not path.is_file():
             continue
+        stale = stale_reason(path)
+        if stale:
+            skipped.append(f"{path}: {stale}")
+            continue
         try:
-            loader = importlib.machinery.ExtensionFileLoader("mxplus_cutlass", str(path))
-            spec = importlib.util.spec_from_loader("mxplus_cutlass", loader)
-            if spec is None:
-                raise ImportError(f"no module spec for {path}")
-            mod = importlib.util.module_from_spec(spec)
-            loader.exec_module(mod)
-            _EXT = mod
-            return mod
-        except Exception as e:  # a stale or incompatible build is a reason, not a crash
-            _EXT_ERROR = f"loading {path} failed: {type(e).__name__}: {e}"
+            _EXT = _load_module(path)
+            return _EXT
+        except Exception as e:  # an incompatible build is a reason, not a crash
+            skipped.append(f"{path}: loading failed: {type(e).__name__}: {e}")
+    _EXT_ERROR = (
+        f"no matching mxplus_cutlass extension ({rebuild}); skipped {'; '.join(skipped)}"
+        if skipped
+        else f"no mxplus_cutlass extension found ({rebuild})"
+    )
     return None
 
 
