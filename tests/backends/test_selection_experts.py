@@ -11,6 +11,7 @@ import torch
 
 from vllm_mxplus.backends import ExpertBackend, ExpertSpec, ReferenceExperts, selection
 from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
+from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS, SwigluOAI, expert_activation
 from vllm_mxplus.backends.selftest_experts import run_expert_self_test
 from vllm_mxplus.formats import SCHEMES, Scheme, get_scheme
 
@@ -52,13 +53,20 @@ def test_grouped_kernel_slots_in_first(registry):
     assert [type(b) for b in got] == [_Grouped]
 
 
-def test_unsupported_capability_falls_back_to_reference_with_reason(registry, caplog):
+def test_unsupported_capability_takes_the_reference_only_when_asked(registry, monkeypatch):
+    """No expert kernel for a CUDA layer: loading fails with the kernel's reason and the
+    setting that allows the reference; with that setting the reference (sync-free routing,
+    capturable: test_graph_guard_experts.py) serves."""
     registry._REGISTRY["experts"]["cuda"] = []  # only the stand-in (Triton runs interpreted here)
     registry.register_backend("cuda", _Grouped, priority=0)
-    with caplog.at_level(logging.INFO, logger=selection.__name__):
-        got = registry.select(_spec("mxfp4-16-oas", device="cuda"), "cuda", 80)
+    monkeypatch.delenv("VLLM_MXPLUS_BACKEND", raising=False)
+    with pytest.raises(selection.BackendUnavailable) as e:
+        registry.select(_spec("mxfp4-16-oas", device="cuda"), "cuda", 80)
+    assert "grouped-test: needs sm_90" in str(e.value)
+    assert "VLLM_MXPLUS_BACKEND=experts:reference" in str(e.value)
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", "experts:reference")
+    got = registry.select(_spec("mxfp4-16-oas", device="cuda"), "cuda", 80)
     assert [type(b) for b in got] == [ReferenceExperts]
-    assert "grouped-test: needs sm_90" in caplog.text
 
 
 def test_a_linear_spec_is_refused_by_an_expert_backend():
@@ -142,3 +150,90 @@ def test_selector_runs_the_expert_self_test_and_moves_on(registry, monkeypatch, 
         got = registry.select(_spec(get_scheme("mxfp4-mbs", 32)), "cpu", None)
     assert [type(b) for b in got] == [CpuPackedExperts]
     assert "bad-kernel REJECTED" in caplog.text
+
+
+# ------------------------------------------------- one self-test kind per expert activation
+class _WrongActivation(ReferenceExperts):
+    """The reference computing `WRONG` instead of the layer's activation."""
+
+    name = "wrong-activation"
+    WRONG: object = None
+
+    def apply(self, layer, x, topk_weights, topk_ids, act):
+        return super().apply(layer, x, topk_weights, topk_ids, self.WRONG)
+
+
+class _SwigluOAIHalves:
+    """swigluoai on gate | up read as halves instead of interleaved."""
+
+    takes_gate_up = True
+
+    def __call__(self, gu):
+        g, u = gu.chunk(2, dim=-1)
+        return SwigluOAI()(torch.stack([g, u], -1).flatten(-2))
+
+
+class _SwigluOAINoPlusOne(SwigluOAI):
+    def __call__(self, gu):
+        g = gu[..., ::2].clamp(max=self.limit)
+        u = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return u * (g * torch.sigmoid(g * self.alpha))
+
+
+# gelu and gelu_tanh are not told apart: they differ by < 5e-4 (absolute), which moves about
+# one Q(h) code in 10^4 on the self-test's data (measured: 0-2 of 14,976), so whether a
+# swap shows depends on the draw; every other confusion moves most codes.
+WRONG_ACTIVATIONS = [
+    ("silu", expert_activation("gelu"), "gelu-for-silu"),
+    ("gelu", expert_activation("silu"), "silu-for-gelu"),
+    ("gelu_tanh", torch.relu, "relu-for-gelu_tanh"),
+    ("swigluoai", _SwigluOAIHalves(), "halves"),
+    ("swigluoai", _SwigluOAINoPlusOne(), "no-plus-one"),
+    ("swigluoai", SwigluOAI(limit=float("inf")), "no-clamp"),
+    ("swigluoai", SwigluOAI(alpha=1.0), "alpha-1"),
+    ("swigluoai", expert_activation("silu"), "silu-for-swigluoai"),
+]
+
+
+@pytest.mark.parametrize("activation", EXPERT_ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_expert_self_test_kind_passes_the_reference(activation, bias):
+    spec = ExpertSpec(get_scheme("mxfp4-mbs", 32), activation=activation, has_bias=bias)
+    assert run_expert_self_test(ReferenceExperts, spec, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    "activation,wrong", [w[:2] for w in WRONG_ACTIVATIONS], ids=[w[2] for w in WRONG_ACTIVATIONS]
+)
+def test_expert_self_test_fails_a_wrong_activation(activation, wrong):
+    cls = type("_Wrong", (_WrongActivation,), {"WRONG": staticmethod(wrong)})
+    for bias in (False, True):
+        spec = ExpertSpec(get_scheme("mxfp4-mbs", 32), activation=activation, has_bias=bias)
+        failure = run_expert_self_test(cls, spec, torch.device("cpu"))
+        assert failure is not None and "outside the bound" in failure, (bias, failure)
+        assert failure.startswith(activation)
+
+
+@pytest.mark.parametrize("stem", ["w13", "w2"])
+def test_expert_self_test_fails_a_dropped_bias(stem):
+    class _DropsBias(ReferenceExperts):
+        name = f"drops-{stem}-bias"
+
+        def apply(self, layer, x, topk_weights, topk_ids, act):
+            saved = getattr(layer, f"{stem}_bias")
+            setattr(layer, f"{stem}_bias", None)
+            try:
+                return super().apply(layer, x, topk_weights, topk_ids, act)
+            finally:
+                setattr(layer, f"{stem}_bias", saved)
+
+    for activation in EXPERT_ACTIVATIONS:
+        spec = ExpertSpec(get_scheme("nvfp4"), activation=activation, has_bias=True)
+        failure = run_expert_self_test(_DropsBias, spec, torch.device("cpu"))
+        assert failure is not None and "outside the bound" in failure, (activation, failure)
+
+
+def test_expert_self_test_names_an_activation_it_cannot_test():
+    spec = ExpertSpec(get_scheme("mxfp4-mbs"), activation="relu2_no_mul")
+    failure = run_expert_self_test(ReferenceExperts, spec, torch.device("cpu"))
+    assert failure is not None and "'relu2_no_mul'" in failure

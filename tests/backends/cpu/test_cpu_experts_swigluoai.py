@@ -207,17 +207,6 @@ def test_the_bound_catches_halves_or_missing_biases(backend):
 
 
 # ------------------------------------------------------------------- backend selection
-def test_triton_experts_refuse_swigluoai_and_biases_with_the_reason():
-    from vllm_mxplus.backends.triton.experts import TritonExperts
-
-    scheme = get_scheme("mxfp4-mbs")
-    ok, why = TritonExperts.can_implement(ExpertSpec(scheme, activation="swigluoai", has_bias=True))
-    assert not ok and "'swigluoai'" in why and "expert biases" in why, why
-    ok, why = TritonExperts.can_implement(ExpertSpec(scheme, has_bias=True))
-    assert not ok and "expert biases" in why and "activation" not in why.split(";")[1], why
-    assert TritonExperts.can_implement(ExpertSpec(scheme, activation="gelu"))[0]
-
-
 def test_cpu_and_reference_experts_take_gpt_oss_layers():
     spec = ExpertSpec(get_scheme("nvfp4"), activation="swigluoai", has_bias=True)
     assert ReferenceExperts.can_implement(spec)[0]

@@ -66,6 +66,11 @@ def _layer(scheme: str, macro: int, m: int, seed: int, device):
     return s, q13, q2, x, tw.to(device), ti.to(device)
 
 
+def _formats(s) -> dict:
+    """moe_experts_triton's format arguments for scheme s."""
+    return {"weight": s.weight, "activation_mbs": bool(s.activation.mbs)}
+
+
 # ----------------------------------------------------------------------------- moe_align
 @pytest.mark.parametrize("m,block_m", [(1, 16), (5, 16), (40, 64), (40, 16)])
 @pytest.mark.parametrize("ep", [False, True], ids=["all-local", "ep"])
@@ -101,19 +106,18 @@ def test_grouped_gemm_within_bound(triton_device, scheme, macro):
     """moe_gemm for w13 (rows gathered per token, top-2) at M = 17 against the float64
     product of each pair's token with its expert's weight; rows of pairs are computed
     once, in the tile of their expert."""
-    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
-    from vllm_mxplus.backends.triton.mx_gemm import operand_format
+    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m, moe_gemm, operand_kind
 
     m = 17
     s, q13, _, x, _, ti = _layer(scheme, macro, m, seed=1, device=triton_device)
     w = _packed(q13, E)
-    fmt, bs = operand_format(s.weight_format)
+    fmt, bs = operand_kind(s.weight), s.weight.block_size
     block_m = moe_block_m(m * TOPK, E)
     pairs, tile_expert = moe_align(ti, None, E, block_m)
     a = _quantizer(s.activation_format, macro)(x, None)
     y = moe_gemm(
         a, w, pairs, tile_expert, num_pairs=m * TOPK, topk=TOPK, out_dtype=torch.float32,
-        fmt=fmt, block_size=bs, macro_block=macro, block_m=block_m,
+        fmt=fmt, has_mbs=s.has_mbs, block_size=bs, macro_block=macro, block_m=block_m,
     ).double().cpu()  # fmt: skip
     qx = quantize(x, s.activation_format, macro_block=macro, per_row=True)
     xh = qx.dequantize().double().cpu()
@@ -136,14 +140,14 @@ def test_experts_match_reference(triton_device, scheme, macro, m):
     s, q13, q2, x, tw, ti = _layer(scheme, macro, m, seed=m, device=triton_device)
     emap = torch.tensor([0, 3, 1, 2], device=triton_device) if m == 5 else None
     y = moe_experts_triton(
-        x, _packed(q13, E), _packed(q2, E), tw, ti, weight_format=s.weight_format,
+        x, _packed(q13, E), _packed(q2, E), tw, ti, **_formats(s),
         quantize_rows=_quantizer(s.activation_format, macro), macro_block=macro,
         activation=F.silu, expert_map=emap,
     )  # fmt: skip
     d13 = q13.dequantize(torch.float32).view(E, 2 * INTER, H)
     d2 = q2.dequantize(torch.float32).view(E, H, INTER)
     ref = moe_experts_reference(
-        x, d13, d2, tw, ti, s.activation_format, per_row=s.activation_format == "nvfp4",
+        x, d13, d2, tw, ti, s.activation_format, per_row=s.activations_per_row,
         activation=F.silu, macro_block=macro, expert_map=emap,
     )  # fmt: skip
     assert y.shape == ref.shape == (m, H) and y.dtype == x.dtype
@@ -162,14 +166,14 @@ def test_expert_parallel_drops_other_ranks_pairs(triton_device):
     ti[0] = torch.tensor([1, 3])
     emap = torch.tensor([0, -1, 1, -1], device=triton_device)  # two local experts
     y = moe_experts_triton(
-        x, _packed(q13, E), _packed(q2, E), tw, ti,
-        weight_format=s.weight_format, quantize_rows=_quantizer(s.activation_format, 128),
+        x, _packed(q13, E), _packed(q2, E), tw, ti, **_formats(s),
+        quantize_rows=_quantizer(s.activation_format, 128),
         macro_block=128, activation=F.silu, expert_map=emap,
     )  # fmt: skip
     ref = moe_experts_reference(
         x, q13.dequantize(torch.float32).view(E, 2 * INTER, H),
         q2.dequantize(torch.float32).view(E, H, INTER), tw, ti, s.activation_format,
-        per_row=False, activation=F.silu, expert_map=emap,
+        per_row=False, activation=F.silu, macro_block=128, expert_map=emap,
     )  # fmt: skip
     assert torch.equal(y[0].float().cpu(), torch.zeros(H))
     r = ref.float().cpu()
@@ -188,10 +192,10 @@ def test_nvfp4_down_rows_take_the_given_global_scale(triton_device):
     def row_g(h):
         return 2 * nvfp4_row_global_scale(h)
 
-    kw = dict(activation=F.silu, row_global_scale=row_g)
+    kw = dict(activation=F.silu, row_global_scale=row_g, macro_block=128)
     y = moe_experts_triton(
-        x, _packed(q13, E), _packed(q2, E), tw, ti, weight_format="nvfp4",
-        quantize_rows=_quantizer("nvfp4", 128), macro_block=128, **kw,
+        x, _packed(q13, E), _packed(q2, E), tw, ti, **_formats(s),
+        quantize_rows=_quantizer("nvfp4", 128), **kw,
     )  # fmt: skip
     ref = moe_experts_reference(
         x, q13.dequantize(torch.float32).view(E, 2 * INTER, H),
@@ -212,58 +216,50 @@ def test_registered_for_cuda_experts_only():
     assert not ok and "CUDA" in why
 
 
-@pytest.mark.parametrize("scheme,macro", SCHEMES, ids=[f"{s}-{mb}" for s, mb in SCHEMES])
-def test_backend_passes_the_expert_self_test(triton_device, scheme, macro):
+# each scheme with one (activation, biases) kind, so that every kind runs on some scheme
+KINDS = [
+    ("silu", False),
+    ("gelu", True),
+    ("swigluoai", True),
+    ("gelu_tanh", False),
+    ("swigluoai", False),
+    ("silu", True),
+    ("swigluoai", True),
+]
+
+
+@pytest.mark.parametrize(
+    "scheme,macro,activation,bias",
+    [(*sm, *kind) for sm, kind in zip(SCHEMES, KINDS, strict=True)],
+    ids=[f"{s}-{mb}-{a}{'-bias' if b else ''}" for (s, mb), (a, b) in zip(SCHEMES, KINDS)],
+)
+def test_backend_passes_the_expert_self_test(triton_device, scheme, macro, activation, bias):
     """The real first-use self-test (selftest_experts.py: stage 1 exact, stage 2 in the
-    linear bound, M 1 / 5 / 33) through TritonExperts' process_weights + apply."""
+    linear bound, M 1 / 5 / 33, the layer's activation and biases) through TritonExperts'
+    process_weights + apply."""
     from vllm_mxplus.backends.base import ExpertSpec
     from vllm_mxplus.backends.selftest_experts import run_expert_self_test
     from vllm_mxplus.backends.triton.experts import TritonExperts
 
-    spec = ExpertSpec(get_scheme(scheme, macro), device_type=triton_device.type)
-    assert TritonExperts.can_implement(spec)[0]
+    spec = ExpertSpec(
+        get_scheme(scheme, macro), device_type=triton_device.type, activation=activation,
+        has_bias=bias,
+    )  # fmt: skip
+    assert TritonExperts.can_implement(spec) == (True, "")
     assert run_expert_self_test(TritonExperts, spec, triton_device) is None
 
 
-@pytest.mark.parametrize("m", [1, 2, 16, 24, 512])
-@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4", "mxplus"])
-def test_apply_is_capturable_at_vllm_graph_sizes(scheme, m):
-    """TritonExperts.apply on fake CUDA tensors under the capture guard: no host sync, no
-    host <-> device copy, no data-dependent shape, no CPU tensor built per call (EP map
-    and NVFP4's TP row scales included)."""
+def test_every_expert_activation_and_biases_accepted():
+    """gpt-oss layers (swigluoai + biases) and every other activation stay on the grouped
+    kernel; an activation no backend computes is refused with its name."""
     from vllm_mxplus.backends.base import ExpertSpec
-    from vllm_mxplus.backends.graph_guard import cuda_empty, fake_cuda, guarded
-    from vllm_mxplus.backends.triton.experts import PACKED_ATTR, TritonExperts
-    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights
+    from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS
+    from vllm_mxplus.backends.triton.experts import TritonExperts
 
-    s = get_scheme(scheme)
-    nvfp4, mxplus = scheme == "nvfp4", scheme == "mxplus"
-    bs = 32 if mxplus else 16
-    e, h, inter = 8, 256, 128
-    with fake_cuda():
-
-        def packed(n: int, k: int) -> PackedExpertWeights:
-            rows = e * n
-            extra = None
-            if mxplus:
-                extra = cuda_empty((rows, k // 32), torch.uint8)
-            elif scheme == "mxfp4-mbs":
-                extra = cuda_empty((rows, k // 128), torch.uint8)
-            g = cuda_empty((rows,)) if nvfp4 else None
-            codes = cuda_empty((rows, k // 2), torch.uint8)
-            return PackedExpertWeights(
-                codes, cuda_empty((rows, k // bs), torch.uint8), extra, g, e, n, k
-            )
-
-        layer = torch.nn.Module()
-        setattr(layer, PACKED_ATTR, {"w13": packed(2 * inter, h), "w2": packed(h, inter)})
-        layer.expert_map = cuda_empty((16,), torch.int32)
-        layer.mxplus_row_global_scale = (
-            (lambda t: t.abs().amax(-1, keepdim=True)) if nvfp4 else None
-        )
-        backend = TritonExperts(ExpertSpec(s, device_type="cuda"))
-        x = cuda_empty((m, h), torch.bfloat16)
-        tw, ti = cuda_empty((m, 2)), cuda_empty((m, 2), torch.int32)
-        y, guard = guarded(backend.apply, layer, x, tw, ti, F.silu)
-    assert y.shape == (m, h) and y.dtype == torch.bfloat16
-    assert guard.ops.count("vllm_mxplus.triton_moe_gemm.default") == 2
+    for scheme, macro in SCHEMES:
+        for act in EXPERT_ACTIVATIONS:
+            for bias in (False, True):
+                spec = ExpertSpec(get_scheme(scheme, macro), activation=act, has_bias=bias)
+                assert TritonExperts.can_implement(spec) == (True, ""), (scheme, act, bias)
+    ok, why = TritonExperts.can_implement(ExpertSpec(get_scheme("nvfp4"), activation="relu2"))
+    assert not ok and "'relu2'" in why and "swigluoai" in why

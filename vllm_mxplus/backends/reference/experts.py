@@ -15,6 +15,16 @@ W13_hat / W2_hat are the scheme's dequantized weights (fp32, exact), dequantized
 expert biases (gpt-oss) stay in the model dtype and are added in fp32, as linear biases are.
 Both activations are quantized along K per row, so quantizing all rows at once equals
 quantizing each expert's rows apart (the nvfp4 global scale is per row: docs/numerics.md, NVFP4).
+
+Two routings, one computation. On the CPU each expert multiplies only its own pairs' rows
+(`route`: the local experts and their pairs, found on the host). On any other device the
+routing is sync-free and CUDA-graph capturable (`_experts_dense`): every local expert
+multiplies every token (stage 1) and every pair row (stage 2), and `torch.where` keeps the
+rows of the pairs routed to it: no boolean-mask indexing, `torch.unique`, `nonzero` or
+`.tolist()`, shapes from the input shapes only, at E / top_k times the routed work (the
+reference is the specification in code; on CUDA it serves a layer only when
+VLLM_MXPLUS_BACKEND names it). Per token the expert contributions are added in ascending
+expert order on both routings.
 """
 
 from __future__ import annotations
@@ -28,7 +38,6 @@ from torch import Tensor
 from vllm_mxplus.backends.base import STEMS, Activation, ExpertBackend, ExpertWeights, Layer
 from vllm_mxplus.backends.expert_layer import expert_bias, gated
 from vllm_mxplus.backends.reference.linear import fake_quant_activation, fake_quant_nvfp4_rows
-from vllm_mxplus.formats import MACRO_BLOCK
 
 W13_FP32, W2_FP32 = "mxplus_w13_fp32", "mxplus_w2_fp32"  # dequantized experts on the layer
 
@@ -40,7 +49,7 @@ def route(
     experts that got pairs in ascending order, each one's pair indices).
 
     Sorted experts give a fixed summation order; pairs routed to other ranks' experts
-    (expert_map -> -1) are dropped."""
+    (expert_map -> -1) are dropped. Host-side (`.tolist()`): for CPU tensors only."""
     m, k = topk_ids.shape
     ids = topk_ids.reshape(-1).long()
     if expert_map is not None:
@@ -62,11 +71,12 @@ def moe_experts_reference(
     *,
     per_row: bool,
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
     expert_map: torch.Tensor | None = None,
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype.
 
@@ -77,27 +87,66 @@ def moe_experts_reference(
     (expert parallel; tokens routed to other ranks' experts contribute nothing here).
     row_global_scale: nvfp4 under TP only, h [R, I_part] -> per-row global scales of the
     whole (unsharded) rows, so a row-parallel shard quantizes as the unsharded row would.
+    macro_block: the scheme's (the layer passes its Scheme's). sync_free: the capturable
+    routing (module docstring); None: on every device but the CPU.
     """
     m, k = topk_ids.shape
     out_dtype = x.dtype
-    out = torch.zeros(m, w2.shape[1], dtype=torch.float32, device=x.device)
     if m == 0:
-        return out.to(out_dtype)
-    tok, weights, experts, rows = route(topk_weights, topk_ids, expert_map)
-    xq = fake_quant_activation(x, act_format, per_row, macro_block)
-    h = torch.zeros(m * k, w2.shape[2], dtype=out_dtype, device=x.device)
+        return torch.zeros(m, w2.shape[1], dtype=out_dtype, device=x.device)
     b13, b2 = (None if b is None else b.to(torch.float32) for b in (w13_bias, w2_bias))
-    for e, sel in zip(experts, rows):
+    xq = fake_quant_activation(x, act_format, per_row, macro_block)
+
+    def quantize_h(h: torch.Tensor) -> torch.Tensor:
+        if row_global_scale is not None:
+            return fake_quant_nvfp4_rows(h, row_global_scale(h))
+        return fake_quant_activation(h, act_format, per_row, macro_block)
+
+    experts = (xq, out_dtype, w13, w2, b13, b2, activation, quantize_h)
+    if sync_free is None:
+        sync_free = x.device.type != "cpu"
+    routing = _experts_dense if sync_free else _experts_routed
+    return routing(experts, topk_weights, topk_ids, expert_map).to(out_dtype)
+
+
+def _experts_routed(experts: tuple, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+    """The layer in fp32 [M, H], each local expert on its own pairs' rows (`route`)."""
+    xq, out_dtype, w13, w2, b13, b2, activation, quantize_h = experts
+    m, k = topk_ids.shape
+    out = torch.zeros(m, w2.shape[1], dtype=torch.float32, device=xq.device)
+    tok, weights, local, rows = route(topk_weights, topk_ids, expert_map)
+    h = torch.zeros(m * k, w2.shape[2], dtype=out_dtype, device=xq.device)
+    for e, sel in zip(local, rows):
         gu = F.linear(xq[tok[sel]], w13[e], None if b13 is None else b13[e]).to(out_dtype)
         h[sel] = gated(activation, gu)
-    if row_global_scale is not None:
-        hq = fake_quant_nvfp4_rows(h, row_global_scale(h))
-    else:
-        hq = fake_quant_activation(h, act_format, per_row, macro_block)
-    for e, sel in zip(experts, rows):
+    hq = quantize_h(h)
+    for e, sel in zip(local, rows):
         y = F.linear(hq[sel], w2[e], None if b2 is None else b2[e]).to(out_dtype).float()
         out.index_add_(0, tok[sel], y * weights[sel, None])
-    return out.to(out_dtype)
+    return out
+
+
+def _experts_dense(experts: tuple, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+    """The layer in fp32 [M, H] with sync-free routing (module docstring): for each local
+    expert e (a count from the weights' shape), g|u of every token and y of every pair row,
+    kept by `torch.where` for the pairs routed to e. A row that is not kept never enters a
+    sum (a NaN or Inf in it included)."""
+    xq, out_dtype, w13, w2, b13, b2, activation, quantize_h = experts
+    m, k = topk_ids.shape
+    ids = topk_ids.reshape(m, k).long()
+    local = ids if expert_map is None else expert_map[ids].long()  # [M, k], -1: other rank
+    weights = topk_weights.reshape(m, k, 1).to(torch.float32)
+    h = torch.zeros(m, k, w2.shape[2], dtype=out_dtype, device=xq.device)
+    for e in range(w13.shape[0]):
+        gu = F.linear(xq, w13[e], None if b13 is None else b13[e]).to(out_dtype)
+        h = torch.where((local == e)[..., None], gated(activation, gu)[:, None, :], h)
+    hq = quantize_h(h.reshape(m * k, -1))
+    out = torch.zeros(m, w2.shape[1], dtype=torch.float32, device=xq.device)
+    for e in range(w2.shape[0]):
+        y = F.linear(hq, w2[e], None if b2 is None else b2[e]).to(out_dtype).float()
+        part = torch.where((local == e)[..., None], y.view(m, k, -1) * weights, 0.0)
+        out += part.sum(1)
+    return out
 
 
 class ReferenceExperts(ExpertBackend):

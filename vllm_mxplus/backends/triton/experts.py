@@ -7,12 +7,14 @@ and error bounds"; `moe_gemm`'s docstring). Expert parallelism (`layer.expert_ma
 other ranks' experts) and tensor parallelism (NVFP4 down-projection rows quantized with the
 whole row's global scale, `layer.mxplus_row_global_scale`) as the CPU experts do.
 
+Every expert activation of `expert_layer` (silu, gelu, gelu_tanh on w13's halves; gpt-oss's
+swigluoai with its alpha, limit and the +1 on up, on the interleaved row) and expert biases
+(w13_bias, w2_bias, added in fp32 before the model-dtype cast), as the CPU experts serve them:
+h is `expert_layer.gated(act, g|u)` on the device, the biases gathered per pair
+(`moe_gemm.pair_bias`).
+
 Every call is CUDA-graph capturable: torch ops and kernel launches only, shapes from the
 input shapes, no host synchronisation.
-
-The grouped kernel computes act(g) * u on w13's halves without expert biases: a layer with
-gpt-oss's swigluoai activation or expert biases is refused (`can_implement`, with the reason)
-and served by the next backend (the reference experts on CUDA).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from vllm_mxplus.backends.base import (
     ExpertWeights,
     Layer,
 )
-from vllm_mxplus.backends.expert_layer import GATED_ACTIVATIONS
+from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS, expert_bias
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.linear import TritonKernels, triton_takes, weight_operands
 from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
@@ -43,16 +45,10 @@ class TritonExperts(TritonKernels, ExpertBackend):
 
     @classmethod
     def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str]:
-        lacks = []
-        if spec.activation not in GATED_ACTIVATIONS:
-            lacks.append(f"the expert activation {spec.activation!r}")
-        if spec.has_bias:
-            lacks.append("expert biases")
-        if lacks:
+        if spec.activation not in EXPERT_ACTIVATIONS:
             return False, (
-                f"the grouped Triton GEMM computes act(gate) * up "
-                f"({', '.join(GATED_ACTIVATIONS)}) without expert biases; this layer has "
-                f"{' and '.join(lacks)}"
+                f"the expert activation {spec.activation!r} (the grouped Triton experts "
+                f"compute {', '.join(EXPERT_ACTIVATIONS)})"
             )
         return triton_takes(spec.weight_format, spec.activation_format, spec.macro_block)
 
@@ -77,9 +73,11 @@ class TritonExperts(TritonKernels, ExpertBackend):
 
         spec = self.spec
         packed = getattr(layer, PACKED_ATTR)
+        # act_operands reads the activation format by name (the fused quantizers' API)
+        afmt = spec.activation_format
 
         def quantize_rows(rows: Tensor, g: Tensor | None) -> tuple:
-            c, s, extra, gs = act_operands(rows, spec.activation_format, spec.macro_block, g)
+            c, s, extra, gs = act_operands(rows, afmt, spec.macro_block, g)
             if s.dtype == torch.float8_e4m3fn:
                 s = s.view(torch.uint8)
             return c, s, extra, None if gs is None else gs.reshape(-1)
@@ -90,10 +88,13 @@ class TritonExperts(TritonKernels, ExpertBackend):
             packed["w2"],
             topk_weights,
             topk_ids,
-            weight_format=spec.weight_format,
+            weight=spec.scheme.weight,
+            activation_mbs=bool(spec.scheme.activation.mbs),
             quantize_rows=quantize_rows,
             macro_block=spec.macro_block,
             activation=act,
             expert_map=getattr(layer, "expert_map", None),
             row_global_scale=getattr(layer, "mxplus_row_global_scale", None),
+            w13_bias=expert_bias(layer, "w13"),
+            w2_bias=expert_bias(layer, "w2"),
         )

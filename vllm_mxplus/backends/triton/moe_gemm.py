@@ -10,11 +10,18 @@ once. Pairs routed to other ranks' experts (expert_map -> -1) are in no tile.
 
 `moe_experts_triton` is the same computation, in the same dtypes, as
 `moe_experts_reference` (backends/reference/experts.py): per token t and each of its top-k
-(expert e, weight w), a = Q_act(x_t) once per token; g|u = a W13_hat[e]^T cast to the model
-dtype; h = act(g) * u in the model dtype; Q_act(h) per pair row; y = Q_act(h) W2_hat[e]^T
-cast to the model dtype; the weighted y summed over the slots in fp32 and cast. Only the
-GEMMs' fp32 accumulation order (the bound of `mx_gemm`) and the order of the top-k fp32
-additions differ.
+(expert e, weight w), a = Q_act(x_t) once per token; g|u = a W13_hat[e]^T (+ b13[e], added to
+the fp32 sum) cast to the model dtype; h = `expert_layer.gated(act, g|u)` in the model dtype
+(act(g) * u on the halves for silu / gelu, gpt-oss's swigluoai on the interleaved row);
+Q_act(h) per pair row; y = Q_act(h) W2_hat[e]^T (+ b2[e], in fp32) cast to the model dtype;
+the weighted y summed over the slots in fp32 and cast. Only the GEMMs' fp32 accumulation order
+(the bound of `mx_gemm`) and the order of the top-k fp32 additions differ.
+
+Expert biases: the GEMM kernel adds one bias row to every output row, so a layer with expert
+biases gets its GEMM outputs in fp32 and each pair's bias row (gathered by its local expert,
+0 for pairs of other ranks' experts) is added in fp32 before the cast to the model dtype, as
+the reference's fp32 F.linear does. Everything stays on the device: torch ops and kernel
+launches whose shapes come from the input shapes (no host sync, capturable).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_mxplus.backends.base import Activation
+from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.gemm_launch import SplitK
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
@@ -32,8 +41,8 @@ from vllm_mxplus.backends.triton.mx_gemm import (
     PREFILL_BLOCK_M,
     gemm_tiles,
     launch_mx_gemm,
-    operand_format,
 )
+from vllm_mxplus.formats import FormatSpec
 
 # MBS row tiles of 32 pairs: the gathered rows' offsets and the sigma scaling live beside the
 # accumulator; 4 warps spilled on sm_80 / sm_100 (kernels/README.md), 8 do not
@@ -59,6 +68,24 @@ class PackedExpertWeights:
         return (self.codes, self.scales, self.extra, self.global_scale)
 
 
+def operand_kind(fmt: FormatSpec) -> str:
+    """The GEMM kernel's operand kind (`mx_gemm.FMT_CODES`) of a format, from its flags:
+    'nvfp4' (E4M3 block scales under fp32 global scales), 'mxplus' (E8M0 scales plus each
+    block's block-max index), else 'e8m0' (E8M0 scales, MBS bytes when the format has MBS)."""
+    if fmt.has_global_scale:
+        return "nvfp4"
+    if fmt.block_max_mantissa:
+        return "mxplus"
+    return "e8m0"
+
+
+def local_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """The local expert of every (token, slot) pair, int64 [M * top_k] in pair order; -1 for
+    pairs routed to other ranks' experts (expert_map: global id -> local id or -1)."""
+    ids = topk_ids.reshape(-1).long()
+    return ids if expert_map is None else expert_map[ids].long()
+
+
 def moe_block_m(pairs: int, experts: int) -> int:
     """Row tile of the grouped GEMM: the decode tile when the active experts get about 16
     pairs or fewer each, the prefill tile otherwise (a choice from shapes only)."""
@@ -78,12 +105,16 @@ def moe_align(
     """(sorted pair ids int32 [capacity] (P pads), expert of each row tile int32
     [capacity / block_m] (`experts` past the last tile)). Pairs keep their order within an
     expert (a stable sort), so the layout is deterministic."""
-    p = topk_ids.numel()
-    dev = topk_ids.device
-    ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        ids = expert_map[ids].long()
-    ids = torch.where(ids >= 0, ids, experts)  # other ranks' experts: bucket E, never tiled
+    return align_local(local_experts(topk_ids, expert_map), experts, block_m)
+
+
+def align_local(
+    local: torch.Tensor, experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` from the pairs' local experts (`local_experts`)."""
+    p = local.numel()
+    dev = local.device
+    ids = torch.where(local >= 0, local, experts)  # other ranks' experts: bucket E, never tiled
     counts = torch.zeros(experts + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts[:experts] + block_m - 1) // block_m * block_m
@@ -115,10 +146,13 @@ def moe_gemm(
     block_size: int,
     macro_block: int,
     block_m: int,
+    has_mbs: bool | None = None,
 ) -> torch.Tensor:
     """out [num_pairs, w.n]: row p = Q(x)[p // topk] @ W_hat[expert of p]^T for every pair in
     a tile, 0 for the others (pairs of other ranks' experts). x: packed activation operands
-    (codes, scales, extra, global) with one row per token (topk > 1) or per pair (topk 1)."""
+    (codes, scales, extra, global) with one row per token (topk > 1) or per pair (topk 1).
+    fmt: the operands' kind (`operand_kind`); has_mbs: MBS bytes on either side (None: the
+    extra bytes of E8M0 operands, which are MBS bytes)."""
     check_available(w.codes)
     interp = interpreting()
     out = torch.zeros(
@@ -126,7 +160,8 @@ def moe_gemm(
     )
     if num_pairs == 0:
         return out.to(out_dtype)
-    has_mbs = fmt == "e8m0" and (x[2] is not None or w.extra is not None)
+    if has_mbs is None:
+        has_mbs = fmt == "e8m0" and (x[2] is not None or w.extra is not None)
     bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size)
     if has_mbs and block_m > DECODE_BLOCK_M:
         warps = MOE_NUM_WARPS_MBS
@@ -143,7 +178,7 @@ def moe_gemm(
 MOE_GEMM_SCHEMA = (
     "(Tensor?[] x, Tensor?[] w, Tensor pairs, Tensor tile_expert, SymInt experts, SymInt n, "
     "SymInt k, *, SymInt num_pairs, SymInt topk, ScalarType out_dtype, str fmt, "
-    "SymInt block_size, SymInt macro_block, SymInt block_m) -> Tensor"
+    "bool has_mbs, SymInt block_size, SymInt macro_block, SymInt block_m) -> Tensor"
 )
 
 
@@ -171,6 +206,13 @@ def _grouped(x: tuple, w: PackedExpertWeights, pairs, tile_expert, **kw) -> torc
 Quantizer = Callable[[torch.Tensor, torch.Tensor | None], tuple]
 
 
+def pair_bias(bias: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Each pair's expert bias row in fp32 [P, N] from the experts' biases [E, N] and the
+    pairs' local experts (`local_experts`); 0 for pairs of other ranks' experts (-1)."""
+    rows = bias[local.clamp(min=0)].to(torch.float32)
+    return torch.where((local >= 0)[:, None], rows, 0.0)
+
+
 def moe_experts_triton(
     x: torch.Tensor,
     w13: PackedExpertWeights,
@@ -178,41 +220,63 @@ def moe_experts_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    weight_format: str,
+    weight: FormatSpec,
+    activation_mbs: bool,
     quantize_rows: Quantizer,
     macro_block: int,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    activation: Activation,
     expert_map: torch.Tensor | None = None,
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype (module docstring).
 
-    quantize_rows(rows, global_scale or None) -> packed activation operands (codes, scales,
-    extra, global) of `rows`, one row per token / pair. row_global_scale: NVFP4 under TP,
-    h -> the global scales of the whole unsharded rows."""
+    weight: the experts' weight format; activation_mbs: whether the activation format has
+    MBS bytes. quantize_rows(rows, global_scale or None) -> packed activation operands
+    (codes, scales, extra, global) of `rows`, one row per token / pair. activation: the
+    layer's expert activation (`expert_layer.gated` applies it to g|u). row_global_scale:
+    NVFP4 under TP, h -> the global scales of the whole unsharded rows. w13_bias [E, 2I] /
+    w2_bias [E, H]: the local experts' biases (gpt-oss) or None."""
     m, topk = topk_ids.shape
     out_dtype = x.dtype
     p = m * topk
-    fmt, bs = operand_format(weight_format)
+    local = local_experts(topk_ids, expert_map)
     block_m = moe_block_m(p, w13.experts)
-    pairs, tile_expert = moe_align(topk_ids, expert_map, w13.experts, block_m)
-    common = dict(fmt=fmt, block_size=bs, macro_block=macro_block, block_m=block_m)
-    a = quantize_rows(x.reshape(m, -1), None)
-    gu = _grouped(a, w13, pairs, tile_expert, num_pairs=p, topk=topk, out_dtype=out_dtype, **common)
-    gate, up = gu.chunk(2, dim=-1)
-    h = activation(gate) * up
+    pairs, tile_expert = align_local(local, w13.experts, block_m)
+    common = dict(
+        fmt=operand_kind(weight),
+        has_mbs=bool(weight.mbs) or activation_mbs,
+        block_size=weight.block_size,
+        macro_block=macro_block,
+        block_m=block_m,
+    )
+
+    def gemm(a: tuple, w: PackedExpertWeights, rows_per: int, bias: torch.Tensor | None):
+        """One grouped GEMM, its pairs' biases added to the fp32 sums before the cast."""
+        dtype = out_dtype if bias is None else torch.float32
+        y = _grouped(
+            a, w, pairs, tile_expert, num_pairs=p, topk=rows_per, out_dtype=dtype, **common
+        )
+        return y if bias is None else (y + pair_bias(bias, local)).to(out_dtype)
+
+    gu = gemm(quantize_rows(x.reshape(m, -1), None), w13, topk, w13_bias)
+    h = gated(activation, gu)
     g = None if row_global_scale is None else row_global_scale(h)
-    hq = quantize_rows(h, g)
-    y = _grouped(hq, w2, pairs, tile_expert, num_pairs=p, topk=1, out_dtype=out_dtype, **common)
+    y = gemm(quantize_rows(h, g), w2, 1, w2_bias)
     weighted = y.to(torch.float32).view(m, topk, -1) * topk_weights.to(torch.float32)[..., None]
     return weighted.sum(1).to(out_dtype)
 
 
 __all__ = [
     "PackedExpertWeights",
+    "align_local",
+    "local_experts",
     "moe_align",
     "moe_block_m",
     "moe_capacity",
     "moe_experts_triton",
     "moe_gemm",
+    "operand_kind",
+    "pair_bias",
 ]
