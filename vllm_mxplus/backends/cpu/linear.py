@@ -17,6 +17,8 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,7 @@ from vllm_mxplus.backends.base import (
     Spec,
     set_packed_buffers,
 )
+from vllm_mxplus.backends.cpu import exact_bf16
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.backends.cpu.kernels import (
     linear_args,
@@ -37,6 +40,9 @@ from vllm_mxplus.backends.cpu.kernels import (
     pack_weight,
 )
 from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme
+from vllm_mxplus.log_once import log_once
+
+logger = logging.getLogger(__name__)
 
 # codes, scales, and the MBS bytes (E8M0 formats), the fp32 global scales (NVFP4) or the
 # block maxima (MX+)
@@ -125,6 +131,10 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
     name = "cpu-packed"
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
     _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
+    # the exact-bf16 path for calls of at least exact_min_m rows (AMX hosts, E8M0 schemes;
+    # exact_bf16.py), None where the integer kernels serve every M
+    exact: exact_bf16.ExactBf16Weight | None = None
+    exact_min_m: int = exact_bf16.MIN_M
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
@@ -134,9 +144,41 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             )
         packed, self._args = pack_for_kernels(qweight, spec.scheme.activation, spec.macro_block)
         set_packed_buffers(layer, ATTRS, packed)
+        self.exact = self._exact_weight(qweight)
+
+    def _exact_weight(self, qweight: QuantizedTensor) -> exact_bf16.ExactBf16Weight | None:
+        """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
+        tile permission, an E8M0 scheme, the path's first-use self-test passed), else None.
+        It keeps the checkpoint's bytes beside the tiles (another ~0.57 bytes per weight)."""
+        if self._args[0] != E8M0_GEMM:
+            return None
+        ok, why = exact_bf16.host_choice()
+        if ok:
+            ok, why = exact_bf16.self_test(self.spec.scheme)
+        if not ok:
+            log_once(
+                logger,
+                ("exact-bf16", why),
+                logging.INFO,
+                "mxplus: cpu-packed runs its integer kernels for every M: %s",
+                why,
+            )
+            return None
+        log_once(
+            logger,
+            ("exact-bf16", self.spec.scheme.name),
+            logging.INFO,
+            "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (AMX-BF16 "
+            "through oneDNN, docs/cpu_kernels.md)",
+            self.spec.scheme,
+            self.exact_min_m,
+        )
+        return exact_bf16.ExactBf16Weight.from_quantized(qweight, self.spec.scheme)
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
+        if self.exact is not None and x.numel() >= self.exact_min_m * self.exact.k:
+            return exact_bf16.linear(x, self.exact, bias, self.spec.out_dtype)
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         return cpu_linear(x, self._args, weight, bias, self.spec.out_dtype, act_global_scale)
