@@ -37,8 +37,14 @@ MLA_ARCHS = ("deepseek_v2",)
 # quantization. The judged engines run with that op off: vLLM's own torch rotary
 # (`forward_native`), in compilation_config.custom_ops syntax.
 RoPE_NATIVE = {"custom_ops": ["all", CPU_ROPE_FIX]}
+# vLLM's reference CPU MLA backend (`CPU_MLA`: any dtype, block size 16), named so that the
+# judged engines are the same on every CPU: on a CPU with AMX tiles (torch.cpu.
+# _is_amx_tile_supported, i.e. cpuinfo's amx_tile) vLLM 0.32 otherwise picks its AMX MLA
+# backend (vllm/v1/attention/backends/mla/amx_mla.py), which takes bf16 only and refuses these
+# fp32 engines at load ("expect weight to be bfloat16, float16, int8, ..."), unquantized too.
+REFERENCE_MLA_BACKEND = {"backend": "CPU_MLA"}
 # Job keys every judged MLA engine gets (vllm_jobs forwards them to vllm.LLM).
-ENGINE_OPTIONS = {"compilation_config": RoPE_NATIVE}
+ENGINE_OPTIONS = {"compilation_config": RoPE_NATIVE, "attention_config": REFERENCE_MLA_BACKEND}
 # The unquantized control's fp32-vs-float64 gap must leave this factor below LOGPROB_ATOL.
 ROUNDING_HEADROOM = 10.0
 

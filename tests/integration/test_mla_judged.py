@@ -12,6 +12,7 @@ from integration_harness import run_driver
 from mla_judge import (
     ENGINE_OPTIONS,
     LOGPROB_ATOL,
+    REFERENCE_MLA_BACKEND,
     ROUNDING_HEADROOM,
     judge_mla,
     mla_job,
@@ -76,12 +77,40 @@ def test_vllm_cpu_rotary_misrotates_a_multihead_query():
     assert not torch.allclose(got_q[0, 1], want_q[0, 1], atol=1e-3)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx-tiles"])
+def test_engine_options_pick_the_reference_mla_backend_on_every_cpu(monkeypatch, amx):
+    """The judged engines name vLLM's CPU_MLA backend, so a CPU with AMX tiles (where vLLM
+    would pick its bf16-only AMX MLA backend and refuse fp32) serves them like any other CPU;
+    without the option an AMX host gets AMX_MLA. The host's AMX is simulated
+    (torch.cpu._is_amx_tile_supported), so this runs on every x86 CPU."""
+    import torch
+    from vllm.config import AttentionConfig
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import CpuArchEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(
+        CpuPlatform, "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86)
+    )
+    sel = AttentionSelectorConfig(
+        head_size=576, dtype=torch.float32, kv_cache_dtype=None, block_size=16, use_mla=True
+    )
+    named = AttentionConfig(**ENGINE_OPTIONS["attention_config"]).backend
+    assert named == AttentionBackendEnum.CPU_MLA and REFERENCE_MLA_BACKEND["backend"] == "CPU_MLA"
+    assert CpuPlatform.get_attn_backend_cls(named, sel) == AttentionBackendEnum.CPU_MLA.get_path()
+    default = CpuPlatform.get_attn_backend_cls(None, sel)
+    want = AttentionBackendEnum.AMX_MLA if amx else AttentionBackendEnum.CPU_MLA
+    assert default == want.get_path()
+
+
 @pytest.fixture(scope="module")
 def engines(model, tmp_path_factory, subprocess_env) -> dict:
     pre = prequantize(model, tmp_path_factory.mktemp("mla-pre") / PRE, PRE)
     jobs = [mla_job("control", model, None, PROMPTS, TOKENS)]
-    # the engine as the matrix ran it: vLLM's CPU rotary op
-    jobs.append({k: v for k, v in jobs[0].items() if k not in ENGINE_OPTIONS} | {"id": "cpu-op"})
+    # the engine as the matrix ran it: vLLM's CPU rotary op (still the reference MLA backend)
+    jobs.append({k: v for k, v in jobs[0].items() if k != "compilation_config"} | {"id": "cpu-op"})
     jobs += [mla_job(f"online-{s}", model, s, PROMPTS, TOKENS) for s in ONLINE]
     jobs.append(mla_job(f"pre-{PRE}", pre, None, PROMPTS, TOKENS))
     results, log = run_driver(
@@ -104,7 +133,7 @@ def test_control_agrees_to_fp32_rounding(engines, model):
 
 @pytest.mark.vllm
 def test_cpu_rotary_op_is_what_the_matrix_saw(engines, model):
-    """Without ENGINE_OPTIONS the unquantized engine already parts from the reference at the
+    """Without the torch rotary the unquantized engine already parts from the reference at the
     first token (the matrix's "vLLM and transformers differ without quantization")."""
     status, why = judge_mla(engines["cpu-op"], model, None, PROMPTS, TOKENS)
     assert status == "mismatch" and "first token" in why, (status, why)

@@ -15,7 +15,7 @@ token ids: some tokenizer classes that transformers forces by model type cannot 
 test vocabulary), "max_tokens", "tp" (default 1), "pp" (default 1), "logprobs" (default 1),
 "eager" (default true; false = vLLM's torch.compile mode), "backend" (distributed executor,
 default vLLM's choice), "hf_overrides" (config fields set over the checkpoint's, default none),
-"compilation_config" (passed to `vllm.LLM` as is, default none)}.
+"compilation_config" and "attention_config" (passed to `vllm.LLM` as they are, default none)}.
 A result: {"tokens": [[int]], "logprobs": [[float]] (of the chosen tokens), "error": str or
 null, "load_s", "gen_s"}.
 """
@@ -30,6 +30,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+# job keys handed to vllm.LLM unchanged when set
+PASSED_AS_IS = ("hf_overrides", "compilation_config", "attention_config")
 
 
 def run_job(job: dict) -> dict:
@@ -49,7 +52,7 @@ def run_job(job: dict) -> dict:
             tensor_parallel_size=job.get("tp", 1),
             pipeline_parallel_size=job.get("pp", 1),
             distributed_executor_backend=job.get("backend"),
-            **{key: job[key] for key in ("hf_overrides", "compilation_config") if job.get(key)},
+            **{key: job[key] for key in PASSED_AS_IS if job.get(key)},
         )
     except Exception as e:  # noqa: BLE001 - load failures are results too (bad checkpoints)
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
