@@ -180,9 +180,13 @@ def test_expert_parallel_drops_other_ranks_pairs(triton_device):
     torch.testing.assert_close(y.float().cpu(), r, rtol=2**-6, atol=2**-6 * r.abs().max().item())
 
 
-def test_nvfp4_down_rows_take_the_given_global_scale(triton_device):
+@pytest.mark.parametrize(
+    "activation,bias", [("silu", False), ("swigluoai", True)], ids=["silu", "swigluoai-bias"]
+)
+def test_nvfp4_down_rows_take_the_given_global_scale(triton_device, activation, bias):
     """NVFP4 under TP: the down projection's input rows are quantized with the whole row's
-    global scale (`row_global_scale`), here twice the shard's own."""
+    global scale (`row_global_scale`), here twice the shard's own; gpt-oss's layer too."""
+    from vllm_mxplus.backends.expert_layer import expert_activation
     from vllm_mxplus.backends.reference.experts import moe_experts_reference
     from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
     from vllm_mxplus.backends.triton.moe_gemm import moe_experts_triton
@@ -192,7 +196,17 @@ def test_nvfp4_down_rows_take_the_given_global_scale(triton_device):
     def row_g(h):
         return 2 * nvfp4_row_global_scale(h)
 
-    kw = dict(activation=F.silu, row_global_scale=row_g, macro_block=128)
+    gen = torch.Generator().manual_seed(4)
+    biases = {}
+    if bias:
+        biases = {
+            "w13_bias": (torch.randn(E, 2 * INTER, generator=gen) * 0.1).to(x.dtype),
+            "w2_bias": (torch.randn(E, H, generator=gen) * 0.1).to(x.dtype),
+        }
+    kw = dict(
+        activation=expert_activation(activation), row_global_scale=row_g, macro_block=128,
+        **{k: v.to(triton_device) for k, v in biases.items()},
+    )  # fmt: skip
     y = moe_experts_triton(
         x, _packed(q13, E), _packed(q2, E), tw, ti, **_formats(s),
         quantize_rows=_quantizer("nvfp4", 128), **kw,

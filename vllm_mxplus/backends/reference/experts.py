@@ -21,10 +21,10 @@ Two routings, one computation. On the CPU each expert multiplies only its own pa
 routing is sync-free and CUDA-graph capturable (`_experts_dense`): every local expert
 multiplies every token (stage 1) and every pair row (stage 2), and `torch.where` keeps the
 rows of the pairs routed to it: no boolean-mask indexing, `torch.unique`, `nonzero` or
-`.tolist()`, shapes from the input shapes only, at E / top_k times the routed work (the
-reference is the specification in code; on CUDA it serves a layer only when
-VLLM_MXPLUS_BACKEND names it). Per token the expert contributions are added in ascending
-expert order on both routings.
+`.tolist()`, shapes from the input shapes only, at E / top_k times the routed GEMM work in
+stage 1 and E times in stage 2 (the reference is the specification in code; on CUDA it serves
+a layer only when VLLM_MXPLUS_BACKEND names it). Per token the expert contributions are added
+in ascending expert order on both routings.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ the weighted y summed over the slots in fp32 and cast. Only the GEMMs' fp32 accu
 Expert biases: the GEMM kernel adds one bias row to every output row, so a layer with expert
 biases gets its GEMM outputs in fp32 and each pair's bias row (gathered by its local expert,
 0 for pairs of other ranks' experts) is added in fp32 before the cast to the model dtype, as
-the reference's fp32 F.linear does. Everything stays on the device: torch ops and kernel
-launches whose shapes come from the input shapes (no host sync, capturable).
+the reference's fp32 F.linear does (a transient fp32 [P, N] output and bias gather per GEMM,
+twice the bytes of the model-dtype output it replaces). Everything stays on the device: torch
+ops and kernel launches whose shapes come from the input shapes (no host sync, capturable).
 """
 
 from __future__ import annotations
