@@ -10,12 +10,19 @@ collects, for each quantized linear, H = sum x x^T of its (quantized) inputs; th
 are quantized (gptq: H; rtn-aware: diag(H)); a second pass with the quantized weights gives
 the next layer's inputs. Memory: the hidden states of the samples plus one layer's Hessians
 (K x K each).
+
+With a `StreamedModel` (layer_loader.py) only the layer being calibrated has its weights in
+memory; with a `CalibrationState` (layer_state.py) each finished layer's quantized weights and
+the hidden states after it go to disk, so the result holds no layer in memory and an
+interrupted run resumes after its last finished layer. The progress bar counts layers (with
+an ETA) and names the step of the current one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +40,8 @@ from vllm_mxplus.calibration.gptq import (
     rtn_aware,
     split_rows,
 )
+from vllm_mxplus.calibration.layer_loader import StreamedModel
+from vllm_mxplus.calibration.layer_state import CalibrationState
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import (
     QuantizedTensor,
@@ -56,8 +65,9 @@ class _Stop(Exception):
 class CalibrationResult:
     """Quantized weights by module name, and the modules calibration could not reach."""
 
-    weights: dict[str, QuantizedTensor] = field(default_factory=dict)
+    weights: MutableMapping[str, QuantizedTensor] = field(default_factory=dict)
     tokens: int = 0
+    layer_seconds: list[float] = field(default_factory=list)  # per layer calibrated in this run
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -113,6 +123,8 @@ def calibrate_and_quantize(
     *,
     macro_block: int,
     nvfp4_global: Callable[[str], torch.Tensor] | None = None,
+    streamed: StreamedModel | None = None,
+    state: CalibrationState | None = None,
 ) -> CalibrationResult:
     """Quantize the nn.Linear modules named in `targets` (inside decoder layers) of `model`.
 
@@ -123,6 +135,9 @@ def calibrate_and_quantize(
     nvfp4_global: module name -> the fixed nvfp4 global scale its group parameters are chosen
     under, the one the checkpoint layout stores (ct_format.py); None: the plugin's rule on
     each original weight (gptq.nvfp4_weight_global).
+    streamed: `model` is its meta-device model; each layer's weights are read just before the
+    layer is calibrated and dropped after it. state: each finished layer goes to disk and the
+    result's weights are read back from there; a state with `done` layers resumes after them.
     """
     try:
         check_macro_block(scheme, macro_block, "--macro-block")
@@ -137,23 +152,42 @@ def calibrate_and_quantize(
     prefix, layers = _decoder_layers(model)
     model.eval()
     result = CalibrationResult(tokens=int(tokens.numel()))
+    start = 0 if state is None else state.done
+    if start > len(layers):
+        raise UsageError(f"--resume: the state has {start} layers done, the model {len(layers)}")
     with torch.no_grad():
-        batches = _capture_first_inputs(model, layers[0], tokens, device)
+        if start:
+            batches = state.hidden(device)  # type: ignore[union-attr]
+        else:
+            if streamed is not None:
+                streamed.load_outer(prefix)
+            batches = _capture_first_inputs(model, layers[0], tokens, device)
+            if streamed is not None:
+                streamed.unload()
         bar = tqdm(
             total=len(layers),
+            initial=start,
             desc=f"{method} {wfmt}",
             unit="layer",
             disable=not progress,
             dynamic_ncols=True,
         )
         try:
-            for i, layer in enumerate(layers):
+            for i in range(start, len(layers)):
+                t0 = time.perf_counter()
+                layer = layers[i]
+                bar.set_postfix_str(f"layer {i}: loading", refresh=True)
+                if streamed is not None:
+                    streamed.load(f"{prefix}.{i}")
+                bar.set_postfix_str(f"layer {i}: Hessians", refresh=True)
+                done: dict[str, QuantizedTensor] = {}
                 names = {
                     f"{prefix}.{i}.{n}": m
                     for n, m in layer.named_modules()
                     if isinstance(m, nn.Linear) and f"{prefix}.{i}.{n}" in targets
                 }
                 hess = _collect_hessians(layer, names, batches, afmt, per_row, macro_block)
+                bar.set_postfix_str(f"layer {i}: {method}", refresh=True)
                 prepared: dict[int, tuple] = {}  # per shared H (q/k/v, gate/up)
                 # thousands of small ops: one thread (see _one_thread)
                 with _one_thread():
@@ -203,18 +237,29 @@ def calibrate_and_quantize(
                             raise UsageError(str(e)) from None
                         for name, q in zip(group, qs):
                             mod = names[name]
-                            result.weights[name] = q
+                            done[name] = q
                             mod.weight.data = q.dequantize(torch.float32).to(
                                 mod.weight.device, mod.weight.dtype
                             )
-                del hess
+                del hess, prepared
+                bar.set_postfix_str(f"layer {i}: outputs", refresh=True)
                 with _act_quant(names, afmt, per_row, macro_block=macro_block):
                     batches = [(_layer_out(layer, hs, kw), kw) for hs, kw in batches]
+                if streamed is not None:
+                    streamed.unload()
+                if state is not None:
+                    state.save_layer(i, done, batches)
+                else:
+                    result.weights.update(done)
+                del done
+                result.layer_seconds.append(time.perf_counter() - t0)
                 bar.update(1)
                 if on_layer is not None:
                     on_layer(i + 1, len(layers))
         finally:
             bar.close()
+    if state is not None:
+        result.weights = state.results(macro_block)
     return result
 
 

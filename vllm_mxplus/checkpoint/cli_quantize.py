@@ -199,6 +199,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Every --method, with or without --smooth: rtn-aware and gptq choose the MBS byte per N elements and calibrate with "
         "activations quantized at N (default: %(default)s, the paper's)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="rtn-aware / gptq: continue an interrupted run of the same command after its last "
+        "finished decoder layer (the state kept in .DST.mxplus-calib next to DST; a run "
+        "without --resume discards it; a different request is refused)",
+    )
     p.set_defaults(func=run)
 
 
@@ -224,6 +231,7 @@ _OPTION_DESTS = {
     "smooth": "smooth",
     "macro_block": "macro_block",
     "out_format": "format",
+    "resume": "resume",
 }
 
 

@@ -16,13 +16,14 @@ that directory behind, hidden; the next run on the same DST removes it (`claim_d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import cast
 
@@ -30,6 +31,8 @@ import torch
 
 from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
 from vllm_mxplus.calibration.input_amax import linear_input_amax
+from vllm_mxplus.calibration.layer_loader import StreamedModel
+from vllm_mxplus.calibration.layer_state import CalibrationState
 from vllm_mxplus.calibration.rtn_aware import METHODS, Method, calibrate_and_quantize
 from vllm_mxplus.calibration.smooth_option import check_alpha
 from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
@@ -97,6 +100,7 @@ def quantize_checkpoint(
     smooth: float | None = None,
     macro_block: int = MACRO_BLOCK,
     out_format: str = FORMAT_MXPLUS,
+    resume: bool = False,
 ) -> QuantizeReport:
     """Quantize the HF model dir `src` into `dst` with `scheme` (any name in formats.SCHEMES).
 
@@ -135,6 +139,8 @@ def quantize_checkpoint(
         raise UsageError(f"max shard size must be positive, got {max_shard_bytes}")
     if method not in METHODS:
         raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
+    if resume and method == "rtn":
+        raise UsageError("--resume continues a calibration: it needs --method rtn-aware or gptq")
     if smooth is not None:
         check_alpha(smooth)
     if out_format not in FORMATS:
@@ -172,13 +178,18 @@ def quantize_checkpoint(
         _warn_split_fused_groups(items)
         shards = split_shards(items, max_shard_bytes)
         check_disk_space(dst_p.parent, sum(i.out_bytes for i in items))
-        precomputed: dict[str, QuantizedTensor] = dict(kept)
+        precomputed: MutableMapping[str, QuantizedTensor] = dict(kept)
         rewritten: dict[str, torch.Tensor] = {}
         input_amax: dict[str, torch.Tensor] = {}
         ct_nvfp4 = out_format == FORMAT_CT and s.weight_format == "nvfp4"
+        state: CalibrationState | None = None
         if method != "rtn" or smooth is not None or ct_nvfp4:
-            precomputed, rewritten, input_amax = _calibrated_weights(
+            precomputed, rewritten, input_amax, state = _calibrated_weights(
                 read_p,
+                source,
+                src_p,
+                dst_p,
+                resume,
                 items,
                 s.name,
                 method,
@@ -193,7 +204,7 @@ def quantize_checkpoint(
             )
         encoder: Encoder | None = None
         if ct_nvfp4:
-            precomputed = nvfp4_ct_weights(items, rewritten, precomputed)
+            precomputed = nvfp4_ct_weights(items, rewritten, dict(precomputed))
             encoder = lambda module, q: ct_encode(q, input_amax[module])  # noqa: E731
 
         report = QuantizeReport(
@@ -240,6 +251,8 @@ def quantize_checkpoint(
             # config.json last: a directory without it is never taken for a finished checkpoint.
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             swap_in(tmp, dst_p)
+        if state is not None:
+            state.remove()  # finished: nothing left to resume
         report.seconds = time.perf_counter() - t0
         report.peak_rss = peak_rss_bytes()
         return report
@@ -250,6 +263,10 @@ def quantize_checkpoint(
 
 def _calibrated_weights(
     src: Path,
+    source: SourceModel,
+    origin: Path,
+    dst: Path,
+    resume: bool,
     items: list[Item],
     scheme: str,
     method: str,
@@ -261,19 +278,51 @@ def _calibrated_weights(
     smooth: float | None,
     macro_block: int,
     ct_nvfp4: bool = False,
-) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Load the source model, smooth it (`smooth`), and run calibration (calibration.py)
-    for a calibrated method: (QuantizedTensors by module, rewritten source tensors by name,
-    max |input| by module over the calibration text when ct_nvfp4, measured after
-    smoothing and before any quantization). ct_nvfp4 (nvfp4 written as compressed-tensors):
-    also choose the group parameters under the global scales that layout stores
-    (ct_format.nvfp4_ct_globals) instead of the plugin's per-weight ones."""
+) -> tuple[
+    MutableMapping[str, QuantizedTensor],
+    dict[str, torch.Tensor],
+    dict[str, torch.Tensor],
+    CalibrationState | None,
+]:
+    """Run calibration (calibration/rtn_aware.py) for a calibrated method, after smoothing
+    (`smooth`): (QuantizedTensors by module, rewritten source tensors by name, max |input| by
+    module over the calibration text when ct_nvfp4, measured after smoothing and before any
+    quantization, the calibration state on disk to remove once DST is written).
+    ct_nvfp4 (nvfp4 written as compressed-tensors): also choose the group parameters under
+    the global scales that layout stores (ct_format.nvfp4_ct_globals) instead of the
+    plugin's per-weight ones.
+
+    A calibrated method alone streams the model (layer_loader.StreamedModel: one decoder
+    layer's weights in memory at a time); smoothing and ct_nvfp4's input maxima need the whole
+    model at once and load it (fp32). Either way each finished layer goes to the state on
+    disk (layer_state.py), which `resume` continues."""
     targets = {
         i.decision.module
         for i in items
         if i.decision.module is not None and i.decision.quantize and len(i.info.shape) == 2
     }
     tokens = calibration_tokens(src, calib, nsamples, seqlen)
+    state = None
+    if method != "rtn":
+        fingerprint = _fingerprint(origin, source, scheme, method, tokens, targets)
+        fingerprint.update(smooth=smooth, macro_block=macro_block, ct_nvfp4=ct_nvfp4)
+        state = CalibrationState(dst, fingerprint, resume)
+    if method != "rtn" and smooth is None and not ct_nvfp4:
+        streamed = StreamedModel(src, source.tensors, device, method)
+        res = calibrate_and_quantize(
+            streamed.model,
+            tokens,
+            scheme,
+            cast(Method, method),
+            targets,
+            device=device,
+            progress=progress,
+            macro_block=macro_block,
+            streamed=streamed,
+            state=state,
+        )
+        _log_missed(targets, res.weights, method)
+        return res.weights, {}, {}, state
     try:
         from transformers import AutoModelForCausalLM
 
@@ -297,7 +346,7 @@ def _calibrated_weights(
         except ValueError as e:
             raise CheckpointError(f"{src}: {e}") from None
     if method == "rtn":
-        return {}, rewritten, input_amax
+        return {}, rewritten, input_amax, None
     # of the very weights calibration quantizes: the source's, or `rewritten` (smooth_model
     # rounds the model's weights to their stored dtype)
     ct_globals = nvfp4_ct_globals(items, rewritten) if ct_nvfp4 else None
@@ -311,9 +360,15 @@ def _calibrated_weights(
         progress=progress,
         macro_block=macro_block,
         nvfp4_global=None if ct_globals is None else ct_globals.__getitem__,
+        state=state,
     )
     del model
-    missed = sorted(targets - set(res.weights))
+    _log_missed(targets, res.weights, method)
+    return res.weights, rewritten, input_amax, state
+
+
+def _log_missed(targets: set[str], done: Mapping[str, QuantizedTensor], method: str) -> None:
+    missed = sorted(targets - set(done))
     if missed:
         logger.warning(
             "--method %s: %d weight(s) outside the decoder layers get plain RTN (e.g. %s)",
@@ -321,7 +376,35 @@ def _calibrated_weights(
             len(missed),
             missed[0],
         )
-    return res.weights, rewritten, input_amax
+
+
+def _fingerprint(
+    origin: Path,
+    source: SourceModel,
+    scheme: str,
+    method: str,
+    tokens: torch.Tensor,
+    targets: set[str],
+) -> dict[str, object]:
+    """What a resumed calibration must share with the run it continues: the source (its
+    tensors' names, dtypes and shapes, its files' sizes and times), the request, the
+    calibration tokens (text, tokenizer, nsamples, seqlen) and the quantized modules."""
+    files = sorted(p for p in origin.iterdir() if p.is_file() and not p.name.startswith("."))
+    src_files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    headers = [(t.name, t.dtype, list(t.shape)) for t in source.tensors]
+    return {
+        "source": str(origin),
+        "source_files": _digest(src_files),
+        "source_tensors": _digest(headers),
+        "scheme": scheme,
+        "method": method,
+        "tokens": hashlib.sha256(tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
+        "targets": _digest(sorted(targets)),
+    }
+
+
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:

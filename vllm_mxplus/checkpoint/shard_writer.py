@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,7 +223,7 @@ def write_all(
     device: str,
     report: QuantizeReport,
     progress: bool,
-    precomputed: dict[str, QuantizedTensor],
+    precomputed: MutableMapping[str, QuantizedTensor],
     rewritten: dict[str, torch.Tensor] | None = None,
     macro_block: int = MACRO_BLOCK,
     encoder: Encoder | None = None,
