@@ -4,6 +4,7 @@ F.linear (and, with --reference, the pure-torch reference backend), in one run.
     python benchmarks/bench_cpu_linear.py [--scheme mxfp4-mbs] [--model smollm2|llama8b|all]
                                           [--m 1,4,16,64,256,1024] [--threads N] [--reference]
                                           [--min-iters 5] [--min-time 0.3] [--macro-block N]
+                                          [--exact-bf16]
 
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
@@ -12,6 +13,10 @@ time of:
             avx512_bf16 / AMX, where bf16 F.linear converts to fp32 on the fly)
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
   reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
+  exact     the exact-bf16 path of cpu-packed (backends/cpu/exact_bf16.py; --exact-bf16): the
+            one AMX hosts take for M >= 64, timed here whatever the host (on a CPU without
+            native bf16 its GEMM is a plain fp32 one), with the ratios bf16/exact and
+            packed/exact (>= 1: the exact path is faster than today's integer kernel)
 and the ratios bf16/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
@@ -164,6 +169,11 @@ def main() -> int:
         help="MBS macro block of the packed layer (default 128; else 128 is timed too)",
     )
     ap.add_argument(
+        "--exact-bf16",
+        action="store_true",
+        help="also time the exact-bf16 path (the large-M path of AMX hosts) on this CPU",
+    )
+    ap.add_argument(
         "--reference",
         action="store_true",
         help="also time the reference backend (fp32 weight copy; slow at large M)",
@@ -198,9 +208,14 @@ def main() -> int:
         f"{'ref us':>9s} {'packed us':>9s} {'bf16/packed':>11s} {'fp32/packed':>11s} "
         f"{'ref/packed':>10s}"
         + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
+        + (
+            f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s}"
+            if args.exact_bf16
+            else ""
+        )
     )
     g = torch.Generator().manual_seed(0)
-    tot = {"bf16": 0.0, "fp32": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0}
+    tot = {"bf16": 0.0, "fp32": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0, "exact": 0.0}
     for model in models:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
             if name not in args.shapes.split(","):
@@ -216,6 +231,10 @@ def main() -> int:
             if args.reference:
                 ref.process_weights_after_loading(ref_layer, q)
             packed.process_weights_after_loading(packed_layer, q)
+            if args.exact_bf16:
+                from vllm_mxplus.backends.cpu import exact_bf16
+
+                exact_w = exact_bf16.ExactBf16Weight.from_quantized(q, spec.scheme)
             if args.macro_block != 128:
                 spec128 = _linear_spec(LinearSpec, args.scheme, n, k, MACRO_BLOCK)
                 p128, p128_layer = CpuPackedBackend(spec128), torch.nn.Module()
@@ -233,9 +252,13 @@ def main() -> int:
                     fns.append(lambda: p128.apply(p128_layer, x, None))
                 if args.reference:
                     fns.append(lambda: ref.apply(ref_layer, x, None))
+                if args.exact_bf16:
+                    fns.append(lambda: exact_bf16.linear(x, exact_w, None, torch.bfloat16))
                 t_b, t_f, t_p, *rest = _medians_us(fns, cold, args.min_time, args.min_iters, clock)
                 t_128 = rest.pop(0) if args.macro_block != 128 else float("nan")
-                t_r = rest[0] if rest else float("nan")
+                t_r = rest.pop(0) if args.reference else float("nan")
+                t_e = rest.pop(0) if args.exact_bf16 else float("nan")
+                tot["exact"] += t_e
                 tot["p128"] += t_128
                 tot["bf16"] += t_b
                 tot["fp32"] += t_f
@@ -244,7 +267,12 @@ def main() -> int:
                 print(
                     f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_f:9.1f} {t_r:9.1f} "
                     f"{t_p:9.1f} {t_b / t_p:11.2f} {t_f / t_p:11.2f} {t_r / t_p:10.2f}"
-                    + (f" {t_128:9.1f} {t_p / t_128:6.2f}" if args.macro_block != 128 else ""),
+                    + (f" {t_128:9.1f} {t_p / t_128:6.2f}" if args.macro_block != 128 else "")
+                    + (
+                        f" {t_e:9.1f} {t_b / t_e:10.2f} {t_p / t_e:12.2f}"
+                        if args.exact_bf16
+                        else ""
+                    ),
                     flush=True,
                 )
     print(
@@ -254,6 +282,12 @@ def main() -> int:
         + (
             f", packed at {args.macro_block} / packed at 128 = {tot['packed'] / tot['p128']:.2f}x"
             if args.macro_block != 128
+            else ""
+        )
+        + (
+            f", bf16/exact = {tot['bf16'] / tot['exact']:.2f}x, "
+            f"packed/exact = {tot['packed'] / tot['exact']:.2f}x"
+            if args.exact_bf16
             else ""
         )
     )
@@ -275,6 +309,7 @@ def main() -> int:
         )
         + (f" --threads {args.threads}" if args.threads else "")
         + (" --reference" if args.reference else "")
+        + (" --exact-bf16" if args.exact_bf16 else "")
         + (" --warm" if args.warm else "")
     )
     return 0

@@ -4,8 +4,8 @@ accumulation (AMX-BF16 through oneDNN where the CPU has it) computes the W4A4 li
 derived bound of the spec.
 
     operand a_k = va_k * 2^(ea_b - 127)       (activation codes of `cpu_act_quant`, bit-exact)
-    operand w_k = vw_k * 2^(ew_b - 127)       (weight codes, decoded per call from the packed
-                                               checkpoint bytes by `cpu_dequant_weight`)
+    operand w_k = vw_k * 2^(ew_b - 127)       (weight codes decoded once at load by
+                                               `cpu_dequant_weight`, kept in bf16: exact)
     P_c[m, n]   = sum over k in macro chunk c of a_k w_k      (fp32 accumulation, any order)
     y[m, n]     = sum over c of P_c / (Fa[m, c] * Fw[n, c])   (+ bias)
 
@@ -101,12 +101,12 @@ def _mbs_factors(mbs: torch.Tensor, chunks: int) -> torch.Tensor:
 
 @dataclass
 class ExactBf16Weight:
-    """A weight [N, K] of the E8M0 family kept as the checkpoint's bytes (codes [N, K/2], E8M0
-    scales, MBS bytes or None), with what the path needs to run it."""
+    """A weight [N, K] of the E8M0 family as the path's operand: vw * 2^(ew-127) in bf16 [N,
+    chunks*chunk] (exact; zero-padded; 2 bytes per weight) and the MBS factors Fw fp32 [N,
+    chunks] or None, with what the path needs to run it."""
 
-    codes: torch.Tensor
-    scales: torch.Tensor
-    mbs: torch.Tensor | None
+    operand: torch.Tensor
+    fw: torch.Tensor | None
     n: int
     k: int
     weight: FormatSpec
@@ -125,16 +125,20 @@ class ExactBf16Weight:
                 f"the exact-bf16 path needs E8M0 activations of the weights' block size, "
                 f"not {a.name} with {w.name}"
             )
-        return cls(
-            q.codes.contiguous(),
-            q.scales.contiguous(),
-            None if q.mbs is None else q.mbs.contiguous(),
-            q.codes.shape[0],
-            q.shape[-1],
-            w,
-            a,
-            scheme.macro_block,
-        )
+        n, k = q.codes.shape[0], q.shape[-1]
+        chunk = scheme.macro_block if (w.mbs or a.mbs) else k
+        chunks = ceil_div(k, chunk)
+        operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
+        empty = cpu_kernels.empty_mbs(q.codes.device)
+        for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
+            n1 = min(n, n0 + ROW_TILE)
+            operand[n0:n1, :k] = torch.ops.vllm_mxplus.cpu_dequant_weight(
+                q.codes[n0:n1], q.scales[n0:n1], empty, k, w.block_size, scheme.macro_block
+            )
+        fw = None
+        if w.mbs:
+            fw = _mbs_factors(q._field("mbs"), chunks)
+        return cls(operand, fw, n, k, w, a, scheme.macro_block)
 
     @property
     def chunked(self) -> bool:
@@ -152,23 +156,7 @@ class ExactBf16Weight:
     def weight_rows(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows n0..n1 as the GEMM's operand: (vw * 2^(ew-127) fp32 [rows, chunks*chunk],
         zero-padded; Fw [rows, chunks] or None)."""
-        empty = cpu_kernels.empty_mbs(self.codes.device)
-        w = torch.ops.vllm_mxplus.cpu_dequant_weight(
-            self.codes[n0:n1],
-            self.scales[n0:n1],
-            empty,
-            self.k,
-            self.weight.block_size,
-            self.macro_block,
-        )
-        kp = self.chunks * self.chunk
-        if kp != self.k:
-            w = torch.nn.functional.pad(w, (0, kp - self.k))
-        f = None
-        if self.weight.mbs:
-            assert self.mbs is not None
-            f = _mbs_factors(self.mbs[n0:n1], self.chunks)
-        return w, f
+        return self.operand[n0:n1].float(), None if self.fw is None else self.fw[n0:n1]
 
 
 def act_operand(

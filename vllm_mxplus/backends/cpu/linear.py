@@ -149,7 +149,7 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
     def _exact_weight(self, qweight: QuantizedTensor) -> exact_bf16.ExactBf16Weight | None:
         """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
         tile permission, an E8M0 scheme, the path's first-use self-test passed), else None.
-        It keeps the checkpoint's bytes beside the tiles (another ~0.57 bytes per weight)."""
+        It keeps its bf16 operand beside the tiles (2 more bytes per weight)."""
         if self._args[0] != E8M0_GEMM:
             return None
         ok, why = exact_bf16.host_choice()
