@@ -89,6 +89,7 @@ def test_packed_experts_match_reference(scheme, m, with_map):
         ids,
         s.activation_format,
         per_row=per_row,
+        macro_block=s.macro_block,
         expert_map=expert_map,
         row_global_scale=row_scale,
     )
