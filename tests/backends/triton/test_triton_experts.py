@@ -106,12 +106,13 @@ def test_grouped_gemm_within_bound(triton_device, scheme, macro):
     """moe_gemm for w13 (rows gathered per token, top-2) at M = 17 against the float64
     product of each pair's token with its expert's weight; rows of pairs are computed
     once, in the tile of their expert."""
-    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m, moe_gemm, operand_kind
+    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
+    from vllm_mxplus.backends.triton.mx_gemm import operand_format
 
     m = 17
     s, q13, _, x, _, ti = _layer(scheme, macro, m, seed=1, device=triton_device)
     w = _packed(q13, E)
-    fmt, bs = operand_kind(s.weight), s.weight.block_size
+    fmt, bs = operand_format(s.weight_format)
     block_m = moe_block_m(m * TOPK, E)
     pairs, tile_expert = moe_align(ti, None, E, block_m)
     a = _quantizer(s.activation_format, macro)(x, None)

@@ -39,9 +39,12 @@ from vllm_mxplus.backends.triton.gemm_launch import SplitK
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
 from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
+    FMT_CODES,
+    FMT_E8M0,
     PREFILL_BLOCK_M,
     gemm_tiles,
     launch_mx_gemm,
+    operand_format,
 )
 from vllm_mxplus.formats import FormatSpec
 
@@ -67,17 +70,6 @@ class PackedExpertWeights:
     @property
     def operands(self) -> tuple:
         return (self.codes, self.scales, self.extra, self.global_scale)
-
-
-def operand_kind(fmt: FormatSpec) -> str:
-    """The GEMM kernel's operand kind (`mx_gemm.FMT_CODES`) of a format, from its flags:
-    'nvfp4' (E4M3 block scales under fp32 global scales), 'mxplus' (E8M0 scales plus each
-    block's block-max index), else 'e8m0' (E8M0 scales, MBS bytes when the format has MBS)."""
-    if fmt.has_global_scale:
-        return "nvfp4"
-    if fmt.block_max_mantissa:
-        return "mxplus"
-    return "e8m0"
 
 
 def local_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -152,7 +144,7 @@ def moe_gemm(
     """out [num_pairs, w.n]: row p = Q(x)[p // topk] @ W_hat[expert of p]^T for every pair in
     a tile, 0 for the others (pairs of other ranks' experts). x: packed activation operands
     (codes, scales, extra, global) with one row per token (topk > 1) or per pair (topk 1).
-    fmt: the operands' kind (`operand_kind`); has_mbs: MBS bytes on either side (None: the
+    fmt: the operands' kind (`mx_gemm.operand_format`); has_mbs: MBS bytes on either side (None: the
     extra bytes of E8M0 operands, which are MBS bytes)."""
     check_available(w.codes)
     interp = interpreting()
@@ -162,7 +154,7 @@ def moe_gemm(
     if num_pairs == 0:
         return out.to(out_dtype)
     if has_mbs is None:
-        has_mbs = fmt == "e8m0" and (x[2] is not None or w.extra is not None)
+        has_mbs = FMT_CODES[fmt] == FMT_E8M0 and (x[2] is not None or w.extra is not None)
     bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size)
     if has_mbs and block_m > DECODE_BLOCK_M:
         warps = MOE_NUM_WARPS_MBS
@@ -245,10 +237,11 @@ def moe_experts_triton(
     local = local_experts(topk_ids, expert_map)
     block_m = moe_block_m(p, w13.experts)
     pairs, tile_expert = align_local(local, w13.experts, block_m)
+    kind, block_size = operand_format(weight.name)  # the kind from the format's flags
     common = dict(
-        fmt=operand_kind(weight),
+        fmt=kind,
         has_mbs=bool(weight.mbs) or activation_mbs,
-        block_size=weight.block_size,
+        block_size=block_size,
         macro_block=macro_block,
         block_m=block_m,
     )
@@ -278,6 +271,5 @@ __all__ = [
     "moe_capacity",
     "moe_experts_triton",
     "moe_gemm",
-    "operand_kind",
     "pair_bias",
 ]
