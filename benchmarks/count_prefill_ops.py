@@ -8,7 +8,8 @@ implementation the same way, so
 
     total = ops of apply (the prefill op counted once) - 1 + ops of the op's body.
 
-GEMM launches are the `cutlass_fp8_chunk_gemm` / `cutlass_fp4_mbs_gemm` ops among them.
+GEMM launches are the `cutlass_fp8_chunk_gemm` / `cutlass_fp4_mbs_gemm` ops among them, plus
+the Triton launches of the sm_90a exact-row fallback (`triton_launches`).
 
     python benchmarks/count_prefill_ops.py [--m 24,512] [--json FILE]
 """
@@ -57,8 +58,12 @@ def sm90_weight(n: int, k: int, inexact_rows: int) -> PreparedWeight:
         k=k,
     )
     idx = cuda_empty((inexact_rows,), torch.int64)
-    fw = cuda_empty((inexact_rows, k)) if inexact_rows else None
-    return PreparedWeight("sm90a", n, k, True, layout=lay, fallback_idx=idx, fallback_w=fw)
+    packed = (
+        cuda_empty((n, k // 2), torch.uint8),
+        cuda_empty((n, -(-k // 16)), torch.uint8),
+        cuda_empty((n, nc), torch.uint8),
+    )
+    return PreparedWeight("sm90a", n, k, True, layout=lay, packed=packed, fallback_idx=idx)
 
 
 def _summary(ops: list[str]) -> dict:

@@ -46,8 +46,14 @@ def _fake_cuda():
 
 
 def _checked(fn, *args):
-    """Run fn(*args) under the capture guard; return (its output, the ops seen)."""
-    out, guard = guarded(fn, *args)
+    """Run fn(*args) under the capture guard, Triton launches recorded (not run); return
+    (its output, the ops seen)."""
+    import contextlib
+
+    from vllm_mxplus.backends.triton.launch import capture_launches, capturing
+
+    with contextlib.nullcontext() if capturing() else capture_launches():
+        out, guard = guarded(fn, *args)
     return out, guard.ops
 
 

@@ -103,21 +103,6 @@ def test_triton_act_fp8_launcher(fmt, m):
     assert len(launches) == 1 and lay.fp8.device.type == "cuda"
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4-mbs-s", "mxfp4-16-oas"])
-@pytest.mark.parametrize("rows", [1, 24, 64])
-def test_triton_act_fp8_split_launcher(fmt, rows):
-    """The sm_90a fallback's fused split (act_fp8): allocations, one launch, the row `all`."""
-    from vllm_mxplus.backends.cutlass import act_fp8
-    from vllm_mxplus.backends.triton.launch import capture_launches
-
-    x, idx = cuda_empty((512, K), torch.bfloat16), cuda_empty((rows,), torch.int64)
-    with capture_launches() as launches:
-        (fp8, scale, exact), _ = guarded(act_fp8._split_fields, x, fmt, idx)
-    assert len(launches) == 1 and fp8.shape[0] == 2 * rows and exact.shape[0] == rows
-    (_, _, exact_rows), _ = guarded(act_fp8.act_fp8_split_rows, x, fmt, idx)
-    assert exact_rows.shape == (rows,)
-
-
 # ----------------------------------------------------------------------------- CUTLASS
 def _sm90_weight(inexact_rows: int):
     from benchmarks_count import sm90_weight  # type: ignore[import-not-found]
@@ -146,9 +131,11 @@ def _count_module():
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
 def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     """CutlassPrefillBackend.apply on sm_90a, then the prefill op's body (the exact-row
-    fallback, nonzero_static and the split) on the fused encoder's fake outputs."""
+    fallback: nonzero_static, the Triton act-quant and the row-list GEMM; the weight's
+    inexact columns) on the fused encoder's fake outputs."""
     from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
     from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+    from vllm_mxplus.backends.triton.launch import capture_launches
 
     spec = _spec(scheme)
     w = _sm90_weight(inexact_w)
@@ -158,39 +145,79 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     _assert_cuda_out(y, m)
     assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
     fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
-    y, guard = guarded(
-        cutlass_gemm.prefill_sm90_fused_impl,
-        x,
-        spec.activation_format,
-        *fields,
-        *w.sm90_operands(),
-        cuda_empty((N,), torch.bfloat16),
-        N,
-        torch.bfloat16,
-    )
+    with capture_launches() as launches:
+        y, guard = guarded(
+            cutlass_gemm.prefill_sm90_fused_impl,
+            x,
+            spec.activation_format,
+            *fields,
+            *w.sm90_operands(),
+            cuda_empty((N,), torch.bfloat16),
+            N,
+            torch.bfloat16,
+        )
     _assert_cuda_out(y, m)
     assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
+    kernels = [launch.kernel.__name__ for launch in launches]
+    # act-quant, the row-list GEMM, and the columns of the weight's inexact rows
+    assert kernels == ["_mx_act_quant_kernel", "_mx_gemm_kernel"] + ["_mx_gemm_kernel"] * bool(
+        inexact_w
+    ), kernels
+
+
+def test_cutlass_sm90_every_row_inexact_at_m512():
+    """M = 512, vLLM's largest capture size, with every row outside the FP8 span (the data
+    of tests/backends/cutlass/test_cutlass_gemm.py's test at M = 512, where the numbers are
+    checked): the fallback's shapes do not depend on the data, so here, on fake CUDA
+    tensors, the guard sees no host sync, and the row-list GEMM has room for all 512 rows
+    (nonzero_static at capacity >= M; its row tiles cover every row)."""
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    m, spec, w = 512, _spec("mxfp4-mbs"), _sm90_weight(0)
+    x = cuda_empty((m, K), torch.bfloat16)
+    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
+    with capture_launches() as launches:
+        y, guard = guarded(
+            cutlass_gemm.prefill_sm90_fused_impl,
+            x,
+            spec.activation_format,
+            *fields,
+            *w.sm90_operands(),
+            None,
+            N,
+            torch.bfloat16,
+        )
+    _assert_cuda_out(y, m)
+    assert not guard.violations
+    (rows_gemm,) = [launch for launch in launches if launch.kernel.__name__ == "_mx_gemm_kernel"]
+    assert rows_gemm.kwargs["MOE"]  # the row list
+    listed = rows_gemm.args[10]  # pairs_ptr: the listed rows, padded with M
+    assert listed.shape[0] >= m and rows_gemm.grid[2] * rows_gemm.kwargs["BLOCK_M"] >= m
 
 
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
 def test_cutlass_sm90_prefill_from_codes(m):
     """The codes entry point (`prefill_gemm`): the torch FP8 encoder + fallback."""
     from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+    from vllm_mxplus.backends.triton.launch import capture_launches
 
     w = _sm90_weight(3)
     nc = -(-K // 128)
-    y, _ = guarded(
-        cutlass_gemm.prefill_sm90_impl,
-        cuda_empty((m, K // 2), torch.uint8),
-        cuda_empty((m, K // 16), torch.uint8),
-        cuda_empty((m, nc), torch.uint8),
-        K,
-        *w.sm90_operands(),
-        None,
-        N,
-        torch.float16,
-    )
+    with capture_launches() as launches:
+        y, _ = guarded(
+            cutlass_gemm.prefill_sm90_impl,
+            cuda_empty((m, K // 2), torch.uint8),
+            cuda_empty((m, K // 16), torch.uint8),
+            cuda_empty((m, nc), torch.uint8),
+            K,
+            *w.sm90_operands(),
+            None,
+            N,
+            torch.float16,
+        )
     _assert_cuda_out(y, m, torch.float16)
+    assert [launch.kernel.__name__ for launch in launches] == ["_mx_gemm_kernel"] * 2
 
 
 @pytest.mark.parametrize("use_mbs", [True, False], ids=["mbs", "no-mbs"])

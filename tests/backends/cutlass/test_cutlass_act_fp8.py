@@ -253,9 +253,10 @@ def test_custom_op_matches_and_traces(triton_device):
     ids=["mbs-s-bf16", "oas-fp16"],
 )
 def test_prefill_from_x_equals_two_step_path(fmt, dtype, with_bias, triton_device):
-    """prefill_gemm_from_x (fused encoder, fallback from fake_quantize(x_rows)) gives the
-    same bf16 output, bit for bit, as act-quant + prefill_gemm (torch encoder, fallback from
-    the codes), with out-of-span activation rows and weight rows both present."""
+    """prefill_gemm_from_x (fused encoder, fallback from the Triton act-quant's codes) gives
+    the same bf16 output, bit for bit, as formats' quantize + prefill_gemm (torch encoder,
+    fallback from those codes), with out-of-span activation rows and weight rows both
+    present."""
     m, n, k = 40, 24, 576
     x = activations(m, k, dtype, triton_device, seed=21)
     x[3, 40] = float("nan")  # a NaN row takes the fallback too
@@ -352,8 +353,10 @@ def test_fused_prefill_op_fake():
             exact,
             torch.empty(24, 384, dtype=torch.float8_e4m3fn),
             torch.empty(3, 24),
-            None,
-            None,
+            torch.empty(20, 150, dtype=torch.uint8),
+            torch.empty(20, 19, dtype=torch.uint8),
+            torch.empty(20, 3, dtype=torch.uint8),
+            torch.empty(0, dtype=torch.int64),
             None,
             20,
             torch.bfloat16,

@@ -47,7 +47,6 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     e4m3_round,
     e8m0_block_quant,
-    load_f32,
     load_row_tile,
     mbs_static_scale,
 )
@@ -186,54 +185,6 @@ def _act_fp8_chunks_kernel(
     )
 
 
-# ----------------------------------------------------------------------------- exact split
-@triton.jit
-def _act_fp8_split_kernel(
-    x_ptr, idx_ptr, fp8_ptr, scale_ptr, exact_ptr,
-    R, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_em,
-    MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
-    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Rows x[idx[r]] quantized and split as `fp8_chunks.split_fp8_chunks`: the high operand
-    in rows [0, R) of fp8 / scale, the low one in rows [R, 2R); exact [R, NCH] per chunk of
-    both. (The torch path quantizes x[idx] with `formats.quantize`: the same codes.)"""
-    NC: tl.constexpr = BLOCK_K // CHUNK_K
-    NB: tl.constexpr = BLOCK_K // BLOCK_K16
-    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_r = offs_r < R
-    rows = tl.load(idx_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-    x = load_f32(
-        x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
-        mask_r[:, None] & (offs_k[None, :] < K),
-        BF16_BITS,
-    )
-    _m, f, s, mag, neg = _quantize_tile(x, MANT_THRESHOLD, HAS_MBS, BLOCK_M, NC, NB)
-
-    every = tl.full((BLOCK_M, NB), 1, tl.int32)
-    _b, _r, _e, ok = _encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
-    block_ok = (tl.min(ok.to(tl.int32), axis=2) == 1) & (s != NAN_CODE)
-    hi_live = block_ok.to(tl.int32)
-    hi, hi_ref, hi_exact, _ok = _encode_live(s, mag, neg, hi_live, BLOCK_M, NC, NB)
-    lo, lo_ref, lo_exact, _ok2 = _encode_live(s, mag, neg, 1 - hi_live, BLOCK_M, NC, NB)
-
-    hi_scale = _folded_scale(hi_ref, f)
-    lo_scale = _folded_scale(lo_ref, f)
-
-    offs_r = offs_r.to(tl.int64)  # rows * Kp may pass 2^31
-    fmask = mask_r[:, None] & (offs_k[None, :] < KP)
-    fptr = fp8_ptr + offs_r[:, None] * stride_fm + offs_k[None, :]
-    tl.store(fptr, tl.reshape(hi, (BLOCK_M, BLOCK_K)).to(tl.uint8), mask=fmask)
-    tl.store(fptr + R * stride_fm, tl.reshape(lo, (BLOCK_M, BLOCK_K)).to(tl.uint8), mask=fmask)
-    offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
-    cmask = mask_r[:, None] & (offs_c[None, :] < NCH)
-    sptr = scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + offs_r[:, None]
-    tl.store(sptr, hi_scale, mask=cmask)
-    tl.store(sptr + R, lo_scale, mask=cmask)
-    eptr = exact_ptr + offs_r[:, None] * stride_em + offs_c[None, :]
-    tl.store(eptr, (hi_exact & lo_exact).to(tl.uint8), mask=cmask)
-
-
 # ----------------------------------------------------------------------------- launcher
 def _tile_sizes(m: int, kp: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K), BLOCK_K a power of two >= 128. The interpreter pays per program:
@@ -347,52 +298,6 @@ def act_quant_fp8_chunks_op(x: torch.Tensor, fmt: str, macro_block: int) -> Fp8C
     """`act_quant_fp8_chunks` through the custom op (traceable by torch.compile)."""
     fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, fmt, macro_block)
     return Fp8ChunkLayout(fp8=fp8, scale=scale, ref=ref, mbs=mbs, exact=exact, k=x.shape[-1])
-
-
-def _split_fields(x: torch.Tensor, fmt: str, idx: torch.Tensor):
-    """Launch the split kernel: (fp8 [2R, Kp], scale [Kp/128, 2R], exact [R, Kp/128])."""
-    kp, nc = _layout_dims(x, fmt, CHUNK)
-    r, dev = idx.shape[0], x.device
-    fp8 = torch.empty((2 * r, kp), dtype=torch.uint8, device=dev)
-    scale = torch.empty((nc, 2 * r), dtype=torch.float32, device=dev)
-    exact = torch.empty((r, nc), dtype=torch.uint8, device=dev)
-    strides = (fp8.stride(0), scale.stride(0), exact.stride(0))
-    _launch(_act_fp8_split_kernel, x, fmt, r, ((idx.contiguous(), fp8, scale, exact), strides))
-    return fp8.view(torch.float8_e4m3fn), scale, exact.view(torch.bool)
-
-
-@torch.library.custom_op(op_name("triton_act_fp8_split"), mutates_args=())
-def _act_fp8_split_op(
-    x: torch.Tensor, fmt: str, idx: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _split_fields(x, fmt, idx)
-
-
-@_act_fp8_split_op.register_fake
-def _act_fp8_split_fake(x: torch.Tensor, fmt: str, idx: torch.Tensor):
-    _check(x, fmt, CHUNK)
-    r, nc = idx.shape[0], ceil_div(x.shape[-1], CHUNK)
-    return (
-        x.new_empty((2 * r, nc * CHUNK), dtype=torch.float8_e4m3fn),
-        x.new_empty((nc, 2 * r), dtype=torch.float32),
-        x.new_empty((r, nc), dtype=torch.bool),
-    )
-
-
-def act_fp8_split_rows(
-    x: torch.Tensor, fmt: str, idx: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows x[idx] (x [M, K], idx int64 [R]) quantized with `fmt` and split into two FP8
-    operands for the sm_90a exact fallback, in one kernel (through its custom op):
-
-        (fp8 [2R, Kp], scale [Kp/128, 2R], exact rows [R]),
-
-    rows [0, R) the high operand and [R, 2R) the low one of
-    `split_fp8_chunks(q.codes, q.scales, q.mbs, K)` with q = `formats.quantize(x[idx], fmt)`,
-    bit for bit, and its exact rows (high and low exact in every chunk). One GEMM over the 2R
-    rows then sums both (fixed shapes, no host sync: CUDA-graph safe)."""
-    fp8, scale, exact = torch.ops.vllm_mxplus.triton_act_fp8_split(x, fmt, idx)
-    return fp8, scale, exact.all(dim=-1)
 
 
 def supports(fmt: str | None) -> bool:

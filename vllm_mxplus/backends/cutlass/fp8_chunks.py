@@ -13,11 +13,8 @@ The exact per-element condition is weaker (value 4 survives down to d = -11);
 `encode_fp8_chunks` tests every element by an FP8 round trip and marks the chunk `exact` only
 if all survive and the folded scale is a normal fp32 (ref >= MIN_EXACT_REF).
 
-Chunks that are not exact are split, not dropped (`split_fp8_chunks`): the blocks whose
-elements all survive stay in a "high" operand, the others go to a "low" operand re-encoded
-relative to their own reference exponent, and the GEMM runs on both (two FP8 passes cover a
-chunk whose block exponents span up to 28 binades). Only what still fails after the split
-(a NaN block, a wider span, a scale under 2^-125) is flagged, and its output rows are NaN.
+Rows with a chunk that is not exact (a wider span, a NaN block, a scale under 2^-125) are
+recomputed by the CUTLASS path's exact fallback from the packed operands (`gemm`).
 """
 
 from __future__ import annotations
@@ -129,23 +126,6 @@ def encode_fp8_chunks(
     c, s, m = _unpacked(codes, scales, mbs, k)
     live = torch.ones(s.shape, dtype=torch.bool, device=s.device)
     return _encode(c, s, m, live, k)[0]
-
-
-def split_fp8_chunks(
-    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
-) -> tuple[Fp8ChunkLayout, Fp8ChunkLayout, torch.Tensor]:
-    """Two FP8 layouts whose sum is the operand, for rows with inexact chunks: (high, low,
-    exact rows [R]). `high` keeps the blocks whose every element survives the plain encoding
-    and zeros the others; `low` holds those others relative to their own reference exponent.
-    Fixed shapes and no host sync (CUDA-graph safe); a row is exact when both are."""
-    c, s, m = _unpacked(codes, scales, mbs, k)
-    r = c.shape[0]
-    every = torch.ones(s.shape, dtype=torch.bool, device=s.device)
-    _, ok = _encode(c, s, m, every, k)
-    block_ok = ok.view(r, -1, BLOCK).all(-1) & (s != E8M0_NAN)
-    high, _ = _encode(c, s, m, block_ok, k)
-    low, _ = _encode(c, s, m, ~block_ok, k)
-    return high, low, (high.exact & low.exact).all(-1)
 
 
 def dequantize_fp8_chunks(layout: Fp8ChunkLayout) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The CUTLASS prefill GEMM as a function API: weights prepared once, y = Q(x) W_hat^T (+ bias).
 
-Two kernels (`cutlass_ops`), both computing acc = sum_c sigma_a[i,c] sigma_b[j,c]
+Two kernels (`ops`), both computing acc = sum_c sigma_a[i,c] sigma_b[j,c]
 (A_c B_c^T)[i,j] with sigma = fp32(1/F) per 128-K chunk (paper section 4.3.2;
 docs/numerics.md, "Kernel numerics and error bounds"):
 
@@ -12,14 +12,17 @@ docs/numerics.md, "Kernel numerics and error bounds"):
 
 Every step inside the prefill ops is CUDA-graph safe: fixed shapes, no host sync, nothing
 allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.py runs them
-under a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that:
-activation rows with an inexact FP8 chunk (rare: a chunk whose block exponents span more than
-14 binades) are found with `nonzero_static` (at most VLLM_MXPLUS_SM90_FALLBACK_ROWS = 64 rows
-per call) and recomputed from a two-operand split (`split_fp8_chunks`; from x, one Triton
-kernel `act_fp8_split_rows`) by the same kernel, high and low operands stacked in one launch;
-a row the split cannot make exact (a NaN block, a span over 28 binades) or past that capacity
-gets NaN (its scales are poisoned before the GEMM), never a silently wrong number. Weight rows
-with an inexact chunk are known at load and recomputed against the spec's x_hat.
+under a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that,
+and no row ever comes out NaN or wrong for want of room: activation rows with an inexact FP8
+chunk (a chunk whose block exponents span more than 14 binades, a NaN block, a scale under
+2^-125) are listed on the device (`nonzero_static` at capacity M, no host sync) and the
+Triton FP4 GEMM recomputes exactly those rows from the packed operands (`mx_gemm_rows`: the
+activations' codes from the Triton act-quant, the packed weight the decode backend holds;
+fp32 accumulation), writing them over the CUTLASS rows; its row tiles past the listed rows
+return at once, so the cost follows the number of inexact rows, whatever M. Weight rows with
+an inexact chunk are known at load; their output columns come from the same Triton GEMM
+over those packed weight rows. A NaN or Inf input block gives NaN outputs in its row, as
+the spec says (docs/numerics.md, "NaN, Inf and edge cases").
 """
 
 from __future__ import annotations
@@ -30,11 +33,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from vllm_mxplus import settings
 from vllm_mxplus.backends.cutlass import act_fp8
-from vllm_mxplus.backends.cutlass.act_fp8 import act_fp8_split_rows
 from vllm_mxplus.backends.cutlass.fp8_chunks import (
     BLOCK,
     CHUNK,
@@ -43,7 +43,6 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import (
     encode_fp8_chunks,
     pad_last,
     pad_rows,
-    split_fp8_chunks,
 )
 from vllm_mxplus.backends.cutlass.ops import (
     bias_f32,
@@ -53,14 +52,10 @@ from vllm_mxplus.backends.cutlass.ops import (
     sigma_chunks,
 )
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton.act_quant import act_quant
+from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows
 from vllm_mxplus.backends.triton.ops import act_quant_op
-from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
-from vllm_mxplus.formats.e2m1 import unpack_fp4
-from vllm_mxplus.formats.mx import dequantize_mbs
-
-# rows_split(idx) -> (fp8 [2R, Kp], scale [Kp/128, 2R], exact rows [R]): activation rows idx
-# split into a high operand (rows [0, R)) and a low one (rows [R, 2R)), `split_fp8_chunks`
-RowsSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+from vllm_mxplus.formats import QuantizedTensor, get_format
 
 
 def _prefill_op(name: str, impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -83,8 +78,10 @@ class Sm90Weight(NamedTuple):
 
     fp8: torch.Tensor  # float8_e4m3fn [Np, Kp]
     scale: torch.Tensor  # fp32 [Kp/128, Np]
-    fallback_idx: torch.Tensor | None  # rows with an inexact chunk (known at load)
-    fallback_w: torch.Tensor | None  # their exact fp32 W_hat rows
+    codes: torch.Tensor  # the packed weight [N, K/2] (formats' layout): exact rows, columns
+    scales: torch.Tensor  # E8M0 [N, K/16]
+    mbs: torch.Tensor | None  # [N, K/128] or None
+    fallback_idx: torch.Tensor  # weight rows with an inexact chunk (known at load), int64
 
 
 @dataclass
@@ -99,13 +96,15 @@ class PreparedWeight:
     codes: torch.Tensor | None = None  # sm100a: [Np, Kp/2]
     sf: torch.Tensor | None = None  # sm100a: packed per chunk (or for the whole K)
     sigma: torch.Tensor | None = None  # sm100a: [Kp/128, Np] fp32 (empty without MBS)
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # sm90a
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
-    fallback_w: torch.Tensor | None = None  # their exact fp32 W_hat rows
 
     def sm90_operands(self) -> Sm90Weight:
-        """The sm_90a ops' weight arguments (w_fp8, w_scale, fallback_idx, fallback_w)."""
-        assert self.layout is not None, "sm90_operands of a weight not prepared for sm90a"
-        return Sm90Weight(self.layout.fp8, self.layout.scale, self.fallback_idx, self.fallback_w)
+        """The sm_90a ops' weight arguments (`Sm90Weight`, in order)."""
+        assert (
+            self.layout is not None and self.packed is not None and (self.fallback_idx is not None)
+        ), "sm90_operands of a weight not prepared for sm90a"
+        return Sm90Weight(self.layout.fp8, self.layout.scale, *self.packed, self.fallback_idx)
 
 
 def prepare_weight(
@@ -123,8 +122,8 @@ def prepare_weight(
     if arch == "sm90a":
         lay = encode_fp8_chunks(codes, scales, mbs, k)
         bad = (~lay.exact_rows[:n]).nonzero().flatten()  # at load: a host sync is fine here
-        w_bad = qweight.dequantize(torch.float32)[bad] if bad.numel() else None
-        return PreparedWeight(arch, n, k, use_mbs, layout=lay, fallback_idx=bad, fallback_w=w_bad)
+        packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
+        return PreparedWeight(arch, n, k, use_mbs, layout=lay, packed=packed, fallback_idx=bad)
     if arch == "sm100a":
         dev = codes.device
         return PreparedWeight(
@@ -146,75 +145,38 @@ def prepare_weight(
 # ----------------------------------------------------------------------------- sm_90a
 def _sm90_gemm(
     xl: Fp8ChunkLayout,
-    rows_split: RowsSplit,
-    x_hat_all: Callable[[], torch.Tensor],
+    x_packed: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     w: Sm90Weight,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The sm_90a GEMM on an activation layout with both exact fallbacks (module docstring).
-    rows_split(idx) gives the two-operand split of activation rows idx (`RowsSplit`); x_hat_all()
-    the spec's fp32 x_hat of every row (used only when the weight has inexact rows).
+    """The sm_90a GEMM on an activation layout, every inexact row and column recomputed
+    (module docstring). x_packed() gives the activations' codes, E8M0 scales and MBS bytes
+    (formats' layout, every row).
 
-    Two GEMM launches per call: all rows, then the fallback rows' high and low operands
-    stacked as one [2 * cap, Kp] operand (fp32 out; high + bias, then + low, in fp32)."""
-    m = xl.fp8.shape[0]
+    One CUTLASS launch over all rows; then the Triton FP4 GEMM over the device-side list of
+    activation rows with an inexact chunk (`mx_gemm_rows`: any number of them, no host sync,
+    work following their number) and, when the weight has inexact rows (known at load), over
+    those output columns."""
     b32 = bias_f32(bias, w.fp8.shape[0])
-    nan = float("nan")  # a Python scalar: no tensor built on (or copied from) the host
-    bad = ~xl.exact_rows  # [M]
-    cap = min(settings.sm90_fallback_rows(), m)
-    lost = bad
-    if cap:
-        found = torch.nonzero_static(bad, size=cap, fill_value=-1)[:, 0]  # no host sync
-        valid = found >= 0
-        slot = torch.where(valid, found, m)  # row m: a spare slot
-        patched = torch.zeros(m + 1, dtype=torch.bool, device=bad.device)
-        lost = bad & ~patched.index_fill_(0, slot, True)[:m]
-    # rows that stay inexact come out NaN: poison their scales ([nc, M], cheap) up front
-    scale = torch.where(lost[None, :], nan, xl.scale)
-    y = fp8_chunk_gemm(xl.fp8, scale, w.fp8, w.scale, b32, out_dtype)
+    y = fp8_chunk_gemm(xl.fp8, xl.scale, w.fp8, w.scale, b32, out_dtype)
     y = y[:, :n].contiguous() if y.shape[1] != n else y
-    if cap:
-        # unused slots repeat the first found row (or row 0 when none) and write exactly what
-        # that row gets, so duplicate indices in index_put_ agree
-        idx = torch.where(valid, found, found[:1].clamp(min=0))
-        fp8_2, scale_2, exact = rows_split(idx)
-        v2 = fp8_chunk_gemm(fp8_2, scale_2, w.fp8, w.scale, None, torch.float32)[:, :n]
-        hi = v2[:cap] if b32 is None else v2[:cap] + b32[:n]
-        v = torch.where(exact[:, None], hi + v2[cap:], nan)
-        v = torch.where(valid[:, None], v, v[:1])
-        v = torch.where(valid[:1, None], v.to(y.dtype), y[idx])  # none found: a no-op write
-        y.index_put_((idx,), v)
-    if w.fallback_idx is not None and w.fallback_w is not None and w.fallback_idx.numel():
-        cols = F.linear(x_hat_all(), w.fallback_w)  # static (known at load): no sync
-        if b32 is not None:
-            cols = cols + b32[w.fallback_idx]
-        y[:, w.fallback_idx] = cols.to(y.dtype)
-    return y
-
-
-def _stacked_split(
-    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`split_fp8_chunks` of quantized rows, its two operands stacked (`RowsSplit`)."""
-    hi, lo, exact = split_fp8_chunks(codes, scales, mbs, k)
-    return torch.cat([hi.fp8, lo.fp8]), torch.cat([hi.scale, lo.scale], dim=1), exact
-
-
-def _codes_x_hat(
-    x_codes: torch.Tensor, x_scales: torch.Tensor, x_mbs: torch.Tensor | None, k: int
-) -> torch.Tensor:
-    """The spec's fp32 x_hat [M, K] from codes / E8M0 scales / MBS bytes (F = 1 without)."""
-    kp = ceil_to(k, CHUNK)
-    c = F.pad(unpack_fp4(x_codes, k), (0, kp - k))
-    s = pad_last(x_scales, kp // BLOCK)
-    mb = (
-        pad_last(x_mbs, kp // CHUNK)
-        if x_mbs is not None
-        else x_codes.new_zeros((x_codes.shape[0], kp // CHUNK))
+    codes, scales, mbs = x_packed()
+    x_ops = (codes, scales, mbs, None)
+    w_ops = (w.codes, w.scales, w.mbs, None)
+    b = None if b32 is None else b32[:n]
+    y = mx_gemm_rows(
+        y, ~xl.exact_rows, x_ops, w_ops, xl.k, b, fmt="e8m0", block_size=BLOCK, macro_block=CHUNK
     )
-    return dequantize_mbs(c, s, mb, BLOCK)[:, :k]
+    if w.fallback_idx.numel():  # static (known at load): no sync
+        idx = w.fallback_idx
+        w_rows = tuple(None if t is None else t[idx] for t in w_ops)
+        b_rows = None if b32 is None else b32[idx]
+        y[:, idx] = mx_gemm(
+            x_ops, w_rows, xl.k, b_rows, y.dtype, fmt="e8m0", block_size=BLOCK, macro_block=CHUNK
+        )
+    return y
 
 
 def prefill_sm90_impl(
@@ -224,8 +186,10 @@ def prefill_sm90_impl(
     k: int,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
-    fallback_idx: torch.Tensor | None,
-    fallback_w: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: torch.Tensor | None,
+    fallback_idx: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
@@ -233,11 +197,8 @@ def prefill_sm90_impl(
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
-        lambda idx: _stacked_split(
-            x_codes[idx], x_scales[idx], None if x_mbs is None else x_mbs[idx], k
-        ),
-        lambda: _codes_x_hat(x_codes, x_scales, x_mbs, k),
-        Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w),
+        lambda: (x_codes, x_scales, x_mbs),
+        Sm90Weight(w_fp8, w_scale, w_codes, w_scales, w_mbs, fallback_idx),
         bias,
         n,
         out_dtype,
@@ -257,29 +218,29 @@ def prefill_sm90_fused_impl(
     x_exact: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
-    fallback_idx: torch.Tensor | None,
-    fallback_w: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mbs: torch.Tensor | None,
+    fallback_idx: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """From activation rows x [M, K] and their fused FP8 layout (`act_fp8`): GEMM;
-    inexact rows are re-quantized from x and split in one Triton kernel
-    (`act_fp8_split_rows`, bit for bit `split_fp8_chunks` of `formats.quantize(x[idx])`)."""
+    """From activation rows x [M, K] and their fused FP8 layout (`act_fp8`): GEMM; the rows
+    the layout cannot hold exactly are recomputed from x's Triton act-quant (bit for bit
+    `formats.quantize(x, fmt)`), which runs only inside this op."""
 
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
     )
-    w = Sm90Weight(w_fp8, w_scale, fallback_idx, fallback_w)
-    return _sm90_gemm(
-        xl,
-        lambda idx: act_fp8_split_rows(x, fmt, idx),
-        lambda: fake_quantize(x, fmt),
-        w,
-        bias,
-        n,
-        out_dtype,
-    )
+    has_mbs = bool(get_format(fmt).mbs)
+
+    def packed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        codes, scales, mbs, _ = act_quant(x, fmt, macro_block=CHUNK)
+        return codes, scales, mbs if has_mbs else None
+
+    w = Sm90Weight(w_fp8, w_scale, w_codes, w_scales, w_mbs, fallback_idx)
+    return _sm90_gemm(xl, packed, w, bias, n, out_dtype)
 
 
 _prefill_sm90_fused = _prefill_op("cutlass_prefill_sm90_fused", prefill_sm90_fused_impl)

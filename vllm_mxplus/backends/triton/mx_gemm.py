@@ -466,3 +466,65 @@ def mx_gemm(
     sk = plan_split_k(m, n, K, bk, triton.cdiv(n, bn) * grid_m, split_k, bias, out_dtype, device)
     launch_mx_gemm(x, w, sk, K, fmt, block_size, macro_block, tiles, grid_m)
     return finish_output(sk.out, bias, out_dtype)
+
+
+def mx_gemm_rows(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    x: tuple,
+    w: tuple,
+    K: int,
+    bias: torch.Tensor | None = None,
+    *,
+    fmt: str,
+    block_size: int,
+    macro_block: int,
+) -> torch.Tensor:
+    """y with the rows where `rows` (bool [M], on the device) is True replaced by
+    x_hat @ W_hat^T (+ bias) of those rows, in y's dtype; the other rows are untouched.
+
+    Any number of rows, found on the device (`nonzero_static` at capacity M: no host sync,
+    fixed shapes, capturable): the listed rows are gathered in row tiles through the
+    kernel's MOE row list (one expert: the whole weight), a row tile past the last listed
+    row returns at once, so the work follows the number of listed rows. On the GPU the
+    kernel writes the rows into y in place (fp32 accumulation, bias, one rounding to y's
+    dtype, as `mx_gemm`); under the interpreter, whose fp32 -> bf16 cast is not RNE, the
+    rows are computed in fp32 and cast by torch. x, w: as `mx_gemm`'s (x [M, ...] rows)."""
+    if y.dim() != 2 or rows.shape != (y.shape[0],) or rows.dtype != torch.bool:
+        raise ValueError(
+            f"mx_gemm_rows: rows must be bool [{y.shape[0]}] for y {tuple(y.shape)}, got "
+            f"{rows.dtype} {tuple(rows.shape)}"
+        )
+    if not y.is_contiguous():
+        raise ValueError("mx_gemm_rows: y must be contiguous (its rows are written in place)")
+    has_mbs = FMT_CODES[fmt] == FMT_E8M0 and (x[2] is not None or w[2] is not None)
+    check_gemm_args("mx_gemm_rows", y.dtype, macro_block, has_mbs)
+    x = tuple(_u8(t) if i < 3 else t for i, t in enumerate(x))
+    w = tuple(_u8(t) if i < 3 else t for i, t in enumerate(w))
+    _check_operand("x", x, K, fmt, block_size, macro_block)
+    _check_operand("w", w, K, fmt, block_size, macro_block)
+    m, n = y.shape
+    if x[0].shape[0] != m:
+        raise ValueError(f"mx_gemm_rows: x has {x[0].shape[0]} rows, y {m}")
+    check_available(w[0])
+    if m == 0 or n == 0:
+        return y
+    tiles = gemm_tiles(DECODE_MAX_M + 1, macro_block, has_mbs, block_size)  # prefill tile
+    bm, _, bk, _ = tiles
+    grid_m = triton.cdiv(m, bm)
+    if grid_m > MAX_GRID_M_TILES:
+        raise ValueError(f"mx_gemm_rows: {m} rows exceed one grid ({MAX_GRID_M_TILES * bm})")
+    listed = torch.nonzero_static(rows, size=grid_m * bm, fill_value=m)[:, 0].to(torch.int32)
+    # expert 0 (the whole weight) for a tile whose first entry is a listed row; 1 (past the
+    # last expert: the program returns) for the tiles of padding
+    tile_expert = (listed.view(grid_m, bm)[:, 0] >= m).to(torch.int32)
+    interp = interpreting()
+    out = torch.empty((m, n), dtype=torch.float32, device=y.device) if interp else y
+    b = bias.to(torch.float32) if interp and bias is not None else bias
+    sk = SplitK(1, triton.cdiv(K, bk) * bk, out, b)
+    launch_mx_gemm(
+        x, w, sk, K, fmt, block_size, macro_block, tiles, grid_m, (listed, tile_expert, 1, 1)
+    )
+    if interp:
+        return torch.where(rows[:, None], out.to(y.dtype), y)
+    return y
