@@ -237,3 +237,23 @@ def test_expert_self_test_names_an_activation_it_cannot_test():
     spec = ExpertSpec(get_scheme("mxfp4-mbs"), activation="relu2_no_mul")
     failure = run_expert_self_test(ReferenceExperts, spec, torch.device("cpu"))
     assert failure is not None and "'relu2_no_mul'" in failure
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("activation", EXPERT_ACTIVATIONS)
+def test_cuda_experts_of_every_kind_get_the_grouped_kernel(monkeypatch, activation, bias):
+    """On CUDA every scheme's experts, gpt-oss's swigluoai + biases included, are served by
+    triton-grouped alone (no reference, no error) with nothing set (the Triton availability
+    and the GPU self-test, which need a GPU, stubbed here)."""
+    from vllm_mxplus import settings
+    from vllm_mxplus.backends.triton.experts import TritonExperts
+
+    monkeypatch.delenv("VLLM_MXPLUS_BACKEND", raising=False)
+    monkeypatch.setattr(settings, "selftest_enabled", lambda: False)
+    monkeypatch.setattr(TritonExperts, "is_supported", classmethod(lambda c, p, cap: (True, "")))
+    for name in sorted(SCHEMES):
+        spec = ExpertSpec(
+            get_scheme(name), device_type="cuda", activation=activation, has_bias=bias
+        )
+        got = selection.select(spec, "cuda", 90, "model.layers.0.mlp.experts")
+        assert [type(b) for b in got] == [TritonExperts], name
