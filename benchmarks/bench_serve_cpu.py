@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serve_cpu.py [--model DIR] [--scheme mxfp4-mbs] [--tokens 64]
                                          [--batch 4] [--prefill-tokens 4096] [--compile]
+                                         [--prefill-prompts 8]
                                          [--moe] [--no-tiny] [--llama8b-shaped]
 
 Runs, in one process and one after another, vLLM engines for: a tiny random Llama (built on
@@ -10,7 +11,8 @@ linears have Llama-3-8B's shapes (hidden 4096, FFN 14336, 32 + 8 + 8 heads of 12
 --model (default: the embedded SmolLM2 from `vllm_mxplus.assets`, when it has been prepared),
 each unquantized (bf16) and with --quantization SCHEME. For each it prints decode output
 tokens/s (greedy, --batch prompts at once) and, where the model's context allows, prefill
-tokens/s (one prompt of --prefill-tokens tokens with prompt logprobs, one output token), and
+tokens/s (--prefill-prompts prompts, default 1, of --prefill-tokens tokens in all, with prompt
+logprobs, one output token each; `--prefill-prompts 8 --prefill-tokens 4096`: 8 x 512), and
 the ratios quantized / bf16. Also the CPU model, its SIMD flags and the load average. The
 backend vLLM used is in its log ("mxplus <scheme> on cpu ...: backends ...").
 Wrap it in `flock /tmp/mxplus-vllm.lock` on a shared machine (one engine at a time).
@@ -70,6 +72,7 @@ def _throughput(
     prompts: list[str],
     eager: bool,
     prefill_tokens: int,
+    prefill_prompts: int = 1,
 ) -> tuple[float, float, float]:
     """(decode output tokens/s, prefill tokens/s or NaN, load seconds), after a warm-up."""
     from vllm import LLM, SamplingParams
@@ -77,17 +80,18 @@ def _throughput(
     from vllm.inputs import TokensPrompt
 
     max_pos, vocab = _max_positions(model)
-    prefill = prefill_tokens if prefill_tokens and prefill_tokens < max_pos else 0
+    per_prompt = prefill_tokens // max(1, prefill_prompts)
+    prefill = prefill_tokens if prefill_tokens and per_prompt < max_pos else 0
     t0 = time.time()
     llm = LLM(
         model=model,
         quantization=quantization,
         dtype="bfloat16",
         enforce_eager=eager,
-        max_model_len=max(512, prefill + 8),
-        max_num_seqs=len(prompts),
+        max_model_len=max(512, per_prompt + 8),
+        max_num_seqs=max(len(prompts), prefill_prompts),
         seed=0,
-        max_num_batched_tokens=max(2048, prefill + 8),
+        max_num_batched_tokens=max(2048, prefill + 8 * prefill_prompts),
     )
     load_s = time.time() - t0
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -98,10 +102,18 @@ def _throughput(
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     prefill_tps = float("nan")
     if prefill:
-        ids = [(i * 7919 + 13) % (vocab - 8) + 4 for i in range(prefill)]  # fixed, in-vocab
+        batch = [  # fixed, in-vocab, a different prompt each (no prefix-cache hits)
+            TokensPrompt(
+                prompt_token_ids=[
+                    (i * 7919 + j * 104729 + 13) % (vocab - 8) + 4 for i in range(per_prompt)
+                ]
+            )
+            for j in range(max(1, prefill_prompts))
+        ]
+        prefill = per_prompt * len(batch)
         psp = SamplingParams(max_tokens=1, prompt_logprobs=1)
         t2 = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=ids)], psp, use_tqdm=False)
+        llm.generate(batch, psp, use_tqdm=False)
         prefill_tps = prefill / (time.perf_counter() - t2)
     del llm
     gc.collect()
@@ -123,7 +135,13 @@ def main() -> int:
         "--prefill-tokens",
         type=int,
         default=4096,
-        help="prompt length of the prefill measurement (0: skip)",
+        help="prompt tokens of the prefill measurement, all prompts together (0: skip)",
+    )
+    ap.add_argument(
+        "--prefill-prompts",
+        type=int,
+        default=1,
+        help="prompts the prefill tokens are split into (8 with 4096: the 8 x 512 case)",
     )
     ap.add_argument(
         "--llama8b-shaped",
@@ -187,11 +205,10 @@ def main() -> int:
         f"{'prefill tok/s bf16':>18s} {args.scheme:>14s} {'ratio':>6s} {'load s (q)':>10s}"
     )
     for name, path in models:
-        base, base_p, _ = _throughput(
-            path, None, args.tokens, prompts, not args.compile, args.prefill_tokens
-        )
+        pre = (args.prefill_tokens, args.prefill_prompts)
+        base, base_p, _ = _throughput(path, None, args.tokens, prompts, not args.compile, *pre)
         quant, quant_p, load_q = _throughput(
-            path, args.scheme, args.tokens, prompts, not args.compile, args.prefill_tokens
+            path, args.scheme, args.tokens, prompts, not args.compile, *pre
         )
         print(
             f"{name:24s} {base:18.1f} {quant:14.1f} {quant / base:6.2f} {base_p:18.1f} "
