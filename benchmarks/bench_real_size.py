@@ -5,8 +5,9 @@
         [--keep]
 
 A full-depth bf16 checkpoint with the config's shapes is written tensor by tensor (random
-weights: per output channel scales drawn log-normally, a few outlier input channels x8 per
-layer, as trained LLM weights show; the writer holds one tensor), with a 128256-word
+weights: N(0, 1) values from a shared pool of 2^24 samples at random offsets, per output
+channel scales drawn log-normally, a few outlier input channels x8 per layer, as trained LLM
+weights show; the writer holds one tensor), with a 128256-word
 word-level tokenizer so that vLLM can serve it offline. Then each part runs in its own
 subprocess, measured for wall time and peak RSS of the whole process tree (sampled every
 0.2 s over /proc, children included):
@@ -138,25 +139,45 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+POOL = 1 << 24  # N(0, 1) samples shared by every tensor (64 MiB fp32)
+_pool: list[Any] = []
+
+
+def _normal_pool():  # noqa: ANN202
+    """2 x POOL N(0, 1) samples (the second half repeats the first), drawn once: drawing 8e9
+    fresh normals would take the 2-core machine over an hour; a slice at a random offset is
+    as good for what is measured here (time and memory, not accuracy)."""
+    import torch
+
+    if not _pool:
+        base = torch.randn(POOL, generator=torch.Generator().manual_seed(0))
+        _pool.append(torch.cat([base, base]))
+    return _pool[0]
+
+
 def random_weight(name: str, shape: tuple[int, ...], seed: int):  # noqa: ANN201
-    """bf16: norms ~1; 2-D weights N(0, 1) * per-row scale (log-normal around 0.02 /
-    sqrt(K / 4096)) with OUTLIERS input channels of the layer x8."""
+    """bf16: norms ~1; 2-D weights N(0, 1) (a slice of the shared pool at a random offset per
+    chunk of rows) * per-row scale (log-normal around 0.02 / sqrt(K / 4096)) with OUTLIERS
+    input channels of the layer x8."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     if len(shape) == 1:
         return (1.0 + 0.1 * torch.randn(shape, generator=g)).bfloat16()
     n, k = shape
+    pool = _normal_pool()
     out = torch.empty(shape, dtype=torch.bfloat16)
     rows = torch.exp(0.3 * torch.randn(n, 1, generator=g)) * (0.02 / math.sqrt(k / 4096))
     layer_seed = int(name.split("layers.")[1].split(".")[0]) if "layers." in name else 0
     cols = torch.randperm(k, generator=torch.Generator().manual_seed(layer_seed))[:OUTLIERS]
     col_scale = torch.ones(k)
     col_scale[cols] = 8.0
-    step = max(1, (64 << 20) // (4 * k))  # 64 MiB of fp32 at a time
+    step = max(1, POOL // k)
     for r in range(0, n, step):
-        w = torch.randn(min(step, n - r), k, generator=g) * rows[r : r + step] * col_scale
-        out[r : r + step] = w.bfloat16()
+        m = min(step, n - r)
+        off = int(torch.randint(0, POOL, (1,), generator=g))
+        w = pool[off : off + m * k].view(m, k) * rows[r : r + m] * col_scale
+        out[r : r + m] = w.bfloat16()
     return out
 
 
