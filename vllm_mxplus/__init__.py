@@ -1,6 +1,8 @@
 """vllm-mxplus: MXFP4 with Overflow-Aware Scaling and Macro Block Scaling for vLLM."""
 
-__version__ = "0.1.0"
+from vllm_mxplus.version import __version__
+
+__all__ = ["__version__", "register"]
 
 
 def register() -> None:

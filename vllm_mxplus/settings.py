@@ -1,4 +1,7 @@
-"""Every `VLLM_MXPLUS_*` environment variable, in one place, read when used (never at import).
+"""Every environment variable of the project (`VLLM_MXPLUS_*`, `MXPLUS_CACHE`), in one place,
+read when used (never at import). Variables of the tools the project drives (`CXX`,
+`CUDA_HOME`, `CUTLASS_DIR`, `TORCH_CUDA_ARCH_LIST`, `TRITON_*`, the Hugging Face hub's
+`HF_*_OFFLINE`) keep their own meaning and are read where that tool is invoked.
 
 The README's "Settings" table is `python -m vllm_mxplus.settings` (and a test checks that the
 two agree). Each accessor reads the environment at the moment it is called, so a variable set
@@ -78,6 +81,12 @@ CPU_LM_HEAD_FP32 = Setting(
     "the CPU lacks native bf16 (no `avx512_bf16`, no `amx_bf16`), `1` always, `0` never "
     "(vLLM's own GEMM).",
 )
+CACHE = Setting(
+    "MXPLUS_CACHE",
+    "",
+    "Root of the asset cache of `mxplus prepare` (the embedded model, text and benchmark data; "
+    "default `~/.cache/vllm-mxplus`).",
+)
 ALL: tuple[Setting, ...] = (
     BACKEND,
     SELFTEST,
@@ -89,6 +98,7 @@ ALL: tuple[Setting, ...] = (
     PREFILL_MIN_M,
     SM90_FALLBACK_ROWS,
     CPU_LM_HEAD_FP32,
+    CACHE,
 )
 
 
@@ -147,6 +157,10 @@ def cpu_march() -> str:
 
 def cpu_build_dir() -> Path | None:
     return _path(CPU_BUILD_DIR)
+
+
+def cache_dir() -> Path | None:
+    return _path(CACHE)
 
 
 def cutlass_ext() -> Path | None:

@@ -1,7 +1,7 @@
 """Triton set-up for tests/backends: the interpreter off-GPU, real kernels on CUDA.
 
 Triton chooses interpreter or compiler when a kernel is decorated, i.e. when
-vllm_mxplus.ops.triton_* is first imported, so TRITON_INTERPRET must be set before that
+a module of vllm_mxplus.backends.triton is first imported, so TRITON_INTERPRET must be set before that
 (no GPU on the CI machines: only TRITON_INTERPRET=1). With CUDA present the kernels compile
 for the GPU and the same tests run on CUDA tensors.
 """

@@ -168,18 +168,21 @@ def test_inductor_like_vllm():
 def test_registry_keys():
     a, da = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
     b, db = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
-    assert da.key == "model.layers.3.qkv_proj" and db.key != da.key  # both alive
-    assert linear_op.lookup(da.key)[0] is a and linear_op.lookup(db.key)[0] is b
+    assert da.key is not None and db.key is not None
+    assert da.key.value == "model.layers.3.qkv_proj" and db.key != da.key  # both alive
+    assert linear_op.lookup(da.key.value)[0] is a and linear_op.lookup(db.key.value)[0] is b
     del a, da
     gc.collect()
     c, dc = _layer([_Decode(SPEC), _Prefill(SPEC)], prefix="model.layers.3.qkv_proj")
-    assert dc.key == "model.layers.3.qkv_proj"  # the dead layer's key is reused
-    assert linear_op.lookup(dc.key)[0] is c
+    assert dc.key is not None and dc.key.value == "model.layers.3.qkv_proj"  # reused
+    assert linear_op.lookup(dc.key.value)[0] is c
 
 
 def test_unknown_key_is_a_clear_error():
     with pytest.raises(RuntimeError, match="no live quantized linear registered as 'nope'"):
-        torch.ops.vllm_mxplus.linear_dispatch(torch.randn(2, 4), None, None, "nope")
+        torch.ops.vllm_mxplus.linear_dispatch(
+            torch.randn(2, 4), None, None, 3, torch.float32, linear_op.LayerKey("nope")
+        )
 
 
 def test_apply_before_weights_are_processed_fails_loudly():
@@ -192,3 +195,101 @@ def test_a_backend_made_for_another_layer_is_refused():
     other = LinearSpec(scheme="mxfp4-mbs", n=48, k=64, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="fake-prefill was made for"):
         LinearDispatch(SPEC, [_Decode(SPEC), _Prefill(other)])
+
+
+class _Stack(torch.nn.Module):
+    """Four same-shaped layers, each a quantized linear (two candidates: the dispatch op) or
+    a plain fp32 linear, then an elementwise op: vLLM's model in miniature."""
+
+    def __init__(self, quantized: bool):
+        super().__init__()
+        square = LinearSpec(scheme="mxfp4-mbs", n=64, k=64, out_dtype=torch.float32)
+        self.quantized = quantized
+        self.layers = torch.nn.ModuleList()
+        for i in range(4):
+            if quantized:
+                layer, d = _layer(
+                    [_Decode(square), _Prefill(square)], f"model.layers.{i}.mlp", square
+                )
+                layer.mxplus_dispatch = d
+            else:
+                layer = torch.nn.Linear(64, 64, bias=False)
+            self.layers.append(layer)
+
+    def forward(self, x):
+        for layer in self.layers:
+            y = layer.mxplus_dispatch.apply(layer, x, None) if self.quantized else layer(x)
+            x = torch.relu(y)
+        return x
+
+
+def _per_layer_graphs(model: torch.nn.Module) -> list[tuple]:
+    """Trace the model once (as vLLM does), split the graph into one piece per layer (as
+    vLLM's piecewise compile splits at attention), and return each piece in a form that
+    compares equal exactly when the pieces are the same graph: op, target and arguments
+    with nodes by position (vLLM compiles each distinct piece once)."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, fullgraph=True, backend=grab)(_marked(5))
+    (gm,) = graphs
+    pieces: list[list] = [[]]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        pieces[-1].append(node)
+        if node.op == "call_function" and node.target is torch.relu:
+            pieces.append([])
+
+    def form(nodes: list) -> tuple:
+        index = {n: i for i, n in enumerate(nodes)}
+
+        def arg(a):
+            if isinstance(a, torch.fx.Node):
+                return ("node", index.get(a, "input"))
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(b) for b in a)
+            return a
+
+        return tuple((n.op, str(n.target), arg(n.args), arg(n.kwargs)) for n in nodes)
+
+    return [form(p) for p in pieces if p]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["unquantized", "quantized"])
+def test_every_layer_is_the_same_graph(quantized):
+    """One compile for all layers: no per-layer Python value (the layer's key) is a constant
+    of the graph, so the four layers' pieces are one graph, as for the unquantized model."""
+    pieces = _per_layer_graphs(_Stack(quantized))
+    assert len(pieces) == 4
+    assert len(set(pieces)) == 1, "the layers' pieces differ: one compile per layer"
+
+
+def test_a_string_key_would_make_one_graph_per_layer():
+    """The check above can fail: with the key as a plain string constant (how it was passed
+    before), the four pieces differ."""
+    model = _Stack(True)
+    for layer in model.layers:
+        d = layer.mxplus_dispatch
+
+        d.apply = lambda layer, x, bias, n=d.spec.n, key=d.key.value: _string_key_call(x, n, key)
+    pieces = _per_layer_graphs(model)
+    assert len(set(pieces)) == 4
+
+
+@torch.library.custom_op("mxplus_test::dispatch_by_string", mutates_args=())
+def _by_string(x: torch.Tensor, n: int, key: str) -> torch.Tensor:
+    """The dispatch op as it took the layer's key before: a string argument."""
+    return x.new_zeros((*x.shape[:-1], n))
+
+
+@_by_string.register_fake
+def _(x, n, key):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _string_key_call(x, n, key):
+    return torch.ops.mxplus_test.dispatch_by_string(x, n, key)

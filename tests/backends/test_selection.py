@@ -55,9 +55,57 @@ class _NoScheme(_Decode):
 def registry(monkeypatch):
     monkeypatch.setattr(dispatch, "_REGISTRY", {"linear": {"cuda": [], "cpu": []}, "experts": {}})
     monkeypatch.setattr(dispatch, "_LOGGED", set())
+    # The selector's mechanics (priority, M ranges, the reference appended where kernels leave
+    # M uncovered) on every platform; that CUDA layers never get the reference unasked is
+    # tested on its own below.
+    monkeypatch.setattr(dispatch, "NO_SILENT_REFERENCE", ())
     # registration may route our logs to vLLM's handler only; caplog listens on the root.
     monkeypatch.setattr(logging.getLogger("vllm_mxplus"), "propagate", True)
     return dispatch._REGISTRY["linear"]
+
+
+def test_cuda_never_falls_back_to_the_reference_unasked(registry, monkeypatch):
+    """A CUDA layer no kernel serves fails to load, naming the layer, why each kernel was
+    rejected and the setting that allows the reference; it never runs fp32 weights quietly."""
+    monkeypatch.setattr(dispatch, "NO_SILENT_REFERENCE", ("cuda",))
+    monkeypatch.delenv("VLLM_MXPLUS_BACKEND", raising=False)
+    register_backend("cuda", _Decode)
+    with pytest.raises(dispatch.BackendUnavailable) as e:
+        select(SPEC, "cuda", 90, "model.layers.0.mlp.down_proj")
+    msg = str(e.value)
+    assert "model.layers.0.mlp.down_proj" in msg and "no kernel backend serves M >= " in msg
+    assert "VLLM_MXPLUS_BACKEND=linear:reference" in msg
+    with pytest.raises(dispatch.BackendUnavailable, match="needs capability >= 90"):
+        select(SPEC, "cuda", 80)
+
+
+def test_cuda_reference_only_when_the_setting_names_it(registry, monkeypatch):
+    monkeypatch.setattr(dispatch, "NO_SILENT_REFERENCE", ("cuda",))
+    register_backend("cuda", _Decode)
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", "linear:fake-decode,linear:reference")
+    assert [b.name for b in select(SPEC, "cuda", 90)] == ["fake-decode", "reference"]
+
+
+def test_registry_imports_only_the_platform_asked():
+    """The registry names every backend without importing its family: resolving the CPU
+    entries loads the C++ CPU backend module and no Triton or CUTLASS one (a fresh
+    interpreter, so what other tests imported does not count)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from vllm_mxplus.backends.selection import registered_backends, "
+        "backend_names\n"
+        "assert 'triton-decode' in backend_names('linear')\n"
+        "assert 'cutlass_prefill' in backend_names('linear')\n"
+        "[registered_backends('cpu', k) for k in ('linear', 'experts')]\n"
+        "bad = [m for m in sys.modules if m.startswith(('vllm_mxplus.backends.triton', "
+        "'vllm_mxplus.backends.cutlass'))]\n"
+        "assert not bad, bad\n"
+        "assert 'vllm_mxplus.backends.cpu.linear' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_empty_cpu_registry_gets_reference_only(registry):

@@ -21,6 +21,7 @@ from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
 from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
 from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
 from vllm_mxplus.formats import get_scheme
 
 LIN = LinearSpec(get_scheme("mxfp4-mbs"), n=32, k=128, out_dtype=torch.float32)
@@ -74,7 +75,7 @@ def test_a_decode_only_backend_forced_on_cuda_leaves_prefill_unserved(monkeypatc
     monkeypatch.setenv(settings.BACKEND.name, "linear:triton-decode")
     monkeypatch.setattr(settings, "selftest_enabled", lambda: False)
     monkeypatch.setattr(
-        selection.TritonDecodeBackend, "is_supported", classmethod(lambda c, p, cap: (True, ""))
+        TritonDecodeBackend, "is_supported", classmethod(lambda c, p, cap: (True, ""))
     )
     with pytest.raises(
         BackendUnavailable, match=r"leaves M >= 17 unserved.*triton-decode,reference"

@@ -1,4 +1,4 @@
-"""GPTQ and the input-weighted group parameters (calibration/gptq.py, group_params.py).
+"""GPTQ and the input-weighted group parameters (calibration/gptq.py, formats/params.py).
 
 * H = I: GPTQ propagates nothing, so it equals RTN of the same parameter rule bit for bit
   (the spec's rule: formats.quantize itself);
@@ -15,19 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mxplus.calibration.gptq import can_fuse_rows, gptq, rtn_aware, split_rows
-from vllm_mxplus.calibration.group_params import (
-    GroupParams,
-    padded_k,
-    quantize_columns,
-    spec_params,
-    weighted_params,
-)
 from vllm_mxplus.checkpoint.codec import decode, encode
 from vllm_mxplus.formats import FORMATS, QuantizedTensor, quantize
 from vllm_mxplus.formats.constants import MACRO_BLOCK, ceil_div
 from vllm_mxplus.formats.e2m1 import unpack_fp4
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
 from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
+from vllm_mxplus.formats.params import GroupParams, choose_params, padded_k, quantize_columns
 
 ALL_FORMATS = list(FORMATS)
 SHAPES = [(1, 64), (33, 200), (16, 576)]  # K = 200, 576: partial blocks and macro blocks
@@ -128,7 +122,7 @@ def test_output_is_exact_encoding(fmt: str, method: str, shape: tuple) -> None:
     codes, again = quantize_columns(fmt, F.pad(w_hat, (0, kp - k)), _own_params(q, kp), 0)
     assert torch.equal(unpack_fp4(q.codes, k), codes[:, :k]), f"{fmt}: codes changed"
     assert torch.equal(again[:, :k], w_hat), f"{fmt}: values changed"
-    stored = decode(encode(q), fmt, (n, k))
+    stored = decode(encode(q), fmt, (n, k), MACRO_BLOCK)
     assert torch.equal(stored.dequantize(), w_hat), f"{fmt}: codec round trip changed values"
 
 
@@ -144,8 +138,8 @@ def test_weighted_choice_never_worse_than_spec(fmt: str) -> None:
         return ((w - w_hat).square() * d).sum(-1, dtype=torch.float64)
 
     e_spec, e_w = (
-        werr(spec_params(fmt, w, g, macro_block=MACRO_BLOCK)),
-        werr(weighted_params(fmt, w, d, g, macro_block=MACRO_BLOCK)),
+        werr(choose_params(fmt, w, g, macro_block=MACRO_BLOCK)),
+        werr(choose_params(fmt, w, g, macro_block=MACRO_BLOCK, weights=d)),
     )
     # the weighted objective uses the exact quotient value*X/F (formats/mbs_search.py): a choice
     # can lose to the spec's by fp32 rounding only, ~2^-23 relative
@@ -191,10 +185,10 @@ def test_bad_input_names_the_tensor(bad: str) -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_value_path_equals_quantize_columns(fmt: str) -> None:
-    from vllm_mxplus.calibration.group_params import _values
+    from vllm_mxplus.formats.params import _values
 
     w = _weight(40, 256, seed=13)
-    p = spec_params(fmt, w, quantize(w, fmt).global_scale, macro_block=MACRO_BLOCK)
+    p = choose_params(fmt, w, quantize(w, fmt).global_scale, macro_block=MACRO_BLOCK)
     assert torch.equal(_values(fmt, w, p), quantize_columns(fmt, w, p, 0)[1])
 
 
@@ -313,13 +307,13 @@ def test_macro_block_weighted_choice_never_worse_than_spec(fmt: str) -> None:
     w = _weight(n, k, seed=7)
     d = torch.rand(k, generator=torch.Generator().manual_seed(8)).square() + 1e-3
     spec = quantize(w, fmt, macro_block=macro)
-    p_spec = spec_params(fmt, w, macro_block=macro)
+    p_spec = choose_params(fmt, w, macro_block=macro)
     assert torch.equal(p_spec.mbs, spec.mbs) and torch.equal(p_spec.scales, spec.scales)
 
     def werr(p: GroupParams) -> torch.Tensor:
         _, w_hat = quantize_columns(fmt, w, p, 0)
         return ((w - w_hat).square() * d).sum(-1, dtype=torch.float64)
 
-    e_spec, e_w = werr(p_spec), werr(weighted_params(fmt, w, d, macro_block=macro))
+    e_spec, e_w = werr(p_spec), werr(choose_params(fmt, w, macro_block=macro, weights=d))
     assert bool((e_w <= e_spec * (1 + 1e-6)).all()), f"{fmt}: weighted choice lost on some row"
     assert float(e_w.sum()) < float(e_spec.sum()), f"{fmt}: weighted choice gained nothing"

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from ckpt_helpers import cli_args, source_tensors
 
-from vllm_mxplus.calibration.group_params import GroupParams, padded_k, quantize_columns
 from vllm_mxplus.checkpoint import load
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.formats import get_scheme, quantize
 from vllm_mxplus.formats.e2m1 import unpack_fp4
+from vllm_mxplus.formats.params import GroupParams, padded_k, quantize_columns
 
 SCHEMES = ["mxfp4-mbs-h", "nvfp4", "mxplus"]
 

@@ -13,7 +13,7 @@ from vllm_mxplus.checkpoint import load, load_unquantized, open_checkpoint, quan
 from vllm_mxplus.checkpoint.cli_quantize import run
 from vllm_mxplus.checkpoint.codec import encode, quantize_weight, stored_layout
 from vllm_mxplus.checkpoint.layout import make_quantization_config, weight_suffixes
-from vllm_mxplus.formats import FORMATS, SCHEMES, fake_quantize, get_format, get_scheme
+from vllm_mxplus.formats import FORMATS, MACRO_BLOCK, SCHEMES, fake_quantize, get_format, get_scheme
 
 ALL_SCHEMES = list(SCHEMES)
 
@@ -191,9 +191,9 @@ def test_stored_layout_matches_encoded_tensors(fmt: str, shape: tuple[int, ...])
     """The one layout table (layout.stored_tensors) describes exactly what the writer stores,
     with the sizes of docs/numerics.md ("Packing and checkpoint layout") derived by hand here."""
     w = torch.randn(shape)
-    q = quantize_weight(w, fmt)[0]
+    q = quantize_weight(w, fmt, macro_block=MACRO_BLOCK)[0]
     stored = encode(q)
-    layout = stored_layout(fmt, shape)
+    layout = stored_layout(fmt, shape, MACRO_BLOCK)
     assert list(stored) == list(layout) == list(weight_suffixes(fmt))
     st_to_torch = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
     *lead, k = shape
@@ -227,7 +227,7 @@ def test_vllm_parameters_use_the_layout_table() -> None:
 
     assert params.stored_tensors is layout.stored_tensors  # the parameters read the one table
     for fmt in FORMATS:
-        specs = layout.stored_tensors(fmt)
+        specs = layout.stored_tensors(fmt, MACRO_BLOCK)
         assert [t.suffix for t in specs] == list(weight_suffixes(fmt))
         assert all(
             t.dtype

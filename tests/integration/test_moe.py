@@ -183,7 +183,9 @@ def test_moe_reference_equals_per_token_linears(scheme):
     x = torch.randn(m, h)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)])
     wts = torch.softmax(torch.randn(m, k), -1)
-    got = moe_experts_reference(x, w13, w2, wts, ids, s.activation_format, per_row=per_row)
+    got = moe_experts_reference(
+        x, w13, w2, wts, ids, s.activation_format, per_row=per_row, macro_block=s.macro_block
+    )
     want = torch.zeros(m, h)
     for t in range(m):
         for j in range(k):
@@ -195,12 +197,19 @@ def test_moe_reference_equals_per_token_linears(scheme):
                 s.activation_format,
                 per_row=per_row,
                 out_dtype=torch.float32,
+                macro_block=s.macro_block,
             )
             act = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
             want[t] += (
                 wts[t, j]
                 * reference_linear(
-                    act, w2[ex], None, s.activation_format, per_row=per_row, out_dtype=torch.float32
+                    act,
+                    w2[ex],
+                    None,
+                    s.activation_format,
+                    per_row=per_row,
+                    out_dtype=torch.float32,
+                    macro_block=s.macro_block,
                 )[0]
             )
     # fp32 GEMM accumulation order (rows batched vs one row) is the only difference

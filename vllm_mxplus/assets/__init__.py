@@ -21,6 +21,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from vllm_mxplus import settings
+
 __all__ = [
     "AssetError",
     "default_cache_dir",
@@ -47,8 +49,7 @@ class AssetError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """The asset cache: ``$MXPLUS_CACHE`` if set and non-empty, else ``~/.cache/vllm-mxplus``."""
-    env = os.environ.get("MXPLUS_CACHE", "").strip()
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-mxplus"
+    return settings.cache_dir() or Path.home() / ".cache" / "vllm-mxplus"
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, overload
 import torch
 from torch import Tensor
 
-from vllm_mxplus.formats import QuantizedTensor, Scheme, get_scheme
+from vllm_mxplus.formats import FORMATS, FormatSpec, QuantizedTensor, Scheme, get_format, get_scheme
 
 # The layer a backend keeps its runtime tensors on: a torch Module (a vLLM LinearBase or
 # RoutedExperts, or a bare Module in the self-tests) to which vLLM and the backends add
@@ -31,17 +31,26 @@ Layer = Any
 LayerKind = Literal["linear", "experts"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "experts")
 
-# (weight format, activation format) pairs of the E8M0 family that the packed kernels (Triton
-# decode GEMM, C++ CPU kernels) implement: E8M0 scales, the same block size on both sides,
-# MBS on either side optional. NVFP4 and MX+ are not among them.
+
+def is_e8m0_pair(weight: FormatSpec, activation: FormatSpec) -> bool:
+    """Whether the packed E8M0 kernels (Triton decode GEMM, C++ CPU kernels) implement this
+    (weight, activation) pair: E8M0 scales under one scale rule and one block size on both
+    sides, no MX+ block max, MBS on both sides or neither (the activation's static; the
+    weight's static or dynamic). NVFP4 and MX+ have kernels of their own."""
+    return (
+        weight.scale_is_e8m0
+        and activation.scale_is_e8m0
+        and not (weight.block_max_mantissa or activation.block_max_mantissa)
+        and weight.scale_rule == activation.scale_rule
+        and weight.block_size == activation.block_size
+        and activation.mbs != "dynamic"
+        and bool(weight.mbs) == bool(activation.mbs)
+    )
+
+
+# Those pairs by name, for tests and the ahead-of-time compile lists.
 E8M0_PAIRS = frozenset(
-    {
-        ("mxfp4-ocp", "mxfp4-ocp"),
-        ("mxfp4-16", "mxfp4-16"),
-        ("mxfp4-16-oas", "mxfp4-16-oas"),
-        ("mxfp4-mbs-s", "mxfp4-mbs-s"),
-        ("mxfp4-mbs-d", "mxfp4-mbs-s"),
-    }
+    (w.name, a.name) for w in FORMATS.values() for a in FORMATS.values() if is_e8m0_pair(w, a)
 )
 
 
@@ -231,11 +240,19 @@ class ExpertBackend(Backend[ExpertSpec]):
         """Routed-expert output [M, H] in x's dtype (TP partial sums; not all-reduced)."""
 
 
-def check_e8m0_pair(weight_format: str, activation_format: str, kernel: str) -> tuple[bool, str]:
-    """Whether the packed E8M0 kernels take this pair: (True, "") or (False, why) naming
-    `kernel`. The `can_implement` of those backends, also used for MoE experts."""
-    if (weight_format, activation_format) not in E8M0_PAIRS:
-        return False, f"no {kernel} for weights {weight_format} x activations {activation_format}"
+def check_e8m0_pair(
+    weight_format: str | FormatSpec, activation_format: str | FormatSpec, kernel: str
+) -> tuple[bool, str]:
+    """Whether the packed E8M0 kernels take this pair (`is_e8m0_pair`): (True, "") or (False,
+    why) naming `kernel`. The `can_implement` of those backends, also used for MoE experts."""
+    w = weight_format if isinstance(weight_format, FormatSpec) else get_format(weight_format)
+    a = (
+        activation_format
+        if isinstance(activation_format, FormatSpec)
+        else get_format(activation_format)
+    )
+    if not is_e8m0_pair(w, a):
+        return False, f"no {kernel} for weights {w.name} x activations {a.name}"
     return True, ""
 
 

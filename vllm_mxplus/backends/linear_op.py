@@ -8,10 +8,13 @@ branch taken then would run for every M. Inside a custom op the test runs eagerl
 call (and, under CUDA graphs, at capture time for each captured batch size).
 
 A custom op takes tensors and scalars, not modules, so layers are passed the way vLLM passes
-attention layers to its ops: by a string key into a process-global registry (here: the
+attention and MoE layers to its ops: by a key into a process-global registry (here: the
 layer's prefix, e.g. "model.layers.0.mlp.down_proj", which is stable across processes and
-so also valid in a graph loaded from vLLM's compile cache). The registry holds the layer
-weakly; the fake implementation reads the output width and dtype from it.
+so also valid in a graph loaded from vLLM's compile cache). The key travels as a `LayerKey`,
+an opaque value that torch.compile lifts to a graph input: a plain string would be a constant
+of each layer's graph, so vLLM's piecewise compile would see 32-80 different graphs and
+compile each, where with the key an input every layer's graph is the same one, compiled once.
+The registry holds the layer weakly.
 """
 
 from __future__ import annotations
@@ -20,10 +23,34 @@ import itertools
 import weakref
 
 import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.selection import pick
+
+
+class LayerKey(OpaqueBase):
+    """A layer's key into this module's registry, passed to the op as a value-type opaque
+    object that torch.compile hoists to a graph input instead of baking it into the graph as
+    a constant (the way vLLM passes layer names to its attention and MoE ops on torch >=
+    2.11): every layer's piecewise graph is then the same graph, compiled once for all."""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayerKey) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        return f"LayerKey({self.value!r})", {"LayerKey": LayerKey}
+
+
+register_opaque_type(LayerKey, typ="value", hoist=True)
 
 
 class LinearDispatch:
@@ -38,13 +65,13 @@ class LinearDispatch:
                 raise ValueError(f"backend {b.name} was made for {b.spec}, not this layer's {spec}")
         self.spec = spec
         self.candidates = candidates
-        self.key: str | None = None  # the layer's key in this module's registry
+        self.key: LayerKey | None = None  # the layer's key in this module's registry
 
     def process_weights_after_loading(self, layer: Layer, qweight) -> None:
         for backend in self.candidates:
             backend.process_weights_after_loading(layer, qweight)
         if len(self.candidates) > 1:
-            self.key = register_layer(layer, self)
+            self.key = LayerKey(register_layer(layer, self))
 
     def pick(self, m: int) -> LinearBackend:
         backend = pick(self.candidates, m)
@@ -64,7 +91,10 @@ class LinearDispatch:
             return self.candidates[0].apply(layer, x, bias, act_global_scale)
         if self.key is None:
             raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
-        return torch.ops.vllm_mxplus.linear_dispatch(x, bias, act_global_scale, self.key)
+        spec = self.spec
+        return torch.ops.vllm_mxplus.linear_dispatch(
+            x, bias, act_global_scale, spec.n, spec.out_dtype, self.key
+        )
 
 
 # key -> (weak reference to the layer, its dispatch)
@@ -117,17 +147,27 @@ def linear_dispatch(
     x: torch.Tensor,
     bias: torch.Tensor | None,
     act_global_scale: torch.Tensor | None,
-    key: str,
+    n: int,
+    out_dtype: torch.dtype,
+    key: LayerKey,
 ) -> torch.Tensor:
-    """y = Q_act(x) W_hat^T + bias by the layer's first candidate backend serving M rows."""
-    layer, dispatch = lookup(key)
+    """y = Q_act(x) W_hat^T + bias by the layer's first candidate backend serving M rows.
+
+    n and out_dtype (the output's width and dtype) are the layer's, given so that the fake
+    implementation needs no look-up of the key (a graph input, whose value a trace cannot
+    read); layers of one shape pass the same values."""
+    layer, dispatch = lookup(key.value)
     backend = dispatch.pick(x.numel() // max(x.shape[-1], 1))
     return backend.apply(layer, x, bias, act_global_scale)
 
 
 @linear_dispatch.register_fake
 def _(
-    x: torch.Tensor, bias: torch.Tensor | None, act_global_scale: torch.Tensor | None, key: str
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_global_scale: torch.Tensor | None,
+    n: int,
+    out_dtype: torch.dtype,
+    key: LayerKey,
 ) -> torch.Tensor:
-    spec = lookup(key)[1].spec
-    return x.new_empty((*x.shape[:-1], spec.n), dtype=spec.out_dtype)
+    return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)

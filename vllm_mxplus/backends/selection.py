@@ -21,8 +21,10 @@ for experts (vLLM runs MoE layers inside its own opaque custom op).
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -39,40 +41,69 @@ from vllm_mxplus.backends.base import (
     LinearSpec,
     Spec,
 )
-from vllm_mxplus.backends.cpu.experts import CpuPackedExperts
-from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
-from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 from vllm_mxplus.backends.reference.experts import ReferenceExperts
 from vllm_mxplus.backends.reference.linear import ReferenceBackend
-from vllm_mxplus.backends.triton.experts import TritonExperts
-from vllm_mxplus.backends.triton.linear import TritonDecodeBackend, TritonGemmBackend
 from vllm_mxplus.log_once import log_once
 
 logger = logging.getLogger(__name__)
 
 MRange = tuple[int, int | None]  # (min_m, max_m), max_m None = no upper bound
-Registry = dict[str, list[type[Backend]]]  # platform -> backends in priority order
+
+
+@dataclass(frozen=True)
+class LazyBackend:
+    """A registered backend named without importing its family: `target` is
+    "package.module:Class", imported the first time the selector screens that platform (a CPU
+    worker never imports a Triton or CUTLASS module, a CUDA worker no C++ CPU build code)."""
+
+    name: str
+    target: str
+
+    def load(self) -> type[Backend]:
+        module, _, attr = self.target.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        if cls.name != self.name:
+            raise RuntimeError(f"registry entry {self.name!r} resolves to {cls.name!r}")
+        return cls
+
+
+Entry = type[Backend] | LazyBackend
+Registry = dict[str, list[Entry]]  # platform -> backends in priority order
 
 # Priority order per layer kind and platform; the kind's reference backend is appended by the
-# selector where the others leave some M uncovered.
+# selector where the others leave some M uncovered (never on CUDA unless VLLM_MXPLUS_BACKEND
+# names it).
 _REGISTRY: dict[LayerKind, Registry] = {
     "linear": {
         "cuda": [
-            TritonDecodeBackend,  # M <= 16
-            CutlassPrefillBackend,  # larger M, where the extension is built
-            TritonGemmBackend,  # larger M otherwise
+            # M <= 16
+            LazyBackend("triton-decode", "vllm_mxplus.backends.triton.linear:TritonDecodeBackend"),
+            # larger M, where the extension is built
+            LazyBackend(
+                "cutlass_prefill", "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend"
+            ),
+            # larger M otherwise
+            LazyBackend("triton-gemm", "vllm_mxplus.backends.triton.linear:TritonGemmBackend"),
         ],
         "rocm": [],
         "xpu": [],
-        "cpu": [CpuPackedBackend],  # C++ kernels, any M, every scheme
+        # C++ kernels, any M, every scheme
+        "cpu": [LazyBackend("cpu-packed", "vllm_mxplus.backends.cpu.linear:CpuPackedBackend")],
     },
     "experts": {
-        "cuda": [TritonExperts],  # grouped Triton GEMM, packed experts, every scheme
+        # grouped Triton GEMM, packed experts, every scheme and expert activation
+        "cuda": [
+            LazyBackend("triton-grouped", "vllm_mxplus.backends.triton.experts:TritonExperts")
+        ],
         "rocm": [],
         "xpu": [],
-        "cpu": [CpuPackedExperts],  # C++ kernels, packed experts, every scheme
+        # C++ kernels, packed experts, every scheme
+        "cpu": [LazyBackend("cpu-packed", "vllm_mxplus.backends.cpu.experts:CpuPackedExperts")],
     },
 }
+# Platforms whose layers never fall back to the reference unless VLLM_MXPLUS_BACKEND names it:
+# the reference holds fp32 weights (4 bytes each) and its routing is not what a GPU serves with.
+NO_SILENT_REFERENCE = ("cuda",)
 REFERENCE: dict[LayerKind, type[Backend]] = {
     "linear": ReferenceBackend,
     "experts": ReferenceExperts,
@@ -88,20 +119,25 @@ def register_backend(platform: str, backend: type[Backend], priority: int | None
     """Add a backend class for a platform (its kind from `backend.kind`) at position `priority`
     (0 = first; None = last); one registered again moves."""
     entries = _REGISTRY[backend.kind].setdefault(platform, [])
-    if backend in entries:
-        entries.remove(backend)
+    entries[:] = [e for e in entries if e is not backend]
     entries.insert(len(entries) if priority is None else priority, backend)
 
 
+def _load(entry: Entry) -> type[Backend]:
+    return entry.load() if isinstance(entry, LazyBackend) else entry
+
+
 def registered_backends(platform: str, kind: LayerKind = "linear") -> list[type[Backend]]:
-    return list(_REGISTRY[kind].get(platform, []))
+    """The backend classes of a kind on a platform, in priority order (imports that
+    platform's families)."""
+    return [_load(e) for e in _REGISTRY[kind].get(platform, [])]
 
 
 def backend_names(kind: LayerKind) -> list[str]:
     """Every backend name of a kind on any platform, reference included, in registry order."""
     names: list[str] = []
-    for classes in _REGISTRY[kind].values():
-        names += [c.name for c in classes if c.name not in names]
+    for entries in _REGISTRY[kind].values():
+        names += [e.name for e in entries if e.name not in names]
     return names + [REFERENCE[kind].name]
 
 
@@ -170,7 +206,7 @@ def screen(
     """The registered backends of the spec's kind on this platform, in priority order, that
     run here and implement spec; appends "name: reason" to `rejected` for every other one."""
     passed = []
-    for cls in _REGISTRY[spec.kind].get(platform, []):
+    for cls in registered_backends(platform, spec.kind):
         ok, why = cls.is_supported(platform, capability)
         if ok:
             ok, why = cls.can_implement(spec)
@@ -204,7 +240,7 @@ def select(spec: Spec, platform: str, capability: int | None, where: str = "") -
     candidates = screen(spec, platform, capability, rejected)
     reference = REFERENCE[spec.kind]
     if allowed is not None:
-        here = [c.name for c in _REGISTRY[spec.kind].get(platform, [])] + [reference.name]
+        here = [e.name for e in _REGISTRY[spec.kind].get(platform, [])] + [reference.name]
         rejected += [
             f"{n}: not a {spec.kind} backend on {platform}" for n in allowed if n not in here
         ]
@@ -240,6 +276,14 @@ def select(spec: Spec, platform: str, capability: int | None, where: str = "") -
                 f"; allow another backend too (e.g. {what},{reference.name}) or unset "
                 f"{settings.BACKEND.name}"
             )
+        )
+    if gap is not None and platform in NO_SILENT_REFERENCE:
+        raise BackendUnavailable(
+            f"{where or spec.kind}: {spec.scheme} on {platform} (capability {capability}): no "
+            f"kernel backend serves M >= {gap}"
+            + (f" ({'; '.join(rejected)})" if rejected else "")
+            + f"; the reference backend (fp32 weights, 4 bytes each) serves a {platform} layer "
+            f"only when asked: {settings.BACKEND.name}={spec.kind}:{reference.name}"
         )
     if gap is not None:
         chosen.append(reference(spec))
@@ -310,6 +354,7 @@ def pick(candidates: Sequence[Backend], m: int) -> Backend:
 __all__ = [
     "LAYER_KINDS",
     "REFERENCE",
+    "LazyBackend",
     "BackendUnavailable",
     "backend_names",
     "current_platform_of",

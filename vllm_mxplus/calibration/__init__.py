@@ -1,3 +1,4 @@
-"""Calibrated quantization for `mxplus quantize`: calibration text (`data.py`), input-weighted
-group parameters (`group_params.py`, on `formats.mbs_dynamic(weights=...)`), rtn-aware and GPTQ (`rtn_aware.py`,
-`gptq.py`) and SmoothQuant-style folds (`smoothing.py`, `smooth_option.py`)."""
+"""Calibrated quantization for `mxplus quantize`: calibration text (`data.py`), rtn-aware and
+GPTQ (`rtn_aware.py`, `gptq.py`) on the input-weighted group parameters of
+`formats.choose_params(..., weights=d)`, and SmoothQuant-style folds (`smoothing.py`,
+`smooth_option.py`)."""

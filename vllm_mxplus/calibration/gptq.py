@@ -6,7 +6,7 @@ of H^-1, is spread over the not-yet-quantized columns, within a lazy block of 12
 once and over the rest of the matrix after each block. H = E[x x^T] of the layer's inputs (as
 served: activations already fake-quantized), damped by 1% of its mean diagonal. A group's
 parameters (block scales, MBS byte, MX+ block-max index) are chosen when GPTQ reaches the
-group's first column, from the error-updated weights (group_params.py), so the output is an
+group's first column, from the error-updated weights (formats/params.py), so the output is an
 exact encoding of the format (docs/numerics.md, "Formats and schemes").
 
 With H = I no error is propagated (H^-1 is diagonal), so GPTQ returns the RTN result of the
@@ -24,22 +24,20 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.calibration.group_params import (
+from vllm_mxplus.formats import QuantizedTensor, get_format, to_quantized_tensor
+from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.e2m1 import e2m1_round
+from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
+from vllm_mxplus.formats.mx import mbs_factor
+from vllm_mxplus.formats.params import (
     GroupParams,
+    choose_params,
     empty_params,
     nvfp4_weight_global,
     padded_k,
     quantize_columns,
     set_group,
-    spec_params,
-    to_quantized_tensor,
-    weighted_params,
 )
-from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.formats.constants import ceil_div
-from vllm_mxplus.formats.e2m1 import e2m1_round
-from vllm_mxplus.formats.e8m0 import e8m0_reciprocal, e8m0_to_float
-from vllm_mxplus.formats.mx import mbs_factor
 
 Rule = Literal["spec", "weighted"]
 LAZY_BLOCK = 128  # GPTQ's lazy batch, rounded up to a multiple of the group width (_lazy)
@@ -72,9 +70,8 @@ def _choose(
     g: torch.Tensor | None,
     macro_block: int,
 ) -> GroupParams:
-    if rule == "spec":
-        return spec_params(fmt, w, g, macro_block=macro_block)
-    return weighted_params(fmt, w, d, g, macro_block=macro_block)
+    weights = None if rule == "spec" else d
+    return choose_params(fmt, w, g, macro_block=macro_block, weights=weights)
 
 
 def _lazy(gw: int) -> int:
@@ -202,7 +199,7 @@ def gptq(
 class _ColumnQuantizer:
     """Round one column to its group's grid with the parameters gathered once per group.
 
-    Same fp32 operations as group_params.quantize_columns (checked after the run): E8M0
+    Same fp32 operations as formats.params.quantize_columns (checked after the run): E8M0
     y = fp32(w F), v = |y| 2^-s, x_hat = (value X) / F; nvfp4 v = |w| / (s g), x_hat = value s g.
     """
 
@@ -257,7 +254,7 @@ def split_rows(q: QuantizedTensor, rows: list[int]) -> list[QuantizedTensor]:
             QuantizedTensor(
                 codes=q.codes[sl].contiguous(),
                 scales=q.scales[sl].contiguous(),
-                fmt=q.fmt,
+                spec=q.spec,
                 shape=torch.Size((r, q.shape[-1])),
                 mbs=None if q.mbs is None else q.mbs[sl].contiguous(),
                 block_max_index=None

@@ -1,4 +1,4 @@
-"""Offline quantizer and reader for the vllm-mxplus checkpoint layout.
+"""The vllm-mxplus checkpoint: its layout, and the offline quantizer and reader.
 
 docs/numerics.md, Packing and checkpoint layout.
 
@@ -8,26 +8,34 @@ docs/numerics.md, Packing and checkpoint layout.
     load(dst)               # {module: formats.QuantizedTensor}
     load_unquantized(dst)   # {tensor name: tensor} kept in high precision
     open_checkpoint(dst)    # validated layout, config, per-module shapes, no data read
+
+A vLLM worker imports only `layout` (names, stored tensors, the QuantizedTensor builder) and
+`rules`; the names above load their modules at first use, so importing this package pulls in
+neither the quantizer nor calibration nor the assets.
 """
 
-from vllm_mxplus.checkpoint.errors import CheckpointError
-from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
-from vllm_mxplus.checkpoint.reader import (
-    QuantizedCheckpoint,
-    load,
-    load_unquantized,
-    open_checkpoint,
-)
-from vllm_mxplus.checkpoint.report import QuantizeReport
-from vllm_mxplus.errors import UsageError
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "QuantizeReport",
-    "QuantizedCheckpoint",
-    "UsageError",
-    "load",
-    "load_unquantized",
-    "open_checkpoint",
-    "quantize_checkpoint",
-]
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "CheckpointError": "vllm_mxplus.checkpoint.errors",
+    "QuantizeReport": "vllm_mxplus.checkpoint.report",
+    "QuantizedCheckpoint": "vllm_mxplus.checkpoint.reader",
+    "UsageError": "vllm_mxplus.errors",
+    "load": "vllm_mxplus.checkpoint.reader",
+    "load_unquantized": "vllm_mxplus.checkpoint.reader",
+    "open_checkpoint": "vllm_mxplus.checkpoint.reader",
+    "quantize_checkpoint": "vllm_mxplus.checkpoint.quantizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_PUBLIC)

@@ -24,17 +24,18 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_MBS,
     SUFFIX_PACKED,
     SUFFIX_SCALE,
+    quantized_from_stored,
     stored_tensors,
     weight_suffixes,
 )
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, get_format, quantize
+from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
 WEIGHTS_METADATA_KEY = "mxplus_weights"  # JSON {module: {"shape": [...], "dtype": "BF16"}}
 CHUNK_ELEMS = 1 << 22  # rows per quantize() call ~ 4M elements: bounds the temporaries
 
 
 def stored_layout(
-    fmt: str, shape: tuple[int, ...], macro_block: int = MACRO_BLOCK
+    fmt: str, shape: tuple[int, ...], macro_block: int
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """suffix -> (safetensors dtype, shape) of every stored tensor for a weight of `shape`."""
     return {t.suffix: (t.st_dtype, t.shape(tuple(shape))) for t in stored_tensors(fmt, macro_block)}
@@ -54,26 +55,14 @@ def encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
 
 
 def decode(
-    stored: dict[str, torch.Tensor],
-    fmt: str,
-    shape: tuple[int, ...],
-    macro_block: int = MACRO_BLOCK,
+    stored: dict[str, torch.Tensor], fmt: str, shape: tuple[int, ...], macro_block: int
 ) -> QuantizedTensor:
     """The QuantizedTensor for stored tensors already checked against stored_layout."""
     g = stored.get(SUFFIX_GLOBAL)
     if g is not None:
         # [] for one weight; [E, 1, 1] so that it broadcasts over each expert's blocks.
         g = g.reshape(()) if len(shape) == 2 else g.reshape(*shape[:-2], 1, 1)
-    return QuantizedTensor(
-        codes=stored[SUFFIX_PACKED],
-        scales=stored[SUFFIX_SCALE],
-        fmt=fmt,
-        shape=torch.Size(shape),
-        mbs=stored.get(SUFFIX_MBS),
-        global_scale=g,
-        block_max_index=stored.get(SUFFIX_BM_INDEX),
-        macro_block=macro_block,
-    )
+    return quantized_from_stored(stored, get_format(fmt), shape, macro_block, g)
 
 
 def quantize_weight(
@@ -82,7 +71,7 @@ def quantize_weight(
     device: torch.device | str = "cpu",
     on_progress: Callable[[float], None] | None = None,
     *,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
 ) -> tuple[QuantizedTensor, float, float]:
     """Quantize one (possibly expert-stacked) weight: (QuantizedTensor on CPU, ‖w‖², ‖w − ŵ‖²).
 
@@ -115,17 +104,7 @@ def quantize_weight(
 
 
 def _to_cpu(q: QuantizedTensor) -> QuantizedTensor:
-    move = lambda t: None if t is None else t.to("cpu")  # noqa: E731
-    return QuantizedTensor(
-        q.codes.to("cpu"),
-        q.scales.to("cpu"),
-        q.fmt,
-        q.shape,
-        move(q.mbs),
-        move(q.global_scale),
-        move(q.block_max_index),
-        q.macro_block,
-    )
+    return q.to("cpu")
 
 
 def _merge(
@@ -151,7 +130,7 @@ def _merge(
     return QuantizedTensor(
         codes=codes,
         scales=scales,
-        fmt=fmt,
+        spec=spec,
         shape=torch.Size(shape),
         mbs=cat("mbs"),
         global_scale=g,

@@ -32,7 +32,7 @@ from vllm_mxplus.checkpoint.rules import FUSED_GROUPS
 from vllm_mxplus.checkpoint.safetensors_io import read_tensor
 from vllm_mxplus.checkpoint.shard_writer import Item
 from vllm_mxplus.errors import UsageError
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX
 from vllm_mxplus.formats.e2m1 import pack_fp4
 from vllm_mxplus.formats.nvfp4 import quantize_nvfp4_given
@@ -114,7 +114,7 @@ def quantize_nvfp4_ct(w: torch.Tensor, g: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(
         codes=pack_fp4(codes),
         scales=scales,
-        fmt="nvfp4",
+        spec=get_format("nvfp4"),
         shape=torch.Size(w.shape),
         global_scale=g.reshape(()),
     )

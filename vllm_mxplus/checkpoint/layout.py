@@ -7,7 +7,7 @@ NAME.weight [N, K]):
   NAME.weight_mbs           uint8 [N, ceil(K/mb)]  MBS formats only (mb = macro_block_size)
   NAME.weight_global_scale  float32 [1]            nvfp4 only
   NAME.weight_bm_index      uint8 [N, ceil(K/32)]  mxplus only (255 = no block max)
-`stored_tensors(fmt)` is that table in code: the writer (`codec.stored_layout`), the reader
+`stored_tensors(fmt, macro_block)` is that table in code: the writer (`codec.stored_layout`), the reader
 and the vLLM parameters (`integration/params.py`) all derive from it. A bias stays NAME.bias
 in its original dtype. MoE experts stacked as 3-D [E, N, K] keep the leading expert dim on
 every tensor (nvfp4 global scales then [E, 1]).
@@ -18,17 +18,23 @@ Each safetensors shard's `__metadata__` carries `mxplus_weights`: JSON {module: 
 
 from __future__ import annotations
 
-import importlib.metadata
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, TypeGuard
 
 import torch
 
-from vllm_mxplus import __version__
-from vllm_mxplus.formats import MACRO_BLOCK, check_macro_block, get_format, get_scheme
+from vllm_mxplus.formats import (
+    MACRO_BLOCK,
+    FormatSpec,
+    QuantizedTensor,
+    check_macro_block,
+    get_format,
+    get_scheme,
+)
 from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 from vllm_mxplus.quant_rules import ALWAYS_UNQUANTIZED  # noqa: F401  (re-exported)
+from vllm_mxplus.version import __version__
 
 FORMAT_VERSION = 1
 SUFFIX_PACKED = "weight_packed"
@@ -62,7 +68,7 @@ class StoredTensor:
         return tuple(lead) + (self.cols(k),)
 
 
-def stored_tensors(fmt: str, macro_block: int = MACRO_BLOCK) -> list[StoredTensor]:
+def stored_tensors(fmt: str, macro_block: int) -> list[StoredTensor]:
     """The stored tensors of one quantized weight of format fmt, in layout order."""
     spec = get_format(fmt)
     out = [StoredTensor(SUFFIX_PACKED, "U8", torch.uint8, 2)]
@@ -84,17 +90,39 @@ def weight_suffixes(fmt: str) -> tuple[str, ...]:
     return tuple(t.suffix for t in stored_tensors(fmt, MACRO_BLOCK))  # suffixes: any macro block
 
 
-@lru_cache(maxsize=1)
-def package_version() -> str:
-    """The installed vllm-mxplus version (package metadata), written as the producer version.
+def quantized_from_stored(
+    stored: Mapping[str, torch.Tensor],
+    spec: FormatSpec,
+    shape: Sequence[int],
+    macro_block: int,
+    global_scale: torch.Tensor | None = None,
+    where: str = "weight",
+) -> QuantizedTensor:
+    """The QuantizedTensor of one weight's stored tensors (suffix -> tensor, the suffixes of
+    `stored_tensors`), the one builder of the checkpoint reader and the vLLM loaders.
 
-    A source checkout that was never installed has no metadata; it reports the version the
-    package declares in `vllm_mxplus.__version__`.
-    """
-    try:
-        return importlib.metadata.version("vllm-mxplus")
-    except importlib.metadata.PackageNotFoundError:
-        return __version__
+    The global scale (NVFP4) is given by the caller already shaped for its layout (one per
+    tensor, per expert or per row); the other tensors are taken as they are. A stored tensor
+    the format needs and `stored` lacks raises a ValueError naming `where` and the suffix."""
+    needed = [t.suffix for t in stored_tensors(spec.name, macro_block) if t.suffix != SUFFIX_GLOBAL]
+    missing = [s for s in needed if s not in stored]
+    if spec.has_global_scale and global_scale is None:
+        missing.append(SUFFIX_GLOBAL)
+    if missing:
+        raise ValueError(
+            f"{where}: format {spec.name} needs the stored tensors "
+            f"{', '.join(needed)}; missing {', '.join(missing)}"
+        )
+    return QuantizedTensor(
+        codes=stored[SUFFIX_PACKED],
+        scales=stored[SUFFIX_SCALE],
+        spec=spec,
+        shape=torch.Size(shape),
+        mbs=stored.get(SUFFIX_MBS) if spec.mbs else None,
+        global_scale=global_scale if spec.has_global_scale else None,
+        block_max_index=stored.get(SUFFIX_BM_INDEX) if spec.block_max_mantissa else None,
+        macro_block=macro_block,
+    )
 
 
 def make_quantization_config(
@@ -114,7 +142,7 @@ def make_quantization_config(
         "macro_block_size": macro_block if (w.mbs or a.mbs) else None,
         "modules_to_not_convert": sorted(set(unquantized_modules)),
         # vLLM 0.32 reads quantization_config["producer"]["name"]: it must be a dict
-        "producer": {"name": "vllm-mxplus", "version": package_version()},
+        "producer": {"name": "vllm-mxplus", "version": __version__},
     }
 
 

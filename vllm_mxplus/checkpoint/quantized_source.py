@@ -39,7 +39,7 @@ from vllm_mxplus.checkpoint.safetensors_io import (
 )
 from vllm_mxplus.checkpoint.shard_writer import check_disk_space
 from vllm_mxplus.checkpoint.source import INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIXES, shard_files
-from vllm_mxplus.formats import QuantizedTensor
+from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import MX_BLOCK
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.mx import dequantize_e8m0_blocks
@@ -239,12 +239,12 @@ def _passthrough(o: _Out, src: QuantizedSource) -> QuantizedTensor:
         return QuantizedTensor(
             codes=blocks.reshape(e, n, g * b),
             scales=read_tensor(o.parts["scales"]),
-            fmt="mxfp4-ocp",
+            spec=get_format("mxfp4-ocp"),
             shape=torch.Size((e, n, g * b * 2)),
         )
     return QuantizedTensor(
         codes=read_tensor(o.parts[SUFFIX_PACKED]),
         scales=read_tensor(o.parts[SUFFIX_SCALE]),
-        fmt="mxfp4-ocp",
+        spec=get_format("mxfp4-ocp"),
         shape=torch.Size(o.planned.shape),
     )

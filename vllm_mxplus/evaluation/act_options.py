@@ -21,7 +21,7 @@ A row `SCHEME:METHOD@ACT` (eval/gptq/gptq_study.py) replaces the scheme's activa
 
 mbsd*, mbN and wmbN apply to the schemes whose activations are MBS-S (mxfp4-mbs-s, mxfp4-mbs-h);
 hadB to every scheme. Every candidate byte quantizes exactly as docs/numerics.md's Macro Block
-Scaling says (formats.mx.quantize_mbs), so each option is a valid MX encoding of the row.
+Scaling says (`formats.choose_params(..., mbs=m)` then `formats.encode`), so each option is a valid MX encoding of the row.
 """
 
 from __future__ import annotations
@@ -33,11 +33,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats import MACRO_BLOCK, check_format_macro_block, get_format
+from vllm_mxplus.formats import (
+    MACRO_BLOCK,
+    check_format_macro_block,
+    choose_params,
+    encode,
+    get_format,
+    to_quantized_tensor,
+)
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.mbs import mbs_sse, mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
-from vllm_mxplus.formats.mx import dequantize_mbs, quantize_mbs
 
 MBS_ACT = "mxfp4-mbs-s"
 _PATTERN = re.compile(r"^(own)()$|^(mbsd)(\d*)$|^(mbsg)(\d+)$|^(w?mb)(\d+)$|^(had)(\d+)$")
@@ -121,9 +127,9 @@ def _mbs_fake_quant(x: torch.Tensor, macro: int, pick: Callable) -> torch.Tensor
     k = x.shape[-1]
     kp = ceil_div(k, macro) * macro
     xp = F.pad(x.to(torch.float32), (0, kp - k)).contiguous()
-    m = pick(xp, macro)
-    codes, scale = quantize_mbs(xp, m)
-    return dequantize_mbs(codes, scale, m)[..., :k]
+    spec = get_format(MBS_ACT)
+    p = choose_params(spec, xp, macro_block=macro, mbs=pick(xp, macro))
+    return to_quantized_tensor(spec, encode(spec, xp, p), p, tuple(xp.shape)).dequantize()[..., :k]
 
 
 def activation_quantizer(act: str) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -31,17 +31,6 @@ from vllm_mxplus.assets.benchmarks import benchmarks_dir, dataset_dir, read_mani
 
 log = logging.getLogger(__name__)
 
-#: lm-eval task names that run offline on the prepared data (``mmlu`` is a group of 57).
-OFFLINE_TASKS = (
-    "arc_challenge",
-    "arc_easy",
-    "hellaswag",
-    "piqa",
-    "winogrande",
-    "lambada_openai",
-    "mmlu",
-)
-
 
 def hub_offline() -> bool:
     """True when the dataset hub must not be used (HF_DATASETS_OFFLINE or HF_HUB_OFFLINE)."""

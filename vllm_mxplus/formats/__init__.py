@@ -6,6 +6,7 @@ nor Triton.
 
 from vllm_mxplus.formats.mbs import mbs_dynamic_bruteforce, mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
+from vllm_mxplus.formats.params import GroupParams, choose_params, encode
 from vllm_mxplus.formats.qsnr import qsnr
 from vllm_mxplus.formats.qtensor import (
     QuantizedTensor,
@@ -13,6 +14,7 @@ from vllm_mxplus.formats.qtensor import (
     logical_amax,
     quantize,
     quantize_nvfp4_logical,
+    to_quantized_tensor,
 )
 from vllm_mxplus.formats.schemes import (
     FORMATS,
@@ -20,6 +22,7 @@ from vllm_mxplus.formats.schemes import (
     SCHEMES,
     FormatSpec,
     Scheme,
+    as_format,
     check_format_macro_block,
     check_macro_block,
     get_format,
@@ -28,13 +31,17 @@ from vllm_mxplus.formats.schemes import (
 
 __all__ = [
     "FORMATS",
+    "GroupParams",
     "MACRO_BLOCK",
     "SCHEMES",
     "FormatSpec",
     "QuantizedTensor",
     "Scheme",
+    "as_format",
     "check_format_macro_block",
     "check_macro_block",
+    "choose_params",
+    "encode",
     "fake_quantize",
     "get_format",
     "get_scheme",
@@ -45,4 +52,5 @@ __all__ = [
     "qsnr",
     "quantize",
     "quantize_nvfp4_logical",
+    "to_quantized_tensor",
 ]

@@ -24,8 +24,15 @@ from vllm_mxplus.formats.constants import FP32_MANTISSA_BITS as FP32_MANT_BITS
 E8M0_MAX_FINITE = E8M0_NAN - 1
 FP32_MIN_NORMAL = 2.0**-126
 
-# d = 1 when the 23-bit mantissa of the absmax exceeds this (None: never).
-_MANTISSA_THRESHOLD = {"ocp": None, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
+# d = 1 when the 23-bit mantissa of the absmax exceeds this (ocp: never, 2^23 is above every
+# mantissa).
+_MANTISSA_THRESHOLD = {"ocp": 1 << FP32_MANT_BITS, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
+
+
+def mantissa_threshold(rule: str) -> int:
+    """The scale rule in one number: d = [23-bit mantissa of the block absmax > this], so the
+    scale exponent is E - 2 + d (every backend that reads the absmax's bits uses this)."""
+    return _MANTISSA_THRESHOLD[rule]
 
 
 def float_exponent_mantissa(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +50,7 @@ def float_exponent_mantissa(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def scale_exponent(absmax: torch.Tensor, rule: str) -> torch.Tensor:
     """Unclamped scale exponent E - 2 + d (int32) for positive finite fp32 block absmax."""
     e, man = float_exponent_mantissa(absmax)
-    threshold = _MANTISSA_THRESHOLD[rule]
-    if threshold is None:
-        return e - 2
-    return e - 2 + (man > threshold).to(torch.int32)
+    return e - 2 + (man > mantissa_threshold(rule)).to(torch.int32)
 
 
 def e8m0_block_scale(absmax: torch.Tensor, rule: str) -> torch.Tensor:

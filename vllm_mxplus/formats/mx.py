@@ -33,13 +33,18 @@ def quantize_e8m0_blocks(
 
     Elements of a NaN/Inf block get code 0; the block's scale code 255 makes them NaN.
     """
+    scale = e8m0_block_scale(y.reshape(*y.shape[:-1], -1, block).abs().amax(-1), rule)
+    return encode_e8m0_blocks(y, scale, block), scale
+
+
+def encode_e8m0_blocks(y: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Unpacked codes of fp32 y [..., nB*block] under GIVEN E8M0 scales [..., nB]: each
+    element's magnitude times 2^-s (exact) rounded to E2M1; a NaN scale's block gets code 0."""
     yb = y.reshape(*y.shape[:-1], -1, block)
-    absmax = yb.abs().amax(-1)
-    scale = e8m0_block_scale(absmax, rule)
     v = yb.abs() * e8m0_reciprocal(scale)[..., None]  # exact: a power of two
     codes = e2m1_magnitude_code(v) | (sign_bit(yb).to(torch.uint8) << 3)
     codes = torch.where((scale == E8M0_NAN)[..., None], torch.zeros_like(codes), codes)
-    return codes.reshape(y.shape), scale
+    return codes.reshape(y.shape)
 
 
 def dequantize_e8m0_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:

@@ -15,7 +15,11 @@ import torch
 from vllm_mxplus.formats.constants import MX_BLOCK, NO_BLOCK_MAX
 from vllm_mxplus.formats.e2m1 import sign_bit
 from vllm_mxplus.formats.e8m0 import E8M0_NAN, e8m0_reciprocal, e8m0_to_float
-from vllm_mxplus.formats.mx import dequantize_e8m0_blocks, quantize_e8m0_blocks
+from vllm_mxplus.formats.mx import (
+    dequantize_e8m0_blocks,
+    encode_e8m0_blocks,
+    quantize_e8m0_blocks,
+)
 
 MXPLUS_BLOCK = MX_BLOCK
 
@@ -24,19 +28,41 @@ def quantize_mxplus_blocks(
     x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 x [..., nB*32] -> (unpacked codes, E8M0 scales, block_max_index uint8 [..., nB])."""
-    codes, scale = quantize_e8m0_blocks(x, MXPLUS_BLOCK, "ocp")
+    _, scale = quantize_e8m0_blocks(x, MXPLUS_BLOCK, "ocp")
+    bm_index = mxplus_block_max_index(x, scale)
+    return encode_mxplus_blocks(x, scale, bm_index), scale, bm_index
+
+
+def mxplus_block_max_index(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each block's block-max element (first index of the largest |x|) under E8M0 scales
+    [..., nB]: uint8 [..., nB], NO_BLOCK_MAX when its scaled value is below 4 or the scale NaN."""
+    xb = x.reshape(*x.shape[:-1], -1, MXPLUS_BLOCK)
+    idx = xb.abs().argmax(-1, keepdim=True)  # first maximal index
+    vmax = xb.gather(-1, idx).abs() * e8m0_reciprocal(scale)[..., None]
+    has_bm = (vmax >= 4.0) & (scale != E8M0_NAN)[..., None]
+    bm_index = torch.where(has_bm, idx, torch.full_like(idx, NO_BLOCK_MAX)).squeeze(-1)
+    return bm_index.to(torch.uint8)
+
+
+def encode_mxplus_blocks(
+    x: torch.Tensor, scale: torch.Tensor, bm_index: torch.Tensor
+) -> torch.Tensor:
+    """Unpacked codes of fp32 x [..., nB*32] under GIVEN E8M0 scales and block-max indices:
+    plain E2M1, and the block-max element as sign | j with 4 * (1 + j/8) its scaled value."""
+    codes = encode_e8m0_blocks(x, scale, MXPLUS_BLOCK)
     xb = x.reshape(*x.shape[:-1], -1, MXPLUS_BLOCK)
     cb = codes.reshape(xb.shape)
-    idx = xb.abs().argmax(-1, keepdim=True)  # first maximal index
+    has_bm = (bm_index != NO_BLOCK_MAX)[..., None]
+    idx = torch.where(
+        has_bm, bm_index[..., None].long(), torch.zeros_like(bm_index[..., None]).long()
+    )
     xmax = xb.gather(-1, idx)
     vmax = xmax.abs() * e8m0_reciprocal(scale)[..., None]
-    has_bm = (vmax >= 4.0) & (scale != E8M0_NAN)[..., None]
     # 4 * (1 + j/8) = v  <=>  j = 2v - 8 (exact in fp32 for v in [4, 8)); round half to even
     j = torch.round(2.0 * vmax - 8.0).clamp(0, 7).to(torch.uint8)
     bm_code = j | (sign_bit(xmax).to(torch.uint8) << 3)
     cb = cb.scatter(-1, idx, torch.where(has_bm, bm_code, cb.gather(-1, idx)))
-    bm_index = torch.where(has_bm, idx, torch.full_like(idx, NO_BLOCK_MAX)).squeeze(-1)
-    return cb.reshape(x.shape), scale, bm_index.to(torch.uint8)
+    return cb.reshape(x.shape)
 
 
 def dequantize_mxplus_blocks(

@@ -29,21 +29,32 @@ def nvfp4_global_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
 
 def quantize_nvfp4_blocks(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 x [..., nB*16], global g -> (unpacked codes, float8_e4m3fn scales [..., nB])."""
-    xb = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
-    g_b = g if g.dim() == 0 else g  # [..., 1] broadcasts over the block dim
-    absmax = xb.abs().amax(-1)
-    s32 = absmax / E2M1_MAX / g_b
-    s32 = torch.where(g_b > 0, s32, torch.zeros_like(s32))
+    s = nvfp4_block_scales(x, g)
+    return encode_nvfp4_blocks(x, s, g), s
+
+
+def nvfp4_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The E4M3 block scales [..., nB] of fp32 x [..., nB*16] under global g ([] or [..., 1],
+    broadcast over the block dim): e4m3(amax_b / 6 / g), 0 when g = 0, NaN for a NaN/Inf block."""
+    absmax = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
+    s32 = absmax / E2M1_MAX / g
+    s32 = torch.where(g > 0, s32, torch.zeros_like(s32))
     # a block holding NaN/Inf gets the NaN scale (clamp would turn Inf into 448)
     s32 = torch.where(torch.isfinite(absmax), s32, torch.full_like(s32, float("nan")))
-    s = s32.clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+    return s32.clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def encode_nvfp4_blocks(x: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Unpacked codes of fp32 x [..., nB*16] under GIVEN E4M3 scales s and global g:
+    e2m1(|x| / (s * g)); a zero or NaN scale's block gets code 0."""
+    xb = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     sf = s.to(torch.float32)
     zero = (sf == 0) | ~torch.isfinite(sf)
-    denom = torch.where(zero, torch.ones_like(sf), sf * g_b)
+    denom = torch.where(zero, torch.ones_like(sf), sf * g)
     v = xb.abs() / denom[..., None]
     codes = e2m1_magnitude_code(v) | (sign_bit(xb).to(torch.uint8) << 3)
     codes = torch.where(zero[..., None], torch.zeros_like(codes), codes)
-    return codes.reshape(x.shape), s
+    return codes.reshape(x.shape)
 
 
 def dequantize_nvfp4_blocks(codes: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -10,22 +10,21 @@ import torch.nn.functional as F
 
 from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, NO_BLOCK_MAX, ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4, unpack_fp4
-from vllm_mxplus.formats.mbs import mbs_static
-from vllm_mxplus.formats.mbs_search import mbs_dynamic
-from vllm_mxplus.formats.mx import (
-    dequantize_e8m0_blocks,
-    dequantize_mbs,
-    quantize_e8m0_blocks,
-    quantize_mbs,
-)
-from vllm_mxplus.formats.mxplus import dequantize_mxplus_blocks, quantize_mxplus_blocks
+from vllm_mxplus.formats.mx import dequantize_e8m0_blocks, dequantize_mbs
+from vllm_mxplus.formats.mxplus import dequantize_mxplus_blocks
 from vllm_mxplus.formats.nvfp4 import (
     dequantize_nvfp4_blocks,
     nvfp4_global_scale,
-    quantize_nvfp4_blocks,
     quantize_nvfp4_given,
 )
-from vllm_mxplus.formats.schemes import MACRO_BLOCK, FormatSpec, get_format
+from vllm_mxplus.formats.params import GroupParams, choose_params, encode
+from vllm_mxplus.formats.schemes import (
+    MACRO_BLOCK,
+    FormatSpec,
+    as_format,
+    check_format_macro_block,
+    get_format,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,7 +42,7 @@ class QuantizedTensor:
 
     codes: torch.Tensor
     scales: torch.Tensor
-    fmt: str
+    spec: FormatSpec
     shape: torch.Size
     mbs: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
@@ -51,8 +50,9 @@ class QuantizedTensor:
     macro_block: int = MACRO_BLOCK
 
     @property
-    def spec(self) -> FormatSpec:
-        return get_format(self.fmt)
+    def fmt(self) -> str:
+        """The format's name (for messages and the checkpoint layout)."""
+        return self.spec.name
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         """The same quantized tensor with every field on `device`."""
@@ -119,15 +119,13 @@ def _check_input(x: torch.Tensor, macro_block: int, spec: FormatSpec) -> None:
         )
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}: empty last dim")
-    if spec.mbs and (macro_block <= 0 or macro_block % spec.block_size):
-        raise ValueError(
-            f"macro_block must be a positive multiple of {spec.block_size}, got {macro_block}"
-        )
+    if spec.mbs:
+        check_format_macro_block(spec, macro_block)
 
 
 def quantize(
     x: torch.Tensor,
-    fmt: str,
+    fmt: str | FormatSpec,
     *,
     macro_block: int = MACRO_BLOCK,
     per_row: bool = False,
@@ -137,40 +135,40 @@ def quantize(
     x: bf16/fp16/fp32, any leading shape, any K >= 1 (partial blocks and macro blocks are
     shorter blocks; callers never pad). macro_block: MBS macro-block size (the paper's
     ablation, Appendix A). per_row: nvfp4 only, one global scale per row (activations).
+    The group parameters and the encoding under them are `formats.params`' pair.
     """
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     _check_input(x, macro_block, spec)
     k = x.shape[-1]
     kp = _padded_k(spec, k, macro_block)
     xp = F.pad(x.to(torch.float32), (0, kp - k)).contiguous()
+    g = nvfp4_global_scale(xp, per_row) if spec.has_global_scale else None
+    p = choose_params(spec, xp, g, macro_block=macro_block)
+    return to_quantized_tensor(spec, encode(spec, xp, p), p, tuple(x.shape))
+
+
+def to_quantized_tensor(
+    fmt: str | FormatSpec, codes: torch.Tensor, p: GroupParams, shape: tuple[int, ...]
+) -> QuantizedTensor:
+    """The QuantizedTensor of unpacked codes [..., Kp] and parameters for logical shape
+    [..., K]."""
+    spec = as_format(fmt)
+    k = shape[-1]
     nb = ceil_div(k, spec.block_size)
-    extra: dict = {}
-    if spec.scale_rule == "e4m3":
-        g = nvfp4_global_scale(xp, per_row)
-        codes, scales = quantize_nvfp4_blocks(xp, g)
-        extra["global_scale"] = g
-    elif spec.block_max_mantissa:
-        codes, scales, bm = quantize_mxplus_blocks(xp)
-        extra["block_max_index"] = bm[..., :nb].contiguous()
-    elif spec.mbs:
-        search = mbs_static if spec.mbs == "static" else mbs_dynamic
-        m = search(xp, macro_block)
-        codes, scales = quantize_mbs(xp, m, spec.block_size)
-        extra["mbs"] = m[..., : ceil_div(k, macro_block)].contiguous()
-    else:
-        codes, scales = quantize_e8m0_blocks(xp, spec.block_size, spec.scale_rule)
     return QuantizedTensor(
-        codes=pack_fp4(codes[..., :k]),
-        scales=scales[..., :nb].contiguous(),
-        fmt=spec.name,
-        shape=torch.Size(x.shape),
-        macro_block=macro_block,
-        **extra,
+        codes=pack_fp4(codes[..., :k].contiguous()),
+        scales=p.scales[..., :nb].contiguous(),
+        spec=spec,
+        shape=torch.Size(shape),
+        mbs=None if p.mbs is None else p.mbs[..., : ceil_div(k, p.macro_block)].contiguous(),
+        global_scale=p.global_scale,
+        block_max_index=None if p.bm_index is None else p.bm_index[..., :nb].contiguous(),
+        macro_block=p.macro_block,
     )
 
 
 def fake_quantize(
-    x: torch.Tensor, fmt: str, *, macro_block: int = MACRO_BLOCK, per_row: bool = False
+    x: torch.Tensor, fmt: str | FormatSpec, *, macro_block: int = MACRO_BLOCK, per_row: bool = False
 ) -> torch.Tensor:
     """quantize(x, fmt).dequantize(): fp32, same shape as x."""
     return quantize(x, fmt, macro_block=macro_block, per_row=per_row).dequantize()
@@ -203,7 +201,7 @@ def quantize_nvfp4_logical(
     return QuantizedTensor(
         codes=pack_fp4(codes),
         scales=scales,
-        fmt="nvfp4",
+        spec=get_format("nvfp4"),
         shape=torch.Size((n, k)),
         global_scale=g_rows.contiguous(),
     )

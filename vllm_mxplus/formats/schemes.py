@@ -131,6 +131,11 @@ def get_format(name: str) -> FormatSpec:
         raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(FORMATS)}") from None
 
 
+def as_format(fmt: str | FormatSpec) -> FormatSpec:
+    """A FormatSpec as it is, or the format of a name (`get_format`)."""
+    return fmt if isinstance(fmt, FormatSpec) else get_format(fmt)
+
+
 def get_scheme(name: str | Scheme, macro_block: int | None = None) -> Scheme:
     """The scheme of a name (at its default macro block, MACRO_BLOCK), or at `macro_block`
     (checked); a Scheme is returned as it is. Unknown names raise a ValueError listing the

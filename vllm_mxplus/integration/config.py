@@ -93,7 +93,7 @@ class MxplusConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 0  # the reference backend runs anywhere; kernels gate themselves (ops.dispatch)
+        return 0  # every backend gates itself at selection (backends/selection.py)
 
     @staticmethod
     def get_config_filenames() -> list[str]:

@@ -58,15 +58,21 @@ from vllm_mxplus.backends.expert_layer import (
 )
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
-    SUFFIX_BM_INDEX,
     SUFFIX_GLOBAL,
-    SUFFIX_MBS,
     StoredTensor,
+    quantized_from_stored,
     stored_tensors,
     weight_suffixes,
 )
 from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
-from vllm_mxplus.integration.params import Layer, LayerQuantConfig, check_row_parallel, tp_max
+from vllm_mxplus.integration.params import (
+    Layer,
+    LayerQuantConfig,
+    check_row_parallel,
+    check_stored_tensor,
+    tp_max,
+    tp_row_max,
+)
 
 # vLLM's MoE shard ids -> the checkpoint's projection names
 SHARD_PROJS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -189,23 +195,7 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
         ):
             proj = ALL_SHARD_PROJS.get(shard_id, shard_id)
             name = f"{layer.layer_name}.{expert_id}.{proj}.{tspec.suffix}"
-            if loaded_weight.dtype != tspec.dtype:
-                raise ValueError(
-                    f"checkpoint tensor {name} has dtype {loaded_weight.dtype}, "
-                    f"expected {tspec.dtype}"
-                )
-            if tspec.k_per_col and loaded_weight.dim() == 2:
-                want = tspec.cols(k_full)
-                if loaded_weight.shape[1] != want:
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(loaded_weight.shape)}, "
-                        f"expected [N, {want}] (K={k_full}, {tspec.k_per_col} per column)"
-                    )
-            elif not tspec.k_per_col and loaded_weight.numel() != 1:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape "
-                    f"{tuple(loaded_weight.shape)}, expected one fp32 value"
-                )
+            check_stored_tensor(name, loaded_weight, tspec, k_full, (2, 3))
             if shard_id in GPT_OSS_SHARDS:
                 ok = self._load_gpt_oss_expert(
                     layer, param, loaded_weight, name, stem, tspec, expert_id
@@ -291,19 +281,9 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
                 .repeat_interleave(n // per_shard.shape[1], dim=1)
                 .reshape(e * n, 1)
             )
-        extra = {
-            field: rows(suffix)
-            for suffix, field in ((SUFFIX_MBS, "mbs"), (SUFFIX_BM_INDEX, "block_max_index"))
-            if hasattr(layer, f"{stem}_{suffix}")
-        }
-        q = QuantizedTensor(
-            codes=rows("weight_packed"),
-            scales=rows("weight_scale"),
-            fmt=self.fmt,
-            shape=torch.Size((e * n, k)),
-            global_scale=g,
-            macro_block=self.scheme.macro_block,
-            **extra,
+        stored = {sfx: rows(sfx) for sfx in weight_suffixes(self.fmt) if sfx != SUFFIX_GLOBAL}
+        q = quantized_from_stored(
+            stored, self.scheme.weight, (e * n, k), self.scheme.macro_block, g, layer.layer_name
         )
         return q, e
 
@@ -387,6 +367,6 @@ class MxplusFusedMoEMethod(FusedMoEMethodBase):
             return None
 
         def row_g(h: torch.Tensor) -> torch.Tensor:
-            return tp_max(nvfp4_row_global_scale(h).contiguous(), tp)
+            return tp_row_max(nvfp4_row_global_scale(h), tp)
 
         return row_g

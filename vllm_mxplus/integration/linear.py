@@ -30,6 +30,7 @@ from vllm_mxplus.checkpoint.layout import (
     SUFFIX_MBS,
     SUFFIX_PACKED,
     SUFFIX_SCALE,
+    quantized_from_stored,
     weight_suffixes,
 )
 from vllm_mxplus.formats import QuantizedTensor, logical_amax, quantize, quantize_nvfp4_logical
@@ -46,6 +47,7 @@ from vllm_mxplus.integration.params import (
     check_row_parallel,
     create_quantized_params,
     tp_max,
+    tp_row_max,
 )
 
 
@@ -135,6 +137,11 @@ class MxplusLinearMethod(LinearMethodBase):
             )
             layer.register_parameter("weight", weight)
 
+    @staticmethod
+    def _where(layer: Layer) -> str:
+        """The layer's name in messages: its vLLM prefix."""
+        return getattr(layer, "prefix", "") or "linear"
+
     def _loaded_qweight(self, layer: Layer) -> QuantizedTensor:
         fmt = self.scheme.weight_format
         check_all_loaded(layer, fmt, self.quant_config.packed_modules_mapping)
@@ -145,20 +152,11 @@ class MxplusLinearMethod(LinearMethodBase):
             g = torch.repeat_interleave(
                 per_shard, torch.tensor(layer.logical_widths, device=per_shard.device)
             )[:, None]
-        opt = {SUFFIX_MBS: "mbs", SUFFIX_BM_INDEX: "block_max_index"}
-        extra = {
-            field: getattr(layer, suffix).data
-            for suffix, field in opt.items()
-            if suffix in weight_suffixes(fmt)
+        stored = {
+            sfx: getattr(layer, sfx).data for sfx in weight_suffixes(fmt) if sfx != SUFFIX_GLOBAL
         }
-        return QuantizedTensor(
-            codes=layer.weight_packed.data,
-            scales=layer.weight_scale.data,
-            fmt=fmt,
-            shape=torch.Size((n, k)),
-            global_scale=g,
-            macro_block=self.scheme.macro_block,
-            **extra,
+        return quantized_from_stored(
+            stored, self.scheme.weight, (n, k), self.scheme.macro_block, g, self._where(layer)
         )
 
     def _quantize_loaded(self, layer: Layer) -> QuantizedTensor:
@@ -188,8 +186,9 @@ class MxplusLinearMethod(LinearMethodBase):
             device_type=device.type,
         )
         platform, capability = current_platform_of(device)
-        where = getattr(layer, "prefix", "") or "linear"
-        layer.mxplus_dispatch = LinearDispatch(spec, select(spec, platform, capability, where))
+        layer.mxplus_dispatch = LinearDispatch(
+            spec, select(spec, platform, capability, self._where(layer))
+        )
         layer.mxplus_row_amax_reduce = (
             spec.activation_per_row
             and getattr(layer, "tp_size", 1) > 1
@@ -219,5 +218,5 @@ class MxplusLinearMethod(LinearMethodBase):
         if layer.mxplus_row_amax_reduce:
             # NVFP4 activations on a row-parallel shard: the per-token global scale must come
             # from the whole row (all ranks), as without TP (docs/numerics.md, NVFP4).
-            g = tp_max(nvfp4_row_global_scale(x), getattr(layer, "tp_size", 1))
+            g = tp_row_max(nvfp4_row_global_scale(x), getattr(layer, "tp_size", 1))
         return layer.mxplus_dispatch.apply(layer, x, bias, g)

@@ -84,7 +84,8 @@ def check_row_parallel(
 
 def tp_max(t: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Elementwise max of t over the TP group, in place (a no-op without TP): every shard
-    then sees the whole-weight (or whole-row) amax."""
+    then sees the whole-weight amax. At load only (an eager collective); the forward takes
+    `tp_row_max`."""
     if tp_size > 1:
         from vllm.distributed import get_tp_group
 
@@ -92,6 +93,18 @@ def tp_max(t: torch.Tensor, tp_size: int) -> torch.Tensor:
             t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
         )
     return t
+
+
+def tp_row_max(g: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Per-row max over the TP group of per-row values g [..., 1] (NVFP4 activation global
+    scales of row-parallel shards), through vLLM's all-gather, the collective its compiled
+    graphs and CUDA graphs take (an eager all_reduce in the forward is neither); a max is
+    exact, so every rank gets the whole row's value bit for bit. A no-op without TP."""
+    if tp_size == 1:
+        return g
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(g.contiguous(), dim=-1).amax(-1, keepdim=True)
 
 
 def shard_names(layer: Layer, packed_mapping: dict[str, list[str]]) -> list[str]:
@@ -114,6 +127,31 @@ def _shard_index(shard_id: Any) -> int | None:
     return int(shard_id)
 
 
+def check_stored_tensor(
+    name: str, loaded: torch.Tensor, tspec: StoredTensor, k_full: int, ndims: tuple[int, ...]
+) -> None:
+    """The loader check of one checkpoint tensor, linears and MoE experts alike: its dtype,
+    the K-derived width of a per-column tensor (a stacked expert tensor [E, N, cols] too), and
+    one value for a global scale; `ndims`: the dims a per-column tensor may have (a linear's
+    [N, cols]; an expert's also [E, N, cols]). ValueError naming the tensor otherwise."""
+    if loaded.dtype != tspec.dtype:
+        raise ValueError(
+            f"checkpoint tensor {name} has dtype {loaded.dtype}, expected {tspec.dtype}"
+        )
+    if tspec.k_per_col:
+        want = tspec.cols(k_full)
+        if loaded.dim() not in ndims or loaded.shape[-1] != want:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected "
+                f"[N, {want}] (K={k_full}, {tspec.k_per_col} elements per column)"
+            )
+    elif loaded.numel() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected one "
+            "fp32 value per logical weight"
+        )
+
+
 def _make_loader(
     layer: Layer, tspec: StoredTensor, inner: Callable, names: list[str], k_full: int
 ) -> Callable:
@@ -123,22 +161,7 @@ def _make_loader(
         shard_id = args[0] if args else kwargs.get("loaded_shard_id")
         idx = _shard_index(shard_id)
         name = f"{names[idx] if idx is not None and idx < len(names) else names[0]}.{tspec.suffix}"
-        if loaded.dtype != tspec.dtype:
-            raise ValueError(
-                f"checkpoint tensor {name} has dtype {loaded.dtype}, expected {tspec.dtype}"
-            )
-        if tspec.k_per_col:
-            want = tspec.cols(k_full)
-            if loaded.dim() != 2 or loaded.shape[1] != want:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected "
-                    f"[N, {want}] (K={k_full}, {tspec.k_per_col} elements per column)"
-                )
-        elif loaded.numel() != 1:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected one "
-                "fp32 value per logical weight"
-            )
+        check_stored_tensor(name, loaded, tspec, k_full, (2,))
         try:
             out = inner(param, loaded, *args, **kwargs)
         except (AssertionError, RuntimeError) as e:

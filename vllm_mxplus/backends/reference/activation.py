@@ -15,21 +15,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats import fake_quantize, get_format
-from vllm_mxplus.formats.constants import (
-    FLOOR_MANTISSA,
-    FP32_MANTISSA_BITS,
-    MBS_STATIC_MASK,
-    MBS_STATIC_SHIFT,
-    OAS_MANTISSA,
-)
+from vllm_mxplus.formats import FORMATS, FormatSpec, fake_quantize, get_format
 from vllm_mxplus.formats.e2m1 import e2m1_round
+from vllm_mxplus.formats.e8m0 import mantissa_threshold
+from vllm_mxplus.formats.mbs import mbs_static
+from vllm_mxplus.formats.mx import mbs_factor
 
-FAST_FORMATS = ("mxfp4-ocp", "mxfp4-16", "mxfp4-16-oas", "mxfp4-mbs-s")
+
+def takes_fast_path(spec: FormatSpec) -> bool:
+    """E8M0 scales, no MX+ block max, MBS static or none (an activation format)."""
+    return spec.scale_is_e8m0 and not spec.block_max_mantissa and spec.mbs != "dynamic"
 
 
-# d = [fp32 mantissa bits of the block absmax > threshold]; ocp: never
-_D_THRESHOLD = {"ocp": 1 << FP32_MANTISSA_BITS, "floor": FLOOR_MANTISSA, "oas": OAS_MANTISSA}
+FAST_FORMATS = tuple(name for name, spec in FORMATS.items() if takes_fast_path(spec))
 
 
 def fast_fake_quantize(
@@ -53,9 +51,7 @@ def fast_fake_quantize(
         xf = F.pad(xf, (0, unit - k % unit))
     lead = xf.shape[:-1]
     if spec.mbs:
-        a = xf.abs().view(*lead, -1, macro_block).amax(-1, keepdim=True)
-        m = ((6.0 / a).view(torch.int32) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT  # paper eq. 3
-        f = (m + 256).to(torch.float32) * (1.0 / 256.0)
+        f = mbs_factor(mbs_static(xf, macro_block))[..., None]
         y = xf.view(*lead, -1, macro_block) * f
     else:
         y = xf
@@ -67,7 +63,7 @@ def fast_fake_quantize(
     on_host = xf.device.type == "cpu" if branch is None else branch  # static, not data
     if on_host and bool(hard.any()):  # reading a CPU tensor waits for no device
         return fake_quantize(x, fmt, macro_block=macro_block)
-    d = ((bits & 0x7FFFFF) > _D_THRESHOLD[spec.scale_rule]).to(torch.int32)
+    d = ((bits & 0x7FFFFF) > mantissa_threshold(spec.scale_rule)).to(torch.int32)
     inv = ((256 - e - d) << 23).view(torch.float32)  # 2^-s (zero blocks: any finite value)
     scale = ((e - 2 + d).clamp_min(1) << 23).view(torch.float32)  # 2^s
     out = torch.copysign(e2m1_round(ay * inv), yb) * scale

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from vllm_mxplus.backends.base import Layer, LinearBackend
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.backends.reference.activation import FAST_FORMATS, fast_fake_quantize
-from vllm_mxplus.formats import MACRO_BLOCK, QuantizedTensor, fake_quantize
+from vllm_mxplus.backends.reference.activation import fast_fake_quantize, takes_fast_path
+from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format
 from vllm_mxplus.formats.nvfp4 import fake_quantize_nvfp4_given, nvfp4_global_scale
 
 WEIGHT_ATTR = "mxplus_weight_fp32"  # the dequantized weight [N, K] fp32 on the layer
@@ -33,7 +33,7 @@ def fake_quant_activation(
     """fake_quantize(x, fmt) along the last dim, fp32 result (one row = one token)."""
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    if fmt in FAST_FORMATS:  # same bits, a third of the ops (see act_fake_quant.py)
+    if takes_fast_path(get_format(fmt)):  # same bits, a third of the ops (activation.py)
         return fast_fake_quantize(x, fmt, macro_block)
     return fake_quantize(x, fmt, per_row=per_row, macro_block=macro_block)
 
@@ -71,7 +71,7 @@ def reference_linear(
     *,
     per_row: bool,
     out_dtype: torch.dtype,
-    macro_block: int = MACRO_BLOCK,
+    macro_block: int,
     act_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Q_act(x) @ W_hat^T (+ bias) in fp32, cast to out_dtype. Shared with FakeQuantLinear.

@@ -1,8 +1,15 @@
-"""Group parameters of a weight (block scales, MBS bytes, MX+ block-max index) and the
-element quantization under GIVEN parameters, for the calibrated methods (rtn-aware, gptq).
+"""A format's group parameters (block scales, MBS bytes, MX+ block-max index, NVFP4 global
+scale) and the element encoding under GIVEN parameters: the one pair every quantizer uses
+(`formats.quantize`, the calibrated methods, the evaluation's activation options).
 
-`spec_params` returns exactly the parameters `formats.quantize` picks; `weighted_params`
-returns the input-weighted choice: the encoding, among those the format allows, that
+    p = choose_params(fmt, x, macro_block=...)            # the spec's choice (= quantize)
+    p = choose_params(fmt, x, macro_block=..., weights=d)  # input-weighted (calibration)
+    p = choose_params(fmt, x, macro_block=..., mbs=m)      # given MBS bytes, spec scales
+    codes = encode(fmt, x, p)                              # elements under p, whole tensor
+    codes, x_hat = quantize_columns(fmt, x, p, col0)       # a column slab (GPTQ)
+
+The spec's choice is exactly the parameters `formats.quantize` picks; the input-weighted
+choice is the encoding, among those the format allows, that
 minimises sum_k d_k (w_k - w_hat_k)^2 over each group, d_k = E[x_k^2] (the diagonal of the
 layer's input Hessian). What moves per format (docs/numerics.md, "Formats and schemes"):
 
@@ -29,7 +36,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_mxplus.formats import QuantizedTensor, get_format
 from vllm_mxplus.formats.constants import (
     E8M0_NAN,
     NO_BLOCK_MAX,
@@ -39,15 +45,15 @@ from vllm_mxplus.formats.e2m1 import (
     e2m1_decode,
     e2m1_magnitude_code,
     e2m1_round,
-    pack_fp4,
     sign_bit,
 )
 from vllm_mxplus.formats.e8m0 import e8m0_block_scale, e8m0_reciprocal, e8m0_to_float
 from vllm_mxplus.formats.mbs import mbs_static
 from vllm_mxplus.formats.mbs_search import mbs_dynamic
-from vllm_mxplus.formats.mx import mbs_factor
-from vllm_mxplus.formats.mxplus import quantize_mxplus_blocks
-from vllm_mxplus.formats.nvfp4 import nvfp4_global_scale, quantize_nvfp4_blocks
+from vllm_mxplus.formats.mx import apply_macro, encode_e8m0_blocks, mbs_factor
+from vllm_mxplus.formats.mxplus import encode_mxplus_blocks, mxplus_block_max_index
+from vllm_mxplus.formats.nvfp4 import encode_nvfp4_blocks, nvfp4_block_scales, nvfp4_global_scale
+from vllm_mxplus.formats.schemes import FormatSpec, as_format
 
 E4M3_MAX_CODE = 126  # uint8 bits of float8_e4m3fn 448.0; 127 is NaN
 E4M3_SEARCH = 4  # nvfp4: codes c0 - 4 .. c0 + 4 (one code = 1/8 of a binade)
@@ -70,16 +76,16 @@ class GroupParams:
     macro_block: int = field(kw_only=True)
 
 
-def padded_k(fmt: str, k: int, macro_block: int) -> int:
-    gw = get_format(fmt).group_size(macro_block)
+def padded_k(fmt: str | FormatSpec, k: int, macro_block: int) -> int:
+    gw = as_format(fmt).group_size(macro_block)
     return ceil_div(k, gw) * gw
 
 
 def empty_params(
-    fmt: str, n: int, kp: int, global_scale: torch.Tensor | None, macro_block: int
+    fmt: str | FormatSpec, n: int, kp: int, global_scale: torch.Tensor | None, macro_block: int
 ) -> GroupParams:
     """Parameters to be filled group by group (gptq): zero scales, no block max."""
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     nb = kp // spec.block_size
     if spec.has_global_scale:
         scales = torch.zeros(n, nb, dtype=torch.float8_e4m3fn)
@@ -90,9 +96,9 @@ def empty_params(
     return GroupParams(scales, mbs, bm, global_scale, macro_block=macro_block)
 
 
-def set_group(p: GroupParams, fmt: str, col0: int, g: GroupParams) -> None:
+def set_group(p: GroupParams, fmt: str | FormatSpec, col0: int, g: GroupParams) -> None:
     """Copy the parameters g of the group slab starting at column col0 into p."""
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     b0 = col0 // spec.block_size
     p.scales[:, b0 : b0 + g.scales.shape[1]] = g.scales
     if p.mbs is not None:
@@ -110,50 +116,88 @@ def nvfp4_weight_global(w: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(w.to(torch.float32), per_row=False)
 
 
-def spec_params(
-    fmt: str,
+def choose_params(
+    fmt: str | FormatSpec,
     w: torch.Tensor,
     global_scale: torch.Tensor | None = None,
     *,
     macro_block: int,
+    weights: torch.Tensor | None = None,
+    mbs: torch.Tensor | None = None,
 ) -> GroupParams:
-    """The parameters `formats.quantize(w, fmt, macro_block=...)` chooses for fp32 w [N, Kp]
-    (Kp whole groups)."""
-    spec = get_format(fmt)
+    """The group parameters of fp32 w [..., Kp] (Kp whole groups) for a format.
+
+    weights None: the spec's choice, exactly what `formats.quantize` picks; weights d [Kp]
+    (>= 0, w 2-D and finite): the input-weighted choice (module docstring). mbs: given MBS
+    bytes [..., Kp/macro_block] (an MBS format; block scales then by the spec's rule).
+    global_scale: NVFP4's fp32 global scale ([] or [..., 1]); None computes the spec's per
+    tensor (`nvfp4_global_scale`)."""
+    spec = as_format(fmt)
+    if spec.has_global_scale and global_scale is None:
+        global_scale = nvfp4_global_scale(w, per_row=False)
+    if weights is not None:
+        return _weighted_params(spec, w, weights, global_scale, macro_block=macro_block)
+    return _spec_params(spec, w, global_scale, macro_block=macro_block, mbs=mbs)
+
+
+def _spec_params(
+    spec: FormatSpec,
+    w: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    *,
+    macro_block: int,
+    mbs: torch.Tensor | None = None,
+) -> GroupParams:
     if spec.has_global_scale:
-        assert global_scale is not None  # nvfp4 callers pass the weight's global scale
-        _, s = quantize_nvfp4_blocks(w, global_scale)
+        assert global_scale is not None  # choose_params supplies it
+        s = nvfp4_block_scales(w, global_scale)
         return GroupParams(s, global_scale=global_scale, macro_block=macro_block)
     if spec.block_max_mantissa:
-        _, s, bm = quantize_mxplus_blocks(w)
-        return GroupParams(s, bm_index=bm, macro_block=macro_block)
+        s = _e8m0_scales(w, spec.block_size, spec.scale_rule)
+        return GroupParams(s, bm_index=mxplus_block_max_index(w, s), macro_block=macro_block)
     if spec.mbs:
-        m = mbs_static(w, macro_block) if spec.mbs == "static" else mbs_dynamic(w, macro_block)
-        y = _macro_mul(w, mbs_factor(m))
-        return GroupParams(_e8m0_scales(y, spec.block_size, "oas"), mbs=m, macro_block=macro_block)
+        m = mbs
+        if m is None:
+            m = mbs_static(w, macro_block) if spec.mbs == "static" else mbs_dynamic(w, macro_block)
+        y = apply_macro(w, mbs_factor(m), "mul")
+        return GroupParams(
+            _e8m0_scales(y, spec.block_size, spec.scale_rule), mbs=m, macro_block=macro_block
+        )
     return GroupParams(_e8m0_scales(w, spec.block_size, spec.scale_rule), macro_block=macro_block)
 
 
 def _e8m0_scales(y: torch.Tensor, block: int, rule: str) -> torch.Tensor:
-    return e8m0_block_scale(y.reshape(y.shape[0], -1, block).abs().amax(-1), rule)
+    return e8m0_block_scale(y.reshape(*y.shape[:-1], -1, block).abs().amax(-1), rule)
 
 
-def _macro_mul(w: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    n = w.shape[0]
-    return (w.reshape(n, f.shape[1], -1) * f[..., None]).reshape(w.shape)
+def encode(fmt: str | FormatSpec, x: torch.Tensor, p: GroupParams) -> torch.Tensor:
+    """Unpacked E2M1 codes [..., Kp] of fp32 x [..., Kp] under the parameters p, the whole
+    tensor at once: round to nearest, ties to the even code (docs/numerics.md, "E2M1
+    elements"); NaN/Inf blocks get code 0 (their scale carries the NaN)."""
+    spec = as_format(fmt)
+    if spec.has_global_scale:
+        assert p.global_scale is not None  # NVFP4 parameters carry the global scale
+        return encode_nvfp4_blocks(x, p.scales, p.global_scale)
+    if spec.block_max_mantissa:
+        assert p.bm_index is not None  # MX+ parameters carry the block-max index
+        return encode_mxplus_blocks(x, p.scales, p.bm_index)
+    if spec.mbs:
+        assert p.mbs is not None  # MBS parameters carry the bytes
+        x = apply_macro(x, mbs_factor(p.mbs), "mul")
+    return encode_e8m0_blocks(x, p.scales, spec.block_size)
 
 
 # --- element quantization under given parameters ---------------------------------------
 
 
 def quantize_columns(
-    fmt: str, w: torch.Tensor, p: GroupParams, col0: int
+    fmt: str | FormatSpec, w: torch.Tensor, p: GroupParams, col0: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, w_hat fp32) of fp32 columns w [N, c] = columns col0.. of the weight.
 
     The parameters of every block the columns touch must already be in p.
     """
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     n, c = w.shape
     cols = torch.arange(col0, col0 + c)
     blk = cols // spec.block_size
@@ -193,52 +237,33 @@ def quantize_columns(
     return codes, w_hat
 
 
-def to_quantized_tensor(
-    fmt: str, codes: torch.Tensor, p: GroupParams, shape: tuple[int, int]
-) -> QuantizedTensor:
-    """The QuantizedTensor of unpacked codes [N, Kp] and parameters for logical shape [N, K]."""
-    spec = get_format(fmt)
-    k = shape[-1]
-    nb = ceil_div(k, spec.block_size)
-    return QuantizedTensor(
-        codes=pack_fp4(codes[:, :k].contiguous()),
-        scales=p.scales[:, :nb].contiguous(),
-        fmt=fmt,
-        shape=torch.Size(shape),
-        mbs=None if p.mbs is None else p.mbs[:, : ceil_div(k, p.macro_block)].contiguous(),
-        global_scale=p.global_scale,
-        block_max_index=None if p.bm_index is None else p.bm_index[:, :nb].contiguous(),
-        macro_block=p.macro_block,
-    )
-
-
 # --- the input-weighted choice ------------------------------------------------------------
 
 
-def weighted_params(
-    fmt: str,
+def _weighted_params(
+    spec: FormatSpec,
     w: torch.Tensor,
     d: torch.Tensor,
-    global_scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None,
     *,
     macro_block: int,
 ) -> GroupParams:
     """Input-weighted parameters for fp32 w [N, Kp] (whole groups, finite), d [Kp] >= 0."""
-    spec = get_format(fmt)
+    fmt = spec
     base = (
-        spec_params(fmt, w, global_scale, macro_block=macro_block)
+        _spec_params(spec, w, global_scale, macro_block=macro_block)
         if spec.mbs != "dynamic"
         else None
     )
     if spec.has_global_scale:
         assert base is not None  # nvfp4 has no MBS
         return GroupParams(
-            _weighted_e4m3(w, d, base), global_scale=global_scale, macro_block=macro_block
+            _weighted_e4m3(spec, w, d, base), global_scale=global_scale, macro_block=macro_block
         )
     if spec.mbs == "dynamic":
         m = mbs_dynamic(w, macro_block, spec.block_size, weights=d)
         base = GroupParams(
-            _e8m0_scales(_macro_mul(w, mbs_factor(m)), spec.block_size, "oas"),
+            _e8m0_scales(apply_macro(w, mbs_factor(m), "mul"), spec.block_size, spec.scale_rule),
             mbs=m,
             macro_block=macro_block,
         )
@@ -246,10 +271,10 @@ def weighted_params(
     return _weighted_e8m0(fmt, w, d, base)
 
 
-def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
+def _values(fmt: str | FormatSpec, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
     """quantize_columns(fmt, w, p, 0)[1] by a shorter path (value rounding, no codes), for
     the formats without a block-max element; the same fp32 operations."""
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     if spec.block_max_mantissa:
         return quantize_columns(fmt, w, p, 0)[1]
     n = w.shape[0]
@@ -274,17 +299,21 @@ def _values(fmt: str, w: torch.Tensor, p: GroupParams) -> torch.Tensor:
     return q.reshape(w.shape)
 
 
-def _block_err(fmt: str, w: torch.Tensor, d: torch.Tensor, p: GroupParams) -> torch.Tensor:
+def _block_err(
+    fmt: str | FormatSpec, w: torch.Tensor, d: torch.Tensor, p: GroupParams
+) -> torch.Tensor:
     """sum_k d_k (w_k - w_hat_k)^2 per block [N, nb] (fp64 sums of fp32 terms)."""
-    block = get_format(fmt).block_size
+    block = as_format(fmt).block_size
     w_hat = _values(fmt, w, p)
     e = (w - w_hat).square() * d
     return e.reshape(w.shape[0], -1, block).sum(-1, dtype=torch.float64)
 
 
-def _weighted_e8m0(fmt: str, w: torch.Tensor, d: torch.Tensor, base: GroupParams) -> GroupParams:
+def _weighted_e8m0(
+    fmt: str | FormatSpec, w: torch.Tensor, d: torch.Tensor, base: GroupParams
+) -> GroupParams:
     """Each block's E8M0 exponent among the base choice and its two neighbours."""
-    spec = get_format(fmt)
+    spec = as_format(fmt)
     c0 = base.scales
     movable = (c0 != E8M0_NAN) & (w.reshape(w.shape[0], -1, spec.block_size) != 0).any(-1)
     best = base.scales.clone()
@@ -314,12 +343,14 @@ def _mxplus_bm(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(has, idx, torch.full_like(idx, NO_BLOCK_MAX)).squeeze(-1).to(torch.uint8)
 
 
-def _weighted_e4m3(w: torch.Tensor, d: torch.Tensor, base: GroupParams) -> torch.Tensor:
+def _weighted_e4m3(
+    spec: FormatSpec, w: torch.Tensor, d: torch.Tensor, base: GroupParams
+) -> torch.Tensor:
     """Each nvfp4 block's E4M3 scale among the spec's code and its +-E4M3_SEARCH neighbours."""
     c0 = base.scales.view(torch.uint8).to(torch.int32)
     movable = (c0 > 0) & (c0 <= E4M3_MAX_CODE)
     best = c0.clone()
-    best_err = _block_err("nvfp4", w, d, base)
+    best_err = _block_err(spec, w, d, base)
     for delta in [s * k for k in range(1, E4M3_SEARCH + 1) for s in (-1, 1)]:
         c = torch.where(movable, (c0 + delta).clamp(1, E4M3_MAX_CODE), c0)
         cand = GroupParams(
@@ -327,7 +358,7 @@ def _weighted_e4m3(w: torch.Tensor, d: torch.Tensor, base: GroupParams) -> torch
             global_scale=base.global_scale,
             macro_block=base.macro_block,
         )
-        err = _block_err("nvfp4", w, d, cand)
+        err = _block_err(spec, w, d, cand)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, c, best)
