@@ -70,12 +70,25 @@ def host_choice(
     cpuinfo: str | None = None, permission: AmxResult | None = None
 ) -> tuple[bool, str]:
     """Whether this host runs the exact-bf16 path for large M: (True, "") with `amx_bf16` in
-    cpuinfo and the AMX tile permission held, else (False, why). The arguments replace the
-    real machine (tests)."""
-    flags = cpu_flags(read_cpuinfo() if cpuinfo is None else cpuinfo) or set()
+    cpuinfo and the AMX tile permission held, else (False, why); decided once per process.
+    The arguments replace the real machine (tests; not cached)."""
+    if cpuinfo is None and permission is None:
+        if not _HOST:
+            _HOST.extend(_host_choice(read_cpuinfo(), request_amx_permission()))
+        return _HOST[0], _HOST[1]
+    return _host_choice(
+        read_cpuinfo() if cpuinfo is None else cpuinfo,
+        request_amx_permission() if permission is None else permission,
+    )
+
+
+_HOST: list = []  # this process's (ok, why), once decided
+
+
+def _host_choice(cpuinfo: str, perm: AmxResult) -> tuple[bool, str]:
+    flags = cpu_flags(cpuinfo) or set()
     if "amx_bf16" not in flags:
         return False, "the CPU has no amx_bf16 (the integer kernels are faster without it)"
-    perm = request_amx_permission() if permission is None else permission
     if perm.action not in ("already", "granted"):
         return False, f"no AMX tile permission ({perm.action}: {perm.detail})"
     return True, ""
@@ -85,7 +98,7 @@ def host_choice(
 def bf16_math() -> Iterator[None]:
     """oneDNN's bf16 math mode for fp32 matmuls, for the duration of one call (exact here:
     every operand is a bf16 value); other fp32 GEMMs of the process are unaffected."""
-    mode: Any = getattr(torch.backends.mkldnn, "matmul")  # set by torch at import, no stub
+    mode: Any = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import
     old = mode.fp32_precision
     mode.fp32_precision = "bf16"
     try:
