@@ -15,17 +15,19 @@ import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from vllm_mxplus.platform_amx import cpu_flags, read_cpuinfo
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
+HERE = Path(__file__).resolve().parent
 
 _SCRIPT = r"""
 import sys
 import torch
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:]  # tests/backends/cpu and tests/backends (bound_helpers)
 import test_cpu_kernels as t
 import test_cpu_kernels_mxplus as tm
 import test_cpu_kernels_nvfp4 as tn
@@ -95,7 +97,7 @@ def test_instruction_set(target):
         pytest.skip(f"this CPU cannot run -march={march} code: no {', '.join(missing)}")
     env = dict(os.environ, VLLM_MXPLUS_CPU_MARCH=march, OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, os.path.dirname(os.path.abspath(__file__))],
+        [sys.executable, "-c", _SCRIPT, str(HERE), str(HERE.parent)],
         env=env,
         capture_output=True,
         text=True,
