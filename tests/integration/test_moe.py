@@ -186,32 +186,25 @@ def test_moe_reference_equals_per_token_linears(scheme):
     got = moe_experts_reference(
         x, w13, w2, wts, ids, s.activation_format, per_row=per_row, macro_block=s.macro_block
     )
+
+    def lin(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return reference_linear(
+            a,
+            w,
+            None,
+            s.activation_format,
+            per_row=per_row,
+            out_dtype=torch.float32,
+            macro_block=s.macro_block,
+        )
+
     want = torch.zeros(m, h)
     for t in range(m):
         for j in range(k):
             ex = int(ids[t, j])
-            gu = reference_linear(
-                x[t : t + 1],
-                w13[ex],
-                None,
-                s.activation_format,
-                per_row=per_row,
-                out_dtype=torch.float32,
-                macro_block=s.macro_block,
-            )
+            gu = lin(x[t : t + 1], w13[ex])
             act = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-            want[t] += (
-                wts[t, j]
-                * reference_linear(
-                    act,
-                    w2[ex],
-                    None,
-                    s.activation_format,
-                    per_row=per_row,
-                    out_dtype=torch.float32,
-                    macro_block=s.macro_block,
-                )[0]
-            )
+            want[t] += wts[t, j] * lin(act, w2[ex])[0]
     # fp32 GEMM accumulation order (rows batched vs one row) is the only difference
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 

@@ -42,6 +42,7 @@ SUFFIX_SCALE = "weight_scale"
 SUFFIX_MBS = "weight_mbs"
 SUFFIX_GLOBAL = "weight_global_scale"
 SUFFIX_BM_INDEX = "weight_bm_index"
+ALL_SUFFIXES = (SUFFIX_PACKED, SUFFIX_SCALE, SUFFIX_MBS, SUFFIX_GLOBAL, SUFFIX_BM_INDEX)
 
 
 @dataclass(frozen=True)

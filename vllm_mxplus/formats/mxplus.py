@@ -44,6 +44,12 @@ def mxplus_block_max_index(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return bm_index.to(torch.uint8)
 
 
+def _block_max_at(bm_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each block has a block max, its index, 0 where none) as [..., nB, 1]."""
+    has_bm = (bm_index != NO_BLOCK_MAX)[..., None]
+    return has_bm, torch.where(has_bm, bm_index[..., None].long(), 0)
+
+
 def encode_mxplus_blocks(
     x: torch.Tensor, scale: torch.Tensor, bm_index: torch.Tensor
 ) -> torch.Tensor:
@@ -52,10 +58,7 @@ def encode_mxplus_blocks(
     codes = encode_e8m0_blocks(x, scale, MXPLUS_BLOCK)
     xb = x.reshape(*x.shape[:-1], -1, MXPLUS_BLOCK)
     cb = codes.reshape(xb.shape)
-    has_bm = (bm_index != NO_BLOCK_MAX)[..., None]
-    idx = torch.where(
-        has_bm, bm_index[..., None].long(), torch.zeros_like(bm_index[..., None]).long()
-    )
+    has_bm, idx = _block_max_at(bm_index)
     xmax = xb.gather(-1, idx)
     vmax = xmax.abs() * e8m0_reciprocal(scale)[..., None]
     # 4 * (1 + j/8) = v  <=>  j = 2v - 8 (exact in fp32 for v in [4, 8)); round half to even
@@ -72,10 +75,7 @@ def dequantize_mxplus_blocks(
     out = dequantize_e8m0_blocks(codes, scale, MXPLUS_BLOCK)
     ob = out.reshape(*out.shape[:-1], -1, MXPLUS_BLOCK)
     cb = codes.reshape(ob.shape)
-    has_bm = (bm_index != NO_BLOCK_MAX)[..., None]
-    idx = torch.where(
-        has_bm, bm_index[..., None].long(), torch.zeros_like(bm_index[..., None]).long()
-    )
+    has_bm, idx = _block_max_at(bm_index)
     c = cb.gather(-1, idx)
     mag = 4.0 + 0.5 * (c & 0x7).to(torch.float32)
     val = torch.where((c & 0x8) > 0, -mag, mag) * e8m0_to_float(scale)[..., None]

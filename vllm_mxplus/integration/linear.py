@@ -25,11 +25,8 @@ from vllm_mxplus.backends import LinearDispatch, LinearSpec, current_platform_of
 from vllm_mxplus.backends.base import Layer
 from vllm_mxplus.backends.reference.linear import nvfp4_row_global_scale
 from vllm_mxplus.checkpoint.layout import (
-    SUFFIX_BM_INDEX,
+    ALL_SUFFIXES,
     SUFFIX_GLOBAL,
-    SUFFIX_MBS,
-    SUFFIX_PACKED,
-    SUFFIX_SCALE,
     quantized_from_stored,
     weight_suffixes,
 )
@@ -195,14 +192,7 @@ class MxplusLinearMethod(LinearMethodBase):
             and layer.input_size_per_partition != getattr(layer, "input_size", spec.k)
         )
         layer.mxplus_dispatch.process_weights_after_loading(layer, qweight)
-        for name in (
-            "weight",
-            SUFFIX_PACKED,
-            SUFFIX_SCALE,
-            SUFFIX_MBS,
-            SUFFIX_GLOBAL,
-            SUFFIX_BM_INDEX,
-        ):
+        for name in ("weight", *ALL_SUFFIXES):
             if name in layer._parameters:
                 delattr(layer, name)
 
