@@ -294,9 +294,8 @@ def serve_child(model: str, quantization: str | None) -> None:
     print("RESULT " + json.dumps(res), flush=True)
     del llm
     gc.collect()
-    os._exit(
-        0
-    )  # vLLM's CPU engine may abort at interpreter shutdown (DESIGN-free: judged by RESULT)
+    # vLLM's CPU engine may abort at interpreter shutdown: the run is judged by its RESULT line
+    os._exit(0)
 
 
 def _serve(model: Path, quantization: str | None) -> dict[str, Any]:
