@@ -51,9 +51,10 @@ class _Exact(LinearBackend):
             per_row=spec.activation_per_row,
         ).double()
         w = layer.w_hat.double()
-        b = bias.double()
+        b = torch.zeros(spec.n, dtype=torch.float64) if bias is None else bias.double()
         y64 = xq @ w.T + b
         bound = output_bound(xq.abs() @ w.abs().T, y64, b.abs(), spec.k, spec.out_dtype)
+        self.exact_data = bias is None  # the self-test's exact check passes no bias
         return self.corrupt(y64.to(spec.out_dtype), y64, bound)
 
     def corrupt(self, y: torch.Tensor, y64: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -85,11 +86,15 @@ class _OneUlpBeyond(_Exact):
 
 
 class _AtTheBound(_Exact):
-    """Right: the largest value the bound allows, in the last row."""
+    """Right: the largest value the bound allows, in the last row, on random data. On the
+    exact check's data every partial sum is exact: a right kernel has no error to spend
+    there and gives the one rounding of y64."""
 
     name = "fake-at-the-bound"
 
     def corrupt(self, y, y64, bound):
+        if self.exact_data:
+            return y
         return _step_out(y, y64, bound, y.shape[0] - 1, 5, beyond=False)
 
 
@@ -234,7 +239,7 @@ def test_env_zero_skips_the_self_test(fresh, monkeypatch):
 def test_rows_within_the_backend_range_only(fresh):
     _DecodeOnly.seen_m = []
     assert run_self_test(_DecodeOnly, _spec(torch.bfloat16), CPU) is None
-    assert _DecodeOnly.seen_m == [1, 3, 16]
+    assert _DecodeOnly.seen_m == [1, 3, 16] * 2  # random data, then the exact data
 
 
 def test_non_kernel_backends_are_not_self_tested(fresh):
@@ -294,3 +299,52 @@ def triton_decode(triton_device):
 def test_triton_decode_kernels_pass(triton_decode, scheme, dtype):
     cls, device = triton_decode
     assert run_self_test(cls, _spec(dtype, scheme), device) is None
+
+
+# ----------------------------------------------------------------------------- exact data
+@pytest.mark.parametrize(
+    "scheme,macro_block",
+    [(s, 128) for s in SCHEMES] + [("mxfp4-mbs", 32), ("mxfp4-mbs-s", 256)],
+)
+def test_exact_data_is_lossless_and_every_partial_sum_exact(scheme, macro_block):
+    """selftest.exact_operands, every scheme: quantization is lossless (MBS bytes 0), every
+    product of an output is an integer number of one unit and, per 128-K chunk, the sum of
+    their magnitudes stays under 2^11 units (exact in a 13-bit accumulator in any order);
+    and the low blocks are FP8 subnormals in the sm_90a re-encoding (E8M0 schemes)."""
+    from vllm_mxplus.backends.cutlass.fp8_chunks import encode_fp8_chunks
+    from vllm_mxplus.backends.selftest import exact_operands
+    from vllm_mxplus.formats import get_scheme
+
+    spec = LinearSpec(get_scheme(scheme, macro_block), 40, 320, torch.bfloat16)
+    x, w = exact_operands(spec, 33, torch.Generator().manual_seed(1))
+    for fmt, t, per_row in (
+        (spec.weight_format, w, False),
+        (spec.activation_format, x, spec.activation_per_row),
+    ):
+        q = quantize(t, fmt, macro_block=macro_block, per_row=per_row)
+        assert torch.equal(q.dequantize(), t)
+        assert q.mbs is None or not q.mbs.any()
+    assert torch.equal(x.to(torch.bfloat16).float(), x)  # the bf16 input holds it exactly
+    p = x[:, None, :].double() * w[None, :, :].double()
+    unit = torch.where(p != 0, p.abs(), torch.inf).amin(-1, keepdim=True)
+    units = p / unit
+    assert torch.equal(units, units.round())
+    chunks = torch.nn.functional.pad(units.abs(), (0, 384 - 320)).view(33, 40, 3, 128)
+    assert chunks.sum(-1).max() < 2**11
+    wf = get_scheme(scheme).weight
+    if wf.block_size == 16 and wf.scale_is_e8m0 and macro_block == 128:  # the sm_90a path
+        q = quantize(w, spec.weight_format, macro_block=macro_block)
+        fp8 = encode_fp8_chunks(q.codes, q.scales, q.mbs, 320).fp8.float()
+        assert ((fp8 != 0) & (fp8.abs() < 2.0**-6)).any()  # FP8 subnormals present
+
+
+def test_cutlass_accumulator_bits_per_architecture(monkeypatch):
+    """sm_90a's FP8 MMA is held to 13 bits, sm_100a's FP4 MMA to fp32's 24."""
+    from vllm_mxplus.backends.cutlass import linear as cutlass_linear
+    from vllm_mxplus.backends.selftest import accumulator_bits_of
+
+    cls = cutlass_linear.CutlassPrefillBackend
+    for arch, bits in (("sm90a", 13), ("sm100a", 24), (None, 13)):
+        monkeypatch.setattr(cutlass_linear, "arch_of", lambda device, a=arch: a)
+        assert accumulator_bits_of(cls, torch.device("cuda")) == bits
+    assert accumulator_bits_of(_Exact, CPU) == 24

@@ -9,9 +9,10 @@ cannot take it; M in {1, 3, 16, 17, 33} within the backend's range) and compares
 - activation quantization, where the backend exposes it (`selftest_activation`): codes,
   scales and MBS bytes (or the fake-quantized fp32 values) bit for bit with `formats`;
 - the output y against y64 = x̂ Ŵᵀ + b computed in float64 from the fake-quantized operands
-  (x̂ = formats.fake_quantize(x), Ŵ = the dequantized weight, both exact fp32 values). With
-  u = 2^-accumulator_bits (2^-24 for fp32), u_o the unit roundoff of the output dtype
-  (bf16 2^-8, fp16 2^-11, fp32 2^-24) and A = |x̂| |Ŵ|ᵀ:
+  (x̂ = formats.fake_quantize(x), Ŵ = the dequantized weight, both exact fp32 values), on
+  random data (block scales spread, MBS factors exercised). With u = 2^-accumulator_bits
+  (per device: `accumulator_bits_of`; 2^-24 for fp32), u_o the unit roundoff of the output
+  dtype (bf16 2^-8, fp16 2^-11, fp32 2^-24) and A = |x̂| |Ŵ|ᵀ:
       |y - y64| <= γ A + 2 (u + u_o)(1 + u_o) R + t,   γ = (K + 8) u / (1 - (K + 8) u),
       R = |y64| + |b| + γ A,   t = one subnormal ulp of the output dtype.
   γ A bounds any fp32 summation order of K products, each allowed up to 8 further
@@ -19,6 +20,15 @@ cannot take it; M in {1, 3, 16, 17, 33} within the backend's range) and compares
   products); the second term covers adding the bias and rounding to the output dtype, each
   possibly done twice (bias added before or after the cast); t covers outputs that round
   into the subnormal range. See docs/numerics.md, "Kernel numerics and error bounds".
+- the output on EXACT data (`exact_operands`), bit for bit: x and w on the formats' grids
+  (quantization lossless, MBS bytes 0), small codes (one +-6 per block, the others 0, +-0.5,
+  +-1; x's +-6 and w's at different positions), block exponents alternating between 0 and
+  -13 in opposite phase on x and w, so every product is a multiple of one unit and every
+  partial sum, in any order, stays under 2^11 units: exact in the 13 bits Hopper's FP8 MMA
+  keeps between promotions, in fp32, in integers. y64 is then exact and y must equal its one
+  rounding to the output dtype. The -13 blocks make the sm_90a FP8 re-encoding hold FP8
+  subnormals (flushing them changes y), and random data alone would pass a weight MBS byte
+  off by one at K = 320, or an all-zero y at K = 4096, within the 13-bit bound.
 
 A failure rejects the backend for that (device, scheme, dtype) with an ERROR log naming the
 first differing element, and the selector moves to the next candidate. The verdict is cached
@@ -45,8 +55,8 @@ from vllm_mxplus.backends.base import (
 from vllm_mxplus.backends.checks import first_bit_difference, first_outside_bound, output_bound
 from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
 from vllm_mxplus.backends.selftest_experts import run_expert_self_test
-from vllm_mxplus.formats import QuantizedTensor, fake_quantize, quantize
-from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
+from vllm_mxplus.formats import QuantizedTensor, fake_quantize, get_format, quantize
+from vllm_mxplus.formats.constants import E2M1_MAX, SMALL_BLOCK, ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +153,74 @@ def test_data(rows: int, k: int, gen: torch.Generator, lo: int, hi: int) -> torc
     return base * torch.exp2(e.repeat_interleave(SMALL_BLOCK, dim=1)[:, :k].to(torch.float32))
 
 
+EXACT_LOW = -13  # the low blocks' exponent: 13 binades under the others (FP8 subnormals)
+EXACT_SMALL = (0.0, 0.5, 1.0)  # magnitudes of every element but the block's +-6
+NVFP4_ROW_AMAX = 5.25  # 2688 * 2^-9: NVFP4's global scale amax / (6 * 448) is a power of two
+
+
+def exact_operands(
+    spec: LinearSpec, m: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [m, K], w [N, K]) fp32 for the exact check (module docstring): on the formats' grids,
+    every partial sum of x̂ Ŵᵀ an integer number of one unit below 2^11 units.
+
+    Per block (the format's block size): magnitudes from EXACT_SMALL and one E2M1_MAX (x at
+    the block's element 0, w at element 1, so a product is at most 6 units of the block's
+    scale), random signs; block exponents alternate 0, EXACT_LOW on x and EXACT_LOW, 0 on w
+    (products all ~2^-13), NVFP4 0 and -3 (E4M3 block scales) with every value times
+    NVFP4_ROW_AMAX / 6 (a power-of-two global scale); rows times 2^r, r in [-2, 2]."""
+    out = []
+    for rows, fmt, at, phase in (
+        (m, spec.activation_format, 0, 0),
+        (spec.n, spec.weight_format, 1, 1),
+    ):
+        f = get_format(fmt)
+        bs, k = f.block_size, spec.k
+        nb = ceil_div(k, bs)
+        mag = torch.tensor(EXACT_SMALL)[torch.randint(0, 3, (rows, nb * bs), generator=gen)]
+        mag.view(rows, nb, bs)[:, :, at] = E2M1_MAX
+        sign = torch.randint(0, 2, (rows, nb * bs), generator=gen) * 2.0 - 1
+        low = (torch.arange(nb) + phase) % 2 == 1
+        e = torch.where(low, -3.0 if f.has_global_scale else float(EXACT_LOW), 0.0)
+        v = mag * sign * torch.exp2(e).repeat_interleave(bs)
+        if f.has_global_scale:
+            v = v * (NVFP4_ROW_AMAX / E2M1_MAX)
+        r = torch.randint(-2, 3, (rows, 1), generator=gen).to(torch.float32)
+        out.append((v * torch.exp2(r))[:, :k].contiguous())
+    return out[0], out[1]
+
+
+def accumulator_bits_of(cls: type[Backend], device: torch.device) -> int:
+    """The backend's accumulator bits on `device`: `accumulator_bits_on(device)` where the
+    class has it (per GPU architecture), else its `accumulator_bits`."""
+    per_device = getattr(cls, "accumulator_bits_on", None)
+    return int(per_device(device)) if per_device is not None else cls.accumulator_bits
+
+
+def run_exact_check(
+    backend: LinearBackend, spec: LinearSpec, ms: list[int], device: torch.device
+) -> str | None:
+    """The exact check (module docstring) at every M of `ms`: None, or what differed."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x, w = exact_operands(spec, max(ms), gen)
+    qw = quantize(w, spec.weight_format, macro_block=spec.macro_block)
+    qx = quantize(x, spec.activation_format, macro_block=spec.macro_block,
+                  per_row=spec.activation_per_row)  # fmt: skip
+    for name, q, t in (("weight", qw, w), ("activation", qx, x)):
+        lossless = torch.equal(q.dequantize(torch.float32), t)
+        if not lossless or (q.mbs is not None and bool(q.mbs.any())):
+            return f"exact check: the {name} is not on its format's grid (a test bug)"
+    layer = torch.nn.Module()
+    backend.process_weights_after_loading(layer, qw.to(device))
+    want = x.double() @ w.double().T  # exact: every partial sum is
+    for m in ms:
+        y = backend.apply(layer, x[:m].to(device=device, dtype=spec.out_dtype), None)
+        failure = first_bit_difference("y", y, want[:m].to(spec.out_dtype))
+        if failure:
+            return f"M={m}, N={spec.n}, K={spec.k}, exact data: {failure}"
+    return None
+
+
 def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.device) -> str | None:
     """None when the backend agrees with `formats` on the test problem, else what differed."""
     small = _test_spec(cls, spec)
@@ -169,9 +247,12 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
             if failure:
                 return f"M={m}, {where}: activation {failure}"
         y = backend.apply(layer, xm, bias)
-        failure = check_output(y, xm, w_hat, bias, small, cls.accumulator_bits)
+        failure = check_output(y, xm, w_hat, bias, small, accumulator_bits_of(cls, device))
         if failure:
             return f"M={m}, {where}: {failure}"
+    failure = run_exact_check(backend, small, ms, device)
+    if failure:
+        return failure
     if device.type == "cuda":  # vLLM runs every linear inside CUDA graphs: capture + replay
         mg = max(ms)  # 33 for a prefill backend (above 16), the largest M it serves otherwise
         failure = cuda_graph_replay_mismatch(

@@ -39,8 +39,15 @@ class CutlassPrefillBackend(LinearBackend):
     # accumulator, truncating, between the promotions into fp32 that the kernel does once per
     # 128-K chunk (where the chunk scales are applied): a relative error below 2^-13 per
     # addition. 2^-13 over all K + 8 additions bounds the chunked sum from above
-    # (docs/numerics.md, "Kernel numerics and error bounds"). sm_100a is held to the same.
+    # (docs/numerics.md, "Kernel numerics and error bounds"). sm_100a's block-scaled FP4 MMA
+    # accumulates in fp32: 24. `accumulator_bits` is the looser one (no device known).
+    ACCUMULATOR_BITS = {"sm90a": 13, "sm100a": 24}
     accumulator_bits = 13
+
+    @classmethod
+    def accumulator_bits_on(cls, device: torch.device) -> int:
+        """The self-test's accumulator bits on `device` (its architecture), 13 if unknown."""
+        return cls.ACCUMULATOR_BITS.get(arch_of(device) or "", cls.accumulator_bits)
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
