@@ -68,11 +68,6 @@ PREFILL_MIN_M = Setting(
     "17",
     "Smallest token count M served by the CUTLASS prefill GEMM (decode kernels below it).",
 )
-SM90_FALLBACK_ROWS = Setting(
-    "VLLM_MXPLUS_SM90_FALLBACK_ROWS",
-    "64",
-    "Rows per call the sm_90 prefill GEMM may recompute exactly (docs/numerics.md).",
-)
 CPU_LM_HEAD_FP32 = Setting(
     "VLLM_MXPLUS_CPU_LM_HEAD_FP32",
     "auto",
@@ -96,7 +91,6 @@ ALL: tuple[Setting, ...] = (
     CUTLASS_EXT,
     CUTLASS_BUILD_DIR,
     PREFILL_MIN_M,
-    SM90_FALLBACK_ROWS,
     CPU_LM_HEAD_FP32,
     CACHE,
 )
@@ -173,11 +167,6 @@ def cutlass_build_dir() -> Path | None:
 
 def prefill_min_m() -> int:
     return _int_at_least(PREFILL_MIN_M, 1)
-
-
-def sm90_fallback_rows() -> int:
-    """0: no row is recomputed (an inexact row comes out NaN, docs/numerics.md)."""
-    return _int_at_least(SM90_FALLBACK_ROWS, 0)
 
 
 @dataclass(frozen=True)

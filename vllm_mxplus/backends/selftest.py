@@ -77,7 +77,8 @@ def device_of(spec: Spec) -> torch.device:
 def verdict(
     cls: type[Backend], spec: Spec, platform: str, capability: int | None
 ) -> tuple[bool, str]:
-    """(True, "") when the backend passed its self-test for this (device, scheme, dtype),
+    """(True, "") when the backend passed its self-test for this (device, scheme, dtype;
+    experts also their activation and biases),
     else (False, why). Runs the test the first time only (a linear problem for a linear
     backend, an MoE layer for an expert backend); logs a failure as an ERROR."""
     device = device_of(spec)
@@ -88,6 +89,9 @@ def verdict(
         capability,
         spec.scheme,
         getattr(spec, "out_dtype", None),
+        # experts: the activation and the biases are part of what was tested
+        getattr(spec, "activation", None),
+        getattr(spec, "has_bias", None),
     )
     if key in _VERDICTS:
         return _VERDICTS[key]
