@@ -1,7 +1,7 @@
 """The quantizer's peak memory does not grow with model depth.
 
 RTN streams tensor by tensor (peak ~ the largest tensor and its temporaries); the calibrated
-methods stream layer by layer (calibration/layer_loader.py: one decoder layer's fp32 weights,
+methods stream layer by layer (checkpoint/layer_loader.py: one decoder layer's fp32 weights,
 the calibration hidden states, one layer's Hessians; finished layers on disk). The same
 small-shaped Llama with 4 and with 32 decoder layers is quantized in a fresh subprocess each,
 and its peak RSS while quantizing compared (VmHWM, reset through /proc/self/clear_refs after

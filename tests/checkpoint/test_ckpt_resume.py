@@ -1,5 +1,5 @@
 """Calibration that survives a crash: each finished decoder layer is kept on disk
-(calibration/layer_state.py) and `--resume` continues after the last one, to the same bytes
+(checkpoint/layer_state.py) and `--resume` continues after the last one, to the same bytes
 as an uninterrupted run; it does not redo the finished layers."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from ckpt_helpers import make_llama
 
 import vllm_mxplus.calibration.rtn_aware as rtn_aware_mod
-from vllm_mxplus.calibration.layer_state import STATE_FILE, state_dir
+from vllm_mxplus.checkpoint.layer_state import STATE_FILE, state_dir
 from vllm_mxplus.checkpoint.quantizer import quantize_checkpoint
 from vllm_mxplus.errors import UsageError
 

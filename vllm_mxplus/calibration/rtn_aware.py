@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -40,8 +40,6 @@ from vllm_mxplus.calibration.gptq import (
     rtn_aware,
     split_rows,
 )
-from vllm_mxplus.calibration.layer_loader import StreamedModel
-from vllm_mxplus.calibration.layer_state import CalibrationState
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import (
     QuantizedTensor,
@@ -49,6 +47,10 @@ from vllm_mxplus.formats import (
     get_format,
     get_scheme,
 )
+
+if TYPE_CHECKING:  # built by the quantizer driver (checkpoint/), passed in
+    from vllm_mxplus.checkpoint.layer_loader import StreamedModel
+    from vllm_mxplus.checkpoint.layer_state import CalibrationState
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,6 @@ import torch
 
 from vllm_mxplus.calibration.data import DEFAULT_NSAMPLES, DEFAULT_SEQLEN, calibration_tokens
 from vllm_mxplus.calibration.input_amax import linear_input_amax
-from vllm_mxplus.calibration.layer_loader import StreamedModel
-from vllm_mxplus.calibration.layer_state import CalibrationState
 from vllm_mxplus.calibration.rtn_aware import METHODS, Method, calibrate_and_quantize
 from vllm_mxplus.calibration.smooth_option import check_alpha
 from vllm_mxplus.calibration.smoothing import input_absmax, smooth_model
@@ -52,6 +50,8 @@ from vllm_mxplus.checkpoint.ct_format import (
     nvfp4_ct_weights,
 )
 from vllm_mxplus.checkpoint.errors import CheckpointError
+from vllm_mxplus.checkpoint.layer_loader import StreamedModel
+from vllm_mxplus.checkpoint.layer_state import CalibrationState
 from vllm_mxplus.checkpoint.layout import make_quantization_config
 from vllm_mxplus.checkpoint.quantized_source import materialize, quantized_source
 from vllm_mxplus.checkpoint.report import QuantizeReport, peak_rss_bytes
