@@ -80,7 +80,7 @@ def _arbitrary_encoding(scheme: str, n: int, k: int, seed: int) -> QuantizedTens
         return QuantizedTensor(
             codes=pack_fp4(codes),
             scales=scales.view(torch.float8_e4m3fn),
-            fmt=fmt,
+            spec=get_format(fmt),
             shape=torch.Size((n, k)),
             global_scale=torch.tensor(2.0**-9),
         )
@@ -90,7 +90,7 @@ def _arbitrary_encoding(scheme: str, n: int, k: int, seed: int) -> QuantizedTens
     return QuantizedTensor(
         codes=pack_fp4(codes),
         scales=torch.randint(118, 127, (n, nb), generator=g, dtype=torch.uint8),
-        fmt=fmt,
+        spec=get_format(fmt),
         shape=torch.Size((n, k)),
         mbs=mbs,
         macro_block=MACRO_BLOCK,

@@ -21,7 +21,7 @@ from vllm_mxplus.checkpoint import quantize_checkpoint
 from vllm_mxplus.checkpoint.cli_quantize import EXIT_USAGE
 from vllm_mxplus.checkpoint.ct_format import pow2_global_scale, quantize_nvfp4_ct
 from vllm_mxplus.errors import UsageError
-from vllm_mxplus.formats import QuantizedTensor, quantize
+from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX
 from vllm_mxplus.formats.nvfp4 import quantize_nvfp4_given
 
@@ -96,7 +96,7 @@ def _check_library_decompression(dst: Path, scheme: str, original: dict | None) 
         q = QuantizedTensor(
             codes=packed,
             scales=stored["weight_scale"],
-            fmt=scheme,
+            spec=get_format(scheme),
             shape=torch.Size((packed.shape[0], packed.shape[1] * 2)),
             global_scale=g,
         )
@@ -291,7 +291,7 @@ def test_transformers_loads_it_through_compressed_tensors(
     q = QuantizedTensor(
         stored["weight_packed"],
         stored["weight_scale"],
-        scheme,
+        get_format(scheme),
         torch.Size((64, 128)),
         global_scale=None if g is None else (1.0 / g).reshape(()),
     )

@@ -21,7 +21,7 @@ import torch
 from ckpt_helpers import make_llama, source_tensors
 
 from vllm_mxplus.checkpoint import quantize_checkpoint
-from vllm_mxplus.formats import SCHEMES, QuantizedTensor
+from vllm_mxplus.formats import SCHEMES, QuantizedTensor, get_format
 from vllm_mxplus.formats.nvfp4 import fake_quantize_nvfp4_given
 
 pytest.importorskip("vllm")
@@ -138,7 +138,7 @@ def test_vllm_emulation_serves_the_nvfp4_checkpoint(
     w = QuantizedTensor(
         stored["weight_packed"],
         stored["weight_scale"],
-        "nvfp4",
+        get_format("nvfp4"),
         torch.Size((256, 256)),
         global_scale=torch.tensor(g),
     ).dequantize()
