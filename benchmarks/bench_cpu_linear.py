@@ -168,16 +168,11 @@ def main() -> int:
         metavar="N",
         help="MBS macro block of the packed layer (default 128; else 128 is timed too)",
     )
-    ap.add_argument(
-        "--exact-bf16",
-        action="store_true",
-        help="also time the exact-bf16 path (the large-M path of AMX hosts) on this CPU",
-    )
-    ap.add_argument(
-        "--reference",
-        action="store_true",
-        help="also time the reference backend (fp32 weight copy; slow at large M)",
-    )
+    for flag, what in (
+        ("--exact-bf16", "the exact-bf16 path (the large-M path of AMX hosts) on this CPU"),
+        ("--reference", "the reference backend (fp32 weight copy; slow at large M)"),
+    ):
+        ap.add_argument(flag, action="store_true", help=f"also time {what}")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

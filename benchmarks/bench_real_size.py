@@ -47,37 +47,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int, tied: bool):
+    """A Llama config's sizes (the rest comes from LlamaConfig's defaults)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        tie_word_embeddings=tied,
+    )
+
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    # Llama-3.2-1B: tied embeddings
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    # a smoke test of this script (seconds), not a real size
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=False,
-    ),
-    # Llama-3.1-8B
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
+    "1b": _llama(2048, 8192, 16, 32, 8, 64, True),  # Llama-3.2-1B: tied embeddings
+    "tiny": _llama(256, 512, 2, 4, 2, 64, False),  # a smoke test of this script, not a real size
+    "8b": _llama(4096, 14336, 32, 32, 8, 128, False),  # Llama-3.1-8B
 }
 COMMON = dict(
     model_type="llama",
@@ -271,15 +258,7 @@ def serve_child(model: str, quantization: str | None) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=model,
-        quantization=quantization,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-    )
+    llm = LLM(model=model, quantization=quantization, **ENGINE)
     load = time.perf_counter() - t0
     rss_loaded = _tree_rss(os.getpid())
     res: dict[str, Any] = {"load_s": load, "rss_after_load": rss_loaded}
@@ -323,6 +302,13 @@ def _quantize(src: Path, dst: Path, *args: str) -> dict[str, Any]:
     return m
 
 
+ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+RTN_SCHEME_HELP = (
+    "scheme of the rtn part and of the checkpoint `serve` loads (mxfp4-mbs-s: the same "
+    "bytes and kernels without MBS-D's exhaustive search, ~7x faster to quantize)"
+)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -330,12 +316,7 @@ def main() -> int:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1b")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--parts", default="gen,rtn,nvfp4,calib,serve,online,bf16")
-    ap.add_argument(
-        "--rtn-scheme",
-        default="mxfp4-mbs",
-        help="scheme of the rtn part and of the checkpoint `serve` loads (mxfp4-mbs-s: the same "
-        "bytes and kernels without MBS-D's exhaustive search, ~7x faster to quantize)",
-    )
+    ap.add_argument("--rtn-scheme", default="mxfp4-mbs", help=RTN_SCHEME_HELP)
     ap.add_argument("--calib-nsamples", type=int, default=8)
     ap.add_argument("--calib-seqlen", type=int, default=256)
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")

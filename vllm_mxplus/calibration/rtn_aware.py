@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -48,9 +48,31 @@ from vllm_mxplus.formats import (
     get_scheme,
 )
 
-if TYPE_CHECKING:  # built by the quantizer driver (checkpoint/), passed in
-    from vllm_mxplus.checkpoint.layer_loader import StreamedModel
-    from vllm_mxplus.checkpoint.layer_state import CalibrationState
+
+class StreamedModel(Protocol):
+    """One decoder layer's weights in memory at a time; the quantizer driver builds it
+    (checkpoint/layer_loader.py) and passes it in."""
+
+    def load(self, prefix: str) -> None: ...
+    def load_outer(self, layers_prefix: str) -> None: ...
+    def unload(self) -> None: ...
+
+
+class CalibrationState(Protocol):
+    """Finished layers on disk, for `--resume`; the quantizer driver builds it
+    (checkpoint/layer_state.py) and passes it in."""
+
+    done: int
+
+    def hidden(self, device: str) -> list[tuple[torch.Tensor, dict]]: ...
+    def save_layer(
+        self,
+        index: int,
+        weights: dict[str, QuantizedTensor],
+        hidden: list[tuple[torch.Tensor, dict]],
+    ) -> None: ...
+    def results(self, macro_block: int) -> Any: ...
+
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -307,10 +307,10 @@ def _calibrated_weights(
         fingerprint = _fingerprint(origin, source, scheme, method, tokens, targets)
         fingerprint.update(smooth=smooth, macro_block=macro_block, ct_nvfp4=ct_nvfp4)
         state = CalibrationState(dst, fingerprint, resume)
-    if method != "rtn" and smooth is None and not ct_nvfp4:
-        streamed = StreamedModel(src, source.tensors, device, method)
-        res = calibrate_and_quantize(
-            streamed.model,
+
+    def calibrate(model: torch.nn.Module, **extra: Any) -> Any:
+        return calibrate_and_quantize(
+            model,
             tokens,
             scheme,
             cast(Method, method),
@@ -318,9 +318,12 @@ def _calibrated_weights(
             device=device,
             progress=progress,
             macro_block=macro_block,
-            streamed=streamed,
-            state=state,
+            **extra,
         )
+
+    if method != "rtn" and smooth is None and not ct_nvfp4:
+        streamed = StreamedModel(src, source.tensors, device, method)
+        res = calibrate(streamed.model, streamed=streamed, state=state)
         _log_missed(targets, res.weights, method)
         return res.weights, {}, {}, state
     try:
@@ -350,15 +353,8 @@ def _calibrated_weights(
     # of the very weights calibration quantizes: the source's, or `rewritten` (smooth_model
     # rounds the model's weights to their stored dtype)
     ct_globals = nvfp4_ct_globals(items, rewritten) if ct_nvfp4 else None
-    res = calibrate_and_quantize(
+    res = calibrate(
         model,
-        tokens,
-        scheme,
-        cast(Method, method),
-        targets,
-        device=device,
-        progress=progress,
-        macro_block=macro_block,
         nvfp4_global=None if ct_globals is None else ct_globals.__getitem__,
         state=state,
     )

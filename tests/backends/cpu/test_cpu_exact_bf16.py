@@ -12,14 +12,18 @@ only an AMX host runs the AMX-BF16 tiles (the bound covers both, denormals-are-z
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 
 import pytest
 import torch
 from bound_helpers import check_bound  # tests/backends, on sys.path under pytest
-from test_cpu_kernels import PAIRS, _special_rows, _weight  # tests/backends/cpu, on sys.path
+from test_cpu_kernels import (  # tests/backends/cpu, on sys.path
+    PAIRS,
+    _special_rows,
+    _weight,
+    corrupted,
+)
 
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cpu import exact_bf16
@@ -126,13 +130,7 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
     scheme = get_scheme("mxfp4-mbs")
     q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
     x = torch.randn(70, k, generator=g).to(torch.bfloat16)
-    bad = dataclasses.replace(q, codes=q.codes.clone(), scales=q.scales.clone(), mbs=q.mbs.clone())
-    if wrong == "mbs byte":
-        bad.mbs[3, 1] ^= 1
-    elif wrong == "scale code":
-        bad.scales[3, 9] += 1
-    else:
-        bad.codes[3, 70] ^= 0x01
+    bad = corrupted(q, wrong)
     w = exact_bf16.ExactBf16Weight.from_quantized(bad, scheme)
     y = exact_bf16.linear(x, w, None, torch.float32)
     with pytest.raises(AssertionError, match="out of bound"):

@@ -201,6 +201,19 @@ def test_linear_matches_float64(ck, pair, m, k):
     _assert_within_bound(y, _reference(x, q, af, bias), torch.float32, k, wf, af)
 
 
+def corrupted(q, wrong: str):
+    """A copy of an MBS weight with one thing wrong: an MBS byte, a block scale code or one
+    element code (each a fault a kernel must not hide)."""
+    bad = dataclasses.replace(q, codes=q.codes.clone(), scales=q.scales.clone(), mbs=q.mbs.clone())
+    if wrong == "mbs byte":
+        bad.mbs[3, 1] ^= 1
+    elif wrong == "scale code":
+        bad.scales[3, 9] += 1
+    else:
+        bad.codes[3, 70] ^= 0x01
+    return bad
+
+
 @pytest.mark.parametrize("wrong", ["mbs byte", "scale code", "one code"])
 def test_bound_catches_a_wrong_weight(ck, wrong):
     """The bound is tight enough to fail: one weight MBS byte off by one, one E8M0 code off by
@@ -210,13 +223,7 @@ def test_bound_catches_a_wrong_weight(ck, wrong):
     q = quantize(torch.randn(24, k, generator=g) * 0.05, "mxfp4-mbs-d")
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     ref = _reference(x, q, "mxfp4-mbs-s", None)
-    bad = dataclasses.replace(q, codes=q.codes.clone(), scales=q.scales.clone(), mbs=q.mbs.clone())
-    if wrong == "mbs byte":
-        bad.mbs[3, 1] ^= 1
-    elif wrong == "scale code":
-        bad.scales[3, 9] += 1
-    else:
-        bad.codes[3, 70] ^= 0x01
+    bad = corrupted(q, wrong)
     y = ck.mx_linear(
         x,
         "mxfp4-mbs-d",

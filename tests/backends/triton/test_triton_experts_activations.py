@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_experts import SCHEMES  # tests/backends/triton, on sys.path
 
 from vllm_mxplus.backends.base import ExpertSpec, ExpertWeights
 from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS, expert_activation, gated
@@ -31,15 +32,6 @@ from vllm_mxplus.backends.selftest_experts import (
 )
 from vllm_mxplus.formats import get_scheme
 
-SCHEMES = [
-    ("mxfp4-mbs", 128),
-    ("mxfp4-mbs", 32),
-    ("mxfp4-mbs-s", 16),
-    ("mxfp4-16-oas", 128),
-    ("mxfp4-ocp", 128),
-    ("nvfp4", 128),
-    ("mxplus", 128),
-]
 ACTIVATIONS = ["silu", "gelu", "swigluoai"]
 E, H, INTER, TOPK = 4, 64, 32, 2  # small: the interpreter runs every program in Python
 SWIGLUOAI_LIMIT = 7.0

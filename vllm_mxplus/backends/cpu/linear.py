@@ -26,6 +26,7 @@ from vllm_mxplus.backends.base import (
     Layer,
     LinearBackend,
     Spec,
+    is_e8m0_pair,
     set_packed_buffers,
 )
 from vllm_mxplus.backends.cpu import exact_bf16
@@ -63,15 +64,7 @@ def cpu_kernels_take(scheme: Scheme) -> tuple[bool, str]:
         return True, ""
     if w.block_max_mantissa and a.block_max_mantissa:
         return True, ""
-    if (
-        w.scale_is_e8m0
-        and a.scale_is_e8m0
-        and not (w.block_max_mantissa or a.block_max_mantissa)
-        and w.block_size == a.block_size
-        and w.scale_rule == a.scale_rule
-        and bool(w.mbs) == bool(a.mbs)
-        and a.mbs != "dynamic"
-    ):
+    if is_e8m0_pair(w, a):
         return True, ""
     return False, f"no CPU kernel for weights {w.name} x activations {a.name}"
 
