@@ -186,12 +186,12 @@ def _rerun_and_check(src: Path, dst: Path, refs: dict, stale: list[Path], tmp: P
 def test_sigkill_at_random_times(src: Path, references: dict, tmp_path: Path) -> None:
     src_before = _digest(src)
     rng = random.Random(0)
-    span = 1.2 * references[NEW_SCHEME]["seconds"]
+    lo, hi = 0.0, 1.2 * references[NEW_SCHEME]["seconds"]
     seen_stale = 0
     # RANDOM_KILLS runs at least, and more (up to 4x) until a quarter of them landed mid-run:
     # on a loaded machine a run's length moves away from the reference's, so the span follows
-    # the runs (shorter when a run finished before its kill, longer when the kill came before
-    # any file), and the check below stays about the writer, not the machine's load.
+    # the runs (it ends earlier when a run finished before its kill, starts later when the kill
+    # came before any file), and the check below stays about the writer, not the machine's load.
     i = 0
     while i < RANDOM_KILLS or (seen_stale < RANDOM_KILLS // 4 and i < 4 * RANDOM_KILLS):
         out = tmp_path / f"run{i}"
@@ -203,15 +203,17 @@ def test_sigkill_at_random_times(src: Path, references: dict, tmp_path: Path) ->
         rc, err = _run(
             _argv(src, dst, NEW_SCHEME, *(["--force"] if force else [])),
             out / "kill.err",
-            kill_after=rng.uniform(0, span),
+            kill_after=(kill := rng.uniform(lo, hi)),
         )
         assert rc in (-signal.SIGKILL, 0), err
         stale = _check_after_kill(dst, references, force)
         seen_stale += bool(stale)
-        if rc == 0:  # finished before the kill
-            span *= 0.7
-        elif not stale and not dst.exists():  # killed before writing anything
-            span *= 1.3
+        # the kill window closes in on the writing: a run that finished before its kill
+        # ends the window there, a kill before any file starts it there (with slack for load)
+        if rc == 0:
+            hi = max(lo + 0.2, 0.5 * (kill + hi))
+        elif not stale and not dst.exists():
+            lo = min(kill, 0.5 * (lo + hi))
         _rerun_and_check(src, dst, references, stale, out)
         i += 1
     assert seen_stale >= RANDOM_KILLS // 4, f"only {seen_stale} kills landed mid-run"
