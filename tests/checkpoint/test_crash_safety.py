@@ -189,7 +189,7 @@ def test_sigkill_at_random_times(src: Path, references: dict, tmp_path: Path) ->
     lo, hi = 0.0, 1.2 * references[NEW_SCHEME]["seconds"]
     seen_stale = 0
     # RANDOM_KILLS runs at least, and more (up to 4x) until a quarter of them landed mid-run:
-    # on a loaded machine a run's length moves away from the reference's, so the span follows
+    # on a loaded machine a run's length moves away from the reference's, so the window follows
     # the runs (it ends earlier when a run finished before its kill, starts later when the kill
     # came before any file), and the check below stays about the writer, not the machine's load.
     i = 0

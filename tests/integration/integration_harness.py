@@ -100,8 +100,12 @@ def build_models(root: Path) -> dict[str, str]:
 # and then that noise moves one activation across a 4-bit rounding boundary (a "flip"), after
 # which logprobs jump by ~0.1 nats and the sequences may part. So the rule is:
 # - before the first flip, tokens are identical and |dlogprob| <= LOGPROB_ATOL;
-# - all prompts but at most one have no flip at all: every token identical.
-# A real bug (wrong scale, misplaced shard, wrong format) breaks every prompt at step 0.
+# - at least half the prompts have no flip at all: every token identical.
+# A real bug (wrong scale, misplaced shard, wrong format) breaks every prompt at step 0; one
+# in the decode path alone (M = 1) breaks every prompt at step 1. How many prompts flip is a
+# property of the host's fp32 GEMM order: the tiny Mistral of the model matrix flips 1 of 4
+# on an Intel Xeon and 2 of 4 on an AMD EPYC Zen 3 (both at a step > 0, tokens unchanged,
+# logprobs 0.06 and 0.13 nats apart), at this commit and before.
 LOGPROB_ATOL = 1e-4  # nats; observed <= 2.4e-6 before a flip
 
 
@@ -128,7 +132,7 @@ def greedy_mismatch(
                 f"logprob {lps[0]:.6f} vs {ref_lps[i][0]:.6f}"
             )
         identical += flip == n_tokens
-    if identical < len(ref_tokens) - 1:
+    if 2 * identical < len(ref_tokens):
         return f"only {identical}/{len(ref_tokens)} prompts token-identical to the reference"
     return None
 

@@ -111,8 +111,8 @@ def jobs_for(models: dict[str, dict[str, str]]) -> list[dict]:
 def judge(res: dict, ref: tuple[list[list[int]], list[list[float]]]) -> tuple[str, str]:
     """("ok", "") or (status, reason). The rule of `integration_harness.greedy_mismatch`:
     tokens identical and |dlogprob| <= LOGPROB_ATOL up to a rare 4-bit rounding flip, which
-    may part at most one prompt and never at the first token (a real bug breaks every prompt
-    there)."""
+    leaves at least half the prompts token-identical and never comes at the first token (a real
+    bug breaks every prompt there)."""
     if res.get("error"):
         return _classify_error(res["error"]), _short(res["error"])
     why = greedy_mismatch(res, *ref, TOKENS)

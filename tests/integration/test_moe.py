@@ -31,8 +31,8 @@ def _check_against_reference(res: dict, model_dir: str, scheme: str) -> None:
     """Greedy tokens identical to transformers + fake-quant experts and linears.
 
     The flip rule of `greedy_mismatch`: a rare 4-bit rounding flip from accumulation-order
-    noise may part one prompt late; a real bug (wrong scale, misplaced expert / shard, wrong
-    routing weights) breaks every prompt at the first token.
+    noise may part a prompt late (fewer than half of them); a real bug (wrong scale, misplaced
+    expert / shard, wrong routing weights) breaks every prompt at the first token.
     """
     from hf_reference import hf_greedy
 
