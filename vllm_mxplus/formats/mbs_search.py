@@ -18,6 +18,15 @@ Schwarz); candidates whose SSE intervals overlap the best one are re-scored exac
 the definition. Macro blocks outside the safe exponent range (|a| < 2^-100 or > 2^100, so
 no E8M0 clamping or fp32 overflow can occur) go to the brute force. The result equals the
 brute force's argmin, ties to the smaller m (tests/formats/test_mbs.py checks this).
+
+On a GPU the same search runs densely (`dense=True`): every element is carried through the
+step search with a zero weight where it cannot step (instead of gathering the few that can
+with `nonzero`), every macro block's near-tied candidates are re-scored together, and the
+constants are built on the device, so a tensor is one pass of kernels with no host sync per
+chunk. The one host sync per tensor is the question whether any macro block needs the
+definition itself (non-finite, outside the safe range, or more than MAX_RESCORE tied
+candidates), asked once at the end (tests/formats/test_mbs_dense.py: the dense pass runs
+under the fake-CUDA capture guard, and equals the brute force).
 """
 
 from __future__ import annotations
@@ -36,20 +45,32 @@ MAX_RESCORE = 8  # exact re-scoring of up to this many near-tied candidates per 
 CHUNK_ELEMS = (
     1 << 17
 )  # ~0.5 MB fp32 per temporary: stays in cache, measured ~1.7x faster than 1 << 19
+# The dense pass's chunk: ~200 bytes of temporaries per element (the difference arrays, the
+# per-element steps, the re-scoring of MAX_RESCORE candidates): ~0.8 GB per chunk.
+DENSE_CHUNK_ELEMS = 1 << 22
 
 
-def _strict_thresholds(device: torch.device) -> torch.Tensor:
-    """E2M1 thresholds as strict ones: v >= t equals v > prev_float(t) for the tie-up ones."""
+def _device_constant(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor built on the device by fills (no host-to-device copy)."""
+    return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
+
+
+def _strict_threshold_values() -> list[float]:
+    """E2M1 thresholds as strict ones (v >= t equals v > prev_float(t) for the tie-up ones),
+    plus a sentinel that is never crossed; computed on the host."""
     t = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32)
     up = torch.tensor(E2M1_TIE_ROUNDS_UP)
     t = torch.where(up, torch.nextafter(t, torch.tensor(0.0)), t)
-    return torch.cat([t, torch.tensor([3.0e38])]).to(device)  # sentinel: never crossed
+    return t.tolist() + [3.0e38]
 
 
-def _code(u: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+STRICT_THRESHOLDS = _strict_threshold_values()
+
+
+def _code(u: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude code (int64) as the count of strict thresholds exceeded."""
-    c = (u > thr[0].item()).to(torch.uint8)
-    for t in thr[1:7].tolist():
+    c = (u > STRICT_THRESHOLDS[0]).to(torch.uint8)
+    for t in STRICT_THRESHOLDS[1:7]:
         c += u > t
     return c.long()
 
@@ -74,7 +95,7 @@ def _first_true(u: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _approx_sse(
-    xm: torch.Tensor, block: int, dm: torch.Tensor | None = None
+    xm: torch.Tensor, block: int, dm: torch.Tensor | None = None, dense: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(SSE, error bound), each float64 [n, 256], for macro blocks xm fp32 [n, L]; with
     weights dm [n, L] >= 0 the weighted SSE sum_k d_k (x_k - x_hat_k)^2 (bound not computed:
@@ -84,7 +105,7 @@ def _approx_sse(
     and [m*, 256) when k = 1), A(m) = sum |x| value X and B(m) = sum (value X)^2 are built
     from difference arrays: the m = 0 sums, plus one step per element where its E2M1 code
     rises (at most two per option, found by _first_true on the few elements that can
-    reach the next threshold).
+    reach the next threshold; with dense, every element, weighted by whether it can).
     """
     n, length = xm.shape
     dev = xm.device
@@ -97,15 +118,15 @@ def _approx_sse(
     s0 = e - 2 + d
     m_star = _first_true(a_safe, pow2_f32(e + d) * 1.75).flatten()  # scale rises by one here
 
-    thr = _strict_thresholds(dev)
-    vals = torch.tensor(E2M1_VALUES + (6.0, 6.0), dtype=torch.float64, device=dev)
+    thr = _device_constant(STRICT_THRESHOLDS, torch.float32, dev)
+    vals = _device_constant([*E2M1_VALUES, 6.0, 6.0], torch.float64, dev)
     vals2 = (vals * vals).float()  # multiples of 1/4 up to 36: exact in fp32
     dvals = vals[1:] - vals[:-1]  # value step when the code rises from c to c + 1
     dvals2 = vals2[1:] - vals2[:-1]
     width = N_CAND + 1
     diff_a = torch.zeros(n * width, dtype=torch.float64, device=dev)
     diff_b = torch.zeros(n * width, dtype=torch.float64, device=dev)
-    macro_of_block = torch.arange(n, device=dev).repeat_interleave(nb) * width
+    macro_of_block = torch.arange(n * nb, device=dev) // nb * width
     pos_star = macro_of_block + m_star  # [n*nb] flat position of m* per block
     pos_end = macro_of_block + N_CAND  # the unused slot 256 of each macro block
     axf = ax.flatten()
@@ -117,7 +138,7 @@ def _approx_sse(
     for k in (0, 1):
         xk = pow2_f32(s0 + k).double().flatten()  # [n*nb] block scale X of this option
         u = (ax * pow2_f32(-(s0 + k))[..., None]).flatten()  # exact scaled magnitudes, m = 0
-        c0 = _code(u, thr)  # E2M1 code at m = 0
+        c0 = _code(u)  # E2M1 code at m = 0
         # sums at m = 0 per block
         s_a = (ax64 * _take(vals, c0)).view(-1, block).sum(-1) * xk
         if d64 is None:
@@ -129,9 +150,15 @@ def _approx_sse(
         for level in (0, 1):
             c = (c0 + level).clamp(max=7)
             t = _take(thr, c)
-            sel = (u * 2.0 > t).nonzero().squeeze(1)  # only these can cross t for F < 2
-            if sel.numel() == 0:
-                continue
+            can = u * 2.0 > t  # only these can cross t for F < 2
+            if dense:  # every element, its steps weighted 0 where it cannot cross
+                sel = torch.arange(u.numel(), device=dev)
+                gate: torch.Tensor | None = can.double()
+            else:
+                sel = can.nonzero().squeeze(1)
+                gate = None
+                if sel.numel() == 0:
+                    continue
             b = _first_true(_take(u, sel), _take(t, sel))
             blk = sel // block
             cs = _take(c, sel)
@@ -141,6 +168,8 @@ def _approx_sse(
                 w_b = _take(dvals2, cs).double() * (xb * xb)
             else:
                 w_b = _take(d64, sel) * _take(dvals2, cs) * (xb * xb)
+            if gate is not None:
+                w_a, w_b = w_a * gate, w_b * gate
             ms = _take(m_star, blk)
             if k == 0:  # steps before m* only, each undone at m*; others go to slot 256
                 before = b < ms
@@ -200,15 +229,67 @@ def _pick(xm: torch.Tensor, macro: int, block: int) -> torch.Tensor:
     return result
 
 
+def _pick_dense(xm: torch.Tensor, macro: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes int64 [n], needs the definition bool [n]) for safe macro blocks xm [n, macro],
+    without a host sync: every block's candidates within the bound are re-scored exactly
+    (up to MAX_RESCORE, in increasing m, so argmin's first minimum is the smaller m)."""
+    n = xm.shape[0]
+    sse, tol = _approx_sse(xm, block, dense=True)
+    best_hi = (sse + tol).amin(-1, keepdim=True)
+    cand = (sse - tol) <= best_hi
+    idx = torch.arange(N_CAND, device=xm.device)
+    order = torch.where(cand, idx, N_CAND + idx).sort(-1).values[:, :MAX_RESCORE]
+    xs = xm[:, None, :].expand(n, MAX_RESCORE, macro).reshape(-1, macro)
+    ms = order.clamp(max=N_CAND - 1).reshape(-1, 1).to(torch.uint8)
+    exact = mbs_sse(xs, ms, macro, block).view(n, MAX_RESCORE)
+    exact = torch.where(order < N_CAND, exact, torch.full_like(exact, float("inf")))
+    return order.gather(1, exact.argmin(-1, keepdim=True)).squeeze(-1), cand.sum(-1) > MAX_RESCORE
+
+
+def mbs_dynamic_dense(
+    xm: torch.Tensor, macro: int, block: int = 16, dm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sync-free pass over macro blocks xm fp32 [n, macro] (weights dm [n, macro] or
+    None): (bytes int64 [n], bool [n] marking the blocks whose byte must come from the
+    definition instead: outside the safe range, or more than MAX_RESCORE near-tied candidates).
+    All-zero and non-finite blocks get 0, as from the definition. Chunks of DENSE_CHUNK_ELEMS, each a fixed sequence of kernels."""
+    a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
+    finite = torch.isfinite(a).all(-1)
+    nonzero = (a > 0).any(-1)
+    in_range = ((a == 0) | ((a >= SAFE_MIN) & (a <= SAFE_MAX))).all(-1)
+    fast = finite & nonzero & in_range
+    need = finite & nonzero & ~in_range
+    # blocks off the fast path become zeros, so that no NaN or huge value reaches an index
+    xs = torch.where(fast[:, None], xm, torch.zeros((), dtype=xm.dtype, device=xm.device))
+    out = torch.zeros(xm.shape[0], dtype=torch.int64, device=xm.device)
+    step = max(1, DENSE_CHUNK_ELEMS // macro)
+    for i in range(0, xm.shape[0], step):
+        rows = slice(i, i + step)
+        if dm is None:
+            m, many = _pick_dense(xs[rows], macro, block)
+            need[rows] |= many & fast[rows]
+        else:
+            m = _approx_sse(xs[rows], block, dm[rows], dense=True)[0].argmin(-1)
+        out[rows] = torch.where(fast[rows], m, 0)
+    return out, need
+
+
 def mbs_dynamic(
-    x: torch.Tensor, macro: int, block: int = 16, weights: torch.Tensor | None = None
+    x: torch.Tensor,
+    macro: int,
+    block: int = 16,
+    weights: torch.Tensor | None = None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """MBS-D bytes (uint8 [..., nM]) for fp32 x [..., nM*macro]; equals the brute force.
 
     weights: d [nM*macro] >= 0 per column (an input second moment, shared by all rows): the
     input-weighted byte argmin_m sum_k d_k (x_k - x_hat_k)^2 instead (calibrated
     quantization; x_hat as the exact quotient, ties to the smaller m). Macro blocks outside the
-    safe exponent range take the unweighted byte."""
+    safe exponent range take the unweighted byte.
+
+    dense: the GPU form (one pass of kernels, one host sync per tensor); default: on any
+    device but the CPU, where the gathered form is faster."""
     lead = x.shape[:-1]
     xm = x.reshape(-1, macro)
     dm = None
@@ -216,6 +297,14 @@ def mbs_dynamic(
         nm = weights.numel() // macro
         dm = weights.to(torch.float32).reshape(1, nm, macro).expand(xm.shape[0] // nm, nm, macro)
         dm = dm.reshape(-1, macro)
+    if dense is None:
+        dense = x.device.type != "cpu"
+    if dense:
+        out, need = mbs_dynamic_dense(xm, macro, block, dm)
+        if bool(need.any()):  # the one host sync per tensor
+            rows = need.nonzero().squeeze(-1)
+            out[rows] = mbs_dynamic_bruteforce(xm[rows], macro, block).squeeze(-1).long()
+        return out.to(torch.uint8).reshape(*lead, -1)
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=x.device)
     a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
     finite = torch.isfinite(a).all(-1)
