@@ -155,9 +155,9 @@ def _kernels(arch, qx, qw, w, k):
     w_sf_full = co.pack_scales_sm100(pad(qw.scales, (0, 0, 0, w.codes.shape[0] - w.n)), kp, kp)
     sig = co.sigma_chunks(qx.mbs, qx.codes.shape[0], k, codes.device)
     return {
-        "mbs": lambda: co.fp4_mbs_gemm(codes, sf, w.codes, w.sf, sig, w.sigma, None, True, bf16),
+        "mbs": lambda: co.fp4_mbs_gemm(codes, sf, w.codes, w.sf, sig, w.sigma(), None, True, bf16),
         "no_mbs": lambda: co.fp4_mbs_gemm(
-            codes, sf_full, w.codes, w_sf_full, sig, w.sigma, None, False, bf16
+            codes, sf_full, w.codes, w_sf_full, sig, w.sigma(), None, False, bf16
         ),
     }
 

@@ -25,7 +25,6 @@ import torch
 
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
-from vllm_mxplus.backends.cutlass.fp8_chunks import Fp8ChunkLayout
 from vllm_mxplus.backends.cutlass.gemm import PreparedWeight
 from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 from vllm_mxplus.backends.graph_guard import cuda_empty, fake_cuda, guarded
@@ -48,22 +47,14 @@ VIEW_OPS = (
 
 def sm90_weight(n: int, k: int, inexact_rows: int) -> PreparedWeight:
     """A fake prepared sm_90a weight [n, k] with `inexact_rows` rows on the exact fallback."""
-    nc, npad = -(-k // 128), -(-n // 8) * 8
-    lay = Fp8ChunkLayout(
-        fp8=cuda_empty((npad, nc * 128), torch.float8_e4m3fn),
-        scale=cuda_empty((nc, npad)),
-        ref=cuda_empty((npad, nc), torch.int32),
-        mbs=cuda_empty((npad, nc), torch.uint8),
-        exact=cuda_empty((npad, nc), torch.bool),
-        k=k,
-    )
+    nc = -(-k // 128)
     idx = cuda_empty((inexact_rows,), torch.int64)
     packed = (
         cuda_empty((n, k // 2), torch.uint8),
         cuda_empty((n, -(-k // 16)), torch.uint8),
         cuda_empty((n, nc), torch.uint8),
     )
-    return PreparedWeight("sm90a", n, k, True, layout=lay, packed=packed, fallback_idx=idx)
+    return PreparedWeight("sm90a", n, k, True, packed=packed, fallback_idx=idx)
 
 
 def _summary(ops: list[str]) -> dict:

@@ -46,12 +46,11 @@ def test_no_reference_on_hopper_or_blackwell(cc, cutlass):
     assert (prefill["mxfp4-mbs"] == "cutlass_prefill") is cutlass  # CUTLASS first where built
     assert prefill["nvfp4"] != "cutlass_prefill"  # its kernels take E8M0 at block 16 only
     # bytes per weight held on the device, measured from the backends' own load code: the
-    # packed format (0.53-0.57) wherever the Triton kernels serve alone. Linears the CUTLASS
-    # GEMM serves are not yet <= 0.65 (sm_90a: an FP8 copy beside the packed weight; sm_100a:
-    # packed scales and fp32 sigma beside it): the plan shows their number, not checked here.
+    # packed format (0.53-0.58) wherever the Triton kernels serve alone; with the CUTLASS
+    # prefill, sm_90a holds nothing more (its FP8 form is made per call) and sm_100a adds its
+    # interleaved scale copy (1 byte per 16: 0.63).
     for r in rows:
-        if not (r.layer == "linear" and prefill[r.scheme] == "cutlass_prefill"):
-            assert 0.5 < r.bytes_per_weight <= 0.65, r
+        assert 0.5 < r.bytes_per_weight <= 0.65, r
 
 
 def test_cutlass_is_not_planned_on_ampere():

@@ -52,3 +52,23 @@ def scheme_supported(scheme: str) -> bool:
     s = get_scheme(scheme)
     spec = LinearSpec(scheme=scheme, n=1, k=1, out_dtype=torch.bfloat16)
     return s is not None and CutlassPrefillBackend.can_implement(spec)[0]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t
+
+
+def assert_same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise equality; names the first mismatching coordinates."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    g, w = _bits(got.contiguous().cpu()), _bits(want.contiguous().cpu())
+    bad = (g != w).nonzero()
+    assert bad.numel() == 0, (
+        f"{name}: {bad.shape[0]} mismatches, first at {tuple(bad[0].tolist())}: "
+        f"got {g[tuple(bad[0])].item()} want {w[tuple(bad[0])].item()}"
+    )

@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from cutlass_helpers import emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/backends/cutlass on sys.path)
+from cutlass_helpers import assert_same_bits, emulated_sm90  # noqa: F401  (fixture for usefixtures; tests/backends/cutlass on sys.path)
 from graph_helpers import replay_with
 
 from vllm_mxplus.backends.base import LinearSpec
@@ -38,26 +38,6 @@ MS = (1, 33, 100)
 KS = (100, 576, 1536, 4096)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FIELDS = ("fp8", "scale", "ref", "mbs", "exact")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    if t.dtype == torch.float32:
-        return t.view(torch.int32)
-    return t
-
-
-def assert_same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bitwise equality; names the first mismatching coordinates."""
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    g, w = _bits(got.contiguous().cpu()), _bits(want.contiguous().cpu())
-    bad = (g != w).nonzero()
-    assert bad.numel() == 0, (
-        f"{name}: {bad.shape[0]} mismatches, first at {tuple(bad[0].tolist())}: "
-        f"got {g[tuple(bad[0])].item()} want {w[tuple(bad[0])].item()}"
-    )
 
 
 def reference_layout(x: torch.Tensor, fmt: str) -> fc.Fp8ChunkLayout:
@@ -351,8 +331,6 @@ def test_fused_prefill_op_fake():
             ref,
             mbs,
             exact,
-            torch.empty(24, 384, dtype=torch.float8_e4m3fn),
-            torch.empty(3, 24),
             torch.empty(20, 150, dtype=torch.uint8),
             torch.empty(20, 19, dtype=torch.uint8),
             torch.empty(20, 3, dtype=torch.uint8),

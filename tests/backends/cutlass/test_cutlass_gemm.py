@@ -207,7 +207,8 @@ def test_exact_rows_untouched_and_nan_only_where_the_spec_says():
     assert torch.isnan(y).all(-1).nonzero().flatten().tolist() == [6]
     ok = [r for r in range(m) if r != 6]
     assert not torch.isnan(y[ok]).any()
-    plain = cutlass_gemm.fp8_chunk_gemm(xl.fp8, xl.scale, w.layout.fp8, w.layout.scale, None,
+    wl = fc.encode_fp8_chunks(qw.codes, qw.scales, qw.mbs, k)  # the weight's FP8 form
+    plain = cutlass_gemm.fp8_chunk_gemm(xl.fp8, xl.scale, wl.fp8, wl.scale, None,
                                         torch.float32)[:, :n]  # fmt: skip
     exact = [r for r in range(m) if r not in bad_rows]
     assert torch.equal(y[exact], plain[exact])
@@ -359,7 +360,7 @@ def test_gpu_sm100_mbs_vs_plain(kernel_arch):
         w_mbs.codes,
         w_mbs.sf,
         sig_x,
-        w_mbs.sigma,
+        w_mbs.sigma(),
         None,
         True,
         torch.bfloat16,

@@ -114,7 +114,7 @@ def _quantize_tile(
 
 
 @triton.jit
-def _folded_scale(ref, f):
+def folded_scale(ref, f):
     """The chunk scale 2^(ref-127) * fp32(1/F): the power of two from bits, sigma = 1/F an IEEE
     reciprocal (`div_rn`), one fp32 multiply."""
     sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
@@ -122,7 +122,7 @@ def _folded_scale(ref, f):
 
 
 @triton.jit
-def _encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr):
+def encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr):
     """`fp8_chunks._encode` on a tile: the FP8 layout of the blocks where live [BM, NB] is
     nonzero (the others encode as +0). Returns (bytes [BM, NB, 16] int32, ref [BM, NC],
     exact [BM, NC], ok per element [BM, NB, 16])."""
@@ -162,11 +162,11 @@ def _act_fp8_chunks_kernel(
 
     # -- 2.-4. reference exponents, FP8 bytes and exact flags of every block
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
-    byte, ref, exact, _ok = _encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
+    byte, ref, exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
     fp8 = tl.reshape(byte, (BLOCK_M, BLOCK_K))
 
     # -- 5. folded scale 2^(ref-127) * fp32(1/F)
-    scale = _folded_scale(ref, f)
+    scale = folded_scale(ref, f)
 
     # offs_m is int64 (load_row_tile): M * Kp and Kp/128 * M may pass 2^31
     tl.store(

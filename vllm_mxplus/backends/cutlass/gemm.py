@@ -6,7 +6,8 @@ docs/numerics.md, "Kernel numerics and error bounds"):
 
 - sm_90a (H100/H200, no FP4 tensor cores): operands re-encoded as FP8 per (row, chunk)
   (`fp8_chunks`); activations in one Triton kernel straight from x (`act_fp8`) where
-  the format has one, else the Triton act-quant and the torch encoder.
+  the format has one, else the Triton act-quant and the torch encoder; the weight per call
+  from its packed form into a temporary (`weight_fp8`: no FP8 copy is held).
 - sm_100a (B200): native block-scaled FP4 MMA; one launch per 128-K chunk with MBS, one
   launch over the whole K without (`mxfp4-16`, `mxfp4-16-oas`).
 
@@ -51,6 +52,7 @@ from vllm_mxplus.backends.cutlass.ops import (
     pack_scales_sm100,
     sigma_chunks,
 )
+from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.act_quant import act_quant
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows
@@ -74,10 +76,9 @@ def _prefill_op(name: str, impl: Callable[..., torch.Tensor]) -> Callable[..., t
 
 
 class Sm90Weight(NamedTuple):
-    """The weight arguments of the sm_90a ops, in their order."""
+    """The weight arguments of the sm_90a ops, in their order: the packed weight alone (its
+    FP8 form is made per call, `weight_fp8`)."""
 
-    fp8: torch.Tensor  # float8_e4m3fn [Np, Kp]
-    scale: torch.Tensor  # fp32 [Kp/128, Np]
     codes: torch.Tensor  # the packed weight [N, K/2] (formats' layout): exact rows, columns
     scales: torch.Tensor  # E8M0 [N, K/16]
     mbs: torch.Tensor | None  # [N, K/128] or None
@@ -92,19 +93,32 @@ class PreparedWeight:
     n: int
     k: int
     use_mbs: bool = True  # False: neither operand has MBS (sm_100a: one full-K launch)
-    layout: Fp8ChunkLayout | None = None  # sm90a
     codes: torch.Tensor | None = None  # sm100a: [Np, Kp/2]
     sf: torch.Tensor | None = None  # sm100a: packed per chunk (or for the whole K)
-    sigma: torch.Tensor | None = None  # sm100a: [Kp/128, Np] fp32 (empty without MBS)
+    mbs: torch.Tensor | None = None  # sm100a: the weight's MBS bytes [N, K/128] or None
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # sm90a
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
 
     def sm90_operands(self) -> Sm90Weight:
         """The sm_90a ops' weight arguments (`Sm90Weight`, in order)."""
-        assert (
-            self.layout is not None and self.packed is not None and (self.fallback_idx is not None)
-        ), "sm90_operands of a weight not prepared for sm90a"
-        return Sm90Weight(self.layout.fp8, self.layout.scale, *self.packed, self.fallback_idx)
+        assert self.packed is not None and self.fallback_idx is not None, (
+            "sm90_operands of a weight not prepared for sm90a"
+        )
+        return Sm90Weight(*self.packed, self.fallback_idx)
+
+    def sigma(self) -> torch.Tensor:
+        """sm100a: the weight's fp32(1/F) per (chunk, row), [Kp/128, Np], built per call from
+        the MBS bytes (4 bytes per 128 weights not held; empty without MBS)."""
+        assert self.codes is not None, "sigma of a weight not prepared for sm100a"
+        return _weight_sigma(self.mbs, self.codes, self.k, self.use_mbs)
+
+
+def _weight_sigma(
+    mbs: torch.Tensor | None, codes: torch.Tensor, k: int, use_mbs: bool
+) -> torch.Tensor:
+    if not use_mbs:
+        return torch.empty(0, dtype=torch.float32, device=codes.device)
+    return sigma_chunks(mbs, codes.shape[0], k, codes.device)
 
 
 def prepare_weight(
@@ -120,12 +134,10 @@ def prepare_weight(
     mbs = None if qweight.mbs is None else pad_rows(qweight.mbs, npad)
     use_mbs = mbs is not None or activation_mbs
     if arch == "sm90a":
-        lay = encode_fp8_chunks(codes, scales, mbs, k)
-        bad = (~lay.exact_rows[:n]).nonzero().flatten()  # at load: a host sync is fine here
         packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
-        return PreparedWeight(arch, n, k, use_mbs, layout=lay, packed=packed, fallback_idx=bad)
+        bad = inexact_rows(*packed, k)
+        return PreparedWeight(arch, n, k, use_mbs, packed=packed, fallback_idx=bad)
     if arch == "sm100a":
-        dev = codes.device
         return PreparedWeight(
             arch,
             n,
@@ -133,16 +145,32 @@ def prepare_weight(
             use_mbs,
             codes=pad_last(codes, kp // 2).contiguous(),
             sf=pack_scales_sm100(scales, kp, CHUNK if use_mbs else kp),
-            sigma=(
-                sigma_chunks(mbs, npad, k, dev)
-                if use_mbs
-                else torch.empty(0, dtype=torch.float32, device=dev)
-            ),
+            mbs=qweight.mbs,  # the same tensor as the Triton decode's: no copy
         )
     raise ValueError(f"unknown arch {arch!r} (expected 'sm90a' or 'sm100a')")
 
 
 # ----------------------------------------------------------------------------- sm_90a
+LOAD_ROWS = 1024  # weight rows re-encoded at a time at load (temporaries ~20 B per element)
+
+
+def inexact_rows(
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
+) -> torch.Tensor:
+    """Indices (int64) of the weight rows with a chunk the FP8 form cannot hold exactly, from
+    the definition (`encode_fp8_chunks`), LOAD_ROWS rows at a time: the extra memory at load
+    is one slice's temporaries, not the whole weight's FP8 form. A host sync per slice: at
+    load only."""
+    bad = []
+    for r in range(0, codes.shape[0], LOAD_ROWS):
+        part = slice(r, r + LOAD_ROWS)
+        lay = encode_fp8_chunks(codes[part], scales[part], None if mbs is None else mbs[part], k)
+        bad.append((~lay.exact_rows).nonzero().flatten() + r)
+    if not bad:
+        return torch.empty(0, dtype=torch.int64, device=codes.device)
+    return torch.cat(bad)
+
+
 def _sm90_gemm(
     xl: Fp8ChunkLayout,
     x_packed: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
@@ -159,8 +187,11 @@ def _sm90_gemm(
     activation rows with an inexact chunk (`mx_gemm_rows`: any number of them, no host sync,
     work following their number) and, when the weight has inexact rows (known at load), over
     those output columns."""
-    b32 = bias_f32(bias, w.fp8.shape[0])
-    y = fp8_chunk_gemm(xl.fp8, xl.scale, w.fp8, w.scale, b32, out_dtype)
+    rows = ceil_to(n, 8)
+    w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
+    b32 = bias_f32(bias, rows)
+    y = fp8_chunk_gemm(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
+    del w_fp8, w_scale  # the temporary goes back to the allocator before the fallbacks
     y = y[:, :n].contiguous() if y.shape[1] != n else y
     codes, scales, mbs = x_packed()
     x_ops = (codes, scales, mbs, None)
@@ -184,8 +215,6 @@ def prefill_sm90_impl(
     x_scales: torch.Tensor,
     x_mbs: torch.Tensor | None,
     k: int,
-    w_fp8: torch.Tensor,
-    w_scale: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
@@ -198,7 +227,7 @@ def prefill_sm90_impl(
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda: (x_codes, x_scales, x_mbs),
-        Sm90Weight(w_fp8, w_scale, w_codes, w_scales, w_mbs, fallback_idx),
+        Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx),
         bias,
         n,
         out_dtype,
@@ -216,8 +245,6 @@ def prefill_sm90_fused_impl(
     x_ref: torch.Tensor,
     x_mbs: torch.Tensor,
     x_exact: torch.Tensor,
-    w_fp8: torch.Tensor,
-    w_scale: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
@@ -239,7 +266,7 @@ def prefill_sm90_fused_impl(
         codes, scales, mbs, _ = act_quant(x, fmt, macro_block=CHUNK)
         return codes, scales, mbs if has_mbs else None
 
-    w = Sm90Weight(w_fp8, w_scale, w_codes, w_scales, w_mbs, fallback_idx)
+    w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx)
     return _sm90_gemm(xl, packed, w, bias, n, out_dtype)
 
 
@@ -254,7 +281,7 @@ def prefill_sm100_impl(
     k: int,
     w_codes: torch.Tensor,
     w_sf: torch.Tensor,
-    w_sigma: torch.Tensor,
+    w_mbs: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
     use_mbs: bool,
@@ -262,6 +289,7 @@ def prefill_sm100_impl(
 ) -> torch.Tensor:
     kp = ceil_to(k, CHUNK)
     m = x_codes.shape[0]
+    w_sigma = _weight_sigma(w_mbs, w_codes, k, use_mbs)
     sig = sigma_chunks(x_mbs, m, k, x_codes.device) if use_mbs else w_sigma
     y = fp4_mbs_gemm(
         pad_last(x_codes, kp // 2).contiguous(),
@@ -303,7 +331,7 @@ def prefill_gemm(
             x_codes, x_scales, x_mbs, k, *w.sm90_operands(), bias, w.n, out_dtype
         )
     return torch.ops.vllm_mxplus.cutlass_prefill_sm100(
-        x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.sigma, bias, w.n, w.use_mbs, out_dtype
+        x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.mbs, bias, w.n, w.use_mbs, out_dtype
     )
 
 

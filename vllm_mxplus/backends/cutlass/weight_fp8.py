@@ -1,0 +1,157 @@
+"""The sm_90a weight operand, re-encoded per call: packed MXFP4 -> FP8 E4M3 chunks.
+
+The Hopper GEMM multiplies FP8 E4M3 operands with one fp32 scale per (row, 128-K chunk)
+(`fp8_chunks`). Holding that re-encoding of every weight would cost 1 byte per weight plus
+4 per 128 beside the packed format's 0.57 (which the decode kernels and the exact fallback
+read); so the weight keeps only its packed form, and each prefill call re-encodes it into
+a temporary with this kernel, one pass that reads 0.57 bytes per weight and writes 1.03.
+The temporary lives for one GEMM (the caching allocator hands the same block to the next
+layer); the held bytes per weight stay the packed format's.
+
+    weight_fp8_chunks(codes, scales, mbs, k, rows)  ==  (lay.fp8, lay.scale)
+        with lay = encode_fp8_chunks(pad_rows(codes, rows), pad_rows(scales, rows),
+                                     pad_rows(mbs, rows), k)
+
+bit for bit on every chunk (tests/backends/cutlass/test_cutlass_weight_fp8.py, under the
+interpreter). Which weight rows hold a chunk the FP8 form cannot represent exactly is decided
+once at load from the definition (`gemm.prepare_weight`); the GEMM recomputes those output
+columns from the packed operands, so this kernel writes no `exact` flags.
+
+Per program: BLOCK_M rows x BLOCK_K columns, BLOCK_K a whole number of chunks; the chunk
+arithmetic is `act_fp8`'s (`encode_live`, `folded_scale`), on codes unpacked from the nibbles
+(element 2i in the low nibble) instead of codes quantized from activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.cutlass.act_fp8 import CHUNK_K, encode_live, folded_scale
+from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, ceil_to
+from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
+from vllm_mxplus.formats.constants import ceil_div
+
+GPU_BLOCK_K = 512  # columns per program on the GPU (256 bytes of codes per row)
+GPU_BLOCK_M = 4
+
+
+@triton.jit
+def _weight_fp8_chunks_kernel(
+    codes_ptr, scales_ptr, mbs_ptr, fp8_ptr, scale_ptr,
+    N, K, KP, NCH, ROWS,
+    stride_cm, stride_sm, stride_mm, stride_fm, stride_sc,
+    HAS_MBS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks per tile
+    NB: tl.constexpr = BLOCK_K // 16  # 16-blocks per tile
+    HALF: tl.constexpr = BLOCK_K // 2  # code bytes per tile row
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k0 = tl.program_id(1) * BLOCK_K
+    live_m = offs_m < N  # rows N..ROWS-1 are the padding: zeros, as pad_rows makes them
+    rows = offs_m.to(tl.int64)  # row * stride overflows int32 for N * K >= 2^31
+
+    # codes: two per byte, element 2i in the low nibble; zeros past K and past N
+    kb = k0 // 2 + tl.arange(0, HALF)
+    cb = tl.load(
+        codes_ptr + rows[:, None] * stride_cm + kb[None, :],
+        mask=live_m[:, None] & (kb[None, :] < (K + 1) // 2),
+        other=0,
+    ).to(tl.int32)
+    c = tl.reshape(tl.join(cb & 15, cb >> 4), (BLOCK_M, BLOCK_K))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    c = tl.where(offs_k[None, :] < K, c, 0)
+    c3 = tl.reshape(c, (BLOCK_M, NB, 16))
+    mag = c3 & 7
+    neg = (c3 >> 3) & 1
+
+    # E8M0 block scales (code 0 past K: the padding's), MBS bytes per chunk (0: F = 1)
+    sb = k0 // 16 + tl.arange(0, NB)
+    s = tl.load(
+        scales_ptr + rows[:, None] * stride_sm + sb[None, :],
+        mask=live_m[:, None] & (sb[None, :] < (K + 15) // 16),
+        other=0,
+    ).to(tl.int32)
+    offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
+    if HAS_MBS:
+        m = tl.load(
+            mbs_ptr + rows[:, None] * stride_mm + offs_c[None, :],
+            mask=live_m[:, None] & (offs_c[None, :] < NCH),
+            other=0,
+        ).to(tl.int32)
+    else:
+        m = tl.zeros((BLOCK_M, NC), tl.int32)
+
+    every = tl.full((BLOCK_M, NB), 1, tl.int32)
+    byte, ref, _exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
+    scale = folded_scale(ref, mbs_factor(m))
+
+    in_rows = offs_m < ROWS
+    tl.store(
+        fp8_ptr + rows[:, None] * stride_fm + offs_k[None, :],
+        tl.reshape(byte, (BLOCK_M, BLOCK_K)).to(tl.uint8),
+        mask=in_rows[:, None] & (offs_k[None, :] < KP),
+    )
+    tl.store(
+        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + rows[:, None],
+        scale,
+        mask=in_rows[:, None] & (offs_c[None, :] < NCH),
+    )
+
+
+def _tile_sizes(rows: int, kp: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): large tiles for the interpreter (it pays per program), ~2K
+    elements per program on the GPU (memory-bound)."""
+    kp2 = triton.next_power_of_2(kp)
+    if interpreting():
+        return min(64, triton.next_power_of_2(rows)), min(kp2, 4096)
+    return min(GPU_BLOCK_M, triton.next_power_of_2(rows)), min(kp2, GPU_BLOCK_K)
+
+
+def weight_fp8_chunks(
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed weight (codes uint8 [N, ceil(K/2)], E8M0 scales [N, ceil(K/16)], MBS bytes
+    [N, ceil(K/128)] or None) -> (FP8 E4M3 [rows, Kp], fp32 scales [Kp/128, rows]), rows >= N
+    (the extra rows are zeros). New tensors, for one GEMM."""
+    n = codes.shape[0]
+    if rows < n:
+        raise ValueError(f"weight_fp8_chunks: rows={rows} < the weight's {n} rows")
+    if mbs is not None and mbs.shape[0] != n:
+        raise ValueError(f"weight_fp8_chunks: mbs has {mbs.shape[0]} rows, codes {n}")
+    check_available(codes)
+    kp = ceil_to(k, CHUNK)
+    nc = kp // CHUNK
+    fp8 = torch.empty((rows, kp), dtype=torch.uint8, device=codes.device)
+    scale = torch.empty((nc, rows), dtype=torch.float32, device=codes.device)
+    block_m, block_k = _tile_sizes(rows, kp)
+    mbs_arg = mbs if mbs is not None else codes  # not read without MBS
+    launch(
+        _weight_fp8_chunks_kernel,
+        (triton.cdiv(rows, block_m), triton.cdiv(kp, block_k)),
+        codes,
+        scales,
+        mbs_arg,
+        fp8,
+        scale,
+        n,
+        k,
+        kp,
+        nc,
+        rows,
+        codes.stride(0),
+        scales.stride(0),
+        mbs_arg.stride(0),
+        fp8.stride(0),
+        scale.stride(0),
+        HAS_MBS=mbs is not None,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+    )
+    return fp8.view(torch.float8_e4m3fn), scale
+
+
+def scratch_bytes(n: int, k: int) -> int:
+    """Bytes of the per-call temporary for an [n, k] weight (rows padded to 8)."""
+    rows, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
+    return rows * kp + 4 * rows * ceil_div(kp, CHUNK)
