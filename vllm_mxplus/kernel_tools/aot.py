@@ -2,9 +2,9 @@
 without a GPU, and check it: `mxplus kernels --aot [--targets 80,90,100] [--quick]
 [--kernel decode_gemm]`.
 
-The configurations are not a hand list. The launchers (`act_quant`, `act_quant_fp8_chunks`,
-`decode_gemm`) are driven over their input domain (formats x dtypes x row counts x K x macro
-blocks x bias x split-K) on meta tensors inside `triton_utils.capture_launches()`, which
+The configurations are not a hand list. The launchers (`aot_drivers.DRIVERS`: `act_quant`,
+`act_quant_fp8_chunks`, `weight_fp8_chunks`, `decode_gemm`, ...) are driven over their input
+domain (formats x dtypes x row counts x K x macro blocks x bias x split-K) on meta tensors inside `triton_utils.capture_launches()`, which
 records each launch with the GPU's tile choices instead of running it. Each distinct
 (kernel, argument types, constexprs, divisibility) is then compiled by Triton's own compiler
 for a `GPUTarget("cuda", cc, 32)`, and the bundled `ptxas -v` reports registers and spills of

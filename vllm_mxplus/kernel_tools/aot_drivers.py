@@ -49,6 +49,17 @@ def _drive_act_fp8(quick: bool) -> None:
         af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt, 128)
 
 
+def _drive_weight_fp8(quick: bool) -> None:
+    from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
+    from vllm_mxplus.formats.constants import ceil_div
+
+    shapes = ((4096, 4096),) if quick else ((4096, 4096), (576, 1536), (100, 72), (13, 4104))
+    for (n, k), mbs in itertools.product(shapes, (True, False)):
+        codes, scales, _ = _gemm_operand(n, k, "mxfp4-16", 16, 128)
+        m = _meta((n, ceil_div(k, 128)), torch.uint8) if mbs else None
+        weight_fp8_chunks(codes, scales, m, k, ceil_div(n, 8) * 8)
+
+
 def _gemm_operand(
     rows: int, k: int, fmt: str, bs: int, macro: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -223,6 +234,7 @@ def _drive_act_quant_plus(quick: bool) -> None:
 DRIVERS: dict[str, Callable[[bool], None]] = {
     "act_quant": _drive_act_quant,
     "act_quant_fp8_chunks": _drive_act_fp8,
+    "weight_fp8_chunks": _drive_weight_fp8,
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
     "moe_gemm": _drive_moe_gemm,

@@ -30,6 +30,7 @@ from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.backends.selection import select
 from vllm_mxplus.formats import SCHEMES, fake_quantize, get_scheme, quantize
 from vllm_mxplus.kernel_tools import aot, plan
+from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,8 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--kernel",
         default="",
         metavar="LAUNCHER[,LAUNCHER]",
-        help="compile only these launchers' configurations: decode_gemm, act_quant, "
-        "act_quant_fp8_chunks (default: all)",
+        help="compile only these launchers' configurations: "
+        + ", ".join(DRIVERS)
+        + " (default: all)",
     )
     g.add_argument(
         "--macro-block",
