@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .test_mbs import _cases
 
 from vllm_mxplus.backends.graph_guard import (
     GraphCaptureViolation,
@@ -15,6 +14,8 @@ from vllm_mxplus.backends.graph_guard import (
     guarded,
 )
 from vllm_mxplus.formats import mbs_dynamic, mbs_dynamic_bruteforce, mbs_search
+
+from .test_mbs import _cases
 
 CASES = list(_cases())
 
