@@ -1,21 +1,31 @@
 """The Python side of scripts/gpu_check.sh: one step per call, its JSON under --out.
 
     python scripts/gpu_check.py --dry-run [--budget S]   # the plan and time boxes, no GPU
-    python scripts/gpu_check.py STEP --out DIR           # STEP: served | correct | speed
+    python scripts/gpu_check.py STEP --out DIR           # STEP: served | stack | speed |
+                                                         #       cutlass | correct
+    GPU_CHECK_REHEARSE=1 python scripts/gpu_check.py STEP --out DIR
+        # on a CPU, under TRITON_INTERPRET=1: the same checks on small shapes, CUDA graphs and
+        # timings skipped (tests/kernels/test_gpu_check_rehearsal.py runs it, so that the
+        # first GPU call does not fail on a stale API)
 
 Each step writes DIR/<step>.json first with status "started", rewrites it after every check
 (status "running", the checks so far), and last with "ok" or "failed"; gpu_check.sh marks a
 file still "started"/"running" after its time box as "cut". A check that raises is recorded
-as failed with its error, and the step goes on. Steps, most important first:
+as failed with its error, and the step goes on. The steps, most evidence first (the CUTLASS
+build runs in the background meanwhile; until `cutlass`, VLLM_MXPLUS_BACKEND keeps the
+Triton backends, so that a build finishing mid-step changes no choice):
 
-  served   what vLLM runs: backend selection + self-test on this device per scheme,
-           `linear_dispatch` under torch.compile (dynamic M) = eager, CUDA-graph capture and
-           replay at M 1, 16, 24, 512 of every backend that serves the M, MoE expert backends
-  correct  every CUDA backend at real shapes (Llama-3-8B linears) against float64 x_hat W_hat^T
-           within the self-test bound of its accumulator (docs/numerics.md)
-  speed    decode vs bf16 at M 1/4/16; prefill MBS overhead against the same FP8 GEMM without
-           per-chunk scales (torch._scaled_mm rowwise) and mxfp4-mbs against mxfp4-16-oas end
-           to end; act-quant bandwidth vs a copy; MoE vs bf16 when a CUDA expert backend exists
+  served   selection + first-use self-test on this device for every scheme: linears, and
+           experts of every activation (silu, gelu, swigluoai) with and without biases
+  stack    a Llama-3-8B-shaped stack without attention (qkv, o, gate_up, down linears, an
+           8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
+           torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
+  speed    CUDA-graph replay timings: decode M 1/8/16 and prefill M 32/512/4096 against bf16
+           (the same linear in bf16, also replayed), act-quant against a bf16 copy
+  cutlass  after the build: the prefill backend's self-test (random data within the
+           accumulator bound, then exact-by-construction data bit for bit), FP8-subnormal and
+           every-row-inexact probes at M 512, CUDA-graph capture, timing against bf16
+  correct  every CUDA backend at Llama-3-8B shapes against float64, within the bound
 """
 
 from __future__ import annotations
@@ -33,39 +43,55 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CAPTURE_MS = (1, 16, 24, 512)
-SCHEMES = ("mxfp4-mbs", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4")
+REHEARSE = os.environ.get("GPU_CHECK_REHEARSE") == "1"
+# vLLM's capture sizes: both ends and the borders (rehearsal: a decode and a prefill size)
+CAPTURE_MS = (1, 24) if REHEARSE else (1, 8, 16, 24, 64, 512)
+ALL_SCHEMES = ("mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-mbs-h", "mxfp4-16-oas", "mxfp4-ocp", "mxplus")
+ALL_SCHEMES += ("nvfp4",)
+# GPU_CHECK_SCHEMES=a,b: only these (the rehearsal test's subset)
+SCHEMES = tuple(s for s in os.environ.get("GPU_CHECK_SCHEMES", "").split(",") if s) or ALL_SCHEMES
+# Llama-3-8B's linears (N, K); rehearsal: the same roles at toy sizes
 REAL_SHAPES = (
     ("qkv", 6144, 4096),
     ("o", 4096, 4096),
     ("gate_up", 28672, 4096),
     ("down", 4096, 14336),
 )
+TOY_SHAPES = (("qkv", 384, 256), ("o", 256, 256), ("gate_up", 512, 256), ("down", 256, 256))
+SHAPES = TOY_SHAPES if REHEARSE else REAL_SHAPES
+HIDDEN = SHAPES[1][2]
+# the MoE layers of the stack: experts, top-k, intermediate size
+MOE = (4, 2, 64) if REHEARSE else (8, 2, 1024)
+DECODE_MS, PREFILL_MS = (1, 8, 16), (32, 512, 4096)
+# Until the `cutlass` step: the Triton backends only (CUTLASS is being built meanwhile)
+TRITON_ONLY = "linear:triton-decode,linear:triton-gemm,experts:triton-grouped"
 
 # (step, time box in seconds at the default budget, what it does): gpu_check.sh reads this
 PLAN = (
     ("prereq", 20, "python modules, nvcc, CUTLASS headers, the device"),
-    ("build", 240, "CUTLASS extension for this arch, all cores, cached in ~/.cache between calls"),
+    ("build", 0, "CUTLASS extension for this arch, in the background from here until cutlass"),
+    ("served", 90, "selection + self-test per scheme: linears and every expert kind"),
     (
-        "served",
-        100,
-        "selection + self-test, linear_dispatch under torch.compile, CUDA graphs at "
-        "M 1/16/24/512 for every backend, MoE",
-    ),
-    ("correct", 80, "every CUDA backend at Llama-3-8B shapes against float64, self-test bound"),
-    (
-        "speed",
+        "stack",
         110,
-        "decode vs bf16 M 1/4/16; prefill MBS overhead vs the same GEMM without MBS; "
-        "act-quant GB/s vs copy; MoE vs bf16",
+        "8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA graphs at "
+        "M 1/8/16/24/64/512, replay = eager",
     ),
-    ("pytest_gpu", 0, "pytest -m gpu (tests/backends, tests/kernels) with what is left, >= 30 s"),
+    ("speed", 80, "graph-replay timings: decode 1/8/16, prefill 32/512/4096 vs bf16; act-quant"),
+    ("pytest_gpu", 90, "pytest -m gpu -x (tests/backends, tests/kernels)"),
+    (
+        "cutlass",
+        120,
+        "after the build: self-test (exact data), subnormal and inexact-row probes, "
+        "capture, timing",
+    ),
+    ("correct", 0, "every CUDA backend at Llama-3-8B shapes vs float64, with what is left"),
 )
 DEFAULT_BUDGET = 570  # s: under the device tool's 600 s per call
 
 
 def time_boxes(budget: int) -> list[tuple[str, int, str]]:
-    """The plan's boxes scaled to `budget` (never above their default, the build first)."""
+    """The plan's boxes scaled to `budget` (never above their default; 0: what is left)."""
     total = sum(box for _, box, _ in PLAN)
     scale = min(1.0, budget / total)
     return [(name, max(5, int(box * scale)) if box else 0, what) for name, box, what in PLAN]
@@ -75,10 +101,10 @@ def dry_run(budget: int) -> int:
     boxes = time_boxes(budget)
     print(f"[gpu_check] plan for a {budget} s budget (device tool: one call, 600 s at most)")
     for i, (name, box, what) in enumerate(boxes):
-        print(f"  {i}. {name:<10} {box if box else 'rest':>4} s  {what}")
+        print(f"  {i}. {name:<10} {box if box else '-':>4} s  {what}")
     print(
         f"  total of the boxes: {sum(b for _, b, _ in boxes)} s <= {budget} s "
-        "(pytest_gpu: what is left; speed also takes what earlier steps left)"
+        "(build: in the background; correct: what is left)"
     )
     print("  each step writes $OUT/<step>.json ('started' first; 'cut' if its box ran out)")
     return 0
@@ -142,71 +168,129 @@ def _torch():
 
 def _device():
     torch = _torch()
+    if REHEARSE:
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
     return torch.device("cuda", torch.cuda.current_device())
 
 
 def _capability() -> int:
+    if REHEARSE:
+        return 90
     major, minor = _torch().cuda.get_device_capability()
     return major * 10 + minor
 
 
-def _spec(scheme: str, n: int, k: int, dtype=None):
+def _linear_spec(scheme: str, n: int, k: int, dtype=None):
     from vllm_mxplus.backends.base import LinearSpec
 
     return LinearSpec(
-        scheme=scheme, n=n, k=k, out_dtype=dtype or _torch().bfloat16, device_type="cuda"
+        scheme=scheme, n=n, k=k, out_dtype=dtype or _torch().bfloat16, device_type=_device().type
     )
 
 
-def _layer_for(backend, scheme: str, n: int, k: int, seed: int = 0):
-    """A bare module holding backend's runtime weights for a random [n, k] weight, and the
-    weight's fp32 W_hat."""
-    torch = _torch()
-    from vllm_mxplus.formats import quantize
+def _expert_spec(scheme: str, activation: str, bias: bool):
+    from vllm_mxplus.backends.base import ExpertSpec
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * 0.02).to(_device())
-    q = quantize(w, backend.spec.weight_format, macro_block=backend.spec.macro_block)
-    layer = torch.nn.Module()
-    backend.process_weights_after_loading(layer, q)
-    return layer, q
+    return ExpertSpec(
+        scheme=scheme, activation=activation, has_bias=bias, device_type=_device().type
+    )
 
 
-def _resolve(ref):
-    """A registry entry: the backend class, or "package.module:Class"."""
-    if isinstance(ref, str):
-        import importlib
-
-        mod, _, cls = ref.partition(":")
-        return getattr(importlib.import_module(mod), cls)
-    return ref
-
-
-def _cuda_backends(scheme: str, n: int, k: int, reference: bool = False) -> list:
-    """Instances of every registered CUDA linear backend that runs here and can implement
-    the layer (the self-test is the `served` step's business); the reference backend too
-    when asked (it runs on CUDA where the others leave an M uncovered)."""
+def _select(spec, where: str) -> list:
     from vllm_mxplus.backends import selection
-    from vllm_mxplus.backends.reference.linear import ReferenceBackend
 
-    cap = _capability()
-    classes = [_resolve(r) for r in selection.registered_backends("cuda")]
-    out = []
-    for cls in classes + ([ReferenceBackend] if reference else []):
-        spec = _spec(scheme, n, k)
-        if cls.is_supported("cuda", cap)[0] and cls.can_implement(spec)[0]:
-            out.append(cls(spec))
-    return out
+    return selection.select(spec, "cuda", _capability(), where)
 
 
-def _linear_dispatch_class():
-    try:
+def _names(backends: list) -> list[str]:
+    return [b.name for b in backends]
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0, dtype=None):
+    torch = _torch()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = torch.randn(*shape, generator=g) * scale
+    return t.to(device=_device(), dtype=dtype or torch.float32)
+
+
+class QLinear:
+    """A quantized linear as vLLM builds it: the selected backends behind one
+    `LinearDispatch` (the `linear_dispatch` op, one graph for every layer), weights quantized
+    from a random [n, k] weight, a bf16 bias."""
+
+    def __init__(self, scheme: str, n: int, k: int, seed: int, prefix: str):
+        torch = _torch()
         from vllm_mxplus.backends.linear_op import LinearDispatch
-    except ImportError:
-        from vllm_mxplus.backends.selection import LinearDispatch  # type: ignore[attr-defined,no-redef]
-    return LinearDispatch
+        from vllm_mxplus.formats import quantize
+
+        self.spec = _linear_spec(scheme, n, k)
+        self.dispatch = LinearDispatch(self.spec, _select(self.spec, prefix))
+        self.layer = torch.nn.Module()
+        self.layer.prefix = prefix
+        w = _randn(n, k, seed=seed, scale=k**-0.5)
+        self.q = quantize(w, self.spec.weight_format, macro_block=self.spec.macro_block)
+        self.dispatch.process_weights_after_loading(self.layer, self.q)
+        self.bias = _randn(n, seed=seed + 1, scale=0.1, dtype=torch.bfloat16)
+        self.w_bf16 = w.to(torch.bfloat16)
+
+    def __call__(self, x):
+        return self.dispatch.apply(self.layer, x, self.bias)
+
+    @property
+    def backends(self) -> list[str]:
+        return _names(self.dispatch.candidates)
+
+
+class QExperts:
+    """A routed MoE layer: the selected expert backend(s), E experts of [2I, H] / [H, I]
+    quantized as the FusedMoE method does, torch.topk routing (capturable)."""
+
+    def __init__(self, scheme: str, activation: str, bias: bool, seed: int, prefix: str):
+        torch = _torch()
+        from vllm_mxplus.backends.base import ExpertWeights
+        from vllm_mxplus.backends.expert_layer import expert_activation
+        from vllm_mxplus.backends.selftest_experts import _quantized
+
+        e, self.topk, inter = MOE
+        h = HIDDEN
+        self.spec = _expert_spec(scheme, activation, bias)
+        self.backends = _select(self.spec, prefix)
+        self.act = expert_activation(activation)
+        w13 = _randn(e, 2 * inter, h, seed=seed, scale=h**-0.5).cpu()
+        w2 = _randn(e, h, inter, seed=seed + 1, scale=inter**-0.5).cpu()
+        q = {"w13": _quantized(w13, self.spec), "w2": _quantized(w2, self.spec)}
+        dev = _device()
+        weights = ExpertWeights(
+            quantized=lambda stem: (q[stem].to(dev), e),
+            dequantized=lambda stem: (
+                q[stem]
+                .dequantize(torch.float32)
+                .reshape((w13 if stem == "w13" else w2).shape)
+                .to(dev)
+            ),
+        )
+        self.layer = torch.nn.Module()
+        self.layer.expert_map = None
+        self.layer.mxplus_row_global_scale = None
+        if bias:
+            self.layer.w13_bias = _randn(
+                e, 2 * inter, seed=seed + 2, scale=0.1, dtype=torch.bfloat16
+            )
+            self.layer.w2_bias = _randn(e, h, seed=seed + 3, scale=0.1, dtype=torch.bfloat16)
+        for b in self.backends:
+            b.process_weights_after_loading(self.layer, weights)
+        self.router = _randn(e, h, seed=seed + 4, scale=h**-0.5, dtype=torch.bfloat16)
+
+    def __call__(self, x):
+        torch = _torch()
+        from vllm_mxplus.backends.selection import pick
+
+        logits = (x @ self.router.t()).float()
+        wts, ids = torch.topk(torch.softmax(logits, -1), self.topk, dim=-1)
+        backend = pick(self.backends, x.shape[0])
+        return backend.apply(self.layer, x, wts, ids.to(torch.int32), self.act)
 
 
 def _bits_equal(a, b) -> bool:
@@ -215,155 +299,130 @@ def _bits_equal(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
-def bench_ms(fn: Callable, rep: int = 30) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=5, rep=rep, return_mode="median"))
+def _graph_replay_ms(fn: Callable, x, reps: int = 20) -> float:
+    """Median ms of one CUDA-graph replay of fn(x) (captured after an eager warm-up on a side
+    stream, as vLLM does): what a served decode or prefill step costs, launch overhead
+    excluded as in vLLM."""
+    torch = _torch()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 # ----------------------------------------------------------------------------- served
 def step_served(st: Step) -> None:
-    torch = _torch()
-    from vllm_mxplus.backends import selection
+    from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS
 
-    dev = _device()
-    cap = _capability()
-    st.rec["device"] = torch.cuda.get_device_name()
-    st.rec["capability"] = cap
-    n, k = 1024, 4096
-
+    os.environ["VLLM_MXPLUS_BACKEND"] = TRITON_ONLY
+    st.rec["device"] = str(_device()) if REHEARSE else _torch().cuda.get_device_name()
+    st.rec["capability"] = _capability()
+    n, k = SHAPES[1][1], SHAPES[1][2]
     for scheme in SCHEMES:
 
-        def select_one(scheme=scheme):
-            chosen = selection.select(_spec(scheme, n, k), "cuda", cap, f"gpu_check {scheme}")
-            names = [b.name for b in chosen]
-            return {"chosen": names, "ok": bool(names)}
+        def linear(scheme=scheme):
+            names = _names(_select(_linear_spec(scheme, n, k), f"gpu_check linear {scheme}"))
+            return {"chosen": names, "ok": bool(names) and "reference" not in names}
 
-        st.check(f"select+selftest {scheme}", select_one)
+        st.check(f"select+selftest linear {scheme}", linear)
+        for act in EXPERT_ACTIVATIONS:
+            for bias in (False, True):
 
-    for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
+                def experts(scheme=scheme, act=act, bias=bias):
+                    spec = _expert_spec(scheme, act, bias)
+                    names = _names(_select(spec, f"gpu_check experts {scheme} {act}"))
+                    return {"chosen": names, "ok": bool(names) and "reference" not in names}
 
-        def compiled(scheme=scheme):
-            from vllm_mxplus.backends.linear_op import register_layer
-            from vllm_mxplus.formats import quantize
+                st.check(f"select+selftest experts {scheme} {act} bias={bias}", experts)
 
-            LinearDispatch = _linear_dispatch_class()
-            spec = _spec(scheme, n, k)
-            chosen = selection.select(spec, "cuda", cap, "gpu_check compile")
-            layer = torch.nn.Module()
-            layer.prefix = f"gpu_check.{scheme}"
-            dispatch = LinearDispatch(spec, chosen)
-            g = torch.Generator(device="cpu").manual_seed(0)
-            w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
-            q = quantize(w, spec.weight_format, macro_block=spec.macro_block)
-            dispatch.process_weights_after_loading(layer, q)
-            key = register_layer(layer, dispatch)
-            bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
 
-            def f(x):
-                return torch.ops.vllm_mxplus.linear_dispatch(x, bias, None, key)
+# ----------------------------------------------------------------------------- stack
+class Stack:
+    """One Llama-3-8B-shaped decoder block without attention, then two MoE layers: x ->
+    qkv -> (first HIDDEN columns) -> o (+x) -> gate_up -> silu*up -> down (+) -> silu MoE
+    (+) -> gpt-oss-style swigluoai MoE with biases (+)."""
 
-            cf = torch.compile(f, dynamic=True, fullgraph=True)
+    def __init__(self, scheme: str):
+        self.lin = {
+            name: QLinear(scheme, n, k, seed=i * 10, prefix=f"stack.{name}")
+            for i, (name, n, k) in enumerate(SHAPES)
+        }
+        self.moe = QExperts(scheme, "silu", False, seed=100, prefix="stack.moe")
+        self.moe_oss = QExperts(scheme, "swigluoai", True, seed=200, prefix="stack.moe_oss")
+
+    def __call__(self, x):
+        torch = _torch()
+        h = self.lin["qkv"](x)[..., : x.shape[-1]]
+        x = x + self.lin["o"](h)
+        g, u = self.lin["gate_up"](x).chunk(2, dim=-1)
+        x = x + self.lin["down"](torch.nn.functional.silu(g) * u)[..., : x.shape[-1]]
+        x = x + self.moe(x)
+        return x + self.moe_oss(x)
+
+    def backends(self) -> dict[str, list[str]]:
+        out = {name: lin.backends for name, lin in self.lin.items()}
+        out["moe"] = _names(self.moe.backends)
+        out["moe_oss"] = _names(self.moe_oss.backends)
+        return out
+
+
+def step_stack(st: Step) -> None:
+    torch = _torch()
+    os.environ["VLLM_MXPLUS_BACKEND"] = TRITON_ONLY
+    for scheme in [s for s in ("mxfp4-mbs", "nvfp4") if s in SCHEMES]:
+        stack: dict[str, Any] = {}
+
+        def build(scheme=scheme, stack=stack):
+            stack["model"] = Stack(scheme)
+            return {"backends": stack["model"].backends()}
+
+        if not st.check(f"stack {scheme}: build (load + self-tests)", build)["ok"]:
+            continue
+        model = stack["model"]
+        compiled = torch.compile(model.__call__, dynamic=True, fullgraph=True)
+
+        def compile_close(compiled=compiled, model=model):
+            # Inductor fuses the bf16 glue (residual adds, silu * up, softmax) with its own
+            # rounding, and a changed activation can move a 4-bit code: close, not bitwise
             res = {}
             for m in CAPTURE_MS:
-                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                res[f"M{m}"] = _bits_equal(cf(x), f(x))
-            return {
-                "equal_to_eager": res,
-                "ok": all(res.values()),
-                "backends": [b.name for b in chosen],
-            }
+                x = _randn(m, HIDDEN, seed=m, dtype=torch.bfloat16)
+                y, ref = compiled(x).float(), model(x).float()
+                res[f"M{m}"] = float((y - ref).norm() / ref.norm())
+            return {"rel_l2_vs_eager": res, "ok": max(res.values()) < 0.05}
 
-        st.check(f"linear_dispatch torch.compile {scheme}", compiled)
+        st.check(f"stack {scheme}: torch.compile (dynamic M) close to eager", compile_close)
 
-    for scheme in ("mxfp4-mbs", "mxfp4-16-oas", "mxfp4-ocp"):
-        for backend in _cuda_backends(scheme, n, k, reference=True):
+        def graphs(compiled=compiled, model=model):
+            from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
 
-            def captured(backend=backend, scheme=scheme):
-                from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
+            if REHEARSE:
+                return {"skipped": "rehearsal: no CUDA graphs on a CPU"}
+            res = {}
+            for m in CAPTURE_MS:
+                x = _randn(m, HIDDEN, seed=m, dtype=torch.bfloat16)
+                fresh = _randn(m, HIDDEN, seed=1000 + m, scale=3.0, dtype=torch.bfloat16)
+                # the compiled stack captured, its input refilled, replayed: equal bit for bit
+                # to the compiled stack run without the graph on the new input
+                res[f"M{m}"] = cuda_graph_replay_mismatch(compiled, x, fresh) or True
+            return {"replay_equals_eager": res, "ok": all(v is True for v in res.values())}
 
-                layer, _ = _layer_for(backend, scheme, n, k)
-                res = {}
-                for m in CAPTURE_MS:
-                    if not backend.supports_m(m):
-                        continue
-                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                    fresh = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 3
-                    bad = cuda_graph_replay_mismatch(
-                        lambda t: backend.apply(layer, t, None), x, fresh
-                    )
-                    res[f"M{m}"] = bad or True
-                ok = bool(res) and all(v is True for v in res.values())
-                return {"replay_equals_eager": res, "ok": ok}
-
-            st.check(f"cuda graph {backend.name} {scheme}", captured)
-
-    def moe():
-        from vllm_mxplus.backends import selection as sel
-
-        try:
-            experts = sel.registered_backends("cuda", "experts")  # type: ignore[call-arg]
-        except TypeError:
-            return {"skipped": "no expert kind in this selection API"}
-        names = [c.name for c in map(_resolve, experts) if c.is_supported("cuda", cap)[0]]
-        return {"cuda_expert_backends": names, "skipped": None if names else "none registered"}
-
-    st.check("moe expert backends", moe)
-
-
-# ----------------------------------------------------------------------------- correct
-def _output_bound():
-    try:
-        from vllm_mxplus.backends.checks import output_bound  # type: ignore[import-not-found]
-    except ImportError:
-        from vllm_mxplus.backends.selftest import output_bound
-    return output_bound
-
-
-def step_correct(st: Step) -> None:
-    torch = _torch()
-    from vllm_mxplus.formats import fake_quantize
-
-    dev = _device()
-    bound_fn = _output_bound()
-    for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
-        for name, n, k in REAL_SHAPES:
-            for backend in _cuda_backends(scheme, n, k):
-
-                def one(backend=backend, scheme=scheme, n=n, k=k):
-                    layer, q = _layer_for(backend, scheme, n, k, seed=n + k)
-                    w64 = q.dequantize(torch.float32).to(torch.float64)
-                    res, worst = {}, 0.0
-                    for m in (1, 16, 512, 2048):
-                        if not backend.supports_m(m):
-                            continue
-                        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                        y = backend.apply(layer, x, None).to(torch.float64)
-                        xq = fake_quantize(
-                            x.float(),
-                            backend.spec.activation_format,
-                            macro_block=backend.spec.macro_block,
-                        ).to(torch.float64)
-                        y64 = xq @ w64.T
-                        a = xq.abs() @ w64.abs().T
-                        b = bound_fn(
-                            a,
-                            y64,
-                            torch.zeros(n, dtype=torch.float64, device=dev),
-                            k,
-                            torch.bfloat16,
-                            type(backend).accumulator_bits,
-                        )
-                        err = (y - y64).abs()
-                        res[f"M{m}"] = bool((err <= b).all())
-                        worst = max(worst, float((err / b.clamp_min(1e-300)).max()))
-                    return {
-                        "within_bound": res,
-                        "worst_err_over_bound": worst,
-                        "ok": bool(res) and all(res.values()),
-                    }
-
-                st.check(f"{backend.name} {scheme} {name} {n}x{k}", one)
+        st.check(f"stack {scheme}: CUDA graphs at M {CAPTURE_MS}", graphs)
 
 
 # ----------------------------------------------------------------------------- speed
@@ -371,117 +430,172 @@ def step_speed(st: Step) -> None:
     torch = _torch()
     import torch.nn.functional as F
 
-    dev = _device()
+    os.environ["VLLM_MXPLUS_BACKEND"] = TRITON_ONLY
+    if REHEARSE:
+        st.check("speed", lambda: {"skipped": "rehearsal: no timings on a CPU"})
+        return
     st.rec["device"] = torch.cuda.get_device_name()
-    n, k = 4096, 4096  # the o projection of Llama-3-8B
+    for scheme in [s for s in ("mxfp4-mbs", "mxfp4-16-oas", "nvfp4") if s in SCHEMES]:
+        for name, n, k in SHAPES:
 
-    # 1. decode vs bf16
-    for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
-        for backend in _cuda_backends(scheme, n, k):
-            if not backend.supports_m(1):
-                continue
-
-            def decode(backend=backend, scheme=scheme):
-                layer, _ = _layer_for(backend, scheme, n, k)
-                wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            def timing(scheme=scheme, name=name, n=n, k=k):
+                lin = QLinear(scheme, n, k, seed=n, prefix=f"speed.{name}")
                 res = {}
-                for m in (1, 4, 16):
-                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                    t_q = bench_ms(lambda x=x: backend.apply(layer, x, None))
-                    t_b = bench_ms(lambda x=x: F.linear(x, wb))
-                    res[f"M{m}"] = {"ms": t_q, "bf16_ms": t_b, "speedup_vs_bf16": t_b / t_q}
+                for m in DECODE_MS + PREFILL_MS:
+                    x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+                    t_q = _graph_replay_ms(lin, x)
+                    t_b = _graph_replay_ms(lambda t, w=lin.w_bf16: F.linear(t, w, lin.bias), x)
+                    res[f"M{m}"] = {
+                        "ms": t_q,
+                        "bf16_ms": t_b,
+                        "speedup_vs_bf16": t_b / t_q,
+                        "backend": lin.dispatch.pick(m).name,
+                    }
                 return {"shape": [n, k], "results": res}
 
-            st.check(f"decode {backend.name} {scheme} vs bf16", decode)
+            st.check(f"{scheme} {name} {n}x{k} vs bf16 (graph replay)", timing)
 
-    # 2. prefill MBS overhead, against the same FP8 GEMM without per-chunk scales
-    def prefill_overhead():
-        from vllm_mxplus.backends.cutlass import build as cb
-        from vllm_mxplus.backends.cutlass.fp8_chunks import encode_fp8_chunks
-        from vllm_mxplus.backends.cutlass.gemm import prepare_weight
-        from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
-        from vllm_mxplus.backends.cutlass.ops import fp8_chunk_gemm
-        from vllm_mxplus.formats import quantize
-
-        if cb.arch_of(dev) != "sm90a":
-            return {"skipped": f"arch {cb.arch_of(dev)}: the FP8 comparison is sm_90a's"}
-        res = {}
-        for lname, nn, kk in REAL_SHAPES:
-            for m in (1024, 4096):
-                x = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
-                w = torch.randn(nn, kk, device=dev) * 0.02
-                qx = quantize(x.float(), "mxfp4-mbs-s")
-                xl = encode_fp8_chunks(qx.codes, qx.scales, qx.mbs, kk)
-                wl = prepare_weight(quantize(w, "mxfp4-mbs-d"), "sm90a").layout
-                t_chunk = bench_ms(
-                    lambda xl=xl, wl=wl: fp8_chunk_gemm(
-                        xl.fp8, xl.scale, wl.fp8, wl.scale, None, torch.bfloat16
-                    )
-                )
-                # the same FP8 operands, one scale per row / column over the whole K
-                sa = xl.scale[0][:, None].contiguous()
-                sb = wl.scale[0][None, :].contiguous()
-                t_plain = bench_ms(
-                    lambda xl=xl, wl=wl, sa=sa, sb=sb: torch._scaled_mm(
-                        xl.fp8, wl.fp8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
-                    )
-                )
-                e2e = {}
-                for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
-                    be = CutlassPrefillBackend(_spec(scheme, nn, kk))
-                    layer, _ = _layer_for(be, scheme, nn, kk)
-                    e2e[scheme] = bench_ms(lambda be=be, layer=layer, x=x: be.apply(layer, x, None))
-                res[f"{lname} M{m}"] = {
-                    "chunk_scaled_gemm_ms": t_chunk,
-                    "fp8_rowwise_gemm_ms": t_plain,
-                    "per_chunk_scaling_overhead": t_chunk / t_plain - 1,
-                    "e2e_mbs_ms": e2e["mxfp4-mbs"],
-                    "e2e_no_mbs_ms": e2e["mxfp4-16-oas"],
-                    "e2e_mbs_overhead": e2e["mxfp4-mbs"] / e2e["mxfp4-16-oas"] - 1,
-                }
-        return {"results": res}
-
-    st.check("prefill MBS overhead vs the GEMM without MBS", prefill_overhead)
-
-    # 3. act-quant bandwidth vs a copy
-    def act_quant_bw():
+    def act_quant_vs_copy():
         from vllm_mxplus.backends.triton.act_quant import act_quant
 
         res = {}
         for m in (16, 4096):
-            x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+            x = _randn(m, HIDDEN, seed=m, dtype=torch.bfloat16)
+            t_copy = _graph_replay_ms(lambda t: t.clone(), x)
             for fmt in ("mxfp4-mbs-s", "mxfp4-16-oas"):
-                t = bench_ms(lambda fmt=fmt, x=x: act_quant(x, fmt, macro_block=128))
-                moved = x.numel() * 2 + x.numel() // 2 + x.numel() // 16 + x.numel() // 128
-                res[f"{fmt} M{m}"] = {"ms": t, "GB_s": moved / t / 1e6}
-            t_copy = bench_ms(lambda x=x: x.clone())
-            res[f"copy M{m}"] = {"ms": t_copy, "GB_s": 2 * x.numel() * 2 / t_copy / 1e6}
+                t = _graph_replay_ms(lambda t, fmt=fmt: act_quant(t, fmt, macro_block=128), x)
+                res[f"{fmt} M{m}"] = {"ms": t, "copy_ms": t_copy, "over_copy": t / t_copy}
         return {"results": res}
 
-    st.check("act-quant bandwidth vs copy", act_quant_bw)
-
-    def moe_speed():
-        from vllm_mxplus.backends import selection as sel
-
-        try:
-            experts = [
-                c
-                for c in map(_resolve, sel.registered_backends("cuda", "experts"))  # type: ignore[call-arg]
-                if c.is_supported("cuda", _capability())[0]
-            ]
-        except TypeError:
-            experts = []
-        if not experts:
-            return {"skipped": "no CUDA expert backend registered"}
-        return {
-            "skipped": f"expert backends {[c.name for c in experts]}: no MoE timing yet",
-            "ok": False,
-        }
-
-    st.check("moe vs bf16", moe_speed)
+    st.check("act-quant vs a bf16 copy (graph replay)", act_quant_vs_copy)
 
 
-STEPS = {"served": step_served, "correct": step_correct, "speed": step_speed}
+# ----------------------------------------------------------------------------- cutlass
+def step_cutlass(st: Step) -> None:
+    torch = _torch()
+    from vllm_mxplus.backends.cutlass import build as cb
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+
+    os.environ.pop("VLLM_MXPLUS_BACKEND", None)
+    if REHEARSE:
+        st.check("cutlass", lambda: {"skipped": "rehearsal: the extension needs a GPU"})
+        return
+    ok, why = cb.is_available()
+    st.rec["available"] = [ok, why]
+    if not ok:
+        st.check("cutlass available", lambda: {"ok": False, "error": why})
+        return
+    from vllm_mxplus.backends import selftest
+
+    for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
+        spec = _linear_spec(scheme, 256, 4096)
+
+        def self_test(spec=spec):
+            why = selftest.run_self_test(CutlassPrefillBackend, spec, _device())
+            return {"ok": why is None, "error": why}
+
+        st.check(
+            f"cutlass self-test {scheme} (random within bound, exact data bit for bit)", self_test
+        )
+
+    def probes():
+        from vllm_mxplus.formats import quantize
+
+        be = CutlassPrefillBackend(_linear_spec("mxfp4-mbs", 512, 4096))
+        layer = torch.nn.Module()
+        w = _randn(512, 4096, seed=5, scale=2**-6)
+        q = quantize(w, be.spec.weight_format, macro_block=be.spec.macro_block)
+        be.process_weights_after_loading(layer, q)
+        w64 = q.dequantize(torch.float32).double()
+        res = {}
+        # every row outside the FP8 span (a block 20 binades under its chunk) at M = 512;
+        # and rows of FP8 subnormals (blocks 8-11 binades under their chunk's top)
+        for name, shift in (("every row inexact", -20.0), ("FP8 subnormals", -9.0)):
+            x = _randn(512, 4096, seed=7).float()
+            x[:, 16:32] *= 2.0**shift
+            x = x.to(torch.bfloat16)
+            y = be.apply(layer, x, None).double()
+            xq = quantize(x.float(), be.spec.activation_format, macro_block=128)
+            y64 = xq.dequantize(torch.float32).double() @ w64.t()
+            rel = float((y - y64).abs().max() / y64.abs().max())
+            res[name] = {"max_rel_err": rel, "nan_rows": int(torch.isnan(y).any(-1).sum())}
+        ok = all(r["nan_rows"] == 0 and r["max_rel_err"] < 2**-7 for r in res.values())
+        return {"results": res, "ok": ok}
+
+    st.check("cutlass probes at M 512 (inexact rows, FP8 subnormals)", probes)
+
+    def capture_and_time():
+        import torch.nn.functional as F
+
+        from vllm_mxplus.backends.graph_guard import cuda_graph_replay_mismatch
+
+        res = {}
+        for name, n, k in SHAPES:
+            lin = QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"cutlass.{name}")
+            for m in (32, 512, 4096):
+                x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+                fresh = _randn(m, k, seed=m + 1, scale=3.0, dtype=torch.bfloat16)
+                bad = cuda_graph_replay_mismatch(lin, x, fresh)
+                t_q = _graph_replay_ms(lin, x)
+                t_b = _graph_replay_ms(lambda t, w=lin.w_bf16, b=lin.bias: F.linear(t, w, b), x)
+                res[f"{name} M{m}"] = {
+                    "replay_equals_eager": bad or True,
+                    "backend": lin.dispatch.pick(m).name,
+                    "ms": t_q,
+                    "bf16_ms": t_b,
+                    "speedup_vs_bf16": t_b / t_q,
+                }
+        return {"results": res, "ok": all(r["replay_equals_eager"] is True for r in res.values())}
+
+    st.check("cutlass capture + timing vs bf16", capture_and_time)
+
+
+# ----------------------------------------------------------------------------- correct
+def step_correct(st: Step) -> None:
+    torch = _torch()
+    from vllm_mxplus.backends.checks import output_bound
+    from vllm_mxplus.backends.selftest import accumulator_bits_of
+    from vllm_mxplus.formats import fake_quantize
+
+    os.environ.pop("VLLM_MXPLUS_BACKEND", None)
+    dev = _device()
+    for scheme in [s for s in ("mxfp4-mbs", "mxfp4-16-oas", "nvfp4") if s in SCHEMES]:
+        for name, n, k in SHAPES:
+
+            def one(scheme=scheme, name=name, n=n, k=k):
+                lin = QLinear(scheme, n, k, seed=n + k, prefix=f"correct.{name}")
+                w64 = lin.q.dequantize(torch.float32).to(torch.float64)
+                res, worst = {}, 0.0
+                for m in (1, 16, 512) if not REHEARSE else (1, 17):
+                    backend = lin.dispatch.pick(m)
+                    x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+                    y = backend.apply(lin.layer, x, None).to(torch.float64)
+                    xq = fake_quantize(
+                        x.float(),
+                        lin.spec.activation_format,
+                        macro_block=lin.spec.macro_block,
+                        per_row=lin.spec.activation_per_row,
+                    ).to(torch.float64)
+                    y64 = xq @ w64.T
+                    a = xq.abs() @ w64.abs().T
+                    bits = accumulator_bits_of(type(backend), dev)
+                    b = output_bound(a, y64, torch.zeros(n, dtype=torch.float64, device=dev), k,
+                                     torch.bfloat16, bits)  # fmt: skip
+                    err = (y - y64).abs()
+                    res[f"M{m} {backend.name}"] = bool((err <= b).all())
+                    worst = max(worst, float((err / b.clamp_min(1e-300)).max()))
+                return {"within_bound": res, "worst_err_over_bound": worst, "ok": all(res.values())}
+
+            st.check(f"{scheme} {name} {n}x{k} vs float64", one)
+
+
+STEPS = {
+    "served": step_served,
+    "stack": step_stack,
+    "speed": step_speed,
+    "cutlass": step_cutlass,
+    "correct": step_correct,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

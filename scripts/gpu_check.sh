@@ -14,17 +14,23 @@
 # timeout_s=600). Steps, in this order (boxes from scripts/gpu_check.py, scaled to --budget,
 # default 570 s; a step starts only with >= 10 s left):
 #   prereq   python modules, nvcc, CUTLASS headers, the device                          20 s
-#   build    CUTLASS extension for this arch with all cores (nvcc --split-compile), in the
-#            keyed ~/.cache build directory: a second call on the same machine reuses it  240 s
-#   served   selection + self-test on the device, linear_dispatch under torch.compile,
-#            CUDA-graph capture + replay at M 1/16/24/512 for every backend, MoE          100 s
-#   correct  every CUDA backend at Llama-3-8B shapes against float64, self-test bound     80 s
-#   speed    decode vs bf16 (M 1/4/16), prefill MBS overhead against the same GEMM
-#            without MBS, act-quant GB/s vs copy, MoE vs bf16 (+ what earlier left)   110 s
-#   pytest_gpu  pytest -m gpu over tests/backends + tests/kernels, if >= 30 s are left    rest
+#   build    CUTLASS extension for this arch, started in the BACKGROUND here (all cores
+#            but two, nvcc --split-compile, the keyed ~/.cache build directory: a second
+#            call on the same machine reuses it); waited for before `cutlass`
+#   served   selection + self-test per scheme: linears and every expert kind            90 s
+#   stack    8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA
+#            graphs at M 1/8/16/24/64/512, replay = eager                               110 s
+#   speed    CUDA-graph replay timings: decode M 1/8/16, prefill M 32/512/4096 vs bf16,
+#            act-quant vs a bf16 copy                                                   80 s
+#   pytest_gpu  pytest -m gpu -x over tests/backends + tests/kernels                    90 s
+#   cutlass  after the build: self-test (random within bound, then exact data bit for
+#            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing 120 s
+#   correct  every CUDA backend at Llama-3-8B shapes against float64 (what is left)
+# Until `cutlass`, VLLM_MXPLUS_BACKEND keeps the Triton backends (gpu_check.py TRITON_ONLY):
+# a build finishing mid-step changes no choice. Cold Triton compiles count inside each box.
 # $OUT: <step>.json per step ("started" written first, "cut" when its box ran out),
 # gpu_check.json (the steps' status, rc and seconds, the device), gpu_check.log (all output),
-# pytest_gpu.xml (junit; a killed pytest writes none: its step record says "cut").
+# build.log (the background build), pytest_gpu.xml (junit; a killed pytest writes none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,7 +42,7 @@ while [ $# -gt 0 ]; do
     --dry-run) MODE=dry ;;
     --budget) BUDGET_S=${2:?--budget needs seconds}; shift ;;
     --budget=*) BUDGET_S=${1#--budget=} ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (--prepare, --dry-run, --budget S)" >&2; exit 2 ;;
   esac
   shift
@@ -46,7 +52,6 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python  # a checkout's venv (dry runs here)
 else PY=python3; fi                                     # the GPU box's system python
 HEADERS=.cache/gpu_check/cutlass  # include/ + tools/util/include/: the headers the kernels need
-PYTEST_RESERVE_S=60  # kept for pytest -m gpu when speed takes what earlier steps left
 
 # ----------------------------------------------------------------------------- --prepare
 if [ "$MODE" = prepare ]; then
@@ -165,50 +170,65 @@ else
   step_record prereq 0 $(( $(date +%s) - t0 )) ok "$(field device) sm_$ARCH"
 fi
 
-# ----------------------------------------------------------------------------- build
-t0=$(date +%s)
+# ----------------------------------------------------------------------------- build (background)
+BUILD_PID=""
+BUILD_T0=$(date +%s)
 if [ -z "$NVCC" ] || [ -z "$HDRS" ] || [ "$NINJA" != "True" ] || [ -z "$ARCH" ]; then
   step_record build -1 0 skipped "nvcc=${NVCC:-none} headers=${HDRS:-none (--prepare)} ninja=$NINJA arch=${ARCH:-none}"
-  say "build skipped: the CUTLASS backend will be rejected by selection (recorded by 'served')"
+  say "build skipped: the cutlass step will say why"
 else
   [ -d "$HEADERS/include" ] && export CUTLASS_DIR=$ROOT/$HEADERS
-  b=$(box_for build)
-  say "build CUTLASS sm_$ARCH with $CORES cores (box $b s; cached builds return at once)"
-  timeout "$b" "$PY" -m vllm_mxplus.backends.cutlass.build --archs "$ARCH" --jobs "$CORES" >> "$LOG" 2>&1
-  brc=$?
-  if [ $brc -eq 0 ]; then step_record build 0 $(( $(date +%s) - t0 )) ok "$(grep '^\[build\]' "$LOG" | tail -n1)"
-  else step_record build $brc $(( $(date +%s) - t0 )) "$([ $brc -eq 124 ] && echo cut || echo failed)" "see gpu_check.log"; rc=1; fi
+  BJOBS=$(( CORES > 4 ? CORES - 2 : CORES ))  # two cores left to the Triton steps meanwhile
+  b=$(( BUDGET_S - 10 - $(elapsed) ))
+  say "build CUTLASS sm_$ARCH in the background with $BJOBS jobs (at most $b s; cached builds return at once)"
+  ( timeout "$b" "$PY" -m vllm_mxplus.backends.cutlass.build --archs "$ARCH" --jobs "$BJOBS" \
+      > "$OUT/build.log" 2>&1; echo $? > "$OUT/build.rc" ) &
+  BUILD_PID=$!
 fi
-export MXPLUS_REQUIRE_CUTLASS=1
-
-# ----------------------------------------------------------------------------- served, correct, speed
-for step in served correct speed; do
-  b=$(box_for "$step")
-  if [ "$step" = speed ]; then  # last: it also gets what earlier steps left unused
-    b=$(( BUDGET_S - 10 - $(elapsed) - PYTEST_RESERVE_S )); [ "$b" -lt "${BOX[speed]}" ] && b=$(box_for speed)
+wait_build() {  # the background build's record, waiting at most $1 s for it
+  [ -z "$BUILD_PID" ] && return 0
+  local waited=0
+  while kill -0 "$BUILD_PID" 2>/dev/null && [ "$waited" -lt "$1" ]; do sleep 2; waited=$(( waited + 2 )); done
+  local secs=$(( $(date +%s) - BUILD_T0 ))
+  if kill -0 "$BUILD_PID" 2>/dev/null; then
+    pkill -P "$BUILD_PID" 2>/dev/null; kill "$BUILD_PID" 2>/dev/null
+    step_record build 124 "$secs" cut "still building after $secs s"; BUILD_PID=""; return 1
   fi
+  local brc; brc=$(cat "$OUT/build.rc" 2>/dev/null || echo 1)
+  cat "$OUT/build.log" >> "$LOG"
+  if [ "$brc" = 0 ]; then step_record build 0 "$secs" ok "$(grep '^\[build\]' "$OUT/build.log" | tail -n1)"
+  else step_record build "$brc" "$secs" "$([ "$brc" = 124 ] && echo cut || echo failed)" "see build.log"; fi
+  BUILD_PID=""
+  [ "$brc" = 0 ]
+}
+
+run_step() {  # name box: gpu_check.py STEP under a time box; its record
+  local step=$1 b=$2
   if [ "$b" -lt 10 ]; then
     step_record "$step" -1 0 skipped "budget spent"
     printf '{"step": "%s", "status": "skipped", "reason": "budget spent"}\n' "$step" > "$OUT/$step.json"
-    continue
+    return
   fi
   say "$step (box $b s)"
-  t0=$(date +%s)
+  local t0; t0=$(date +%s)
   timeout --kill-after=5 "$b" "$PY" scripts/gpu_check.py "$step" --out "$OUT" >> "$LOG" 2>&1
-  src=$?
+  local src=$?
   if [ $src -eq 124 ] || [ $src -eq 137 ]; then
     mark_cut "$step" "$b"; step_record "$step" $src $(( $(date +%s) - t0 )) cut "box $b s ran out"; rc=1
   elif [ $src -eq 0 ]; then step_record "$step" 0 $(( $(date +%s) - t0 )) ok ""
   else mark_cut "$step" "$b"; step_record "$step" $src $(( $(date +%s) - t0 )) failed "see $step.json"; rc=1; fi
-done
+}
+
+# ----------------------------------------------------------------------------- Triton steps
+for step in served stack speed; do run_step "$step" "$(box_for "$step")"; done
 
 # ----------------------------------------------------------------------------- pytest -m gpu
-# the bit-exactness tests of the kernels on CUDA tensors, with what is left (junit XML)
+# the bit-exactness tests of the kernels on CUDA tensors, stopping at the first failure
 b=$(box_for pytest_gpu)
 if [ "$b" -ge 30 ]; then
-  say "pytest -m gpu (box $b s)"
+  say "pytest -m gpu -x (box $b s)"
   t0=$(date +%s)
-  timeout --kill-after=5 "$b" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs -m gpu \
+  timeout --kill-after=5 "$b" "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" -rfEs -m gpu \
     --junitxml="$OUT/pytest_gpu.xml" tests/backends tests/kernels >> "$LOG" 2>&1
   prc=$?
   if [ $prc -eq 0 ]; then step_record pytest_gpu 0 $(( $(date +%s) - t0 )) ok ""
@@ -217,6 +237,16 @@ if [ "$b" -ge 30 ]; then
 else
   step_record pytest_gpu -1 0 skipped "budget spent"
 fi
+
+# ----------------------------------------------------------------------------- cutlass, correct
+b=$(box_for cutlass)
+if wait_build $(( b / 2 )); then
+  export MXPLUS_REQUIRE_CUTLASS=1
+  run_step cutlass "$(box_for cutlass)"
+else
+  step_record cutlass -1 0 skipped "no CUTLASS extension (see the build record)"; rc=1
+fi
+run_step correct $(( BUDGET_S - 10 - $(elapsed) ))
 
 # ----------------------------------------------------------------------------- summary
 timeout 10 "$PY" - "$STEPS_JSON" "$OUT" "$rc" "$(elapsed)" "$BUDGET_S" <<'PYEOF' | tee -a "$LOG"
@@ -230,7 +260,7 @@ try:
     res["prereq"] = json.loads((out / "prereq.json").read_text())
 except Exception as e:
     res["prereq_error"] = repr(e)
-for s in ("served", "correct", "speed"):
+for s in ("served", "stack", "speed", "cutlass", "correct"):
     p = out / f"{s}.json"
     if p.exists():
         rec = json.loads(p.read_text())

@@ -28,11 +28,28 @@ def test_wheel_ships_the_sources(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "vllm_mxplus", src / "vllm_mxplus",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                           "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
-                          capture_output=True, text=True, timeout=300)
+    shutil.copytree(
+        REPO / "vllm_mxplus",
+        src / "vllm_mxplus",
+        ignore=shutil.ignore_patterns("__pycache__", "*.so"),
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

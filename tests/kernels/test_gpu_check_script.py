@@ -39,7 +39,15 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     # the steps in the order the one device call runs them, each with its time box
-    steps = ["0. prereq", "1. build", "2. served", "3. correct", "4. speed", "5. pytest_gpu"]
+    steps = [
+        "0. prereq",
+        "1. build",
+        "2. served",
+        "3. stack",
+        "4. speed",
+        "5. pytest_gpu",
+        "6. cutlass",
+    ]
     at = [out.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), out
     assert "dry run: nothing executed" in out

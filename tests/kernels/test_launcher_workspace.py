@@ -69,9 +69,20 @@ def test_run_with_workspace_runs_once(tmp_path):
     src = tmp_path / "ws.cpp"
     src.write_text(PROGRAM)
     exe = tmp_path / "ws"
-    cc = subprocess.run(["c++", "-std=c++17", f"-I{cutlass_ext.SOURCE_DIR}",
-                         f"-I{_cuda_include()}", str(src), "-o", str(exe)],
-                        capture_output=True, text=True, timeout=120)
+    cc = subprocess.run(
+        [
+            "c++",
+            "-std=c++17",
+            f"-I{cutlass_ext.SOURCE_DIR}",
+            f"-I{_cuda_include()}",
+            str(src),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cc.returncode == 0, cc.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0 and run.stdout.strip() == "OK", run.stdout

@@ -49,8 +49,12 @@ def compiled(build, tmp_path_factory):
         obj = out / f"{Path(name).stem}.o"
         err = open(out / f"{arch}.err", "w+")
         cmd = build.nvcc_command(KERNELS / name, obj, arch)
-        procs[arch] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), err, obj,
-                       time.time())
+        procs[arch] = (
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err),
+            err,
+            obj,
+            time.time(),
+        )
     results = {}
     for arch, (proc, err, obj, t0) in procs.items():
         try:
@@ -82,8 +86,9 @@ def test_nvcc_compiles_stub(build, arch, tmp_path):
     """The stub (arch not requested) compiles fast and still defines the launcher symbols."""
     src = KERNELS / build.SOURCES[arch]
     obj = tmp_path / "stub.o"
-    proc = subprocess.run(build.nvcc_command(src, obj, None), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        build.nvcc_command(src, obj, None), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
