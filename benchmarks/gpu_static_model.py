@@ -1,0 +1,283 @@
+"""A static estimate of the GPU kernels' speed, read from their machine code (no GPU needed).
+
+    python benchmarks/gpu_static_model.py [--arch 90,100] [--json]
+
+For each Triton kernel a GPU layer runs (the decode GEMM, the prefill GEMM, the grouped
+experts, the activation quantizer), the launcher is driven on meta tensors to get the
+configuration it launches for a Llama-3-8B layer, that configuration is compiled for the
+target by Triton's own compiler, disassembled with the nvdisasm of Triton's wheel, and its
+hot loop counted (`vllm_mxplus.kernel_tools.sass`): instructions per warp per iteration, the
+tensor-core instruction kinds, registers and spills. Per unit of work: warp-instructions per
+weight (decode: each iteration covers BLOCK_N x BLOCK_K weights), per MAC (prefill, experts:
+BLOCK_M x BLOCK_N x BLOCK_K), per element (act-quant: every K loop over BLOCK_M x BLOCK_K).
+
+Then a STATIC ESTIMATE of a Llama-3-8B forward's linears (32 layers of qkv 6144x4096, o
+4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 128, 4096 as the max of three
+bounds: instruction issue (warp-instructions / the GPU's issue rate), tensor cores (MACs / the
+dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic) and
+memory (bytes / bandwidth), next to the same estimate for bf16 (2 bytes per weight, the bf16
+tensor peak) and the ratio. Published peak figures used (dense, boost clock):
+
+    H200 SXM: 132 SMs x 4 schedulers x 1.98 GHz; HBM3e 4.8 TB/s; bf16 989 TFLOPS
+    B200:     148 SMs x 4 schedulers x 1.965 GHz; HBM3e 8.0 TB/s; bf16 2250 TFLOPS
+
+Every figure printed is an estimate from the code's instruction counts and these peaks, not
+a measurement: `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent.
+The CUTLASS kernels are not counted here (they need nvcc and the CUTLASS headers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GPUS = {
+    # name: (capability, SMs, clock GHz, bandwidth B/s, bf16 dense FLOP/s)
+    "H200": (90, 132, 1.98, 4.8e12, 989e12),
+    "B200": (100, 148, 1.965, 8.0e12, 2250e12),
+}
+LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+LAYERS = 32
+MS = (1, 16, 128, 4096)
+DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
+BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
+
+
+@dataclass
+class Count:
+    kernel: str
+    role: str  # decode | prefill | experts | act_quant
+    unit: str  # weight | MAC | element
+    arch: int
+    loop_instructions: int
+    warps: int
+    work_per_iteration: int
+    per_unit: float  # warp-instructions per unit of work
+    tensor_core: dict[str, int]
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+
+
+def _meta(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _capture(drive: Callable[[], None]):
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    with capture_launches() as launches:
+        drive()
+    return launches[0]
+
+
+def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
+    """name -> (role, unit, a call of the launcher as a Llama-3-8B layer would make it)."""
+    from vllm_mxplus.backends.triton.act_quant import act_quant
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_gemm
+    from vllm_mxplus.backends.triton.mx_gemm import PREFILL_BLOCK_M, mx_gemm
+    from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
+
+    n, k = 4096, 4096
+    bf16 = torch.bfloat16
+
+    def decode(af: str, wf: str) -> Callable[[], None]:
+        def go() -> None:
+            x, w = _gemm_operand(1, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
+            decode_gemm(*x, *w, k, None, bf16, block_size=16, macro_block=128, split_k=1)
+
+        return go
+
+    def prefill(fmt: str, bs: int, macro: int | None) -> Callable[[], None]:
+        def go() -> None:
+            mx_gemm(_mx_operand(4096, k, fmt, bs, macro), _mx_operand(n, k, fmt, bs, macro), k,
+                    None, bf16, fmt=fmt, block_size=bs, macro_block=macro or 128)  # fmt: skip
+
+        return go
+
+    def experts() -> None:
+        e, pairs, topk, inter = 8, 4096, 2, 14336
+        codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
+        w = PackedExpertWeights(codes, scales, extra, g, e, 2 * inter, k)
+        moe_gemm(_mx_operand(pairs // topk, k, "e8m0", 16, 128), w,
+                 _meta((pairs + e * PREFILL_BLOCK_M,), torch.int32),
+                 _meta((pairs // PREFILL_BLOCK_M + e,), torch.int32), num_pairs=pairs,
+                 topk=topk, out_dtype=bf16, fmt="e8m0", block_size=16,
+                 macro_block=128, block_m=PREFILL_BLOCK_M)  # fmt: skip
+
+    def act(fmt: str) -> Callable[[], None]:
+        return lambda: act_quant(_meta((4096, k), bf16), fmt, macro_block=128)
+
+    return {
+        "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
+        "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
+        "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
+        "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),
+        "prefill nvfp4": ("prefill", "MAC", prefill("nvfp4", 16, None)),
+        "experts e8m0+MBS-128": ("experts", "MAC", experts),
+        "act-quant mxfp4-mbs-s": ("act_quant", "element", act("mxfp4-mbs-s")),
+    }
+
+
+def _compile(launch, arch: int):
+    """(compiled kernel, config) of a captured launch for sm_<arch>."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_mxplus.kernel_tools.aot import config_of
+
+    cfg = config_of(launch)
+    kernel = getattr(importlib.import_module(cfg.module), cfg.kernel)
+    constexprs = {
+        k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
+        for k, v in cfg.constexprs
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i in cfg.divisible}
+    src = ASTSource(kernel, dict(cfg.signature), constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(cfg.options)), cfg
+
+
+def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int) -> Count:
+    from vllm_mxplus.kernel_tools import sass
+    from vllm_mxplus.kernel_tools.aot import _ptxas_stats
+
+    ck, cfg = _compile(_capture(drive), arch)
+    code = sass.parse(sass.disassemble(ck.asm["cubin"]))
+    cx = dict(cfg.constexprs)
+    warps = int(ck.metadata.num_warps)
+    if role == "act_quant":  # every K loop of the kernel covers the row tile's elements
+        loops = [
+            lp
+            for lp in code.loops()
+            if not any(
+                o is not lp and o.start <= lp.start and lp.end <= o.end for o in code.loops()
+            )
+        ]
+        instr = sum(lp.count for lp in loops) if loops else code.count()
+        kinds = code.kinds()
+        work = cx["BLOCK_M"] * cx["BLOCK_K"]
+    else:
+        hot = code.hot_loop()
+        if hot is None:
+            raise RuntimeError(f"{name}: no loop in the machine code")
+        instr, kinds = hot.count, hot.kinds()
+        work = cx["BLOCK_N"] * cx["BLOCK_K"] * (1 if role == "decode" else cx["BLOCK_M"])
+    with tempfile.TemporaryDirectory() as d:
+        regs, spill = _ptxas_stats(ck.asm["ptx"], arch, d)
+    return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
+                 spill, int(getattr(ck.metadata, "shared", 0)))  # fmt: skip
+
+
+def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
+    """Llama-3-8B linears at each M: our kernels (decode <= 16 rows, prefill above, the
+    activation quantizer before each) and bf16, each max(issue, tensor, memory)."""
+    cap, sms, ghz, bw, bf16_flops = GPUS[gpu]
+    issue_rate = sms * 4 * ghz * 1e9  # warp-instructions per second
+    mac_rate = bf16_flops / 2
+    weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
+    act_k = LAYERS * sum(k for _, _, k in LLAMA_8B)  # activation elements per row quantized
+    dec, pre, aq = (counts["decode mxfp4-mbs"], counts["prefill e8m0+MBS-128"],
+                    counts["act-quant mxfp4-mbs-s"])  # fmt: skip
+    rows = []
+    for m in MS:
+        if m <= DECODE_MAX_M:
+            issue = dec.per_unit * weights / issue_rate
+            tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
+            kernel = "decode"
+        else:
+            issue = pre.per_unit * m * weights / issue_rate
+            tensor = m * weights / mac_rate
+            kernel = "prefill"
+        memory = (weights * BYTES_PER_WEIGHT + m * act_k * 2.6) / bw
+        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * 2.6 / bw)
+        ours = max(issue, tensor, memory) + act
+        bf16 = max(weights * 2 / bw, m * weights / mac_rate)
+        rows.append({
+            "gpu": gpu, "M": m, "kernel": kernel,
+            "issue_ms": issue * 1e3, "tensor_ms": tensor * 1e3, "memory_ms": memory * 1e3,
+            "act_quant_ms": act * 1e3, "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
+            "speedup_vs_bf16": bf16 / ours,
+            "bound": max((issue, "issue"), (tensor, "tensor"), (memory, "memory"))[1],
+        })  # fmt: skip
+    return rows
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="90,100", help="targets, comma-separated (90, 100)")
+    ap.add_argument("--json", action="store_true", help="JSON instead of tables")
+    args = ap.parse_args(argv)
+    archs = [int(a) for a in args.arch.split(",") if a]
+    import triton
+
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="mxplus-static-"))
+    counts = {
+        arch: {
+            name: count(name, role, unit, drive, arch)
+            for name, (role, unit, drive) in _cases().items()
+        }  # fmt: skip
+        for arch in archs
+    }
+    gpus = [g for g, spec in GPUS.items() if spec[0] in archs]
+    est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
+    doc = {
+        "what": "static estimate (instruction counts of the compiled code x published peaks)",
+        "command": "python benchmarks/gpu_static_model.py --arch " + args.arch,
+        "commit": _commit(),
+        "triton": triton.__version__,
+        "host": platform.processor() or platform.machine(),
+        "counts": {a: [asdict(c) for c in cs.values()] for a, cs in counts.items()},
+        "estimates": est,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"# {doc['what']}\n# {doc['command']}  (commit {doc['commit']}, triton "
+          f"{doc['triton']})")  # fmt: skip
+    for arch, cs in counts.items():
+        print(f"\n## sm_{arch}: hot loops")
+        print(f"{'kernel':<24}{'instr/warp/iter':>16}{'warps':>6}{'work/iter':>10}"
+              f"{'per unit':>10} {'unit':<8}{'tensor core':<14}{'regs':>5}{'spill':>6}")  # fmt: skip
+        for c in cs.values():
+            tc = ",".join(f"{k}x{v}" for k, v in c.tensor_core.items()) or "-"
+            print(f"{c.kernel:<24}{c.loop_instructions:>16}{c.warps:>6}{c.work_per_iteration:>10}"
+                  f"{c.per_unit:>10.4f} {c.unit:<8}{tc:<14}{c.registers:>5}{c.spill_bytes:>6}")  # fmt: skip
+    for gpu, rows in est.items():
+        print(f"\n## {gpu}: Llama-3-8B linears, one forward, STATIC ESTIMATE (ms)")
+        print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'act-q':>8}"
+              f"{'ours':>9}{'bf16':>9}{'ratio':>7}  bound")  # fmt: skip
+        for r in rows:
+            print(f"{r['M']:>5} {r['kernel']:<8}{r['issue_ms']:>9.3f}{r['tensor_ms']:>9.3f}"
+                  f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['estimate_ms']:>9.3f}"
+                  f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']}")  # fmt: skip
+    print("\nratio = bf16 estimate / ours (> 1: ours faster). Estimates, not measurements.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
