@@ -3,15 +3,15 @@
 RTN streams tensor by tensor (peak ~ the largest tensor and its temporaries); the calibrated
 methods stream layer by layer (checkpoint/layer_loader.py: one decoder layer's fp32 weights,
 the calibration hidden states, one layer's Hessians; finished layers on disk). The same
-small-shaped Llama with 4 and with 32 decoder layers is quantized in a fresh subprocess each,
+small-shaped Llama with 4 and with 20 decoder layers is quantized in a fresh subprocess each,
 and its peak RSS while quantizing compared (VmHWM, reset through /proc/self/clear_refs after
 the imports, whose own peak would otherwise hide the quantizer's). The scheme is mxfp4-mbs-s: memory does not depend on
 the parameter search, and MBS-D's exhaustive one would make this test take minutes.
 
-Bound: the 28 extra layers hold EXTRA_BF16 bytes in bf16 (the source dtype, the cheapest
+Bound: the 16 extra layers hold EXTRA_BF16 bytes in bf16 (the source dtype, the cheapest
 form a quantizer could keep them in; fp32 copies are twice that). Peak RSS may grow by at
-most a quarter of that: a quantizer that held even 7 of the 28 extra layers, or their fp32
-copies for 4, fails, while the run-to-run noise of the peak (allocator, imports: a few MiB
+most a quarter of that: a quantizer that held even 4 of the 16 extra layers, or their fp32
+copies for 2, fails, while the run-to-run noise of the peak (allocator, imports: a few MiB
 on this machine) stays well below it.
 """
 
@@ -28,7 +28,8 @@ from ckpt_helpers import make_llama
 
 HIDDEN, INTER = 512, 1536
 PER_LAYER = 3 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER  # q, o, k + v (half width); MLP
-EXTRA_BF16 = (32 - 4) * PER_LAYER * 2
+DEEP = 20
+EXTRA_BF16 = (DEEP - 4) * PER_LAYER * 2
 
 CHILD = """
 import json, sys, torch
@@ -71,7 +72,8 @@ print(json.dumps({"peak": peak, "control": control, "quantized": report.n_quanti
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("depth")
     return {
-        n: make_llama(root / f"l{n}", hidden=HIDDEN, intermediate=INTER, layers=n) for n in (4, 32)
+        n: make_llama(root / f"l{n}", hidden=HIDDEN, intermediate=INTER, layers=n)
+        for n in (4, DEEP)
     }
 
 
@@ -106,13 +108,14 @@ def test_peak_rss_does_not_grow_with_depth(
     sources: dict[int, Path], tmp_path: Path, method: str
 ) -> None:
     shallow = _peak(sources[4], tmp_path / "q4", method)
-    deep = _peak(sources[32], tmp_path / "q32", method)
-    assert (shallow["quantized"], deep["quantized"]) == (4 * 7, 32 * 7)  # every linear
+    deep = _peak(sources[DEEP], tmp_path / f"q{DEEP}", method)
+    assert (shallow["quantized"], deep["quantized"]) == (4 * 7, DEEP * 7)  # every linear
     # the instrument sees memory that is held: EXTRA_BF16 bytes allocated after a reset
     assert deep["control"] >= 0.9 * EXTRA_BF16, deep
     growth = deep["peak"] - shallow["peak"]
     assert growth < EXTRA_BF16 / 4, (
         f"{method}: peak RSS {shallow['peak'] / 2**20:.0f} MiB at 4 layers, "
-        f"{deep['peak'] / 2**20:.0f} MiB at 32 (+{growth / 2**20:.0f} MiB; the 28 extra layers "
+        f"{deep['peak'] / 2**20:.0f} MiB at {DEEP} (+{growth / 2**20:.0f} MiB; the "
+        f"{DEEP - 4} extra layers "
         f"are {EXTRA_BF16 / 2**20:.0f} MiB in bf16)"
     )
