@@ -29,7 +29,6 @@ The CUTLASS kernels are not counted here (they need nvcc and the CUTLASS headers
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -136,22 +135,10 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
 def _compile(launch, arch: int):
     """(compiled kernel, config) of a captured launch for sm_<arch>."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from vllm_mxplus.kernel_tools.aot import config_of
+    from vllm_mxplus.kernel_tools.aot import compile_kernel, config_of
 
     cfg = config_of(launch)
-    kernel = getattr(importlib.import_module(cfg.module), cfg.kernel)
-    constexprs = {
-        k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
-        for k, v in cfg.constexprs
-    }
-    attrs = {(i,): [["tt.divisibility", 16]] for i in cfg.divisible}
-    src = ASTSource(kernel, dict(cfg.signature), constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(cfg.options)), cfg
+    return compile_kernel(cfg, arch), cfg
 
 
 def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int) -> Count:

@@ -336,14 +336,9 @@ def _graph_replay_ms(fn: Callable, x, reps: int = 20) -> float:
     stream, as vLLM does): what a served decode or prefill step costs, launch overhead
     excluded as in vLLM."""
     torch = _torch()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x)
+    from vllm_mxplus.backends.graph_guard import capture_graph
+
+    graph, _ = capture_graph(fn, x)
     graph.replay()
     torch.cuda.synchronize()
     times = []

@@ -249,6 +249,20 @@ def cuda_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
+def capture_graph(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> tuple[Any, Any]:
+    """(torch.cuda.CUDAGraph, its output) of fn(x), captured after an eager warm-up on a side
+    stream, as vLLM captures (real CUDA device only)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x)
+    return graph, out
+
+
 def cuda_graph_replay_mismatch(
     fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, fresh: torch.Tensor
 ) -> str | None:
@@ -260,14 +274,7 @@ def cuda_graph_replay_mismatch(
     if x.device.type != "cuda":
         return None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(x)
+        graph, out = capture_graph(fn, x)
         x.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()

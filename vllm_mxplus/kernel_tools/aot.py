@@ -223,8 +223,8 @@ def _ptxas_stats(ptx: str, target: int, workdir: str) -> tuple[int, int]:
     return max(map(int, regs)), max(spills, default=0)
 
 
-def compile_config(config: KernelConfig, target: int) -> CompileResult:
-    """Compile one configuration for sm_<target> (runs in a worker process)."""
+def compile_kernel(config: KernelConfig, target: int) -> Any:
+    """Triton's compiled kernel (PTX, cubin, metadata) of one configuration for sm_<target>."""
     import importlib
 
     import triton
@@ -232,17 +232,22 @@ def compile_config(config: KernelConfig, target: int) -> CompileResult:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    kernel = getattr(importlib.import_module(config.module), config.kernel)
+    constexprs = {
+        k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
+        for k, v in config.constexprs
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
+    src = ASTSource(kernel, dict(config.signature), constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", target, 32), options=dict(config.options))
+
+
+def compile_config(config: KernelConfig, target: int) -> CompileResult:
+    """Compile one configuration for sm_<target> (runs in a worker process)."""
     res = CompileResult(config, target)
     t0 = time.time()
     try:
-        kernel = getattr(importlib.import_module(config.module), config.kernel)
-        constexprs = {
-            k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
-            for k, v in config.constexprs
-        }
-        attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
-        src = ASTSource(kernel, dict(config.signature), constexprs, attrs)
-        ck = triton.compile(src, target=GPUTarget("cuda", target, 32), options=dict(config.options))
+        ck = compile_kernel(config, target)
         res.smem = int(getattr(ck.metadata, "shared", 0))
         res.regs, res.spill_bytes = _ptxas_stats(
             ck.asm["ptx"], target, os.environ["TRITON_CACHE_DIR"]
