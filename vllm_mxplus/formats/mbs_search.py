@@ -24,8 +24,8 @@ step search with a zero weight where it cannot step (instead of gathering the fe
 with `nonzero`), every macro block's near-tied candidates are re-scored together, and the
 constants are built on the device, so a tensor is one pass of kernels with no host sync per
 chunk. The one host sync per tensor is the question whether any macro block needs the
-definition itself (non-finite, outside the safe range, or more than MAX_RESCORE tied
-candidates), asked once at the end (tests/formats/test_mbs_dense.py: the dense pass runs
+definition itself (outside the safe range, or more than MAX_RESCORE tied candidates), asked
+once at the end (tests/formats/test_mbs_dense.py: the dense pass runs
 under the fake-CUDA capture guard, and equals the brute force).
 """
 
@@ -78,6 +78,11 @@ def _code(u: torch.Tensor) -> torch.Tensor:
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t[idx] for 1-D t: index_select is several times faster than advanced indexing."""
     return t.index_select(0, idx)
+
+
+def _at(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+    """t[sel] for 1-D t, or t itself when sel is None (the dense form: every element)."""
+    return t if sel is None else _take(t, sel)
 
 
 def _first_true(u: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -151,23 +156,23 @@ def _approx_sse(
             c = (c0 + level).clamp(max=7)
             t = _take(thr, c)
             can = u * 2.0 > t  # only these can cross t for F < 2
-            if dense:  # every element, its steps weighted 0 where it cannot cross
-                sel = torch.arange(u.numel(), device=dev)
-                gate: torch.Tensor | None = can.double()
+            sel: torch.Tensor | None = None  # dense: every element, no gather
+            gate: torch.Tensor | None = None
+            if dense:  # its steps weighted 0 where it cannot cross
+                gate = can.double()
             else:
                 sel = can.nonzero().squeeze(1)
-                gate = None
                 if sel.numel() == 0:
                     continue
-            b = _first_true(_take(u, sel), _take(t, sel))
-            blk = sel // block
-            cs = _take(c, sel)
+            b = _first_true(_at(u, sel), _at(t, sel))
+            blk = (torch.arange(u.numel(), device=dev) if sel is None else sel) // block
+            cs = _at(c, sel)
             xb = _take(xk, blk)
-            w_a = _take(ax64, sel) * _take(dvals, cs) * xb
+            w_a = _at(ax64, sel) * _take(dvals, cs) * xb
             if d64 is None:
                 w_b = _take(dvals2, cs).double() * (xb * xb)
             else:
-                w_b = _take(d64, sel) * _take(dvals2, cs) * (xb * xb)
+                w_b = _at(d64, sel) * _take(dvals2, cs) * (xb * xb)
             if gate is not None:
                 w_a, w_b = w_a * gate, w_b * gate
             ms = _take(m_star, blk)
@@ -246,19 +251,25 @@ def _pick_dense(xm: torch.Tensor, macro: int, block: int) -> tuple[torch.Tensor,
     return order.gather(1, exact.argmin(-1, keepdim=True)).squeeze(-1), cand.sum(-1) > MAX_RESCORE
 
 
+def _block_kinds(xm: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fast, slow) bool [n] for macro blocks xm [n, macro]: finite, not all zero, and every
+    block absmax in the safe range (the search), or out of it (the definition). The rest
+    (all zero, or holding NaN / Inf) get byte 0."""
+    a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
+    live = torch.isfinite(a).all(-1) & (a > 0).any(-1)
+    in_range = ((a == 0) | ((a >= SAFE_MIN) & (a <= SAFE_MAX))).all(-1)
+    return live & in_range, live & ~in_range
+
+
 def mbs_dynamic_dense(
     xm: torch.Tensor, macro: int, block: int = 16, dm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sync-free pass over macro blocks xm fp32 [n, macro] (weights dm [n, macro] or
     None): (bytes int64 [n], bool [n] marking the blocks whose byte must come from the
     definition instead: outside the safe range, or more than MAX_RESCORE near-tied candidates).
-    All-zero and non-finite blocks get 0, as from the definition. Chunks of DENSE_CHUNK_ELEMS, each a fixed sequence of kernels."""
-    a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
-    finite = torch.isfinite(a).all(-1)
-    nonzero = (a > 0).any(-1)
-    in_range = ((a == 0) | ((a >= SAFE_MIN) & (a <= SAFE_MAX))).all(-1)
-    fast = finite & nonzero & in_range
-    need = finite & nonzero & ~in_range
+    All-zero and non-finite blocks get 0, as from the definition. Chunks of DENSE_CHUNK_ELEMS,
+    each a fixed sequence of kernels."""
+    fast, need = _block_kinds(xm, block)
     # blocks off the fast path become zeros, so that no NaN or huge value reaches an index
     xs = torch.where(fast[:, None], xm, torch.zeros((), dtype=xm.dtype, device=xm.device))
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=xm.device)
@@ -306,12 +317,9 @@ def mbs_dynamic(
             out[rows] = mbs_dynamic_bruteforce(xm[rows], macro, block).squeeze(-1).long()
         return out.to(torch.uint8).reshape(*lead, -1)
     out = torch.zeros(xm.shape[0], dtype=torch.int64, device=x.device)
-    a = xm.reshape(xm.shape[0], -1, block).abs().amax(-1)
-    finite = torch.isfinite(a).all(-1)
-    nonzero = (a > 0).any(-1)
-    in_range = ((a == 0) | ((a >= SAFE_MIN) & (a <= SAFE_MAX))).all(-1)
-    fast_rows = (finite & nonzero & in_range).nonzero().squeeze(-1)
-    slow_rows = (finite & nonzero & ~in_range).nonzero().squeeze(-1)
+    fast, slow = _block_kinds(xm, block)
+    fast_rows = fast.nonzero().squeeze(-1)
+    slow_rows = slow.nonzero().squeeze(-1)
     step = max(1, CHUNK_ELEMS // macro)
     for i in range(0, fast_rows.numel(), step):
         rows = fast_rows[i : i + step]
