@@ -128,16 +128,15 @@ def prepare_weight(
     activation_mbs: whether the activations will carry MBS bytes (sm_100a packs the weight
     scales per 128-K chunk then, else for one full-K launch)."""
     n, k = qweight.shape
-    npad, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
-    codes = pad_rows(qweight.codes, npad)
-    scales = pad_rows(qweight.scales, npad)
-    mbs = None if qweight.mbs is None else pad_rows(qweight.mbs, npad)
-    use_mbs = mbs is not None or activation_mbs
+    use_mbs = qweight.mbs is not None or activation_mbs
     if arch == "sm90a":
         packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
         bad = inexact_rows(*packed, k)
         return PreparedWeight(arch, n, k, use_mbs, packed=packed, fallback_idx=bad)
     if arch == "sm100a":
+        npad, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
+        codes = pad_rows(qweight.codes, npad)
+        scales = pad_rows(qweight.scales, npad)
         return PreparedWeight(
             arch,
             n,
