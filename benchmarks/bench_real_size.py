@@ -2,6 +2,7 @@
 
     nice -n 10 python benchmarks/bench_real_size.py --config 1b|8b [--workdir /tmp/mxplus-real]
         [--parts gen,rtn,nvfp4,calib,serve,online,bf16] [--calib-nsamples 8 --calib-seqlen 256]
+        [--calib-methods rtn-aware,gptq]
         [--keep]
 
 A full-depth bf16 checkpoint with the config's shapes is written tensor by tensor (random
@@ -319,6 +320,11 @@ def main() -> int:
     ap.add_argument("--rtn-scheme", default="mxfp4-mbs", help=RTN_SCHEME_HELP)
     ap.add_argument("--calib-nsamples", type=int, default=8)
     ap.add_argument("--calib-seqlen", type=int, default=256)
+    ap.add_argument(
+        "--calib-methods",
+        default="rtn-aware,gptq",
+        help="calibrated methods the calib part measures (comma-separated)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-quantization", default=None, help=argparse.SUPPRESS)
@@ -351,7 +357,8 @@ def main() -> int:
         print(line, flush=True)
 
     print(f"{'part':34s} {'wall s':>9s} {'peak GiB':>9s}  notes")
-    if "gen" in parts or not (src / "config.json").is_file():
+    needs_source = bool(parts & {"gen", "rtn", "nvfp4", "online", "bf16"})
+    if "gen" in parts or (needs_source and not (src / "config.json").is_file()):
         code = (
             "import sys, json; sys.path.insert(0, sys.argv[1]); import bench_real_size as b; "
             "print(b.write_source(b.Path(sys.argv[2]), json.loads(sys.argv[3])))"
@@ -361,7 +368,7 @@ def main() -> int:
         )
         assert m["rc"] == 0, m["stderr"][-3000:]
         row("gen bf16 source", m, f"{_gib(int(m['stdout'].split()[-1]))} GiB of weights written")
-    src_bytes = dir_bytes(src)
+    src_bytes = dir_bytes(src) if src.is_dir() else 0
     quantized = work / args.rtn_scheme
     for part, scheme, dst in (("rtn", args.rtn_scheme, quantized),):
         if part in parts:
@@ -426,7 +433,7 @@ def main() -> int:
         text = work / "calib.txt"
         words = " ".join(tiny_words())
         text.write_text("\n".join([words] * 400))
-        for method in ("rtn-aware", "gptq"):
+        for method in args.calib_methods.split(","):
             walls = {}
             for layers in (1, 2):
                 sl = work / f"slice{layers}"
