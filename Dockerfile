@@ -26,11 +26,12 @@ RUN pip install .
 
 # The optional CUTLASS extension, built from the *installed* package (its C++ sources are
 # package data; run from / so the source copy above is not on the path): headers from the
-# nvidia-cutlass wheel, archs from TORCH_CUDA_ARCH_LIST; found via VLLM_MXPLUS_CUTLASS_EXT.
+# nvidia-cutlass wheel, archs from TORCH_CUDA_ARCH_LIST (`mxplus kernels --build-cutlass`, the
+# same step a user runs once on a GPU machine); found via VLLM_MXPLUS_CUTLASS_EXT.
 WORKDIR /
 RUN pip install nvidia-cutlass==4.2.0.0 \
     && nvcc --version \
-    && python3 -m vllm_mxplus.backends.cutlass.build --out /opt/mxplus/build --jobs 2 \
+    && mxplus kernels --build-cutlass --cutlass-out /opt/mxplus/build --jobs 2 \
     && mkdir -p /opt/mxplus/ext \
     && cp /opt/mxplus/build/mxplus_cutlass*.so "${VLLM_MXPLUS_CUTLASS_EXT}" \
     && rm -rf /opt/mxplus/build

@@ -54,7 +54,7 @@ def test_builds_extension_for_both_archs():
     text = DOCKERFILE.read_text()
     assert re.search(r'TORCH_CUDA_ARCH_LIST="9\.0a;10\.0a"', text)
     # from the installed package (its sources are package data), not from a kernels/ copy
-    assert "python3 -m vllm_mxplus.backends.cutlass.build" in text and "COPY kernels" not in text
+    assert "mxplus kernels --build-cutlass" in text and "COPY kernels" not in text
 
 
 def test_serves_model_from_env_with_scheme():

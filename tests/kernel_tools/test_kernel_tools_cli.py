@@ -62,8 +62,14 @@ def test_aot_enumerates_configs_from_the_launchers():
     # the GPU tile choices, not the interpreter's (tests run with TRITON_INTERPRET=1)
     from vllm_mxplus.backends.triton import decode_gemm as dg
 
-    assert all(d["BLOCK_K"] == dg.GPU_BLOCK_K and d["BLOCK_M"] == dg.GPU_BLOCK_M for d in dec)
-    assert all(d["BLOCK_N"] == dg.GPU_BLOCK_N for d in dec)
+    assert all(d["BLOCK_M"] == dg.GPU_BLOCK_M for d in dec)
+    # the wide tile where the code rows vectorize, the unaligned one elsewhere: both compiled
+    wide = (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)
+    assert {(d["BLOCK_N"], d["BLOCK_K"]) for d in dec} == {
+        wide,
+        (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K_NARROW_MACRO),  # macro block 32 of --quick
+        (dg.UNALIGNED_BLOCK_N, dg.UNALIGNED_BLOCK_K),
+    }
     assert all(dict(c.options)["num_warps"] == dg.GPU_NUM_WARPS for c in quick["decode_gemm"])
     # --quick holds the decode shapes that once spilled: every divisibility class of the
     # full set (16-divisible strides, MBS strides that are not, nothing divisible), a bias
@@ -100,7 +106,14 @@ def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
     quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
     dec_full = [dict(c.constexprs) for c in full["decode_gemm"]]
     assert {d["MACRO"] for d in dec_full if d["X_MBS"]} == {16, 32, 64, 128, 256, 2048}
-    assert all(d["BLOCK_K"] == dg.GPU_BLOCK_K for d in dec_full)
+    # macro blocks narrower than the wide K step get the narrow one, never a part of a step
+    narrow_k = {dg.GPU_BLOCK_K_NARROW_MACRO, dg.UNALIGNED_BLOCK_K}
+    assert all(
+        d["BLOCK_K"] in narrow_k if d["X_MBS"] and d["MACRO"] < dg.GPU_BLOCK_K
+        else d["BLOCK_K"] in {dg.GPU_BLOCK_K, dg.UNALIGNED_BLOCK_K}
+        for d in dec_full
+    )  # fmt: skip
+    assert {d["BLOCK_K"] for d in dec_full} == {dg.GPU_BLOCK_K} | narrow_k
     assert aot.parse_macro_blocks("16, 32") == [16, 32] and aot.parse_macro_blocks("") is None
     with pytest.raises(ValueError, match="--macro-block"):
         aot.parse_macro_blocks("32x")
@@ -136,15 +149,23 @@ def test_aot_mx_gemm_and_experts_configs():
         assert {d["FMT"] for d in cs} == {mg.FMT_E8M0, mg.FMT_NVFP4, mg.FMT_MXPLUS}
         assert {d["X_MBS"] for d in cs} == {True, False}
     assert not any(d["MOE"] for d in lin) and all(d["MOE"] for d in moe)
-    tiles = {(d["BLOCK_M"], d["BLOCK_N"]) for d in lin}
+    tiles = {(d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"]) for d in lin}
     assert tiles == {
-        (mg.DECODE_BLOCK_M, mg.DECODE_BLOCK_N),
-        (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N),
+        # rows that do not vectorize, or a macro block of 16 under the wide K step
+        (mg.DECODE_BLOCK_M, mg.DECODE_BLOCK_N, mg.GPU_BLOCK_K),
+        (mg.DECODE_BLOCK_M, mg.WIDE_DECODE_BLOCK_N, mg.WIDE_DECODE_BLOCK_K),
+        (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N, mg.GPU_BLOCK_K),
+        (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N, mg.PREFILL_MBS_BLOCK_K),
     }
     assert {d["BLOCK_M"] for d in moe} == {mg.DECODE_BLOCK_M, mg.PREFILL_BLOCK_M}
+    assert not any(d["BLOCK_N"] == mg.WIDE_DECODE_BLOCK_N for d in moe)  # not the wide tile
     narrow = [d for d in lin if d["X_MBS"] and d["MACRO"] < mg.GPU_BLOCK_K]
-    assert narrow and all(d["BLOCK_K"] == mg.PREFILL_MBS_BLOCK_K for d in narrow)
-    assert all(d["BLOCK_K"] == mg.GPU_BLOCK_K for d in lin if not d["X_MBS"])
+    assert narrow and all(
+        d["BLOCK_K"] == mg.PREFILL_MBS_BLOCK_K
+        if d["BLOCK_M"] == mg.PREFILL_BLOCK_M
+        else d["BLOCK_N"] == mg.DECODE_BLOCK_N
+        for d in narrow
+    )
 
 
 def test_aot_failure_rules():

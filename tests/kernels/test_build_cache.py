@@ -155,3 +155,54 @@ def test_cores_become_split_compile_threads(monkeypatch, tmp_path, jobs, split):
     flags = [a for a in kernel if a.startswith("--split-compile")]
     assert flags == ([] if split is None else [f"--split-compile={split}"])
     assert not any(a.startswith("--split-compile") for a in stub)
+
+
+class _Done:
+    def poll(self):
+        return 0
+
+    def wait(self):
+        return 0
+
+
+def test_link_failure_is_a_build_error_naming_the_step(monkeypatch, tmp_path):
+    """nvcc compiled every file, then torch's extension builder fails (a CPU torch without
+    CUDA_HOME raises OSError): a BuildError that says linking failed, not a traceback."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cb, "cutlass_include_dirs", lambda: [])
+    monkeypatch.setattr(cb.subprocess, "Popen", lambda cmd, **k: _Done())
+
+    def no_cuda_home(**kw):
+        raise OSError("CUDA_HOME environment variable is not set.")
+
+    monkeypatch.setattr(cpp, "load", no_cuda_home)
+    with pytest.raises(cb.BuildError, match="linking the extension failed.*CUDA_HOME"):
+        cb.build(tmp_path / "out", ["90a"], jobs=2)
+
+
+def test_mxplus_kernels_build_cutlass(monkeypatch, tmp_path, capsys):
+    """`mxplus kernels --build-cutlass` builds with the archs and directory asked for and
+    prints where the .so is; a failed step or a bad arch exits 1 with the reason."""
+    from vllm_mxplus.cli import main
+
+    calls = []
+
+    def fake_build(out, archs, jobs=2, verbose=False):
+        calls.append((out, archs, jobs))
+        return tmp_path / "mxplus_cutlass.so"
+
+    monkeypatch.setattr(cb, "build", fake_build)
+    argv = ["kernels", "--build-cutlass", "--archs", "90a", "--cutlass-out", str(tmp_path)]
+    assert main([*argv, "--jobs", "3"]) == 0
+    assert calls == [(tmp_path, ["90a"], 3)]
+    assert "mxplus_cutlass.so (archs 90a" in capsys.readouterr().out
+    assert main(["kernels", "--build-cutlass", "--archs", "80a"]) == 1
+    assert "unsupported arch ['80a']" in capsys.readouterr().out
+
+    def failing(out, archs, jobs=2, verbose=False):
+        raise cb.BuildError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+
+    monkeypatch.setattr(cb, "build", failing)
+    assert main(["kernels", "--build-cutlass"]) == 1
+    assert "--build-cutlass: nvcc not found" in capsys.readouterr().out

@@ -166,7 +166,11 @@ def _drive_mx_gemm(quick: bool) -> None:
     ):
         if m == 16 and fmt == "e8m0":
             continue
-        if quick and (bias or (n, k) == (100, 72)) and (fmt, macro) != ("e8m0", 128):
+        # --quick: E8M0 MBS-128 in every shape and bias variant; the others aligned, plus the
+        # decode tile on rows that do not vectorize (the narrow tile, which the wide one spills)
+        unaligned_decode = m == 16 and (n, k) == (100, 72) and not bias
+        skip = quick and (bias or (n, k) == (100, 72)) and (fmt, macro) != ("e8m0", 128)
+        if skip and not unaligned_decode:
             continue
         for split in (1, 4) if m == 16 else (1,):
             mx_gemm(

@@ -10,6 +10,9 @@ say which backend each scheme gets on this machine; or compile the GPU kernels a
     mxplus kernels --aot --kernel decode_gemm       # one launcher's configurations only
     mxplus kernels --aot --macro-block 16,32,64     # the MBS configurations of these macro
                                                     # blocks only, one line per compile
+    mxplus kernels --build-cutlass [--archs 90a,100a] [--cutlass-out DIR]
+                              # build the CUTLASS prefill extension now (nvcc + the
+                              # nvidia-cutlass headers; minutes): serving finds it by itself
     mxplus kernels --plan --device cuda --capability 90 --cutlass absent [--json]
                               # no GPU needed: which backend serves which M, per scheme, for
                               # linears and MoE experts (the selector's choice, minus the
@@ -73,6 +76,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--json",
         action="store_true",
         help="JSON: a list of {scheme, layer, m_min, m_max, backend} (m_max null: no bound)",
+    )
+    g = p.add_argument_group("the CUTLASS prefill extension (sm_90a / sm_100a; nvcc, no GPU)")
+    g.add_argument(
+        "--build-cutlass",
+        action="store_true",
+        help="compile and link the CUTLASS extension now into the per-user cache (reused "
+        "while the sources, torch, CUDA toolkit and archs are the same), where serving "
+        "loads it; exit 1 naming the failed step (nvcc missing, a compile error)",
+    )
+    g.add_argument(
+        "--archs",
+        default=None,
+        help="for --build-cutlass: 90a, 100a, comma-separated (default: TORCH_CUDA_ARCH_LIST, "
+        "else both)",
+    )
+    g.add_argument(
+        "--cutlass-out",
+        default=None,
+        metavar="DIR",
+        help="for --build-cutlass: build there instead of the cache (then point "
+        "VLLM_MXPLUS_CUTLASS_EXT at the .so)",
     )
     g = p.add_argument_group("ahead-of-time GPU compilation (no GPU needed)")
     g.add_argument(
@@ -179,6 +203,23 @@ def _run_aot(args: argparse.Namespace) -> int:
         return 2
 
 
+def _run_build_cutlass(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vllm_mxplus.backends.cutlass import build
+
+    t0 = time.time()
+    try:
+        archs = build.requested_archs(args.archs)
+        out = Path(args.cutlass_out) if args.cutlass_out else None
+        so = build.build(out, archs, max(1, args.jobs))
+    except build.BuildError as e:
+        print(f"mxplus kernels --build-cutlass: {e}")
+        return 1
+    print(f"CUTLASS extension: {so} (archs {','.join(archs)}; {time.time() - t0:.0f} s)")
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     cap = args.capability if args.device == "cuda" else None
     rows = plan.plan(args.device, cap, args.cutlass == "built", getattr(torch, args.dtype))
@@ -191,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_aot(args)
     if getattr(args, "plan", False):
         return _run_plan(args)
+    if getattr(args, "build_cutlass", False):
+        return _run_build_cutlass(args)
     t0 = time.time()
     ok, why = cpu_kernels.load()
     if not ok:

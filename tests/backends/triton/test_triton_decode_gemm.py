@@ -2,10 +2,10 @@
 
 y_ref = x_hat @ W_hat^T (+ bias) in float64, x_hat and W_hat from `formats` dequantize. The
 kernel forms exact products (value * 2^e is exact in bf16/fp32) and accumulates in fp32, so
-the only error is fp32 rounding in the sums and in the per-macro-block division by
-Fx * Fw. Stated bound, fp32 output:
+the only error is fp32 rounding in the sums and in the per-macro-block scaling by
+sigma_x * sigma_w = fp32(1/Fx) * fp32(1/Fw). Stated bound, fp32 output:
     |y - y_ref| <= 2^-16 * (|x_hat| @ |W_hat|^T + |bias|)
-which allows ~K/128 + 8 fp32 roundings of a sum of absolute terms (K <= 4096: < 2^-17.5);
+which allows ~K/64 + 12 fp32 roundings of a sum of absolute terms (K <= 4096: < 2^-17.6);
 measured errors are ~2^-25. bf16 / fp16 output adds the half-ulp of the cast (2^-9 / 2^-12
 relative, plus fp16's subnormal step).
 
@@ -253,17 +253,19 @@ def test_macro_block_wider_than_k_step(macro_block, triton_device):
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
-def test_mbs_division_is_exact_rounding():
-    """The per-step division by Fx * Fw uses div_rn (IEEE), as the docstring promises; a bare
-    `/` lowers to PTX div.full.f32 (up to 2 ulp) on the GPU."""
+def test_mbs_sigma_is_an_ieee_reciprocal():
+    """The MBS partials are scaled by sigma = fp32(1 / F) from div_rn (IEEE), as the docstring
+    promises; a bare `/` lowers to PTX div.full.f32 (up to 2 ulp) on the GPU."""
     import inspect
 
     from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.backends.triton import gemm_blocks
 
     src = inspect.getsource(dg._decode_gemm_kernel.fn)
-    assert "tl.math.div_rn(part" in src and "part / " not in src
-    # macro blocks under the K step: one division per macro block's partial, also div_rn
-    assert "tl.math.div_rn(pj" in src and "pj / " not in src
+    # both paths (macro block >= and < the K step) scale by the two sigmas, never divide
+    assert src.count("mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)") == 2
+    assert "part / " not in src and "pj / " not in src
+    assert "tl.math.div_rn(" in inspect.getsource(gemm_blocks.mbs_sigma.fn)
 
 
 def test_tile_offsets_are_32_bit_only_where_they_fit():
@@ -404,3 +406,27 @@ def test_gpu_small_macro_blocks(macro_block, m, cuda_device):
     qx, qw = small_macro_operands(m, k, n, "mbs-s", macro_block, cuda_device, seed=m)
     y = run(qx, qw, k, out_dtype=torch.bfloat16, macro_block=macro_block)
     assert_within_bound(y, *reference(qx, qw), torch.bfloat16)
+
+
+def test_gpu_tile_is_wide_only_where_code_rows_vectorize():
+    """The wide 16 x 128 x 128 tile only where every code row's byte count, pitch and base
+    address are multiples of 16 (per-byte masked loads spill it: `mxplus kernels --aot`);
+    elsewhere the unaligned tile; narrow macro blocks get the narrow K step (meta tensors)."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+
+    def codes(rows: int, k: int, pitch: int | None = None, offset: int = 0) -> torch.Tensor:
+        kb = -(-k // 2)
+        base = torch.empty(offset + rows * (pitch or kb), dtype=torch.uint8, device="meta")
+        return base[offset:].as_strided((rows, kb), (pitch or kb, 1))
+
+    wide = (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)
+    unaligned = (dg.UNALIGNED_BLOCK_N, dg.UNALIGNED_BLOCK_K)
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 128, True) == wide
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 32, True) == (
+        dg.GPU_BLOCK_N,
+        dg.GPU_BLOCK_K_NARROW_MACRO,
+    )
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 32, False) == wide
+    assert dg.gpu_tile(100, codes(1, 100), codes(64, 100), 128, True) == unaligned  # 50 B rows
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096, pitch=2056), 128, True) == unaligned
+    assert dg.gpu_tile(4096, codes(2, 4096, offset=8), codes(64, 4096), 128, True) == unaligned

@@ -244,15 +244,22 @@ def build(out: Path | None, archs: list[str], jobs: int = 2, verbose: bool = Fal
     from torch.utils.cpp_extension import load
 
     defines = [f"-DMXPLUS_HAVE_SM{a.upper()}" for a in archs]
-    mod = load(
-        name="mxplus_cutlass",
-        sources=[str(SOURCE_DIR / BINDINGS)],
-        extra_cflags=["-O3", f"-I{SOURCE_DIR}", *defines],
-        extra_ldflags=[*objs, "-lcudart"],
-        build_directory=str(out),
-        with_cuda=True,
-        verbose=verbose,
-    )
+    try:
+        mod = load(
+            name="mxplus_cutlass",
+            sources=[str(SOURCE_DIR / BINDINGS)],
+            extra_cflags=["-O3", f"-I{SOURCE_DIR}", *defines],
+            extra_ldflags=[*objs, "-lcudart"],
+            build_directory=str(out),
+            with_cuda=True,
+            verbose=verbose,
+        )
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        # torch's extension builder: no CUDA torch / CUDA_HOME, or the bindings' compile
+        raise BuildError(
+            f"linking the extension failed ({type(e).__name__}: {e}); the kernels compiled "
+            f"into {out}: it needs a CUDA build of torch and the toolkit (CUDA_HOME)"
+        ) from e
     path = Path(mod.__file__)
     write_manifest(path, archs)
     print(f"[build] {path} (archs {archs}); found automatically, or set {EXT_ENV}={path}")

@@ -11,26 +11,32 @@ Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
   dot on bf16 operands forms exact products and accumulates them in fp32.
 - MBS divides every element by F = 1 + m/256 (x_hat = value * X / F). F is constant over a
   macro block (MACRO = 128 by default, any power of two >= 16) of each row of x and of W, so
-  instead of dividing elements the kernel divides the partial product of each macro block's
-  K range by Fx[m] * Fw[n] (exact: a product of two 9-bit integers over 2^16) with one IEEE
-  division (`div_rn`; the default `/` lowers to the approximate div.full.f32, up to 2 ulp),
-  the paper's per-chunk sigma_A * sigma_B (section 4.3.2, Appendix E). MACRO >= BLOCK_K: a
-  K step lies inside one macro block, one division per step. MACRO < BLOCK_K (16, 32 with
-  the GPU's 64-element step): the step keeps its loads (one 32-byte sector per weight row)
-  and its weight dequantization, and runs one dot per macro block on x with the other
+  instead of dividing elements the kernel scales the partial product of each macro block's
+  K range by sigma_x[m] * sigma_w[n], sigma = fp32(1 / F) from an IEEE division (`div_rn`;
+  the default `/` lowers to the approximate div.full.f32, up to 2 ulp) of one value per row:
+  the paper's per-chunk sigma_A * sigma_B (section 4.3.2, Appendix E), two fp32 roundings
+  per partial where dividing each partial would cost an IEEE division per output element.
+  MACRO >= BLOCK_K: a K step lies inside one macro block, one scaling per step. MACRO <
+  BLOCK_K (16, 32 with the GPU's 64-element step for such macro blocks): the step keeps its
+  loads and its weight dequantization, and runs one dot per macro block on x with the other
   macro blocks' columns zeroed (x is the small operand), so each macro block's partial is
-  divided once by its own factors and the BLOCK_K / MACRO quotients are summed in the step.
+  scaled by its own sigmas and the BLOCK_K / MACRO products are summed in the step.
 The only differences left are fp32 rounding order; the tests bound them against float64
 (docs/numerics.md, "Kernel numerics and error bounds").
 Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers. Only
 the tile's first row is offset in 64 bits; offsets inside a tile are 32-bit (the wrapper
 checks that they fit), so no 64-bit pointer tile is kept live across the K loop.
 
-Register budget (`mxplus kernels --aot`, kernels/README.md): 4 warps, a 16 x 32 output tile
-and 64 K elements (one 32-byte sector per weight row) per step keep every configuration on
-sm_80/90/100 far from a spill. The K mask compares byte indices with the row's byte count
-KB, so on 16-divisible shapes it is constant over a scale block and the weight loads
-vectorize (and pipeline as cp.async).
+Tile (`mxplus kernels --aot`, `benchmarks/gpu_static_model.py`, kernels/README.md): 4 warps,
+a 16 x 128 output tile and 128 K elements per step (64 for macro blocks of 16 / 32 / 64,
+whose per-macro-block dots would otherwise spill): the x tile (tl.dot's A operand, which
+every warp dequantizes for itself) and the per-step costs are paid once per 16384 weights,
+at up to ~250 registers (2 blocks per SM), where a 16 x 32 x 64 tile takes <= 96 (5
+blocks) but issued ~2.6x the instructions per weight. The weight tile is loaded and
+dequantized as stored, [BLOCK_N, bytes], and transposed for the dot, so it reaches shared
+memory in 16-byte stores (as [bytes, BLOCK_N] it took one 2-byte store per element). The
+K mask compares byte indices with the row's byte count KB, so on 16-divisible shapes it is
+constant over a scale block and the weight loads vectorize (and pipeline as cp.async).
 
 The packed layout puts element 2i in the low nibble and 2i+1 in the high nibble of byte i,
 for x and W alike, so the kernel never interleaves: it computes
@@ -44,10 +50,11 @@ from typing import overload
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
-    e2m1_value,
+    e2m1_pair_values,
     e8m0_value,
     macro_block_dot,
     mbs_factors,
+    mbs_sigma,
     pair_dot,
     store_out_tile,
 )
@@ -55,6 +62,7 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
     by_row_chunks,
     check_gemm_args,
+    codes_aligned,
     dot_dtype,
     finish_output,
     plan_split_k,
@@ -64,8 +72,13 @@ from vllm_mxplus.formats.constants import ceil_div
 
 SUPPORTED_BLOCK_SIZES = (16, 32)
 GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
-GPU_BLOCK_N = 32
-GPU_BLOCK_K = 64  # K elements per step on the GPU: one 32-byte sector per weight row
+GPU_BLOCK_N = 128
+GPU_BLOCK_K = 128  # K elements per step on the GPU: 64 bytes per weight row
+GPU_BLOCK_K_NARROW_MACRO = 64  # the step for macro blocks of 16 / 32 / 64 (registers)
+# code rows whose byte count or pitch is not a multiple of 16 cannot vectorize their loads:
+# per-byte masks and loads spill the wide tile, so they get this one (<= 96 registers)
+UNALIGNED_BLOCK_N = 32
+UNALIGNED_BLOCK_K = 64
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 
@@ -130,10 +143,11 @@ def _decode_gemm_kernel(
     jx = i_b[None, :, None] * HB + i_h[None, None, :]
     x_off = i_m[:, None, None] * stride_xcm + jx
     xs_off = i_m[:, None, None] * stride_xsm + i_b[None, :, None]
-    # weight tile [NB, HB, BLOCK_N] (transposed) and its scales [NB, 1, BLOCK_N]
-    jw = i_b[:, None, None] * HB + i_h[None, :, None]
-    w_off = i_n[None, None, :] * stride_wcn + jw
-    ws_off = i_n[None, None, :] * stride_wsn + i_b[:, None, None]
+    # weight tile [BLOCK_N, NB, HB] (rows contiguous in K, as stored) and its scales
+    # [BLOCK_N, NB, 1]; transposed for the dot after dequantization
+    jw = i_b[None, :, None] * HB + i_h[None, None, :]
+    w_off = i_n[:, None, None] * stride_wcn + jw
+    ws_off = i_n[:, None, None] * stride_wsn + i_b[None, :, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_start = pid_s * K_PER_SPLIT
@@ -151,19 +165,21 @@ def _decode_gemm_kernel(
             other=127,
         )
         xsv = e8m0_value(xs.to(tl.int32))
-        x_lo = tl.reshape((e2m1_value(xb & 15) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
-        x_hi = tl.reshape((e2m1_value(xb >> 4) * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+        xv_lo, xv_hi = e2m1_pair_values(xb)
+        x_lo = tl.reshape((xv_lo * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+        x_hi = tl.reshape((xv_hi * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
 
-        mw = (jw < KB - kb0) & mask_n[None, None, :]
+        mw = (jw < KB - kb0) & mask_n[:, None, None]
         wb = tl.load(wc_base + kb0 + w_off, mask=mw, other=0).to(tl.int32)
         ws = tl.load(
             ws_base + sb0 + ws_off,
-            mask=(i_b[:, None, None] * BS < left) & mask_n[None, None, :],
+            mask=(i_b[None, :, None] * BS < left) & mask_n[:, None, None],
             other=127,
         )
         wsv = e8m0_value(ws.to(tl.int32))
-        w_lo = tl.reshape((e2m1_value(wb & 15) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
-        w_hi = tl.reshape((e2m1_value(wb >> 4) * wsv).to(DOT_DTYPE), (BLOCK_K // 2, BLOCK_N))
+        wv_lo, wv_hi = e2m1_pair_values(wb)
+        w_lo = tl.trans(tl.reshape((wv_lo * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
+        w_hi = tl.trans(tl.reshape((wv_hi * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
 
         if (X_MBS or W_MBS) and MACRO < BLOCK_K:
             # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
@@ -179,7 +195,8 @@ def _decode_gemm_kernel(
                     k0 + j * MACRO < K,  # a macro block past K: no byte to read
                     mask_m, mask_n, X_MBS, W_MBS,
                 )  # fmt: skip
-                part += tl.math.div_rn(pj, fx[:, None] * fw[None, :])  # exact, IEEE division
+                sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                part += pj * sx[:, None] * sw[None, :]
         else:
             zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
@@ -189,7 +206,8 @@ def _decode_gemm_kernel(
                 fx, fw = mbs_factors(
                     xm_base + c + xm_off, wm_base + c + wm_off, True, mask_m, mask_n, X_MBS, W_MBS
                 )
-                part = tl.math.div_rn(part, fx[:, None] * fw[None, :])  # exact, IEEE division
+                sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                part = part * sx[:, None] * sw[None, :]
         acc += part
 
     out_row = (m0 + i_m).to(tl.int64)
@@ -197,6 +215,23 @@ def _decode_gemm_kernel(
         out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
         HAS_BIAS, BLOCK_N,
     )  # fmt: skip
+
+
+def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
+    """K elements per step of the wide GPU tile: GPU_BLOCK_K, or GPU_BLOCK_K_NARROW_MACRO
+    where macro blocks narrower than GPU_BLOCK_K would need one dot each per step (with 8 of
+    them at macro block 16 the 128 x 128 step spills registers; 64 keeps it spill-free)."""
+    return GPU_BLOCK_K_NARROW_MACRO if has_mbs and macro_block < GPU_BLOCK_K else GPU_BLOCK_K
+
+
+def gpu_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
+             has_mbs: bool) -> tuple[int, int]:  # fmt: skip
+    """(BLOCK_N, BLOCK_K) on the GPU: the wide tile where the code rows vectorize
+    (`gemm_launch.codes_aligned`; `mxplus kernels --aot` compiles both classes without a
+    spill), else UNALIGNED_BLOCK_N x UNALIGNED_BLOCK_K."""
+    if codes_aligned(k, x_codes, w_codes):
+        return GPU_BLOCK_N, gpu_block_k(macro_block, has_mbs)
+    return UNALIGNED_BLOCK_N, UNALIGNED_BLOCK_K
 
 
 def _infer_block_size(k: int, n_scales: int) -> int:
@@ -324,14 +359,15 @@ def decode_gemm(
     if interp:
         block_m = max(16, min(128, triton.next_power_of_2(m)))
         block_n = block_n or 256
+        gpu_k = gpu_block_k(macro_block, has_mbs)
         if has_mbs:
-            block_k = min(macro_block, 512) if macro_block >= GPU_BLOCK_K else GPU_BLOCK_K
+            block_k = min(macro_block, 512) if macro_block >= gpu_k else gpu_k
         else:
             block_k = 512
     else:
         block_m = GPU_BLOCK_M
-        block_n = block_n or GPU_BLOCK_N
-        block_k = GPU_BLOCK_K
+        gpu_n, block_k = gpu_tile(K, x_codes, w_codes, macro_block, has_mbs)
+        block_n = block_n or gpu_n
     launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)

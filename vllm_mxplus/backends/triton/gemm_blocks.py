@@ -30,6 +30,19 @@ def e2m1_value(c):
 
 
 @triton.jit
+def e2m1_pair_values(b):
+    """(value of the low nibble, value of the high nibble) of packed E2M1 bytes b (int32,
+    0..255) as `e2m1_value` builds them, each nibble's bits moved straight from the byte into
+    the fp32 exponent / mantissa / sign fields (no separate nibble extraction)."""
+    lo = ((b & 7) << 22) | ((b & 8) << 28)
+    hi = ((b & 0x70) << 18) | ((b & 0x80) << 24)
+    return (
+        lo.to(tl.float32, bitcast=True) * 8.507059173023462e37,  # 2^126
+        hi.to(tl.float32, bitcast=True) * 8.507059173023462e37,
+    )
+
+
+@triton.jit
 def e8m0_value(code):
     """fp32 2^(code - 127) from the bits; code 0 is the subnormal 2^-127, code 255 is NaN."""
     bits = tl.where(code == 0, 1 << 22, code << 23)

@@ -20,6 +20,15 @@ NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def codes_aligned(k: int, *codes: torch.Tensor) -> bool:
+    """Whether packed code rows of K elements vectorize on the GPU: the row's byte count and
+    every operand's row pitch and base address are multiples of 16 bytes. The wide decode
+    tiles (16 x 128 x 128) need it: with per-byte masked loads they spill registers."""
+    return ceil_div(k, 2) % 16 == 0 and all(
+        t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in codes
+    )
+
+
 def supports_macro_block(macro_block: int) -> bool:
     """Whether the GEMMs tile this MBS macro block: a power of two >= 16, so a K step (itself
     a power of two) lies inside one macro block or holds whole ones, never parts."""

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    e2m1_pair_values,
     e2m1_value,
     e4m3_value,
     e8m0_value,
@@ -59,6 +60,7 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     SplitK,
     by_row_chunks,
     check_gemm_args,
+    codes_aligned,
     dot_dtype,
     finish_output,
     plan_split_k,
@@ -87,8 +89,12 @@ PREFILL_NUM_WARPS_MBS = 4
 # or two of 16, per step) instead of masking x four times per 64-element step
 PREFILL_MBS_BLOCK_K = 32
 DECODE_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
-DECODE_BLOCK_N = 32
+DECODE_BLOCK_N = 32  # the decode tile where the wide one does not apply (K step GPU_BLOCK_K)
 DECODE_NUM_WARPS = 4
+# the wide decode tile (linears whose code rows vectorize, `gemm_launch.codes_aligned`): the
+# dequantization's per-step costs spread over 16384 weights; unaligned rows spill it
+WIDE_DECODE_BLOCK_N = 128
+WIDE_DECODE_BLOCK_K = 128  # 64 bytes per weight row
 GPU_BLOCK_K = 64  # one 32-byte sector per row and step
 DECODE_MAX_M = 16
 
@@ -117,10 +123,13 @@ def dequant_rows(
     R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    BY_NIBBLE: tl.constexpr,
 ):
     """The K step [k0, k0 + BLOCK_K) of R packed rows as (even, odd) element values
     [R, BLOCK_K // 2] in DOT_DTYPE (exact). rows_*: int64 row offsets [R]; masked rows, bytes
-    past KB and blocks past K read as 0."""
+    past KB and blocks past K read as 0. BY_NIBBLE: extract each nibble, then decode it
+    (`e2m1_value`; fewer live registers, which the gathered MoE tiles need), else decode
+    both nibbles straight from the byte (`e2m1_pair_values`; fewer instructions)."""
     NB: tl.constexpr = BLOCK_K // BS
     HB: tl.constexpr = BS // 2
     i_b = tl.arange(0, NB)
@@ -135,10 +144,13 @@ def dequant_rows(
         sv = e4m3_value(tl.load(s_ptr + s_off, mask=sm, other=0).to(tl.int32))
     else:
         sv = e8m0_value(tl.load(s_ptr + s_off, mask=sm, other=127).to(tl.int32))
-    lo_c = cb & 15
-    hi_c = cb >> 4
-    lo = e2m1_value(lo_c)
-    hi = e2m1_value(hi_c)
+    if FMT == 2 or BY_NIBBLE:
+        lo_c = cb & 15
+        hi_c = cb >> 4
+        lo = e2m1_value(lo_c)
+        hi = e2m1_value(hi_c)
+    else:
+        lo, hi = e2m1_pair_values(cb)
     if FMT == 2:  # MX+: the block-max element (index within the block of 32 = BS)
         bm = tl.load(
             e_ptr + rows_e[:, None, None] + (k0 // BS + i_b[None, :, None]),
@@ -230,11 +242,11 @@ def _mx_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         x_lo, x_hi = dequant_rows(
             xc_ptr, xs_ptr, xe_ptr, rows_xc, rows_xs, rows_xe, mask_m, k0, K, KB,
-            FMT, BS, BLOCK_M, BLOCK_K, DOT_DTYPE,
+            FMT, BS, BLOCK_M, BLOCK_K, DOT_DTYPE, MOE,
         )  # fmt: skip
         w_lo, w_hi = dequant_rows(
             wc_ptr, ws_ptr, we_ptr, rows_wc, rows_ws, rows_we, mask_n, k0, K, KB,
-            FMT, BS, BLOCK_N, BLOCK_K, DOT_DTYPE,
+            FMT, BS, BLOCK_N, BLOCK_K, DOT_DTYPE, MOE,
         )  # fmt: skip
         w_lo = tl.trans(w_lo)
         w_hi = tl.trans(w_hi)
@@ -271,10 +283,13 @@ def _mx_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def gemm_tiles(m: int, macro_block: int, has_mbs: bool, bs: int) -> tuple[int, int, int, int]:
+def gemm_tiles(
+    m: int, macro_block: int, has_mbs: bool, bs: int, wide: bool = False
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows: the decode tile up to
-    DECODE_MAX_M rows, the prefill tile above. The interpreter pays per program and per
-    step, so without a narrow macro block it takes longer K steps."""
+    DECODE_MAX_M rows (the wide one where `wide`: code rows that vectorize, and no macro
+    block narrower than its K step), the prefill tile above. The interpreter pays per
+    program and per step, so without a narrow macro block it takes longer K steps."""
     bm, bn, warps = (
         (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_NUM_WARPS)
         if m <= DECODE_MAX_M
@@ -285,6 +300,8 @@ def gemm_tiles(m: int, macro_block: int, has_mbs: bool, bs: int) -> tuple[int, i
         )
     )
     bk = GPU_BLOCK_K
+    if wide and m <= DECODE_MAX_M and not (has_mbs and macro_block < WIDE_DECODE_BLOCK_K):
+        bn, bk = WIDE_DECODE_BLOCK_N, WIDE_DECODE_BLOCK_K
     if has_mbs and macro_block < GPU_BLOCK_K and m > DECODE_MAX_M:
         bk = PREFILL_MBS_BLOCK_K
     if interpreting():
@@ -449,7 +466,7 @@ def mx_gemm(
     device = w[0].device
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=device)
-    tiles = gemm_tiles(m, macro_block, has_mbs, block_size)
+    tiles = gemm_tiles(m, macro_block, has_mbs, block_size, codes_aligned(K, x[0], w[0]))
     bm, bn, bk, _ = tiles
     if triton.cdiv(m, bm) > MAX_GRID_M_TILES:  # more rows than one grid holds
         kw: dict[str, Any] = {
