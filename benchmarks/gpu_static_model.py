@@ -109,6 +109,13 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         return go
 
+    def decode_mx(fmt: str, bs: int) -> Callable[[], None]:
+        def go() -> None:  # mx_gemm's decode tile: NVFP4 and MX+ at M <= 16
+            mx_gemm(_mx_operand(1, k, fmt, bs, None), _mx_operand(n, k, fmt, bs, None), k,
+                    None, bf16, fmt=fmt, block_size=bs, macro_block=128, split_k=1)  # fmt: skip
+
+        return go
+
     def experts() -> None:
         e, pairs, topk, inter = 8, 4096, 2, 14336
         codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
@@ -125,6 +132,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     return {
         "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
         "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
+        "decode nvfp4": ("decode", "weight", decode_mx("nvfp4", 16)),
+        "decode mxplus": ("decode", "weight", decode_mx("mxplus", 32)),
         "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
         "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),
         "prefill nvfp4": ("prefill", "MAC", prefill("nvfp4", 16, None)),
