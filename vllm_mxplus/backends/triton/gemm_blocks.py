@@ -14,6 +14,7 @@ from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 
 # Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
 E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
+E2M1_REBIAS = tl.constexpr(2.0**126)  # E2M1 bits in fp32's fields -> the E2M1 value (exact)
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def e2m1_value(c):
     magnitudes (PTX mul.f32 without .ftz keeps subnormal operands).
     """
     bits = ((c & 7) << 22) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    return bits.to(tl.float32, bitcast=True) * E2M1_REBIAS
 
 
 @triton.jit
@@ -37,8 +38,8 @@ def e2m1_pair_values(b):
     lo = ((b & 7) << 22) | ((b & 8) << 28)
     hi = ((b & 0x70) << 18) | ((b & 0x80) << 24)
     return (
-        lo.to(tl.float32, bitcast=True) * 8.507059173023462e37,  # 2^126
-        hi.to(tl.float32, bitcast=True) * 8.507059173023462e37,
+        lo.to(tl.float32, bitcast=True) * E2M1_REBIAS,
+        hi.to(tl.float32, bitcast=True) * E2M1_REBIAS,
     )
 
 
