@@ -12,7 +12,8 @@ weight (decode: each iteration covers BLOCK_N x BLOCK_K weights), per MAC (prefi
 BLOCK_M x BLOCK_N x BLOCK_K), per element (act-quant: every K loop over BLOCK_M x BLOCK_K).
 
 Then a STATIC ESTIMATE of a Llama-3-8B forward's linears (32 layers of qkv 6144x4096, o
-4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 128, 4096 as the max of three
+4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 128, 512, 4096 (M
+padded to the prefill kernel's whole row tiles above 16 rows) as the max of three
 bounds: instruction issue (warp-instructions / the GPU's issue rate), tensor cores (MACs / the
 dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic) and
 memory (bytes / bandwidth), next to the same estimate for bf16 (2 bytes per weight, the bf16
@@ -51,7 +52,7 @@ GPUS = {
 }
 LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LAYERS = 32
-MS = (1, 16, 128, 4096)
+MS = (1, 16, 17, 64, 128, 512, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 
@@ -70,6 +71,7 @@ class Count:
     registers: int
     spill_bytes: int
     shared_bytes: int
+    block_m: int  # rows per tile: M is padded to whole row tiles
 
 
 def _meta(shape, dtype):
@@ -89,7 +91,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     from vllm_mxplus.backends.triton.act_quant import act_quant
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
     from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_gemm
-    from vllm_mxplus.backends.triton.mx_gemm import PREFILL_BLOCK_M, mx_gemm
+    from vllm_mxplus.backends.triton.mx_gemm import GATHER_BLOCK_M, mx_gemm
     from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
 
     n, k = 4096, 4096
@@ -121,10 +123,10 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
         w = PackedExpertWeights(codes, scales, extra, g, e, 2 * inter, k)
         moe_gemm(_mx_operand(pairs // topk, k, "e8m0", 16, 128), w,
-                 _meta((pairs + e * PREFILL_BLOCK_M,), torch.int32),
-                 _meta((pairs // PREFILL_BLOCK_M + e,), torch.int32), num_pairs=pairs,
+                 _meta((pairs + e * GATHER_BLOCK_M,), torch.int32),
+                 _meta((pairs // GATHER_BLOCK_M + e,), torch.int32), num_pairs=pairs,
                  topk=topk, out_dtype=bf16, fmt="e8m0", block_size=16,
-                 macro_block=128, block_m=PREFILL_BLOCK_M)  # fmt: skip
+                 macro_block=128, block_m=GATHER_BLOCK_M)  # fmt: skip
 
     def act(fmt: str) -> Callable[[], None]:
         return lambda: act_quant(_meta((4096, k), bf16), fmt, macro_block=128)
@@ -178,7 +180,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
     with tempfile.TemporaryDirectory() as d:
         regs, spill = _ptxas_stats(ck.asm["ptx"], arch, d)
     return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
-                 spill, int(getattr(ck.metadata, "shared", 0)))  # fmt: skip
+                 spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]))  # fmt: skip
 
 
 def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
@@ -198,8 +200,9 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
             kernel = "decode"
         else:
-            issue = pre.per_unit * m * weights / issue_rate
-            tensor = m * weights / mac_rate
+            padded = -(-m // pre.block_m) * pre.block_m  # whole row tiles
+            issue = pre.per_unit * padded * weights / issue_rate
+            tensor = padded * weights / mac_rate
             kernel = "prefill"
         memory = (weights * BYTES_PER_WEIGHT + m * act_k * 2.6) / bw
         act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * 2.6 / bw)

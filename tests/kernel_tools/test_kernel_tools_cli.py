@@ -155,17 +155,26 @@ def test_aot_mx_gemm_and_experts_configs():
         (mg.DECODE_BLOCK_M, mg.DECODE_BLOCK_N, mg.GPU_BLOCK_K),
         (mg.DECODE_BLOCK_M, mg.WIDE_DECODE_BLOCK_N, mg.WIDE_DECODE_BLOCK_K),
         (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N, mg.GPU_BLOCK_K),
-        (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N, mg.PREFILL_MBS_BLOCK_K),
+        (mg.PREFILL_MBS_BLOCK_M, mg.PREFILL_MBS_BLOCK_N, mg.GPU_BLOCK_K),
+        # MBS on rows that do not vectorize; a macro block under the K step
+        (mg.GATHER_BLOCK_M, mg.GATHER_BLOCK_N, mg.GPU_BLOCK_K),
+        (mg.GATHER_BLOCK_M, mg.GATHER_BLOCK_N, mg.PREFILL_MBS_BLOCK_K),
     }
-    assert {d["BLOCK_M"] for d in moe} == {mg.DECODE_BLOCK_M, mg.PREFILL_BLOCK_M}
-    assert not any(d["BLOCK_N"] == mg.WIDE_DECODE_BLOCK_N for d in moe)  # not the wide tile
+    assert {d["BLOCK_M"] for d in moe} == {mg.DECODE_BLOCK_M, mg.GATHER_BLOCK_M}
+    assert {d["BLOCK_N"] for d in moe} == {mg.GATHER_BLOCK_N}  # 64 pairs: the gathered tile
     narrow = [d for d in lin if d["X_MBS"] and d["MACRO"] < mg.GPU_BLOCK_K]
     assert narrow and all(
         d["BLOCK_K"] == mg.PREFILL_MBS_BLOCK_K
-        if d["BLOCK_M"] == mg.PREFILL_BLOCK_M
+        if d["BLOCK_M"] == mg.GATHER_BLOCK_M
         else d["BLOCK_N"] == mg.DECODE_BLOCK_N
         for d in narrow
     )
+    # the prefill tile by operand kind: without MBS the plain tile, MBS on its own or gathered
+    for d in lin:
+        if d["BLOCK_M"] > mg.DECODE_BLOCK_M:
+            mbs = d["X_MBS"] or d["W_MBS"]
+            want = {mg.PREFILL_MBS_BLOCK_M, mg.GATHER_BLOCK_M} if mbs else {mg.PREFILL_BLOCK_M}
+            assert d["BLOCK_M"] in want
 
 
 def test_aot_failure_rules():

@@ -137,7 +137,7 @@ def test_nvfp4_given_global_scale_bit_exact(triton_device, dtype):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("m", [1, 5, 17, 40])
 def test_mx_gemm_within_bound(triton_device, case, m):
-    """Every format at decode (M <= 16: 16 x 32 tile) and prefill (64 x 64 tile) sizes,
+    """Every format at decode (M <= 16: 16 x 32 tile) and prefill (`gemm_tiles`) sizes,
     K = 200 (partial blocks and macro blocks), N = 48, with a bias."""
     _, wf, af, macro = case
     k, n = 200, 48
@@ -148,6 +148,39 @@ def test_mx_gemm_within_bound(triton_device, case, m):
     bias = torch.randn(n, generator=torch.Generator().manual_seed(m)).to(triton_device)
     y = _gemm(qx, qw, wf, k, macro, bias)
     assert y.shape == (m, n) and y.dtype == torch.float32
+    _bound_check(y, qx, qw, bias)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[6]], ids=lambda c: c[0])
+def test_prefill_tiles_within_bound(triton_device, case):
+    """The prefill tiles (128 x 128; MBS 64 x 128, on code rows that vectorize) with partial
+    row and column tiles and a partial macro block: M = 130, N = 136, K = 224 (112 bytes per
+    row). The same MBS operands at K = 200 (rows that do not vectorize) take the 32 x 64
+    gathered-rows tile, which spills less (`gemm_tiles`)."""
+    from vllm_mxplus.backends.triton import mx_gemm as mg
+    from vllm_mxplus.backends.triton.gemm_launch import codes_aligned
+
+    _, wf, af, macro = case
+    m, k, n = 130, 224, 136
+    x = _data(m, k, seed=11).to(torch.bfloat16).to(triton_device)
+    w = (_data(n, k, seed=12, spread=3) * 0.1).to(triton_device)
+    qx = quantize(x, af, macro_block=macro, per_row=True)
+    qw = quantize(w, wf, macro_block=macro)
+    fmt, bs = mg.operand_format(wf)
+    has_mbs = qw.mbs is not None
+    assert codes_aligned(k, qx.codes, qw.codes)
+    tile = mg.gemm_tiles(m, macro, has_mbs, bs, True)[:2]
+    if has_mbs:
+        assert tile == (mg.PREFILL_MBS_BLOCK_M, mg.PREFILL_MBS_BLOCK_N)
+        assert mg.gemm_tiles(m, macro, True, bs, False)[:2] == (
+            mg.GATHER_BLOCK_M,
+            mg.GATHER_BLOCK_N,
+        )
+    else:
+        assert tile == (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(triton_device)
+    y = _gemm(qx, qw, wf, k, macro, bias)
+    assert y.shape == (m, n)
     _bound_check(y, qx, qw, bias)
 
 

@@ -41,7 +41,7 @@ from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
     FMT_CODES,
     FMT_E8M0,
-    PREFILL_BLOCK_M,
+    GATHER_BLOCK_M,
     gemm_tiles,
     launch_mx_gemm,
     operand_format,
@@ -83,7 +83,7 @@ def moe_block_m(pairs: int, experts: int) -> int:
     """Row tile of the grouped GEMM: the decode tile when the active experts get about 16
     pairs or fewer each, the prefill tile otherwise (a choice from shapes only)."""
     active = max(1, min(experts, pairs))
-    return DECODE_BLOCK_M if pairs <= DECODE_BLOCK_M * active else PREFILL_BLOCK_M
+    return DECODE_BLOCK_M if pairs <= DECODE_BLOCK_M * active else GATHER_BLOCK_M
 
 
 def moe_capacity(pairs: int, experts: int, block_m: int) -> int:
@@ -155,7 +155,7 @@ def moe_gemm(
         return out.to(out_dtype)
     if has_mbs is None:
         has_mbs = FMT_CODES[fmt] == FMT_E8M0 and (x[2] is not None or w.extra is not None)
-    bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size)
+    bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size, gather=True)
     if has_mbs and block_m > DECODE_BLOCK_M:
         warps = MOE_NUM_WARPS_MBS
     tiles = (block_m, bn, bk, warps)

@@ -1,9 +1,9 @@
 """Triton FP4 GEMM for every weight format, tiled for any M: y = x_hat @ W_hat^T (+ bias).
 
 One kernel, `_mx_gemm_kernel`, serves
-- linears at M > 16 (prefill: 32 x 64 output tiles, 64 of K per step), every format: E8M0
-  at block 16 / 32 with MBS bytes on either operand at any power-of-two macro block
-  16..2048, NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per
+- linears at M > 16 (prefill: 128 x 128 output tiles, 64 x 128 with MBS, 64 of K per step,
+  `gemm_tiles`), every format: E8M0 at block 16 / 32 with MBS bytes on either operand at
+  any power-of-two macro block 16..2048, NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per
   weight row) and MX+ (E8M0 block 32 plus each block's block-max index);
 - linears at M <= 16 for NVFP4 and MX+ (the decode tile of `decode_gemm`, 16 x 32, with
   split-K), whose formats the E8M0 decode kernel does not read;
@@ -79,14 +79,25 @@ MXPLUS_BLOCK = 32
 BLOCK_SIZES = {FMT_E8M0: (16, 32), FMT_NVFP4: (16,), FMT_MXPLUS: (MXPLUS_BLOCK,)}
 NO_BLOCK_MAX = tl.constexpr(255)
 
-PREFILL_BLOCK_M = 32
-PREFILL_BLOCK_N = 64
-PREFILL_NUM_WARPS = 4
+# The prefill tiles (linears at M > 16; counts and spills per target: kernels/README.md,
+# "The prefill tiles"). Without MBS 128 x 128 x 64 on 8 warps, which Triton issues as wgmma
+# on sm_90 and tcgen05 MMA on sm_100 (mma.sync on sm_80).
+PREFILL_BLOCK_M = 128
+PREFILL_BLOCK_N = 128
+PREFILL_NUM_WARPS = 8
 # MBS keeps a second fp32 tile (each step's partial, before its sigma scaling) live beside
-# the accumulator (registers per configuration: kernels/README.md)
+# the accumulator: 64 x 128 on 4 warps, for block size 16 (every MBS scheme's; at 32 it
+# spills on sm_80)
+PREFILL_MBS_BLOCK_M = 64
+PREFILL_MBS_BLOCK_N = 128
+PREFILL_MBS_BS = 16
 PREFILL_NUM_WARPS_MBS = 4
-# MBS macro blocks under 64 (16, 32): the prefill tile steps 32 of K (one macro block of 32,
-# or two of 16, per step) instead of masking x four times per 64-element step
+# MBS macro blocks under 64 (16, 32), and rows gathered through a row list (MoE experts,
+# `mx_gemm_rows`): the 32 x 64 tile, stepping 32 of K under a narrow macro block (one macro
+# block of 32, or two of 16, per step) instead of masking x four times per 64-element step
+GATHER_BLOCK_M = 32
+GATHER_BLOCK_N = 64
+GATHER_NUM_WARPS = 4
 PREFILL_MBS_BLOCK_K = 32
 DECODE_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 DECODE_BLOCK_N = 32  # the decode tile where the wide one does not apply (K step GPU_BLOCK_K)
@@ -284,25 +295,28 @@ def _mx_gemm_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 def gemm_tiles(
-    m: int, macro_block: int, has_mbs: bool, bs: int, wide: bool = False
+    m: int, macro_block: int, has_mbs: bool, bs: int, wide: bool = False, gather: bool = False
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows: the decode tile up to
-    DECODE_MAX_M rows (the wide one where `wide`: code rows that vectorize, and no macro
-    block narrower than its K step), the prefill tile above. The interpreter pays per
-    program and per step, so without a narrow macro block it takes longer K steps."""
-    bm, bn, warps = (
-        (DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_NUM_WARPS)
-        if m <= DECODE_MAX_M
-        else (
-            PREFILL_BLOCK_M,
-            PREFILL_BLOCK_N,
-            PREFILL_NUM_WARPS_MBS if has_mbs else PREFILL_NUM_WARPS,
-        )
-    )
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows. Up to DECODE_MAX_M rows the decode
+    tile: the wide one where `wide` (code rows that vectorize, `gemm_launch.codes_aligned`)
+    and no macro block is narrower than its K step. Above, a prefill tile: the gathered-rows
+    tile for `gather` (MoE experts, `mx_gemm_rows`), under a macro block narrower than the K
+    step, and for MBS operands whose rows do not vectorize or whose blocks are not of 16
+    (the MBS tile spills on them); else the MBS tile or the plain one. The interpreter pays per program and per step, so
+    without a narrow macro block it takes longer K steps."""
+    narrow = has_mbs and macro_block < GPU_BLOCK_K
+    if m <= DECODE_MAX_M:
+        bm, bn, warps = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_NUM_WARPS
+    elif gather or narrow or (has_mbs and not (wide and bs == PREFILL_MBS_BS)):
+        bm, bn, warps = GATHER_BLOCK_M, GATHER_BLOCK_N, GATHER_NUM_WARPS
+    elif has_mbs:
+        bm, bn, warps = PREFILL_MBS_BLOCK_M, PREFILL_MBS_BLOCK_N, PREFILL_NUM_WARPS_MBS
+    else:
+        bm, bn, warps = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_NUM_WARPS
     bk = GPU_BLOCK_K
     if wide and m <= DECODE_MAX_M and not (has_mbs and macro_block < WIDE_DECODE_BLOCK_K):
         bn, bk = WIDE_DECODE_BLOCK_N, WIDE_DECODE_BLOCK_K
-    if has_mbs and macro_block < GPU_BLOCK_K and m > DECODE_MAX_M:
+    if narrow and m > DECODE_MAX_M:
         bk = PREFILL_MBS_BLOCK_K
     if interpreting():
         bk = min(macro_block, 256) if has_mbs and macro_block >= GPU_BLOCK_K else bk
@@ -526,7 +540,7 @@ def mx_gemm_rows(
     check_available(w[0])
     if m == 0 or n == 0:
         return y
-    tiles = gemm_tiles(DECODE_MAX_M + 1, macro_block, has_mbs, block_size)  # prefill tile
+    tiles = gemm_tiles(DECODE_MAX_M + 1, macro_block, has_mbs, block_size, gather=True)
     bm, _, bk, _ = tiles
     grid_m = triton.cdiv(m, bm)
     if grid_m > MAX_GRID_M_TILES:
