@@ -33,7 +33,8 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     NVFP4_BLOCK,
     NVFP4_GLOBAL_DIV,
-    e8m0_block_quant,
+    abs_nan_to_inf,
+    e8m0_block_quant_abs,
     load_f32,
     load_row_tile,
     mbs_static_scale,
@@ -66,8 +67,9 @@ SUPPORTED_FORMATS = tuple(name for name, spec in FORMATS.items() if takes(spec))
 #: holds more macro blocks (a 4 x 512 tile: 64 of 32), each with its own absmax and one IEEE
 #: division 6 / a (docs/numerics.md, "Macro Block Scaling").
 SUPPORTED_MACRO_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-GPU_TILE_ELEMS = 2048  # elements per program on the GPU (memory-bound: ~16 per thread)
+GPU_TILE_ELEMS = 4096  # elements per program on the GPU (~32 per thread: per-program costs spread)
 GPU_BLOCK_K = 512
+GPU_MAX_ROWS = 8
 
 
 # ----------------------------------------------------------------------------- E8M0 kernel
@@ -84,15 +86,20 @@ def _mx_act_quant_kernel(
 
     if HAS_MBS:
         NM: tl.constexpr = BLOCK_K // MACRO
-        m, _, y = mbs_static_scale(x, BLOCK_M, NM, MACRO)
+        # |fp32(x F)| = fp32(|x| F), NaN as +inf either way, and x F has x's sign (F >= 1):
+        # the block quantizer gets both from x, without y = x F itself
+        m, f, _ = mbs_static_scale(x, BLOCK_M, NM, MACRO)
+        ay = tl.reshape(
+            tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, BLOCK_K)
+        )
         store_row_tile(
             mbs_ptr, m.to(tl.uint8), offs_m, mask_m, stride_mm, pid_k, tl.cdiv(K, MACRO), NM
         )
     else:
-        y = x
+        ay = abs_nan_to_inf(x)
 
     NB: tl.constexpr = BLOCK_K // BLOCK
-    code, mag, neg = e8m0_block_quant(y, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+    code, mag, neg = e8m0_block_quant_abs(x, ay, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
     store_codes_and_scales(
         codes_ptr, scales_ptr, mag | (neg << 3), code, offs_m, mask_m, stride_cm, stride_sm,
         pid_k, K, BLOCK, BLOCK_M, BLOCK_K,
@@ -139,13 +146,13 @@ def _nvfp4_act_quant_kernel(
 def tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit (a macro block never crosses
     programs). The interpreter pays per program, so it gets large tiles; the GPU gets
-    ~GPU_TILE_ELEMS elements per program (memory-bound): up to 4 rows x 512 columns, and
+    ~GPU_TILE_ELEMS elements per program (memory-bound): up to 8 rows x 512 columns, and
     fewer rows when the unit (a macro block up to 2048) is wider."""
     kp2 = max(unit, triton.next_power_of_2(k))
     if interpreting():
         return min(64, triton.next_power_of_2(m)), max(unit, min(kp2, 4096))
     block_k = max(unit, min(kp2, GPU_BLOCK_K))
-    return min(4, triton.next_power_of_2(m), max(1, GPU_TILE_ELEMS // block_k)), block_k
+    return min(GPU_MAX_ROWS, triton.next_power_of_2(m), max(1, GPU_TILE_ELEMS // block_k)), block_k
 
 
 def check_act_input(

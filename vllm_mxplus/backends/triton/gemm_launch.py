@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, tl, triton
 
@@ -25,8 +26,16 @@ def codes_aligned(k: int, *codes: torch.Tensor) -> bool:
     every operand's row pitch and base address are multiples of 16 bytes. The wide decode
     tiles (16 x 128 x 128) need it: with per-byte masked loads they spill registers."""
     return ceil_div(k, 2) % 16 == 0 and all(
-        t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in codes
+        t.stride(0) % 16 == 0 and _base_address(t) % 16 == 0 for t in codes
     )
+
+
+def _base_address(t: torch.Tensor) -> int:
+    """t's first byte's address; for a fake tensor (tracing: no storage, whose data_ptr torch
+    deprecates) its byte offset into a storage that the caching allocator aligns to 512."""
+    if isinstance(t, FakeTensor):
+        return int(t.storage_offset()) * t.element_size()
+    return t.data_ptr()
 
 
 def supports_macro_block(macro_block: int) -> bool:

@@ -24,6 +24,10 @@ F8E4M3_MAX = tl.constexpr(C.F8E4M3_MAX)
 F8E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 F8E4M3_SUB_ROUNDER = tl.constexpr(16384.0)  # 2^14: fp32 ulp 2^-9, the e4m3 subnormal step
 NVFP4_BLOCK = tl.constexpr(C.SMALL_BLOCK)  # 16
+E2M1_RND_HALF = tl.constexpr(2.0**22)  # x + 2^22 rounds x < 2^22 to a multiple of 0.5
+E2M1_RND_ONE = tl.constexpr(2.0**23)
+E2M1_RND_TWO = tl.constexpr(2.0**24)
+E2M1_TO_CODE = tl.constexpr(2.0**-126)  # E2M1 value -> fp32 bits code << 22
 
 #: d = 1 above these fp32 mantissa bits, per E8M0 scale rule (docs/numerics.md, "E8M0 block
 #: scales"); shared with the fused sm_90a encoder (triton_act_fp8).
@@ -32,15 +36,19 @@ MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": C.FLOOR_MANTISSA, "oas": C.O
 
 @triton.jit
 def e2m1_magnitude_code(v):
-    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0."""
-    c = (v > 0.25).to(tl.int32)
-    c += (v >= 0.75).to(tl.int32)
-    c += (v > 1.25).to(tl.int32)
-    c += (v >= 1.75).to(tl.int32)
-    c += (v > 2.5).to(tl.int32)
-    c += (v >= 3.5).to(tl.int32)
-    c += (v > 5.0).to(tl.int32)
-    return c
+    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0.
+
+    One fp32 addition rounds v to the E2M1 grid: v + 2^22 (ulp 0.5) below 2, v + 2^23
+    (ulp 1) below 4, v + 2^24 (ulp 2) above, each a single round-to-nearest-even of the
+    exact sum, then minus the same power of two (exact); the thresholds of
+    `formats.e2m1_magnitude_code` with their ties (1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
+    fall out of the ties to even. Saturated at 6, the value r is moved to its code by
+    r * 2^-126, whose fp32 bits are the code shifted left by 22 (`gemm_blocks.e2m1_value`
+    read backwards; 0.5 * 2^-126 is a subnormal, which mul.f32 without .ftz keeps)."""
+    magic = tl.where(v < 2.0, E2M1_RND_HALF, tl.where(v < 4.0, E2M1_RND_ONE, E2M1_RND_TWO))
+    r = tl.minimum((v + magic) - magic, E2M1_MAX)
+    c = (r * E2M1_TO_CODE).to(tl.int32, bitcast=True) >> 22
+    return tl.where(v == v, c, 0)
 
 
 @triton.jit
@@ -143,11 +151,25 @@ def e8m0_block_quant(
     """E8M0 block quantization of fp32 y [BLOCK_M, NB*BLOCK]: (scale codes int32 [BM, NB],
     255 = NaN block; magnitude codes [BM, NB, BLOCK]; sign bits [BM, NB, BLOCK]). Elements
     of a NaN block get magnitude and sign 0."""
-    ay = tl.reshape(abs_nan_to_inf(y), (BLOCK_M, NB, BLOCK))
+    return e8m0_block_quant_abs(y, abs_nan_to_inf(y), MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+
+
+@triton.jit
+def e8m0_block_quant_abs(
+    sgn,
+    ay,
+    MANT_THRESHOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """`e8m0_block_quant` of y given ay = |y| with NaN as +inf (`abs_nan_to_inf`) and any
+    tensor sgn with y's signs (the MBS-S quantizer passes x for y = x F, F > 0)."""
+    ay = tl.reshape(ay, (BLOCK_M, NB, BLOCK))
     code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
     nan_blk = (code == E8M0_NAN)[:, :, None]
     mag = tl.where(nan_blk, 0, e2m1_magnitude_code(ay * e8m0_reciprocal(code)[:, :, None]))
-    neg = tl.reshape((y.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
+    neg = tl.reshape((sgn.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
     return code, mag, tl.where(nan_blk, 0, neg)
 
 
