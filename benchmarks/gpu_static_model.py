@@ -55,6 +55,7 @@ LAYERS = 32
 MS = (1, 16, 17, 64, 128, 512, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
+ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written
 
 
 @dataclass
@@ -204,8 +205,8 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
             issue = pre.per_unit * padded * weights / issue_rate
             tensor = padded * weights / mac_rate
             kernel = "prefill"
-        memory = (weights * BYTES_PER_WEIGHT + m * act_k * 2.6) / bw
-        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * 2.6 / bw)
+        memory = (weights * BYTES_PER_WEIGHT + m * act_k * ACT_BYTES) / bw
+        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
         ours = max(issue, tensor, memory) + act
         bf16 = max(weights * 2 / bw, m * weights / mac_rate)
         rows.append({
@@ -216,6 +217,17 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
             "bound": max((issue, "issue"), (tensor, "tensor"), (memory, "memory"))[1],
         })  # fmt: skip
     return rows
+
+
+def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
+    """The activation quantizer per element, max(issue, memory: 2 bytes read, 0.57 written),
+    against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
+    _, sms, ghz, bw, _ = GPUS[gpu]
+    aq = counts["act-quant mxfp4-mbs-s"]
+    ours = max(aq.per_unit / (sms * 4 * ghz * 1e9), ACT_BYTES / bw)
+    copy = 4.0 / bw
+    return {"gpu": gpu, "act_quant_ps_per_element": ours * 1e12,
+            "bf16_copy_ps_per_element": copy * 1e12, "time_vs_copy": ours / copy}  # fmt: skip
 
 
 def _commit() -> str:
@@ -244,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     gpus = [g for g, spec in GPUS.items() if spec[0] in archs]
     est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
+    act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
     doc = {
         "what": "static estimate (instruction counts of the compiled code x published peaks)",
         "command": "python benchmarks/gpu_static_model.py --arch " + args.arch,
@@ -252,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.processor() or platform.machine(),
         "counts": {a: [asdict(c) for c in cs.values()] for a, cs in counts.items()},
         "estimates": est,
+        "act_quant_vs_bf16_copy": act,
     }
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -274,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['M']:>5} {r['kernel']:<8}{r['issue_ms']:>9.3f}{r['tensor_ms']:>9.3f}"
                   f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['estimate_ms']:>9.3f}"
                   f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']}")  # fmt: skip
+    for gpu, a in act.items():
+        print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
+              f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "
+              f"{a['time_vs_copy']:.2f}x the copy's time")  # fmt: skip
     print("\nratio = bf16 estimate / ours (> 1: ours faster). Estimates, not measurements.")
     return 0
 
