@@ -152,7 +152,7 @@ _MX_KINDS: tuple[tuple[str, int, int | None], ...] = (
 
 
 def _drive_mx_gemm(quick: bool) -> None:
-    """Linears: the prefill tile (64 rows) for every kind, and the decode tile (16 rows,
+    """Linears: the prefill tiles (64 rows) for every kind, and the decode tile (16 rows,
     split-K) for NVFP4 and MX+ (E8M0 decode is `decode_gemm`'s)."""
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
 
