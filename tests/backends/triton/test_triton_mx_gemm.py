@@ -155,8 +155,8 @@ def test_mx_gemm_within_bound(triton_device, case, m):
 def test_prefill_tiles_within_bound(triton_device, case):
     """The prefill tiles (128 x 128; MBS 64 x 128, on code rows that vectorize) with partial
     row and column tiles and a partial macro block: M = 130, N = 136, K = 224 (112 bytes per
-    row). The same MBS operands at K = 200 (rows that do not vectorize) take the 32 x 64
-    gathered-rows tile, which spills less (`gemm_tiles`)."""
+    row). Rows that do not vectorize (K = 200 in the other tests) take the 32 x 64 tile, on
+    which the large tiles spill (`gemm_tiles`)."""
     from vllm_mxplus.backends.triton import mx_gemm as mg
     from vllm_mxplus.backends.triton.gemm_launch import codes_aligned
 
@@ -172,12 +172,11 @@ def test_prefill_tiles_within_bound(triton_device, case):
     tile = mg.gemm_tiles(m, macro, has_mbs, bs, True)[:2]
     if has_mbs:
         assert tile == (mg.PREFILL_MBS_BLOCK_M, mg.PREFILL_MBS_BLOCK_N)
-        assert mg.gemm_tiles(m, macro, True, bs, False)[:2] == (
-            mg.GATHER_BLOCK_M,
-            mg.GATHER_BLOCK_N,
-        )
     else:
         assert tile == (mg.PREFILL_BLOCK_M, mg.PREFILL_BLOCK_N)
+    unaligned = mg.gemm_tiles(m, macro, has_mbs, bs, False)
+    assert unaligned[:2] == (mg.GATHER_BLOCK_M, mg.GATHER_BLOCK_N)
+    assert unaligned[3] == (mg.GATHER_NUM_WARPS_MBS if has_mbs else mg.GATHER_NUM_WARPS)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(triton_device)
     y = _gemm(qx, qw, wf, k, macro, bias)
     assert y.shape == (m, n)

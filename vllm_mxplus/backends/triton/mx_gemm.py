@@ -2,7 +2,7 @@
 
 One kernel, `_mx_gemm_kernel`, serves
 - linears at M > 16 (prefill: 128 x 128 output tiles, 64 x 128 with MBS, 64 of K per step,
-  `gemm_tiles`), every format: E8M0 at block 16 / 32 with MBS bytes on either operand at
+  where the code rows vectorize; 32 x 64 elsewhere: `gemm_tiles`), every format: E8M0 at block 16 / 32 with MBS bytes on either operand at
   any power-of-two macro block 16..2048, NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per
   weight row) and MX+ (E8M0 block 32 plus each block's block-max index);
 - linears at M <= 16 for NVFP4 and MX+ (the decode tile of `decode_gemm`, 16 x 32, with
@@ -98,6 +98,7 @@ PREFILL_NUM_WARPS_MBS = 4
 GATHER_BLOCK_M = 32
 GATHER_BLOCK_N = 64
 GATHER_NUM_WARPS = 4
+GATHER_NUM_WARPS_MBS = 8  # MBS on rows that do not vectorize (not gathered): 4 warps spill
 PREFILL_MBS_BLOCK_K = 32
 DECODE_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 DECODE_BLOCK_N = 32  # the decode tile where the wide one does not apply (K step GPU_BLOCK_K)
@@ -301,14 +302,18 @@ def gemm_tiles(
     tile: the wide one where `wide` (code rows that vectorize, `gemm_launch.codes_aligned`)
     and no macro block is narrower than its K step. Above, a prefill tile: the gathered-rows
     tile for `gather` (MoE experts, `mx_gemm_rows`), under a macro block narrower than the K
-    step, and for MBS operands whose rows do not vectorize or whose blocks are not of 16
-    (the MBS tile spills on them); else the MBS tile or the plain one. The interpreter pays per program and per step, so
-    without a narrow macro block it takes longer K steps."""
+    step, for rows that do not vectorize and for MBS at block 32 (the large tiles spill
+    there: kernels/README.md, "The prefill tiles"); else the MBS tile or the plain one. The
+    interpreter pays per program and per step, so without a narrow macro block it takes
+    longer K steps."""
     narrow = has_mbs and macro_block < GPU_BLOCK_K
     if m <= DECODE_MAX_M:
         bm, bn, warps = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_NUM_WARPS
-    elif gather or narrow or (has_mbs and not (wide and bs == PREFILL_MBS_BS)):
+    elif gather or narrow:
         bm, bn, warps = GATHER_BLOCK_M, GATHER_BLOCK_N, GATHER_NUM_WARPS
+    elif not wide or (has_mbs and bs != PREFILL_MBS_BS):
+        bm, bn = GATHER_BLOCK_M, GATHER_BLOCK_N
+        warps = GATHER_NUM_WARPS_MBS if has_mbs else GATHER_NUM_WARPS
     elif has_mbs:
         bm, bn, warps = PREFILL_MBS_BLOCK_M, PREFILL_MBS_BLOCK_N, PREFILL_NUM_WARPS_MBS
     else:
