@@ -91,8 +91,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     """name -> (role, unit, a call of the launcher as a Llama-3-8B layer would make it)."""
     from vllm_mxplus.backends.triton.act_quant import act_quant
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
-    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_gemm
-    from vllm_mxplus.backends.triton.mx_gemm import GATHER_BLOCK_M, mx_gemm
+    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_block_m, moe_gemm
+    from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
     from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
 
     n, k = 4096, 4096
@@ -121,13 +121,14 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
     def experts() -> None:
         e, pairs, topk, inter = 8, 4096, 2, 14336
+        bm = moe_block_m(pairs, e, wide=True)  # 512 pairs per expert: the wide row tile
         codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
         w = PackedExpertWeights(codes, scales, extra, g, e, 2 * inter, k)
         moe_gemm(_mx_operand(pairs // topk, k, "e8m0", 16, 128), w,
-                 _meta((pairs + e * GATHER_BLOCK_M,), torch.int32),
-                 _meta((pairs // GATHER_BLOCK_M + e,), torch.int32), num_pairs=pairs,
+                 _meta((pairs + e * bm,), torch.int32),
+                 _meta((pairs // bm + e,), torch.int32), num_pairs=pairs,
                  topk=topk, out_dtype=bf16, fmt="e8m0", block_size=16,
-                 macro_block=128, block_m=GATHER_BLOCK_M)  # fmt: skip
+                 macro_block=128, block_m=bm)  # fmt: skip
 
     def act(fmt: str) -> Callable[[], None]:
         return lambda: act_quant(_meta((4096, k), bf16), fmt, macro_block=128)

@@ -139,6 +139,7 @@ def test_aot_mx_gemm_and_experts_configs():
     """The FP4 GEMM of every format and the grouped experts: --quick holds every operand
     kind (E8M0 with and without MBS, NVFP4, MX+), linear and MoE launches, the decode and
     prefill tiles (GPU tile choices, not the interpreter's)."""
+    from vllm_mxplus.backends.triton import moe_gemm as mo
     from vllm_mxplus.backends.triton import mx_gemm as mg
     from vllm_mxplus.kernel_tools import aot
 
@@ -160,8 +161,15 @@ def test_aot_mx_gemm_and_experts_configs():
         (mg.GATHER_BLOCK_M, mg.GATHER_BLOCK_N, mg.GPU_BLOCK_K),
         (mg.GATHER_BLOCK_M, mg.GATHER_BLOCK_N, mg.PREFILL_MBS_BLOCK_K),
     }
-    assert {d["BLOCK_M"] for d in moe} == {mg.DECODE_BLOCK_M, mg.GATHER_BLOCK_M}
-    assert {d["BLOCK_N"] for d in moe} == {mg.GATHER_BLOCK_N}  # 64 pairs: the gathered tile
+    assert {d["BLOCK_M"] for d in moe} == {
+        mg.DECODE_BLOCK_M,
+        mg.GATHER_BLOCK_M,
+        mo.MOE_WIDE_BLOCK_M,
+    }
+    assert {(d["BLOCK_M"] == mo.MOE_WIDE_BLOCK_M, d["BLOCK_N"]) for d in moe} == {
+        (False, mg.GATHER_BLOCK_N),  # 64 pairs: the gathered tile's columns
+        (True, mo.MOE_WIDE_BLOCK_N),
+    }
     narrow = [d for d in lin if d["X_MBS"] and d["MACRO"] < mg.GPU_BLOCK_K]
     assert narrow and all(
         d["BLOCK_K"] == mg.PREFILL_MBS_BLOCK_K

@@ -188,8 +188,13 @@ def _drive_mx_gemm(quick: bool) -> None:
 
 def _drive_moe_gemm(quick: bool) -> None:
     """Grouped experts: w13 (rows gathered per token, top-k 8) and w2 (rows per pair) at the
-    decode and prefill row tiles, every operand kind."""
-    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_gemm
+    decode, the 32-row and (code rows that vectorize, no narrow macro block: where
+    `moe_block_m` can pick it) the wide row tile, every operand kind."""
+    from vllm_mxplus.backends.triton.moe_gemm import (
+        MOE_WIDE_BLOCK_M,
+        PackedExpertWeights,
+        moe_gemm,
+    )
     from vllm_mxplus.backends.triton.mx_gemm import DECODE_BLOCK_M, GATHER_BLOCK_M
 
     experts = 8
@@ -198,10 +203,12 @@ def _drive_moe_gemm(quick: bool) -> None:
     shapes = ((1536, 2048, 8), (2048, 768, 1), (100, 72, 8))
     kinds = _MX_KINDS if not quick else tuple(kd for kd in _MX_KINDS if kd[2] in (None, 32, 128))
     for (fmt, bs, macro), out_dtype, (n, k, topk), block_m in itertools.product(
-        kinds, out_dtypes, shapes, (DECODE_BLOCK_M, GATHER_BLOCK_M)
+        kinds, out_dtypes, shapes, (DECODE_BLOCK_M, GATHER_BLOCK_M, MOE_WIDE_BLOCK_M)
     ):
         small = (n, k) == (100, 72) or block_m == DECODE_BLOCK_M
         if quick and small and (fmt, macro) != ("e8m0", 128):
+            continue
+        if block_m == MOE_WIDE_BLOCK_M and ((n, k) == (100, 72) or (macro or 128) < 64):
             continue
         pairs = 64
         codes, scales, extra, g = _mx_operand(experts * n, k, fmt, bs, macro)

@@ -102,18 +102,30 @@ def test_moe_align_places_every_local_pair_once(m, block_m, ep):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 @pytest.mark.parametrize("scheme,macro", SCHEMES, ids=[f"{s}-{mb}" for s, mb in SCHEMES])
-def test_grouped_gemm_within_bound(triton_device, scheme, macro):
-    """moe_gemm for w13 (rows gathered per token, top-2) at M = 17 against the float64
-    product of each pair's token with its expert's weight; rows of pairs are computed
-    once, in the tile of their expert."""
-    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
-    from vllm_mxplus.backends.triton.mx_gemm import operand_format
+@pytest.mark.parametrize("m", [17, 160])
+def test_grouped_gemm_within_bound(triton_device, scheme, macro, m):
+    """moe_gemm for w13 (rows gathered per token, top-2) at M = 17 and 160 against the
+    float64 product of each pair's token with its expert's weight; rows of pairs are
+    computed once, in the tile of their expert. M = 160 (80 pairs per expert on average)
+    takes the wide row tile where `moe_wide` allows it (code rows of 32 bytes: they
+    vectorize; not under macro blocks of 16 / 32)."""
+    from vllm_mxplus.backends.triton.moe_gemm import (
+        MOE_WIDE_BLOCK_M,
+        moe_align,
+        moe_block_m,
+        moe_gemm,
+        moe_wide,
+    )
+    from vllm_mxplus.backends.triton.mx_gemm import GATHER_BLOCK_M, operand_format
 
-    m = 17
-    s, q13, _, x, _, ti = _layer(scheme, macro, m, seed=1, device=triton_device)
+    s, q13, q2, x, _, ti = _layer(scheme, macro, m, seed=1, device=triton_device)
     w = _packed(q13, E)
     fmt, bs = operand_format(s.weight_format)
-    block_m = moe_block_m(m * TOPK, E)
+    wide = moe_wide(w, _packed(q2, E), s.has_mbs, macro)
+    assert wide == (not s.has_mbs or macro >= 64)
+    block_m = moe_block_m(m * TOPK, E, wide)
+    if m > 100:
+        assert block_m == (MOE_WIDE_BLOCK_M if wide else GATHER_BLOCK_M)
     pairs, tile_expert = moe_align(ti, None, E, block_m)
     a = _quantizer(s.activation_format, macro)(x, None)
     y = moe_gemm(
@@ -133,7 +145,7 @@ def test_grouped_gemm_within_bound(triton_device, scheme, macro):
 
 # ----------------------------------------------------------------------------- whole layer
 @pytest.mark.parametrize("scheme,macro", SCHEMES, ids=[f"{s}-{mb}" for s, mb in SCHEMES])
-@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("m", [1, 5, 40, 160])
 def test_experts_match_reference(triton_device, scheme, macro, m):
     from vllm_mxplus.backends.reference.experts import moe_experts_reference
     from vllm_mxplus.backends.triton.moe_gemm import moe_experts_triton

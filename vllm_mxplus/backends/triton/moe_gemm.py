@@ -35,13 +35,14 @@ import torch
 from vllm_mxplus.backends.base import Activation
 from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.backends.triton.gemm_launch import SplitK
+from vllm_mxplus.backends.triton.gemm_launch import SplitK, codes_aligned
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
 from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
     FMT_CODES,
     FMT_E8M0,
     GATHER_BLOCK_M,
+    GPU_BLOCK_K,
     gemm_tiles,
     launch_mx_gemm,
     operand_format,
@@ -51,6 +52,13 @@ from vllm_mxplus.formats import FormatSpec
 # MBS row tiles of 32 pairs: the gathered rows' offsets and the sigma scaling live beside the
 # accumulator; 4 warps spilled on sm_80 / sm_100 (kernels/README.md), 8 do not
 MOE_NUM_WARPS_MBS = 8
+# Row tiles of 64 pairs, 128 weight rows, 8 warps, where every active expert gets about 64
+# pairs or more and the code rows vectorize (`gemm_launch.codes_aligned`): wgmma on sm_90,
+# tcgen05 on sm_100, about a quarter of the 32-row tile's instructions per MAC; on rows that
+# do not vectorize it spills (kernels/README.md, "The prefill tiles")
+MOE_WIDE_BLOCK_M = 64
+MOE_WIDE_BLOCK_N = 128
+MOE_WIDE_NUM_WARPS = 8
 
 
 @dataclass
@@ -79,11 +87,24 @@ def local_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> to
     return ids if expert_map is None else expert_map[ids].long()
 
 
-def moe_block_m(pairs: int, experts: int) -> int:
+def moe_block_m(pairs: int, experts: int, wide: bool = False) -> int:
     """Row tile of the grouped GEMM: the decode tile when the active experts get about 16
-    pairs or fewer each, the prefill tile otherwise (a choice from shapes only)."""
+    pairs or fewer each, the wide tile (MOE_WIDE_BLOCK_M) where `wide` (`moe_wide`) and
+    they get about 64 or more, the 32-row tile otherwise (a choice from shapes only)."""
     active = max(1, min(experts, pairs))
-    return DECODE_BLOCK_M if pairs <= DECODE_BLOCK_M * active else GATHER_BLOCK_M
+    if pairs <= DECODE_BLOCK_M * active:
+        return DECODE_BLOCK_M
+    if wide and pairs >= MOE_WIDE_BLOCK_M * active:
+        return MOE_WIDE_BLOCK_M
+    return GATHER_BLOCK_M
+
+
+def moe_wide(w13: PackedExpertWeights, w2: PackedExpertWeights, has_mbs: bool, macro: int) -> bool:
+    """Whether both stems may take the wide row tile: their code rows vectorize (the
+    activation rows, written by the quantizers, have the same byte count and aligned
+    allocations) and no MBS macro block is narrower than the K step."""
+    narrow = has_mbs and macro < GPU_BLOCK_K
+    return not narrow and all(codes_aligned(w.k, w.codes) for w in (w13, w2))
 
 
 def moe_capacity(pairs: int, experts: int, block_m: int) -> int:
@@ -156,7 +177,9 @@ def moe_gemm(
     if has_mbs is None:
         has_mbs = FMT_CODES[fmt] == FMT_E8M0 and (x[2] is not None or w.extra is not None)
     bm, bn, bk, warps = gemm_tiles(num_pairs, macro_block, has_mbs, block_size, gather=True)
-    if has_mbs and block_m > DECODE_BLOCK_M:
+    if block_m == MOE_WIDE_BLOCK_M:
+        bn, warps = MOE_WIDE_BLOCK_N, MOE_WIDE_NUM_WARPS
+    elif has_mbs and block_m > DECODE_BLOCK_M:
         warps = MOE_NUM_WARPS_MBS
     tiles = (block_m, bn, bk, warps)
     sk = SplitK(split=1, k_per_split=w.k, out=out, bias=None)
@@ -235,12 +258,13 @@ def moe_experts_triton(
     out_dtype = x.dtype
     p = m * topk
     local = local_experts(topk_ids, expert_map)
-    block_m = moe_block_m(p, w13.experts)
+    has_mbs = bool(weight.mbs) or activation_mbs
+    block_m = moe_block_m(p, w13.experts, moe_wide(w13, w2, has_mbs, macro_block))
     pairs, tile_expert = align_local(local, w13.experts, block_m)
     kind, block_size = operand_format(weight.name)  # the kind from the format's flags
     common = dict(
         fmt=kind,
-        has_mbs=bool(weight.mbs) or activation_mbs,
+        has_mbs=has_mbs,
         block_size=block_size,
         macro_block=macro_block,
         block_m=block_m,
@@ -269,6 +293,7 @@ __all__ = [
     "moe_align",
     "moe_block_m",
     "moe_capacity",
+    "moe_wide",
     "moe_experts_triton",
     "moe_gemm",
     "pair_bias",
