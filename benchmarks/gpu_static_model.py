@@ -220,6 +220,21 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
     return rows
 
 
+def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64) -> dict:
+    """One expert's w13 GEMM (2 x 14336 x 4096, MBS-128) at `tokens` pairs, max(issue,
+    tensor, memory) with the rows padded to the kernel's row tile, against bf16's max(memory,
+    tensor) for the same GEMM."""
+    _, sms, ghz, bw, bf16_flops = GPUS[gpu]
+    ex = counts["experts e8m0+MBS-128"]
+    weights = 2 * 14336 * 4096
+    rows = -(-tokens // ex.block_m) * ex.block_m
+    ours = max(ex.per_unit * rows * weights / (sms * 4 * ghz * 1e9),
+               rows * weights / (bf16_flops / 2), weights * BYTES_PER_WEIGHT / bw)  # fmt: skip
+    bf16 = max(weights * 2 / bw, tokens * weights / (bf16_flops / 2))
+    return {"gpu": gpu, "tokens": tokens, "estimate_us": ours * 1e6,
+            "bf16_estimate_us": bf16 * 1e6, "speedup_vs_bf16": bf16 / ours}  # fmt: skip
+
+
 def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
     """The activation quantizer per element, max(issue, memory: 2 bytes read, 0.57 written),
     against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
@@ -258,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = [g for g, spec in GPUS.items() if spec[0] in archs]
     est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
+    moe = {g: experts_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
     doc = {
         "what": "static estimate (instruction counts of the compiled code x published peaks)",
         "command": "python benchmarks/gpu_static_model.py --arch " + args.arch,
@@ -267,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "counts": {a: [asdict(c) for c in cs.values()] for a, cs in counts.items()},
         "estimates": est,
         "act_quant_vs_bf16_copy": act,
+        "expert_gemm_vs_bf16": moe,
     }
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -293,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "
               f"{a['time_vs_copy']:.2f}x the copy's time")  # fmt: skip
+    for gpu, e in moe.items():
+        print(f"{gpu} one expert's w13 GEMM at {e['tokens']} tokens (MBS-128) STATIC ESTIMATE: "
+              f"{e['estimate_us']:.2f} us, bf16 {e['bf16_estimate_us']:.2f} us: "
+              f"{e['speedup_vs_bf16']:.2f}x")  # fmt: skip
     print("\nratio = bf16 estimate / ours (> 1: ours faster). Estimates, not measurements.")
     return 0
 
