@@ -75,6 +75,17 @@ class Count:
     block_m: int  # rows per tile: M is padded to whole row tiles
 
 
+def _issue_rate(gpu: str) -> float:
+    """Warp-instructions per second: SMs x 4 schedulers x clock."""
+    _, sms, ghz, _, _ = GPUS[gpu]
+    return sms * 4 * ghz * 1e9
+
+
+def _whole_tiles(rows: int, tile: int) -> int:
+    """rows padded to whole row tiles."""
+    return -(-rows // tile) * tile
+
+
 def _meta(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -188,8 +199,8 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
 def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
     """Llama-3-8B linears at each M: our kernels (decode <= 16 rows, prefill above, the
     activation quantizer before each) and bf16, each max(issue, tensor, memory)."""
-    cap, sms, ghz, bw, bf16_flops = GPUS[gpu]
-    issue_rate = sms * 4 * ghz * 1e9  # warp-instructions per second
+    _, _, _, bw, bf16_flops = GPUS[gpu]
+    issue_rate = _issue_rate(gpu)
     mac_rate = bf16_flops / 2
     weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
     act_k = LAYERS * sum(k for _, _, k in LLAMA_8B)  # activation elements per row quantized
@@ -202,7 +213,7 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
             kernel = "decode"
         else:
-            padded = -(-m // pre.block_m) * pre.block_m  # whole row tiles
+            padded = _whole_tiles(m, pre.block_m)
             issue = pre.per_unit * padded * weights / issue_rate
             tensor = padded * weights / mac_rate
             kernel = "prefill"
@@ -224,11 +235,11 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64) -> dic
     """One expert's w13 GEMM (2 x 14336 x 4096, MBS-128) at `tokens` pairs, max(issue,
     tensor, memory) with the rows padded to the kernel's row tile, against bf16's max(memory,
     tensor) for the same GEMM."""
-    _, sms, ghz, bw, bf16_flops = GPUS[gpu]
+    _, _, _, bw, bf16_flops = GPUS[gpu]
     ex = counts["experts e8m0+MBS-128"]
     weights = 2 * 14336 * 4096
-    rows = -(-tokens // ex.block_m) * ex.block_m
-    ours = max(ex.per_unit * rows * weights / (sms * 4 * ghz * 1e9),
+    rows = _whole_tiles(tokens, ex.block_m)
+    ours = max(ex.per_unit * rows * weights / _issue_rate(gpu),
                rows * weights / (bf16_flops / 2), weights * BYTES_PER_WEIGHT / bw)  # fmt: skip
     bf16 = max(weights * 2 / bw, tokens * weights / (bf16_flops / 2))
     return {"gpu": gpu, "tokens": tokens, "estimate_us": ours * 1e6,
@@ -238,9 +249,9 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64) -> dic
 def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
     """The activation quantizer per element, max(issue, memory: 2 bytes read, 0.57 written),
     against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
-    _, sms, ghz, bw, _ = GPUS[gpu]
+    bw = GPUS[gpu][3]
     aq = counts["act-quant mxfp4-mbs-s"]
-    ours = max(aq.per_unit / (sms * 4 * ghz * 1e9), ACT_BYTES / bw)
+    ours = max(aq.per_unit / _issue_rate(gpu), ACT_BYTES / bw)
     copy = 4.0 / bw
     return {"gpu": gpu, "act_quant_ps_per_element": ours * 1e12,
             "bf16_copy_ps_per_element": copy * 1e12, "time_vs_copy": ours / copy}  # fmt: skip

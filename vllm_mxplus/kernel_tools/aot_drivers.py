@@ -195,7 +195,11 @@ def _drive_moe_gemm(quick: bool) -> None:
         PackedExpertWeights,
         moe_gemm,
     )
-    from vllm_mxplus.backends.triton.mx_gemm import DECODE_BLOCK_M, GATHER_BLOCK_M
+    from vllm_mxplus.backends.triton.mx_gemm import (
+        DECODE_BLOCK_M,
+        GATHER_BLOCK_M,
+        narrow_macro_block,
+    )
 
     experts = 8
     out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
@@ -208,7 +212,9 @@ def _drive_moe_gemm(quick: bool) -> None:
         small = (n, k) == (100, 72) or block_m == DECODE_BLOCK_M
         if quick and small and (fmt, macro) != ("e8m0", 128):
             continue
-        if block_m == MOE_WIDE_BLOCK_M and ((n, k) == (100, 72) or (macro or 128) < 64):
+        if block_m == MOE_WIDE_BLOCK_M and (
+            (n, k) == (100, 72) or narrow_macro_block(macro is not None, macro or 128)
+        ):
             continue
         pairs = 64
         codes, scales, extra, g = _mx_operand(experts * n, k, fmt, bs, macro)

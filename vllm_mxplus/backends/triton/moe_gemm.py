@@ -42,9 +42,9 @@ from vllm_mxplus.backends.triton.mx_gemm import (
     FMT_CODES,
     FMT_E8M0,
     GATHER_BLOCK_M,
-    GPU_BLOCK_K,
     gemm_tiles,
     launch_mx_gemm,
+    narrow_macro_block,
     operand_format,
 )
 from vllm_mxplus.formats import FormatSpec
@@ -103,8 +103,9 @@ def moe_wide(w13: PackedExpertWeights, w2: PackedExpertWeights, has_mbs: bool, m
     """Whether both stems may take the wide row tile: their code rows vectorize (the
     activation rows, written by the quantizers, have the same byte count and aligned
     allocations) and no MBS macro block is narrower than the K step."""
-    narrow = has_mbs and macro < GPU_BLOCK_K
-    return not narrow and all(codes_aligned(w.k, w.codes) for w in (w13, w2))
+    return not narrow_macro_block(has_mbs, macro) and all(
+        codes_aligned(w.k, w.codes) for w in (w13, w2)
+    )
 
 
 def moe_capacity(pairs: int, experts: int, block_m: int) -> int:

@@ -2,9 +2,10 @@
 
 One kernel, `_mx_gemm_kernel`, serves
 - linears at M > 16 (prefill: 128 x 128 output tiles, 64 x 128 with MBS, 64 of K per step,
-  where the code rows vectorize; 32 x 64 elsewhere: `gemm_tiles`), every format: E8M0 at block 16 / 32 with MBS bytes on either operand at
-  any power-of-two macro block 16..2048, NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per
-  weight row) and MX+ (E8M0 block 32 plus each block's block-max index);
+  where the code rows vectorize; 32 x 64 elsewhere: `gemm_tiles`), every format: E8M0 at
+  block 16 / 32 with MBS bytes on either operand at any power-of-two macro block 16..2048,
+  NVFP4 (E4M3 block scales, an fp32 global scale per activation row and per weight row) and
+  MX+ (E8M0 block 32 plus each block's block-max index);
 - linears at M <= 16 for NVFP4 and MX+ (the decode tile of `decode_gemm`, 16 x 32, with
   split-K), whose formats the E8M0 decode kernel does not read;
 - MoE experts (`MOE`): rows are gathered through a list of (token, slot) pairs sorted into
@@ -295,6 +296,12 @@ def _mx_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+def narrow_macro_block(has_mbs: bool, macro_block: int) -> bool:
+    """Whether MBS operands have macro blocks narrower than the K step (16, 32): the tiles
+    then step 32 of K on the 32 x 64 tile (`gemm_tiles`), never a large one."""
+    return has_mbs and macro_block < GPU_BLOCK_K
+
+
 def gemm_tiles(
     m: int, macro_block: int, has_mbs: bool, bs: int, wide: bool = False, gather: bool = False
 ) -> tuple[int, int, int, int]:
@@ -306,7 +313,7 @@ def gemm_tiles(
     there: kernels/README.md, "The prefill tiles"); else the MBS tile or the plain one. The
     interpreter pays per program and per step, so without a narrow macro block it takes
     longer K steps."""
-    narrow = has_mbs and macro_block < GPU_BLOCK_K
+    narrow = narrow_macro_block(has_mbs, macro_block)
     if m <= DECODE_MAX_M:
         bm, bn, warps = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_NUM_WARPS
     elif gather or narrow:
