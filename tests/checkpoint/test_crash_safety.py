@@ -110,8 +110,9 @@ def _run(
     p.start()
     if kill_after is not None:
         time.sleep(kill_after)
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        # Process.kill, not os.kill: the forkserver (the child's parent) may reap a run that ends
+        # just now, and Process.kill takes the vanished pid as "already finished".
+        p.kill()
     p.join(120)
     assert p.exitcode is not None, "the quantizer hung"
     return p.exitcode, err.read_text() if err.exists() else ""
