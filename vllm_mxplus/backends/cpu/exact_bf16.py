@@ -1,42 +1,76 @@
 """The exact-bf16 GEMM path of the CPU backend for large M (docs/cpu_kernels.md, "Large M on
-AMX hosts"): the E8M0 formats' operands are exact in bf16, so a bf16 GEMM with fp32
-accumulation (AMX-BF16 through oneDNN where the CPU has it) computes the W4A4 linear within a
-derived bound of the spec.
+AMX hosts"): every scheme's operands are exact in bf16 once the factors that are not (MBS
+factors, NVFP4 global scales) are kept out of them, so a bf16 GEMM with fp32 accumulation
+(AMX-BF16 through oneDNN where the CPU has it) computes the W4A4 linear within a derived
+bound of the spec (docs/numerics.md, "E8M0 block scales", "Macro Block Scaling", "NVFP4",
+"MX+").
 
-    operand a_k = va_k * 2^(ea_b - 127)       (activation codes of `cpu_act_quant`, bit-exact)
-    operand w_k = vw_k * 2^(ew_b - 127)       (weight codes decoded once at load by
-                                               `cpu_dequant_weight`, kept in bf16: exact)
-    P_c[m, n]   = sum over k in macro chunk c of a_k w_k      (fp32 accumulation, any order)
-    y[m, n]     = sum over c of P_c / (Fa[m, c] * Fw[n, c])   (+ bias)
+    E8M0 (mxfp4-*):  a_k = va_k * 2^(ea_b - 127)      w_k = vw_k * 2^(ew_b - 127)
+    MX+:             the same, and the block max +-(4 + j/2) * 2^(e_b - 127) on either side
+    NVFP4:           a_k = va_k * sa_b                w_k = vw_k * sw_b   (E4M3 s, no g)
 
-va, vw are E2M1 values (2 significant bits) and 2^e a power of two, so a_k and w_k are exact
-bf16 values (and exact fp32 values); each product a_k w_k is exact in fp32 (at most 4
-significant bits) until it falls below fp32's normal range. The MBS factors F = 1 + m/256 are
-not bf16-exact, so they are not folded into the operands: with MBS on either side each macro
-chunk is its own GEMM (batched) and its fp32 partial sum is divided by the exact product
-Fa * Fw, as in the integer kernel; without MBS the whole row is one chunk (one GEMM).
+    P_c[m, n] = sum over k in macro chunk c of a_k w_k          (fp32 accumulation, any order)
+    y[m, n]   = sum over c of P_c / (Fa[m, c] * Fw[n, c])       (E8M0; one chunk without MBS)
+    y[m, n]   = P[m, n] * fl(ga[m] * gw[n])                     (NVFP4; one chunk)
+    y        += bias
+
+The activation codes and scales are those of the C++ quantizers, bit-exact with formats:
+`cpu_act_quant` (E8M0, with the MX+ rule for MX+: its block max is the code +-(8 + j) of
+2 * value) and `cpu_nvfp4_act_quant` (2 * value codes, E4M3 bytes, the row's global scale ga).
+The weight is decoded once at load and kept in bf16: E8M0 by `cpu_dequant_weight` (without
+its MBS bytes), MX+ and NVFP4 by the spec's own block decoder (formats, per row tile) with the
+NVFP4 global scale set to 1, i.e. the spec's fp32 value * s before its `* g`.
+
+Exact in bf16 (8 significant bits, fp32's exponent range, subnormals down to 2^-133): an E2M1
+value has at most 2 significant bits (0.5 .. 6), an MX+ block max 4 (8 + j, j = 0..7, times
+1/2), an E4M3 scale 4 (2^-9 <= s <= 448, its subnormals 3). So v * 2^(e-127) and the MX+
+block max are multiples of 2^-128 with at most 4 significant bits, and v * s has at most 6
+(3 * 15 = 45) and lies in [2^-10, 2688]: every operand is a bf16 value (and an fp32 one).
+A value the spec itself overflows (E8M0 codes 253 / 254) is +-Inf in both. Every product a_k w_k
+is exact in fp32 while it stays in the normal range: at most 8 significant bits for E8M0 and
+MX+; for NVFP4 at most 12, in [2^-20, 2688^2], so NVFP4's GEMM never leaves the normal range
+(its partial sums are multiples of 2^-20). Not bf16-exact, so kept out of the operands and
+applied in fp32 after the GEMM: the MBS factors F = 1 + m/256 (9 significant bits; with MBS
+on either side each macro chunk is its own GEMM, batched, and its partial sum is divided by
+the exact product Fa * Fw, as in the integer kernel) and the NVFP4 global scales (any fp32:
+one product G = fl(ga * gw) per output and one product P * G, as the integer kernel's
+(ga * gw) * 1/4). The spec composes NVFP4 as x_hat = fl(fl(v * s) * g) = fl(a * g), v * s
+being exact: the path's a * ga differs from x_hat by the spec's one rounding, counted below.
 
 The GEMM is torch's fp32 matmul with oneDNN's bf16 math mode switched on for the call
 (`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`, restored after): on a CPU with AMX-BF16
 or AVX512-BF16 oneDNN converts the fp32 operands to bf16 (exact here) and accumulates in fp32
 on the tiles; elsewhere the mode does nothing and the same fp32 GEMM runs. Error bound
-(derivation in docs/cpu_kernels.md; u = 2^-24, L the longest chunk's length in K, 128 with MBS
-and K without, n_c chunks, x_hat and w_hat the spec's values, y64 the float64 sum):
+(derivation in docs/cpu_kernels.md; u = 2^-24, gamma_n = n u / (1 - n u), x_hat and w_hat
+the spec's values, y64 the float64 sum, S = sum_k |x_hat_k| |w_hat_k| + |b|):
 
-    |y - y64| <= (L + n_c + 5) u (sum_k |x_hat_k| |w_hat_k| + |b|)
-                 + 2^-124 (sum_k |x_hat_k| + sum_k |w_hat_k| + K)
+    |y - y64| <= gamma_n S + 2^-124 (sum_k |x_hat_k| + sum_k |w_hat_k| + K)
+                 [NVFP4, where 0 < ga gw < 2^-126: + 2^-125 K 2688^2]
 
-The absolute term covers AMX-BF16's denormals-are-zero inputs and flushed fp32 outputs.
+with n (`ExactBf16Weight.roundings`) the most roundings on one product's way into y, plus
+one for the float64 evaluation of y64 and S:
+
+    E8M0 with MBS       n = L + n_c + 3    (L - 1 in the chunk, 1 division, n_c - 1 chunk
+                                            additions, the bias, the spec's x_hat and w_hat)
+    E8M0 without MBS, MX+   n = K + 1      (K - 1 additions, the bias; x_hat, w_hat exact)
+    NVFP4               n = K + 5          (K - 1 additions, ga * gw, P * G, the bias, the
+                                            spec's x_hat and w_hat)
+
+(L the longest chunk in K, the macro block with MBS; n_c chunks.) The absolute term covers
+AMX-BF16's denormals-are-zero inputs and flushed fp32 results, and the spec's own roundings to
+fp32 subnormals; the bracketed one an NVFP4 product ga * gw below fp32's normal range (|a_k|,
+|w_k| <= 6 * 448 = 2688).
 
 Which hosts use it (`host_choice`): CPUs with `amx_bf16` in cpuinfo and the AMX tile
 permission granted, for M >= MIN_M rows; every other CPU keeps the integer kernels (on an
 AVX2 CPU the fp32 GEMM is slower than them: benchmarks/bench_cpu_linear.py --exact-bf16).
-The first use on a host runs `self_test` against `vllm_mxplus.formats`; a failure is logged as
-an ERROR and the integer kernels serve.
+The first use on a host runs `self_test` against `vllm_mxplus.formats`, per scheme; a failure
+is logged as an ERROR and the integer kernels serve.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -46,9 +80,10 @@ from typing import Any
 
 import torch
 
+from vllm_mxplus.backends.base import is_e8m0_pair
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
-from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme, fake_quantize, quantize
-from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme, quantize
+from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, ceil_div
 from vllm_mxplus.log_once import log_once
 from vllm_mxplus.platform_amx import AmxResult, cpu_flags, read_cpuinfo, request_amx_permission
 
@@ -58,12 +93,31 @@ MIN_M = 64  # rows per call from which AMX hosts take this path (unmeasured on A
 ROW_TILE = 512  # weight rows decoded per step (bounds the fp32 temporaries)
 PARTIAL_BYTES = 32 << 20  # fp32 partial sums [chunks, M, rows] per batched GEMM, at most
 U = 2.0**-24
+FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126, the smallest normal fp32 (and bf16)
+NVFP4_OPERAND_MAX = E2M1_MAX * F8E4M3_MAX  # |v * s| <= 6 * 448 = 2688, an NVFP4 operand's max
 
 # 2^(e - 128) for E8M0 codes e = 0..254 (half the block scale: the int8 operand is 2 * value);
 # code 255 is NaN. Exact fp32 values (2^-128 and 2^-127 are subnormal, still exact).
 _HALF_SCALE = torch.tensor(
     [math.ldexp(1.0, e - 128) for e in range(255)] + [math.nan], dtype=torch.float32
 )
+
+
+def takes(scheme: Scheme) -> tuple[bool, str]:
+    """Whether the path builds this scheme's operands: NVFP4 on both sides, MX+ on both sides,
+    or an E8M0 pair of the packed kernels (`is_e8m0_pair`): the pairs the C++ kernels take,
+    whose activation quantizers it uses. (True, "") or (False, why)."""
+    w, a = scheme.weight, scheme.activation
+    if w.has_global_scale and a.has_global_scale:
+        return True, ""
+    if w.block_max_mantissa and a.block_max_mantissa:
+        return True, ""
+    if is_e8m0_pair(w, a):
+        return True, ""
+    return False, (
+        f"the exact-bf16 path takes NVFP4, MX+ or an E8M0 pair of one block size and scale "
+        f"rule, not weights {w.name} x activations {a.name}"
+    )
 
 
 def host_choice(
@@ -112,14 +166,43 @@ def _mbs_factors(mbs: torch.Tensor, chunks: int) -> torch.Tensor:
     return 1.0 + mbs[:, :chunks].to(torch.float32) / 256.0
 
 
+def _decode_rows(q: QuantizedTensor, n0: int, n1: int, macro_block: int) -> torch.Tensor:
+    """Weight rows n0..n1 as operand values, fp32 [rows, K]: vw * 2^(ew-127) of an E8M0 weight
+    by the C++ decoder without its MBS bytes (the factors stay apart); an MX+ or NVFP4 weight by
+    the spec's block decoder (formats) with the NVFP4 global scale set to 1, giving the exact
+    (value * s) * 1 = value * s that the spec then multiplies by g."""
+    spec, k = q.spec, q.shape[-1]
+    if not (spec.has_global_scale or spec.block_max_mantissa):
+        return torch.ops.vllm_mxplus.cpu_dequant_weight(
+            q.codes[n0:n1],
+            q.scales[n0:n1],
+            cpu_kernels.empty_mbs(q.codes.device),
+            k,
+            spec.block_size,
+            macro_block,
+        )
+    bm = q.block_max_index
+    rows = dataclasses.replace(
+        q,
+        codes=q.codes[n0:n1],
+        scales=q.scales[n0:n1],
+        shape=torch.Size((n1 - n0, k)),
+        block_max_index=None if bm is None else bm[n0:n1],
+        global_scale=None if q.global_scale is None else torch.ones((), device=q.codes.device),
+    )
+    return rows.dequantize()
+
+
 @dataclass
 class ExactBf16Weight:
-    """A weight [N, K] of the E8M0 family as the path's operand: vw * 2^(ew-127) in bf16 [N,
-    chunks*chunk] (exact; zero-padded; 2 bytes per weight) and the MBS factors Fw fp32 [N,
-    chunks] or None, with what the path needs to run it."""
+    """A weight [N, K] as the path's operand: bf16 [N, chunks*chunk] (exact; zero-padded; 2
+    bytes per weight) of vw * 2^(ew-127), MX+ block maxima included, or of NVFP4's vw * sw;
+    the MBS factors Fw fp32 [N, chunks] or None; the NVFP4 global scales gw fp32 [N] or None;
+    with what the path needs to run it."""
 
     operand: torch.Tensor
     fw: torch.Tensor | None
+    gw: torch.Tensor | None
     n: int
     k: int
     weight: FormatSpec
@@ -128,30 +211,25 @@ class ExactBf16Weight:
 
     @classmethod
     def from_quantized(cls, q: QuantizedTensor, scheme: Scheme) -> ExactBf16Weight:
-        w, a = scheme.weight, scheme.activation
-        if not (w.scale_is_e8m0 and a.scale_is_e8m0) or w.block_max_mantissa:
-            raise ValueError(
-                f"the exact-bf16 path takes E8M0 weights without block maxima, not {w.name}"
-            )
-        if a.block_max_mantissa or w.block_size != a.block_size:
-            raise ValueError(
-                f"the exact-bf16 path needs E8M0 activations of the weights' block size, "
-                f"not {a.name} with {w.name}"
-            )
+        """The operand of weight q for the scheme's activations (and macro block): the pair
+        of q's own format and the scheme's activation format must be one the path `takes`."""
+        w, a = q.spec, scheme.activation
+        ok, why = takes(dataclasses.replace(scheme, weight_format=w.name))
+        if not ok:
+            raise ValueError(why)
+        loaded, why = cpu_kernels.load()
+        if not loaded:
+            raise RuntimeError(f"mxplus CPU kernels unavailable: {why}")
         n, k = q.codes.shape[0], q.shape[-1]
         chunk = scheme.macro_block if (w.mbs or a.mbs) else k
         chunks = ceil_div(k, chunk)
         operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
-        empty = cpu_kernels.empty_mbs(q.codes.device)
         for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
             n1 = min(n, n0 + ROW_TILE)
-            operand[n0:n1, :k] = torch.ops.vllm_mxplus.cpu_dequant_weight(
-                q.codes[n0:n1], q.scales[n0:n1], empty, k, w.block_size, scheme.macro_block
-            )
-        fw = None
-        if w.mbs:
-            fw = _mbs_factors(q._field("mbs"), chunks)
-        return cls(operand, fw, n, k, w, a, scheme.macro_block)
+            operand[n0:n1, :k] = _decode_rows(q, n0, n1, scheme.macro_block)
+        fw = _mbs_factors(q._field("mbs"), chunks) if w.mbs else None
+        gw = cpu_kernels.nvfp4_row_global_scales(q).clone() if w.has_global_scale else None
+        return cls(operand, fw, gw, n, k, w, a, scheme.macro_block)
 
     @property
     def chunked(self) -> bool:
@@ -166,29 +244,58 @@ class ExactBf16Weight:
     def chunks(self) -> int:
         return ceil_div(self.k, self.chunk)
 
+    @property
+    def roundings(self) -> int:
+        """n of the bound's gamma_n (module docstring): the most fp32 roundings on one
+        product's way into y, plus one for the float64 evaluation of y64 and S."""
+        in_chunk = min(self.chunk, self.k) - 1  # the GEMM's additions, any order
+        after = self.chunks if self.chunked else 0  # a division per chunk, n_c - 1 additions
+        spec = 0  # the spec's own roundings of x_hat and w_hat (none: E2M1 * 2^e, MX+)
+        if self.chunked:
+            spec = 2  # x_hat = fl(a / Fa), w_hat = fl(w / Fw)
+        if self.gw is not None:
+            after, spec = 2, 2  # G = fl(ga * gw), fl(P * G); x_hat = fl(a * ga), fl(w * gw)
+        return in_chunk + after + 1 + spec + 1  # + the bias, + y64
+
     def weight_rows(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows n0..n1 as the GEMM's operand: (vw * 2^(ew-127) fp32 [rows, chunks*chunk],
-        zero-padded; Fw [rows, chunks] or None)."""
+        """Rows n0..n1 as the GEMM's operand: (vw * 2^(ew-127) or vw * sw, fp32 [rows,
+        chunks*chunk], zero-padded; Fw [rows, chunks] or None)."""
         return self.operand[n0:n1].float(), None if self.fw is None else self.fw[n0:n1]
 
 
 def act_operand(
     x2d: torch.Tensor, activation: FormatSpec, macro_block: int, chunk: int, chunks: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows x [M, K] as the GEMM's operand: (va * 2^(ea-127) fp32 [M, chunks*chunk], zero
-    padded, NaN in a block whose scale code is 255; Fa [M, chunks] or None). The codes, scale
-    codes and MBS bytes are `cpu_act_quant`'s, bit-exact with formats.quantize."""
-    codes, e, mbs = cpu_kernels.act_quant(x2d, activation, macro_block)
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Rows x [M, K] as the GEMM's operand: (a fp32 [M, chunks*chunk], zero padded, NaN in a
+    block with the NaN scale; Fa [M, chunks] or None; ga fp32 [M] or None). a is va * 2^(ea-127)
+    (E8M0, MX+ block maxima included) from `cpu_act_quant`'s codes, E8M0 codes and MBS bytes,
+    or va * sa (NVFP4) from `cpu_nvfp4_act_quant`'s codes, E4M3 bytes and row global scales:
+    both bit-exact with formats.quantize (per row for NVFP4). The int8 codes are 2 * value, so
+    each block's codes are multiplied by half its scale: 2^(ea-128), or sa / 2 (>= 2^-10)."""
+    ga = None
+    if activation.has_global_scale:
+        codes, sbytes, ga = cpu_kernels.nvfp4_act_quant(x2d)
+        half = sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5  # NaN: the NaN scale
+        mbs = None
+    else:
+        codes, e, mbs = cpu_kernels.act_quant(x2d, activation, macro_block)
+        half = _HALF_SCALE.to(x2d.device)[e.long()]
     m, k = codes.shape
     block = activation.block_size
-    nb = e.shape[1]
+    nb = half.shape[1]
     a = torch.zeros(m, nb * block, dtype=torch.float32, device=x2d.device)
     a[:, :k] = codes
-    a = (a.view(m, nb, block) * _HALF_SCALE.to(a.device)[e.long()][..., None]).view(m, -1)
+    a = (a.view(m, nb, block) * half[..., None]).view(m, -1)
     kp = chunks * chunk
     a = a[:, :kp] if a.shape[1] >= kp else torch.nn.functional.pad(a, (0, kp - a.shape[1]))
-    f = _mbs_factors(mbs, chunks) if activation.mbs else None
-    return a, f
+    f = _mbs_factors(mbs, chunks) if mbs is not None and activation.mbs else None
+    return a, f, ga
+
+
+def global_product(ga: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
+    """G = fl(ga[m] * gw[n]) [M, rows]: the NVFP4 global scales of one output, one fp32
+    rounding (the integer kernel's (ga * gw) * 1/4 without the 1/4 of its doubled codes)."""
+    return ga[:, None] * gw[None, :]
 
 
 def linear(
@@ -206,15 +313,17 @@ def linear(
     out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     if m == 0:
         return out.to(out_dtype).reshape(*lead, w.n)
-    a, fa = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
+    a, fa, ga = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
     with bf16_math() if amx else _nothing():
         for n0 in range(0, w.n, ROW_TILE):
             n1 = min(w.n, n0 + ROW_TILE)
             wt, fw = w.weight_rows(n0, n1)
             if w.chunked:
                 out[:, n0:n1] = _chunked(a, fa, wt, fw, w.chunk, w.chunks)
-            else:
+            elif ga is None or w.gw is None:
                 out[:, n0:n1] = a @ wt.t()
+            else:  # NVFP4: P * fl(ga * gw), the global scales outside the bf16 operands
+                out[:, n0:n1] = (a @ wt.t()).mul_(global_product(ga, w.gw[n0:n1]))
     if bias is not None:
         out += bias.to(torch.float32)
     return out.to(out_dtype).reshape(*lead, w.n)
@@ -257,9 +366,16 @@ _VERDICT: dict[tuple, tuple[bool, str]] = {}
 
 
 def bound(
-    x_hat: torch.Tensor, w_hat: torch.Tensor, bias: torch.Tensor | None, chunk: int, chunks: int
+    x_hat: torch.Tensor,
+    w_hat: torch.Tensor,
+    bias: torch.Tensor | None,
+    roundings: int,
+    global_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y64, bound) of the module docstring for spec values x_hat [M, K], w_hat [N, K]."""
+    """(y64, bound) of the module docstring for spec values x_hat [M, K], w_hat [N, K]:
+    gamma_n S + 2^-124 (|x_hat|_1 + |w_hat|_1 + K) with n = `ExactBf16Weight.roundings`;
+    global_scales (NVFP4: the spec's ga [M] or [M, 1], gw [N]) adds 2^-125 K 2688^2 where
+    0 < ga gw < 2^-126."""
     xd, wd = x_hat.double(), w_hat.double()
     y = xd @ wd.T
     scale = xd.abs().nan_to_num() @ wd.abs().nan_to_num().T
@@ -268,18 +384,26 @@ def bound(
         scale = scale + bias.double().abs()
     k = x_hat.shape[-1]
     l1 = xd.abs().nan_to_num().sum(-1, keepdim=True) + wd.abs().nan_to_num().sum(-1)[None, :]
-    return y, (min(chunk, k) + chunks + 5) * U * scale + 2.0**-124 * (l1 + k)
+    gamma = roundings * U / (1 - roundings * U)
+    b = gamma * scale + 2.0**-124 * (l1 + k)
+    if global_scales is not None:
+        ga, gw = (g.double().reshape(-1) for g in global_scales)
+        g = ga[:, None] * gw[None, :]  # exact in float64
+        b = b + torch.where(
+            (g > 0) & (g < FP32_TINY), 2.0 * FP32_TINY * k * NVFP4_OPERAND_MAX**2, 0.0
+        )
+    return y, b
 
 
 def self_test(scheme: Scheme, amx: bool = True) -> tuple[bool, str]:
-    """The path on a small problem (M = MIN_M + 3, K with a partial chunk) against
-    `vllm_mxplus.formats` within the bound; cached per (scheme, amx). (True, "") or (False,
-    the first output out of bound)."""
+    """The path on a small problem (M = MIN_M + 3, K with a partial block and a partial chunk)
+    against `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx).
+    (True, "") or (False, the first output out of bound)."""
     key = (scheme.name, scheme.macro_block, amx)
     if key in _VERDICT:
         return _VERDICT[key]
     g = torch.Generator().manual_seed(0)
-    n, k, m = 40, 2 * scheme.macro_block + 48, MIN_M + 3
+    n, k, m = 40, 2 * scheme.macro_block + 40, MIN_M + 3
     wq = quantize(
         torch.randn(n, k, generator=g) * 0.05, scheme.weight_format, macro_block=scheme.macro_block
     )
@@ -287,8 +411,16 @@ def self_test(scheme: Scheme, amx: bool = True) -> tuple[bool, str]:
     bias = torch.randn(n, generator=g)
     w = ExactBf16Weight.from_quantized(wq, scheme)
     y = linear(x, w, bias, torch.float32, amx)
-    x_hat = fake_quantize(x, scheme.activation_format, macro_block=scheme.macro_block)
-    y64, b = bound(x_hat, wq.dequantize(), bias, w.chunk, w.chunks)
+    xq = quantize(
+        x,
+        scheme.activation_format,
+        macro_block=scheme.macro_block,
+        per_row=scheme.activations_per_row,
+    )
+    gs = None
+    if xq.global_scale is not None:
+        gs = (xq.global_scale, cpu_kernels.nvfp4_row_global_scales(wq))
+    y64, b = bound(xq.dequantize(), wq.dequantize(), bias, w.roundings, gs)
     bad = ~((y.double() - y64).abs() <= b)
     if bad.any():
         i, j = bad.nonzero()[0].tolist()

@@ -324,18 +324,26 @@ def pack_nvfp4(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
             f"pack_nvfp4 takes a 2-D weight with E4M3 block scales and a global scale "
             f"(NVFP4), got {q.spec.name} {tuple(q.shape)}"
         )
-    gs = q.global_scale
-    if gs is None:
-        raise ValueError("pack_nvfp4: the nvfp4 weight has no global scale")
     n, k = q.shape
     # no MBS bytes: the macro block argument is not read (any valid value)
     codes, scales, _ = torch.ops.vllm_mxplus.cpu_pack_weight(
         q.codes, q.scales.view(torch.uint8), empty_mbs(q.codes.device), k, NVFP4_BLOCK, MACRO_BLOCK
     )
     g = torch.zeros(ceil_div(n, TILE_N) * TILE_N, dtype=torch.float32, device=q.codes.device)
-    gs32 = gs.to(torch.float32)
-    g[:n] = gs32.reshape(-1).expand(n) if gs.numel() == 1 else gs32.reshape(n)
+    g[:n] = nvfp4_row_global_scales(q)
     return codes, scales, g
+
+
+def nvfp4_row_global_scales(q: QuantizedTensor) -> torch.Tensor:
+    """The fp32 global scale of each row of an NVFP4 weight [N, K], [N]: the tensor's one
+    (shape []) for every row, or each row's own ([N, 1]: one per logical weight of a fused
+    weight, docs/numerics.md, NVFP4)."""
+    gs = q.global_scale
+    if gs is None:
+        raise ValueError("the nvfp4 weight has no global scale")
+    n = q.shape[0]
+    gs32 = gs.to(torch.float32)
+    return gs32.reshape(-1).expand(n) if gs.numel() == 1 else gs32.reshape(n)
 
 
 def nvfp4_linear_packed(

@@ -13,6 +13,11 @@ Formats it takes: the E8M0 family with or without MBS (mxfp4-ocp, mxfp4-16, mxfp
 mxfp4-mbs-s, mxfp4-mbs-d weights), NVFP4 (E4M3 block scales, per-row / per-tensor global
 scales: csrc/mx_nvfp4_cpu.cpp) and MX+ (block maxima as exact extra integer terms:
 csrc/mx_mxplus_cpu.cpp): every scheme.
+
+On AMX-BF16 hosts, calls of at least `exact_bf16.MIN_M` rows of every scheme take the
+exact-bf16 path instead (exact_bf16.py: bf16-exact operands, an fp32-accumulated GEMM on the
+AMX tiles, a derived bound, a first-use self-test per scheme); elsewhere the integer kernels
+serve every M.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
     name = "cpu-packed"
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
     _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
-    # the exact-bf16 path for calls of at least exact_min_m rows (AMX hosts, E8M0 schemes;
+    # the exact-bf16 path for calls of at least exact_min_m rows (AMX hosts, every scheme;
     # exact_bf16.py), None where the integer kernels serve every M
     exact: exact_bf16.ExactBf16Weight | None = None
     exact_min_m: int = exact_bf16.MIN_M
@@ -141,11 +146,12 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
 
     def _exact_weight(self, qweight: QuantizedTensor) -> exact_bf16.ExactBf16Weight | None:
         """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
-        tile permission, an E8M0 scheme, the path's first-use self-test passed), else None.
-        It keeps its bf16 operand beside the tiles (2 more bytes per weight)."""
-        if self._args[0] != E8M0_GEMM:
-            return None
-        ok, why = exact_bf16.host_choice()
+        tile permission, a scheme whose operands the path builds: E8M0, NVFP4 and MX+ alike,
+        the path's first-use self-test for the scheme passed), else None. It keeps its bf16
+        operand beside the tiles (2 more bytes per weight)."""
+        ok, why = exact_bf16.takes(self.spec.scheme)
+        if ok:
+            ok, why = exact_bf16.host_choice()
         if ok:
             ok, why = exact_bf16.self_test(self.spec.scheme)
         if not ok:
@@ -171,7 +177,13 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:
-        if self.exact is not None and x.numel() >= self.exact_min_m * self.exact.k:
+        # NVFP4 rows with given global scales (a row-parallel shard: the whole row's) keep the
+        # integer kernel, which quantizes with them; the path quantizes with each row's own
+        if (
+            self.exact is not None
+            and act_global_scale is None
+            and x.numel() >= self.exact_min_m * self.exact.k
+        ):
             return exact_bf16.linear(x, self.exact, bias, self.spec.out_dtype)
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         return cpu_linear(x, self._args, weight, bias, self.spec.out_dtype, act_global_scale)
