@@ -41,6 +41,16 @@ constant over a scale block and the weight loads vectorize (and pipeline as cp.a
 The packed layout puts element 2i in the low nibble and 2i+1 in the high nibble of byte i,
 for x and W alike, so the kernel never interleaves: it computes
 dot(x_lo, W_lo^T) + dot(x_hi, W_hi^T) over the even and the odd elements.
+
+Word path (`word_path`: code rows that vectorize, K steps inside one macro block, the
+default MBS configuration included): the codes are read as int32 words of 8 codes and
+each K step runs four dots, dot p over the elements 8j + p and 8j + p + 4 of every word j,
+whose values are built two at a time in the halves of a 32-bit register (`_word_step`,
+`gemm_blocks.e2m1_word_values`): a shift and a mask per pair of values, then packed bf16
+multiplies, where the byte path builds, scales and converts one fp32 value at a time. Same
+values, same products, a permuted order of K inside each scale block: the bound above
+holds unchanged. Counted on sm_90 (`benchmarks/gpu_static_model.py`), MBS-128: 1538 ->
+960 warp-instructions per 16384 weights, 254 -> 179 registers.
 """
 
 from __future__ import annotations
@@ -50,8 +60,11 @@ from typing import overload
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    dot_f32,
     e2m1_pair_values,
+    e2m1_word_values,
     e8m0_value,
+    e8m0_word_scales,
     macro_block_dot,
     mbs_factors,
     mbs_sigma,
@@ -115,6 +128,7 @@ def _decode_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     HB: tl.constexpr = BS // 2  # bytes per scale block
@@ -152,69 +166,129 @@ def _decode_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    # WORDS: the codes as int32 words, 8 codes each (`_word_step`)
+    WPS: tl.constexpr = BLOCK_K // 8  # words per row per step
+    i_w = tl.arange(0, WPS)
+    xw_base = xc_base.to(tl.pointer_type(tl.int32), bitcast=True)
+    ww_base = wc_base.to(tl.pointer_type(tl.int32), bitcast=True)
+    xw_off = i_m[:, None] * (stride_xcm // 4) + i_w[None, :]
+    ww_off = i_n[:, None] * (stride_wcn // 4) + i_w[None, :]
+    xs_off2 = i_m[:, None] * stride_xsm + i_b[None, :]
+    ws_off2 = i_n[:, None] * stride_wsn + i_b[None, :]
     for k0 in range(k_start, k_end, BLOCK_K):
         kb0 = k0 // 2
         sb0 = k0 // BS
         left = K - k0
-        # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
-        mx = mask_m[:, None, None] & (jx < KB - kb0)
-        xb = tl.load(xc_base + kb0 + x_off, mask=mx, other=0).to(tl.int32)
-        xs = tl.load(
-            xs_base + sb0 + xs_off,
-            mask=mask_m[:, None, None] & (i_b[None, :, None] * BS < left),
-            other=127,
-        )
-        xsv = e8m0_value(xs.to(tl.int32))
-        xv_lo, xv_hi = e2m1_pair_values(xb)
-        x_lo = tl.reshape((xv_lo * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
-        x_hi = tl.reshape((xv_hi * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
-
-        mw = (jw < KB - kb0) & mask_n[:, None, None]
-        wb = tl.load(wc_base + kb0 + w_off, mask=mw, other=0).to(tl.int32)
-        ws = tl.load(
-            ws_base + sb0 + ws_off,
-            mask=(i_b[None, :, None] * BS < left) & mask_n[:, None, None],
-            other=127,
-        )
-        wsv = e8m0_value(ws.to(tl.int32))
-        wv_lo, wv_hi = e2m1_pair_values(wb)
-        w_lo = tl.trans(tl.reshape((wv_lo * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
-        w_hi = tl.trans(tl.reshape((wv_hi * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
-
-        if (X_MBS or W_MBS) and MACRO < BLOCK_K:
-            # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
-            # error bounds"): one dot per macro block (`macro_block_dot`), each partial
-            # divided once by its own exact Fx * Fw (two 9-bit integers over 2^16), the
-            # quotients summed in the step.
-            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for j in tl.static_range(BLOCK_K // MACRO):
-                pj = macro_block_dot(x_lo, x_hi, w_lo, w_hi, j, MACRO, BLOCK_K, DOT_DTYPE)
-                c = k0 // MACRO + j
-                fx, fw = mbs_factors(
-                    xm_base + c + xm_off, wm_base + c + wm_off,
-                    k0 + j * MACRO < K,  # a macro block past K: no byte to read
-                    mask_m, mask_n, X_MBS, W_MBS,
-                )  # fmt: skip
-                sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
-                part += pj * sx[:, None] * sw[None, :]
+        if WORDS:
+            acc += _word_step(
+                xw_base + k0 // 8 + xw_off, xs_base + sb0 + xs_off2,
+                ww_base + k0 // 8 + ww_off, ws_base + sb0 + ws_off2,
+                xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
+                mask_m, mask_n, i_w < (KB - kb0) // 4, i_b[None, :] * BS < left,
+                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE,
+            )  # fmt: skip
         else:
-            zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
-            if X_MBS or W_MBS:
-                # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
-                c = k0 // MACRO
-                fx, fw = mbs_factors(
-                    xm_base + c + xm_off, wm_base + c + wm_off, True, mask_m, mask_n, X_MBS, W_MBS
-                )
-                sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
-                part = part * sx[:, None] * sw[None, :]
-        acc += part
+            # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
+            mx = mask_m[:, None, None] & (jx < KB - kb0)
+            xb = tl.load(xc_base + kb0 + x_off, mask=mx, other=0).to(tl.int32)
+            xs = tl.load(
+                xs_base + sb0 + xs_off,
+                mask=mask_m[:, None, None] & (i_b[None, :, None] * BS < left),
+                other=127,
+            )
+            xsv = e8m0_value(xs.to(tl.int32))
+            xv_lo, xv_hi = e2m1_pair_values(xb)
+            x_lo = tl.reshape((xv_lo * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+            x_hi = tl.reshape((xv_hi * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
+
+            mw = (jw < KB - kb0) & mask_n[:, None, None]
+            wb = tl.load(wc_base + kb0 + w_off, mask=mw, other=0).to(tl.int32)
+            ws = tl.load(
+                ws_base + sb0 + ws_off,
+                mask=(i_b[None, :, None] * BS < left) & mask_n[:, None, None],
+                other=127,
+            )
+            wsv = e8m0_value(ws.to(tl.int32))
+            wv_lo, wv_hi = e2m1_pair_values(wb)
+            w_lo = tl.trans(tl.reshape((wv_lo * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
+            w_hi = tl.trans(tl.reshape((wv_hi * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
+
+            if (X_MBS or W_MBS) and MACRO < BLOCK_K:
+                # Macro blocks narrower than the K step (docs/numerics.md, "Kernel numerics and
+                # error bounds"): one dot per macro block (`macro_block_dot`), each partial
+                # divided once by its own exact Fx * Fw (two 9-bit integers over 2^16), the
+                # quotients summed in the step.
+                part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for j in tl.static_range(BLOCK_K // MACRO):
+                    pj = macro_block_dot(x_lo, x_hi, w_lo, w_hi, j, MACRO, BLOCK_K, DOT_DTYPE)
+                    c = k0 // MACRO + j
+                    fx, fw = mbs_factors(
+                        xm_base + c + xm_off, wm_base + c + wm_off,
+                        k0 + j * MACRO < K,  # a macro block past K: no byte to read
+                        mask_m, mask_n, X_MBS, W_MBS,
+                    )  # fmt: skip
+                    sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                    part += pj * sx[:, None] * sw[None, :]
+            else:
+                zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
+                if X_MBS or W_MBS:
+                    # BLOCK_K divides MACRO here: the tile lies inside one macro block of every row
+                    c = k0 // MACRO
+                    fx, fw = mbs_factors(
+                        xm_base + c + xm_off,
+                        wm_base + c + wm_off,
+                        True,
+                        mask_m,
+                        mask_n,
+                        X_MBS,
+                        W_MBS,
+                    )
+                    sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                    part = part * sx[:, None] * sw[None, :]
+            acc += part
 
     out_row = (m0 + i_m).to(tl.int64)
     store_out_tile(
         out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
         HAS_BIAS, BLOCK_N,
     )  # fmt: skip
+
+
+@triton.jit
+def _word_step(
+    xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, mask_m, mask_n, word_ok, block_ok,
+    BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
+    at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
+    at xs_ptrs / ws_ptrs; the step inside one macro block, whose MBS bytes are at xm_ptrs /
+    wm_ptrs): the step's partial product [BLOCK_M, BLOCK_N], scaled by sigma_x * sigma_w.
+
+    A dot sums over K in any order, so the step runs four dots of BLOCK_K / 4, dot p over
+    the elements 8j + p and 8j + p + 4 of every word j (`e2m1_word_values`), the same
+    permutation of K on both operands and inside each scale block. Each value is built two
+    at a time in the halves of a 32-bit register (shifts and masks of the word, then packed
+    bf16 multiplies by 2^126 and by the block scale), where the byte path builds one fp32
+    value at a time and converts it. The values are those of the byte path, exactly."""
+    WPB: tl.constexpr = BS // 8  # words per scale block
+    xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
+    xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=127).to(tl.int32)
+    wq = tl.load(ww_ptrs, mask=mask_n[:, None] & word_ok[None, :], other=0)
+    ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=127).to(tl.int32)
+    xsv = e8m0_word_scales(xs, WPB, DOT_DTYPE)
+    wsv = e8m0_word_scales(ws, WPB, DOT_DTYPE)
+    part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for p in tl.static_range(4):
+        xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
+        wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv
+        part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
+    if X_MBS or W_MBS:
+        fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS, W_MBS)
+        sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+        part = part * sx[:, None] * sw[None, :]
+    return part
 
 
 def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
@@ -232,6 +306,15 @@ def gpu_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: 
     if codes_aligned(k, x_codes, w_codes):
         return GPU_BLOCK_N, gpu_block_k(macro_block, has_mbs)
     return UNALIGNED_BLOCK_N, UNALIGNED_BLOCK_K
+
+
+def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
+              has_mbs: bool, block_k: int) -> bool:  # fmt: skip
+    """Whether the kernel reads the codes as int32 words (`_word_step`): code rows that
+    vectorize (`gemm_launch.codes_aligned`: whole words, 4-byte pitches and bases) and K
+    steps inside one macro block. Steps holding several macro blocks (MBS at 16 / 32 / 64)
+    keep the byte path's per-macro-block dots."""
+    return codes_aligned(k, x_codes, w_codes) and not (has_mbs and macro_block < block_k)
 
 
 def _infer_block_size(k: int, n_scales: int) -> int:
@@ -390,6 +473,7 @@ def decode_gemm(
         )
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=w_codes.device)
+    words = word_path(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     n_tiles = triton.cdiv(n, block_n)
     out_tiles = n_tiles * triton.cdiv(m, block_m)
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
@@ -429,6 +513,7 @@ def decode_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(),
+        WORDS=words,
         **launch_options,
     )
     return finish_output(sk.out, bias, out_dtype)

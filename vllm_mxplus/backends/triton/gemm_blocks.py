@@ -15,6 +15,10 @@ from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 # Globals read inside kernels must be tl.constexpr (Triton rejects plain globals).
 E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
 E2M1_REBIAS = tl.constexpr(2.0**126)  # E2M1 bits in fp32's fields -> the E2M1 value (exact)
+E2M1_PAIR_MAGNITUDES = tl.constexpr(0x01C001C0)  # bits 6..8 and 22..24 of a bf16x2 word
+E2M1_PAIR_SIGNS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: bits 15 and 31
+LOW_HALF = tl.constexpr(0xFFFF)
+HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 
 
 @triton.jit
@@ -41,6 +45,54 @@ def e2m1_pair_values(b):
         lo.to(tl.float32, bitcast=True) * E2M1_REBIAS,
         hi.to(tl.float32, bitcast=True) * E2M1_REBIAS,
     )
+
+
+@triton.jit
+def word_halves(wd, DOT_DTYPE: tl.constexpr):
+    """The two 16-bit halves of int32 words wd [R, W], each a bf16 bit pattern, as DOT_DTYPE
+    values [R, 2W] (column 2j + h: half h of word j). On the GPU (bf16) a reinterpretation:
+    a 32-bit register holding both halves is the packed bf16x2 operand of the multiplies that
+    follow (HMUL2, one instruction per two values). Under the interpreter (fp32, whose bf16
+    arithmetic is wrong) the same bits become the top half of an fp32: the same value, since
+    bf16 is fp32's top 16 bits."""
+    if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
+        lo = (wd & LOW_HALF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (wd >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (wd << 16).to(tl.float32, bitcast=True)
+        hi = (wd & HIGH_HALF).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (wd.shape[0], wd.shape[1] * 2))
+
+
+@triton.jit
+def e2m1_word_values(q, P: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Values of nibbles P and P + 4 (P = 0..3) of int32 words q [R, W] of packed E2M1 codes
+    (8 per word: element 8j + p is nibble p of word j, the packed layout read 4 bytes at a
+    time, little-endian) as DOT_DTYPE [R, 2W]: column 2j + h holds element 8j + P + 4h.
+
+    `e2m1_value`'s construction in bf16's fields (bf16 has fp32's exponent field): one shift
+    of the word moves nibble P's magnitude bits to bits 6..8 (lowest exponent bits and top
+    mantissa bit) and nibble P + 4's to bits 22..24, another moves their sign bits to 15
+    and 31, so each instruction builds two values; then one multiply by 2^126, exact (PTX
+    mul.bf16x2 keeps subnormal operands: E2M1 code 1 is the subnormal 2^-127 here)."""
+    if P < 2:
+        mag = (q << (6 - 4 * P)) & E2M1_PAIR_MAGNITUDES
+    else:  # arithmetic shift: the bits it brings in lie outside the mask
+        mag = (q >> (4 * P - 6)) & E2M1_PAIR_MAGNITUDES
+    sgn = (q << (12 - 4 * P)) & E2M1_PAIR_SIGNS
+    return word_halves(mag | sgn, DOT_DTYPE) * E2M1_REBIAS
+
+
+@triton.jit
+def e8m0_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """E8M0 scale codes s (int32) [R, NB] of NB consecutive blocks as DOT_DTYPE values
+    [R, NB * 2 * WORDS_PER_BLOCK] in `e2m1_word_values`' column order (block b's words
+    b * WORDS_PER_BLOCK.. hold columns 2 * WORDS_PER_BLOCK * b..). Powers of two from 2^-127
+    to 2^127 and NaN: exact in bf16."""
+    v = e8m0_value(s).to(DOT_DTYPE)
+    cols: tl.constexpr = 2 * WORDS_PER_BLOCK
+    v = tl.broadcast_to(v[:, :, None], (s.shape[0], s.shape[1], cols))
+    return tl.reshape(v, (s.shape[0], s.shape[1] * cols))
 
 
 @triton.jit
