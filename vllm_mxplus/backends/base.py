@@ -32,6 +32,17 @@ LayerKind = Literal["linear", "experts"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("linear", "experts")
 
 
+def is_cpu_kernel_pair(weight: FormatSpec, activation: FormatSpec) -> bool:
+    """Whether the C++ CPU kernels (and the CPU exact-bf16 path, which uses their activation
+    quantizers) take this (weight, activation) pair: both NVFP4-like (E4M3 + global scale),
+    both MX+ (block maxima), or an E8M0 pair (`is_e8m0_pair`)."""
+    if weight.has_global_scale and activation.has_global_scale:
+        return True
+    if weight.block_max_mantissa and activation.block_max_mantissa:
+        return True
+    return is_e8m0_pair(weight, activation)
+
+
 def is_e8m0_pair(weight: FormatSpec, activation: FormatSpec) -> bool:
     """Whether the packed E8M0 kernels (Triton decode GEMM, C++ CPU kernels) implement this
     (weight, activation) pair: E8M0 scales under one scale rule and one block size on both

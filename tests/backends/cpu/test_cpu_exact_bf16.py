@@ -38,7 +38,7 @@ from test_cpu_kernels_nvfp4 import _weight as nvfp4_weight
 from vllm_mxplus import log_once
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cpu import exact_bf16
-from vllm_mxplus.backends.cpu.linear import CpuPackedBackend, cpu_kernels_take
+from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
 from vllm_mxplus.formats import (
     FORMATS,
     MACRO_BLOCK,
@@ -264,15 +264,6 @@ def test_dtypes_leading_dims_and_empty(ck, name):
     assert exact_bf16.linear(torch.empty(0, 320), w, None, torch.bfloat16).shape == (0, 24)
     bias = torch.randn(24)
     assert exact_bf16.linear(torch.empty(3, 0, 320), w, bias, torch.float32).shape == (3, 0, 24)
-
-
-def test_the_path_takes_what_the_cpu_kernels_take():
-    """One pair set: every (weight, activation) format pair the C++ kernels take (whose
-    activation quantizers the path uses), and none other."""
-    for wf in FORMATS:
-        for af in FORMATS:
-            s = Scheme("test", wf, af, "a test pair")
-            assert exact_bf16.takes(s)[0] == cpu_kernels_take(s)[0], (wf, af)
 
 
 def test_other_pairs_are_refused(ck):

@@ -80,7 +80,7 @@ from typing import Any
 
 import torch
 
-from vllm_mxplus.backends.base import is_e8m0_pair
+from vllm_mxplus.backends.base import is_cpu_kernel_pair
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme, quantize
 from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, ceil_div
@@ -104,15 +104,11 @@ _HALF_SCALE = torch.tensor(
 
 
 def takes(scheme: Scheme) -> tuple[bool, str]:
-    """Whether the path builds this scheme's operands: NVFP4 on both sides, MX+ on both sides,
-    or an E8M0 pair of the packed kernels (`is_e8m0_pair`): the pairs the C++ kernels take,
-    whose activation quantizers it uses. (True, "") or (False, why)."""
+    """Whether the path builds this scheme's operands: the pairs the C++ kernels take
+    (`base.is_cpu_kernel_pair`: NVFP4 or MX+ on both sides, or an E8M0 pair), whose
+    activation quantizers it uses. (True, "") or (False, why)."""
     w, a = scheme.weight, scheme.activation
-    if w.has_global_scale and a.has_global_scale:
-        return True, ""
-    if w.block_max_mantissa and a.block_max_mantissa:
-        return True, ""
-    if is_e8m0_pair(w, a):
+    if is_cpu_kernel_pair(w, a):
         return True, ""
     return False, (
         f"the exact-bf16 path takes NVFP4, MX+ or an E8M0 pair of one block size and scale "

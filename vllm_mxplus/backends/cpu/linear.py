@@ -31,7 +31,7 @@ from vllm_mxplus.backends.base import (
     Layer,
     LinearBackend,
     Spec,
-    is_e8m0_pair,
+    is_cpu_kernel_pair,
     set_packed_buffers,
 )
 from vllm_mxplus.backends.cpu import exact_bf16
@@ -65,11 +65,7 @@ def cpu_kernels_take(scheme: Scheme) -> tuple[bool, str]:
     maxima), or both E8M0 with the same block and scale rule, MBS on both sides or on neither,
     activations without the dynamic (MBS-D) search. (True, "") or (False, why)."""
     w, a = scheme.weight, scheme.activation
-    if w.has_global_scale and a.has_global_scale:
-        return True, ""
-    if w.block_max_mantissa and a.block_max_mantissa:
-        return True, ""
-    if is_e8m0_pair(w, a):
+    if is_cpu_kernel_pair(w, a):
         return True, ""
     return False, f"no CPU kernel for weights {w.name} x activations {a.name}"
 
