@@ -40,7 +40,6 @@ from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.cpu import exact_bf16
 from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
 from vllm_mxplus.formats import (
-    FORMATS,
     MACRO_BLOCK,
     SCHEMES,
     QuantizedTensor,
