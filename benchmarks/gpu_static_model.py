@@ -12,15 +12,22 @@ weight (decode: each iteration covers BLOCK_N x BLOCK_K weights), per MAC (prefi
 BLOCK_M x BLOCK_N x BLOCK_K), per element (act-quant: every K loop over BLOCK_M x BLOCK_K).
 
 Then a STATIC ESTIMATE of a Llama-3-8B forward's linears (32 layers of qkv 6144x4096, o
-4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 128, 512, 4096 (M
+4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 128, 256, 512, 1024, 4096 (M
 padded to the prefill kernel's whole row tiles above 16 rows) as the max of three
 bounds: instruction issue (warp-instructions / the GPU's issue rate), tensor cores (MACs / the
 dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic) and
 memory (bytes / bandwidth), next to the same estimate for bf16 (2 bytes per weight, the bf16
 tensor peak) and the ratio. Published peak figures used (dense, boost clock):
 
-    H200 SXM: 132 SMs x 4 schedulers x 1.98 GHz; HBM3e 4.8 TB/s; bf16 989 TFLOPS
-    B200:     148 SMs x 4 schedulers x 1.965 GHz; HBM3e 8.0 TB/s; bf16 2250 TFLOPS
+    H200 SXM: 132 SMs x 4 schedulers x 1.98 GHz; HBM3e 4.8 TB/s; bf16 989, FP8 1979 TFLOPS
+    B200:     148 SMs x 4 schedulers x 1.965 GHz; HBM3e 8.0 TB/s; bf16 2250, FP8 4500 TFLOPS
+
+Above 16 rows two prefill paths are estimated: the packed Triton GEMM (`mx_gemm`) and the
+FP8-chunk pipeline (`triton-fp8-prefill`: the weight re-encoded to FP8 per call, the
+activations encoded by `act_fp8`, the Triton FP8 GEMM on the FP8 tensor cores), three
+kernels one after the other; the table shows the path the backends pick at that M
+(`FP8_PREFILL_MIN_M`) and the other one's estimate beside it. Column `quant`: the activation
+quantizer (packed path), or both encoders (FP8 path: the weight's per call, the activations').
 
 Every figure printed is an estimate from the code's instruction counts and these peaks, not
 a measurement: `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent.
@@ -46,16 +53,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GPUS = {
-    # name: (capability, SMs, clock GHz, bandwidth B/s, bf16 dense FLOP/s)
-    "H200": (90, 132, 1.98, 4.8e12, 989e12),
-    "B200": (100, 148, 1.965, 8.0e12, 2250e12),
+    # name: (capability, SMs, clock GHz, bandwidth B/s, bf16 dense FLOP/s, FP8 dense FLOP/s)
+    "H200": (90, 132, 1.98, 4.8e12, 989e12, 1979e12),
+    "B200": (100, 148, 1.965, 8.0e12, 2250e12, 4500e12),
 }
 LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LAYERS = 32
-MS = (1, 16, 17, 64, 128, 512, 4096)
+MS = (1, 16, 17, 64, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written
+FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 scale per 128
+ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128  # act_fp8: bf16 read; FP8, scale, ref/MBS/exact written
 
 
 @dataclass
@@ -77,7 +86,7 @@ class Count:
 
 def _issue_rate(gpu: str) -> float:
     """Warp-instructions per second: SMs x 4 schedulers x clock."""
-    _, sms, ghz, _, _ = GPUS[gpu]
+    _, sms, ghz, _, _, _ = GPUS[gpu]
     return sms * 4 * ghz * 1e9
 
 
@@ -100,8 +109,11 @@ def _capture(drive: Callable[[], None]):
 
 def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     """name -> (role, unit, a call of the launcher as a Llama-3-8B layer would make it)."""
+    from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
+    from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
     from vllm_mxplus.backends.triton.act_quant import act_quant
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+    from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
     from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_block_m, moe_gemm
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
     from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
@@ -144,6 +156,18 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     def act(fmt: str) -> Callable[[], None]:
         return lambda: act_quant(_meta((4096, k), bf16), fmt, macro_block=128)
 
+    def fp8_gemm() -> None:
+        f8, f32, nc = torch.float8_e4m3fn, torch.float32, k // 128
+        fp8_chunk_gemm(_meta((4096, k), f8), _meta((nc, 4096), f32), _meta((n, k), f8),
+                       _meta((nc, n), f32), None, bf16)  # fmt: skip
+
+    def weight_fp8() -> None:
+        w = _mx_operand(n, k, "e8m0", 16, 128)
+        weight_fp8_chunks(w[0], w[1], w[2], k, n)
+
+    def act_fp8(fmt: str) -> Callable[[], None]:
+        return lambda: act_quant_fp8_chunks(_meta((4096, k), bf16), fmt, 128)
+
     return {
         "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
         "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
@@ -154,6 +178,9 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "prefill nvfp4": ("prefill", "MAC", prefill("nvfp4", 16, None)),
         "experts e8m0+MBS-128": ("experts", "MAC", experts),
         "act-quant mxfp4-mbs-s": ("act_quant", "element", act("mxfp4-mbs-s")),
+        "prefill fp8-chunk gemm": ("prefill", "MAC", fp8_gemm),
+        "encode weight-fp8": ("encode", "weight", weight_fp8),
+        "encode act-fp8 mbs-s": ("encode", "element", act_fp8("mxfp4-mbs-s")),
     }
 
 
@@ -173,7 +200,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
     code = sass.parse(sass.disassemble(ck.asm["cubin"]))
     cx = dict(cfg.constexprs)
     warps = int(ck.metadata.num_warps)
-    if role == "act_quant":  # every K loop of the kernel covers the row tile's elements
+    if role in ("act_quant", "encode"):  # every K loop of the kernel covers the row tile's elements
         loops = [
             lp
             for lp in code.loops()
@@ -196,10 +223,30 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
                  spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]))  # fmt: skip
 
 
+def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int):
+    """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
+    seconds of its two encoders (the weight's per call, the activations'), each kernel
+    max(issue, memory)."""
+    _, _, _, bw, _, fp8_flops = GPUS[gpu]
+    rate = _issue_rate(gpu)
+    g, ew, ea = (counts["prefill fp8-chunk gemm"], counts["encode weight-fp8"],
+                 counts["encode act-fp8 mbs-s"])  # fmt: skip
+    padded = _whole_tiles(m, g.block_m)
+    issue = g.per_unit * padded * weights / rate
+    tensor = padded * weights / (fp8_flops / 2)
+    memory = (weights + m * act_k) * FP8_BYTES / bw
+    enc_w = max(ew.per_unit * weights / rate, weights * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
+    enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
+    return (issue, tensor, memory), enc_w + enc_a
+
+
 def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
-    """Llama-3-8B linears at each M: our kernels (decode <= 16 rows, prefill above, the
-    activation quantizer before each) and bf16, each max(issue, tensor, memory)."""
-    _, _, _, bw, bf16_flops = GPUS[gpu]
+    """Llama-3-8B linears at each M: our kernels (decode <= 16 rows; above, the packed
+    prefill GEMM or the FP8-chunk pipeline, as the backends pick by M; the activation
+    quantizer or encoder before each) and bf16, each max(issue, tensor, memory)."""
+    from vllm_mxplus.backends.cutlass.linear import FP8_PREFILL_MIN_M
+
+    _, _, _, bw, bf16_flops, _ = GPUS[gpu]
     issue_rate = _issue_rate(gpu)
     mac_rate = bf16_flops / 2
     weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
@@ -219,14 +266,25 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
             kernel = "prefill"
         memory = (weights * BYTES_PER_WEIGHT + m * act_k * ACT_BYTES) / bw
         act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
-        ours = max(issue, tensor, memory) + act
+        packed = max(issue, tensor, memory) + act
+        bounds = (issue, tensor, memory)
+        fp8 = None
+        if m > DECODE_MAX_M:
+            fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k)
+            fp8 = max(fp8_bounds) + enc
+            if m >= FP8_PREFILL_MIN_M:
+                kernel, bounds, act = "fp8", fp8_bounds, enc
+        ours = max(bounds) + act
+        other = None if fp8 is None else (packed if kernel == "fp8" else fp8)
         bf16 = max(weights * 2 / bw, m * weights / mac_rate)
         rows.append({
             "gpu": gpu, "M": m, "kernel": kernel,
-            "issue_ms": issue * 1e3, "tensor_ms": tensor * 1e3, "memory_ms": memory * 1e3,
-            "act_quant_ms": act * 1e3, "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
+            "issue_ms": bounds[0] * 1e3, "tensor_ms": bounds[1] * 1e3,
+            "memory_ms": bounds[2] * 1e3, "act_quant_ms": act * 1e3,
+            "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
             "speedup_vs_bf16": bf16 / ours,
-            "bound": max((issue, "issue"), (tensor, "tensor"), (memory, "memory"))[1],
+            "other_path_ms": None if other is None else other * 1e3,
+            "bound": max(zip(bounds, ("issue", "tensor", "memory")))[1],
         })  # fmt: skip
     return rows
 
@@ -235,7 +293,7 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64) -> dic
     """One expert's w13 GEMM (2 x 14336 x 4096, MBS-128) at `tokens` pairs, max(issue,
     tensor, memory) with the rows padded to the kernel's row tile, against bf16's max(memory,
     tensor) for the same GEMM."""
-    _, _, _, bw, bf16_flops = GPUS[gpu]
+    _, _, _, bw, bf16_flops, _ = GPUS[gpu]
     ex = counts["experts e8m0+MBS-128"]
     weights = 2 * 14336 * 4096
     rows = _whole_tiles(tokens, ex.block_m)
@@ -311,12 +369,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c.per_unit:>10.4f} {c.unit:<8}{tc:<14}{c.registers:>5}{c.spill_bytes:>6}")  # fmt: skip
     for gpu, rows in est.items():
         print(f"\n## {gpu}: Llama-3-8B linears, one forward, STATIC ESTIMATE (ms)")
-        print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'act-q':>8}"
-              f"{'ours':>9}{'bf16':>9}{'ratio':>7}  bound")  # fmt: skip
+        print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'quant':>8}"
+              f"{'ours':>9}{'bf16':>9}{'ratio':>7}  {'bound':<7}{'other path':>11}")  # fmt: skip
         for r in rows:
+            other = "" if r["other_path_ms"] is None else f"{r['other_path_ms']:>11.3f}"
             print(f"{r['M']:>5} {r['kernel']:<8}{r['issue_ms']:>9.3f}{r['tensor_ms']:>9.3f}"
                   f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['estimate_ms']:>9.3f}"
-                  f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']}")  # fmt: skip
+                  f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']:<7}"
+                  f"{other}")  # fmt: skip
     for gpu, a in act.items():
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "

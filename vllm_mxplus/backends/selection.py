@@ -82,7 +82,12 @@ _REGISTRY: dict[LayerKind, Registry] = {
             LazyBackend(
                 "cutlass_prefill", "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend"
             ),
-            # larger M otherwise
+            # large M where the extension is not built: the FP8-chunk pipeline on Triton
+            LazyBackend(
+                "triton-fp8-prefill",
+                "vllm_mxplus.backends.cutlass.linear:TritonFp8PrefillBackend",
+            ),
+            # the rest of M > 16
             LazyBackend("triton-gemm", "vllm_mxplus.backends.triton.linear:TritonGemmBackend"),
         ],
         "rocm": [],

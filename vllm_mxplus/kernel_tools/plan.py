@@ -187,8 +187,11 @@ def _rows(spec: Spec, platform: str, capability: int | None) -> list[PlanRow]:
         lo = selection.first_uncovered_m(served, *r)
         if lo is None:
             continue
-        rows.append(PlanRow(spec.scheme.name, spec.kind, lo, r[1], b.name, held, activation, bias))
-        served.append((lo, r[1]))
+        # an earlier (higher-priority) backend serving from above lo ends this one's range
+        hi = min((a - 1 for a, _ in served if a > lo), default=r[1])
+        hi = hi if r[1] is None else min(hi, r[1])
+        rows.append(PlanRow(spec.scheme.name, spec.kind, lo, hi, b.name, held, activation, bias))
+        served.append((lo, hi))
     return rows
 
 

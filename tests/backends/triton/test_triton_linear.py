@@ -12,13 +12,15 @@ from vllm_mxplus.formats import SCHEMES, get_scheme, quantize
 
 
 def test_registered_first_for_cuda_only():
-    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend, TritonFp8PrefillBackend
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
-    # decode first, then CUTLASS where built, then the Triton GEMM: the order decides
+    # decode first, then CUTLASS where built, then the FP8-chunk pipeline on Triton (large M),
+    # then the packed Triton GEMM: the order decides
     assert registered_backends("cuda") == [
         TritonDecodeBackend,
         CutlassPrefillBackend,
+        TritonFp8PrefillBackend,
         TritonGemmBackend,
     ]
     assert all("triton" not in b.name for b in registered_backends("cpu"))
@@ -125,15 +127,26 @@ def test_macro_block_128_prefill_is_cutlass_where_built_else_triton(
     monkeypatch, triton_device, cutlass
 ):
     """N = 128: decode Triton; prefill CUTLASS where built (first in the priority order),
-    else the Triton GEMM, never the reference."""
+    else the FP8-chunk pipeline on Triton's FP8 GEMM from FP8_PREFILL_MIN_M rows and the
+    packed Triton GEMM between, never the reference."""
     chosen = _cuda_selection(monkeypatch, 128, cutlass)
-    assert chosen == ["triton-decode", "cutlass_prefill" if cutlass else "triton-gemm"]
+    without = ["triton-decode", "triton-fp8-prefill", "triton-gemm"]
+    assert chosen == (["triton-decode", "cutlass_prefill"] if cutlass else without)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_every_scheme_gets_triton_for_every_m_without_cutlass(monkeypatch, triton_device, scheme):
-    """No scheme needs the reference (a 4-byte fp32 weight copy) on CUDA any more."""
-    assert _cuda_selection(monkeypatch, 128, False, scheme) == ["triton-decode", "triton-gemm"]
+    """No scheme needs the reference (a 4-byte fp32 weight copy) on CUDA any more; the E8M0
+    block-16 schemes also get the FP8-chunk pipeline for large M."""
+    from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
+
+    fp8 = TritonFp8PrefillBackend.can_implement(
+        LinearSpec(get_scheme(scheme, 128), 64, 4096, torch.bfloat16)
+    )[0]
+    want = ["triton-decode", "triton-fp8-prefill", "triton-gemm"] if fp8 else None
+    assert _cuda_selection(monkeypatch, 128, False, scheme) == (
+        want or ["triton-decode", "triton-gemm"]
+    )
 
 
 def test_untileable_macro_block_fails_with_reason(monkeypatch, triton_device):

@@ -11,6 +11,11 @@ docs/numerics.md, "Kernel numerics and error bounds"):
 - sm_100a (B200): native block-scaled FP4 MMA; one launch per 128-K chunk with MBS, one
   launch over the whole K without (`mxfp4-16`, `mxfp4-16-oas`).
 
+The FP8-chunk pipeline (the weight's FP8 form per call, the activations' from `act_fp8`, the
+exact fallback) runs its GEMM on one of two engines (`ENGINES`): the CUTLASS sm_90a kernel
+where the extension is built, else Triton's (`triton.fp8_chunk_gemm`: the same contract, on
+the FP8 tensor cores of sm_90 and sm_100), so it needs no build step.
+
 Every step inside the prefill ops is CUDA-graph safe: fixed shapes, no host sync, nothing
 allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.py runs them
 under a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that,
@@ -54,10 +59,20 @@ from vllm_mxplus.backends.cutlass.ops import (
 )
 from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton import fp8_chunk_gemm as triton_fp8
 from vllm_mxplus.backends.triton.act_quant import act_quant
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows
 from vllm_mxplus.backends.triton.ops import act_quant_op
 from vllm_mxplus.formats import QuantizedTensor, get_format
+
+# the GEMM of the FP8-chunk pipeline: the CUTLASS op, or Triton's kernel (no build needed)
+ENGINES = ("cutlass", "triton")
+
+
+def engine_gemm(engine: str) -> Callable[..., torch.Tensor]:
+    """The FP8-chunk GEMM of `engine` (looked up per call: tests route "cutlass" to an
+    emulation by patching this module's `fp8_chunk_gemm`)."""
+    return fp8_chunk_gemm if engine == "cutlass" else triton_fp8.fp8_chunk_gemm
 
 
 def _prefill_op(name: str, impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -98,6 +113,7 @@ class PreparedWeight:
     mbs: torch.Tensor | None = None  # sm100a: the weight's MBS bytes [N, K/128] or None
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # sm90a
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
+    engine: str = "cutlass"  # sm90a: the FP8-chunk GEMM's engine (`ENGINES`)
 
     def sm90_operands(self) -> Sm90Weight:
         """The sm_90a ops' weight arguments (`Sm90Weight`, in order)."""
@@ -122,17 +138,20 @@ def _weight_sigma(
 
 
 def prepare_weight(
-    qweight: QuantizedTensor, arch: str, activation_mbs: bool = True
+    qweight: QuantizedTensor, arch: str, activation_mbs: bool = True, engine: str = "cutlass"
 ) -> PreparedWeight:
     """QuantizedTensor [N, K] (E8M0 block 16, optional MBS) -> PreparedWeight for `arch`.
     activation_mbs: whether the activations will carry MBS bytes (sm_100a packs the weight
-    scales per 128-K chunk then, else for one full-K launch)."""
+    scales per 128-K chunk then, else for one full-K launch). engine: the sm90a layout's GEMM
+    (`ENGINES`; "triton" runs the FP8-chunk pipeline on any FP8 tensor-core GPU)."""
     n, k = qweight.shape
     use_mbs = qweight.mbs is not None or activation_mbs
+    if engine not in ENGINES:
+        raise ValueError(f"unknown FP8-chunk engine {engine!r} (expected one of {list(ENGINES)})")
     if arch == "sm90a":
         packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
         bad = inexact_rows(*packed, k)
-        return PreparedWeight(arch, n, k, use_mbs, packed=packed, fallback_idx=bad)
+        return PreparedWeight(arch, n, k, use_mbs, packed=packed, fallback_idx=bad, engine=engine)
     if arch == "sm100a":
         npad, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
         codes = pad_rows(qweight.codes, npad)
@@ -177,8 +196,9 @@ def _sm90_gemm(
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
+    engine: str,
 ) -> torch.Tensor:
-    """The sm_90a GEMM on an activation layout, every inexact row and column recomputed
+    """The sm_90a GEMM (on `engine`) on an activation layout, every inexact row and column recomputed
     (module docstring). x_packed() gives the activations' codes, E8M0 scales and MBS bytes
     (formats' layout, every row).
 
@@ -189,7 +209,7 @@ def _sm90_gemm(
     rows = ceil_to(n, 8)
     w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
     b32 = bias_f32(bias, rows)
-    y = fp8_chunk_gemm(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
+    y = engine_gemm(engine)(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
     del w_fp8, w_scale  # the temporary goes back to the allocator before the fallbacks
     y = y[:, :n].contiguous() if y.shape[1] != n else y
     codes, scales, mbs = x_packed()
@@ -221,6 +241,7 @@ def prefill_sm90_impl(
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
+    engine: str = "cutlass",
 ) -> torch.Tensor:
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
@@ -230,6 +251,7 @@ def prefill_sm90_impl(
         bias,
         n,
         out_dtype,
+        engine,
     )
 
 
@@ -251,6 +273,7 @@ def prefill_sm90_fused_impl(
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
+    engine: str = "cutlass",
 ) -> torch.Tensor:
     """From activation rows x [M, K] and their fused FP8 layout (`act_fp8`): GEMM; the rows
     the layout cannot hold exactly are recomputed from x's Triton act-quant (bit for bit
@@ -266,7 +289,7 @@ def prefill_sm90_fused_impl(
         return codes, scales, mbs if has_mbs else None
 
     w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx)
-    return _sm90_gemm(xl, packed, w, bias, n, out_dtype)
+    return _sm90_gemm(xl, packed, w, bias, n, out_dtype, engine)
 
 
 _prefill_sm90_fused = _prefill_op("cutlass_prefill_sm90_fused", prefill_sm90_fused_impl)
@@ -327,7 +350,7 @@ def prefill_gemm(
         )
     if w.arch == "sm90a":
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90(
-            x_codes, x_scales, x_mbs, k, *w.sm90_operands(), bias, w.n, out_dtype
+            x_codes, x_scales, x_mbs, k, *w.sm90_operands(), bias, w.n, out_dtype, w.engine
         )
     return torch.ops.vllm_mxplus.cutlass_prefill_sm100(
         x_codes, x_scales, x_mbs, k, w.codes, w.sf, w.mbs, bias, w.n, w.use_mbs, out_dtype
@@ -350,7 +373,7 @@ def prefill_gemm_from_x(
     if w.arch == "sm90a" and act_fp8.supports(fmt):
         xl = act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
-            x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype
+            x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype, w.engine
         )
 
     codes, scales, mbs, _ = act_quant_op(x, fmt, macro_block=CHUNK)

@@ -1,7 +1,15 @@
-"""The CUTLASS prefill backend (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 17) on sm_90a / sm_100a.
+"""The prefill backends of the FP8-chunk / FP4 pipelines (`gemm`) on sm_90 / sm_100.
 
-The dispatch registry names this class (`vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend`);
-the pieces behind it are one job per module:
+- `cutlass_prefill` (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 17) where the CUTLASS extension
+  is built: sm_90a's FP8-chunk GEMM, sm_100a's block-scaled FP4 MMA.
+- `triton-fp8-prefill` (M >= FP8_PREFILL_MIN_M) where it is not: the same FP8-chunk pipeline
+  (weight re-encoded per call, activations by `act_fp8`, the exact fallback) with Triton's
+  FP8 GEMM (`triton.fp8_chunk_gemm`) on the FP8 tensor cores, needing no build. Below
+  FP8_PREFILL_MIN_M rows the packed Triton GEMM (`triton-gemm`) serves: it reads 0.57 bytes
+  per weight where this pipeline moves ~2.6 (encode: read 0.57, write 1.03; GEMM: read 1.03).
+
+The dispatch registry names these classes (`vllm_mxplus.backends.cutlass.linear:...`); the
+pieces behind them are one job per module:
 
 - `fp8_chunks`  the sm_90a operand layout (pure torch): the definition of the FP8 re-encoding
 - `build`       the C++ sources (package data, `csrc/`), building and loading the extension
@@ -20,7 +28,13 @@ from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
 from vllm_mxplus.backends.cutlass.build import arch_of, is_available
 from vllm_mxplus.backends.cutlass.fp8_chunks import BLOCK, CHUNK
 from vllm_mxplus.backends.cutlass.gemm import prefill_gemm_from_x, prepare_weight
+from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.formats import QuantizedTensor, get_format
+
+# The smallest M the Triton FP8-chunk pipeline serves: where its static estimate for
+# Llama-3-8B's linears passes the packed Triton GEMM's on H200 and B200
+# (`benchmarks/gpu_static_model.py` prints both paths at each M; docs/benchmarks.md).
+FP8_PREFILL_MIN_M = 256
 
 
 class CutlassPrefillBackend(LinearBackend):
@@ -88,3 +102,31 @@ class CutlassPrefillBackend(LinearBackend):
             spec.out_dtype,
         )
         return y.reshape(*lead, spec.n)
+
+
+class TritonFp8PrefillBackend(CutlassPrefillBackend):
+    """The FP8-chunk prefill pipeline on Triton's FP8 GEMM: sm_90 (wgmma) and sm_100
+    (tcgen05), no extension build. Registered after `cutlass_prefill` (which takes the layer
+    where it is built) and before the packed `triton-gemm` (M below FP8_PREFILL_MIN_M)."""
+
+    name = "triton-fp8-prefill"
+    WEIGHT_ATTR = "mxplus_fp8_prefill_weight"
+    min_m = FP8_PREFILL_MIN_M
+
+    @classmethod
+    def m_bounds(cls) -> tuple[int, int | None]:
+        return cls.min_m, None
+
+    @classmethod
+    def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
+        if platform != "cuda" or capability not in (90, 100):
+            why = f"needs CUDA capability 90 or 100 (FP8 tensor cores), got {platform} {capability}"
+            return False, why
+        return launch.is_available(torch.device("cuda"))
+
+    def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
+        act_mbs = bool(get_format(self.spec.activation_format).mbs)
+        # the FP8-chunk layout ("sm90a") on either architecture: Triton compiles the GEMM for
+        # the device's own FP8 tensor cores
+        w = prepare_weight(qweight, "sm90a", activation_mbs=act_mbs, engine="triton")
+        setattr(layer, self.WEIGHT_ATTR, w)
