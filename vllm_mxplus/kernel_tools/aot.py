@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS
+from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS, MIN_TARGET
 
 #: sm -> max dynamic shared memory per block (bytes), from the CUDA programming guide.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
@@ -269,7 +269,7 @@ def compile_all(
     """Compile configs x targets in `jobs` spawned workers with a private Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="mxplus-aot-triton-")
     env_interp = os.environ.pop("TRITON_INTERPRET", None)  # spawned workers inherit os.environ
-    work = [(c, t) for t in targets for c in configs]
+    work = [(c, t) for t in targets for c in configs if t >= MIN_TARGET.get(c.kernel, 0)]
     results: list[CompileResult] = []
     try:
         ctx = multiprocessing.get_context("spawn")

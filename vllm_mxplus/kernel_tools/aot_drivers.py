@@ -60,6 +60,19 @@ def _drive_weight_fp8(quick: bool) -> None:
         weight_fp8_chunks(codes, scales, m, k, ceil_div(n, 8) * 8)
 
 
+def _drive_fp8_chunk_gemm(quick: bool) -> None:
+    from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
+
+    shapes = ((4096, 4096, 4096),) if quick else ((4096, 4096, 4096), (256, 576, 1536),
+                                                   (300, 100, 128), (4096, 14336, 4096))  # fmt: skip
+    outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    for (m, n, k), out, bias in itertools.product(shapes, outs, (False, True)):
+        nc = k // 128
+        fp8_chunk_gemm(_meta((m, k), f8), _meta((nc, m), f32), _meta((n, k), f8),
+                       _meta((nc, n), f32), _meta((n,), f32) if bias else None, out)  # fmt: skip
+
+
 def _gemm_operand(
     rows: int, k: int, fmt: str, bs: int, macro: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -252,8 +265,13 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "act_quant": _drive_act_quant,
     "act_quant_fp8_chunks": _drive_act_fp8,
     "weight_fp8_chunks": _drive_weight_fp8,
+    "fp8_chunk_gemm": _drive_fp8_chunk_gemm,
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
     "moe_gemm": _drive_moe_gemm,
     "act_quant_plus": _drive_act_quant_plus,
 }
+
+#: Kernels that need a newer target than sm_80 (FP8 tensor cores: sm_89 and later); other
+#: targets are skipped for them, not failed.
+MIN_TARGET: dict[str, int] = {"_fp8_chunk_gemm_kernel": 89}
