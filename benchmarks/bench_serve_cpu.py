@@ -3,7 +3,7 @@
     python benchmarks/bench_serve_cpu.py [--model DIR] [--scheme mxfp4-mbs] [--tokens 64]
                                          [--batch 4] [--prefill-tokens 4096] [--compile]
                                          [--prefill-prompts 8]
-                                         [--moe] [--no-tiny] [--llama8b-shaped]
+                                         [--moe] [--no-tiny] [--llama8b-shaped] [--threads N]
 
 Runs, in one process and one after another, vLLM engines for: a tiny random Llama (built on
 the fly), with --moe a random Qwen3-MoE, with --llama8b-shaped a random 2-layer Llama whose
@@ -153,16 +153,25 @@ def main() -> int:
         action="store_true",
         help="also a random Qwen3-MoE (hidden 512, 16 experts, top-2, 4 layers)",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the engines, vLLM's thread binding off (default: vLLM's binding)",
+    )
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks
+    if args.threads is not None:
+        from bench_vs_llamacpp import in_process_engine_env
+
+        in_process_engine_env(args.threads)  # before vLLM is imported
 
     from importlib.metadata import version
 
     import torch
+    from bench_cpu_linear import machine_line
 
     import vllm_mxplus
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_cpu_linear import machine_line
 
     print(machine_line())
     print(

@@ -2,8 +2,11 @@
 
     OMP_NUM_THREADS=1 python benchmarks/profile_serve_step.py [--scheme mxfp4-mbs-s | bf16]
         [--streams 16] [--prompt-tokens 128] [--tokens 32] [--threads 1] [--rows 25]
+        [--llama8b-shaped]
 
-One vLLM engine (eager, in-process) on the embedded SmolLM2 (`mxplus prepare`), --streams
+One vLLM engine (eager, in-process) on the embedded SmolLM2 (`mxplus prepare`) or, with
+--llama8b-shaped, on bench_serve_cpu.py's random 2-layer Llama with Llama-3-8B linear shapes
+(built on the fly; `--streams 4 --prompt-tokens 8 --tokens 64` is its decode case), --streams
 prompts of --prompt-tokens tokens, --tokens greedy tokens each, profiled after a warm-up; it
 prints the tokens/s under the profiler (lower than without it) and the ops by CPU self time,
 so each share is that of the profiled step: the plugin's linears appear as
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +34,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=25, help="ops to list")
+    ap.add_argument(
+        "--llama8b-shaped",
+        action="store_true",
+        help="a random 2-layer Llama with Llama-3-8B linear shapes instead of SmolLM2",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_vs_llamacpp import in_process_engine_env
@@ -40,7 +49,27 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = _smollm2_dir()
+    tmp = tempfile.TemporaryDirectory()
+    if args.llama8b_shaped:
+        # the tiny random checkpoints are test fixtures (tests/integration/tiny_models.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+        import tiny_models
+
+        model = str(
+            tiny_models.build_tiny_llama(
+                Path(tmp.name) / "llama3-8b-shaped-2layer",
+                hidden=4096,
+                intermediate=14336,
+                layers=2,
+                heads=32,
+                kv_heads=8,
+                init_std=0.02,
+            )
+        )
+        vocab = 512
+    else:
+        model = _smollm2_dir()
+        vocab = 40000
     if model is None:
         raise SystemExit("SmolLM2 not prepared: run `mxplus prepare` first")
     llm = LLM(
@@ -48,7 +77,7 @@ def main() -> int:
         quantization=None if args.scheme == "bf16" else args.scheme,
         dtype="bfloat16",
         enforce_eager=True,
-        max_model_len=1024,
+        max_model_len=512 if args.llama8b_shaped else 1024,  # the random model: 512 positions
         max_num_seqs=args.streams,
         seed=0,
         max_num_batched_tokens=2048,
@@ -57,7 +86,7 @@ def main() -> int:
     prompts = [
         TokensPrompt(
             prompt_token_ids=[
-                (i * 7919 + s * 104729 + 13) % 40000 + 4 for i in range(args.prompt_tokens)
+                (i * 7919 + s * 104729 + 13) % (vocab - 8) + 4 for i in range(args.prompt_tokens)
             ]
         )
         for s in range(args.streams)
