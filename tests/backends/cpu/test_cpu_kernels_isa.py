@@ -68,7 +68,8 @@ for k in (33, 577):
 for pair in t.PAIRS:  # bit for bit with the fp32 model of the kernel's operations
     for m in (1, 5, 35, 66):
         tp.test_linear_bits_equal_model(ck, pair, m, 577)
-tp.test_plain_weights_take_the_fast_terms(ck)
+for m in (4, 257):  # the register tiles and the panel kernel
+    tp.test_plain_weights_take_the_fast_terms(ck, m)
 print("ISA-OK", ck.cflags()[0])
 """
 

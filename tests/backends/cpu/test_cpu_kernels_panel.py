@@ -1,6 +1,8 @@
 """The CPU integer GEMM bit for bit, at row counts that exercise every blocking of the kernels
 (docs/cpu_kernels.md: the AVX-512 panel kernel takes M >= 32 in register tiles of 4 rows and
-2 weight tiles, with remainders; fewer rows and MX+ take the register tiles).
+2 weight tiles, with remainders; fewer rows and MX+ take the register tiles; on AVX-512 both
+add a block term by exponent bits and one FMA where every term's power of two is a normal
+fp32, else by vscalefps: N = 45 with special weight rows in its first tile gives both at once).
 
 Two checks per scheme and M:
 - against an fp32 model of the operations the kernel documents (docs/numerics.md, "Kernel
@@ -124,16 +126,18 @@ def test_linear_bits_equal_model(ck, pair, m, k):
         _assert_bits(y, _model(x.float(), q, af, bias))
 
 
-def test_plain_weights_take_the_fast_terms(ck):
+@pytest.mark.parametrize("m", [4, 31, 257], ids=lambda m: f"M{m}")
+def test_plain_weights_take_the_fast_terms(ck, m):
     """Weights and rows whose block exponents all stay in fp32's normal range (the common
-    case: the panel kernel's exponent-bit path) at M = 257, block 16 with MBS and block 32;
-    K = 4100 makes the panel kernel take the rows in several passes (about 2^19 bytes of
-    codes each: 124 rows), N = 70 an odd last weight tile."""
+    case: the exponent-bit path of the AVX-512 kernels) at M = 257 (the panel kernel) and
+    M = 4, 31 (the register tiles, whole 4-row tiles and a remainder), block 16 with MBS and
+    block 32; K = 4100 makes the panel kernel take the rows in several passes (about 2^19
+    bytes of codes each: 124 rows), N = 70 an odd last weight tile."""
     g = torch.Generator().manual_seed(5)
     k = 4100
     for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
         q = quantize(torch.randn(70, k, generator=g) * 0.02, wf)
-        x = torch.randn(257, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK)
         _assert_bits(y, _model(x.float(), q, af, None))
 

@@ -39,6 +39,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "mx_tile_avx2.h"
@@ -52,29 +54,57 @@ namespace {
 using namespace gemm_detail;
 
 #ifdef MXPLUS_AVX512
-// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t.
+using FastArg = const PanelRows*;  // the rows' FastRows for the fast block terms, or nullptr
+#else
+using FastArg = std::nullptr_t;  // the fast block terms are AVX-512's
+#endif
+
+#ifdef MXPLUS_AVX512
+// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t; fast: `fast_block_terms` holds for
+// them (pr the rows' FastRows; never with BM).
 template <int MT, int NTP, bool MBS, bool BM>
 void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
-               int64_t mt, float* y, const float* bias) {
+               int64_t mt, float* y, const float* bias, const PanelRows* pr, bool fast) {
   if constexpr (MT > 1) {
-    if (mt < MT) return tile_rows<MT - 1, NTP, MBS, BM>(w, a, s, t, m0, mt, y, bias);
+    if (mt < MT) return tile_rows<MT - 1, NTP, MBS, BM>(w, a, s, t, m0, mt, y, bias, pr, fast);
   }
-  if constexpr (BM) tile_avx512<MT, NTP, 2, false, true>(w, a, s, t, m0, y, bias);
-  else if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS, false>(w, a, s, t, m0, y, bias);
-  else tile_avx512<MT, NTP, 2, MBS, false>(w, a, s, t, m0, y, bias);
+  if constexpr (BM) {
+    tile_avx512<MT, NTP, 2, false, true>(w, a, s, t, m0, y, bias);
+  } else if (fast) {
+    if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS, false, true>(w, a, s, t, m0, y, bias, pr);
+    else tile_avx512<MT, NTP, 2, MBS, false, true>(w, a, s, t, m0, y, bias, pr);
+  } else if (s.gpb == 1) {
+    tile_avx512<MT, NTP, 1, MBS, false>(w, a, s, t, m0, y, bias);
+  } else {
+    tile_avx512<MT, NTP, 2, MBS, false>(w, a, s, t, m0, y, bias);
+  }
 }
 
 // Pairs of weight tiles share each activation broadcast (half the loads per product); an odd
-// last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8.
+// last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8. With pr (the rows' FastRows; not
+// for MX+) a row tile against a tile pair takes the fast block terms where they hold, from the
+// tiles' E8M0 code extremes (one pass over their scale bytes per call of this function).
 template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
-                int64_t m0, int64_t mt, float* y, const float* bias) {
+                int64_t m0, int64_t mt, float* y, const float* bias, FastArg pr) {
+  int lo[kTilesPerPass], hi[kTilesPerPass];
+  for (int64_t tt = t; pr && tt < tend; ++tt) tile_code_range(w, tt, &lo[tt - t], &hi[tt - t]);
+  auto fast = [&](int64_t tt, int ntp, int64_t mm, int64_t rows) {
+    if (!pr) return false;
+    int wlo = kE8m0Nan, whi = 0;
+    for (int j = 0; j < ntp; ++j) {
+      wlo = std::min(wlo, lo[tt - t + j]);
+      whi = std::max(whi, hi[tt - t + j]);
+    }
+    return fast_block_terms(wlo, whi, *pr, mm, rows);
+  };
   for (int64_t mm = m0; mm < m0 + mt; mm += 4) {
+    const int64_t rows = std::min<int64_t>(4, m0 + mt - mm);
     int64_t tt = t;
     for (; tt + 2 <= tend; tt += 2)
-      tile_rows<4, 2, MBS, BM>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+      tile_rows<4, 2, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast(tt, 2, mm, rows));
     if (tt < tend)
-      tile_rows<4, 1, MBS, BM>(w, a, s, tt, mm, std::min<int64_t>(4, m0 + mt - mm), y, bias);
+      tile_rows<4, 1, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast(tt, 1, mm, rows));
   }
 }
 #elif defined(MXPLUS_AVX2)
@@ -93,7 +123,7 @@ void half_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
 // tiles, 4 activation rows at a time.
 template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
-                int64_t m0, int64_t mt, float* y, const float* bias) {
+                int64_t m0, int64_t mt, float* y, const float* bias, FastArg) {
   if (!BM && mt == 1) {
     const RowExp re = row_exp_range(a.ea + m0 * a.nb, a.nb);
     for (int64_t tt = t; tt < tend; ++tt) {
@@ -110,7 +140,7 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 #else
 template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
-                int64_t m0, int64_t mt, float* y, const float* bias) {
+                int64_t m0, int64_t mt, float* y, const float* bias, FastArg) {
   for (int64_t tt = t; tt < tend; ++tt) {
     switch (mt) {
 #define MXPLUS_TILE(T) case T: tile_scalar<T, MBS, BM>(w, a, s, tt, m0, y, bias); break;
@@ -128,12 +158,21 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 template <bool MBS, bool BM>
 void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
                 const float* bias) {
+#ifdef MXPLUS_AVX512
+  // the fast block terms of the AVX-512 register tiles (not MX+'s)
+  std::optional<FastRows> fr;
+  if (!BM) fr.emplace(a, M);
+  const PanelRows pr = fr ? fr->rows() : PanelRows{};
+  const FastArg fast_rows = fr ? &pr : nullptr;
+#else
+  const FastArg fast_rows = nullptr;
+#endif
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     for (int64_t tp = t0; tp < t1; tp += kTilesPerPass) {
       const int64_t tend = std::min(tp + kTilesPerPass, t1);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
         tiles_rows<MBS, BM>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y,
-                            bias);
+                            bias, fast_rows);
     }
   });
 }
@@ -145,17 +184,8 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 template <bool MBS>
 void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
                  const float* bias) {
-  std::vector<int32_t> ebits(M * a.nb), start(M * a.nb);
-  std::vector<RowExp> range(M);
-  for (int64_t i = 0; i < M * a.nb; ++i) start[i] = a.corr[i] + kMagicBits;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* ea = a.ea + m * a.nb;
-    range[m] = row_exp_range(ea, a.nb);
-    for (int64_t b = 0; b < a.nb; ++b)  // (ea - 256 + 127) << 23, as unsigned: ea may be < -127
-      ebits[m * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
-          static_cast<uint32_t>(static_cast<int>(ea[b]) + 127) << 23);
-  }
-  const PanelRows pr{ebits.data(), start.data(), range.data()};
+  const FastRows fr(a, M);
+  const PanelRows pr = fr.rows();
   const int64_t mc = std::max<int64_t>(kPanelRows, kPanelActBytes / a.kp / kPanelRows * kPanelRows);
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     // 64-byte aligned scratch (the CPU allocator's alignment) for kPanelTiles panels

@@ -42,12 +42,19 @@ inline __m512 weight_exponents(const uint8_t* p) {
                             _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
+// Bytes ahead of the current group of a weight tile that the register tiles ask the cache for:
+// each tile's codes are one sequential stream, read once per call from memory for a model
+// larger than the caches (a prefetch past the end of the weight is a hint only: no fault).
+constexpr int64_t kTilePrefetchAhead = 16 * kGroupBytes;
+
 // iacc[j][m] += group g (elements koff .. koff+15) of rows m against NTP weight tiles.
 template <int MT, int NTP>
 inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
                        __m512i lut, __m512i (*iacc)[MT]) {
   __m512i wv[NTP][4];
   _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead + 64), _MM_HINT_T0);
     const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
     wv[j][0] = nib_lo(p0, lut);
     wv[j][1] = nib_hi(p0, lut);
@@ -77,8 +84,82 @@ inline void block_max16(const uint8_t* p, __m512i* sel, __m512i* w16) {
 // depend on its inlining heuristics.
 #define MXPLUS_FORCE_INLINE __attribute__((always_inline))
 
+// The fast block term of both AVX-512 kernels. The integer block sums start at the bits of the
+// fp32 1.5 * 2^23 (plus the offset correction): I in [-2^22, 2^22) leaves them the bits of
+// 1.5 * 2^23 + I, so one exact subtraction gives I as fp32 (on a port other than vpdpbusd's,
+// unlike vcvtdq2ps). Where every 2^(ea + ew - 256) is a normal fp32 and |I| * 2^(ea + ew - 256)
+// < 2^128 (`fast_block_terms`), the power of two is built by one integer add of exponent bits
+// and one FMA adds I times it: the product is exact, so the FMA rounds as the add alone and
+// the term is the value vscalefps gives (the same bits as the general block term).
+constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23
+inline __m512 block_sum(__m512i iacc) {
+  return _mm512_sub_ps(_mm512_castsi512_ps(iacc), _mm512_set1_ps(12582912.0f));
+}
+
+// The activation side of the fast block terms: per row and block (ea - 256 + 127) << 23, the
+// exponent bits that make 2^(ea + ew - 256) from ew << 23 by one integer add (0 where ea is
+// NaN: those rows never take that path), the block sums' start corr + kMagicBits, and per row
+// its exponent extremes. Built once per call (`FastRows`).
+struct PanelRows {
+  const int32_t* ebits;  // [M, nb]
+  const int32_t* start;  // [M, nb] the block sums' start: corr + kMagicBits
+  const RowExp* range;   // [M]
+};
+
+struct FastRows {
+  std::vector<int32_t> ebits, start;
+  std::vector<RowExp> range;
+  FastRows(const ActRows& a, int64_t M) : ebits(M * a.nb), start(M * a.nb), range(M) {
+    for (int64_t i = 0; i < M * a.nb; ++i) start[i] = a.corr[i] + kMagicBits;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* ea = a.ea + m * a.nb;
+      range[m] = row_exp_range(ea, a.nb);
+      for (int64_t b = 0; b < a.nb; ++b)  // (ea - 256 + 127) << 23, as unsigned: ea may be < -127
+        ebits[m * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
+            static_cast<uint32_t>(static_cast<int>(ea[b]) + 127) << 23);
+    }
+  }
+  PanelRows rows() const { return {ebits.data(), start.data(), range.data()}; }
+};
+
+// Whether every block term of rows m0 .. m0+mt against weight tiles whose E8M0 codes lie in
+// [wlo, whi] (255: a NaN block) has a normal fp32 power of two 2^(ea + ew - 256) with
+// |I| * 2^(ea + ew - 256) < 2^128 (|I| < 2^13): then I times it is exact and finite.
+constexpr int kFastMaxExp = 127 - 13;
+inline bool fast_block_terms(int wlo, int whi, const PanelRows& pr, int64_t m0, int64_t mt) {
+  if (whi == kE8m0Nan) return false;
+  for (int64_t m = m0; m < m0 + mt; ++m) {
+    const RowExp& r = pr.range[m];
+    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > kFastMaxExp) return false;
+  }
+  return true;
+}
+
+// The smallest and largest E8M0 code of weight tile t (255: a NaN block).
+inline void tile_code_range(const WeightTiles& w, int64_t t, int* lo, int* hi) {
+  const uint8_t* sc = w.scales + t * w.nb * kTileN;
+  const int64_t nbytes = w.nb * kTileN;
+  __m512i vlo = _mm512_set1_epi8(static_cast<char>(0xFF)), vhi = _mm512_setzero_si512();
+  for (int64_t i = 0; i < nbytes; i += 64) {
+    const __mmask64 mk = nbytes - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (nbytes - i)) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(mk, sc + i);
+    vlo = _mm512_mask_min_epu8(vlo, mk, vlo, v);
+    vhi = _mm512_max_epu8(vhi, v);  // masked-off bytes are 0
+  }
+  alignas(64) uint8_t l[64], h[64];
+  _mm512_store_si512(l, vlo);
+  _mm512_store_si512(h, vhi);
+  int a = 255, b = 0;
+  for (int i = 0; i < 64; ++i) {
+    a = std::min<int>(a, l[i]);
+    b = std::max<int>(b, h[i]);
+  }
+  *lo = a;
+  *hi = b;
+}
+
 // Per row of a register tile (MT rows from m0): its codes, its block sums' start (ActRows::corr,
-// or the panel kernel's PanelRows::start) and its block exponents.
+// or PanelRows::start for the fast block terms) and its block exponents.
 template <int MT>
 struct RowPtrs {
   const int8_t* x[MT];
@@ -152,18 +233,29 @@ inline MXPLUS_FORCE_INLINE void tile_frame(const WeightTiles& w, const ActRows& 
 // y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP]. GPB = 16-element groups per block;
 // BM: MX+ block maxima (GPB = 2): + x[index] * (2 * value), exact, per lane (vpermw picks
 // x[index] from the block's 32 codes widened to int16; vpmaddwd multiplies it, the lane's
-// other int16 product is x[0] * 0).
-template <int MT, int NTP, int GPB, bool MBS, bool BM>
+// other int16 product is x[0] * 0). FAST (not with BM; pr the rows' FastRows): every block
+// term takes the fast form (`fast_block_terms` holds for these rows and tiles): the same bits.
+template <int MT, int NTP, int GPB, bool MBS, bool BM, bool FAST = false>
 void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
-                 int64_t m0, float* y, const float* bias) {
+                 int64_t m0, float* y, const float* bias, const PanelRows* pr = nullptr) {
+  static_assert(!(FAST && BM), "the MX+ tile keeps the general block terms");
   const __m512i lut = weight_lut();
-  const RowPtrs<MT> r = row_ptrs<MT>(a, a.corr, m0);
+  const RowPtrs<MT> r = row_ptrs<MT>(a, FAST ? pr->start : a.corr, m0);
+  const int32_t* eb[MT];
+  if constexpr (FAST)
+    for (int m = 0; m < MT; ++m) eb[m] = pr->ebits + (m0 + m) * a.nb;
   // Block b's terms: + I * 2^(ea + ew - 256) per row and tile.
   auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
     __m512 ew[NTP];
+    __m512i ewb[NTP];
     __m512i iacc[NTP][MT];
     _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
-      ew[j] = weight_exponents(w.scales + ((t0 + j) * w.nb + b) * kTileN);
+      const uint8_t* sc = w.scales + ((t0 + j) * w.nb + b) * kTileN;
+      if constexpr (FAST)
+        ewb[j] = _mm512_slli_epi32(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))), 23);
+      else
+        ew[j] = weight_exponents(sc);
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
         iacc[j][m] = _mm512_set1_epi32(r.c[m][b]);
     }
@@ -185,11 +277,21 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
               iacc[j][m], _mm512_madd_epi16(_mm512_permutexvar_epi16(sel[j], x16), w16[j]));
       }
     }
-    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-      const __m512 ea = _mm512_set1_ps(r.e[m][b]);
-      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
-        acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
-                                                              _mm512_add_ps(ew[j], ea)));
+    if constexpr (FAST) {
+      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+        const __m512i eab = _mm512_set1_epi32(eb[m][b]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {  // the power of two from bits
+          const __m512 p2 = _mm512_castsi512_ps(_mm512_add_epi32(ewb[j], eab));
+          acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
+        }
+      }
+    } else {
+      _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+        const __m512 ea = _mm512_set1_ps(r.e[m][b]);
+        _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)  // + I * 2^(ea + ew - 256)
+          acc[j][m] = _mm512_add_ps(acc[j][m], _mm512_scalef_ps(_mm512_cvtepi32_ps(iacc[j][m]),
+                                                                _mm512_add_ps(ew[j], ea)));
+      }
     }
   };
   tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);

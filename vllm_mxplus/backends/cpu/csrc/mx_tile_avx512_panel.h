@@ -62,23 +62,6 @@ inline Panel decode_panel(const WeightTiles& w, int64_t t, uint8_t* ops, int32_t
           static_cast<int>(_mm512_reduce_max_epu32(hi))};
 }
 
-// The integer block sums start at the bits of the fp32 1.5 * 2^23 (plus the offset
-// correction): I in [-2^22, 2^22) leaves them the bits of 1.5 * 2^23 + I, so one exact
-// subtraction gives I as fp32 (on a port other than vpdpbusd's, unlike vcvtdq2ps).
-constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23
-inline __m512 block_sum(__m512i iacc) {
-  return _mm512_sub_ps(_mm512_castsi512_ps(iacc), _mm512_set1_ps(12582912.0f));
-}
-
-// The activation side of the panel kernel: per row and block (ea - 256 + 127) << 23, the
-// exponent bits that make 2^(ea + ew - 256) from ew << 23 by one integer add (0 where ea is
-// NaN: those rows never take that path), and per row its exponent extremes.
-struct PanelRows {
-  const int32_t* ebits;  // [M, nb]
-  const int32_t* start;  // [M, nb] the block sums' start: corr + kMagicBits
-  const RowExp* range;   // [M]
-};
-
 // y[m0 .. m0+MT, the 16 rows of each tile t0 .. t0+NTP] from the panels pn[0 .. NTP).
 // GPB = 16-element groups per block; FAST: every block term's power of two is a normal fp32.
 template <int MT, int NTP, int GPB, bool MBS, bool FAST>
@@ -127,23 +110,14 @@ void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const
   tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);
 }
 
-// Whether every block term of rows m0 .. m0+mt against the panels has a normal fp32 power
-// of two 2^(ea + ew - 256) with |I| * 2^(ea + ew - 256) < 2^128 (|I| < 2^13): then I times
-// it is exact and finite, and one FMA adds it to the sum with the rounding of the add alone.
-// From the rows' exponent extremes and the tiles' code extremes.
-constexpr int kFastMaxExp = 127 - 13;
+// fast_block_terms (mx_tile_avx512.h) for rows m0 .. m0+mt against ntp panels.
 inline bool panel_fast(const Panel* pn, int ntp, const PanelRows& pr, int64_t m0, int64_t mt) {
   int wlo = kE8m0Nan, whi = 0;
   for (int j = 0; j < ntp; ++j) {
     wlo = std::min(wlo, pn[j].lo);
     whi = std::max(whi, pn[j].hi);
   }
-  if (whi == kE8m0Nan) return false;
-  for (int64_t m = m0; m < m0 + mt; ++m) {
-    const RowExp& r = pr.range[m];
-    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > kFastMaxExp) return false;
-  }
-  return true;
+  return fast_block_terms(wlo, whi, pr, m0, mt);
 }
 
 // rows m0 .. m0+mt (mt <= MT) against NTP panels.
