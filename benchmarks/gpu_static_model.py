@@ -12,7 +12,7 @@ weight (decode: each iteration covers BLOCK_N x BLOCK_K weights), per MAC (prefi
 BLOCK_M x BLOCK_N x BLOCK_K), per element (act-quant: every K loop over BLOCK_M x BLOCK_K).
 
 Then a STATIC ESTIMATE of a Llama-3-8B forward's linears (32 layers of qkv 6144x4096, o
-4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 128, 256, 512, 1024, 4096 (M
+4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096 (M
 padded to the prefill kernel's whole row tiles above 16 rows) as the max of three
 bounds: instruction issue (warp-instructions / the GPU's issue rate), tensor cores (MACs / the
 dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic) and
@@ -59,7 +59,7 @@ GPUS = {
 }
 LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LAYERS = 32
-MS = (1, 16, 17, 64, 128, 256, 512, 1024, 4096)
+MS = (1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written

@@ -272,6 +272,7 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "act_quant_plus": _drive_act_quant_plus,
 }
 
-#: Kernels that need a newer target than sm_80 (FP8 tensor cores: sm_89 and later); other
-#: targets are skipped for them, not failed.
-MIN_TARGET: dict[str, int] = {"_fp8_chunk_gemm_kernel": 89}
+#: Kernels that need a newer target than sm_80 (FP8 E4M3 tensor cores and conversions: sm_89
+#: and later; they serve only the sm_90 / sm_100 FP8-chunk pipeline); older targets are
+#: skipped for them, not failed.
+MIN_TARGET: dict[str, int] = {"_fp8_chunk_gemm_kernel": 89, "_weight_fp8_words_kernel": 89}

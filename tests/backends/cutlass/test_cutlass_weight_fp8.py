@@ -64,6 +64,25 @@ def test_weight_fp8_nan_block_and_signed_zero():
     assert int(fp8.view(torch.uint8)[4, 0]) == 0x80
 
 
+@pytest.mark.parametrize("mag", range(1, 8))
+def test_weight_fp8_top_block_of_one_magnitude(mag):
+    """The chunk's largest-scale block holds only codes of one magnitude (and its negative):
+    it must count as nonzero whatever magnitude bits are set (the word kernel tests them
+    two words at a time), or the chunk's reference exponent and every byte change. A second
+    row leaves that block all zero (it must not count), and the rows vectorize (word kernel)."""
+    n, k = 8, 256
+    codes = torch.full((n, k // 2), 0x21, dtype=torch.uint8)  # 0.5 and 1.0 elsewhere
+    scales = torch.full((n, k // 16), 120, dtype=torch.uint8)
+    codes[:, 8:16] = mag | ((mag | 8) << 4)  # block 1: +-value(mag)
+    scales[:, 1] = 140  # the largest scale of chunk 0
+    codes[3, 8:16] = 0x80  # row 3: block 1 is +0 / -0 only: not a nonzero block
+    fp8, scale = weight_fp8_chunks(codes, scales, None, k, n)
+    lay = encode_fp8_chunks(codes, scales, None, k)
+    assert_same_bits("fp8", fp8, lay.fp8)
+    assert_same_bits("scale", scale, lay.scale)
+    assert int(lay.ref[0, 0]) == 134 and int(lay.ref[3, 0]) == 114
+
+
 def test_weight_fp8_checks_its_arguments():
     q = _weight("mxfp4-mbs-s", 8, 128, seed=1)
     with pytest.raises(ValueError, match="rows=4 < the weight's 8 rows"):

@@ -32,9 +32,10 @@ from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.formats import QuantizedTensor, get_format
 
 # The smallest M the Triton FP8-chunk pipeline serves: where its static estimate for
-# Llama-3-8B's linears passes the packed Triton GEMM's on H200 and B200
-# (`benchmarks/gpu_static_model.py` prints both paths at each M; docs/benchmarks.md).
-FP8_PREFILL_MIN_M = 256
+# Llama-3-8B's linears passes the packed Triton GEMM's on H200 and B200, which is where the
+# packed GEMM's 64-row MBS tile count doubles (`benchmarks/gpu_static_model.py` prints both
+# paths at each M; docs/benchmarks.md).
+FP8_PREFILL_MIN_M = 65
 
 
 class CutlassPrefillBackend(LinearBackend):
