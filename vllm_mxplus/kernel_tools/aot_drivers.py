@@ -275,4 +275,9 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
 #: Kernels that need a newer target than sm_80 (FP8 E4M3 tensor cores and conversions: sm_89
 #: and later; they serve only the sm_90 / sm_100 FP8-chunk pipeline); older targets are
 #: skipped for them, not failed.
-MIN_TARGET: dict[str, int] = {"_fp8_chunk_gemm_kernel": 89, "_weight_fp8_words_kernel": 89}
+MIN_TARGET: dict[str, int] = {
+    "_fp8_chunk_gemm_kernel": 89,
+    "_weight_fp8_words_kernel": 89,
+    "_weight_fp8_chunks_kernel": 89,
+    "_act_fp8_chunks_kernel": 89,
+}

@@ -19,8 +19,9 @@ Per program: a tile of BLOCK_M rows x BLOCK_K columns, BLOCK_K a whole number of
     code s per 16-block, E2M1 magnitude codes and signs (NaN/Inf blocks: s = 255, codes 0).
  2. ref = (largest s of a block with a nonzero code) - 6, or 127 for an all-zero chunk.
  3. Element value(code) * 2^(s - ref) in fp32 (d clamped to [-149, 127] as the torch code),
-    rounded to E4M3 from its bits (`e4m3_round`, RNE like torch's cast; the interpreter's own
-    FP8 conversion is not relied on). The FP8 byte carries the E2M1 sign (so -0 is 0x80).
+    rounded to E4M3 (RNE like torch's cast: the GPU's conversion, from the bits under the
+    interpreter, whose own conversion truncates; `e4m3_convert`). The FP8 byte carries the
+    E2M1 sign (so -0 is 0x80).
  4. exact = every element survives (its FP8 value equals the fp32 value, and a nonzero code
     did not underflow to 0), no NaN block, ref >= MIN_EXACT_REF: `encode_fp8_chunks`'s rule.
  5. scale = 2^(ref-127) * div_rn(1, F): the power of two from bits, one fp32 multiply.
@@ -45,7 +46,7 @@ from vllm_mxplus.backends.triton.act_quant import GPU_BLOCK_K, act_rows, check_a
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
-    e4m3_round,
+    e4m3_convert,
     e8m0_block_quant,
     load_row_tile,
     mbs_static_scale,
@@ -122,7 +123,10 @@ def folded_scale(ref, f):
 
 
 @triton.jit
-def encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr):
+def encode_live(
+    s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):  # fmt: skip
     """`fp8_chunks._encode` on a tile: the FP8 layout of the blocks where live [BM, NB] is
     nonzero (the others encode as +0). Returns (bytes [BM, NB, 16] int32, ref [BM, NC],
     exact [BM, NC], ok per element [BM, NB, 16])."""
@@ -134,7 +138,10 @@ def encode_live(s, mag, neg, live, BLOCK_M: tl.constexpr, NC: tl.constexpr, NB: 
     ref_b = tl.reshape(tl.broadcast_to(ref[:, :, None], (BLOCK_M, NC, BPC)), (BLOCK_M, NB))
     d = tl.minimum(tl.maximum(s - ref_b, -149), 127)
     val = tl.where(live3, e2m1_value(mag) * pow2_f32(d)[:, :, None], 0.0)
-    byte, fval = e4m3_round(val)
+    # val is finite in [0, 384] (d <= 6); HW_FP8: the GPU's conversion (`e4m3_convert`). The
+    # exact flags do not depend on the rounding: an element survives only if no rounding
+    # happens, so the GEMM's inputs are the same whichever conversion runs
+    byte, fval = e4m3_convert(val, HW_FP8)
     byte = tl.where(live3, byte | (neg << 7), 0)
     ok = (fval == val) & ((val != 0.0) | (mag == 0) | (live[:, :, None] == 0))
     lost = tl.reshape(tl.where(ok, 0, 1), (BLOCK_M, NC, CHUNK_K))
@@ -151,6 +158,7 @@ def _act_fp8_chunks_kernel(
     M, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_cm,
     MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
     BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):  # fmt: skip
     NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
     NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
@@ -162,7 +170,7 @@ def _act_fp8_chunks_kernel(
 
     # -- 2.-4. reference exponents, FP8 bytes and exact flags of every block
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
-    byte, ref, exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
+    byte, ref, exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB, HW_FP8)
     fp8 = tl.reshape(byte, (BLOCK_M, BLOCK_K))
 
     # -- 5. folded scale 2^(ref-127) * fp32(1/F)
@@ -236,6 +244,7 @@ def _launch(kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple) -
         x2.stride(0),
         *strides,
         MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
+        HW_FP8=not interpreting(),
         HAS_MBS=bool(spec.mbs),
         BF16_BITS=bf16_bits,
         BLOCK_M=block_m,

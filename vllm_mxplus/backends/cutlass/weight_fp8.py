@@ -45,7 +45,7 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, ceil_to
 from vllm_mxplus.backends.triton.gemm_blocks import e2m1_word_values, e8m0_word_scales
 from vllm_mxplus.backends.triton.gemm_launch import codes_aligned, dot_dtype
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
-from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
+from vllm_mxplus.backends.triton.quant_blocks import e4m3_convert, mbs_factor
 from vllm_mxplus.formats.constants import ceil_div
 
 GPU_BLOCK_K = 512  # columns per program on the GPU (256 bytes of codes per row)
@@ -62,7 +62,7 @@ def _weight_fp8_words_kernel(
     N, K, KP, NCH, ROWS,
     stride_cm, stride_sm, stride_mm, stride_fm, stride_sc,
     HAS_MBS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    VAL_DTYPE: tl.constexpr,
+    VAL_DTYPE: tl.constexpr, HW_FP8: tl.constexpr,
 ):  # fmt: skip
     W: tl.constexpr = BLOCK_K // 8  # words per tile row
     NB: tl.constexpr = BLOCK_K // 16  # 16-blocks per tile row (two words each)
@@ -103,14 +103,19 @@ def _weight_fp8_words_kernel(
     v2 = tl.reshape(e2m1_word_values(q, 2, VAL_DTYPE) * fac, (BLOCK_M, W, 2))
     v3 = tl.reshape(e2m1_word_values(q, 3, VAL_DTYPE) * fac, (BLOCK_M, W, 2))
     # back to K order: [row, j, h, p] with p = 2 * (p >> 1) + (p & 1) -> element 8j + 4h + p
-    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    fp8 = tl.reshape(v, (BLOCK_M, BLOCK_K)).to(tl.float8e4nv)
+    v = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_M, BLOCK_K))
+    if HW_FP8:  # the GPU's conversion (RNE), from bf16
+        byte = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:  # fp32 values (the interpreter): the magnitude from the bits, then the sign
+        vb = v.to(tl.int32, bitcast=True)
+        mag_byte, _ = e4m3_convert(tl.abs(v), False)
+        byte = (mag_byte | tl.where(vb < 0, 0x80, 0)).to(tl.uint8)
 
     offs_k = k0 + tl.arange(0, BLOCK_K)
     in_rows = offs_m < ROWS
     tl.store(
         fp8_ptr + rows[:, None] * stride_fm + offs_k[None, :],
-        fp8.to(tl.uint8, bitcast=True),
+        byte,
         mask=in_rows[:, None] & (offs_k[None, :] < KP),
     )
     offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
@@ -135,6 +140,7 @@ def _weight_fp8_chunks_kernel(
     N, K, KP, NCH, ROWS,
     stride_cm, stride_sm, stride_mm, stride_fm, stride_sc,
     HAS_MBS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):  # fmt: skip
     NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks per tile
     NB: tl.constexpr = BLOCK_K // 16  # 16-blocks per tile
@@ -176,7 +182,7 @@ def _weight_fp8_chunks_kernel(
         m = tl.zeros((BLOCK_M, NC), tl.int32)
 
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
-    byte, ref, _exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB)
+    byte, ref, _exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB, HW_FP8)
     scale = folded_scale(ref, mbs_factor(m))
 
     in_rows = offs_m < ROWS
@@ -222,6 +228,7 @@ def weight_fp8_chunks(
     block_m, block_k = _tile_sizes(rows, kp, words)
     mbs_arg = mbs if mbs is not None else codes  # not read without MBS
     extra = {"VAL_DTYPE": dot_dtype()} if words else {}
+    hw_fp8 = not interpreting()  # the GPU's E4M3 conversion (`quant_blocks.e4m3_convert`)
     launch(
         _weight_fp8_words_kernel if words else _weight_fp8_chunks_kernel,
         (triton.cdiv(rows, block_m), triton.cdiv(kp, block_k)),
@@ -243,6 +250,7 @@ def weight_fp8_chunks(
         HAS_MBS=mbs is not None,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        HW_FP8=hw_fp8,
         **extra,
     )
     return fp8.view(torch.float8_e4m3fn), scale

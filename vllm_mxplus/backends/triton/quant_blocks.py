@@ -193,6 +193,21 @@ def e4m3_round(s):
 
 
 @triton.jit
+def e4m3_convert(v, HW: tl.constexpr):
+    """(byte int32, value fp32) of fp32 v in [0, 448], rounded to float8_e4m3fn (RNE). HW: the
+    GPU's conversion (cvt.rn.satfinite, one per two values; sm_89 and later); else from the
+    bits (`e4m3_round`), as under the interpreter, whose own conversion truncates subnormals
+    and ties. Both are torch's cast on these values."""
+    if HW:
+        f8 = v.to(tl.float8e4nv)
+        byte = f8.to(tl.uint8, bitcast=True).to(tl.int32)
+        val = f8.to(tl.float32)
+    else:
+        byte, val = e4m3_round(v)
+    return byte, val
+
+
+@triton.jit
 def nvfp4_block_quant(x, g, BLOCK_M: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
     """NVFP4 block quantization of fp32 x [BLOCK_M, NB*BLOCK] with the rows' global scales
     g [BLOCK_M]: (E4M3 scale bytes int32 [BM, NB], signed E2M1 codes int32 [BM, NB, BLOCK]).
