@@ -223,10 +223,11 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
                  spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]))  # fmt: skip
 
 
-def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int):
+def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int,
+                   held: bool = False):  # fmt: skip
     """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
-    seconds of its two encoders (the weight's per call, the activations'), each kernel
-    max(issue, memory)."""
+    seconds of its encoders (the weight's per call unless `held`, the activations'), each
+    kernel max(issue, memory)."""
     _, _, _, bw, _, fp8_flops = GPUS[gpu]
     rate = _issue_rate(gpu)
     g, ew, ea = (counts["prefill fp8-chunk gemm"], counts["encode weight-fp8"],
@@ -236,15 +237,19 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act
     tensor = padded * weights / (fp8_flops / 2)
     memory = (weights + m * act_k) * FP8_BYTES / bw
     enc_w = max(ew.per_unit * weights / rate, weights * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
+    enc_w = 0.0 if held else enc_w
     enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
     return (issue, tensor, memory), enc_w + enc_a
 
 
-def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
+def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dict]:
     """Llama-3-8B linears at each M: our kernels (decode <= 16 rows; above, the packed
     prefill GEMM or the FP8-chunk pipeline, as the backends pick by M; the activation
-    quantizer or encoder before each) and bf16, each max(issue, tensor, memory)."""
-    from vllm_mxplus.backends.cutlass.linear import FP8_PREFILL_MIN_M
+    quantizer or encoder before each) and bf16, each max(issue, tensor, memory). held: with
+    VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (the weight's FP8 form held from load)."""
+    from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M, FP8_PREFILL_MIN_M
+
+    fp8_min_m = FP8_HELD_MIN_M if held else FP8_PREFILL_MIN_M
 
     _, _, _, bw, bf16_flops, _ = GPUS[gpu]
     issue_rate = _issue_rate(gpu)
@@ -270,9 +275,9 @@ def estimate(counts: dict[str, Count], gpu: str) -> list[dict]:
         bounds = (issue, tensor, memory)
         fp8 = None
         if m > DECODE_MAX_M:
-            fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k)
+            fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k, held)
             fp8 = max(fp8_bounds) + enc
-            if m >= FP8_PREFILL_MIN_M:
+            if m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
         ours = max(bounds) + act
         other = None if fp8 is None else (packed if kernel == "fp8" else fp8)
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     gpus = [g for g, spec in GPUS.items() if spec[0] in archs]
     est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
+    held = {g: estimate(counts[GPUS[g][0]], g, held=True) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
     moe = {g: experts_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
     doc = {
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.processor() or platform.machine(),
         "counts": {a: [asdict(c) for c in cs.values()] for a, cs in counts.items()},
         "estimates": est,
+        "estimates_fp8_weight_held": held,
         "act_quant_vs_bf16_copy": act,
         "expert_gemm_vs_bf16": moe,
     }
@@ -377,6 +384,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['estimate_ms']:>9.3f}"
                   f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']:<7}"
                   f"{other}")  # fmt: skip
+    for gpu, rows in held.items():
+        print(f"\n## {gpu} with VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (+1.03 bytes per weight held), "
+              "M > 16, STATIC ESTIMATE (ms)")  # fmt: skip
+        for r in rows:
+            if r["M"] > DECODE_MAX_M:
+                print(f"{r['M']:>5} {r['kernel']:<8}{r['estimate_ms']:>9.3f}"
+                      f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']}")  # fmt: skip
     for gpu, a in act.items():
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "

@@ -68,6 +68,13 @@ PREFILL_MIN_M = Setting(
     "17",
     "Smallest token count M served by the CUTLASS prefill GEMM (decode kernels below it).",
 )
+FP8_WEIGHT_HELD = Setting(
+    "VLLM_MXPLUS_FP8_WEIGHT_HELD",
+    "0",
+    "`1`: the Triton FP8 prefill (`triton-fp8-prefill`, sm_90 / sm_100 without the CUTLASS "
+    "build) keeps each weight's FP8 form from load (1.03 more bytes per weight) instead of "
+    "re-encoding it per call, and then serves from M = 17 instead of 65.",
+)
 CPU_LM_HEAD_FP32 = Setting(
     "VLLM_MXPLUS_CPU_LM_HEAD_FP32",
     "auto",
@@ -91,6 +98,7 @@ ALL: tuple[Setting, ...] = (
     CUTLASS_EXT,
     CUTLASS_BUILD_DIR,
     PREFILL_MIN_M,
+    FP8_WEIGHT_HELD,
     CPU_LM_HEAD_FP32,
     CACHE,
 )
@@ -167,6 +175,10 @@ def cutlass_build_dir() -> Path | None:
 
 def prefill_min_m() -> int:
     return _int_at_least(PREFILL_MIN_M, 1)
+
+
+def fp8_weight_held() -> bool:
+    return _flag(FP8_WEIGHT_HELD)
 
 
 @dataclass(frozen=True)

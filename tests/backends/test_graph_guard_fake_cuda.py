@@ -159,9 +159,10 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     _assert_cuda_out(y, m)
     assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
     kernels = [launch.kernel.__name__ for launch in launches]
-    # the weight's FP8 form for this call (none is held), act-quant, the row-list GEMM, and the
+    # the weight's FP8 form for this call (none is held; on words: the rows vectorize),
+    # act-quant, the row-list GEMM, and the
     # columns of the weight's inexact rows
-    assert kernels == ["_weight_fp8_chunks_kernel", "_mx_act_quant_kernel", "_mx_gemm_kernel"] + [
+    assert kernels == ["_weight_fp8_words_kernel", "_mx_act_quant_kernel", "_mx_gemm_kernel"] + [
         "_mx_gemm_kernel"
     ] * bool(inexact_w), kernels
 
@@ -218,7 +219,7 @@ def test_cutlass_sm90_prefill_from_codes(m):
             torch.float16,
         )
     _assert_cuda_out(y, m, torch.float16)
-    assert [launch.kernel.__name__ for launch in launches] == ["_weight_fp8_chunks_kernel"] + [
+    assert [launch.kernel.__name__ for launch in launches] == ["_weight_fp8_words_kernel"] + [
         "_mx_gemm_kernel"
     ] * 2
 

@@ -178,3 +178,33 @@ def test_backend_layer_matches_formats(triton_device):
     qx = quantize(x.reshape(-1, 384), spec.activation_format, macro_block=128)
     failure = _within_fp32_bound(y.reshape(-1, 24), qx, qw, None, 384)
     assert failure is None, failure
+
+
+def test_held_fp8_weight_same_numbers_and_wider_range(triton_device, monkeypatch):
+    """VLLM_MXPLUS_FP8_WEIGHT_HELD=1: the weight's FP8 form is made once at load (the per-call
+    encoder's bytes, so the outputs are the same bits), and the backend serves from M = 17;
+    a bad value fails naming the variable."""
+    from vllm_mxplus import settings
+    from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M
+    from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
+
+    spec = LinearSpec(get_scheme("mxfp4-mbs", 128), 24, 384, torch.float32)
+    qw = quantize(torch.randn(24, 384), spec.weight_format, macro_block=128)
+    x = torch.randn(20, 384)
+    ys = {}
+    for held in ("0", "1"):
+        monkeypatch.setenv(settings.FP8_WEIGHT_HELD.name, held)
+        backend = TritonFp8PrefillBackend(spec)
+        layer = torch.nn.Module()
+        backend.process_weights_after_loading(layer, qw)
+        w = getattr(layer, TritonFp8PrefillBackend.WEIGHT_ATTR)
+        assert (w.held_fp8 is not None) == (held == "1")
+        ys[held] = backend.apply(layer, x, None)
+    fp8, scale = weight_fp8_chunks(qw.codes, qw.scales, qw.mbs, 384, 24)
+    assert torch.equal(w.held_fp8[0].view(torch.uint8), fp8.view(torch.uint8))
+    assert torch.equal(w.held_fp8[1], scale)
+    assert torch.equal(ys["0"], ys["1"])
+    assert TritonFp8PrefillBackend.m_bounds() == (FP8_HELD_MIN_M, None)
+    monkeypatch.setenv(settings.FP8_WEIGHT_HELD.name, "maybe")
+    with pytest.raises(ValueError, match="VLLM_MXPLUS_FP8_WEIGHT_HELD"):
+        TritonFp8PrefillBackend.m_bounds()

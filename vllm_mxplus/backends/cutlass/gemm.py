@@ -91,13 +91,15 @@ def _prefill_op(name: str, impl: Callable[..., torch.Tensor]) -> Callable[..., t
 
 
 class Sm90Weight(NamedTuple):
-    """The weight arguments of the sm_90a ops, in their order: the packed weight alone (its
-    FP8 form is made per call, `weight_fp8`)."""
+    """The weight arguments of the sm_90a ops, in their order: the packed weight, and its FP8
+    form only where it is held (`held_fp8`; else made per call, `weight_fp8`)."""
 
     codes: torch.Tensor  # the packed weight [N, K/2] (formats' layout): exact rows, columns
     scales: torch.Tensor  # E8M0 [N, K/16]
     mbs: torch.Tensor | None  # [N, K/128] or None
     fallback_idx: torch.Tensor  # weight rows with an inexact chunk (known at load), int64
+    fp8: torch.Tensor | None = None  # held FP8 form [ceil8(N), Kp] or None
+    fp8_scale: torch.Tensor | None = None  # its folded scales [Kp/128, ceil8(N)] or None
 
 
 @dataclass
@@ -114,13 +116,14 @@ class PreparedWeight:
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # sm90a
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
     engine: str = "cutlass"  # sm90a: the FP8-chunk GEMM's engine (`ENGINES`)
+    held_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # sm90a: (FP8 form, scales)
 
     def sm90_operands(self) -> Sm90Weight:
         """The sm_90a ops' weight arguments (`Sm90Weight`, in order)."""
         assert self.packed is not None and self.fallback_idx is not None, (
             "sm90_operands of a weight not prepared for sm90a"
         )
-        return Sm90Weight(*self.packed, self.fallback_idx)
+        return Sm90Weight(*self.packed, self.fallback_idx, *(self.held_fp8 or (None, None)))
 
     def sigma(self) -> torch.Tensor:
         """sm100a: the weight's fp32(1/F) per (chunk, row), [Kp/128, Np], built per call from
@@ -138,12 +141,18 @@ def _weight_sigma(
 
 
 def prepare_weight(
-    qweight: QuantizedTensor, arch: str, activation_mbs: bool = True, engine: str = "cutlass"
+    qweight: QuantizedTensor,
+    arch: str,
+    activation_mbs: bool = True,
+    engine: str = "cutlass",
+    hold_fp8: bool = False,
 ) -> PreparedWeight:
     """QuantizedTensor [N, K] (E8M0 block 16, optional MBS) -> PreparedWeight for `arch`.
     activation_mbs: whether the activations will carry MBS bytes (sm_100a packs the weight
     scales per 128-K chunk then, else for one full-K launch). engine: the sm90a layout's GEMM
-    (`ENGINES`; "triton" runs the FP8-chunk pipeline on any FP8 tensor-core GPU)."""
+    (`ENGINES`; "triton" runs the FP8-chunk pipeline on any FP8 tensor-core GPU). hold_fp8:
+    sm90a keeps the weight's FP8 form from load (1.03 bytes per weight more) instead of
+    re-encoding it per call."""
     n, k = qweight.shape
     use_mbs = qweight.mbs is not None or activation_mbs
     if engine not in ENGINES:
@@ -151,7 +160,10 @@ def prepare_weight(
     if arch == "sm90a":
         packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
         bad = inexact_rows(*packed, k)
-        return PreparedWeight(arch, n, k, use_mbs, packed=packed, fallback_idx=bad, engine=engine)
+        held = weight_fp8_chunks(*packed, k, ceil_to(n, 8)) if hold_fp8 else None
+        return PreparedWeight(
+            arch, n, k, use_mbs, packed=packed, fallback_idx=bad, engine=engine, held_fp8=held
+        )
     if arch == "sm100a":
         npad, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
         codes = pad_rows(qweight.codes, npad)
@@ -207,10 +219,13 @@ def _sm90_gemm(
     work following their number) and, when the weight has inexact rows (known at load), over
     those output columns."""
     rows = ceil_to(n, 8)
-    w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
+    if w.fp8 is not None and w.fp8_scale is not None:  # held from load
+        w_fp8, w_scale = w.fp8, w.fp8_scale
+    else:
+        w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
     b32 = bias_f32(bias, rows)
     y = engine_gemm(engine)(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
-    del w_fp8, w_scale  # the temporary goes back to the allocator before the fallbacks
+    del w_fp8, w_scale  # a temporary goes back to the allocator before the fallbacks
     y = y[:, :n].contiguous() if y.shape[1] != n else y
     codes, scales, mbs = x_packed()
     x_ops = (codes, scales, mbs, None)
@@ -238,6 +253,8 @@ def prefill_sm90_impl(
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
     fallback_idx: torch.Tensor,
+    w_fp8: torch.Tensor | None,
+    w_fp8_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
@@ -247,7 +264,7 @@ def prefill_sm90_impl(
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda: (x_codes, x_scales, x_mbs),
-        Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx),
+        Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, w_fp8, w_fp8_scale),
         bias,
         n,
         out_dtype,
@@ -270,6 +287,8 @@ def prefill_sm90_fused_impl(
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
     fallback_idx: torch.Tensor,
+    w_fp8: torch.Tensor | None,
+    w_fp8_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
     out_dtype: torch.dtype,
@@ -288,7 +307,7 @@ def prefill_sm90_fused_impl(
         codes, scales, mbs, _ = act_quant(x, fmt, macro_block=CHUNK)
         return codes, scales, mbs if has_mbs else None
 
-    w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx)
+    w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, w_fp8, w_fp8_scale)
     return _sm90_gemm(xl, packed, w, bias, n, out_dtype, engine)
 
 

@@ -36,6 +36,10 @@ from vllm_mxplus.formats import QuantizedTensor, get_format
 # packed GEMM's 64-row MBS tile count doubles (`benchmarks/gpu_static_model.py` prints both
 # paths at each M; docs/benchmarks.md).
 FP8_PREFILL_MIN_M = 65
+# With the weight's FP8 form held from load (VLLM_MXPLUS_FP8_WEIGHT_HELD=1) nothing is
+# re-encoded per call and the pipeline's estimate passes the packed GEMM's from the first
+# prefill row (docs/benchmarks.md)
+FP8_HELD_MIN_M = 17
 
 
 class CutlassPrefillBackend(LinearBackend):
@@ -116,7 +120,7 @@ class TritonFp8PrefillBackend(CutlassPrefillBackend):
 
     @classmethod
     def m_bounds(cls) -> tuple[int, int | None]:
-        return cls.min_m, None
+        return (FP8_HELD_MIN_M if settings.fp8_weight_held() else cls.min_m), None
 
     @classmethod
     def is_supported(cls, platform: str, capability: int | None) -> tuple[bool, str]:
@@ -129,5 +133,6 @@ class TritonFp8PrefillBackend(CutlassPrefillBackend):
         act_mbs = bool(get_format(self.spec.activation_format).mbs)
         # the FP8-chunk layout ("sm90a") on either architecture: Triton compiles the GEMM for
         # the device's own FP8 tensor cores
-        w = prepare_weight(qweight, "sm90a", activation_mbs=act_mbs, engine="triton")
+        held = settings.fp8_weight_held()
+        w = prepare_weight(qweight, "sm90a", activation_mbs=act_mbs, engine="triton", hold_fp8=held)
         setattr(layer, self.WEIGHT_ATTR, w)
