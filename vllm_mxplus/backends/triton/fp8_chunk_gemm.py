@@ -15,7 +15,8 @@ fp32, so the promotion to fp32 happens once per chunk, as in the CUTLASS kernel.
 scaled by powers of two fit E4M3); Hopper's FP8 MMA accumulates inside a chunk with about 14
 significand bits (a relative error below 2^-13 per addition), sm_100's in fp32; then per
 chunk two roundings for the scales and one for the addition, and the bias and output ones:
-the CUTLASS kernel's bound, |y - y64| <= ((K + 8) 2^-13 + ...) S on sm_90.
+the CUTLASS kernel's bound, gamma S with u = 2^-13 over K + 8 additions on sm_90 and u = 2^-24
+on sm_100 (docs/numerics.md, "Accumulator bits per backend").
 
 Rows are addressed through int64 row offsets (M * Kp can pass 2^31 bytes at prefill sizes).
 """
