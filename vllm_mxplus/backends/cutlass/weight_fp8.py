@@ -57,6 +57,29 @@ WORD_SCALE_MIN, WORD_SCALE_MAX = tl.constexpr(1), tl.constexpr(254)
 
 
 @triton.jit
+def _store_chunk_scales(
+    mbs_ptr, scale_ptr, ref, rows, live_m, in_rows, NCH, stride_mm, stride_sc,
+    HAS_MBS: tl.constexpr, NC: tl.constexpr,
+):  # fmt: skip
+    """Store the tile's folded chunk scales 2^(ref-127) * fp32(1/F) (`folded_scale`, F from
+    the MBS bytes; 1 without MBS) at scale[chunk, row]."""
+    offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
+    if HAS_MBS:
+        m = tl.load(
+            mbs_ptr + rows[:, None] * stride_mm + offs_c[None, :],
+            mask=live_m[:, None] & (offs_c[None, :] < NCH),
+            other=0,
+        ).to(tl.int32)
+    else:
+        m = tl.zeros(ref.shape, tl.int32)
+    tl.store(
+        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + rows[:, None],
+        folded_scale(ref, mbs_factor(m)),
+        mask=in_rows[:, None] & (offs_c[None, :] < NCH),
+    )
+
+
+@triton.jit
 def _weight_fp8_words_kernel(
     codes_ptr, scales_ptr, mbs_ptr, fp8_ptr, scale_ptr,
     N, K, KP, NCH, ROWS,
@@ -118,20 +141,8 @@ def _weight_fp8_words_kernel(
         byte,
         mask=in_rows[:, None] & (offs_k[None, :] < KP),
     )
-    offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
-    if HAS_MBS:
-        m = tl.load(
-            mbs_ptr + rows[:, None] * stride_mm + offs_c[None, :],
-            mask=live_m[:, None] & (offs_c[None, :] < NCH),
-            other=0,
-        ).to(tl.int32)
-    else:
-        m = tl.zeros((BLOCK_M, NC), tl.int32)
-    tl.store(
-        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + rows[:, None],
-        folded_scale(ref, mbs_factor(m)),
-        mask=in_rows[:, None] & (offs_c[None, :] < NCH),
-    )
+    _store_chunk_scales(mbs_ptr, scale_ptr, ref, rows, live_m, in_rows, NCH, stride_mm,
+                        stride_sc, HAS_MBS, NC)  # fmt: skip
 
 
 @triton.jit
@@ -171,19 +182,8 @@ def _weight_fp8_chunks_kernel(
         mask=live_m[:, None] & (sb[None, :] < (K + 15) // 16),
         other=0,
     ).to(tl.int32)
-    offs_c = tl.program_id(1) * NC + tl.arange(0, NC)
-    if HAS_MBS:
-        m = tl.load(
-            mbs_ptr + rows[:, None] * stride_mm + offs_c[None, :],
-            mask=live_m[:, None] & (offs_c[None, :] < NCH),
-            other=0,
-        ).to(tl.int32)
-    else:
-        m = tl.zeros((BLOCK_M, NC), tl.int32)
-
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
     byte, ref, _exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB, HW_FP8)
-    scale = folded_scale(ref, mbs_factor(m))
 
     in_rows = offs_m < ROWS
     tl.store(
@@ -191,11 +191,8 @@ def _weight_fp8_chunks_kernel(
         tl.reshape(byte, (BLOCK_M, BLOCK_K)).to(tl.uint8),
         mask=in_rows[:, None] & (offs_k[None, :] < KP),
     )
-    tl.store(
-        scale_ptr + offs_c.to(tl.int64)[None, :] * stride_sc + rows[:, None],
-        scale,
-        mask=in_rows[:, None] & (offs_c[None, :] < NCH),
-    )
+    _store_chunk_scales(mbs_ptr, scale_ptr, ref, rows, live_m, in_rows, NCH, stride_mm,
+                        stride_sc, HAS_MBS, NC)  # fmt: skip
 
 
 def _tile_sizes(rows: int, kp: int, words: bool) -> tuple[int, int]:
