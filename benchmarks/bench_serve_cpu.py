@@ -162,7 +162,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks
     if args.threads is not None:
-        from bench_vs_llamacpp import in_process_engine_env
+        from _cpu_engine import in_process_engine_env
 
         in_process_engine_env(args.threads)  # before vLLM is imported
 

@@ -150,23 +150,6 @@ LINEAR_SHAPES = [(4096, 14336)]
 LINEAR_MS = (1, 8, 512)
 
 
-def in_process_engine_env(threads: int):
-    """Environment for vLLM CPU engines run in this process on `threads` threads, set before
-    vLLM is imported (a variable the user exported wins, but OMP_NUM_THREADS); returns torch."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    for k, v in {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }.items():
-        os.environ.setdefault(k, v)
-    import torch
-
-    torch.set_num_threads(threads)
-    return torch
-
-
 def _run(cmd: list[str], both: bool = False) -> str:
     """stdout of a command (with both: stdout and stderr), or exit naming it."""
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -455,8 +438,10 @@ def main() -> int:
     args = ap.parse_args()
     PEER_TIMEOUT_S = args.peer_timeout
     parts = set(args.parts.split(","))
-    torch = in_process_engine_env(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _cpu_engine import in_process_engine_env
+
+    torch = in_process_engine_env(args.threads)
     from bench_cpu_linear import cpu_description
 
     peer = Peer()

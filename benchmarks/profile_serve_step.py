@@ -41,7 +41,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_vs_llamacpp import in_process_engine_env
+    from _cpu_engine import in_process_engine_env
 
     in_process_engine_env(args.threads)
     from bench_serve_cpu import _smollm2_dir
