@@ -167,6 +167,48 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     ] * bool(inexact_w), kernels
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["per-call", "held"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_fp8_prefill(held, m):
+    """The FP8-chunk pipeline on Triton's GEMM (`triton-fp8-prefill`) on fake CUDA tensors:
+    no host sync or host->device copy; the weight's encoder runs per call unless its FP8 form
+    is held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1), then the Triton FP8 GEMM and the fallback."""
+    import dataclasses
+
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+    from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    spec = _spec("mxfp4-mbs")
+    rows, kp = -(-N // 8) * 8, -(-K // 128) * 128
+    fp8 = (cuda_empty((rows, kp), torch.float8_e4m3fn), cuda_empty((kp // 128, rows)))
+    w = dataclasses.replace(_sm90_weight(0), engine="triton", held_fp8=fp8 if held else None)
+    layer = types.SimpleNamespace(**{TritonFp8PrefillBackend.WEIGHT_ATTR: w})
+    x = cuda_empty((m, K), torch.bfloat16)
+    y, guard = guarded(TritonFp8PrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
+    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
+    with capture_launches() as launches:
+        y, guard = guarded(
+            cutlass_gemm.prefill_sm90_fused_impl,
+            x,
+            spec.activation_format,
+            *fields,
+            *w.sm90_operands(),
+            cuda_empty((N,), torch.bfloat16),
+            N,
+            torch.bfloat16,
+            w.engine,
+        )
+    _assert_cuda_out(y, m)
+    assert not guard.violations
+    kernels = [launch.kernel.__name__ for launch in launches]
+    encoder = [] if held else ["_weight_fp8_words_kernel"]
+    assert kernels == [*encoder, "_fp8_chunk_gemm_kernel", "_mx_act_quant_kernel",
+                       "_mx_gemm_kernel"], kernels  # fmt: skip
+
+
 def test_cutlass_sm90_every_row_inexact_at_m512():
     """M = 512, vLLM's largest capture size, with every row outside the FP8 span (the data
     of tests/backends/cutlass/test_cutlass_gemm.py's test at M = 512, where the numbers are
