@@ -124,7 +124,17 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     def decode(af: str, wf: str) -> Callable[[], None]:
         def go() -> None:
             x, w = _gemm_operand(1, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
-            decode_gemm(*x, *w, k, None, bf16, block_size=16, macro_block=128, split_k=1)
+            decode_gemm(
+                *x,
+                *w,
+                k,
+                None,
+                bf16,
+                block_size=16,
+                macro_block=128,
+                split_k=1,
+                w_small_scales=True,
+            )  # trained weights: `small_weight_scales`
 
         return go
 

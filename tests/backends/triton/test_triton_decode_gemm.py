@@ -186,6 +186,61 @@ def test_custom_op_matches_and_traces(triton_device):
     assert torch.equal(compiled(*args), want)
 
 
+def _launch_flags(qx, qw, k, **kw) -> dict:
+    """The constexprs of the launch `run` makes, with the GPU's tiles (`capture_launches`)."""
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    with capture_launches() as launches:
+        run(qx, qw, k, **kw)
+    return launches[0].kwargs
+
+
+@pytest.mark.parametrize(
+    "k,n,even", [(1024, 512, True), (1024, 500, False), (1088, 512, False)],
+    ids=["whole-tiles", "N-edge", "K-edge"],
+)  # fmt: skip
+@pytest.mark.parametrize("pair", ["mbs-h", "oas16", "ocp32"])
+def test_folded_weight_scales_and_whole_tiles(pair, k, n, even, triton_device):
+    """w_small_scales (2^126 folded into the weight's scales) and whole tiles (unmasked
+    weight loads): within the bound, and the same bits as the unfolded kernel (the same
+    values in the same order). The weight holds blocks at scale codes 0 (2^-127: the folded
+    constant 2^-1, products down to 2^-128) and 128 (the largest code that folds)."""
+    qx, qw = operands(5, k, n, pair, triton_device, seed=k + n)
+    qw.scales[0, :4] = 0
+    qw.scales[1, :4] = 128
+    assert qw.scales.max() <= 128
+    from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
+
+    assert small_weight_scales(qw.scales)
+    kw = {"out_dtype": torch.float32}
+    gpu_flags = _launch_flags(qx, qw, k, w_small_scales=True, **kw)
+    assert gpu_flags["W_FOLD"] and gpu_flags["EVEN"] == even
+    # the interpreter's wider tiles: whole tiles exactly where N and K are multiples of them
+    folded = run(qx, qw, k, w_small_scales=True, block_n=256, **kw)
+    assert_within_bound(folded, *reference(qx, qw), torch.float32)
+    assert torch.equal(folded, run(qx, qw, k, block_n=256, **kw))
+
+
+def test_folding_needs_small_scales(triton_device):
+    """Scale code 129 (2^2) does not fold: 2^(129 - 1) is past fp32's and bf16's range, so a
+    caller that skipped `small_weight_scales` would get inf / NaN where the unfolded kernel
+    is right. The check names it, and NaN blocks (code 255) do not fold either."""
+    from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
+
+    qx, qw = operands(3, 512, 256, "oas16", triton_device, seed=9)
+    qw.scales[0, 0] = 129
+    assert not small_weight_scales(qw.scales)
+    kw = {"out_dtype": torch.float32, "block_n": 256}
+    right = run(qx, qw, 512, **kw)
+    assert_within_bound(right, *reference(qx, qw), torch.float32)
+    wrong = run(qx, qw, 512, w_small_scales=True, **kw)
+    assert not torch.isfinite(wrong[:, 0]).all() or not torch.equal(wrong[:, 0], right[:, 0])
+    assert torch.equal(wrong[:, 1:], right[:, 1:])  # only the row holding code 129 differs
+    qw.scales[0, 0] = 255
+    assert not small_weight_scales(qw.scales)
+    assert small_weight_scales(qw.scales[:0])
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes
 GPU_SHAPES = [(1, 4096, 4096), (4, 4096, 14336), (16, 14336, 4096), (7, 5120 + 64, 1000)]
 

@@ -61,6 +61,7 @@ import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
     dot_f32,
+    e2m1_folded_word_values,
     e2m1_pair_values,
     e2m1_word_values,
     e8m0_value,
@@ -94,6 +95,8 @@ UNALIGNED_BLOCK_N = 32
 UNALIGNED_BLOCK_K = 64
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
+# the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)
+FOLD_MAX_SCALE_CODE = 128
 
 
 @triton.jit
@@ -129,6 +132,8 @@ def _decode_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     WORDS: tl.constexpr,
+    W_FOLD: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     HB: tl.constexpr = BS // 2  # bytes per scale block
@@ -142,7 +147,10 @@ def _decode_gemm_kernel(
     i_b = tl.arange(0, NB)
     i_h = tl.arange(0, HB)
     mask_m = (m0 + i_m) < M
-    mask_n = (n0 + i_n) < N
+    if EVEN:  # whole tiles: no column past N (a constant mask, which the compiler drops)
+        mask_n = tl.full((BLOCK_N,), 1, tl.int1)
+    else:
+        mask_n = (n0 + i_n) < N
     # 64-bit offsets of the tile's first row, 32-bit ones inside the tile (module docstring)
     xc_base = xc_ptr + m0.to(tl.int64) * stride_xcm
     xs_base = xs_ptr + m0.to(tl.int64) * stride_xsm
@@ -180,12 +188,18 @@ def _decode_gemm_kernel(
         sb0 = k0 // BS
         left = K - k0
         if WORDS:
+            if EVEN:  # constant masks, dropped by the compiler
+                word_ok = tl.full((WPS,), 1, tl.int1)
+                block_ok = tl.full((1, NB), 1, tl.int1)
+            else:
+                word_ok = i_w < (KB - kb0) // 4
+                block_ok = i_b[None, :] * BS < left
             acc += _word_step(
                 xw_base + k0 // 8 + xw_off, xs_base + sb0 + xs_off2,
                 ww_base + k0 // 8 + ww_off, ws_base + sb0 + ws_off2,
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
-                mask_m, mask_n, i_w < (KB - kb0) // 4, i_b[None, :] * BS < left,
-                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                mask_m, mask_n, word_ok, block_ok,
+                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN,
             )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -260,6 +274,7 @@ def _word_step(
     xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, mask_m, mask_n, word_ok, block_ok,
     BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    W_FOLD: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
@@ -271,18 +286,31 @@ def _word_step(
     permutation of K on both operands and inside each scale block. Each value is built two
     at a time in the halves of a 32-bit register (shifts and masks of the word, then packed
     bf16 multiplies by 2^126 and by the block scale), where the byte path builds one fp32
-    value at a time and converts it. The values are those of the byte path, exactly."""
+    value at a time and converts it. The values are those of the byte path, exactly.
+
+    W_FOLD (every weight scale code <= 128, `small_weight_scales`): the weight's two
+    multiplies are one, by 2^126 * scale = 2^(code - 1) (`e2m1_folded_word_values`), exact
+    since the product is the same representable value. EVEN (whole tiles: N and K multiples
+    of BLOCK_N and BLOCK_K, no K slice ends inside a step): the weight's loads are unmasked."""
     WPB: tl.constexpr = BS // 8  # words per scale block
     xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
     xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=127).to(tl.int32)
-    wq = tl.load(ww_ptrs, mask=mask_n[:, None] & word_ok[None, :], other=0)
-    ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=127).to(tl.int32)
+    if EVEN:
+        wq = tl.load(ww_ptrs)
+        ws = tl.load(ws_ptrs).to(tl.int32)
+    else:
+        wq = tl.load(ww_ptrs, mask=mask_n[:, None] & word_ok[None, :], other=0)
+        ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=127).to(tl.int32)
     xsv = e8m0_word_scales(xs, WPB, DOT_DTYPE)
-    wsv = e8m0_word_scales(ws, WPB, DOT_DTYPE)
+    if not W_FOLD:
+        wsv = e8m0_word_scales(ws, WPB, DOT_DTYPE)
     part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for p in tl.static_range(4):
         xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
-        wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv
+        if W_FOLD:
+            wp = e2m1_folded_word_values(wq, ws, p, WPB, DOT_DTYPE)
+        else:
+            wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv
         part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
     if X_MBS or W_MBS:
         fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS, W_MBS)
@@ -315,6 +343,13 @@ def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block:
     steps inside one macro block. Steps holding several macro blocks (MBS at 16 / 32 / 64)
     keep the byte path's per-macro-block dots."""
     return codes_aligned(k, x_codes, w_codes) and not (has_mbs and macro_block < block_k)
+
+
+def small_weight_scales(w_scales: torch.Tensor) -> bool:
+    """Whether every E8M0 weight scale code is <= FOLD_MAX_SCALE_CODE (block scales <= 2),
+    so `decode_gemm(w_small_scales=True)` may fold 2^126 into them. A reduction and one host
+    sync: call it once when the weight is loaded, never per forward."""
+    return w_scales.numel() == 0 or int(w_scales.max()) <= FOLD_MAX_SCALE_CODE
 
 
 def _infer_block_size(k: int, n_scales: int) -> int:
@@ -398,6 +433,7 @@ def decode_gemm(
     macro_block: int,
     block_n: int | None = None,
     split_k: int | None = None,
+    w_small_scales: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
 
@@ -409,7 +445,10 @@ def decode_gemm(
     tiled (more than MAX_GRID_M_TILES row tiles run as consecutive launches).
     block_size is inferred from the scale count when not given (None or 0). fp32
     accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k override the
-    launch heuristics. `ops.decode_gemm_op` is this function as a custom op.
+    launch heuristics. w_small_scales: the caller has checked that every weight scale code
+    is <= 128 (`small_weight_scales`, once at load: trained weights' blocks are far below
+    2^1), so the kernel folds 2^126 into the weight's scale (one multiply per two weights
+    instead of two; the same values). `ops.decode_gemm_op` is this function as a custom op.
     """
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     if bs not in SUPPORTED_BLOCK_SIZES:
@@ -469,6 +508,7 @@ def decode_gemm(
                 macro_block=macro_block,
                 block_n=block_n,
                 split_k=split_k,
+                w_small_scales=w_small_scales,
             ),  # fmt: skip
         )
     if m == 0 or n == 0:
@@ -514,6 +554,8 @@ def decode_gemm(
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(),
         WORDS=words,
+        W_FOLD=words and w_small_scales,
+        EVEN=words and n % block_n == 0 and K % block_k == 0,
         **launch_options,
     )
     return finish_output(sk.out, bias, out_dtype)

@@ -65,6 +65,18 @@ def word_halves(wd, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def e2m1_word_pair_bits(q, P: tl.constexpr):
+    """int32 words whose halves are the bf16 bits of nibbles P and P + 4 of words q, the
+    E2M1 values times 2^-126 (`e2m1_word_values` before its multiply)."""
+    if P < 2:
+        mag = (q << (6 - 4 * P)) & E2M1_PAIR_MAGNITUDES
+    else:  # arithmetic shift: the bits it brings in lie outside the mask
+        mag = (q >> (4 * P - 6)) & E2M1_PAIR_MAGNITUDES
+    sgn = (q << (12 - 4 * P)) & E2M1_PAIR_SIGNS
+    return mag | sgn
+
+
+@triton.jit
 def e2m1_word_values(q, P: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Values of nibbles P and P + 4 (P = 0..3) of int32 words q [R, W] of packed E2M1 codes
     (8 per word: element 8j + p is nibble p of word j, the packed layout read 4 bytes at a
@@ -73,14 +85,10 @@ def e2m1_word_values(q, P: tl.constexpr, DOT_DTYPE: tl.constexpr):
     `e2m1_value`'s construction in bf16's fields (bf16 has fp32's exponent field): one shift
     of the word moves nibble P's magnitude bits to bits 6..8 (lowest exponent bits and top
     mantissa bit) and nibble P + 4's to bits 22..24, another moves their sign bits to 15
-    and 31, so each instruction builds two values; then one multiply by 2^126, exact (PTX
-    mul.bf16x2 keeps subnormal operands: E2M1 code 1 is the subnormal 2^-127 here)."""
-    if P < 2:
-        mag = (q << (6 - 4 * P)) & E2M1_PAIR_MAGNITUDES
-    else:  # arithmetic shift: the bits it brings in lie outside the mask
-        mag = (q >> (4 * P - 6)) & E2M1_PAIR_MAGNITUDES
-    sgn = (q << (12 - 4 * P)) & E2M1_PAIR_SIGNS
-    return word_halves(mag | sgn, DOT_DTYPE) * E2M1_REBIAS
+    and 31, so each instruction builds two values (`e2m1_word_pair_bits`); then one multiply by
+    2^126, exact (PTX mul.bf16x2 keeps subnormal operands: E2M1 code 1 is the subnormal
+    2^-127 here)."""
+    return word_halves(e2m1_word_pair_bits(q, P), DOT_DTYPE) * E2M1_REBIAS
 
 
 @triton.jit
@@ -89,10 +97,48 @@ def e8m0_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     [R, NB * 2 * WORDS_PER_BLOCK] in `e2m1_word_values`' column order (block b's words
     b * WORDS_PER_BLOCK.. hold columns 2 * WORDS_PER_BLOCK * b..). Powers of two from 2^-127
     to 2^127 and NaN: exact in bf16."""
-    v = e8m0_value(s).to(DOT_DTYPE)
+    return _word_columns(e8m0_value(s).to(DOT_DTYPE), WORDS_PER_BLOCK)
+
+
+@triton.jit
+def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr,
+                            DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """`e2m1_word_values` of int32 words q [R, W] times their blocks' E8M0 scales, the codes
+    s (int32) [R, W / WORDS_PER_BLOCK] all <= 128 (`decode_gemm.small_weight_scales`): one
+    multiply per two values, by 2^126 * scale = 2^(s - 1), exact (the product is the same
+    representable value; above code 128, 2^(s - 1) is not a finite bf16).
+
+    On the GPU the multiply is PTX mul.rn.bf16x2 on the packed word and a packed pair of the
+    scale ((s + 126) << 7 in both halves): the pairing of halves is the word's, so no
+    register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
+    were paired across words and their halves swapped back, one PRMT per pair)."""
+    bits = e2m1_word_pair_bits(q, P)
+    if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
+        sc = _word_columns_i32(((s + 126) << 7) * 0x10001, WORDS_PER_BLOCK)
+        prod = tl.inline_asm_elementwise(
+            "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, sc], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        v = word_halves(prod, DOT_DTYPE)
+    else:
+        sv = ((s + 126) << 23).to(tl.float32, bitcast=True)
+        v = word_halves(bits, DOT_DTYPE) * _word_columns(sv, WORDS_PER_BLOCK)
+    return v
+
+
+@triton.jit
+def _word_columns_i32(v, WORDS_PER_BLOCK: tl.constexpr):
+    """Per-block int32 values v [R, NB] repeated over each block's WORDS_PER_BLOCK words."""
+    v = tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], WORDS_PER_BLOCK))
+    return tl.reshape(v, (v.shape[0], v.shape[1] * WORDS_PER_BLOCK))
+
+
+@triton.jit
+def _word_columns(v, WORDS_PER_BLOCK: tl.constexpr):
+    """Per-block values v [R, NB] repeated over each block's 2 * WORDS_PER_BLOCK columns."""
     cols: tl.constexpr = 2 * WORDS_PER_BLOCK
-    v = tl.broadcast_to(v[:, :, None], (s.shape[0], s.shape[1], cols))
-    return tl.reshape(v, (s.shape[0], s.shape[1] * cols))
+    v = tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], cols))
+    return tl.reshape(v, (v.shape[0], v.shape[1] * cols))
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from vllm_mxplus.backends.base import (
 )
 from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
+from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
 from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.mx_gemm import operand_format
@@ -41,6 +42,7 @@ DECODE_MAX_M = 16
 # indices (None otherwise)
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 GLOBAL_ATTR = "mxplus_w_global"  # NVFP4: fp32 global scale of each weight row [N]
+SMALL_SCALES_ATTR = "mxplus_w_small_scales"  # `decode_gemm.small_weight_scales` of the weight
 
 
 def mx_gemm_only(weight_format: str, activation_format: str) -> bool:
@@ -134,6 +136,10 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         codes, scales, extra, g = weight_operands(qweight)
         set_packed_buffers(layer, (*ATTRS, GLOBAL_ATTR), (codes, scales, extra, g))
+        # checked once here (a host sync), read by every decode call
+        setattr(
+            layer, SMALL_SCALES_ATTR, scales.dtype == torch.uint8 and small_weight_scales(scales)
+        )
 
     def _apply_mx_gemm(self, layer: Layer, x2: Tensor, bias: Tensor | None, g: Tensor | None):
         spec = self.spec
@@ -168,6 +174,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             spec.out_dtype,
             block_size=get_format(spec.weight_format).block_size,
             macro_block=spec.macro_block,
+            w_small_scales=getattr(layer, SMALL_SCALES_ATTR, False),
         )
         return y.reshape(*x.shape[:-1], spec.n)
 
