@@ -116,6 +116,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
     from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_block_m, moe_gemm
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
+    from vllm_mxplus.backends.triton.x_hat import hat_cols
     from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
 
     n, k = 4096, 4096
@@ -124,6 +125,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     def decode(af: str, wf: str) -> Callable[[], None]:
         def go() -> None:
             x, w = _gemm_operand(1, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
+            # the serving path: `act_quant_hat`'s x_hat, weight scales checked at load
+            x_hat = _meta((1, hat_cols(k)), bf16)
             decode_gemm(
                 *x,
                 *w,
@@ -134,7 +137,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                 macro_block=128,
                 split_k=1,
                 w_small_scales=True,
-            )  # trained weights: `small_weight_scales`
+                x_hat=x_hat,
+            )
 
         return go
 

@@ -37,6 +37,11 @@ def _drive_act_quant(quick: bool) -> None:
             aq.act_quant(_meta((64, 4096), torch.bfloat16), fmt, macro_block=32)
         for dtype, m, k, macro in itertools.product(dtypes, ms, ks, macros):
             aq.act_quant(_meta((m, k), dtype), fmt, macro_block=macro)
+        if get_format(fmt).has_global_scale:
+            continue
+        # the decode path's x_hat variant: decode row counts, K with a partial chunk or not
+        for dtype, m, k in itertools.product(dtypes, (1, 16), (4096,) if quick else (576, 4096)):
+            aq.act_quant_hat(_meta((m, k), dtype), fmt, macro_block=128)
 
 
 def _drive_act_fp8(quick: bool) -> None:
@@ -90,7 +95,8 @@ def _gemm_operand(
 
 def _drive_decode_gemm(quick: bool) -> None:
     from vllm_mxplus.backends.base import E8M0_PAIRS
-    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, takes_x_hat
+    from vllm_mxplus.backends.triton.x_hat import hat_cols
     from vllm_mxplus.formats import get_format
 
     out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
@@ -114,20 +120,26 @@ def _drive_decode_gemm(quick: bool) -> None:
 
         xc, xs, xm = _gemm_operand(16, k, af, bs, macro)
         wc, ws, wm = _gemm_operand(n, k, wf, bs, macro)
-        decode_gemm(
-            xc,
-            xs,
-            xm,
-            wc,
-            ws,
-            wm,
-            k,
-            _meta((n,), out_dtype) if bias else None,
-            out_dtype,
-            block_size=bs,
-            macro_block=macro,
-            split_k=split,
-        )
+        # the serving path (x_hat, folded weight scales) where the layer takes it, and the
+        # codes-only path (any caller) on the default macro block
+        serving = takes_x_hat(k, macro, mbs)
+        for x_hat in (True, False) if serving and macro == 128 else (serving,):
+            decode_gemm(
+                xc,
+                xs,
+                xm,
+                wc,
+                ws,
+                wm,
+                k,
+                _meta((n,), out_dtype) if bias else None,
+                out_dtype,
+                block_size=bs,
+                x_hat=_meta((16, hat_cols(k)), torch.bfloat16) if x_hat else None,
+                macro_block=macro,
+                split_k=split,
+                w_small_scales=x_hat,
+            )
 
 
 def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tuple:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_value, e8m0_value
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
@@ -42,6 +43,7 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     store_codes_and_scales,
     store_row_tile,
 )
+from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
 from vllm_mxplus.formats import FORMATS, get_format
 from vllm_mxplus.formats.constants import ceil_div
 from vllm_mxplus.formats.schemes import FormatSpec
@@ -75,10 +77,10 @@ GPU_MAX_ROWS = 8
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
 def _mx_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, mbs_ptr,
-    M, K, stride_xm, stride_cm, stride_sm, stride_mm,
+    x_ptr, codes_ptr, scales_ptr, mbs_ptr, hat_ptr,
+    M, K, stride_xm, stride_cm, stride_sm, stride_mm, stride_hm,
     BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, MACRO: tl.constexpr,
-    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_k = tl.program_id(1)
     # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
@@ -104,6 +106,17 @@ def _mx_act_quant_kernel(
         codes_ptr, scales_ptr, mag | (neg << 3), code, offs_m, mask_m, stride_cm, stride_sm,
         pid_k, K, BLOCK, BLOCK_M, BLOCK_K,
     )  # fmt: skip
+    if HAT:  # x_hat in the decode GEMM's word order (`x_hat`): BLOCK_K whole chunks
+        v = e2m1_value(mag | (neg << 3)) * e8m0_value(code)[:, :, None]
+        v = tl.reshape(v, (BLOCK_M, BLOCK_K // 128, 16, 2, 4))
+        v = tl.reshape(tl.permute(v, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_K))
+        # bf16 = fp32's top half: v is exact in bf16, so the truncation is the value (the
+        # interpreter's fp32 -> bf16 conversion loses bf16 subnormals)
+        v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        store_row_tile(
+            hat_ptr, v, offs_m, mask_m, stride_hm, pid_k,
+            tl.cdiv(K, 128) * 128, BLOCK_K,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- NVFP4 kernel
@@ -246,6 +259,29 @@ def act_quant(
     [..., 1] (nvfp4, per row) or None) -- the fields of `formats.quantize(x, fmt,
     per_row=True)`, bit for bit.
     """
+    codes, scales, mbs, gs, _ = _act_quant(x, fmt, macro_block, hat=False)
+    return codes, scales, mbs, gs
+
+
+def act_quant_hat(
+    x: torch.Tensor, fmt: str, *, macro_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`act_quant` of an E8M0 format (no NVFP4) that also writes x_hat for the decode GEMM:
+    (codes, scales, mbs or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order), all
+    from one read of x in the same kernel. Rows x [M, K] (2-D)."""
+    if x.dim() != 2:
+        raise ValueError(f"act_quant_hat: x must be [M, K], got shape {tuple(x.shape)}")
+    if get_format(fmt).has_global_scale:
+        raise ValueError(f"act_quant_hat: format {fmt!r} has a global scale (E8M0 formats only)")
+    codes, scales, mbs, _, hat = _act_quant(x, fmt, macro_block, hat=True)
+    assert hat is not None
+    return codes, scales, mbs, hat
+
+
+def _act_quant(
+    x: torch.Tensor, fmt: str, macro_block: int, hat: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:  # fmt: skip
     spec = check_act_input(x, fmt, takes, "act_quant")
     if spec.mbs:
         check_tileable_macro_block(macro_block, "act_quant")
@@ -257,7 +293,7 @@ def act_quant(
     m = x2.shape[0]
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     nb = ceil_div(k, spec.block_size)
-    mbs = gs = None
+    mbs = gs = x_hat = None
 
     if spec.has_global_scale:
         scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
@@ -287,15 +323,19 @@ def act_quant(
         if spec.mbs:
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
+        if hat:
+            x_hat = torch.empty((m, hat_cols(k)), dtype=HAT_DTYPE, device=x.device)
+        hat_arg = x_hat if x_hat is not None else scales  # never touched when HAT is False
         launch_row_tiles(
             _mx_act_quant_kernel,
             rows,
-            max(unit, 32),
-            (codes, scales, mbs_arg),
+            max(unit, HAT_CHUNK if hat else 32),  # x_hat: tiles of whole chunks
+            (codes, scales, mbs_arg, hat_arg),
             BLOCK=spec.block_size,
             MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
             HAS_MBS=bool(spec.mbs),
             MACRO=macro_block,
+            HAT=hat,
         )
         if mbs is not None:
             mbs = mbs.reshape(*lead, mbs.shape[-1])
@@ -304,4 +344,5 @@ def act_quant(
         scales.reshape(*lead, nb),
         mbs,
         gs,
+        x_hat,
     )

@@ -60,6 +60,7 @@ from typing import overload
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    bf16_values,
     dot_f32,
     e2m1_folded_word_values,
     e2m1_pair_values,
@@ -82,6 +83,7 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     plan_split_k,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
 from vllm_mxplus.formats.constants import ceil_div
 
 SUPPORTED_BLOCK_SIZES = (16, 32)
@@ -109,6 +111,7 @@ def _decode_gemm_kernel(
     wmbs_ptr,
     bias_ptr,
     out_ptr,
+    xh_ptr,
     M,
     N,
     K,
@@ -122,6 +125,7 @@ def _decode_gemm_kernel(
     stride_wmn,
     stride_os,
     stride_om,
+    stride_xhm,
     BS: tl.constexpr,
     MACRO: tl.constexpr,
     X_MBS: tl.constexpr,
@@ -134,6 +138,7 @@ def _decode_gemm_kernel(
     WORDS: tl.constexpr,
     W_FOLD: tl.constexpr,
     EVEN: tl.constexpr,
+    X_HAT: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     HB: tl.constexpr = BS // 2  # bytes per scale block
@@ -183,6 +188,12 @@ def _decode_gemm_kernel(
     ww_off = i_n[:, None] * (stride_wcn // 4) + i_w[None, :]
     xs_off2 = i_m[:, None] * stride_xsm + i_b[None, :]
     ws_off2 = i_n[:, None] * stride_wsn + i_b[None, :]
+    # X_HAT: dot p's x operand [BLOCK_M, BLOCK_K / 4] of the prepared activation, columns
+    # 32p.. of each 128-element chunk of the step (`x_hat`'s word order)
+    i_t = tl.arange(0, BLOCK_K // 4)
+    xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
+    xh_col = ((i_t // 32) * 128 + i_t % 32)[None, :]
+    xh_off = i_m[:, None] * stride_xhm + xh_col
     for k0 in range(k_start, k_end, BLOCK_K):
         kb0 = k0 // 2
         sb0 = k0 // BS
@@ -191,15 +202,18 @@ def _decode_gemm_kernel(
             if EVEN:  # constant masks, dropped by the compiler
                 word_ok = tl.full((WPS,), 1, tl.int1)
                 block_ok = tl.full((1, NB), 1, tl.int1)
+                hat_ok = tl.full((1, BLOCK_K // 4), 1, tl.int1)
             else:
                 word_ok = i_w < (KB - kb0) // 4
                 block_ok = i_b[None, :] * BS < left
+                # x_hat's chunks inside its rows (whole chunks, `hat_cols`): the same per dot
+                hat_ok = ((i_t // 32) * 128 < tl.cdiv(K, 128) * 128 - k0)[None, :]
             acc += _word_step(
                 xw_base + k0 // 8 + xw_off, xs_base + sb0 + xs_off2,
                 ww_base + k0 // 8 + ww_off, ws_base + sb0 + ws_off2,
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
-                mask_m, mask_n, word_ok, block_ok,
-                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN,
+                xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
+                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
             )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -271,10 +285,10 @@ def _decode_gemm_kernel(
 
 @triton.jit
 def _word_step(
-    xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, mask_m, mask_n, word_ok, block_ok,
-    BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    W_FOLD: tl.constexpr, EVEN: tl.constexpr,
+    xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, word_ok,
+    block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
@@ -291,22 +305,29 @@ def _word_step(
     W_FOLD (every weight scale code <= 128, `small_weight_scales`): the weight's two
     multiplies are one, by 2^126 * scale = 2^(code - 1) (`e2m1_folded_word_values`), exact
     since the product is the same representable value. EVEN (whole tiles: N and K multiples
-    of BLOCK_N and BLOCK_K, no K slice ends inside a step): the weight's loads are unmasked."""
+    of BLOCK_N and BLOCK_K, no K slice ends inside a step): the weight's loads are unmasked.
+    X_HAT: x's values come ready from `act_quant_hat` (`x_hat`: dot p's operand is one
+    contiguous load at xh_ptrs + 32p), so no program dequantizes x."""
     WPB: tl.constexpr = BS // 8  # words per scale block
-    xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
-    xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=127).to(tl.int32)
+    if not X_HAT:
+        xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
+        xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=127).to(tl.int32)
+        xsv = e8m0_word_scales(xs, WPB, DOT_DTYPE)
     if EVEN:
         wq = tl.load(ww_ptrs)
         ws = tl.load(ws_ptrs).to(tl.int32)
     else:
         wq = tl.load(ww_ptrs, mask=mask_n[:, None] & word_ok[None, :], other=0)
         ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=127).to(tl.int32)
-    xsv = e8m0_word_scales(xs, WPB, DOT_DTYPE)
     if not W_FOLD:
         wsv = e8m0_word_scales(ws, WPB, DOT_DTYPE)
     part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for p in tl.static_range(4):
-        xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
+        if X_HAT:
+            xh = tl.load(xh_ptrs + 32 * p, mask=mask_m[:, None] & hat_ok, other=0.0)
+            xp = bf16_values(xh, DOT_DTYPE)
+        else:
+            xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
         if W_FOLD:
             wp = e2m1_folded_word_values(wq, ws, p, WPB, DOT_DTYPE)
         else:
@@ -343,6 +364,14 @@ def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block:
     steps inside one macro block. Steps holding several macro blocks (MBS at 16 / 32 / 64)
     keep the byte path's per-macro-block dots."""
     return codes_aligned(k, x_codes, w_codes) and not (has_mbs and macro_block < block_k)
+
+
+def takes_x_hat(k: int, macro_block: int, has_mbs: bool) -> bool:
+    """Whether the GPU kernel reads an `act_quant_hat` activation of a K-wide layer (the word
+    path in steps of whole HAT_CHUNKs) where the code rows vectorize (`codes_aligned`: rows
+    of a multiple of 16 bytes, contiguous as the quantizers write them, and aligned weight
+    rows): the caller asks for x_hat only then."""
+    return ceil_div(k, 2) % 16 == 0 and gpu_block_k(macro_block, has_mbs) % HAT_CHUNK == 0
 
 
 def small_weight_scales(w_scales: torch.Tensor) -> bool:
@@ -429,6 +458,7 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     block_size: int | None = None,
+    x_hat: torch.Tensor | None = None,
     *,
     macro_block: int,
     block_n: int | None = None,
@@ -448,7 +478,10 @@ def decode_gemm(
     launch heuristics. w_small_scales: the caller has checked that every weight scale code
     is <= 128 (`small_weight_scales`, once at load: trained weights' blocks are far below
     2^1), so the kernel folds 2^126 into the weight's scale (one multiply per two weights
-    instead of two; the same values). `ops.decode_gemm_op` is this function as a custom op.
+    instead of two; the same values). x_hat: the same activation's `act_quant_hat` output
+    [M, hat_cols(K)] bf16, which the kernel reads instead of dequantizing x's codes where it
+    takes the word path (`word_path`; ignored elsewhere). `ops.decode_gemm_op` is this
+    function as a custom op.
     """
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     if bs not in SUPPORTED_BLOCK_SIZES:
@@ -460,6 +493,13 @@ def decode_gemm(
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
     m, n = x_codes.shape[0], w_codes.shape[0]
+    if x_hat is not None and (
+        x_hat.dtype != HAT_DTYPE or tuple(x_hat.shape) != (m, hat_cols(K)) or x_hat.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"decode_gemm: x_hat must be {HAT_DTYPE} [{m}, {hat_cols(K)}] with unit column "
+            f"stride (`act_quant_hat`), got {x_hat.dtype} {tuple(x_hat.shape)}"
+        )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
     check_available(w_codes)
@@ -509,6 +549,7 @@ def decode_gemm(
                 block_n=block_n,
                 split_k=split_k,
                 w_small_scales=w_small_scales,
+                x_hat=None,  # chunks of rows: the codes path
             ),  # fmt: skip
         )
     if m == 0 or n == 0:
@@ -518,6 +559,7 @@ def decode_gemm(
     out_tiles = n_tiles * triton.cdiv(m, block_m)
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
 
+    use_hat = x_hat is not None and words and block_k % HAT_CHUNK == 0
     grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
     dummy = w_scales  # stands in for absent optional pointers; never dereferenced
     launch(
@@ -531,6 +573,7 @@ def decode_gemm(
         w_mbs if w_mbs is not None else dummy,
         sk.bias if sk.bias is not None else dummy,
         sk.out,
+        x_hat if x_hat is not None and use_hat else dummy,
         m,
         n,
         K,
@@ -544,6 +587,7 @@ def decode_gemm(
         w_mbs.stride(0) if w_mbs is not None else 0,
         sk.out.stride(0) if sk.split > 1 else 0,
         sk.out.stride(-2),
+        x_hat.stride(0) if x_hat is not None and use_hat else 0,
         BS=bs,
         MACRO=macro_block,
         X_MBS=x_mbs is not None,
@@ -556,6 +600,7 @@ def decode_gemm(
         WORDS=words,
         W_FOLD=words and w_small_scales,
         EVEN=words and n % block_n == 0 and K % block_k == 0,
+        X_HAT=use_hat,
         **launch_options,
     )
     return finish_output(sk.out, bias, out_dtype)

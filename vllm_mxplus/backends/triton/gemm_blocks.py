@@ -17,6 +17,9 @@ E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
 E2M1_REBIAS = tl.constexpr(2.0**126)  # E2M1 bits in fp32's fields -> the E2M1 value (exact)
 E2M1_PAIR_MAGNITUDES = tl.constexpr(0x01C001C0)  # bits 6..8 and 22..24 of a bf16x2 word
 E2M1_PAIR_SIGNS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: bits 15 and 31
+# a * b on packed bf16 pairs as fma(a, b, -0.0): exactly the product (-0.0 keeps a -0 product's
+# sign), one HFMA2 / HMUL2; PTX mul.bf16x2 itself needs sm_90, fma.rn.bf16x2 runs from sm_80
+BF16X2_MUL = tl.constexpr("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 
@@ -45,6 +48,15 @@ def e2m1_pair_values(b):
         lo.to(tl.float32, bitcast=True) * E2M1_REBIAS,
         hi.to(tl.float32, bitcast=True) * E2M1_REBIAS,
     )
+
+
+@triton.jit
+def bf16_values(v, DOT_DTYPE: tl.constexpr):
+    """bf16 values v as DOT_DTYPE: themselves on the GPU; under the interpreter (fp32) from
+    the bits (bf16 is fp32's top half), since its bf16 -> fp32 conversion loses subnormals."""
+    if DOT_DTYPE == tl.float32:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
+        v = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v
 
 
 @triton.jit
@@ -108,17 +120,16 @@ def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr
     multiply per two values, by 2^126 * scale = 2^(s - 1), exact (the product is the same
     representable value; above code 128, 2^(s - 1) is not a finite bf16).
 
-    On the GPU the multiply is PTX mul.rn.bf16x2 on the packed word and a packed pair of the
-    scale ((s + 126) << 7 in both halves): the pairing of halves is the word's, so no
-    register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
+    On the GPU the multiply is one bf16x2 instruction (`BF16X2_MUL`) on the packed word and a
+    packed pair of the scale ((s + 126) << 7 in both halves): the pairing of halves is the
+    word's, so no register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
     were paired across words and their halves swapped back, one PRMT per pair)."""
     bits = e2m1_word_pair_bits(q, P)
     if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
         sc = _word_columns_i32(((s + 126) << 7) * 0x10001, WORDS_PER_BLOCK)
         prod = tl.inline_asm_elementwise(
-            "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, sc], dtype=tl.int32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
+            BF16X2_MUL, "=r,r,r", [bits, sc], dtype=tl.int32, is_pure=True, pack=1
+        )
         v = word_halves(prod, DOT_DTYPE)
     else:
         sv = ((s + 126) << 23).to(tl.float32, bitcast=True)

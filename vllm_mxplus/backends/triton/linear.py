@@ -30,11 +30,11 @@ from vllm_mxplus.backends.base import (
 )
 from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
-from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
+from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales, takes_x_hat
 from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.mx_gemm import operand_format
-from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
+from vllm_mxplus.backends.triton.ops import act_quant_hat_op, act_quant_op, decode_gemm_op
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
 DECODE_MAX_M = 16
@@ -159,9 +159,15 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
 
-        a_codes, a_scales, a_mbs, _ = act_quant_op(
-            x2, spec.activation_format, macro_block=spec.macro_block
-        )
+        x_hat = None
+        if takes_x_hat(spec.k, spec.macro_block, bool(get_format(spec.activation_format).mbs)):
+            a_codes, a_scales, a_mbs, x_hat = act_quant_hat_op(
+                x2, spec.activation_format, macro_block=spec.macro_block
+            )
+        else:
+            a_codes, a_scales, a_mbs, _ = act_quant_op(
+                x2, spec.activation_format, macro_block=spec.macro_block
+            )
         y = decode_gemm_op(
             a_codes,
             a_scales,
@@ -175,6 +181,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             block_size=get_format(spec.weight_format).block_size,
             macro_block=spec.macro_block,
             w_small_scales=getattr(layer, SMALL_SCALES_ATTR, False),
+            x_hat=x_hat,
         )
         return y.reshape(*x.shape[:-1], spec.n)
 

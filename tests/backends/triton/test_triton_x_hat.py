@@ -1,0 +1,174 @@
+"""The decode GEMM's prepared activation (`x_hat`): `act_quant_hat` writes x_hat = E2M1
+value * block scale in bf16, permuted into the GEMM's word order, bit for bit what the
+reference dequantization gives; the decode GEMM reading it gives the same bits as reading
+the codes, within the bound of test_triton_decode_gemm; a misordered x_hat is caught.
+
+Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA when compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_act_quant import activations, assert_same_bits
+from test_triton_decode_gemm import PAIRS, assert_within_bound, reference, run
+
+from vllm_mxplus.backends.triton.act_quant import act_quant, act_quant_hat
+from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, takes_x_hat
+from vllm_mxplus.backends.triton.launch import capture_launches
+from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, hat_cols, to_hat_order
+from vllm_mxplus.formats import get_format, quantize
+from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
+from vllm_mxplus.formats.e8m0 import e8m0_to_float
+
+FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp")
+
+
+def hat_reference(codes: torch.Tensor, scales: torch.Tensor, k: int, fmt: str) -> torch.Tensor:
+    """x_hat from `formats`' fields: E2M1 value * 2^(scale - 127), bf16, in word order."""
+    bs = get_format(fmt).block_size
+    scale = e8m0_to_float(scales.cpu()).repeat_interleave(bs, -1)[:, :k]
+    return to_hat_order((e2m1_decode(unpack_fp4(codes.cpu(), k)) * scale).to(torch.bfloat16))
+
+
+def assert_same_hat(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-equal bf16, except that any NaN matches any NaN (the payload is not specified)."""
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan()), "NaN pattern differs"
+    num = ~want.isnan()
+    assert_same_bits("x_hat", got[num].view(torch.int16), want[num].view(torch.int16))
+
+
+def test_word_order_by_formula():
+    """Element 8j + 4h + p of every 128-element chunk sits at 32p + 2j + h (the decode GEMM's
+    dot p takes elements 8j + p and 8j + p + 4 of word j); rows pad with zeros."""
+    k = 300
+    x = torch.arange(1, k + 1, dtype=torch.float32)[None, :]
+    got = to_hat_order(x)
+    assert got.shape == (1, hat_cols(k)) == (1, 384)
+    for c in range(3):
+        for j in range(16):
+            for h in range(2):
+                for p in range(4):
+                    e = c * HAT_CHUNK + 8 * j + 4 * h + p
+                    assert got[0, c * HAT_CHUNK + 32 * p + 2 * j + h] == (e + 1 if e < k else 0)
+
+
+@pytest.mark.parametrize("k", [100, 576, 1024, 1536])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_act_quant_hat_bit_exact(fmt, m, k, triton_device):
+    x = activations(m, k, torch.bfloat16, triton_device, seed=m + k)
+    codes, scales, mbs, x_hat = act_quant_hat(x, fmt, macro_block=128)
+    want = act_quant(x, fmt, macro_block=128)
+    assert_same_bits("codes", codes, want[0])
+    assert_same_bits("scales", scales, want[1])
+    assert (mbs is None) == (want[2] is None)
+    if mbs is not None:
+        assert_same_bits("mbs", mbs, want[2])
+    ref = quantize(x, fmt, macro_block=128)
+    assert_same_bits("codes vs formats", codes, ref.codes)
+    assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, k, fmt))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_act_quant_hat_special_rows(dtype, triton_device):
+    """Zero and NaN rows, a NaN block, Inf, -0.0 and tiny values (scale codes near 0, whose
+    x_hat is a bf16 subnormal) from fp16 / fp32 inputs."""
+    x = activations(6, 640, torch.float32, "cpu", seed=5)
+    x[0] = 0.0
+    x[1] = float("nan")
+    x[2, 17] = float("nan")
+    x[3, 300] = float("inf")
+    x[4] = -0.0
+    if dtype == torch.float32:
+        x[5] = x[5] * 2.0**-125
+    x = x.to(dtype).to(triton_device)
+    codes, scales, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    ref = quantize(x, "mxfp4-mbs-s", macro_block=128)
+    assert_same_bits("codes", codes, ref.codes)
+    assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, 640, "mxfp4-mbs-s"))
+    if dtype == torch.float32:
+        assert (ref.scales[5].cpu() < 8).any(), "no tiny block scale in row 5"
+
+
+def test_act_quant_hat_rejects(triton_device):
+    x = torch.randn(2, 3, 256, device=triton_device)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    with pytest.raises(ValueError, match="global scale"):
+        act_quant_hat(x[0], "nvfp4", macro_block=128)
+
+
+def _hat_operands(m, k, n, pair, device, seed):
+    from test_triton_decode_gemm import operands
+
+    qx, qw = operands(m, k, n, pair, device, seed=seed)
+    _, xf = PAIRS[pair]
+    x = qx.dequantize().to(torch.float32)  # quantizes to the same fields
+    codes, scales, mbs, x_hat = act_quant_hat(x, xf, macro_block=128)
+    return qx, qw, x_hat
+
+
+@pytest.mark.parametrize(
+    "m,k,n,split",
+    [(5, 1024, 512, 1), (16, 1088, 300, 1), (3, 2048, 256, 3), (1, 4096, 256, 1), (3, 320, 40, 1)],
+    ids=["whole-tiles", "edges", "split-k", "K4096", "K-under-a-step"],
+)  # fmt: skip
+@pytest.mark.parametrize("pair", ["mbs-h", "oas16", "ocp32"])
+def test_decode_reads_x_hat(pair, m, k, n, split, triton_device):
+    """The GEMM on x_hat: within the bound, and the same bits as on the codes (the same
+    values in the same order), with the GPU's launch reading x_hat."""
+    qx, qw, x_hat = _hat_operands(m, k, n, pair, triton_device, seed=m + k)
+    ref = quantize(qx.dequantize().to(torch.float32), PAIRS[pair][1], macro_block=128)
+    assert torch.equal(ref.codes, qx.codes), "x_hat's activation is not the test's"
+    kw = {"out_dtype": torch.float32, "split_k": split}
+    with capture_launches() as launches:
+        run(qx, qw, k, x_hat=x_hat, **kw)
+    assert launches[0].kwargs["X_HAT"] == takes_x_hat(k, 128, qx.mbs is not None) is True
+    # past the rows' whole chunks (the interpreter's K steps reach 512) nothing is read:
+    # NaN in the memory after x_hat would show in the output
+    x_hat = torch.cat([x_hat, torch.full_like(x_hat, float("nan"))], 1)[:, : x_hat.shape[1]]
+    y = run(qx, qw, k, x_hat=x_hat, **kw)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+    assert torch.equal(y, run(qx, qw, k, **kw))
+
+
+def test_decode_x_hat_tiny_rows(triton_device):
+    """Rows whose block scales are near code 0 (x_hat bf16 subnormals, e.g. 1.5 * 2^-127):
+    the same bits as the codes path, which builds every value from its bits."""
+    from test_triton_decode_gemm import operands
+
+    qx, qw = operands(4, 1024, 256, "oas16", triton_device, seed=3)
+    x = qx.dequantize().to(torch.float32)
+    x[1:3] *= 2.0**-125
+    qx = quantize(x, "mxfp4-16-oas")
+    assert (qx.scales[1].cpu() < 4).any()
+    _, _, _, x_hat = act_quant_hat(x, "mxfp4-16-oas", macro_block=128)
+    kw = {"out_dtype": torch.float32}
+    assert torch.equal(run(qx, qw, 1024, x_hat=x_hat, **kw), run(qx, qw, 1024, **kw))
+
+
+def test_misordered_x_hat_is_caught(triton_device):
+    """x_hat in natural order (no word permutation) gives wrong sums: the bound sees it."""
+    qx, qw, x_hat = _hat_operands(4, 1024, 256, "oas16", triton_device, seed=2)
+    natural = torch.zeros_like(x_hat)
+    natural[:, :1024] = (qx.dequantize()).to(torch.bfloat16)
+    y = run(qx, qw, 1024, out_dtype=torch.float32, x_hat=natural)
+    with pytest.raises(AssertionError, match="out of bound"):
+        assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
+def test_x_hat_checked(triton_device):
+    qx, qw, x_hat = _hat_operands(2, 512, 64, "oas16", triton_device, seed=1)
+    for bad in (x_hat.float(), x_hat[:, :256], x_hat[:1]):
+        with pytest.raises(ValueError, match="x_hat"):
+            decode_gemm(qx.codes, qx.scales, None, qw.codes, qw.scales, None, 512,
+                        x_hat=bad, macro_block=128)  # fmt: skip
+
+
+def test_takes_x_hat():
+    assert takes_x_hat(4096, 128, True) and takes_x_hat(4096, 2048, True)
+    assert takes_x_hat(4096, 16, False)  # no MBS: macro blocks play no part
+    assert not takes_x_hat(4096, 64, True)  # steps of 64: not whole chunks
+    assert not takes_x_hat(1000, 128, True)  # code rows do not vectorize
