@@ -258,17 +258,23 @@ def test_gpu_real_sizes(pair, m, k, n, out_dtype, cuda_device):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture(cuda_device):
-    from vllm_mxplus.backends.triton.ops import act_quant_op, decode_gemm_op
+@pytest.mark.parametrize("serving", [False, True], ids=["codes", "x_hat-folded"])
+def test_gpu_cuda_graph_capture(serving, cuda_device):
+    from vllm_mxplus.backends.triton.ops import act_quant_hat_op, act_quant_op, decode_gemm_op
 
     x = torch.randn(4, 4096, device=cuda_device, dtype=torch.bfloat16)
     qw = quantize(torch.randn(4096, 4096, device=cuda_device) * 0.02, "mxfp4-mbs-s")
 
     def step(t):
-        codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s", macro_block=128)
+        x_hat = None
+        if serving:  # the decode layer's path: x_hat, weight scales checked at load
+            codes, scales, mbs, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+        else:
+            codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s", macro_block=128)
         return decode_gemm_op(
-            codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096, macro_block=128
-        )
+            codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 4096, x_hat=x_hat,
+            macro_block=128, w_small_scales=serving,
+        )  # fmt: skip
 
     step(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

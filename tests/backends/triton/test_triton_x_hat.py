@@ -172,3 +172,55 @@ def test_takes_x_hat():
     assert takes_x_hat(4096, 16, False)  # no MBS: macro blocks play no part
     assert not takes_x_hat(4096, 64, True)  # steps of 64: not whole chunks
     assert not takes_x_hat(1000, 128, True)  # code rows do not vectorize
+
+
+def test_hat_op_matches_and_traces(triton_device):
+    """The custom op `triton_act_quant_hat` (fake shapes for torch.compile) and the decode op
+    taking x_hat: same results as the functions, one traced graph."""
+    from test_triton_decode_gemm import operands
+
+    from vllm_mxplus.backends.triton.ops import act_quant_hat_op, decode_gemm_op
+
+    _, qw = operands(3, 1024, 256, "mbs-h", triton_device, seed=6)
+    x = torch.randn(3, 1024, device=triton_device)
+    want = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    got = act_quant_hat_op(x, "mxfp4-mbs-s", macro_block=128)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    torch.library.opcheck(
+        torch.ops.vllm_mxplus.triton_act_quant_hat.default, (x, "mxfp4-16-oas", 128)
+    )
+
+    def layer(t):
+        codes, scales, mbs, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+        return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 1024,
+                              out_dtype=torch.float32, x_hat=x_hat, macro_block=128,
+                              w_small_scales=True)  # fmt: skip
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("pair", ["mbs-s", "oas16"])
+def test_gpu_x_hat_and_folded_scales(pair, m, cuda_device):
+    """On the GPU at Llama-like sizes: x_hat bit for bit (tiny rows: bf16 subnormals), and
+    the serving path (x_hat, folded scales through fma.rn.bf16x2) the same bits as the codes
+    path, within the bound."""
+    from test_triton_decode_gemm import operands
+
+    k, n = 4096, 4096
+    qx, qw = operands(m, k, n, pair, cuda_device, seed=m)
+    x = qx.dequantize().to(torch.float32)
+    x[-1] *= 2.0**-125
+    xf = PAIRS[pair][1]
+    qx = quantize(x, xf)
+    codes, scales, _, x_hat = act_quant_hat(x, xf, macro_block=128)
+    assert_same_bits("codes", codes, qx.codes)
+    assert_same_hat(x_hat, hat_reference(qx.codes, qx.scales, k, xf))
+    kw = {"out_dtype": torch.float32}
+    served = run(qx, qw, k, x_hat=x_hat, w_small_scales=True, **kw)
+    assert torch.equal(served, run(qx, qw, k, **kw))
+    assert_within_bound(served, *reference(qx, qw), torch.float32)
