@@ -126,24 +126,12 @@ def _count_module():
     sys.modules.pop("benchmarks_count", None)
 
 
-@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
-@pytest.mark.parametrize("inexact_w", [0, 3], ids=["w-exact", "w-fallback"])
-@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
-def test_cutlass_sm90_prefill(scheme, inexact_w, m):
-    """CutlassPrefillBackend.apply on sm_90a, then the prefill op's body (the exact-row
-    fallback: nonzero_static, the Triton act-quant and the row-list GEMM; the weight's
-    inexact columns) on the fused encoder's fake outputs."""
+def _fused_sm90(x, spec, w, bias, *engine):
+    """The sm_90a prefill op's body (`prefill_sm90_fused_impl`) on the fused encoder's fake
+    outputs for x, under the guard, its Triton launches recorded: (y, guard, launches)."""
     from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
-    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
     from vllm_mxplus.backends.triton.launch import capture_launches
 
-    spec = _spec(scheme)
-    w = _sm90_weight(inexact_w)
-    layer = types.SimpleNamespace(**{CutlassPrefillBackend.WEIGHT_ATTR: w})
-    x = cuda_empty((m, K), torch.bfloat16)
-    y, guard = guarded(CutlassPrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
-    _assert_cuda_out(y, m)
-    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
     fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
     with capture_launches() as launches:
         y, guard = guarded(
@@ -152,10 +140,31 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
             spec.activation_format,
             *fields,
             *w.sm90_operands(),
-            cuda_empty((N,), torch.bfloat16),
+            bias,
             N,
             torch.bfloat16,
+            *engine,
         )
+    return y, guard, launches
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
+@pytest.mark.parametrize("inexact_w", [0, 3], ids=["w-exact", "w-fallback"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_cutlass_sm90_prefill(scheme, inexact_w, m):
+    """CutlassPrefillBackend.apply on sm_90a, then the prefill op's body (the exact-row
+    fallback: nonzero_static, the Triton act-quant and the row-list GEMM; the weight's
+    inexact columns) on the fused encoder's fake outputs."""
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
+
+    spec = _spec(scheme)
+    w = _sm90_weight(inexact_w)
+    layer = types.SimpleNamespace(**{CutlassPrefillBackend.WEIGHT_ATTR: w})
+    x = cuda_empty((m, K), torch.bfloat16)
+    y, guard = guarded(CutlassPrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
+    y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16))
     _assert_cuda_out(y, m)
     assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
     kernels = [launch.kernel.__name__ for launch in launches]
@@ -175,9 +184,7 @@ def test_triton_fp8_prefill(held, m):
     is held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1), then the Triton FP8 GEMM and the fallback."""
     import dataclasses
 
-    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
     from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
-    from vllm_mxplus.backends.triton.launch import capture_launches
 
     spec = _spec("mxfp4-mbs")
     rows, kp = -(-N // 8) * 8, -(-K // 128) * 128
@@ -188,19 +195,7 @@ def test_triton_fp8_prefill(held, m):
     y, guard = guarded(TritonFp8PrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
     _assert_cuda_out(y, m)
     assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
-    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
-    with capture_launches() as launches:
-        y, guard = guarded(
-            cutlass_gemm.prefill_sm90_fused_impl,
-            x,
-            spec.activation_format,
-            *fields,
-            *w.sm90_operands(),
-            cuda_empty((N,), torch.bfloat16),
-            N,
-            torch.bfloat16,
-            w.engine,
-        )
+    y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16), w.engine)
     _assert_cuda_out(y, m)
     assert not guard.violations
     kernels = [launch.kernel.__name__ for launch in launches]
@@ -215,23 +210,9 @@ def test_cutlass_sm90_every_row_inexact_at_m512():
     checked): the fallback's shapes do not depend on the data, so here, on fake CUDA
     tensors, the guard sees no host sync, and the row-list GEMM has room for all 512 rows
     (nonzero_static at capacity >= M; its row tiles cover every row)."""
-    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
-    from vllm_mxplus.backends.triton.launch import capture_launches
-
     m, spec, w = 512, _spec("mxfp4-mbs"), _sm90_weight(0)
     x = cuda_empty((m, K), torch.bfloat16)
-    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
-    with capture_launches() as launches:
-        y, guard = guarded(
-            cutlass_gemm.prefill_sm90_fused_impl,
-            x,
-            spec.activation_format,
-            *fields,
-            *w.sm90_operands(),
-            None,
-            N,
-            torch.bfloat16,
-        )
+    y, guard, launches = _fused_sm90(x, spec, w, None)
     _assert_cuda_out(y, m)
     assert not guard.violations
     (rows_gemm,) = [launch for launch in launches if launch.kernel.__name__ == "_mx_gemm_kernel"]
