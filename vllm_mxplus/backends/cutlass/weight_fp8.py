@@ -57,6 +57,18 @@ WORD_SCALE_MIN, WORD_SCALE_MAX = tl.constexpr(1), tl.constexpr(254)
 
 
 @triton.jit
+def _load_block_scales(scales_ptr, rows, live_m, k0, K, stride_sm, NB: tl.constexpr):
+    """The E8M0 scale codes (int32) [rows, NB] of the tile's 16-blocks from K element k0;
+    code 0 past K (the padding's) and past N."""
+    sb = k0 // 16 + tl.arange(0, NB)
+    return tl.load(
+        scales_ptr + rows[:, None] * stride_sm + sb[None, :],
+        mask=live_m[:, None] & (sb[None, :] < (K + 15) // 16),
+        other=0,
+    ).to(tl.int32)
+
+
+@triton.jit
 def _store_chunk_scales(
     mbs_ptr, scale_ptr, ref, rows, live_m, in_rows, NCH, stride_mm, stride_sc,
     HAS_MBS: tl.constexpr, NC: tl.constexpr,
@@ -104,12 +116,7 @@ def _weight_fp8_words_kernel(
         mask=live_m[:, None] & (wj[None, :] < K // 8),
         other=0,
     )
-    sb = k0 // 16 + tl.arange(0, NB)
-    s = tl.load(
-        scales_ptr + rows[:, None] * stride_sm + sb[None, :],
-        mask=live_m[:, None] & (sb[None, :] < K // 16),
-        other=0,
-    ).to(tl.int32)
+    s = _load_block_scales(scales_ptr, rows, live_m, k0, K, stride_sm, NB)
 
     # ref per chunk: the largest scale of a block with a nonzero magnitude, minus TOP
     mag = tl.reshape(q & E2M1_MAGNITUDE_BITS, (BLOCK_M, NB, 2))
@@ -176,12 +183,7 @@ def _weight_fp8_chunks_kernel(
     neg = (c3 >> 3) & 1
 
     # E8M0 block scales (code 0 past K: the padding's), MBS bytes per chunk (0: F = 1)
-    sb = k0 // 16 + tl.arange(0, NB)
-    s = tl.load(
-        scales_ptr + rows[:, None] * stride_sm + sb[None, :],
-        mask=live_m[:, None] & (sb[None, :] < (K + 15) // 16),
-        other=0,
-    ).to(tl.int32)
+    s = _load_block_scales(scales_ptr, rows, live_m, k0, K, stride_sm, NB)
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
     byte, ref, _exact, _ok = encode_live(s, mag, neg, every, BLOCK_M, NC, NB, HW_FP8)
 
