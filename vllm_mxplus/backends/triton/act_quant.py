@@ -13,8 +13,9 @@ global scale taken per row (`per_row=True`), as the activation path requires.
 Numerics that the GPU could get wrong and how they are avoided:
 - fp32 `/` in Triton lowers to an approximate division; 6/a and the nvfp4 divisions use
   `tl.math.div_rn` (IEEE round to nearest), as the reference does.
-- `max` reductions on the GPU drop NaN; NaN is first mapped to +inf, so a block holding NaN
-  or Inf has absmax +inf, which every rule below treats as "non-finite".
+- `max` reductions on the GPU drop NaN; block and macro-block maxima of |x| are taken on
+  the bits (`nan_max`: for fp32 >= 0 the int32 order, NaN above +inf), so a block holding
+  NaN or Inf has a non-finite absmax, which every rule below treats as "non-finite".
 - Scale exponents and 2^k factors come from integer bit manipulation, never libdevice (whose
   FTZ reflection would flush fp32 subnormals).
 - Row offsets are 64-bit: row * stride wraps in int32 once M*K >= 2^31 (131k tokens at
@@ -34,7 +35,6 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     NVFP4_BLOCK,
     NVFP4_GLOBAL_DIV,
-    abs_nan_to_inf,
     e8m0_block_quant_abs,
     load_f32,
     load_row_tile,
@@ -88,17 +88,17 @@ def _mx_act_quant_kernel(
 
     if HAS_MBS:
         NM: tl.constexpr = BLOCK_K // MACRO
-        # |fp32(x F)| = fp32(|x| F), NaN as +inf either way, and x F has x's sign (F >= 1):
-        # the block quantizer gets both from x, without y = x F itself
+        # |fp32(x F)| = fp32(|x| F) (NaN stays NaN), and x F has x's sign (F >= 1): the block
+        # quantizer gets both from x, without y = x F itself
         m, f, _ = mbs_static_scale(x, BLOCK_M, NM, MACRO)
         ay = tl.reshape(
-            tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, BLOCK_K)
+            tl.reshape(tl.abs(x), (BLOCK_M, NM, MACRO)) * f[:, :, None], (BLOCK_M, BLOCK_K)
         )
         store_row_tile(
             mbs_ptr, m.to(tl.uint8), offs_m, mask_m, stride_mm, pid_k, tl.cdiv(K, MACRO), NM
         )
     else:
-        ay = abs_nan_to_inf(x)
+        ay = tl.abs(x)
 
     NB: tl.constexpr = BLOCK_K // BLOCK
     code, mag, neg = e8m0_block_quant_abs(x, ay, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)

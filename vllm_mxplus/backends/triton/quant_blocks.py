@@ -35,8 +35,9 @@ MANTISSA_THRESHOLD = {"ocp": NO_THRESHOLD, "floor": C.FLOOR_MANTISSA, "oas": C.O
 
 
 @triton.jit
-def e2m1_magnitude_code(v):
-    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0.
+def e2m1_magnitude_code(v, NAN_FREE: tl.constexpr = False):
+    """E2M1 magnitude codes 0..7 (int32) of scaled fp32 values v >= 0; ties to even, NaN -> 0
+    (NAN_FREE: the caller replaces the codes of NaN elements itself, and skips the check).
 
     One fp32 addition rounds v to the E2M1 grid: v + 2^22 (ulp 0.5) below 2, v + 2^23
     (ulp 1) below 4, v + 2^24 (ulp 2) above, each a single round-to-nearest-even of the
@@ -48,7 +49,9 @@ def e2m1_magnitude_code(v):
     magic = tl.where(v < 2.0, E2M1_RND_HALF, tl.where(v < 4.0, E2M1_RND_ONE, E2M1_RND_TWO))
     r = tl.minimum((v + magic) - magic, E2M1_MAX)
     c = (r * E2M1_TO_CODE).to(tl.int32, bitcast=True) >> 22
-    return tl.where(v == v, c, 0)
+    if not NAN_FREE:
+        c = tl.where(v == v, c, 0)
+    return c
 
 
 @triton.jit
@@ -66,25 +69,28 @@ def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def abs_nan_to_inf(x):
-    """|x| with NaN replaced by +inf, so max reductions see non-finite blocks on any backend."""
-    ax = tl.abs(x)
-    return tl.where(ax == ax, ax, float("inf"))
+def nan_max(ax, axis: tl.constexpr):
+    """max of non-negative fp32 values ax (|x|: NaN with the sign bit clear allowed) along
+    axis, NaN when any is NaN. Taken on the bits: for fp32 >= 0 the int32 order is the float
+    order, +inf's bits (0x7F800000) lie above every finite value's and NaN's above +inf's,
+    where a float max on the GPU drops NaN. One integer max per element, no NaN test."""
+    return tl.max(ax.to(tl.int32, bitcast=True), axis=axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def e8m0_code(absmax, MANT_THRESHOLD: tl.constexpr):
     """E8M0 code (int32) of a block absmax >= 0 (+inf for a non-finite block).
 
-    code = biased_exp(a) - 2 + d, clamped to [0, 254]; 255 for +inf. A subnormal or zero
-    absmax has biased exponent 0, so it lands on code 0, as the reference's clamp does.
+    code = biased_exp(a) - 2 + d, clamped to [0, 254]; 255 for +inf or NaN (`nan_max`). A
+    subnormal or zero absmax has biased exponent 0, so it lands on code 0, as the reference's
+    clamp does.
     """
     bits = absmax.to(tl.int32, bitcast=True)
     e = (bits >> 23) & 0xFF
     if MANT_THRESHOLD >= 0:
         e += ((bits & 0x7FFFFF) > MANT_THRESHOLD).to(tl.int32)
     code = tl.minimum(tl.maximum(e - 2, 0), 254)
-    return tl.where(absmax == float("inf"), E8M0_NAN, code)
+    return tl.where(absmax < float("inf"), code, E8M0_NAN)  # NaN compares false
 
 
 @triton.jit
@@ -132,8 +138,8 @@ def mbs_static_scale(x, BLOCK_M: tl.constexpr, NM: tl.constexpr, MACRO: tl.const
 
     Paper eq. 3: m = 8 leading mantissa bits of fp32(6 / a); a = 0 or a non-finite macro
     block -> m = 0."""
-    a = tl.max(tl.reshape(abs_nan_to_inf(x), (BLOCK_M, NM, MACRO)), axis=2)
-    finite = (a > 0.0) & (a < float("inf"))
+    a = nan_max(tl.reshape(tl.abs(x), (BLOCK_M, NM, MACRO)), 2)
+    finite = (a > 0.0) & (a < float("inf"))  # NaN compares false
     r = tl.math.div_rn(tl.full(a.shape, E2M1_MAX, tl.float32), tl.where(finite, a, 1.0))
     m = (r.to(tl.int32, bitcast=True) & MBS_STATIC_MASK) >> MBS_STATIC_SHIFT
     m = tl.where(finite, m, 0)
@@ -151,7 +157,7 @@ def e8m0_block_quant(
     """E8M0 block quantization of fp32 y [BLOCK_M, NB*BLOCK]: (scale codes int32 [BM, NB],
     255 = NaN block; magnitude codes [BM, NB, BLOCK]; sign bits [BM, NB, BLOCK]). Elements
     of a NaN block get magnitude and sign 0."""
-    return e8m0_block_quant_abs(y, abs_nan_to_inf(y), MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+    return e8m0_block_quant_abs(y, tl.abs(y), MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
 
 
 @triton.jit
@@ -163,12 +169,14 @@ def e8m0_block_quant_abs(
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """`e8m0_block_quant` of y given ay = |y| with NaN as +inf (`abs_nan_to_inf`) and any
-    tensor sgn with y's signs (the MBS-S quantizer passes x for y = x F, F > 0)."""
+    """`e8m0_block_quant` of y given ay = |y| (NaN with the sign bit clear, as tl.abs and a
+    product of it by F > 0 leave it) and any tensor sgn with y's signs (the MBS-S quantizer
+    passes x for y = x F)."""
     ay = tl.reshape(ay, (BLOCK_M, NB, BLOCK))
-    code = e8m0_code(tl.max(ay, axis=2), MANT_THRESHOLD)
+    code = e8m0_code(nan_max(ay, 2), MANT_THRESHOLD)
     nan_blk = (code == E8M0_NAN)[:, :, None]
-    mag = tl.where(nan_blk, 0, e2m1_magnitude_code(ay * e8m0_reciprocal(code)[:, :, None]))
+    # a NaN in ay makes its block's code 255, whose elements are 0 here: no NaN test needed
+    mag = tl.where(nan_blk, 0, e2m1_magnitude_code(ay * e8m0_reciprocal(code)[:, :, None], True))
     neg = tl.reshape((sgn.to(tl.int32, bitcast=True) < 0).to(tl.int32), (BLOCK_M, NB, BLOCK))
     return code, mag, tl.where(nan_blk, 0, neg)
 
