@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 
 import pytest
 import torch
@@ -148,15 +149,53 @@ def test_pack_weight_holds_the_same_codes(ck):
     q = quantize(torch.randn(n, k), "mxfp4-mbs-d")
     wc, ws, wm = ck.pack_weight(q.codes, q.scales, q.mbs, k, "mxfp4-mbs-d", MACRO_BLOCK)
     nt, groups = 3, 4  # ceil(37 / 16), ceil(50 / 16)
-    b = wc.view(nt, groups, 2, 16, 4).long()  # [tile, group, half q, row i, j]
-    lo, hi = b & 15, b >> 4
     # element 16g + 8q + j (low nibble) and 16g + 8q + 4 + j (high nibble)
-    codes = torch.stack([lo, hi], dim=-2).permute(0, 3, 1, 2, 4, 5).reshape(nt * 16, groups * 16)
+    codes = _tile_codes(wc, nt, groups)
     want = torch.zeros(nt * 16, groups * 16, dtype=torch.long)
     want[:n, :k] = unpack_fp4(q.codes, k).long()
     assert torch.equal(codes, want)
     assert torch.equal(ws.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)[:n], q.scales)
     assert torch.equal(wm.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)[:n], q.mbs)
+
+
+def _tile_codes(wc: torch.Tensor, nt: int, groups: int) -> torch.Tensor:
+    """The codes [nt * 16, groups * 16] of packed tiles (the layout of pack_weight)."""
+    b = wc.view(nt, groups, 2, 16, 4).long()  # [tile, group, half q, row i, j]
+    lo, hi = b & 15, b >> 4
+    return torch.stack([lo, hi], dim=-2).permute(0, 3, 1, 2, 4, 5).reshape(nt * 16, groups * 16)
+
+
+def test_pack_weight_large_tiles_same_bytes(ck):
+    """Tiles of 2 MiB and more come from the huge-page allocation (mx_tiles.h zeros_tiles,
+    2 MiB aligned on Linux): the same layout and bytes as the small ones, padding zero."""
+    n, k = 8190, 4096  # codes 16 MiB, scales 2 MiB, MBS bytes 256 KiB; two padding rows
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (n, k // 16), dtype=torch.uint8, generator=g)
+    mbs = torch.randint(0, 256, (n, k // 128), dtype=torch.uint8, generator=g)
+    wc, ws, wm = ck.pack_weight(codes, scales, mbs, k, "mxfp4-mbs-s", MACRO_BLOCK)
+    nt, groups = 512, 256
+    if sys.platform == "linux":
+        assert wc.data_ptr() % (2 << 20) == 0 and ws.data_ptr() % (2 << 20) == 0
+    want = torch.zeros(nt * 16, groups * 16, dtype=torch.long)
+    want[:n] = unpack_fp4(codes, k).long()
+    assert torch.equal(_tile_codes(wc, nt, groups), want)
+    tiles_scales = ws.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)
+    assert torch.equal(tiles_scales[:n], scales) and not tiles_scales[n:].any()
+    tiles_mbs = wm.view(nt, -1, 16).transpose(1, 2).reshape(nt * 16, -1)
+    assert torch.equal(tiles_mbs[:n], mbs) and not tiles_mbs[n:].any()
+
+
+@pytest.mark.parametrize("m", [1, 4, 5], ids=lambda m: f"M{m}")
+def test_linear_large_weight_matches_float64(ck, m):
+    """A weight whose tiles take the huge-page allocation (codes 2 MiB): the GEMM within the
+    bound of the float64 product of formats' values."""
+    n, k, wf = 2048, 2048, "mxfp4-mbs-s"
+    g = torch.Generator().manual_seed(m)
+    q = quantize(torch.randn(n, k, generator=g) * 0.05, wf)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    y = ck.mx_linear(x, wf, wf, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK)
+    _assert_within_bound(y, _reference(x, q, wf, None), torch.float32, k, wf, wf)
 
 
 def _reference(x, q, act_fmt, bias):

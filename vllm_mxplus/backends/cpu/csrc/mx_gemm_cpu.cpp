@@ -258,9 +258,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_detail::pack_tiles(const at:
               ", got ", mbs.sizes(), " (macro ", macro, ")");
   const at::Tensor c = codes.contiguous(), s = scales.contiguous(), mb = mbs.contiguous();
   auto opts = codes.options();
-  at::Tensor wc = at::zeros({nt, groups * kGroupBytes}, opts);
-  at::Tensor ws = at::zeros({nt, nb * kTileN}, opts);
-  at::Tensor wm = at::zeros({has_mbs ? nt : 0, nm * kTileN}, opts);
+  at::Tensor wc = zeros_tiles({nt, groups * kGroupBytes}, opts);  // huge pages where offered
+  at::Tensor ws = zeros_tiles({nt, nb * kTileN}, opts);
+  at::Tensor wm = zeros_tiles({has_mbs ? nt : 0, nm * kTileN}, opts);
   const uint8_t* cp = c.data_ptr<uint8_t>();
   const int64_t kc = c.size(1);
   auto code_at = [&](int64_t n, int64_t kk) -> int {

@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mxplus_pack_weight(const at::Tens
   at::Tensor c = codes.contiguous().clone();
   uint8_t* cp = c.data_ptr<uint8_t>();
   const int64_t kc = c.size(1);
-  at::Tensor wbm = at::zeros({nt, nb * 2 * kTileN}, codes.options());
+  at::Tensor wbm = zeros_tiles({nt, nb * 2 * kTileN}, codes.options());
   uint8_t* bp = wbm.data_ptr<uint8_t>();
   std::vector<uint8_t> twice(N * nb, 0);  // 2 * |value| of each block max (0: none)
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {

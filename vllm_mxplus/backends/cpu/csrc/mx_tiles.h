@@ -5,6 +5,10 @@
 
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "mx_cpu_common.h"
 
 namespace mxplus_cpu {
@@ -16,6 +20,30 @@ constexpr int kGroupBytes = kTileN * kGroupK / 2;
 constexpr int kMaxTileM = 8;    // activation rows per register tile
 constexpr int kTilesPerPass = 4;  // weight tiles sharing one pass over an activation row tile
 constexpr int kOffset = 12;     // unsigned weight byte = 2 * value + 12 in [0, 24]
+
+// A zeroed uint8 tensor for packed weight tiles, in 2 MiB-aligned memory advised to the
+// kernel as transparent huge pages (Linux MADV_HUGEPAGE; a hint, so where THP is off or
+// `never` it is plain memory). The kernels stream a model's tiles from memory once per call;
+// on 4 KiB pages each page of a tile's code stream is a TLB miss and the hardware prefetchers
+// stop at its end. The bytes are those of at::zeros; below 2 MiB, or off Linux, at::zeros.
+inline at::Tensor zeros_tiles(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  int64_t bytes = 1;
+  for (const int64_t s : sizes) bytes *= s;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr int64_t kHuge = int64_t{2} << 20;
+  if (bytes >= kHuge) {
+    const int64_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, static_cast<size_t>(len));
+    if (p != nullptr) {
+      madvise(p, static_cast<size_t>(len), MADV_HUGEPAGE);  // a hint: failure is harmless
+      std::memset(p, 0, static_cast<size_t>(bytes));
+      return at::from_blob(p, sizes, [](void* q) { std::free(q); },
+                           opts.dtype(at::kByte).device(at::kCPU));
+    }
+  }
+#endif
+  return at::zeros(sizes, opts.dtype(at::kByte));
+}
 
 struct WeightTiles {
   const uint8_t* codes;   // [nt, groups, 128]: see pack_weight for the byte order
