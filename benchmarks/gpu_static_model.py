@@ -22,12 +22,15 @@ tensor peak) and the ratio. Published peak figures used (dense, boost clock):
     H200 SXM: 132 SMs x 4 schedulers x 1.98 GHz; HBM3e 4.8 TB/s; bf16 989, FP8 1979 TFLOPS
     B200:     148 SMs x 4 schedulers x 1.965 GHz; HBM3e 8.0 TB/s; bf16 2250, FP8 4500 TFLOPS
 
-Above 16 rows two prefill paths are estimated: the packed Triton GEMM (`mx_gemm`) and the
-FP8-chunk pipeline (`triton-fp8-prefill`: the weight re-encoded to FP8 per call, the
-activations encoded by `act_fp8`, the Triton FP8 GEMM on the FP8 tensor cores), three
-kernels one after the other; the table shows the path the backends pick at that M
-(`FP8_PREFILL_MIN_M`) and the other one's estimate beside it. Column `quant`: the activation
-quantizer (packed path), or both encoders (FP8 path: the weight's per call, the activations').
+Above 16 rows three paths are estimated: the batched decode (the decode GEMM on x_hat with 32-
+or 64-row tiles, one pass over the weight per row tile; `triton-decode` serves it up to
+`BATCHED_DECODE_MAX_M`), the packed Triton GEMM (`mx_gemm`) and the FP8-chunk pipeline
+(`triton-fp8-prefill`: the weight re-encoded to FP8 per call, the activations encoded by
+`act_fp8`, the Triton FP8 GEMM on the FP8 tensor cores, three kernels one after the other);
+the table shows the path the backends pick at that M (`FP8_PREFILL_MIN_M`) and the fastest
+other path's estimate beside it. Column `quant`: the activation quantizer (with x_hat on the
+decode paths: its instruction count without x_hat, 2 more bytes per element written), or
+both encoders (FP8 path: the weight's per call, the activations').
 
 Every figure printed is an estimate from the code's instruction counts and these peaks, not
 a measurement: `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent.
@@ -63,6 +66,7 @@ MS = (1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written
+HAT_BYTES = 2  # the decode path's x_hat per element: written by act-quant, read by the GEMM
 FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 scale per 128
 ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128  # act_fp8: bf16 read; FP8, scale, ref/MBS/exact written
 
@@ -122,11 +126,11 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     n, k = 4096, 4096
     bf16 = torch.bfloat16
 
-    def decode(af: str, wf: str) -> Callable[[], None]:
-        def go() -> None:
-            x, w = _gemm_operand(1, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
+    def decode(af: str, wf: str, rows: int = 1) -> Callable[[], None]:
+        def go() -> None:  # rows > 16: the batched decode's 32- / 64-row tiles
+            x, w = _gemm_operand(rows, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
             # the serving path: `act_quant_hat`'s x_hat, weight scales checked at load
-            x_hat = _meta((1, hat_cols(k)), bf16)
+            x_hat = _meta((rows, hat_cols(k)), bf16)
             decode_gemm(
                 *x,
                 *w,
@@ -185,6 +189,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     return {
         "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
         "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
+        "decode mxfp4-mbs 32 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 32)),
+        "decode mxfp4-mbs 64 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 64)),
         "decode nvfp4": ("decode", "weight", decode_mx("nvfp4", 16)),
         "decode mxplus": ("decode", "weight", decode_mx("mxplus", 32)),
         "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
@@ -262,8 +268,10 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
     quantizer or encoder before each) and bf16, each max(issue, tensor, memory). held: with
     VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (the weight's FP8 form held from load)."""
     from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M, FP8_PREFILL_MIN_M
+    from vllm_mxplus.backends.triton.linear import BATCHED_DECODE_MAX_M, HELD_DECODE_MAX_M
 
     fp8_min_m = FP8_HELD_MIN_M if held else FP8_PREFILL_MIN_M
+    wide_max_m = HELD_DECODE_MAX_M if held else BATCHED_DECODE_MAX_M
 
     _, _, _, bw, bf16_flops, _ = GPUS[gpu]
     issue_rate = _issue_rate(gpu)
@@ -274,27 +282,36 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
                     counts["act-quant mxfp4-mbs-s"])  # fmt: skip
     rows = []
     for m in MS:
+        memory = (weights * BYTES_PER_WEIGHT + m * act_k * ACT_BYTES) / bw
+        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
         if m <= DECODE_MAX_M:
             issue = dec.per_unit * weights / issue_rate
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
-            kernel = "decode"
+            kernel, bounds, fp8 = "decode", (issue, tensor, memory), None
         else:
             padded = _whole_tiles(m, pre.block_m)
-            issue = pre.per_unit * padded * weights / issue_rate
-            tensor = padded * weights / mac_rate
-            kernel = "prefill"
-        memory = (weights * BYTES_PER_WEIGHT + m * act_k * ACT_BYTES) / bw
-        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
-        packed = max(issue, tensor, memory) + act
-        bounds = (issue, tensor, memory)
-        fp8 = None
-        if m > DECODE_MAX_M:
+            packed_bounds = (pre.per_unit * padded * weights / issue_rate,
+                             padded * weights / mac_rate, memory)  # fmt: skip
+            kernel, bounds = "prefill", packed_bounds
+            # the batched decode: 32- or 64-row tiles, each a pass over the weight
+            tile = 32 if m <= 32 else 64
+            wide = counts[f"decode mxfp4-mbs {tile} rows"]
+            passes = -(-m // tile)
+            wide_bounds = (wide.per_unit * weights * passes / issue_rate,
+                           passes * tile * weights / mac_rate,
+                           (passes * weights * BYTES_PER_WEIGHT + m * act_k * HAT_BYTES) / bw)  # fmt: skip
             fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k, held)
-            fp8 = max(fp8_bounds) + enc
-            if m >= fp8_min_m:
+            # the quantizer also writes x_hat for the decode GEMM (2 bytes per element)
+            act_hat = max(act, m * act_k * (ACT_BYTES + HAT_BYTES) / bw)
+            paths = {"prefill": max(packed_bounds) + act, "decode": max(wide_bounds) + act_hat,
+                     "fp8": max(fp8_bounds) + enc}  # fmt: skip
+            if m <= wide_max_m:
+                kernel, bounds, act = "decode", wide_bounds, act_hat
+            elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
+            fp8 = min(v for p_, v in paths.items() if p_ != kernel)
         ours = max(bounds) + act
-        other = None if fp8 is None else (packed if kernel == "fp8" else fp8)
+        other = fp8  # the fastest path the backends do not take at this M
         bf16 = max(weights * 2 / bw, m * weights / mac_rate)
         rows.append({
             "gpu": gpu, "M": m, "kernel": kernel,

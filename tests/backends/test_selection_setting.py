@@ -78,7 +78,7 @@ def test_a_decode_only_backend_forced_on_cuda_leaves_prefill_unserved(monkeypatc
         TritonDecodeBackend, "is_supported", classmethod(lambda c, p, cap: (True, ""))
     )
     with pytest.raises(
-        BackendUnavailable, match=r"leaves M >= 17 unserved.*triton-decode,reference"
+        BackendUnavailable, match=r"leaves M >= 129 unserved.*triton-decode,reference"
     ):
         selection.select(LIN, "cuda", 90, "model.layers.0.x")
 
@@ -116,7 +116,7 @@ def test_settings_are_read_when_used_not_at_import(monkeypatch):
 def test_every_module_reads_its_settings_when_used(monkeypatch):
     """The CUTLASS prefill range, the CPU kernels' switch and -march follow a variable set
     after import (vLLM sets them in worker processes, tests per case)."""
-    assert CutlassPrefillBackend.m_range() == (17, None)
+    assert CutlassPrefillBackend.m_range() == (129, None)
     monkeypatch.setenv(settings.PREFILL_MIN_M.name, "33")
     assert CutlassPrefillBackend.m_range() == (33, None)
     assert not CutlassPrefillBackend.supports_m(32) and CutlassPrefillBackend.supports_m(33)

@@ -33,7 +33,75 @@ def test_rejections_name_the_reason():
     assert not ok and "output dtype" in why
     for scheme in SCHEMES:  # every scheme: E8M0 (+ MBS), NVFP4, MX+
         assert TritonDecodeBackend.can_implement(LinearSpec(scheme, 64, 64, torch.bfloat16))[0]
-    assert TritonDecodeBackend.supports_m(16) and not TritonDecodeBackend.supports_m(17)
+    assert TritonDecodeBackend.supports_m(128) and not TritonDecodeBackend.supports_m(129)
+
+
+def test_decode_range_follows_the_settings(monkeypatch):
+    """Batched decode up to 128 rows by default; 64 with the weight's FP8 form held (that
+    pipeline is estimated ahead above); below VLLM_MXPLUS_PREFILL_MIN_M, never under 16."""
+    from vllm_mxplus import settings
+    from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
+
+    assert TritonDecodeBackend.m_range() == (1, 128)
+    assert TritonFp8PrefillBackend.m_range() == (129, None)
+    monkeypatch.setenv(settings.FP8_WEIGHT_HELD.name, "1")
+    assert TritonDecodeBackend.m_range() == (1, 64)
+    assert TritonFp8PrefillBackend.m_range() == (65, None)
+    monkeypatch.delenv(settings.FP8_WEIGHT_HELD.name)
+    monkeypatch.setenv(settings.PREFILL_MIN_M.name, "33")
+    assert TritonDecodeBackend.m_range() == (1, 32)
+    monkeypatch.setenv(settings.PREFILL_MIN_M.name, "5")
+    assert TritonDecodeBackend.m_range() == (1, 16)
+
+
+@pytest.mark.parametrize(
+    "macro_block,k,m,want",
+    [
+        (128, 256, 40, ("_decode_gemm_kernel", 64)),  # x_hat path: 64-row tiles
+        (128, 256, 20, ("_decode_gemm_kernel", 32)),
+        (128, 256, 8, ("_decode_gemm_kernel", 16)),
+        (64, 256, 40, ("_mx_gemm_kernel", None)),  # steps of 64: no x_hat, mx_gemm above 16
+        (64, 256, 8, ("_decode_gemm_kernel", 16)),
+        (128, 200, 40, ("_mx_gemm_kernel", None)),  # code rows that do not vectorize
+    ],
+)
+def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
+    """What `triton-decode` launches above 16 rows (the GPU's tiles, `capture_launches`):
+    the decode GEMM on x_hat with 32- / 64-row tiles where the layer takes x_hat, else
+    `mx_gemm` as `triton-gemm` would."""
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    spec = LinearSpec(get_scheme("mxfp4-mbs", macro_block), 64, k, torch.bfloat16)
+    w = quantize(torch.randn(64, k) * 0.1, spec.weight_format, macro_block=macro_block)
+    layer = torch.nn.Module()
+    backend = TritonDecodeBackend(spec)
+    backend.process_weights_after_loading(layer, w)
+    with capture_launches() as launches:
+        backend.apply(layer, torch.randn(m, k).to(torch.bfloat16), None)
+    gemm = launches[-1]
+    assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
+    if gemm.kernel.__name__ == "_decode_gemm_kernel":
+        assert gemm.kwargs["X_HAT"] == (macro_block == 128 and k % 32 == 0)
+        assert gemm.kwargs["W_FOLD"] == gemm.kwargs["WORDS"]  # trained-size weights fold
+
+
+def test_batched_decode_matches_formats(triton_device):
+    """TritonDecodeBackend.apply for 40 rows (the batched x_hat path) against the float64
+    product of the `formats` operands, within the decode GEMM's bound."""
+    n, k = 48, 512
+    spec = LinearSpec(get_scheme("mxfp4-mbs", 128), n, k, torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    qw = quantize(w.to(triton_device), spec.weight_format, macro_block=128)
+    layer = torch.nn.Module()
+    backend = TritonDecodeBackend(spec)
+    backend.process_weights_after_loading(layer, qw)
+    y = backend.apply(layer, x.to(triton_device), None).double().cpu()
+    qx = quantize(x.to(triton_device), spec.activation_format, macro_block=128)
+    xh, wh = qx.dequantize().double().cpu(), qw.dequantize().double().cpu()
+    y64, scale = xh @ wh.T, xh.abs() @ wh.abs().T
+    assert ((y - y64).abs() <= 2.0**-16 * scale + 2.0**-8 * y64.abs()).all()
 
 
 @pytest.mark.parametrize(
@@ -126,11 +194,11 @@ def test_small_macro_blocks_get_triton_for_every_m(
 def test_macro_block_128_prefill_is_cutlass_where_built_else_triton(
     monkeypatch, triton_device, cutlass
 ):
-    """N = 128: decode Triton; prefill CUTLASS where built (first in the priority order),
-    else the FP8-chunk pipeline on Triton's FP8 GEMM from FP8_PREFILL_MIN_M rows and the
-    packed Triton GEMM between, never the reference."""
+    """N = 128: decode Triton (batched up to 128 rows); prefill CUTLASS where built (first in
+    the priority order), else the FP8-chunk pipeline on Triton's FP8 GEMM from
+    FP8_PREFILL_MIN_M rows; the packed Triton GEMM is then covered, never the reference."""
     chosen = _cuda_selection(monkeypatch, 128, cutlass)
-    without = ["triton-decode", "triton-fp8-prefill", "triton-gemm"]
+    without = ["triton-decode", "triton-fp8-prefill"]
     assert chosen == (["triton-decode", "cutlass_prefill"] if cutlass else without)
 
 
@@ -143,7 +211,7 @@ def test_every_scheme_gets_triton_for_every_m_without_cutlass(monkeypatch, trito
     fp8 = TritonFp8PrefillBackend.can_implement(
         LinearSpec(get_scheme(scheme, 128), 64, 4096, torch.bfloat16)
     )[0]
-    want = ["triton-decode", "triton-fp8-prefill", "triton-gemm"] if fp8 else None
+    want = ["triton-decode", "triton-fp8-prefill"] if fp8 else None
     assert _cuda_selection(monkeypatch, 128, False, scheme) == (
         want or ["triton-decode", "triton-gemm"]
     )

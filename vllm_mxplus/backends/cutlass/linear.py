@@ -1,6 +1,6 @@
 """The prefill backends of the FP8-chunk / FP4 pipelines (`gemm`) on sm_90 / sm_100.
 
-- `cutlass_prefill` (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 17) where the CUTLASS extension
+- `cutlass_prefill` (M >= VLLM_MXPLUS_PREFILL_MIN_M, default 129) where the CUTLASS extension
   is built: sm_90a's FP8-chunk GEMM, sm_100a's block-scaled FP4 MMA.
 - `triton-fp8-prefill` (M >= FP8_PREFILL_MIN_M) where it is not: the same FP8-chunk pipeline
   (weight re-encoded per call, activations by `act_fp8`, the exact fallback) with Triton's
@@ -29,25 +29,25 @@ from vllm_mxplus.backends.cutlass.build import arch_of, is_available
 from vllm_mxplus.backends.cutlass.fp8_chunks import BLOCK, CHUNK
 from vllm_mxplus.backends.cutlass.gemm import prefill_gemm_from_x, prepare_weight
 from vllm_mxplus.backends.triton import launch
+from vllm_mxplus.backends.triton.linear import BATCHED_DECODE_MAX_M, HELD_DECODE_MAX_M
 from vllm_mxplus.formats import QuantizedTensor, get_format
 
-# The smallest M the Triton FP8-chunk pipeline serves: where its static estimate for
-# Llama-3-8B's linears passes the packed Triton GEMM's on H200 and B200, which is where the
-# packed GEMM's 64-row MBS tile count doubles (`benchmarks/gpu_static_model.py` prints both
-# paths at each M; docs/benchmarks.md).
-FP8_PREFILL_MIN_M = 65
-# With the weight's FP8 form held from load (VLLM_MXPLUS_FP8_WEIGHT_HELD=1) nothing is
-# re-encoded per call and the pipeline's estimate passes the packed GEMM's from the first
-# prefill row (docs/benchmarks.md)
-FP8_HELD_MIN_M = 17
+# The smallest M the Triton FP8-chunk pipeline serves: above the decode GEMM's batched range
+# (`triton.linear.decode_max_m`), where its static estimate for Llama-3-8B's linears passes
+# the decode GEMM's 64-row tiles (`benchmarks/gpu_static_model.py` prints the paths at each M;
+# docs/benchmarks.md); with the weight's FP8 form held from load (VLLM_MXPLUS_FP8_WEIGHT_HELD=1)
+# nothing is re-encoded per call and it passes them from 65 rows.
+FP8_PREFILL_MIN_M = BATCHED_DECODE_MAX_M + 1
+FP8_HELD_MIN_M = HELD_DECODE_MAX_M + 1
 
 
 class CutlassPrefillBackend(LinearBackend):
-    """Prefill on sm_90a / sm_100a; registered after the Triton decode backend (M <= 16)."""
+    """Prefill on sm_90a / sm_100a; registered after the Triton decode backend (M below
+    VLLM_MXPLUS_PREFILL_MIN_M)."""
 
     name = "cutlass_prefill"
     WEIGHT_ATTR = "mxplus_cutlass_weight"
-    min_m = int(settings.PREFILL_MIN_M.default)  # decode kernels serve M <= 16
+    min_m = int(settings.PREFILL_MIN_M.default)  # the decode kernels serve below it
 
     @classmethod
     def m_bounds(cls) -> tuple[int, int | None]:

@@ -1,10 +1,12 @@
 """The Triton backends on CUDA: fused activation quantizer + FP4 GEMM, every scheme, every M.
 
-- `triton-decode` (M <= DECODE_MAX_M): E8M0 schemes run the memory-bound decode GEMM
-  (`decode_gemm`: the packed weight, its E8M0 scales and MBS bytes streamed once); NVFP4 and
-  MX+ run `mx_gemm` with the same 16 x 32 decode tile and split-K.
-- `triton-gemm` (M > DECODE_MAX_M): `mx_gemm` with 64 x 64 output tiles, every format (E8M0 at
-  block 16 / 32 with MBS at any power-of-two macro block 16..2048, NVFP4, MX+).
+- `triton-decode` (M <= `decode_max_m()`, 128 by default): E8M0 schemes run the memory-bound
+  decode GEMM (`decode_gemm`: the packed weight, its E8M0 scales and MBS bytes streamed once;
+  16-row tiles up to DECODE_MAX_M, 32 / 64 above on the x_hat path); NVFP4 and MX+, and
+  layers off the x_hat path above DECODE_MAX_M, run `mx_gemm` (its decode or prefill tiles).
+- `triton-gemm` (M > DECODE_MAX_M where the backends before it leave M): `mx_gemm` with
+  prefill tiles, every format (E8M0 at block 16 / 32 with MBS at any power-of-two macro block
+  16..2048, NVFP4, MX+).
 Weights stay packed (codes, scales, MBS bytes / MX+ block-max indices, NVFP4 global scales:
 ~0.57 bytes per weight), never an fp32 copy; activations are quantized by the fused Triton
 quantizers into the same layout, bit for bit with `vllm_mxplus.formats`. Where the CUTLASS
@@ -21,6 +23,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.base import (
     Layer,
     LinearBackend,
@@ -37,12 +40,29 @@ from vllm_mxplus.backends.triton.mx_gemm import operand_format
 from vllm_mxplus.backends.triton.ops import act_quant_hat_op, act_quant_op, decode_gemm_op
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
-DECODE_MAX_M = 16
+DECODE_MAX_M = 16  # the decode GEMM's 16-row tile: every E8M0 layer up to here
+# Batched decode: on the x_hat word path (`decode_gemm.takes_x_hat`) the decode GEMM's 32- and
+# 64-row tiles serve up to BATCHED_DECODE_MAX_M rows, where the static estimate for
+# Llama-3-8B's linears puts them ahead of the prefill pipelines (two 64-row tiles at M = 128:
+# ~1.2x bf16 on H200, where the FP8-chunk pipeline's per-call weight encode gives ~0.7x;
+# `benchmarks/gpu_static_model.py`, docs/benchmarks.md); up to HELD_DECODE_MAX_M when the
+# weight's FP8 form is held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1: that pipeline is ahead above 64).
+# Layers off that path use `mx_gemm` above DECODE_MAX_M, as `triton-gemm` does.
+BATCHED_DECODE_MAX_M = 128
+HELD_DECODE_MAX_M = 64
 # codes, scales (E8M0 bytes, or float8_e4m3fn for NVFP4), and the MBS bytes or MX+ block-max
 # indices (None otherwise)
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 GLOBAL_ATTR = "mxplus_w_global"  # NVFP4: fp32 global scale of each weight row [N]
 SMALL_SCALES_ATTR = "mxplus_w_small_scales"  # `decode_gemm.small_weight_scales` of the weight
+
+
+def decode_max_m() -> int:
+    """The largest M `triton-decode` serves now: BATCHED_DECODE_MAX_M (HELD_DECODE_MAX_M with
+    the weight's FP8 form held), and below VLLM_MXPLUS_PREFILL_MIN_M, where the prefill
+    GEMMs start."""
+    top = HELD_DECODE_MAX_M if settings.fp8_weight_held() else BATCHED_DECODE_MAX_M
+    return max(DECODE_MAX_M, min(top, settings.prefill_min_m() - 1))
 
 
 def mx_gemm_only(weight_format: str, activation_format: str) -> bool:
@@ -103,8 +123,12 @@ class TritonKernels:
 class TritonDecodeBackend(TritonKernels, LinearBackend):
     name = "triton-decode"
     min_m: int = 1
-    max_m: int | None = DECODE_MAX_M
+    max_m: int | None = BATCHED_DECODE_MAX_M
     kernel = True  # self-tested against `formats` at first use
+
+    @classmethod
+    def m_bounds(cls) -> tuple[int, int | None]:
+        return cls.min_m, decode_max_m()
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -155,12 +179,15 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
     ) -> Tensor:
         spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
-        if mx_gemm_only(spec.weight_format, spec.activation_format):
+        hat = takes_x_hat(spec.k, spec.macro_block, bool(get_format(spec.activation_format).mbs))
+        if mx_gemm_only(spec.weight_format, spec.activation_format) or (
+            x2.shape[0] > DECODE_MAX_M and not hat
+        ):  # mx_gemm's decode or prefill tiles (it picks them by M)
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
 
         x_hat = None
-        if takes_x_hat(spec.k, spec.macro_block, bool(get_format(spec.activation_format).mbs)):
+        if hat:
             a_codes, a_scales, a_mbs, x_hat = act_quant_hat_op(
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
@@ -194,6 +221,10 @@ class TritonGemmBackend(TritonDecodeBackend):
     name = "triton-gemm"
     min_m: int = DECODE_MAX_M + 1
     max_m: int | None = None
+
+    @classmethod
+    def m_bounds(cls) -> tuple[int, int | None]:
+        return cls.min_m, cls.max_m
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
