@@ -85,23 +85,30 @@ def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
         assert gemm.kwargs["W_FOLD"] == gemm.kwargs["WORDS"]  # trained-size weights fold
 
 
-def test_batched_decode_matches_formats(triton_device):
-    """TritonDecodeBackend.apply for 40 rows (the batched x_hat path) against the float64
-    product of the `formats` operands, within the decode GEMM's bound."""
-    n, k = 48, 512
-    spec = LinearSpec(get_scheme("mxfp4-mbs", 128), n, k, torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
+def _apply_within_bound(backend_cls, macro_block: int, k: int, m: int, seed: int, device):
+    """backend_cls.apply for m rows of a 48 x k `mxfp4-mbs` layer against the float64 product
+    of the `formats` operands: the decode GEMM's 2^-16 bound plus the bf16 output rounding."""
+    n = 48
+    spec = LinearSpec(get_scheme("mxfp4-mbs", macro_block), n, k, torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.1
-    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
-    qw = quantize(w.to(triton_device), spec.weight_format, macro_block=128)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    qw = quantize(w.to(device), spec.weight_format, macro_block=macro_block)
     layer = torch.nn.Module()
-    backend = TritonDecodeBackend(spec)
+    backend = backend_cls(spec)
+    assert backend.supports_m(m)
     backend.process_weights_after_loading(layer, qw)
-    y = backend.apply(layer, x.to(triton_device), None).double().cpu()
-    qx = quantize(x.to(triton_device), spec.activation_format, macro_block=128)
+    y = backend.apply(layer, x.to(device), None).double().cpu()
+    qx = quantize(x.to(device), spec.activation_format, macro_block=macro_block)
     xh, wh = qx.dequantize().double().cpu(), qw.dequantize().double().cpu()
     y64, scale = xh @ wh.T, xh.abs() @ wh.abs().T
     assert ((y - y64).abs() <= 2.0**-16 * scale + 2.0**-8 * y64.abs()).all()
+    return backend
+
+
+def test_batched_decode_matches_formats(triton_device):
+    """TritonDecodeBackend.apply for 40 rows (the batched x_hat path) within the bound."""
+    _apply_within_bound(TritonDecodeBackend, 128, 512, 40, 1, triton_device)
 
 
 @pytest.mark.parametrize(
@@ -251,18 +258,5 @@ def test_triton_gemm_backend_matches_formats_for_prefill_rows(triton_device):
     `formats` operands (the decode GEMM's 2^-16 bound, plus the bf16 output rounding)."""
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
-    n, k = 48, 200
-    spec = LinearSpec(get_scheme("mxfp4-mbs", 32), n, k, torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen) * 0.1
-    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
-    qw = quantize(w.to(triton_device), spec.weight_format, macro_block=32)
-    layer = torch.nn.Module()
-    backend = TritonGemmBackend(spec)
-    assert backend.supports_m(40) and not backend.supports_m(16)
-    backend.process_weights_after_loading(layer, qw)
-    y = backend.apply(layer, x.to(triton_device), None).double().cpu()
-    qx = quantize(x.to(triton_device), spec.activation_format, macro_block=32)
-    xh, wh = qx.dequantize().double().cpu(), qw.dequantize().double().cpu()
-    y64, scale = xh @ wh.T, xh.abs() @ wh.abs().T
-    assert ((y - y64).abs() <= 2.0**-16 * scale + 2.0**-8 * y64.abs()).all()
+    backend = _apply_within_bound(TritonGemmBackend, 32, 200, 40, 0, triton_device)
+    assert not backend.supports_m(16)
