@@ -13,6 +13,7 @@ naming the file and what to do, and leave no DST.
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import random
@@ -85,6 +86,15 @@ def _arm(point: str) -> None:
             return real_write(self, name, tensor)
 
         safetensors_io.StreamingWriter.write = write  # type: ignore[method-assign]
+    elif point == "mid-config":  # config.json (the finished marker) written, not yet in place
+        real_replace = os.replace
+
+        def replace(a, b):  # noqa: ANN001, ANN202
+            if Path(b).name == "config.json":
+                _die()
+            real_replace(a, b)
+
+        sw.os.replace = replace  # type: ignore[attr-defined]
     elif point == "before-swap":
         quantizer.swap_in = lambda tmp, dst: _die()
     elif point in ("between-renames", "after-renames"):
@@ -238,7 +248,14 @@ def test_sigkill_at_random_times(src: Path, references: dict, tmp_path: Path) ->
     assert _digest(src) == src_before
 
 
-POINTS = ["mid-tensor", "first-shard-closed", "before-swap", "between-renames", "after-renames"]
+POINTS = [
+    "mid-tensor",
+    "first-shard-closed",
+    "mid-config",
+    "before-swap",
+    "between-renames",
+    "after-renames",
+]
 
 
 @pytest.mark.parametrize(
@@ -259,6 +276,10 @@ def test_sigkill_at_chosen_points(
     stale = _check_after_kill(dst, references, force)
     if force or "renames" not in point:  # (without --force, the first rename is the last)
         assert stale, "a killed run leaves its temporary directory"
+    if point == "mid-config":  # the marker's text is whole on disk, but not under its name
+        (tmp,) = (p for p in stale if sw.TMP_TAG in p.name)
+        assert not (tmp / "config.json").exists()
+        assert json.loads((tmp / "config.json.partial").read_text())["quantization_config"]
     if point == "between-renames" and force:  # the old DST is aside and DST is missing
         assert not dst.exists()
         rc, err = _run(_argv(src, dst, NEW_SCHEME), tmp_path / "restore.err")

@@ -67,6 +67,7 @@ from vllm_mxplus.checkpoint.shard_writer import (
     split_shards,
     swap_in,
     write_all,
+    write_marker,
 )
 from vllm_mxplus.checkpoint.source import SourceModel, open_source, read_json
 from vllm_mxplus.checkpoint.source_check import check_source
@@ -249,7 +250,7 @@ def quantize_checkpoint(
                     **({"smoothing": {"alpha": smooth}} if smooth is not None else {}),
                 }
             # config.json last: a directory without it is never taken for a finished checkpoint.
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            write_marker(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             swap_in(tmp, dst_p)
         if state is not None:
             state.remove()  # finished: nothing left to resume

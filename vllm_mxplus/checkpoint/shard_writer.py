@@ -203,6 +203,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_marker(path: Path, text: str) -> None:
+    """Write the file whose presence says an output directory is finished (config.json) so
+    that it never exists half-written: a sibling `.partial` file renamed over it when whole."""
+    part = path.with_name(path.name + ".partial")
+    part.write_text(text, encoding="utf-8")
+    os.replace(part, path)
+
+
 def _fsync_tree(path: Path) -> None:
     """fsync every file of a (flat) output directory and the directory itself."""
     for p in path.iterdir():
