@@ -118,6 +118,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     from vllm_mxplus.backends.triton.act_quant import act_quant
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
     from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
+    from vllm_mxplus.backends.triton.moe_decode import moe_decode_gemm
     from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_block_m, moe_gemm
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
     from vllm_mxplus.backends.triton.x_hat import hat_cols
@@ -160,14 +161,23 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         return go
 
-    def experts() -> None:
-        e, pairs, topk, inter = 8, 4096, 2, 14336
-        bm = moe_block_m(pairs, e, wide=True)  # 512 pairs per expert: the wide row tile
+    e, pairs, topk, inter = 8, 4096, 2, 14336
+    bm = moe_block_m(pairs, e, wide=True)  # 512 pairs per expert: the wide row tile
+    moe_rows = (pairs + e * bm,), (pairs // bm + e,)
+
+    def experts() -> None:  # E8M0 experts: the decode kernel's grouped mode on x_hat
+        moe_decode_gemm(_meta((pairs // topk, hat_cols(k)), bf16),
+                        _gemm_operand(pairs // topk, k, "mxfp4-mbs-s", 16, 128)[2],
+                        _gemm_operand(e * 2 * inter, k, "mxfp4-mbs-d", 16, 128),
+                        *(_meta(s_, torch.int32) for s_ in moe_rows), experts=e, n=2 * inter,
+                        k=k, num_pairs=pairs, topk=topk, out_dtype=bf16, block_size=16,
+                        macro_block=128, block_m=bm, w_small_scales=True)  # fmt: skip
+
+    def experts_mx() -> None:  # NVFP4 / MX+ experts and those off the x_hat path: mx_gemm's
         codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
         w = PackedExpertWeights(codes, scales, extra, g, e, 2 * inter, k)
         moe_gemm(_mx_operand(pairs // topk, k, "e8m0", 16, 128), w,
-                 _meta((pairs + e * bm,), torch.int32),
-                 _meta((pairs // bm + e,), torch.int32), num_pairs=pairs,
+                 *(_meta(s_, torch.int32) for s_ in moe_rows), num_pairs=pairs,
                  topk=topk, out_dtype=bf16, fmt="e8m0", block_size=16,
                  macro_block=128, block_m=bm)  # fmt: skip
 
@@ -197,6 +207,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),
         "prefill nvfp4": ("prefill", "MAC", prefill("nvfp4", 16, None)),
         "experts e8m0+MBS-128": ("experts", "MAC", experts),
+        "experts mx_gemm MBS-128": ("experts", "MAC", experts_mx),
         "act-quant mxfp4-mbs-s": ("act_quant", "element", act("mxfp4-mbs-s")),
         "prefill fp8-chunk gemm": ("prefill", "MAC", fp8_gemm),
         "encode weight-fp8": ("encode", "weight", weight_fp8),
@@ -325,18 +336,22 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
     return rows
 
 
-def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64) -> dict:
-    """One expert's w13 GEMM (2 x 14336 x 4096, MBS-128) at `tokens` pairs, max(issue,
-    tensor, memory) with the rows padded to the kernel's row tile, against bf16's max(memory,
-    tensor) for the same GEMM."""
+EXPERT_CASES = {"decode kernel": "experts e8m0+MBS-128", "mx_gemm": "experts mx_gemm MBS-128"}
+
+
+def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
+                    case: str = EXPERT_CASES["decode kernel"]) -> dict:  # fmt: skip
+    """One expert's w13 GEMM (2 x 14336 x 4096, MBS-128) at `tokens` pairs on the kernel of
+    `case` (the E8M0 experts' path by default), max(issue, tensor, memory) with the rows
+    padded to the kernel's row tile, against bf16's max(memory, tensor) for the same GEMM."""
     _, _, _, bw, bf16_flops, _ = GPUS[gpu]
-    ex = counts["experts e8m0+MBS-128"]
+    ex = counts[case]
     weights = 2 * 14336 * 4096
     rows = _whole_tiles(tokens, ex.block_m)
     ours = max(ex.per_unit * rows * weights / _issue_rate(gpu),
                rows * weights / (bf16_flops / 2), weights * BYTES_PER_WEIGHT / bw)  # fmt: skip
     bf16 = max(weights * 2 / bw, tokens * weights / (bf16_flops / 2))
-    return {"gpu": gpu, "tokens": tokens, "estimate_us": ours * 1e6,
+    return {"gpu": gpu, "case": case, "tokens": tokens, "estimate_us": ours * 1e6,
             "bf16_estimate_us": bf16 * 1e6, "speedup_vs_bf16": bf16 / ours}  # fmt: skip
 
 
@@ -379,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
     held = {g: estimate(counts[GPUS[g][0]], g, held=True) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
-    moe = {g: experts_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
+    moe = {
+        (g, path): experts_vs_bf16(counts[GPUS[g][0]], g, case=case)
+        for g in gpus
+        for path, case in EXPERT_CASES.items()
+    }
     doc = {
         "what": "static estimate (instruction counts of the compiled code x published peaks)",
         "command": "python benchmarks/gpu_static_model.py --arch " + args.arch,
@@ -390,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimates": est,
         "estimates_fp8_weight_held": held,
         "act_quant_vs_bf16_copy": act,
-        "expert_gemm_vs_bf16": moe,
+        "expert_gemm_vs_bf16": list(moe.values()),
     }
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -426,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "
               f"{a['time_vs_copy']:.2f}x the copy's time")  # fmt: skip
-    for gpu, e in moe.items():
-        print(f"{gpu} one expert's w13 GEMM at {e['tokens']} tokens (MBS-128) STATIC ESTIMATE: "
-              f"{e['estimate_us']:.2f} us, bf16 {e['bf16_estimate_us']:.2f} us: "
+    for (gpu, path), e in moe.items():
+        print(f"{gpu} one expert's w13 GEMM at {e['tokens']} tokens (MBS-128, {path}) STATIC "
+              f"ESTIMATE: {e['estimate_us']:.2f} us, bf16 {e['bf16_estimate_us']:.2f} us: "
               f"{e['speedup_vs_bf16']:.2f}x")  # fmt: skip
     print("\nratio = bf16 estimate / ours (> 1: ours faster). Estimates, not measurements.")
     return 0

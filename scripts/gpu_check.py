@@ -21,7 +21,8 @@ Triton backends, so that a build finishing mid-step changes no choice):
            8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
            torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
   speed    CUDA-graph replay timings: decode M 1/8/16 and prefill M 32/512/4096 against bf16
-           (the same linear in bf16, also replayed), act-quant against a bf16 copy
+           (the same linear in bf16, also replayed), act-quant against a bf16 copy, one
+           expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
   cutlass  after the build: the prefill backend's self-test (random data within the
            accumulator bound, then exact-by-construction data bit for bit), FP8-subnormal and
            every-row-inexact probes at M 512, CUDA-graph capture, timing against bf16
@@ -79,7 +80,12 @@ PLAN = (
         "8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA graphs at "
         "M 1/8/16/24/64/512, replay = eager",
     ),
-    ("speed", 80, "graph-replay timings: decode 1/8/16, prefill 32/512/4096 vs bf16; act-quant"),
+    (
+        "speed",
+        80,
+        "graph-replay timings: decode 1/8/16, prefill 32/512/4096 vs bf16; act-quant; one "
+        "expert's GEMM at 64 tokens beside its static estimate",
+    ),
     ("pytest_gpu", 90, "pytest -m gpu -x (tests/backends, tests/kernels)"),
     (
         "cutlass",
@@ -499,6 +505,53 @@ def step_speed(st: Step) -> None:
         return {"results": res}
 
     st.check("act-quant vs a bf16 copy (graph replay)", act_quant_vs_copy)
+    st.check("one expert's w13 GEMM at 64 tokens vs bf16 (graph replay)", expert_gemm_vs_bf16)
+
+
+def expert_gemm_vs_bf16() -> dict:
+    """The E8M0 experts' grouped GEMM (`moe_decode_gemm`, mxfp4-mbs, MBS-128) for one expert
+    of Llama-3-8B's w13 shape (2 x 14336 x 4096) at 64 tokens routed to it, against the same
+    GEMM in bf16, beside `benchmarks/gpu_static_model.py`'s static estimate of the same case."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    from benchmarks import gpu_static_model as gsm
+    from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
+    from vllm_mxplus.backends.triton.linear import weight_operands
+    from vllm_mxplus.backends.triton.moe_decode import moe_decode_gemm
+    from vllm_mxplus.backends.triton.moe_gemm import moe_align, moe_block_m
+    from vllm_mxplus.backends.triton.ops import act_quant_hat_op
+    from vllm_mxplus.formats import get_scheme, quantize
+
+    s, tokens, n, k = get_scheme("mxfp4-mbs"), 64, 2 * 14336, 4096
+    w = _randn(n, k, seed=7, scale=0.02)
+    q = quantize(w, s.weight_format, macro_block=128)
+    codes, scales, mbs, _ = weight_operands(q)
+    x = _randn(tokens, k, seed=8, dtype=torch.bfloat16)
+    ids = torch.zeros((tokens, 1), dtype=torch.long, device=x.device)  # every token: expert 0
+    block_m = moe_block_m(tokens, 1, wide=True)
+    pairs, tile_expert = moe_align(ids, None, 1, block_m)
+    small = small_weight_scales(scales)
+
+    def ours(t):
+        _, _, x_mbs, x_hat = act_quant_hat_op(t, s.activation_format, macro_block=128)
+        return moe_decode_gemm(
+            x_hat, x_mbs, (codes, scales, mbs), pairs, tile_expert, experts=1, n=n, k=k,
+            num_pairs=tokens, topk=1, out_dtype=torch.bfloat16, block_size=16,
+            macro_block=128, block_m=block_m, w_small_scales=small,
+        )  # fmt: skip
+
+    w_bf16 = w.to(torch.bfloat16)
+    t_q = _graph_replay_ms(ours, x)
+    t_b = _graph_replay_ms(lambda t: F.linear(t, w_bf16), x)
+    res = {"ms": t_q, "bf16_ms": t_b, "speedup_vs_bf16": t_b / t_q, "block_m": block_m}
+    gpu = next((g for g, spec in gsm.GPUS.items() if spec[0] == _capability()), None)
+    if gpu is not None:  # the static estimate of the same case, for the model's check
+        name = gsm.EXPERT_CASES["decode kernel"]
+        role, unit, drive = gsm._cases()[name]
+        counts = {name: gsm.count(name, role, unit, drive, _capability())}
+        res["static_estimate"] = gsm.experts_vs_bf16(counts, gpu, tokens)
+    return res
 
 
 # ----------------------------------------------------------------------------- cutlass

@@ -92,7 +92,12 @@ def test_triton_experts_capturable(scheme, activation, bias, m):
     }
     setattr(layer, PACKED_ATTR, packed)
     guard = _apply(TritonExperts(spec), layer, m, activation)
-    assert guard.ops.count("vllm_mxplus.triton_moe_gemm.default") == 2
+    # E8M0 experts whose stems take x_hat (both K here do) run the decode kernel's grouped
+    # mode, NVFP4 and MX+ mx_gemm's
+    e8m0 = not (s.weight.has_global_scale or s.weight.block_max_mantissa)
+    grouped = "triton_moe_decode_gemm" if e8m0 else "triton_moe_gemm"
+    assert guard.ops.count(f"vllm_mxplus.{grouped}.default") == 2
+    assert guard.ops.count("vllm_mxplus.triton_act_quant_hat.default") == (2 if e8m0 else 0)
     if bias:  # each pair's bias rows gathered on the device, added to the fp32 sums
         assert guard.ops.count("aten.index.Tensor") >= 2
 

@@ -65,7 +65,15 @@ def test_aot_enumerates_configs_from_the_launchers():
     # the GPU tile choices, not the interpreter's (tests run with TRITON_INTERPRET=1)
     from vllm_mxplus.backends.triton import decode_gemm as dg
 
-    assert all(d["BLOCK_M"] == dg.GPU_BLOCK_M for d in dec)
+    # the 16-row tile everywhere; the batched decode's 32 / 64 rows on the x_hat path only,
+    # with WIDE_NUM_STAGES stages
+    assert {d["BLOCK_M"] for d in dec} == {dg.GPU_BLOCK_M, *dg.WIDE_BLOCK_MS}
+    assert all(d["X_HAT"] for d in dec if d["BLOCK_M"] > dg.GPU_BLOCK_M)
+    assert all(
+        dict(c.options).get("num_stages") == (dg.WIDE_NUM_STAGES if wide_m else None)
+        for c in quick["decode_gemm"]
+        for wide_m in [dict(c.constexprs)["BLOCK_M"] > dg.GPU_BLOCK_M]
+    )
     # the wide tile where the code rows vectorize, the unaligned one elsewhere: both compiled
     wide = (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)
     assert {(d["BLOCK_N"], d["BLOCK_K"]) for d in dec} == {
@@ -290,3 +298,28 @@ def test_aot_quick_passes_for_ampere_hopper_blackwell(tmp_path):
         assert sorted(int(r[1]) for r in rows) == want, out
         assert all(r[4] == "0" and r[-1] == "0" for r in rows), out  # no spill, no failure
     assert not list(tmp_path.glob("mxplus-aot-triton-*")), "private Triton cache left behind"
+
+
+def test_aot_grouped_decode_configs():
+    """The grouped E8M0 experts on the decode kernel: MOE launches on the x_hat word path at
+    every row tile `moe_block_m` picks, folded and unfolded scales, MBS and not; no linear
+    launch among them."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.backends.triton import moe_gemm as mo
+    from vllm_mxplus.backends.triton import mx_gemm as mg
+    from vllm_mxplus.kernel_tools import aot
+
+    full = aot.enumerate_configs(quick=False, launchers=["moe_decode_gemm"])["moe_decode_gemm"]
+    quick = aot.enumerate_configs(quick=True, launchers=["moe_decode_gemm"])["moe_decode_gemm"]
+    for cs in (full, quick):
+        ds = [dict(c.constexprs) for c in cs]
+        assert {c.kernel for c in cs} == {"_decode_gemm_kernel"}
+        assert all(d["MOE"] and d["X_HAT"] and d["WORDS"] for d in ds)
+        assert {d["BLOCK_M"] for d in ds} == {
+            mg.DECODE_BLOCK_M, mg.GATHER_BLOCK_M, mo.MOE_WIDE_BLOCK_M
+        }  # fmt: skip
+        assert {(d["BLOCK_N"], d["BLOCK_K"]) for d in ds} == {(dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)}
+        assert {d["X_MBS"] for d in ds} == {True, False}
+    assert {dict(c.constexprs)["W_FOLD"] for c in full} == {True, False}
+    assert {dict(c.constexprs)["MACRO"] for c in full if dict(c.constexprs)["X_MBS"]} == {128, 256}
+    assert len(quick) < len(full)

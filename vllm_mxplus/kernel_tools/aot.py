@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS, MIN_TARGET
+from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS, min_target
 
 #: sm -> max dynamic shared memory per block (bytes), from the CUDA programming guide.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
@@ -186,6 +186,12 @@ def enumerate_configs(
 
 
 # ----------------------------------------------------------------------------- compilation
+# What Triton's make_cubin passes to ptxas besides -v and the target (Triton 3.6 / 3.7:
+# "--regAllocOptLevel=2 to work around a ptxas 13.x bug"); without it the allocation, and the
+# spills, differ from the binary that runs
+TRITON_PTXAS_FLAGS = ("--regAllocOptLevel=2",)
+
+
 def _ptxas_path(target: int) -> str:
     from triton.backends.nvidia import compiler as nv
 
@@ -197,14 +203,23 @@ def _ptxas_path(target: int) -> str:
 
 
 def _ptxas_stats(ptx: str, target: int, workdir: str) -> tuple[int, int]:
-    """(registers, spill bytes) of the PTX's kernel, from `ptxas -v`."""
+    """(registers, spill bytes) of the PTX's kernel, from `ptxas -v` (with Triton's own
+    register-allocation flag, so the count is that of the binary Triton builds)."""
     suffix = "a" if target >= 90 else ""
     path = os.path.join(workdir, f"k{os.getpid()}_{time.monotonic_ns()}.ptx")
     with open(path, "w") as f:
         f.write(ptx)
     try:
         proc = subprocess.run(
-            [_ptxas_path(target), "-v", f"--gpu-name=sm_{target}{suffix}", path, "-o", os.devnull],
+            [
+                _ptxas_path(target),
+                "-v",
+                *TRITON_PTXAS_FLAGS,
+                f"--gpu-name=sm_{target}{suffix}",
+                path,
+                "-o",
+                os.devnull,
+            ],  # fmt: skip
             capture_output=True,
             text=True,
             timeout=300,
@@ -269,7 +284,7 @@ def compile_all(
     """Compile configs x targets in `jobs` spawned workers with a private Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="mxplus-aot-triton-")
     env_interp = os.environ.pop("TRITON_INTERPRET", None)  # spawned workers inherit os.environ
-    work = [(c, t) for t in targets for c in configs if t >= MIN_TARGET.get(c.kernel, 0)]
+    work = [(c, t) for t in targets for c in configs if t >= min_target(c)]
     results: list[CompileResult] = []
     try:
         ctx = multiprocessing.get_context("spawn")

@@ -118,28 +118,31 @@ def _drive_decode_gemm(quick: bool) -> None:
             continue
         bs = get_format(wf).block_size
 
-        xc, xs, xm = _gemm_operand(16, k, af, bs, macro)
         wc, ws, wm = _gemm_operand(n, k, wf, bs, macro)
         # the serving path (x_hat, folded weight scales) where the layer takes it, and the
-        # codes-only path (any caller) on the default macro block
+        # codes-only path (any caller) on the default macro block; the batched decode's 32-
+        # and 64-row tiles (x_hat only) on the shapes that take it, without split-K or bias
         serving = takes_x_hat(k, macro, mbs)
         for x_hat in (True, False) if serving and macro == 128 else (serving,):
-            decode_gemm(
-                xc,
-                xs,
-                xm,
-                wc,
-                ws,
-                wm,
-                k,
-                _meta((n,), out_dtype) if bias else None,
-                out_dtype,
-                block_size=bs,
-                x_hat=_meta((16, hat_cols(k)), torch.bfloat16) if x_hat else None,
-                macro_block=macro,
-                split_k=split,
-                w_small_scales=x_hat,
-            )
+            wide = x_hat and split == 1 and not bias and (not quick or (n, k) == (4096, 4096))
+            for rows in (16, 32, 64) if wide else (16,):
+                xc, xs, xm = _gemm_operand(rows, k, af, bs, macro)
+                decode_gemm(
+                    xc,
+                    xs,
+                    xm,
+                    wc,
+                    ws,
+                    wm,
+                    k,
+                    _meta((n,), out_dtype) if bias else None,
+                    out_dtype,
+                    block_size=bs,
+                    x_hat=_meta((rows, hat_cols(k)), torch.bfloat16) if x_hat else None,
+                    macro_block=macro,
+                    split_k=split,
+                    w_small_scales=x_hat,
+                )
 
 
 def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tuple:
@@ -259,6 +262,51 @@ def _drive_moe_gemm(quick: bool) -> None:
         )
 
 
+def _drive_moe_decode_gemm(quick: bool) -> None:
+    """Grouped E8M0 experts on the decode kernel (`moe_decode`): w13 (top-k 8) and w2 (rows
+    per pair) of a Qwen3-30B-A3B-like layer at the three row tiles `moe_block_m` picks, every
+    E8M0 pair (--quick: the default MBS pair and MXFP4-16-OAS), folded scales or not, the
+    macro blocks of 128 and 256; fp32 outputs are the layers with expert biases."""
+    from vllm_mxplus.backends.base import E8M0_PAIRS
+    from vllm_mxplus.backends.triton.moe_decode import moe_decode_gemm
+    from vllm_mxplus.backends.triton.moe_gemm import MOE_WIDE_BLOCK_M
+    from vllm_mxplus.backends.triton.mx_gemm import DECODE_BLOCK_M, GATHER_BLOCK_M
+    from vllm_mxplus.backends.triton.x_hat import hat_cols
+    from vllm_mxplus.formats import get_format
+
+    experts, pairs = 8, 64
+    quick_pairs = {("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-16-oas", "mxfp4-16-oas")}
+    out_dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)
+    for (wf, af), out_dtype, (n, k, topk), block_m, small, macro in itertools.product(
+        sorted(E8M0_PAIRS), out_dtypes, ((1536, 2048, 8), (2048, 768, 1)),
+        (DECODE_BLOCK_M, GATHER_BLOCK_M, MOE_WIDE_BLOCK_M), (True, False), (128, 256),
+    ):  # fmt: skip
+        mbs = bool(get_format(wf).mbs or get_format(af).mbs)
+        if (not mbs and macro != 128) or (
+            quick and ((wf, af) not in quick_pairs or not small or macro != 128)
+        ):
+            continue
+        bs = get_format(wf).block_size
+        _, _, xm = _gemm_operand(pairs // topk, k, af, bs, macro)
+        moe_decode_gemm(
+            _meta((pairs // topk, hat_cols(k)), torch.bfloat16),
+            xm,
+            _gemm_operand(experts * n, k, wf, bs, macro),
+            _meta((pairs + experts * block_m,), torch.int32),
+            _meta((pairs // block_m + experts,), torch.int32),
+            experts=experts,
+            n=n,
+            k=k,
+            num_pairs=pairs,
+            topk=topk,
+            out_dtype=out_dtype,
+            block_size=bs,
+            macro_block=macro,
+            block_m=block_m,
+            w_small_scales=small,
+        )
+
+
 def _drive_act_quant_plus(quick: bool) -> None:
     from vllm_mxplus.backends.triton import act_quant_plus as ap
 
@@ -281,6 +329,7 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
     "moe_gemm": _drive_moe_gemm,
+    "moe_decode_gemm": _drive_moe_decode_gemm,
     "act_quant_plus": _drive_act_quant_plus,
 }
 
@@ -293,3 +342,16 @@ MIN_TARGET: dict[str, int] = {
     "_weight_fp8_chunks_kernel": 89,
     "_act_fp8_chunks_kernel": 89,
 }
+
+
+def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports this module)
+    """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, and for
+    the grouped decode kernel's 64-pair row tile `moe_decode.WIDE_MIN_CAPABILITY` (the
+    launcher never picks it on older GPUs)."""
+    from vllm_mxplus.backends.triton.moe_decode import WIDE_MIN_CAPABILITY
+    from vllm_mxplus.backends.triton.moe_gemm import MOE_WIDE_BLOCK_M
+
+    c = dict(config.constexprs)
+    if config.kernel == "_decode_gemm_kernel" and c.get("MOE") and c["BLOCK_M"] >= MOE_WIDE_BLOCK_M:
+        return WIDE_MIN_CAPABILITY * 10
+    return MIN_TARGET.get(config.kernel, 0)

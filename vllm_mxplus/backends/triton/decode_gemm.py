@@ -75,6 +75,7 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
 )
 from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
+    SplitK,
     by_row_chunks,
     check_gemm_args,
     codes_aligned,
@@ -98,6 +99,11 @@ GPU_BLOCK_K_NARROW_MACRO = 64  # the step for macro blocks of 16 / 32 / 64 (regi
 UNALIGNED_BLOCK_N = 32
 UNALIGNED_BLOCK_K = 64
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
+# software-pipeline stages of row tiles above GPU_BLOCK_M (Triton's default, 3, below): each
+# stage carries the x_hat tile beside the weight tile, so two hold as many bytes in flight as
+# three of the 16-row tile; with three, ptxas capped the 32-row tile on sm_80 at 168 registers
+# and spilled, and every target issued more instructions per weight (kernels/README.md)
+WIDE_NUM_STAGES = 2
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 # the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)
 FOLD_MAX_SCALE_CODE = 128
@@ -114,11 +120,15 @@ def _decode_gemm_kernel(
     bias_ptr,
     out_ptr,
     xh_ptr,
+    pairs_ptr,
+    tile_expert_ptr,
     M,
     N,
     K,
     KB,
     K_PER_SPLIT,
+    N_EXPERTS,
+    TOPK,
     stride_xcm,
     stride_xsm,
     stride_xmm,
@@ -141,6 +151,7 @@ def _decode_gemm_kernel(
     W_FOLD: tl.constexpr,
     EVEN: tl.constexpr,
     X_HAT: tl.constexpr,
+    MOE: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     HB: tl.constexpr = BS // 2  # bytes per scale block
@@ -153,7 +164,23 @@ def _decode_gemm_kernel(
     i_n = tl.arange(0, BLOCK_N)
     i_b = tl.arange(0, NB)
     i_h = tl.arange(0, HB)
-    mask_m = (m0 + i_m) < M
+    if MOE:  # (`moe_decode`): x_hat rows gathered through the row tile's pairs
+        tl.static_assert(X_HAT and WORDS, "MOE reads x_hat on the word path")
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert >= N_EXPERTS:
+            return  # a tile past the last expert's rows
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + i_m)
+        mask_m = pair < M  # M: the number of pairs; pairs == M pad the tile
+        pair = tl.where(mask_m, pair, 0)
+        # w13: the pair's token; w2: the pair's own row. 32-bit offsets: the launcher checks
+        # that every row of x_hat and of the MBS bytes is addressable so (`moe_decode`)
+        x_row = pair // TOPK
+        out_row = pair.to(tl.int64)
+        w_row0 = (expert * N + n0).to(tl.int64)  # the expert's weight rows: a packed [E*N, .]
+    else:
+        mask_m = (m0 + i_m) < M
+        out_row = (m0 + i_m).to(tl.int64)
+        w_row0 = n0.to(tl.int64)
     if EVEN:  # whole tiles: no column past N (a constant mask, which the compiler drops)
         mask_n = tl.full((BLOCK_N,), 1, tl.int1)
     else:
@@ -161,12 +188,16 @@ def _decode_gemm_kernel(
     # 64-bit offsets of the tile's first row, 32-bit ones inside the tile (module docstring)
     xc_base = xc_ptr + m0.to(tl.int64) * stride_xcm
     xs_base = xs_ptr + m0.to(tl.int64) * stride_xsm
-    wc_base = wc_ptr + n0.to(tl.int64) * stride_wcn
-    ws_base = ws_ptr + n0.to(tl.int64) * stride_wsn
-    xm_base = xmbs_ptr + m0.to(tl.int64) * stride_xmm
-    wm_base = wmbs_ptr + n0.to(tl.int64) * stride_wmn
+    wc_base = wc_ptr + w_row0 * stride_wcn
+    ws_base = ws_ptr + w_row0 * stride_wsn
+    wm_base = wmbs_ptr + w_row0 * stride_wmn
     # MBS bytes of macro block c of the tile's rows: x at xm_base + c + xm_off, W likewise
-    xm_off = i_m * stride_xmm
+    if MOE:  # gathered rows: offsets from the base
+        xm_base = xmbs_ptr
+        xm_off = x_row * stride_xmm
+    else:
+        xm_base = xmbs_ptr + m0.to(tl.int64) * stride_xmm
+        xm_off = i_m * stride_xmm
     wm_off = i_n * stride_wmn
     # x tile [BLOCK_M, NB, HB] and its scales [BLOCK_M, NB, 1]
     jx = i_b[None, :, None] * HB + i_h[None, None, :]
@@ -193,9 +224,13 @@ def _decode_gemm_kernel(
     # X_HAT: dot p's x operand [BLOCK_M, BLOCK_K / 4] of the prepared activation, columns
     # 32p.. of each 128-element chunk of the step (`x_hat`'s word order)
     i_t = tl.arange(0, BLOCK_K // 4)
-    xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
     xh_col = ((i_t // 32) * 128 + i_t % 32)[None, :]
-    xh_off = i_m[:, None] * stride_xhm + xh_col
+    if MOE:
+        xh_base = xh_ptr
+        xh_off = x_row[:, None] * stride_xhm + xh_col
+    else:
+        xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
+        xh_off = i_m[:, None] * stride_xhm + xh_col
     for k0 in range(k_start, k_end, BLOCK_K):
         kb0 = k0 // 2
         sb0 = k0 // BS
@@ -278,7 +313,6 @@ def _decode_gemm_kernel(
                     part = part * sx[:, None] * sw[None, :]
             acc += part
 
-    out_row = (m0 + i_m).to(tl.int64)
     store_out_tile(
         out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
         HAS_BIAS, BLOCK_N,
@@ -350,6 +384,13 @@ def gpu_block_m(m: int, hat: bool) -> int:
     if not hat or m <= GPU_BLOCK_M:
         return GPU_BLOCK_M
     return next((b for b in WIDE_BLOCK_MS if m <= b), WIDE_BLOCK_MS[-1])
+
+
+def gpu_launch_options(block_m: int) -> dict[str, int]:
+    """Triton launch options of a GPU row tile of block_m rows: GPU_NUM_WARPS warps, and
+    WIDE_NUM_STAGES pipeline stages above GPU_BLOCK_M rows."""
+    wide = {"num_stages": WIDE_NUM_STAGES} if block_m > GPU_BLOCK_M else {}
+    return {"num_warps": GPU_NUM_WARPS, **wide}
 
 
 def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
@@ -525,26 +566,14 @@ def decode_gemm(
     bias = None if bias is None else _row_major(bias)
 
     interp = interpreting()
-    # GPU: GPU_BLOCK_M x GPU_BLOCK_N output tiles, GPU_BLOCK_K of K per step (inside one
-    # macro block, or whole macro blocks of 16 / 32). The interpreter pays per program and
-    # per step, not per element, so it gets the largest tiles that keep numpy's temporaries
-    # small; macro blocks under GPU_BLOCK_K get the GPU's K step, so the tests run the
-    # GPU's per-macro-block dots.
-    if interp:
+    auto_n, block_k = step_tile(K, x_codes, w_codes, macro_block, has_mbs)
+    block_n = block_n or auto_n
+    if interp:  # (`step_tile`)
         block_m = max(16, min(128, triton.next_power_of_2(m)))
-        block_n = block_n or 256
-        gpu_k = gpu_block_k(macro_block, has_mbs)
-        if has_mbs:
-            block_k = min(macro_block, 512) if macro_block >= gpu_k else gpu_k
-        else:
-            block_k = 512
     else:
-        gpu_n, block_k = gpu_tile(K, x_codes, w_codes, macro_block, has_mbs)
-        block_n = block_n or gpu_n
         hat = x_hat is not None and block_k % HAT_CHUNK == 0
         block_m = gpu_block_m(m, hat and word_path(K, x_codes, w_codes, macro_block, has_mbs,
                                                    block_k))  # fmt: skip
-    launch_options = {} if interp else {"num_warps": GPU_NUM_WARPS}
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
@@ -575,7 +604,59 @@ def decode_gemm(
 
     use_hat = x_hat is not None and words and block_k % HAT_CHUNK == 0
     grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
+    launch_decode(
+        grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs), sk,
+        x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block,
+        tile=(block_m, block_n, block_k), words=words, w_fold=words and w_small_scales,
+        even=words and n % block_n == 0 and K % block_k == 0,
+    )  # fmt: skip
+    return finish_output(sk.out, bias, out_dtype)
+
+
+def step_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
+              has_mbs: bool) -> tuple[int, int]:  # fmt: skip
+    """(BLOCK_N, BLOCK_K) of a launch: on the GPU `gpu_tile`'s (a K step inside one macro
+    block, or whole macro blocks of 16 / 32). The interpreter pays per program and per step,
+    not per element, so it gets the largest tiles that keep numpy's temporaries small;
+    macro blocks under GPU_BLOCK_K get the GPU's K step, so the tests run the GPU's
+    per-macro-block dots."""
+    if not interpreting():
+        return gpu_tile(k, x_codes, w_codes, macro_block, has_mbs)
+    gpu_k = gpu_block_k(macro_block, has_mbs)
+    if has_mbs:
+        return 256, min(macro_block, 512) if macro_block >= gpu_k else gpu_k
+    return 256, 512
+
+
+def launch_decode(
+    grid: tuple[int, int, int],
+    x: tuple,
+    w: tuple,
+    sk: SplitK,
+    x_hat: torch.Tensor | None,
+    moe: tuple | None,
+    *,
+    K: int,
+    bs: int,
+    macro_block: int,
+    tile: tuple[int, int, int],
+    words: bool,
+    w_fold: bool,
+    even: bool,
+) -> None:
+    """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
+    `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
+
+    x, w: (codes, scales, MBS bytes or None), uint8 row-major, tile-addressable; x_hat: the
+    activation's `act_quant_hat` output where the launch reads it (None: x's codes). moe:
+    (sorted pairs, expert per row tile, local experts, top_k) or None; with it, sk.out has a
+    row per pair and x_hat a row per token (top_k > 1) or per pair."""
+    block_m, block_n, block_k = tile
+    x_codes, x_scales, x_mbs = x
+    w_codes, w_scales, w_mbs = w
+    m, n = sk.out.shape[-2:]
     dummy = w_scales  # stands in for absent optional pointers; never dereferenced
+    pairs, tile_expert, n_experts, topk = moe if moe is not None else (dummy, dummy, 0, 1)
     launch(
         _decode_gemm_kernel,
         grid,
@@ -587,12 +668,16 @@ def decode_gemm(
         w_mbs if w_mbs is not None else dummy,
         sk.bias if sk.bias is not None else dummy,
         sk.out,
-        x_hat if x_hat is not None and use_hat else dummy,
+        x_hat if x_hat is not None else dummy,
+        pairs,
+        tile_expert,
         m,
         n,
         K,
         ceil_div(K, 2),
         sk.k_per_split,
+        n_experts,
+        topk,
         x_codes.stride(0),
         x_scales.stride(0),
         x_mbs.stride(0) if x_mbs is not None else 0,
@@ -601,7 +686,7 @@ def decode_gemm(
         w_mbs.stride(0) if w_mbs is not None else 0,
         sk.out.stride(0) if sk.split > 1 else 0,
         sk.out.stride(-2),
-        x_hat.stride(0) if x_hat is not None and use_hat else 0,
+        x_hat.stride(0) if x_hat is not None else 0,
         BS=bs,
         MACRO=macro_block,
         X_MBS=x_mbs is not None,
@@ -612,9 +697,9 @@ def decode_gemm(
         BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(),
         WORDS=words,
-        W_FOLD=words and w_small_scales,
-        EVEN=words and n % block_n == 0 and K % block_k == 0,
-        X_HAT=use_hat,
-        **launch_options,
+        W_FOLD=w_fold,
+        EVEN=even,
+        X_HAT=x_hat is not None,
+        MOE=moe is not None,
+        **({} if interpreting() else gpu_launch_options(block_m)),
     )
-    return finish_output(sk.out, bias, out_dtype)

@@ -31,9 +31,11 @@ from vllm_mxplus.backends.base import (
     Layer,
 )
 from vllm_mxplus.backends.expert_layer import EXPERT_ACTIVATIONS, expert_bias
+from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.linear import TritonKernels, triton_takes, weight_operands
 from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_experts_triton
+from vllm_mxplus.backends.triton.ops import act_quant_hat_op
 
 PACKED_ATTR = "mxplus_triton_experts"  # {stem: PackedExpertWeights} on the layer
 
@@ -62,8 +64,10 @@ class TritonExperts(TritonKernels, ExpertBackend):
             g = None if g is None else g.contiguous()
             if scales.dtype == torch.float8_e4m3fn:
                 scales = scales.view(torch.uint8)
+            # E8M0 scales checked once here (a host sync) for the grouped decode kernel
+            small = scales.dtype == torch.uint8 and g is None and small_weight_scales(scales)
             packed[stem] = PackedExpertWeights(
-                codes, scales, extra, g, e, q.shape[0] // e, q.shape[-1]
+                codes, scales, extra, g, e, q.shape[0] // e, q.shape[-1], small
             )
         setattr(layer, PACKED_ATTR, packed)
 
@@ -82,6 +86,9 @@ class TritonExperts(TritonKernels, ExpertBackend):
                 s = s.view(torch.uint8)
             return c, s, extra, None if gs is None else gs.reshape(-1)
 
+        def quantize_hat(rows: Tensor) -> tuple:
+            return act_quant_hat_op(rows, afmt, macro_block=spec.macro_block)
+
         return moe_experts_triton(
             x,
             packed["w13"],
@@ -97,4 +104,5 @@ class TritonExperts(TritonKernels, ExpertBackend):
             row_global_scale=getattr(layer, "mxplus_row_global_scale", None),
             w13_bias=expert_bias(layer, "w13"),
             w2_bias=expert_bias(layer, "w2"),
+            quantize_hat=quantize_hat,
         )

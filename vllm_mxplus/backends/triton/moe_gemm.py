@@ -37,6 +37,7 @@ from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, codes_aligned
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
+from vllm_mxplus.backends.triton.moe_decode import moe_takes_hat, wide_tile_ok
 from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
     FMT_CODES,
@@ -74,6 +75,7 @@ class PackedExpertWeights:
     experts: int
     n: int  # rows per expert
     k: int
+    small_scales: bool = False  # `decode_gemm.small_weight_scales` (E8M0), checked at load
 
     @property
     def operands(self) -> tuple:
@@ -221,6 +223,8 @@ def _grouped(x: tuple, w: PackedExpertWeights, pairs, tile_expert, **kw) -> torc
 
 
 Quantizer = Callable[[torch.Tensor, torch.Tensor | None], tuple]
+# rows -> (codes, scales, MBS bytes or None, x_hat): `act_quant_hat` of the activation format
+HatQuantizer = Callable[[torch.Tensor], tuple]
 
 
 def pair_bias(bias: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -246,6 +250,7 @@ def moe_experts_triton(
     row_global_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    quantize_hat: HatQuantizer | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [M, H] in x's dtype (module docstring).
 
@@ -254,15 +259,24 @@ def moe_experts_triton(
     (codes, scales, extra, global) of `rows`, one row per token / pair. activation: the
     layer's expert activation (`expert_layer.gated` applies it to g|u). row_global_scale:
     NVFP4 under TP, h -> the global scales of the whole unsharded rows. w13_bias [E, 2I] /
-    w2_bias [E, H]: the local experts' biases (gpt-oss) or None."""
+    w2_bias [E, H]: the local experts' biases (gpt-oss) or None. quantize_hat: the
+    activation format's `act_quant_hat` (E8M0 formats); with it, E8M0 experts whose stems
+    take the x_hat word path (`moe_decode.moe_takes_hat`) run the decode kernel's grouped
+    mode (`moe_decode`), the others `mx_gemm`'s."""
     m, topk = topk_ids.shape
     out_dtype = x.dtype
     p = m * topk
     local = local_experts(topk_ids, expert_map)
     has_mbs = bool(weight.mbs) or activation_mbs
-    block_m = moe_block_m(p, w13.experts, moe_wide(w13, w2, has_mbs, macro_block))
-    pairs, tile_expert = align_local(local, w13.experts, block_m)
     kind, block_size = operand_format(weight.name)  # the kind from the format's flags
+    hat = (
+        quantize_hat is not None
+        and FMT_CODES[kind] == FMT_E8M0
+        and moe_takes_hat(w13, w2, macro_block, has_mbs, p)
+    )
+    wide = wide_tile_ok(x.device) if hat else moe_wide(w13, w2, has_mbs, macro_block)
+    block_m = moe_block_m(p, w13.experts, wide)
+    pairs, tile_expert = align_local(local, w13.experts, block_m)
     common = dict(
         fmt=kind,
         has_mbs=has_mbs,
@@ -271,18 +285,28 @@ def moe_experts_triton(
         block_m=block_m,
     )
 
-    def gemm(a: tuple, w: PackedExpertWeights, rows_per: int, bias: torch.Tensor | None):
-        """One grouped GEMM, its pairs' biases added to the fp32 sums before the cast."""
+    def gemm(rows: torch.Tensor, g: torch.Tensor | None, w: PackedExpertWeights,
+             rows_per: int, bias: torch.Tensor | None):  # fmt: skip
+        """One grouped GEMM of the quantized rows, its pairs' biases added to the fp32 sums
+        before the cast."""
         dtype = out_dtype if bias is None else torch.float32
-        y = _grouped(
-            a, w, pairs, tile_expert, num_pairs=p, topk=rows_per, out_dtype=dtype, **common
-        )
+        kw = dict(num_pairs=p, topk=rows_per, out_dtype=dtype)
+        if hat:
+            assert quantize_hat is not None
+            _, _, x_mbs, x_hat = quantize_hat(rows)
+            y = torch.ops.vllm_mxplus.triton_moe_decode_gemm(
+                x_hat, x_mbs, [w.codes, w.scales, w.extra], pairs, tile_expert, w.experts,
+                w.n, w.k, **kw, block_size=block_size, macro_block=macro_block,
+                block_m=block_m, w_small_scales=w.small_scales,
+            )  # fmt: skip
+        else:
+            y = _grouped(quantize_rows(rows, g), w, pairs, tile_expert, **kw, **common)
         return y if bias is None else (y + pair_bias(bias, local)).to(out_dtype)
 
-    gu = gemm(quantize_rows(x.reshape(m, -1), None), w13, topk, w13_bias)
+    gu = gemm(x.reshape(m, -1), None, w13, topk, w13_bias)
     h = gated(activation, gu)
     g = None if row_global_scale is None else row_global_scale(h)
-    y = gemm(quantize_rows(h, g), w2, 1, w2_bias)
+    y = gemm(h, g, w2, 1, w2_bias)
     weighted = y.to(torch.float32).view(m, topk, -1) * topk_weights.to(torch.float32)[..., None]
     return weighted.sum(1).to(out_dtype)
 
