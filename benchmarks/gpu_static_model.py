@@ -122,7 +122,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights, moe_block_m, moe_gemm
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm
     from vllm_mxplus.backends.triton.x_hat import hat_cols
-    from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _mx_operand
+    from vllm_mxplus.kernel_tools.aot_drivers import _gemm_operand, _moe_layout, _mx_operand
 
     n, k = 4096, 4096
     bf16 = torch.bfloat16
@@ -163,13 +163,12 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
     e, pairs, topk, inter = 8, 4096, 2, 14336
     bm = moe_block_m(pairs, e, wide=True)  # 512 pairs per expert: the wide row tile
-    moe_rows = (pairs + e * bm,), (pairs // bm + e,)
 
     def experts() -> None:  # E8M0 experts: the decode kernel's grouped mode on x_hat
         moe_decode_gemm(_meta((pairs // topk, hat_cols(k)), bf16),
                         _gemm_operand(pairs // topk, k, "mxfp4-mbs-s", 16, 128)[2],
                         _gemm_operand(e * 2 * inter, k, "mxfp4-mbs-d", 16, 128),
-                        *(_meta(s_, torch.int32) for s_ in moe_rows), experts=e, n=2 * inter,
+                        *_moe_layout(pairs, e, bm), experts=e, n=2 * inter,
                         k=k, num_pairs=pairs, topk=topk, out_dtype=bf16, block_size=16,
                         macro_block=128, block_m=bm, w_small_scales=True)  # fmt: skip
 
@@ -177,7 +176,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         codes, scales, extra, g = _mx_operand(e * 2 * inter, k, "e8m0", 16, 128)
         w = PackedExpertWeights(codes, scales, extra, g, e, 2 * inter, k)
         moe_gemm(_mx_operand(pairs // topk, k, "e8m0", 16, 128), w,
-                 *(_meta(s_, torch.int32) for s_ in moe_rows), num_pairs=pairs,
+                 *_moe_layout(pairs, e, bm), num_pairs=pairs,
                  topk=topk, out_dtype=bf16, fmt="e8m0", block_size=16,
                  macro_block=128, block_m=bm)  # fmt: skip
 

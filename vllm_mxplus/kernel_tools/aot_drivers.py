@@ -214,6 +214,15 @@ def _drive_mx_gemm(quick: bool) -> None:
             )
 
 
+def _moe_layout(pairs: int, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta stand-ins for `moe_align`'s (sorted pairs, expert per row tile) of `pairs` pairs
+    over `experts` experts in row tiles of block_m (their shapes' bound)."""
+    return (
+        _meta((pairs + experts * block_m,), torch.int32),
+        _meta((pairs // block_m + experts,), torch.int32),
+    )
+
+
 def _drive_moe_gemm(quick: bool) -> None:
     """Grouped experts: w13 (rows gathered per token, top-k 8) and w2 (rows per pair) at the
     decode, the 32-row and (code rows that vectorize, no narrow macro block: where
@@ -250,8 +259,7 @@ def _drive_moe_gemm(quick: bool) -> None:
         moe_gemm(
             _mx_operand(pairs // topk, k, fmt, bs, macro),
             w,
-            _meta((pairs + experts * block_m,), torch.int32),
-            _meta((pairs // block_m + experts,), torch.int32),
+            *_moe_layout(pairs, experts, block_m),
             num_pairs=pairs,
             topk=topk,
             out_dtype=out_dtype,
@@ -292,8 +300,7 @@ def _drive_moe_decode_gemm(quick: bool) -> None:
             _meta((pairs // topk, hat_cols(k)), torch.bfloat16),
             xm,
             _gemm_operand(experts * n, k, wf, bs, macro),
-            _meta((pairs + experts * block_m,), torch.int32),
-            _meta((pairs // block_m + experts,), torch.int32),
+            *_moe_layout(pairs, experts, block_m),
             experts=experts,
             n=n,
             k=k,
