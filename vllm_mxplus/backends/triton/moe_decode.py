@@ -21,8 +21,6 @@ graph: torch ops and one launch per stem, shapes from the input shapes, no host 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from vllm_mxplus.backends.library import op_name
@@ -34,13 +32,10 @@ from vllm_mxplus.backends.triton.decode_gemm import (
     takes_x_hat,
     word_path,
 )
+from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, check_gemm_args, codes_aligned
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, triton
 from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
-
-if TYPE_CHECKING:  # moe_gemm imports this module
-    from vllm_mxplus.backends.triton.moe_gemm import PackedExpertWeights
-
 
 # The 64-pair row tile (`moe_gemm.MOE_WIDE_BLOCK_M`) on this kernel needs sm_90 or later:
 # there Triton issues wgmma (sm_90: 233 registers, no spill); sm_80's mma.sync form holds both

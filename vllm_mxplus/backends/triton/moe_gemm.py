@@ -28,13 +28,13 @@ ops and kernel launches whose shapes come from the input shapes (no host sync, c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from vllm_mxplus.backends.base import Activation
 from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, codes_aligned
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
 from vllm_mxplus.backends.triton.moe_decode import moe_takes_hat, wide_tile_ok
@@ -60,26 +60,6 @@ MOE_NUM_WARPS_MBS = 8
 MOE_WIDE_BLOCK_M = 64
 MOE_WIDE_BLOCK_N = 128
 MOE_WIDE_NUM_WARPS = 8
-
-
-@dataclass
-class PackedExpertWeights:
-    """One stacked expert weight [E, N, K], all experts' rows as one packed matrix [E*N, .]:
-    codes, scales (uint8; E4M3 bytes for nvfp4), extra (MBS bytes / MX+ block-max indices /
-    None), global (fp32 per row, nvfp4) or None."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    extra: torch.Tensor | None
-    global_scale: torch.Tensor | None
-    experts: int
-    n: int  # rows per expert
-    k: int
-    small_scales: bool = False  # `decode_gemm.small_weight_scales` (E8M0), checked at load
-
-    @property
-    def operands(self) -> tuple:
-        return (self.codes, self.scales, self.extra, self.global_scale)
 
 
 def local_experts(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
