@@ -419,6 +419,21 @@ def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block:
     return codes_aligned(k, x_codes, w_codes) and not (has_mbs and macro_block < block_k)
 
 
+def reads_x_hat(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
+                has_mbs: bool, block_k: int) -> bool:  # fmt: skip
+    """Whether a launch with K steps of block_k reads an `act_quant_hat` activation: the word
+    path (`word_path`) in steps of whole HAT_CHUNKs."""
+    return word_path(k, x_codes, w_codes, macro_block, has_mbs, block_k) and (
+        block_k % HAT_CHUNK == 0
+    )
+
+
+def check_block_size(who: str, bs: int) -> None:
+    """Raise ValueError naming `who` unless bs is one of SUPPORTED_BLOCK_SIZES."""
+    if bs not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"{who}: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}")
+
+
 def takes_x_hat(k: int, macro_block: int, has_mbs: bool) -> bool:
     """Whether the GPU kernel reads an `act_quant_hat` activation of a K-wide layer (the word
     path in steps of whole HAT_CHUNKs) where the code rows vectorize (`codes_aligned`: rows
@@ -537,10 +552,7 @@ def decode_gemm(
     function as a custom op.
     """
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
-    if bs not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(
-            f"decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}"
-        )
+    check_block_size("decode_gemm", bs)
     has_mbs = x_mbs is not None or w_mbs is not None
     check_gemm_args("decode_gemm", out_dtype, macro_block, has_mbs)
     _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
@@ -571,9 +583,9 @@ def decode_gemm(
     if interp:  # (`step_tile`)
         block_m = max(16, min(128, triton.next_power_of_2(m)))
     else:
-        hat = x_hat is not None and block_k % HAT_CHUNK == 0
-        block_m = gpu_block_m(m, hat and word_path(K, x_codes, w_codes, macro_block, has_mbs,
-                                                   block_k))  # fmt: skip
+        hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs,
+                                                block_k)  # fmt: skip
+        block_m = gpu_block_m(m, hat)
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
@@ -602,7 +614,7 @@ def decode_gemm(
     out_tiles = n_tiles * triton.cdiv(m, block_m)
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
 
-    use_hat = x_hat is not None and words and block_k % HAT_CHUNK == 0
+    use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
     launch_decode(
         grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs), sk,

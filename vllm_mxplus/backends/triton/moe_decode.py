@@ -27,16 +27,16 @@ import torch
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.decode_gemm import (
     MAX_TILE_OFFSET,
-    SUPPORTED_BLOCK_SIZES,
+    check_block_size,
     launch_decode,
+    reads_x_hat,
     step_tile,
     takes_x_hat,
-    word_path,
 )
 from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, check_gemm_args, codes_aligned
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, triton
-from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
+from vllm_mxplus.backends.triton.x_hat import HAT_DTYPE, hat_cols
 
 # The 64-pair row tile (`moe_gemm.MOE_WIDE_BLOCK_M`) on this kernel needs sm_90 or later:
 # there Triton issues wgmma (sm_90: 233 registers, no spill); sm_80's mma.sync form holds both
@@ -101,24 +101,18 @@ def moe_decode_gemm(
     codes, scales, extra = w
     has_mbs = x_mbs is not None or extra is not None
     check_gemm_args("moe_decode_gemm", out_dtype, macro_block, has_mbs)
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(
-            f"moe_decode_gemm: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}"
-        )
+    check_block_size("moe_decode_gemm", block_size)
     if x_hat.dtype != HAT_DTYPE or x_hat.dim() != 2 or x_hat.shape[1] != hat_cols(k):
         raise ValueError(
             f"moe_decode_gemm: x_hat must be {HAT_DTYPE} [rows, {hat_cols(k)}] "
             f"(`act_quant_hat` of K = {k}), got {x_hat.dtype} {tuple(x_hat.shape)}"
         )
-    if x_hat.stride(-1) != 1:
-        x_hat = x_hat.contiguous()
-    if not rows_addressable(x_hat.shape[0], k) or x_hat.stride(0) != hat_cols(k):
-        x_hat = x_hat.contiguous()
-        if not rows_addressable(x_hat.shape[0], k):
-            raise ValueError(
-                f"moe_decode_gemm: x_hat of {x_hat.shape[0]} rows is too large for 32-bit "
-                "offsets (`moe_takes_hat` keeps such calls on moe_gemm)"
-            )
+    x_hat = x_hat.contiguous()  # rows_addressable counts whole rows of hat_cols(k)
+    if not rows_addressable(x_hat.shape[0], k):
+        raise ValueError(
+            f"moe_decode_gemm: x_hat of {x_hat.shape[0]} rows is too large for 32-bit "
+            "offsets (`moe_takes_hat` keeps such calls on moe_gemm)"
+        )
     check_available(codes)
     interp = interpreting()
     out = torch.zeros(
@@ -127,8 +121,7 @@ def moe_decode_gemm(
     if num_pairs == 0 or n == 0:
         return out.to(out_dtype)
     block_n, block_k = step_tile(k, codes, codes, macro_block, has_mbs)
-    if not (word_path(k, codes, codes, macro_block, has_mbs, block_k)
-            and block_k % HAT_CHUNK == 0):  # fmt: skip
+    if not reads_x_hat(k, codes, codes, macro_block, has_mbs, block_k):
         raise ValueError(
             f"moe_decode_gemm: K = {k} with macro block {macro_block} does not take the x_hat "
             "word path (`moe_takes_hat`); use moe_gemm"
