@@ -534,7 +534,7 @@ def expert_gemm_vs_bf16() -> dict:
     small = small_weight_scales(scales)
 
     def ours(t):
-        _, _, x_mbs, x_hat = act_quant_hat_op(t, s.activation_format, macro_block=128)
+        _, _, x_mbs, _, x_hat = act_quant_hat_op(t, s.activation_format, macro_block=128)
         return moe_decode_gemm(
             x_hat, x_mbs, (codes, scales, mbs), pairs, tile_expert, experts=1, n=n, k=k,
             num_pairs=tokens, topk=1, out_dtype=torch.bfloat16, block_size=16,

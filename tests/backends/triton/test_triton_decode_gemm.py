@@ -268,7 +268,7 @@ def test_gpu_cuda_graph_capture(serving, cuda_device):
     def step(t):
         x_hat = None
         if serving:  # the decode layer's path: x_hat, weight scales checked at load
-            codes, scales, mbs, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+            codes, scales, mbs, _, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
         else:
             codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s", macro_block=128)
         return decode_gemm_op(

@@ -21,13 +21,16 @@ from vllm_mxplus.formats import get_format, quantize
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.e8m0 import e8m0_to_float
 
-FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp")
+FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4")
 
 
 def hat_reference(codes: torch.Tensor, scales: torch.Tensor, k: int, fmt: str) -> torch.Tensor:
-    """x_hat from `formats`' fields: E2M1 value * 2^(scale - 127), bf16, in word order."""
-    bs = get_format(fmt).block_size
-    scale = e8m0_to_float(scales.cpu()).repeat_interleave(bs, -1)[:, :k]
+    """x_hat from `formats`' fields: E2M1 value * 2^(scale - 127) (NVFP4: * the E4M3 scale,
+    without the global scale), bf16, in word order."""
+    spec = get_format(fmt)
+    s = scales.cpu()
+    s = s.to(torch.float32) if spec.has_global_scale else e8m0_to_float(s)
+    scale = s.repeat_interleave(spec.block_size, -1)[:, :k]
     return to_hat_order((e2m1_decode(unpack_fp4(codes.cpu(), k)) * scale).to(torch.bfloat16))
 
 
@@ -59,14 +62,18 @@ def test_word_order_by_formula():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_act_quant_hat_bit_exact(fmt, m, k, triton_device):
     x = activations(m, k, torch.bfloat16, triton_device, seed=m + k)
-    codes, scales, mbs, x_hat = act_quant_hat(x, fmt, macro_block=128)
+    codes, scales, mbs, gs, x_hat = act_quant_hat(x, fmt, macro_block=128)
     want = act_quant(x, fmt, macro_block=128)
     assert_same_bits("codes", codes, want[0])
-    assert_same_bits("scales", scales, want[1])
+    assert_same_bits("scales", scales.view(torch.uint8), want[1].view(torch.uint8))
     assert (mbs is None) == (want[2] is None)
     if mbs is not None:
         assert_same_bits("mbs", mbs, want[2])
-    ref = quantize(x, fmt, macro_block=128)
+    assert (gs is None) == (want[3] is None) == (fmt != "nvfp4")
+    ref = quantize(x, fmt, macro_block=128, per_row=True)
+    if gs is not None:
+        assert_same_bits("global scales", gs, want[3])
+        assert_same_bits("global scales vs formats", gs.reshape(-1), ref.global_scale.reshape(-1))
     assert_same_bits("codes vs formats", codes, ref.codes)
     assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, k, fmt))
 
@@ -84,7 +91,7 @@ def test_act_quant_hat_special_rows(dtype, triton_device):
     if dtype == torch.float32:
         x[5] = x[5] * 2.0**-125
     x = x.to(dtype).to(triton_device)
-    codes, scales, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    codes, scales, _, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
     ref = quantize(x, "mxfp4-mbs-s", macro_block=128)
     assert_same_bits("codes", codes, ref.codes)
     assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, 640, "mxfp4-mbs-s"))
@@ -96,8 +103,8 @@ def test_act_quant_hat_rejects(triton_device):
     x = torch.randn(2, 3, 256, device=triton_device)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
-    with pytest.raises(ValueError, match="global scale"):
-        act_quant_hat(x[0], "nvfp4", macro_block=128)
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        act_quant_hat(x[0], "mxplus", macro_block=128)
 
 
 def _hat_operands(m, k, n, pair, device, seed):
@@ -106,7 +113,7 @@ def _hat_operands(m, k, n, pair, device, seed):
     qx, qw = operands(m, k, n, pair, device, seed=seed)
     _, xf = PAIRS[pair]
     x = qx.dequantize().to(torch.float32)  # quantizes to the same fields
-    codes, scales, mbs, x_hat = act_quant_hat(x, xf, macro_block=128)
+    codes, scales, mbs, _, x_hat = act_quant_hat(x, xf, macro_block=128)
     return qx, qw, x_hat
 
 
@@ -144,7 +151,7 @@ def test_decode_x_hat_tiny_rows(triton_device):
     x[1:3] *= 2.0**-125
     qx = quantize(x, "mxfp4-16-oas")
     assert (qx.scales[1].cpu() < 4).any()
-    _, _, _, x_hat = act_quant_hat(x, "mxfp4-16-oas", macro_block=128)
+    _, _, _, _, x_hat = act_quant_hat(x, "mxfp4-16-oas", macro_block=128)
     kw = {"out_dtype": torch.float32}
     assert torch.equal(run(qx, qw, 1024, x_hat=x_hat, **kw), run(qx, qw, 1024, **kw))
 
@@ -186,13 +193,12 @@ def test_hat_op_matches_and_traces(triton_device):
     want = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
     got = act_quant_hat_op(x, "mxfp4-mbs-s", macro_block=128)
     for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w)
-    torch.library.opcheck(
-        torch.ops.vllm_mxplus.triton_act_quant_hat.default, (x, "mxfp4-16-oas", 128)
-    )
+        assert (g is None and w is None) or torch.equal(g, w)
+    for fmt in ("mxfp4-16-oas", "nvfp4"):
+        torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_quant_hat.default, (x, fmt, 128))
 
     def layer(t):
-        codes, scales, mbs, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+        codes, scales, mbs, _, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
         return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 1024,
                               out_dtype=torch.float32, x_hat=x_hat, macro_block=128,
                               w_small_scales=True)  # fmt: skip
@@ -217,7 +223,7 @@ def test_gpu_x_hat_and_folded_scales(pair, m, cuda_device):
     x[-1] *= 2.0**-125
     xf = PAIRS[pair][1]
     qx = quantize(x, xf)
-    codes, scales, _, x_hat = act_quant_hat(x, xf, macro_block=128)
+    codes, scales, _, _, x_hat = act_quant_hat(x, xf, macro_block=128)
     assert_same_bits("codes", codes, qx.codes)
     assert_same_hat(x_hat, hat_reference(qx.codes, qx.scales, k, xf))
     kw = {"out_dtype": torch.float32}

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllm_mxplus.backends.triton.gemm_blocks import e2m1_value, e8m0_value
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_value, e4m3_value, e8m0_value
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
@@ -108,23 +108,28 @@ def _mx_act_quant_kernel(
     )  # fmt: skip
     if HAT:  # x_hat in the decode GEMM's word order (`x_hat`): BLOCK_K whole chunks
         v = e2m1_value(mag | (neg << 3)) * e8m0_value(code)[:, :, None]
-        v = tl.reshape(v, (BLOCK_M, BLOCK_K // 128, 16, 2, 4))
-        v = tl.reshape(tl.permute(v, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_K))
-        # bf16 = fp32's top half: v is exact in bf16, so the truncation is the value (the
-        # interpreter's fp32 -> bf16 conversion loses bf16 subnormals)
-        v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        store_row_tile(
-            hat_ptr, v, offs_m, mask_m, stride_hm, pid_k,
-            tl.cdiv(K, 128) * 128, BLOCK_K,
-        )  # fmt: skip
+        _store_hat(hat_ptr, v, offs_m, mask_m, stride_hm, pid_k, K, BLOCK_M, BLOCK_K)
+
+
+@triton.jit
+def _store_hat(hat_ptr, v, offs_m, mask_m, stride_hm, tile, K, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """Store the values v [BLOCK_M, NB, BLOCK] (fp32, exact in bf16) of K tile `tile` (whole
+    HAT_CHUNKs) as bf16 in `x_hat`'s word order."""
+    v = tl.reshape(v, (BLOCK_M, BLOCK_K // 128, 16, 2, 4))
+    v = tl.reshape(tl.permute(v, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_K))
+    # bf16 = fp32's top half: v is exact in bf16, so the truncation is the value (the
+    # interpreter's fp32 -> bf16 conversion loses bf16 subnormals)
+    v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    store_row_tile(hat_ptr, v, offs_m, mask_m, stride_hm, tile, tl.cdiv(K, 128) * 128, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------- NVFP4 kernel
 @triton.jit
 def _nvfp4_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, gs_ptr,  # gs: out, the rows' fp32 global scales
-    M, K, stride_xm, stride_cm, stride_sm,
-    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, codes_ptr, scales_ptr, gs_ptr, hat_ptr,  # gs: out, the rows' fp32 global scales
+    M, K, stride_xm, stride_cm, stride_sm, stride_hm,
+    HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     NB: tl.constexpr = BLOCK_K // NVFP4_BLOCK
     pid_m = tl.program_id(0)
@@ -153,6 +158,9 @@ def _nvfp4_act_quant_kernel(
             codes_ptr, scales_ptr, c, sbyte, offs_m, mask_m, stride_cm, stride_sm,
             k0 // BLOCK_K, K, NVFP4_BLOCK, BLOCK_M, BLOCK_K,
         )  # fmt: skip
+        if HAT:  # x_hat = value * s without the global scale (the GEMM applies g_x g_w)
+            v = e2m1_value(c) * e4m3_value(sbyte)[:, :, None]
+            _store_hat(hat_ptr, v, offs_m, mask_m, stride_hm, k0 // BLOCK_K, K, BLOCK_M, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -265,17 +273,17 @@ def act_quant(
 
 def act_quant_hat(
     x: torch.Tensor, fmt: str, *, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`act_quant` of an E8M0 format (no NVFP4) that also writes x_hat for the decode GEMM:
-    (codes, scales, mbs or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order), all
-    from one read of x in the same kernel. Rows x [M, K] (2-D)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """`act_quant` that also writes x_hat for the decode GEMM: (codes, scales, mbs or None,
+    global_scale or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order), all from the
+    same kernel. Rows x [M, K] (2-D). E8M0 formats: x_hat = value * 2^(e - 127) (the MBS
+    factor left to the GEMM); NVFP4: x_hat = value * s, the E4M3 scale without the row's
+    global scale (the GEMM multiplies its sums by g_x * g_w), exact in bf16 alike."""
     if x.dim() != 2:
         raise ValueError(f"act_quant_hat: x must be [M, K], got shape {tuple(x.shape)}")
-    if get_format(fmt).has_global_scale:
-        raise ValueError(f"act_quant_hat: format {fmt!r} has a global scale (E8M0 formats only)")
-    codes, scales, mbs, _, hat = _act_quant(x, fmt, macro_block, hat=True)
+    codes, scales, mbs, gs, hat = _act_quant(x, fmt, macro_block, hat=True)
     assert hat is not None
-    return codes, scales, mbs, hat
+    return codes, scales, mbs, gs, hat
 
 
 def _act_quant(
@@ -294,12 +302,15 @@ def _act_quant(
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     nb = ceil_div(k, spec.block_size)
     mbs = gs = x_hat = None
+    if hat:
+        x_hat = torch.empty((m, hat_cols(k)), dtype=HAT_DTYPE, device=x.device)
 
     if spec.has_global_scale:
         scales = torch.empty((m, nb), dtype=torch.float8_e4m3fn, device=x.device)
         gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
-            block_m, block_k = tile_sizes(m, k, spec.block_size)
+            # x_hat: K tiles of whole chunks
+            block_m, block_k = tile_sizes(m, k, HAT_CHUNK if hat else spec.block_size)
             launch(
                 _nvfp4_act_quant_kernel,
                 (triton.cdiv(m, block_m),),
@@ -307,11 +318,14 @@ def _act_quant(
                 codes,
                 scales.view(torch.uint8),
                 gs,
+                x_hat if x_hat is not None else gs,  # never touched when HAT is False
                 m,
                 k,
                 x2.stride(0),
                 codes.stride(0),
                 scales.stride(0),
+                x_hat.stride(0) if x_hat is not None else 0,
+                HAT=hat,
                 BF16_BITS=bf16_bits,
                 BLOCK_M=block_m,
                 BLOCK_K=block_k,
@@ -323,8 +337,6 @@ def _act_quant(
         if spec.mbs:
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
-        if hat:
-            x_hat = torch.empty((m, hat_cols(k)), dtype=HAT_DTYPE, device=x.device)
         hat_arg = x_hat if x_hat is not None else scales  # never touched when HAT is False
         launch_row_tiles(
             _mx_act_quant_kernel,

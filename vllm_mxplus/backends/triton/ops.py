@@ -1,7 +1,8 @@
 """The Triton kernels as torch custom ops, so torch.compile and CUDA graphs can trace them.
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
-  torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block) -> (codes, scales, mbs, x_hat)
+  torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
+      -> (codes, scales, mbs, global_scale, x_hat)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
                                            K, bias=None, out_dtype=bf16, block_size=None,
                                            macro_block=128, *, block_n=None, split_k=None) -> y
@@ -61,18 +62,21 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
 @torch.library.custom_op(op_name("triton_act_quant_hat"), mutates_args=())
 def _act_quant_hat_op(
     x: torch.Tensor, fmt: str, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes, scales, mbs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scales, mbs, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
+    (_, _, (mbs_shape, _), (gs_shape, _)) = _act_quant_shapes(x, fmt, macro_block)
     if mbs is None:
-        mbs = torch.empty((x.shape[0], 0), dtype=torch.uint8, device=x.device)
-    return codes, scales, mbs, x_hat
+        mbs = torch.empty(mbs_shape, dtype=torch.uint8, device=x.device)
+    if gs is None:
+        gs = torch.empty(gs_shape, dtype=torch.float32, device=x.device)
+    return codes, scales, mbs, gs, x_hat
 
 
 @_act_quant_hat_op.register_fake
 def _act_quant_hat_fake(x: torch.Tensor, fmt: str, macro_block: int):
-    (codes, scales, mbs, _) = _act_quant_shapes(x, fmt, macro_block)
     hat = ((x.shape[0], hat_cols(x.shape[-1])), HAT_DTYPE)
-    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in (codes, scales, mbs, hat))
+    shapes = (*_act_quant_shapes(x, fmt, macro_block), hat)
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
 
 
 #: `decode_gemm` itself as a custom op (traceable): one signature, defaults included.
@@ -102,7 +106,16 @@ def act_quant_op(
 
 def act_quant_hat_op(
     x: torch.Tensor, fmt: str, *, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """`act_quant.act_quant_hat` through the custom op (traceable); same return values."""
-    codes, scales, mbs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
-    return codes, scales, mbs if get_format(fmt).mbs else None, x_hat
+    spec = get_format(fmt)
+    codes, scales, mbs, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(
+        x, fmt, macro_block
+    )
+    return (
+        codes,
+        scales,
+        mbs if spec.mbs else None,
+        gs if spec.has_global_scale else None,
+        x_hat,
+    )
