@@ -61,12 +61,12 @@ import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
     bf16_values,
+    block_scale_values,
+    block_word_scales,
     dot_f32,
     e2m1_folded_word_values,
     e2m1_pair_values,
     e2m1_word_values,
-    e8m0_value,
-    e8m0_word_scales,
     macro_block_dot,
     mbs_factors,
     mbs_sigma,
@@ -122,6 +122,8 @@ def _decode_gemm_kernel(
     xh_ptr,
     pairs_ptr,
     tile_expert_ptr,
+    xg_ptr,
+    wg_ptr,
     M,
     N,
     K,
@@ -152,8 +154,11 @@ def _decode_gemm_kernel(
     EVEN: tl.constexpr,
     X_HAT: tl.constexpr,
     MOE: tl.constexpr,
+    NVFP4: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
+    # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
+    SCALE_ONE: tl.constexpr = 0x38 if NVFP4 else 127
     HB: tl.constexpr = BS // 2  # bytes per scale block
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
@@ -166,6 +171,7 @@ def _decode_gemm_kernel(
     i_h = tl.arange(0, HB)
     if MOE:  # (`moe_decode`): x_hat rows gathered through the row tile's pairs
         tl.static_assert(X_HAT and WORDS, "MOE reads x_hat on the word path")
+        tl.static_assert(not NVFP4, "MOE reads E8M0 experts")
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert >= N_EXPERTS:
             return  # a tile past the last expert's rows
@@ -251,6 +257,7 @@ def _decode_gemm_kernel(
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
                 xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
                 BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
+                NVFP4, SCALE_ONE,
             )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -259,9 +266,9 @@ def _decode_gemm_kernel(
             xs = tl.load(
                 xs_base + sb0 + xs_off,
                 mask=mask_m[:, None, None] & (i_b[None, :, None] * BS < left),
-                other=127,
+                other=SCALE_ONE,
             )
-            xsv = e8m0_value(xs.to(tl.int32))
+            xsv = block_scale_values(xs.to(tl.int32), NVFP4)
             xv_lo, xv_hi = e2m1_pair_values(xb)
             x_lo = tl.reshape((xv_lo * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
             x_hi = tl.reshape((xv_hi * xsv).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2))
@@ -271,9 +278,9 @@ def _decode_gemm_kernel(
             ws = tl.load(
                 ws_base + sb0 + ws_off,
                 mask=(i_b[None, :, None] * BS < left) & mask_n[:, None, None],
-                other=127,
+                other=SCALE_ONE,
             )
-            wsv = e8m0_value(ws.to(tl.int32))
+            wsv = block_scale_values(ws.to(tl.int32), NVFP4)
             wv_lo, wv_hi = e2m1_pair_values(wb)
             w_lo = tl.trans(tl.reshape((wv_lo * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
             w_hi = tl.trans(tl.reshape((wv_hi * wsv).to(DOT_DTYPE), (BLOCK_N, BLOCK_K // 2)))
@@ -313,6 +320,10 @@ def _decode_gemm_kernel(
                     part = part * sx[:, None] * sw[None, :]
             acc += part
 
+    if NVFP4:  # the global scales, factored out of the sum (as `mx_gemm` applies them)
+        gx = tl.load(xg_ptr + m0 + i_m, mask=mask_m, other=0.0)
+        gw = tl.load(wg_ptr + n0 + i_n, mask=mask_n, other=0.0)
+        acc = (acc * gx[:, None]) * gw[None, :]
     store_out_tile(
         out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
         HAS_BIAS, BLOCK_N,
@@ -325,6 +336,7 @@ def _word_step(
     block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
+    NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
@@ -347,16 +359,16 @@ def _word_step(
     WPB: tl.constexpr = BS // 8  # words per scale block
     if not X_HAT:
         xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
-        xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=127).to(tl.int32)
-        xsv = e8m0_word_scales(xs, WPB, DOT_DTYPE)
+        xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=SCALE_ONE).to(tl.int32)
+        xsv = block_word_scales(xs, WPB, DOT_DTYPE, NVFP4)
     if EVEN:
         wq = tl.load(ww_ptrs)
         ws = tl.load(ws_ptrs).to(tl.int32)
     else:
         wq = tl.load(ww_ptrs, mask=mask_n[:, None] & word_ok[None, :], other=0)
-        ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=127).to(tl.int32)
+        ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=SCALE_ONE).to(tl.int32)
     if not W_FOLD:
-        wsv = e8m0_word_scales(ws, WPB, DOT_DTYPE)
+        wsv = block_word_scales(ws, WPB, DOT_DTYPE, NVFP4)
     part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for p in tl.static_range(4):
         if X_HAT:
@@ -467,6 +479,7 @@ def _check_operand(
     k: int,
     bs: int,
     macro: int,
+    nvfp4: bool,
 ) -> None:
     rows = codes.shape[0]
     if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] != ceil_div(k, 2):
@@ -474,10 +487,11 @@ def _check_operand(
             f"decode_gemm: {name}_codes must be uint8 [rows, ceil(K/2)="
             f"{ceil_div(k, 2)}], got {codes.dtype} {tuple(codes.shape)}"
         )
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, ceil_div(k, bs)):
+    want = torch.float8_e4m3fn if nvfp4 else torch.uint8
+    if scales.dtype != want or tuple(scales.shape) != (rows, ceil_div(k, bs)):
+        kind = "float8_e4m3fn (NVFP4)" if nvfp4 else "uint8 E8M0"
         raise ValueError(
-            f"decode_gemm: {name}_scales must be uint8 E8M0 "
-            f"[{rows}, {ceil_div(k, bs)}],"
+            f"decode_gemm: {name}_scales must be {kind} [{rows}, {ceil_div(k, bs)}],"
             f" got {scales.dtype} {tuple(scales.shape)}"
         )
     if mbs is not None and (
@@ -487,6 +501,37 @@ def _check_operand(
             f"decode_gemm: {name}_mbs must be uint8 [{rows}, {ceil_div(k, macro)}],"
             f" got {mbs.dtype} {tuple(mbs.shape)}"
         )
+
+
+def _check_globals(
+    nvfp4: bool,
+    bs: int,
+    has_mbs: bool,
+    x_global: torch.Tensor | None,
+    w_global: torch.Tensor | None,
+    m: int,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NVFP4's global scales as contiguous fp32 [M] and [N] (None for E8M0), or a ValueError
+    naming the argument at fault."""
+    if not nvfp4:
+        if x_global is not None or w_global is not None:
+            raise ValueError(
+                "decode_gemm: x_global / w_global are NVFP4's (weight scales float8_e4m3fn)"
+            )
+        return None
+    if bs != 16 or has_mbs:
+        raise ValueError(f"decode_gemm: NVFP4 is block 16 without MBS bytes, got block {bs}")
+    out = []
+    for name, g, rows in (("x_global", x_global, m), ("w_global", w_global, n)):
+        if g is None or g.dtype != torch.float32 or g.numel() != rows:
+            got = "None" if g is None else f"{g.dtype} {tuple(g.shape)}"
+            raise ValueError(
+                f"decode_gemm: NVFP4 needs {name}, fp32 with one value per row ({rows}), "
+                f"got {got}"
+            )
+        out.append(g.reshape(rows).contiguous())
+    return out[0], out[1]
 
 
 @overload
@@ -527,6 +572,8 @@ def decode_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     block_size: int | None = None,
     x_hat: torch.Tensor | None = None,
+    x_global: torch.Tensor | None = None,  # (a custom op's tensors cannot be keyword-only)
+    w_global: torch.Tensor | None = None,
     *,
     macro_block: int,
     block_n: int | None = None,
@@ -550,14 +597,24 @@ def decode_gemm(
     [M, hat_cols(K)] bf16, which the kernel reads instead of dequantizing x's codes where it
     takes the word path (`word_path`; ignored elsewhere). `ops.decode_gemm_op` is this
     function as a custom op.
+
+    NVFP4 (weight scales float8_e4m3fn): block 16, both operands' scales E4M3, no MBS bytes,
+    and the fp32 global scales of the activation rows x_global [M] (or [M, 1]) and of the
+    weight rows w_global [N]; x_hat then holds value * s without the global scale
+    (`act_quant_hat` of nvfp4). The kernel multiplies its sums by g_x[m] * g_w[n] as
+    `mx_gemm` does, and the bound of its docstring holds.
     """
+    nvfp4 = w_scales.dtype == torch.float8_e4m3fn
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
     check_block_size("decode_gemm", bs)
     has_mbs = x_mbs is not None or w_mbs is not None
     check_gemm_args("decode_gemm", out_dtype, macro_block, has_mbs)
-    _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block)
-    _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block)
+    _check_operand("x", x_codes, x_scales, x_mbs, K, bs, macro_block, nvfp4)
+    _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block, nvfp4)
     m, n = x_codes.shape[0], w_codes.shape[0]
+    globals_ = _check_globals(nvfp4, bs, has_mbs, x_global, w_global, m, n)
+    if nvfp4:
+        x_scales, w_scales = x_scales.view(torch.uint8), w_scales.view(torch.uint8)
     if x_hat is not None and (
         x_hat.dtype != HAT_DTYPE or tuple(x_hat.shape) != (m, hat_cols(K)) or x_hat.stride(-1) != 1
     ):
@@ -591,9 +648,11 @@ def decode_gemm(
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
-        w = (w_codes, w_scales, w_mbs, K, bias, out_dtype, bs)
+        w_sc = w_scales.view(torch.float8_e4m3fn) if nvfp4 else w_scales
+        x_sc = x_scales.view(torch.float8_e4m3fn) if nvfp4 else x_scales
+        w = (w_codes, w_sc, w_mbs, K, bias, out_dtype, bs)
         return by_row_chunks(
-            (x_codes, x_scales, x_mbs),
+            (x_codes, x_sc, x_mbs, None if globals_ is None else globals_[0]),
             MAX_GRID_M_TILES * block_m,
             lambda xr: decode_gemm(
                 xr[0],
@@ -605,6 +664,8 @@ def decode_gemm(
                 split_k=split_k,
                 w_small_scales=w_small_scales,
                 x_hat=None,  # chunks of rows: the codes path
+                x_global=xr[3],
+                w_global=None if globals_ is None else globals_[1],
             ),  # fmt: skip
         )
     if m == 0 or n == 0:
@@ -619,8 +680,9 @@ def decode_gemm(
     launch_decode(
         grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs), sk,
         x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block,
-        tile=(block_m, block_n, block_k), words=words, w_fold=words and w_small_scales,
-        even=words and n % block_n == 0 and K % block_k == 0,
+        tile=(block_m, block_n, block_k), words=words,
+        w_fold=words and w_small_scales and not nvfp4,
+        even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_,
     )  # fmt: skip
     return finish_output(sk.out, bias, out_dtype)
 
@@ -655,6 +717,7 @@ def launch_decode(
     words: bool,
     w_fold: bool,
     even: bool,
+    globals_: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
@@ -662,7 +725,9 @@ def launch_decode(
     x, w: (codes, scales, MBS bytes or None), uint8 row-major, tile-addressable; x_hat: the
     activation's `act_quant_hat` output where the launch reads it (None: x's codes). moe:
     (sorted pairs, expert per row tile, local experts, top_k) or None; with it, sk.out has a
-    row per pair and x_hat a row per token (top_k > 1) or per pair."""
+    row per pair and x_hat a row per token (top_k > 1) or per pair. globals_: NVFP4's fp32
+    global scales (of x's rows [m], of w's rows [n]), the scales then E4M3 bytes; None for
+    E8M0."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
@@ -683,6 +748,7 @@ def launch_decode(
         x_hat if x_hat is not None else dummy,
         pairs,
         tile_expert,
+        *(globals_ if globals_ is not None else (dummy, dummy)),
         m,
         n,
         K,
@@ -713,5 +779,6 @@ def launch_decode(
         EVEN=even,
         X_HAT=x_hat is not None,
         MOE=moe is not None,
+        NVFP4=globals_ is not None,
         **({} if interpreting() else gpu_launch_options(block_m)),
     )

@@ -113,6 +113,25 @@ def e8m0_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def block_scale_values(s, NVFP4: tl.constexpr):
+    """fp32 values of block scale bytes s (int32): E4M3 (`e4m3_value`) for NVFP4, else E8M0
+    (`e8m0_value`)."""
+    if NVFP4:
+        return e4m3_value(s)
+    return e8m0_value(s)
+
+
+@triton.jit
+def block_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      NVFP4: tl.constexpr):  # fmt: skip
+    """`e8m0_word_scales`, or for NVFP4 the E4M3 scales s (int32 bytes) [R, NB] likewise:
+    values of at most 4 significant bits in [2^-9, 448] and NaN, exact in bf16."""
+    if NVFP4:
+        return _word_columns(e4m3_value(s).to(DOT_DTYPE), WORDS_PER_BLOCK)
+    return e8m0_word_scales(s, WORDS_PER_BLOCK, DOT_DTYPE)
+
+
+@triton.jit
 def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr,
                             DOT_DTYPE: tl.constexpr):  # fmt: skip
     """`e2m1_word_values` of int32 words q [R, W] times their blocks' E8M0 scales, the codes

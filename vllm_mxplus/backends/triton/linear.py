@@ -1,9 +1,10 @@
 """The Triton backends on CUDA: fused activation quantizer + FP4 GEMM, every scheme, every M.
 
-- `triton-decode` (M <= `decode_max_m()`, 128 by default): E8M0 schemes run the memory-bound
-  decode GEMM (`decode_gemm`: the packed weight, its E8M0 scales and MBS bytes streamed once;
-  16-row tiles up to DECODE_MAX_M, 32 / 64 above on the x_hat path); NVFP4 and MX+, and
-  layers off the x_hat path above DECODE_MAX_M, run `mx_gemm` (its decode or prefill tiles).
+- `triton-decode` (M <= `decode_max_m()`, 128 by default): E8M0 and NVFP4 schemes run the
+  memory-bound decode GEMM (`decode_gemm`: the packed weight, its E8M0 / E4M3 scales and MBS
+  bytes streamed once; 16-row tiles up to DECODE_MAX_M, 32 / 64 above on the x_hat path);
+  MX+, NVFP4 rows with given global scales (row-parallel shards), and layers off the x_hat
+  path above DECODE_MAX_M run `mx_gemm` (its decode or prefill tiles).
 - `triton-gemm` (M > DECODE_MAX_M where the backends before it leave M): `mx_gemm` with
   prefill tiles, every format (E8M0 at block 16 / 32 with MBS at any power-of-two macro block
   16..2048, NVFP4, MX+).
@@ -65,19 +66,26 @@ def decode_max_m() -> int:
     return max(DECODE_MAX_M, min(top, settings.prefill_min_m() - 1))
 
 
-def mx_gemm_only(weight_format: str, activation_format: str) -> bool:
-    """Whether both operands are of a kind only `mx_gemm` reads: NVFP4 (E4M3 scales under a
-    global scale) or MX+ (block-max mantissa) on both sides."""
+def global_or_plus_pair(weight_format: str, activation_format: str) -> bool:
+    """Whether both operands are NVFP4 (E4M3 scales under a global scale) or both MX+
+    (block-max mantissa): the pairs the Triton kernels take besides the E8M0 ones."""
     w, a = get_format(weight_format), get_format(activation_format)
     return (w.has_global_scale and a.has_global_scale) or (
         w.block_max_mantissa and a.block_max_mantissa
     )
 
 
+def decode_reads(weight_format: str, activation_format: str) -> bool:
+    """Whether the decode GEMM (`decode_gemm`) reads this pair: the E8M0 pairs and NVFP4;
+    MX+ is `mx_gemm`'s alone."""
+    w, a = get_format(weight_format), get_format(activation_format)
+    return not (w.block_max_mantissa and a.block_max_mantissa)
+
+
 def triton_takes(weight_format: str, activation_format: str, macro_block: int) -> tuple[bool, str]:
     """Whether the Triton kernels take this scheme (linears and MoE experts): the E8M0 pairs
     with a macro block the tiles hold, NVFP4 and MX+. (True, "") or (False, why)."""
-    if mx_gemm_only(weight_format, activation_format):
+    if global_or_plus_pair(weight_format, activation_format):
         return True, ""
     ok, why = check_e8m0_pair(weight_format, activation_format, "Triton kernel")
     if not ok:
@@ -180,19 +188,23 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
         spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
         hat = takes_x_hat(spec.k, spec.macro_block, bool(get_format(spec.activation_format).mbs))
-        if mx_gemm_only(spec.weight_format, spec.activation_format) or (
-            x2.shape[0] > DECODE_MAX_M and not hat
+        # NVFP4 rows with given global scales (a row-parallel shard: the whole row's) keep
+        # mx_gemm, whose quantizer takes them
+        if (
+            not decode_reads(spec.weight_format, spec.activation_format)
+            or act_global_scale is not None
+            or (x2.shape[0] > DECODE_MAX_M and not hat)
         ):  # mx_gemm's decode or prefill tiles (it picks them by M)
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
 
         x_hat = None
         if hat:
-            a_codes, a_scales, a_mbs, x_hat = act_quant_hat_op(
+            a_codes, a_scales, a_mbs, a_global, x_hat = act_quant_hat_op(
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
         else:
-            a_codes, a_scales, a_mbs, _ = act_quant_op(
+            a_codes, a_scales, a_mbs, a_global = act_quant_op(
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
         y = decode_gemm_op(
@@ -209,6 +221,8 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             macro_block=spec.macro_block,
             w_small_scales=getattr(layer, SMALL_SCALES_ATTR, False),
             x_hat=x_hat,
+            x_global=a_global,
+            w_global=getattr(layer, GLOBAL_ATTR, None),
         )
         return y.reshape(*x.shape[:-1], spec.n)
 
