@@ -154,8 +154,18 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         return go
 
+    def decode_nvfp4() -> None:  # NVFP4 on the decode GEMM: x_hat, E4M3 scales, g_x * g_w
+        def operand(rows: int) -> tuple:
+            return (_meta((rows, k // 2), torch.uint8),
+                    _meta((rows, k // 16), torch.float8_e4m3fn), None)  # fmt: skip
+
+        decode_gemm(*operand(1), *operand(n), k, None, bf16, block_size=16, macro_block=128,
+                    split_k=1, x_hat=_meta((1, hat_cols(k)), bf16),
+                    x_global=_meta((1,), torch.float32),
+                    w_global=_meta((n,), torch.float32))  # fmt: skip
+
     def decode_mx(fmt: str, bs: int) -> Callable[[], None]:
-        def go() -> None:  # mx_gemm's decode tile: NVFP4 and MX+ at M <= 16
+        def go() -> None:  # mx_gemm's decode tile: MX+, and NVFP4 rows with given g
             mx_gemm(_mx_operand(1, k, fmt, bs, None), _mx_operand(n, k, fmt, bs, None), k,
                     None, bf16, fmt=fmt, block_size=bs, macro_block=128, split_k=1)  # fmt: skip
 
@@ -200,7 +210,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
         "decode mxfp4-mbs 32 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 32)),
         "decode mxfp4-mbs 64 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 64)),
-        "decode nvfp4": ("decode", "weight", decode_mx("nvfp4", 16)),
+        "decode nvfp4": ("decode", "weight", decode_nvfp4),
+        "decode nvfp4 mx_gemm": ("decode", "weight", decode_mx("nvfp4", 16)),
         "decode mxplus": ("decode", "weight", decode_mx("mxplus", 32)),
         "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
         "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),

@@ -37,8 +37,6 @@ def _drive_act_quant(quick: bool) -> None:
             aq.act_quant(_meta((64, 4096), torch.bfloat16), fmt, macro_block=32)
         for dtype, m, k, macro in itertools.product(dtypes, ms, ks, macros):
             aq.act_quant(_meta((m, k), dtype), fmt, macro_block=macro)
-        if get_format(fmt).has_global_scale:
-            continue
         # the decode path's x_hat variant: decode row counts, K with a partial chunk or not
         for dtype, m, k in itertools.product(dtypes, (1, 16), (4096,) if quick else (576, 4096)):
             aq.act_quant_hat(_meta((m, k), dtype), fmt, macro_block=128)
@@ -143,6 +141,36 @@ def _drive_decode_gemm(quick: bool) -> None:
                     split_k=split,
                     w_small_scales=x_hat,
                 )
+    _drive_decode_gemm_nvfp4(shapes, out_dtypes, quick)
+
+
+def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> None:
+    """NVFP4 on the decode GEMM: E4M3 scales and global scales, on x_hat (16 / 32 / 64 rows)
+    where K takes it and on the codes."""
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, takes_x_hat
+    from vllm_mxplus.backends.triton.x_hat import hat_cols
+    from vllm_mxplus.formats.constants import ceil_div
+
+    def operand(rows: int, k: int) -> tuple:
+        return (_meta((rows, ceil_div(k, 2)), torch.uint8),
+                _meta((rows, ceil_div(k, 16)), torch.float8_e4m3fn), None)  # fmt: skip
+
+    for out_dtype, (n, k), bias, split in itertools.product(
+        out_dtypes, shapes, (False, True), (1, 4)
+    ):
+        if quick and (bias or out_dtype != torch.bfloat16):
+            continue
+        serving = takes_x_hat(k, 128, False)
+        for x_hat in (True, False) if serving else (False,):
+            wide = x_hat and split == 1 and not bias
+            for rows in (16, 32, 64) if wide else (16,):
+                decode_gemm(
+                    *operand(rows, k), *operand(n, k), k,
+                    _meta((n,), out_dtype) if bias else None, out_dtype, block_size=16,
+                    x_hat=_meta((rows, hat_cols(k)), torch.bfloat16) if x_hat else None,
+                    x_global=_meta((rows,), torch.float32), w_global=_meta((n,), torch.float32),
+                    macro_block=128, split_k=split,
+                )  # fmt: skip
 
 
 def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tuple:
