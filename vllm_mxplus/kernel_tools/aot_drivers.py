@@ -151,9 +151,11 @@ def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> N
     from vllm_mxplus.backends.triton.x_hat import hat_cols
     from vllm_mxplus.formats.constants import ceil_div
 
-    def operand(rows: int, k: int) -> tuple:
-        return (_meta((rows, ceil_div(k, 2)), torch.uint8),
-                _meta((rows, ceil_div(k, 16)), torch.float8_e4m3fn), None)  # fmt: skip
+    def codes(rows: int, k: int) -> torch.Tensor:
+        return _meta((rows, ceil_div(k, 2)), torch.uint8)
+
+    def scales(rows: int, k: int) -> torch.Tensor:
+        return _meta((rows, ceil_div(k, 16)), torch.float8_e4m3fn)
 
     for out_dtype, (n, k), bias, split in itertools.product(
         out_dtypes, shapes, (False, True), (1, 4)
@@ -165,7 +167,7 @@ def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> N
             wide = x_hat and split == 1 and not bias
             for rows in (16, 32, 64) if wide else (16,):
                 decode_gemm(
-                    *operand(rows, k), *operand(n, k), k,
+                    codes(rows, k), scales(rows, k), None, codes(n, k), scales(n, k), None, k,
                     _meta((n,), out_dtype) if bias else None, out_dtype, block_size=16,
                     x_hat=_meta((rows, hat_cols(k)), torch.bfloat16) if x_hat else None,
                     x_global=_meta((rows,), torch.float32), w_global=_meta((n,), torch.float32),
@@ -381,12 +383,11 @@ MIN_TARGET: dict[str, int] = {
 
 def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports this module)
     """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, and for
-    the grouped decode kernel's 64-pair row tile `moe_decode.WIDE_MIN_CAPABILITY` (the
-    launcher never picks it on older GPUs)."""
-    from vllm_mxplus.backends.triton.moe_decode import WIDE_MIN_CAPABILITY
-    from vllm_mxplus.backends.triton.moe_gemm import MOE_WIDE_BLOCK_M
+    the decode kernel's 64-row tile (linear or grouped) `decode_gemm.WIDE_MIN_CAPABILITY`
+    (the launchers never pick it on older GPUs)."""
+    from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS, WIDE_MIN_CAPABILITY
 
     c = dict(config.constexprs)
-    if config.kernel == "_decode_gemm_kernel" and c.get("MOE") and c["BLOCK_M"] >= MOE_WIDE_BLOCK_M:
+    if config.kernel == "_decode_gemm_kernel" and c["BLOCK_M"] >= WIDE_BLOCK_MS[-1]:
         return WIDE_MIN_CAPABILITY * 10
     return MIN_TARGET.get(config.kernel, 0)

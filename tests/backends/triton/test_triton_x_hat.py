@@ -230,3 +230,35 @@ def test_gpu_x_hat_and_folded_scales(pair, m, cuda_device):
     served = run(qx, qw, k, x_hat=x_hat, w_small_scales=True, **kw)
     assert torch.equal(served, run(qx, qw, k, **kw))
     assert_within_bound(served, *reference(qx, qw), torch.float32)
+
+
+@pytest.mark.parametrize("major,want", [(8, 32), (9, 64), (10, 64)])
+def test_widest_row_tile_needs_sm90(monkeypatch, major, want):
+    """The 64-row tile (wgmma) runs on sm_90 and later only: on sm_80 its mma.sync form spills
+    (unfolded weight scales, grouped experts), so 33+ rows get 32-row tiles there; the AOT
+    compiles it for those targets only."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.kernel_tools.aot import config_of
+    from vllm_mxplus.kernel_tools.aot_drivers import min_target
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    with capture_launches():  # the GPU's tile choices
+        ok = dg.wide_tile_ok(torch.device("cuda"))
+    assert ok == (major >= dg.WIDE_MIN_CAPABILITY)
+    assert dg.gpu_block_m(40, True, ok) == want
+    assert dg.gpu_block_m(20, True, ok) == 32 and dg.gpu_block_m(8, True, ok) == 16
+    assert dg.gpu_block_m(40, False, ok) == 16  # the codes path keeps 16-row tiles
+    assert dg.wide_tile_ok(torch.device("cpu"))
+    k, n = 1024, 256
+    w = (torch.empty((n, k // 2), dtype=torch.uint8, device="meta"),
+         torch.empty((n, k // 16), dtype=torch.uint8, device="meta"))  # fmt: skip
+    for rows, target in ((64, 90), (32, 0)):
+        x = (torch.empty((rows, k // 2), dtype=torch.uint8, device="meta"),
+             torch.empty((rows, k // 16), dtype=torch.uint8, device="meta"))  # fmt: skip
+        with capture_launches() as launches:
+            dg.decode_gemm(*x, None, *w, None, k, macro_block=128, w_small_scales=True,
+                           x_hat=torch.empty((rows, hat_cols(k)), dtype=torch.bfloat16,
+                                             device="meta"))  # fmt: skip
+        # meta tensors (the AOT's) get every tile; the 64-row one is compiled for sm_90+
+        assert launches[-1].kwargs["BLOCK_M"] == rows
+        assert min_target(config_of(launches[-1])) == target

@@ -91,6 +91,11 @@ SUPPORTED_BLOCK_SIZES = (16, 32)
 GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 # batched decode on x_hat (`gpu_block_m`): 32 rows, or 64 (wgmma on sm_90), per row tile
 WIDE_BLOCK_MS = (32, 64)
+# The 64-row tile (linears and grouped experts alike) needs sm_90 or later (`wide_tile_ok`):
+# there Triton issues wgmma (sm_90: 229-233 registers, no spill); sm_80's mma.sync form holds
+# the accumulators in registers and spills (255 registers: the unfolded weight scales of
+# NVFP4, the grouped experts), so sm_80 gets 32-row tiles at most
+WIDE_MIN_CAPABILITY = 9
 GPU_BLOCK_N = 128
 GPU_BLOCK_K = 128  # K elements per step on the GPU: 64 bytes per weight row
 GPU_BLOCK_K_NARROW_MACRO = 64  # the step for macro blocks of 16 / 32 / 64 (registers)
@@ -388,14 +393,24 @@ def _word_step(
     return part
 
 
-def gpu_block_m(m: int, hat: bool) -> int:
+def wide_tile_ok(device: torch.device) -> bool:
+    """Whether the 64-row tile may run on `device` (WIDE_MIN_CAPABILITY; under the
+    interpreter or on other devices, always: their tiles are not the GPU's)."""
+    if interpreting() or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= WIDE_MIN_CAPABILITY
+
+
+def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
     """Rows per GPU row tile: GPU_BLOCK_M, or on the x_hat word path for more rows the
-    smallest of WIDE_BLOCK_MS that holds them (64 above 32). A wider row tile dequantizes each
-    weight tile once for more rows (no x to dequantize there): sm_90 counts 671 / 878 / 755
-    instructions per warp per 16384 weights at 16 / 32 / 64 rows (64: wgmma), no spill."""
+    smallest of WIDE_BLOCK_MS that holds them (64 above 32; 32 at most unless widest_ok,
+    `wide_tile_ok`). A wider row tile dequantizes each weight tile once for more rows (no x
+    to dequantize there): sm_90 counts 671 / 878 / 755 instructions per warp per 16384
+    weights at 16 / 32 / 64 rows (64: wgmma), no spill."""
     if not hat or m <= GPU_BLOCK_M:
         return GPU_BLOCK_M
-    return next((b for b in WIDE_BLOCK_MS if m <= b), WIDE_BLOCK_MS[-1])
+    sizes = WIDE_BLOCK_MS if widest_ok else WIDE_BLOCK_MS[:-1]
+    return next((b for b in sizes if m <= b), sizes[-1])
 
 
 def gpu_launch_options(block_m: int) -> dict[str, int]:
@@ -527,8 +542,7 @@ def _check_globals(
         if g is None or g.dtype != torch.float32 or g.numel() != rows:
             got = "None" if g is None else f"{g.dtype} {tuple(g.shape)}"
             raise ValueError(
-                f"decode_gemm: NVFP4 needs {name}, fp32 with one value per row ({rows}), "
-                f"got {got}"
+                f"decode_gemm: NVFP4 needs {name}, fp32 with one value per row ({rows}), got {got}"
             )
         out.append(g.reshape(rows).contiguous())
     return out[0], out[1]
@@ -642,7 +656,7 @@ def decode_gemm(
     else:
         hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs,
                                                 block_k)  # fmt: skip
-        block_m = gpu_block_m(m, hat)
+        block_m = gpu_block_m(m, hat, wide_tile_ok(w_codes.device))
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)

@@ -15,7 +15,7 @@ Same values and products as `decode_gemm` on each pair's row (a permuted order o
 each scale block; MBS partials scaled per macro block by sigma_x * sigma_w): the bound of
 docs/numerics.md, "Kernel numerics and error bounds", holds unchanged. Row tiles of 16, 32
 or 64 pairs (`moe_gemm.moe_block_m`: 64 where the active experts get about 64 pairs or more,
-on sm_90 and later: `wide_tile_ok`), 128 weight rows and 128 K elements per step, 4 warps,
+on sm_90 and later: `decode_gemm.wide_tile_ok`), 128 weight rows and 128 K elements per step, 4 warps,
 two pipeline stages above 16 rows (`decode_gemm.gpu_launch_options`). Capturable in a CUDA
 graph: torch ops and one launch per stem, shapes from the input shapes, no host sync.
 """
@@ -37,19 +37,6 @@ from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, check_gemm_args, codes_aligned
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, triton
 from vllm_mxplus.backends.triton.x_hat import HAT_DTYPE, hat_cols
-
-# The 64-pair row tile (`moe_gemm.MOE_WIDE_BLOCK_M`) on this kernel needs sm_90 or later:
-# there Triton issues wgmma (sm_90: 233 registers, no spill); sm_80's mma.sync form holds both
-# accumulators in registers and spills (255 registers), so sm_80 gets 32-pair tiles at most
-WIDE_MIN_CAPABILITY = 9
-
-
-def wide_tile_ok(device: torch.device) -> bool:
-    """Whether the 64-pair row tile may run on `device` (WIDE_MIN_CAPABILITY; under the
-    interpreter, always: its tiles are not the GPU's)."""
-    if interpreting() or device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device)[0] >= WIDE_MIN_CAPABILITY
 
 
 def rows_addressable(rows: int, k: int) -> bool:
@@ -163,4 +150,4 @@ def _moe_decode_gemm_fake(x_hat, x_mbs, w, pairs, tile_expert, experts, n, k, *,
     return w[0].new_empty((num_pairs, n), dtype=out_dtype)
 
 
-__all__ = ["moe_decode_gemm", "moe_decode_gemm_op", "moe_takes_hat", "wide_tile_ok"]
+__all__ = ["moe_decode_gemm", "moe_decode_gemm_op", "moe_takes_hat"]

@@ -34,10 +34,11 @@ import torch
 from vllm_mxplus.backends.base import Activation
 from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.triton.decode_gemm import wide_tile_ok
 from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, codes_aligned
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
-from vllm_mxplus.backends.triton.moe_decode import moe_takes_hat, wide_tile_ok
+from vllm_mxplus.backends.triton.moe_decode import moe_takes_hat
 from vllm_mxplus.backends.triton.mx_gemm import (
     DECODE_BLOCK_M,
     FMT_CODES,

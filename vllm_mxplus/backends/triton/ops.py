@@ -109,9 +109,7 @@ def act_quant_hat_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """`act_quant.act_quant_hat` through the custom op (traceable); same return values."""
     spec = get_format(fmt)
-    codes, scales, mbs, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(
-        x, fmt, macro_block
-    )
+    codes, scales, mbs, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
     return (
         codes,
         scales,
