@@ -365,6 +365,34 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
             "bf16_estimate_us": bf16 * 1e6, "speedup_vs_bf16": bf16 / ours}  # fmt: skip
 
 
+# the decode cases per weight format at M = 1, and their bytes per weight (4 bits + the
+# scale byte per block + MBS byte per 128 / MX+ index byte per 32)
+DECODE_FORMATS = {
+    "mxfp4-mbs": ("decode mxfp4-mbs", BYTES_PER_WEIGHT),
+    "mxfp4-16-oas": ("decode mxfp4-16-oas", 0.5625),
+    "nvfp4": ("decode nvfp4", 0.5625),
+    "mxplus": ("decode mxplus", 0.5625),
+}
+
+
+def decode_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
+    """Llama-3-8B's linears at M = 1 on each weight format's decode kernel, max(issue,
+    memory), against bf16's memory time (the activation quantizer left out: ~1% at M = 1)."""
+    bw = GPUS[gpu][3]
+    weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
+    bf16 = weights * 2 / bw
+    rows = []
+    for fmt, (case, nbytes) in DECODE_FORMATS.items():
+        c = counts[case]
+        issue, memory = c.per_unit * weights / _issue_rate(gpu), weights * nbytes / bw
+        ours = max(issue, memory)
+        rows.append({"gpu": gpu, "format": fmt, "case": case, "per_weight": c.per_unit,
+                     "issue_ms": issue * 1e3, "memory_ms": memory * 1e3,
+                     "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
+                     "speedup_vs_bf16": bf16 / ours})  # fmt: skip
+    return rows
+
+
 def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
     """The activation quantizer per element, max(issue, memory: 2 bytes read, 0.57 written),
     against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
@@ -404,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     est = {g: estimate(counts[GPUS[g][0]], g) for g in gpus}
     held = {g: estimate(counts[GPUS[g][0]], g, held=True) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
+    formats = {g: decode_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
     moe = {
         (g, path): experts_vs_bf16(counts[GPUS[g][0]], g, case=case)
         for g in gpus
@@ -418,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "counts": {a: [asdict(c) for c in cs.values()] for a, cs in counts.items()},
         "estimates": est,
         "estimates_fp8_weight_held": held,
+        "decode_per_format_m1": formats,
         "act_quant_vs_bf16_copy": act,
         "expert_gemm_vs_bf16": list(moe.values()),
     }
@@ -451,6 +481,15 @@ def main(argv: list[str] | None = None) -> int:
             if r["M"] > DECODE_MAX_M:
                 print(f"{r['M']:>5} {r['kernel']:<8}{r['estimate_ms']:>9.3f}"
                       f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']}")  # fmt: skip
+    for gpu, rows in formats.items():
+        print(f"\n## {gpu}: decode per weight format, Llama-3-8B linears at M = 1, STATIC "
+              "ESTIMATE (ms)")  # fmt: skip
+        print(f"{'format':<14}{'per weight':>11}{'issue':>9}{'memory':>9}{'ours':>9}"
+              f"{'bf16':>9}{'ratio':>7}")  # fmt: skip
+        for r in rows:
+            print(f"{r['format']:<14}{r['per_weight']:>11.4f}{r['issue_ms']:>9.3f}"
+                  f"{r['memory_ms']:>9.3f}{r['estimate_ms']:>9.3f}{r['bf16_estimate_ms']:>9.3f}"
+                  f"{r['speedup_vs_bf16']:>6.2f}x")  # fmt: skip
     for gpu, a in act.items():
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "
