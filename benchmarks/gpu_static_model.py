@@ -34,7 +34,12 @@ both encoders (FP8 path: the weight's per call, the activations').
 
 Every figure printed is an estimate from the code's instruction counts and these peaks, not
 a measurement: `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent.
-The CUTLASS kernels are not counted here (they need nvcc and the CUTLASS headers).
+The CUTLASS kernels' machine code is not counted here; their sm_100a block-scaled FP4 path is
+estimated from its tensor-core and memory bounds alone (`cutlass_sm100`, B200 dense FP4
+9000 TFLOPS published; a launch every LAUNCH_S): one full-K launch without MBS, and with MBS
+one launch per 128-K chunk, each reading and writing the fp32 output once more. That bound
+is what makes `cutlass_prefill` leave MBS layers to `triton-fp8-prefill` on sm_100
+(`CutlassPrefillBackend.can_implement_on`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes wr
 HAT_BYTES = 2  # the decode path's x_hat per element: written by act-quant, read by the GEMM
 FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 scale per 128
 ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128  # act_fp8: bf16 read; FP8, scale, ref/MBS/exact written
+FP4_FLOPS = {"B200": 9000e12}  # dense block-scaled FP4 (published); sm_90 has none
+LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumption, not measured)
+FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
+OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 
 
 @dataclass
@@ -393,6 +402,29 @@ def decode_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
     return rows
 
 
+def cutlass_sm100(counts: dict[str, Count], gpu: str, m: int, mbs: bool) -> dict:
+    """Llama-3-8B's linears at m rows on the CUTLASS sm_100a FP4 GEMM, a bound model (its
+    machine code is not counted): per launch max(tensor at the FP4 peak, memory) + LAUNCH_S,
+    one full-K launch per linear without MBS; with MBS one per 128-K chunk, each also reading
+    and writing the fp32 output (OUT_RMW_BYTES per output) and a final cast. Plus the
+    activation quantizer (the act-quant count), against bf16's max(memory, tensor)."""
+    _, _, _, bw, bf16_flops, _ = GPUS[gpu]
+    fp4 = FP4_FLOPS[gpu] / 2  # MACs per second
+    aq = counts["act-quant mxfp4-mbs-s"]
+    total = bf16 = 0.0
+    for _, n, k in LLAMA_8B:
+        chunks = k // 128 if mbs else 1
+        kc = k // chunks
+        per_launch = max(m * n * kc / fp4,
+                         ((n + m) * kc * FP4_BYTES + (m * n * OUT_RMW_BYTES if mbs else 0)) / bw)  # fmt: skip
+        cast = m * n * (4 + 2) / bw + LAUNCH_S if mbs else 0.0
+        act = max(aq.per_unit * m * k / _issue_rate(gpu), m * k * ACT_BYTES / bw) + LAUNCH_S
+        total += LAYERS * (chunks * (per_launch + LAUNCH_S) + cast + act)
+        bf16 += LAYERS * max(n * k * 2 / bw, m * n * k / (bf16_flops / 2))
+    return {"gpu": gpu, "M": m, "mbs": mbs, "estimate_ms": total * 1e3,
+            "bf16_estimate_ms": bf16 * 1e3, "speedup_vs_bf16": bf16 / total}  # fmt: skip
+
+
 def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
     """The activation quantizer per element, max(issue, memory: 2 bytes read, 0.57 written),
     against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
@@ -433,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     held = {g: estimate(counts[GPUS[g][0]], g, held=True) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
     formats = {g: decode_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
+    sm100 = [
+        cutlass_sm100(counts[GPUS[g][0]], g, m, mbs)
+        for g in gpus
+        if g in FP4_FLOPS
+        for m in MS
+        if m > DECODE_MAX_M
+        for mbs in (False, True)
+    ]
     moe = {
         (g, path): experts_vs_bf16(counts[GPUS[g][0]], g, case=case)
         for g in gpus
@@ -448,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimates": est,
         "estimates_fp8_weight_held": held,
         "decode_per_format_m1": formats,
+        "cutlass_sm100_bound_model": sm100,
         "act_quant_vs_bf16_copy": act,
         "expert_gemm_vs_bf16": list(moe.values()),
     }
@@ -490,6 +531,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['format']:<14}{r['per_weight']:>11.4f}{r['issue_ms']:>9.3f}"
                   f"{r['memory_ms']:>9.3f}{r['estimate_ms']:>9.3f}{r['bf16_estimate_ms']:>9.3f}"
                   f"{r['speedup_vs_bf16']:>6.2f}x")  # fmt: skip
+    if sm100:
+        print("\n## CUTLASS sm_100a FP4 GEMM, Llama-3-8B linears: BOUND MODEL (tensor, memory, "
+              "launches; its machine code not counted), STATIC ESTIMATE (ms)")  # fmt: skip
+        print(f"{'gpu':<6}{'M':>6}  {'launches':<22}{'ours':>9}{'bf16':>9}{'ratio':>7}")
+        for r in sm100:
+            kind = "one per 128-K chunk" if r["mbs"] else "one (no MBS)"
+            print(f"{r['gpu']:<6}{r['M']:>6}  {kind:<22}{r['estimate_ms']:>9.3f}"
+                  f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x")  # fmt: skip
     for gpu, a in act.items():
         print(f"\n{gpu} act-quant (mxfp4-mbs-s) STATIC ESTIMATE: {a['act_quant_ps_per_element']:.3f}"
               f" ps per element, a bf16 copy {a['bf16_copy_ps_per_element']:.3f}: "

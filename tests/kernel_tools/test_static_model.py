@@ -34,3 +34,22 @@ def test_issue_bound_decode_scales_with_the_count():
         assert ra["estimate_ms"] == ra["issue_ms"] > ra["memory_ms"]
         assert ra["issue_ms"] == pytest.approx(weights / gsm._issue_rate("H200") * 1e3)
         assert rb["speedup_vs_bf16"] == pytest.approx(ra["speedup_vs_bf16"] / 2)
+
+
+def test_cutlass_sm100_mbs_pays_a_read_modify_write_per_chunk():
+    """The sm_100a bound model: with MBS every 128-K chunk reads and writes the fp32 output
+    once more, so its estimate is at least that traffic alone, above the one full-K launch
+    without MBS (whose estimate is at least its FP4 tensor time)."""
+    counts = {"act-quant mxfp4-mbs-s": gsm.Count("aq", "act_quant", "element", 100, 0, 4,
+                                                 4096, 1.0, {}, 0, 0, 0, 8)}  # fmt: skip
+    bw = gsm.GPUS["B200"][3]
+    for m in (256, 4096):
+        one = gsm.cutlass_sm100(counts, "B200", m, mbs=False)
+        per_chunk = gsm.cutlass_sm100(counts, "B200", m, mbs=True)
+        rmw = gsm.LAYERS * sum(k // 128 * m * n * 8 for _, n, k in gsm.LLAMA_8B) / bw
+        tensor = (
+            gsm.LAYERS * sum(m * n * k for _, n, k in gsm.LLAMA_8B) / (gsm.FP4_FLOPS["B200"] / 2)
+        )
+        assert per_chunk["estimate_ms"] >= rmw * 1e3 > 0
+        assert one["estimate_ms"] >= tensor * 1e3
+        assert per_chunk["estimate_ms"] > one["estimate_ms"]

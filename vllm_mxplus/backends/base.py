@@ -183,6 +183,13 @@ class Backend(ABC, Generic[S]):
         return True, ""
 
     @classmethod
+    def can_implement_on(cls, spec: S, capability: int | None) -> tuple[bool, str]:
+        """(True, "") unless a rule needs both the layer and the device: a path the backend
+        has for this scheme on this generation that another backend beats (the selector asks
+        after `is_supported` and `can_implement` pass). Most backends have none."""
+        return True, ""
+
+    @classmethod
     def m_bounds(cls) -> tuple[int, int | None]:
         """(min_m, max_m) as declared now: the class attributes, or a setting read at use by a
         backend that overrides this (e.g. the CUTLASS prefill GEMM's VLLM_MXPLUS_PREFILL_MIN_M)."""

@@ -216,6 +216,8 @@ def screen(
         if ok:
             ok, why = cls.can_implement(spec)
         if ok:
+            ok, why = cls.can_implement_on(spec, capability)
+        if ok:
             passed.append(cls)
         else:
             rejected.append(f"{cls.name}: {why}")

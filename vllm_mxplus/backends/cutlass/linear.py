@@ -37,6 +37,7 @@ from vllm_mxplus.formats import QuantizedTensor, get_format
 # the decode GEMM's 64-row tiles (`benchmarks/gpu_static_model.py` prints the paths at each M;
 # docs/benchmarks.md); with the weight's FP8 form held from load (VLLM_MXPLUS_FP8_WEIGHT_HELD=1)
 # nothing is re-encoded per call and it passes them from 65 rows.
+SM100_CAPABILITY = 100
 FP8_PREFILL_MIN_M = BATCHED_DECODE_MAX_M + 1
 FP8_HELD_MIN_M = HELD_DECODE_MAX_M + 1
 
@@ -86,6 +87,22 @@ class CutlassPrefillBackend(LinearBackend):
             return False, f"output dtype {spec.out_dtype} (bf16, fp16 or fp32)"
         return True, ""
 
+    @classmethod
+    def can_implement_on(cls, spec: LinearSpec, capability: int | None) -> tuple[bool, str]:
+        """On sm_100a MBS layers are left to `triton-fp8-prefill`: this kernel applies MBS by
+        one block-scaled FP4 launch per 128-K chunk, each reading and writing the fp32 output
+        again, which `benchmarks/gpu_static_model.py`'s bound model puts far below bf16 and
+        below the FP8-chunk pipeline (docs/benchmarks.md); without MBS it is one full-K
+        launch on the FP4 tensor cores, the fastest path there."""
+        mbs = get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs
+        if capability == SM100_CAPABILITY and mbs:
+            return False, (
+                "sm_100a runs MBS as one FP4 launch per 128-K chunk with an fp32 "
+                "read-modify-write each, estimated slower than triton-fp8-prefill "
+                "(benchmarks/gpu_static_model.py); the in-kernel MBS mainloop is not built"
+            )
+        return True, ""
+
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
         act_mbs = bool(get_format(spec.activation_format).mbs)
@@ -128,6 +145,12 @@ class TritonFp8PrefillBackend(CutlassPrefillBackend):
             why = f"needs CUDA capability 90 or 100 (FP8 tensor cores), got {platform} {capability}"
             return False, why
         return launch.is_available(torch.device("cuda"))
+
+    @classmethod
+    def can_implement_on(cls, spec: LinearSpec, capability: int | None) -> tuple[bool, str]:
+        """Every layer `can_implement` takes, on both generations: the FP8-chunk pipeline
+        applies MBS per chunk inside its one GEMM."""
+        return True, ""
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         act_mbs = bool(get_format(self.spec.activation_format).mbs)
