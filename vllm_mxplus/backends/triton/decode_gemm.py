@@ -656,7 +656,8 @@ def decode_gemm(
     else:
         hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs,
                                                 block_k)  # fmt: skip
-        block_m = gpu_block_m(m, hat, wide_tile_ok(w_codes.device))
+        # (the device is asked only where a wide tile is possible)
+        block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or wide_tile_ok(w_codes.device))
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
