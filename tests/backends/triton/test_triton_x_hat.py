@@ -104,7 +104,7 @@ def test_act_quant_hat_rejects(triton_device):
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
     with pytest.raises(ValueError, match="no Triton kernel"):
-        act_quant_hat(x[0], "mxplus", macro_block=128)
+        act_quant_hat(x[0], "mxfp4-mbs-d", macro_block=128)  # a weight-only search
 
 
 def _hat_operands(m, k, n, pair, device, seed):
@@ -194,7 +194,7 @@ def test_hat_op_matches_and_traces(triton_device):
     got = act_quant_hat_op(x, "mxfp4-mbs-s", macro_block=128)
     for g, w in zip(got, want, strict=True):
         assert (g is None and w is None) or torch.equal(g, w)
-    for fmt in ("mxfp4-16-oas", "nvfp4"):
+    for fmt in ("mxfp4-16-oas", "nvfp4", "mxplus"):
         torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_quant_hat.default, (x, fmt, 128))
 
     def layer(t):

@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.backends.triton.act_quant import act_rows, check_act_rows, launch_row_tiles
+from vllm_mxplus.backends.triton.act_quant import (
+    act_rows,
+    check_act_rows,
+    launch_row_tiles,
+    store_hat,
+)
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_value, e8m0_value
 from vllm_mxplus.backends.triton.launch import check_available, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     NO_THRESHOLD as _NO_THRESHOLD,
@@ -30,6 +36,7 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     store_codes_and_scales,
     store_row_tile,
 )
+from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
 from vllm_mxplus.formats.constants import MX_BLOCK, NO_BLOCK_MAX, ceil_div
 
 MXPLUS_BLOCK = tl.constexpr(MX_BLOCK)  # 32
@@ -40,9 +47,9 @@ RNE_ROUNDER = tl.constexpr(8388608.0)  # 2^23: (t + 2^23) - 2^23 rounds t in [0,
 
 @triton.jit
 def _mxplus_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, bm_ptr,
-    M, K, stride_xm, stride_cm, stride_sm, stride_bm,
-    BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, codes_ptr, scales_ptr, bm_ptr, hat_ptr,
+    M, K, stride_xm, stride_cm, stride_sm, stride_bm, stride_hm,
+    HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_k = tl.program_id(1)
     offs_m, _, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
@@ -64,6 +71,11 @@ def _mxplus_act_quant_kernel(
     )  # fmt: skip
     bm = tl.where(has_bm, idx, NO_BM).to(tl.uint8)
     store_row_tile(bm_ptr, bm, offs_m, mask_m, stride_bm, pid_k, tl.cdiv(K, MXPLUS_BLOCK), NB)
+    if HAT:  # x_hat (`x_hat`): plain E2M1 values, the block max +-(8 + j) / 2, times 2^(e - 127)
+        plain = e2m1_value(c)
+        bmv = (8 + j[:, :, None]).to(tl.float32) * 0.5
+        v = tl.where(at_bm, tl.where(neg != 0, -bmv, bmv), plain) * e8m0_value(code)[:, :, None]
+        store_hat(hat_ptr, v, offs_m, mask_m, stride_hm, pid_k, K, BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -87,6 +99,24 @@ def act_quant_mxplus(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """MX+ activations x [..., K] -> (codes uint8 [..., ceil(K/2)], E8M0 scales uint8
     [..., ceil(K/32)], block-max indices uint8 [..., ceil(K/32)]): the fields of
     `formats.quantize` of the MX+ format, bit for bit."""
+    codes, scales, bm, _ = _act_quant_mxplus(x, hat=False)
+    return codes, scales, bm
+
+
+def act_quant_mxplus_hat(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`act_quant_mxplus` of rows x [M, K] that also writes x_hat for the decode GEMM (bf16
+    [M, hat_cols(K)] in `x_hat`'s word order: the spec's values, the block max's 4 significant
+    bits included, exact in bf16), from the same kernel."""
+    codes, scales, bm, hat = _act_quant_mxplus(x, hat=True)
+    assert hat is not None
+    return codes, scales, bm, hat
+
+
+def _act_quant_mxplus(
+    x: torch.Tensor, hat: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     check_act_rows(x, "act_quant_mxplus")
     check_available(x)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -95,8 +125,15 @@ def act_quant_mxplus(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     scales = torch.empty((m, nb), dtype=torch.uint8, device=x.device)
     bm = torch.empty((m, nb), dtype=torch.uint8, device=x.device)
-    launch_row_tiles(_mxplus_act_quant_kernel, rows, MX_BLOCK, (codes, scales, bm))
-    return codes.reshape(*lead, -1), scales.reshape(*lead, nb), bm.reshape(*lead, nb)
+    x_hat = torch.empty((m, hat_cols(k)), dtype=HAT_DTYPE, device=x.device) if hat else None
+    launch_row_tiles(
+        _mxplus_act_quant_kernel,
+        rows,
+        HAT_CHUNK if hat else MX_BLOCK,  # x_hat: tiles of whole chunks
+        (codes, scales, bm, x_hat if x_hat is not None else bm),  # never touched without HAT
+        HAT=hat,
+    )
+    return codes.reshape(*lead, -1), scales.reshape(*lead, nb), bm.reshape(*lead, nb), x_hat
 
 
 def act_quant_nvfp4_given(

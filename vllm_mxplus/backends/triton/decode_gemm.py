@@ -66,7 +66,9 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     dot_f32,
     e2m1_folded_word_values,
     e2m1_pair_values,
+    e2m1_value,
     e2m1_word_values,
+    e8m0_value,
     macro_block_dot,
     mbs_factors,
     mbs_sigma,
@@ -110,6 +112,7 @@ GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in ke
 # and spilled, and every target issued more instructions per weight (kernels/README.md)
 WIDE_NUM_STAGES = 2
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
+HAT_STEP = tl.constexpr(HAT_CHUNK)  # x_hat's chunk, read inside the kernel
 # the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)
 FOLD_MAX_SCALE_CODE = 128
 
@@ -160,6 +163,7 @@ def _decode_gemm_kernel(
     X_HAT: tl.constexpr,
     MOE: tl.constexpr,
     NVFP4: tl.constexpr,
+    PLUS: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
@@ -176,7 +180,7 @@ def _decode_gemm_kernel(
     i_h = tl.arange(0, HB)
     if MOE:  # (`moe_decode`): x_hat rows gathered through the row tile's pairs
         tl.static_assert(X_HAT and WORDS, "MOE reads x_hat on the word path")
-        tl.static_assert(not NVFP4, "MOE reads E8M0 experts")
+        tl.static_assert(not NVFP4 and not PLUS, "MOE reads E8M0 experts")
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert >= N_EXPERTS:
             return  # a tile past the last expert's rows
@@ -242,6 +246,11 @@ def _decode_gemm_kernel(
     else:
         xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
         xh_off = i_m[:, None] * stride_xhm + xh_col
+    if PLUS:  # MX+ (`_word_step`): x_hat rows, weight code bytes and block-max index columns
+        tl.static_assert(X_HAT and WORDS and not MOE, "MX+ reads x_hat on the word path")
+        xh_rows = i_m * stride_xhm
+        wc_rows = i_n * stride_wcn
+        wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
     for k0 in range(k_start, k_end, BLOCK_K):
         kb0 = k0 // 2
         sb0 = k0 // BS
@@ -264,6 +273,11 @@ def _decode_gemm_kernel(
                 BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
                 NVFP4, SCALE_ONE,
             )  # fmt: skip
+            if PLUS:
+                acc += _block_max_terms(
+                    xh_base + k0 + xh_rows, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
+                    ws_base + sb0 + ws_off2, mask_m, mask_n, block_ok, BS, BLOCK_K,
+                )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
             mx = mask_m[:, None, None] & (jx < KB - kb0)
@@ -399,6 +413,40 @@ def wide_tile_ok(device: torch.device) -> bool:
     if interpreting() or device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= WIDE_MIN_CAPABILITY
+
+
+@triton.jit
+def _block_max_terms(xh_rows, wc_rows, wbm_ptrs, ws_ptrs, mask_m, mask_n, block_ok,
+                     BS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """MX+ weights on the word path: the step's dots decoded every code as plain E2M1, so the
+    block-max element of each block (index wbm_ptrs [BLOCK_N, NB], 255: none) entered as
+    +-E2M1(j) * X where the spec's value is +-(8 + j) / 2 * X (docs/numerics.md, "MX+"). This
+    adds the rest, x_hat[m, k] * delta[n, b] with delta = +-((8 + j) / 2 - E2M1(j)) * X: the
+    activation's value gathered from x_hat (rows at xh_rows, the step's chunks in word order),
+    the code from its byte (weight rows at wc_rows), X from the block's scale code (ws_ptrs).
+    delta has the plain value's sign (both magnitudes are positive), so |x w| splits into
+    |x plain| + |x delta| and the products stay exact: the bound's S is unchanged."""
+    NB: tl.constexpr = BLOCK_K // BS
+    i_b = tl.arange(0, NB)
+    live = mask_n[:, None] & block_ok
+    idx = tl.load(wbm_ptrs, mask=live, other=255).to(tl.int32)
+    has = live & (idx != 255)
+    pos = i_b[None, :] * BS + tl.where(has, idx, 0)  # the element within the step
+    byte = tl.load(wc_rows[:, None] + pos // 2, mask=has, other=0).to(tl.int32)
+    code = (byte >> ((pos & 1) * 4)) & 15
+    j = code & 7
+    ws = tl.load(ws_ptrs, mask=has, other=127).to(tl.int32)
+    delta = ((8 + j).to(tl.float32) * 0.5 - e2m1_value(j)) * e8m0_value(ws)
+    delta = tl.where(has, tl.where((code & 8) != 0, -delta, delta), 0.0)
+    # x_hat's position of element pos: chunk pos // 128, then 32p + 2j + h (`x_hat`)
+    e = pos % HAT_STEP
+    hp = (pos // HAT_STEP) * HAT_STEP + (e % 4) * 32 + (e // 8) * 2 + (e // 4) % 2
+    xg = tl.load(
+        xh_rows[:, None, None] + hp[None, :, :],
+        mask=mask_m[:, None, None] & has[None, :, :],
+        other=0.0,
+    ).to(tl.float32)
+    return tl.sum(xg * delta[None, :, :], axis=2)
 
 
 def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
@@ -548,6 +596,22 @@ def _check_globals(
     return out[0], out[1]
 
 
+def _check_block_max(
+    bm: torch.Tensor, bs: int, has_mbs: bool, x_hat: torch.Tensor | None, n: int, k: int
+) -> None:
+    """A ValueError naming what MX+ on the decode GEMM lacks: block 32, no MBS bytes, the
+    activation's x_hat, block-max indices uint8 [N, ceil(K/32)]."""
+    if bs != 32 or has_mbs:
+        raise ValueError(f"decode_gemm: MX+ is block 32 without MBS bytes, got block {bs}")
+    if x_hat is None:
+        raise ValueError("decode_gemm: MX+ needs x_hat (the MX+ `act_quant_hat`)")
+    if bm.dtype != torch.uint8 or tuple(bm.shape) != (n, ceil_div(k, 32)):
+        raise ValueError(
+            f"decode_gemm: w_block_max must be uint8 [{n}, {ceil_div(k, 32)}], got "
+            f"{bm.dtype} {tuple(bm.shape)}"
+        )
+
+
 @overload
 def _row_major(t: torch.Tensor) -> torch.Tensor: ...
 @overload
@@ -588,6 +652,7 @@ def decode_gemm(
     x_hat: torch.Tensor | None = None,
     x_global: torch.Tensor | None = None,  # (a custom op's tensors cannot be keyword-only)
     w_global: torch.Tensor | None = None,
+    w_block_max: torch.Tensor | None = None,
     *,
     macro_block: int,
     block_n: int | None = None,
@@ -617,6 +682,13 @@ def decode_gemm(
     weight rows w_global [N]; x_hat then holds value * s without the global scale
     (`act_quant_hat` of nvfp4). The kernel multiplies its sums by g_x[m] * g_w[n] as
     `mx_gemm` does, and the bound of its docstring holds.
+
+    MX+ (w_block_max given: the weight's block-max indices uint8 [N, ceil(K/32)], 255 for
+    none): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat (the MX+
+    `act_quant_hat`, which holds the block maxima's values), on the word path (`reads_x_hat`);
+    the weight's block maxima are added per block (`_block_max_terms`). The bound holds with
+    K/32 more additions. One case differs from the spec: an x_hat of +-Inf (an activation
+    block at E8M0 code 254) against a weight block max of 4 * X gives NaN, not +-Inf.
     """
     nvfp4 = w_scales.dtype == torch.float8_e4m3fn
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
@@ -627,6 +699,10 @@ def decode_gemm(
     _check_operand("w", w_codes, w_scales, w_mbs, K, bs, macro_block, nvfp4)
     m, n = x_codes.shape[0], w_codes.shape[0]
     globals_ = _check_globals(nvfp4, bs, has_mbs, x_global, w_global, m, n)
+    plus = w_block_max is not None
+    if plus:
+        _check_block_max(w_block_max, bs, has_mbs, x_hat, n, K)
+        w_block_max = _row_major(w_block_max)
     if nvfp4:
         x_scales, w_scales = x_scales.view(torch.uint8), w_scales.view(torch.uint8)
     if x_hat is not None and (
@@ -662,12 +738,15 @@ def decode_gemm(
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
+    if plus:
+        w_block_max = _tile_addressable(w_block_max, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
         w_sc = w_scales.view(torch.float8_e4m3fn) if nvfp4 else w_scales
         x_sc = x_scales.view(torch.float8_e4m3fn) if nvfp4 else x_scales
         w = (w_codes, w_sc, w_mbs, K, bias, out_dtype, bs)
         return by_row_chunks(
-            (x_codes, x_sc, x_mbs, None if globals_ is None else globals_[0]),
+            (x_codes, x_sc, x_mbs, None if globals_ is None else globals_[0],
+             x_hat if plus else None),  # fmt: skip
             MAX_GRID_M_TILES * block_m,
             lambda xr: decode_gemm(
                 xr[0],
@@ -678,9 +757,10 @@ def decode_gemm(
                 block_n=block_n,
                 split_k=split_k,
                 w_small_scales=w_small_scales,
-                x_hat=None,  # chunks of rows: the codes path
+                x_hat=xr[4],  # chunks of rows: the codes path (MX+: x_hat's rows)
                 x_global=xr[3],
                 w_global=None if globals_ is None else globals_[1],
+                w_block_max=w_block_max,
             ),  # fmt: skip
         )
     if m == 0 or n == 0:
@@ -691,13 +771,18 @@ def decode_gemm(
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
 
     use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k)
+    if plus and not use_hat:
+        raise ValueError(
+            f"decode_gemm: MX+ reads x_hat on the word path, which K = {K} with these rows "
+            "does not take (`reads_x_hat`: whole words, 4-byte pitches); use mx_gemm"
+        )
     grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
     launch_decode(
-        grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_mbs), sk,
-        x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block,
+        grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_block_max if plus else w_mbs),
+        sk, x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block,
         tile=(block_m, block_n, block_k), words=words,
         w_fold=words and w_small_scales and not nvfp4,
-        even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_,
+        even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
     )  # fmt: skip
     return finish_output(sk.out, bias, out_dtype)
 
@@ -733,6 +818,7 @@ def launch_decode(
     w_fold: bool,
     even: bool,
     globals_: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plus: bool = False,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
@@ -742,7 +828,7 @@ def launch_decode(
     (sorted pairs, expert per row tile, local experts, top_k) or None; with it, sk.out has a
     row per pair and x_hat a row per token (top_k > 1) or per pair. globals_: NVFP4's fp32
     global scales (of x's rows [m], of w's rows [n]), the scales then E4M3 bytes; None for
-    E8M0."""
+    E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes)."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
@@ -783,7 +869,7 @@ def launch_decode(
         BS=bs,
         MACRO=macro_block,
         X_MBS=x_mbs is not None,
-        W_MBS=w_mbs is not None,
+        W_MBS=w_mbs is not None and not plus,
         HAS_BIAS=sk.bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -795,5 +881,6 @@ def launch_decode(
         X_HAT=x_hat is not None,
         MOE=moe is not None,
         NVFP4=globals_ is not None,
+        PLUS=plus,
         **({} if interpreting() else gpu_launch_options(block_m)),
     )

@@ -1,10 +1,11 @@
 """The Triton backends on CUDA: fused activation quantizer + FP4 GEMM, every scheme, every M.
 
-- `triton-decode` (M <= `decode_max_m()`, 128 by default): E8M0 and NVFP4 schemes run the
+- `triton-decode` (M <= `decode_max_m()`, 128 by default): every scheme runs the
   memory-bound decode GEMM (`decode_gemm`: the packed weight, its E8M0 / E4M3 scales and MBS
-  bytes streamed once; 16-row tiles up to DECODE_MAX_M, 32 / 64 above on the x_hat path);
-  MX+, NVFP4 rows with given global scales (row-parallel shards), and layers off the x_hat
-  path above DECODE_MAX_M run `mx_gemm` (its decode or prefill tiles).
+  bytes or MX+ block-max indices streamed once; 16-row tiles up to DECODE_MAX_M, 32 / 64
+  above on the x_hat path); NVFP4 rows with given global scales (row-parallel shards), MX+
+  layers off the x_hat path, and any layer off it above DECODE_MAX_M run `mx_gemm` (its
+  decode or prefill tiles).
 - `triton-gemm` (M > DECODE_MAX_M where the backends before it leave M): `mx_gemm` with
   prefill tiles, every format (E8M0 at block 16 / 32 with MBS at any power-of-two macro block
   16..2048, NVFP4, MX+).
@@ -75,11 +76,11 @@ def global_or_plus_pair(weight_format: str, activation_format: str) -> bool:
     )
 
 
-def decode_reads(weight_format: str, activation_format: str) -> bool:
+def decode_reads(weight_format: str, activation_format: str, hat: bool) -> bool:
     """Whether the decode GEMM (`decode_gemm`) reads this pair: the E8M0 pairs and NVFP4;
-    MX+ is `mx_gemm`'s alone."""
+    MX+ where the layer takes x_hat (`hat`: its activation is read only as x_hat)."""
     w, a = get_format(weight_format), get_format(activation_format)
-    return not (w.block_max_mantissa and a.block_max_mantissa)
+    return hat or not (w.block_max_mantissa and a.block_max_mantissa)
 
 
 def triton_takes(weight_format: str, activation_format: str, macro_block: int) -> tuple[bool, str]:
@@ -191,7 +192,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
         # NVFP4 rows with given global scales (a row-parallel shard: the whole row's) keep
         # mx_gemm, whose quantizer takes them
         if (
-            not decode_reads(spec.weight_format, spec.activation_format)
+            not decode_reads(spec.weight_format, spec.activation_format, hat)
             or act_global_scale is not None
             or (x2.shape[0] > DECODE_MAX_M and not hat)
         ):  # mx_gemm's decode or prefill tiles (it picks them by M)
@@ -207,13 +208,15 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             a_codes, a_scales, a_mbs, a_global = act_quant_op(
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
+        plus = get_format(spec.weight_format).block_max_mantissa
+        extra = layer.mxplus_w_mbs  # MBS bytes, or MX+'s block-max indices (`weight_operands`)
         y = decode_gemm_op(
             a_codes,
             a_scales,
-            a_mbs,
+            None if plus else a_mbs,
             layer.mxplus_w_codes,
             layer.mxplus_w_scales,
-            layer.mxplus_w_mbs,
+            None if plus else extra,
             spec.k,
             bias,
             spec.out_dtype,
@@ -223,6 +226,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             x_hat=x_hat,
             x_global=a_global,
             w_global=getattr(layer, GLOBAL_ATTR, None),
+            w_block_max=extra if plus else None,
         )
         return y.reshape(*x.shape[:-1], spec.n)
 

@@ -2,7 +2,7 @@
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
   torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
-      -> (codes, scales, mbs, global_scale, x_hat)
+      -> (codes, scales, mbs or MX+ block-max indices, global_scale, x_hat)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
                                            K, bias=None, out_dtype=bf16, block_size=None,
                                            macro_block=128, *, block_n=None, split_k=None) -> y
@@ -24,7 +24,7 @@ from vllm_mxplus.backends.triton.act_quant import act_quant, act_quant_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
 from vllm_mxplus.backends.triton.x_hat import HAT_DTYPE, hat_cols
 from vllm_mxplus.formats import get_format
-from vllm_mxplus.formats.constants import ceil_div
+from vllm_mxplus.formats.constants import MX_BLOCK, ceil_div
 
 
 def _act_quant_shapes(x: torch.Tensor, fmt: str, macro_block: int):
@@ -59,23 +59,30 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
     )
 
 
+def _act_quant_hat_shapes(x: torch.Tensor, fmt: str, macro_block: int):
+    """`_act_quant_shapes` with x_hat's; the extra bytes are MX+'s block-max indices for MX+."""
+    codes, scales, mbs, gs = _act_quant_shapes(x, fmt, macro_block)
+    if get_format(fmt).block_max_mantissa:
+        mbs = ((x.shape[0], ceil_div(x.shape[-1], MX_BLOCK)), torch.uint8)
+    return codes, scales, mbs, gs, ((x.shape[0], hat_cols(x.shape[-1])), HAT_DTYPE)
+
+
 @torch.library.custom_op(op_name("triton_act_quant_hat"), mutates_args=())
 def _act_quant_hat_op(
     x: torch.Tensor, fmt: str, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes, scales, mbs, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
-    (_, _, (mbs_shape, _), (gs_shape, _)) = _act_quant_shapes(x, fmt, macro_block)
-    if mbs is None:
-        mbs = torch.empty(mbs_shape, dtype=torch.uint8, device=x.device)
+    codes, scales, extra, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
+    (_, _, (extra_shape, _), (gs_shape, _), _) = _act_quant_hat_shapes(x, fmt, macro_block)
+    if extra is None:
+        extra = torch.empty(extra_shape, dtype=torch.uint8, device=x.device)
     if gs is None:
         gs = torch.empty(gs_shape, dtype=torch.float32, device=x.device)
-    return codes, scales, mbs, gs, x_hat
+    return codes, scales, extra, gs, x_hat
 
 
 @_act_quant_hat_op.register_fake
 def _act_quant_hat_fake(x: torch.Tensor, fmt: str, macro_block: int):
-    hat = ((x.shape[0], hat_cols(x.shape[-1])), HAT_DTYPE)
-    shapes = (*_act_quant_shapes(x, fmt, macro_block), hat)
+    shapes = _act_quant_hat_shapes(x, fmt, macro_block)
     return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in shapes)
 
 
@@ -109,11 +116,13 @@ def act_quant_hat_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """`act_quant.act_quant_hat` through the custom op (traceable); same return values."""
     spec = get_format(fmt)
-    codes, scales, mbs, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
+    codes, scales, extra, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(
+        x, fmt, macro_block
+    )
     return (
         codes,
         scales,
-        mbs if spec.mbs else None,
+        extra if spec.mbs or spec.block_max_mantissa else None,
         gs if spec.has_global_scale else None,
         x_hat,
     )
