@@ -173,8 +173,17 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                     x_global=_meta((1,), torch.float32),
                     w_global=_meta((n,), torch.float32))  # fmt: skip
 
+    def decode_mxplus() -> None:  # MX+ on the decode GEMM: x_hat, block maxima added per block
+        def u8(rows: int, cols: int) -> torch.Tensor:
+            return _meta((rows, cols), torch.uint8)
+
+        decode_gemm(u8(1, k // 2), u8(1, k // 32), None, u8(n, k // 2), u8(n, k // 32), None,
+                    k, None, bf16, block_size=32, macro_block=128, split_k=1,
+                    x_hat=_meta((1, hat_cols(k)), bf16), w_block_max=u8(n, k // 32),
+                    w_small_scales=True)  # fmt: skip
+
     def decode_mx(fmt: str, bs: int) -> Callable[[], None]:
-        def go() -> None:  # mx_gemm's decode tile: MX+, and NVFP4 rows with given g
+        def go() -> None:  # mx_gemm's decode tile: NVFP4 rows with given g, MX+ off x_hat
             mx_gemm(_mx_operand(1, k, fmt, bs, None), _mx_operand(n, k, fmt, bs, None), k,
                     None, bf16, fmt=fmt, block_size=bs, macro_block=128, split_k=1)  # fmt: skip
 
@@ -221,7 +230,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "decode mxfp4-mbs 64 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 64)),
         "decode nvfp4": ("decode", "weight", decode_nvfp4),
         "decode nvfp4 mx_gemm": ("decode", "weight", decode_mx("nvfp4", 16)),
-        "decode mxplus": ("decode", "weight", decode_mx("mxplus", 32)),
+        "decode mxplus": ("decode", "weight", decode_mxplus),
+        "decode mxplus mx_gemm": ("decode", "weight", decode_mx("mxplus", 32)),
         "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
         "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),
         "prefill nvfp4": ("prefill", "MAC", prefill("nvfp4", 16, None)),

@@ -643,7 +643,7 @@ def step_correct(st: Step) -> None:
 
     os.environ.pop("VLLM_MXPLUS_BACKEND", None)
     dev = _device()
-    for scheme in [s for s in ("mxfp4-mbs", "mxfp4-16-oas", "nvfp4") if s in SCHEMES]:
+    for scheme in [s for s in ("mxfp4-mbs", "mxfp4-16-oas", "nvfp4", "mxplus") if s in SCHEMES]:
         for name, n, k in SHAPES:
 
             def one(scheme=scheme, name=name, n=n, k=k):

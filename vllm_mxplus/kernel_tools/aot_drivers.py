@@ -142,6 +142,33 @@ def _drive_decode_gemm(quick: bool) -> None:
                     w_small_scales=x_hat,
                 )
     _drive_decode_gemm_nvfp4(shapes, out_dtypes, quick)
+    _drive_decode_gemm_mxplus(shapes, out_dtypes, quick)
+
+
+def _drive_decode_gemm_mxplus(shapes: tuple, out_dtypes: tuple, quick: bool) -> None:
+    """MX+ on the decode GEMM: x_hat only (16-row tiles: the launcher keeps MX+ there),
+    E8M0 block 32 weight scales folded or not, the weight's block-max indices; on the shapes
+    whose K takes x_hat."""
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, takes_x_hat
+    from vllm_mxplus.backends.triton.x_hat import hat_cols
+    from vllm_mxplus.formats.constants import ceil_div
+
+    def u8(rows: int, cols: int) -> torch.Tensor:
+        return _meta((rows, cols), torch.uint8)
+
+    for out_dtype, (n, k), bias, split, fold in itertools.product(
+        out_dtypes, shapes, (False, True), (1, 4), (True, False)
+    ):
+        if not takes_x_hat(k, 128, False) or (quick and (bias or out_dtype != torch.bfloat16)):
+            continue
+        nb = ceil_div(k, 32)
+        for rows in (1, 16):
+            decode_gemm(
+                u8(rows, k // 2), u8(rows, nb), None, u8(n, k // 2), u8(n, nb), None, k,
+                _meta((n,), out_dtype) if bias else None, out_dtype, block_size=32,
+                x_hat=_meta((rows, hat_cols(k)), torch.bfloat16), w_block_max=u8(n, nb),
+                macro_block=128, split_k=split, w_small_scales=fold,
+            )  # fmt: skip
 
 
 def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> None:
@@ -355,6 +382,9 @@ def _drive_act_quant_plus(quick: bool) -> None:
     for dtype, m, k in itertools.product(dtypes, ms, ks):
         ap.act_quant_mxplus(_meta((m, k), dtype))
         ap.act_quant_nvfp4_given(_meta((m, k), dtype), _meta((m, 1), torch.float32))
+    # the decode path's x_hat variant of the MX+ quantizer
+    for dtype, m, k in itertools.product(dtypes, (1, 16), (4096,) if quick else (576, 4096)):
+        ap.act_quant_mxplus_hat(_meta((m, k), dtype))
 
 
 #: The launchers, by the kernels they launch; each driver calls its wrapper over its domain.

@@ -130,13 +130,14 @@ def test_bad_arguments_name_the_operand(triton_device):
     "m,k,want",
     [
         (1, 512, ("_decode_gemm_kernel", 16)),
-        (40, 512, ("_decode_gemm_kernel", 64)),  # the x_hat path's wide tile
+        (16, 512, ("_decode_gemm_kernel", 16)),
+        (40, 512, ("_mx_gemm_kernel", None)),  # above 16 rows: mx_gemm (wider tiles spill)
         (4, 200, ("_mx_gemm_kernel", None)),  # rows off the x_hat path: mx_gemm
     ],
 )
 def test_mxplus_layer_runs_the_decode_gemm(m, k, want, triton_device):
-    """`triton-decode` on an MX+ layer: the decode GEMM where K takes x_hat, else `mx_gemm`;
-    within the bound either way."""
+    """`triton-decode` on an MX+ layer: the decode GEMM (16-row tiles) where K takes x_hat
+    and M <= 16, else `mx_gemm`; within the bound either way."""
     n = 48
     spec = LinearSpec(get_scheme("mxplus"), n, k, torch.bfloat16)
     gen = torch.Generator().manual_seed(m)

@@ -687,8 +687,9 @@ def decode_gemm(
     none): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat (the MX+
     `act_quant_hat`, which holds the block maxima's values), on the word path (`reads_x_hat`);
     the weight's block maxima are added per block (`_block_max_terms`). The bound holds with
-    K/32 more additions. One case differs from the spec: an x_hat of +-Inf (an activation
-    block at E8M0 code 254) against a weight block max of 4 * X gives NaN, not +-Inf.
+    K/32 more additions. An x_hat of +-Inf against a weight block max of 4 * X would give NaN,
+    not the spec's +-Inf; the MX+ quantizer never writes the activation scale code (254) that
+    needs (docs/numerics.md, "Kernel numerics and error bounds").
     """
     nvfp4 = w_scales.dtype == torch.float8_e4m3fn
     bs = block_size or _infer_block_size(K, x_scales.shape[-1])
@@ -700,7 +701,7 @@ def decode_gemm(
     m, n = x_codes.shape[0], w_codes.shape[0]
     globals_ = _check_globals(nvfp4, bs, has_mbs, x_global, w_global, m, n)
     plus = w_block_max is not None
-    if plus:
+    if w_block_max is not None:
         _check_block_max(w_block_max, bs, has_mbs, x_hat, n, K)
         w_block_max = _row_major(w_block_max)
     if nvfp4:
@@ -730,23 +731,29 @@ def decode_gemm(
     if interp:  # (`step_tile`)
         block_m = max(16, min(128, triton.next_power_of_2(m)))
     else:
-        hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs,
-                                                block_k)  # fmt: skip
+        # MX+ keeps 16-row tiles: its block-max gather [rows, BLOCK_N, NB] spills wider ones
+        hat = (not plus and x_hat is not None
+               and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k))  # fmt: skip
         # (the device is asked only where a wide tile is possible)
         block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or wide_tile_ok(w_codes.device))
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
-    if plus:
+    if w_block_max is not None:
         w_block_max = _tile_addressable(w_block_max, block_n)
     if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
         w_sc = w_scales.view(torch.float8_e4m3fn) if nvfp4 else w_scales
         x_sc = x_scales.view(torch.float8_e4m3fn) if nvfp4 else x_scales
         w = (w_codes, w_sc, w_mbs, K, bias, out_dtype, bs)
         return by_row_chunks(
-            (x_codes, x_sc, x_mbs, None if globals_ is None else globals_[0],
-             x_hat if plus else None),  # fmt: skip
+            (
+                x_codes,
+                x_sc,
+                x_mbs,
+                None if globals_ is None else globals_[0],
+                x_hat if plus else None,
+            ),  # fmt: skip
             MAX_GRID_M_TILES * block_m,
             lambda xr: decode_gemm(
                 xr[0],
