@@ -248,7 +248,6 @@ def _decode_gemm_kernel(
         xh_off = i_m[:, None] * stride_xhm + xh_col
     if PLUS:  # MX+ (`_word_step`): x_hat rows, weight code bytes and block-max index columns
         tl.static_assert(X_HAT and WORDS and not MOE, "MX+ reads x_hat on the word path")
-        xh_rows = i_m * stride_xhm
         wc_rows = i_n * stride_wcn
         wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -274,9 +273,10 @@ def _decode_gemm_kernel(
                 NVFP4, SCALE_ONE,
             )  # fmt: skip
             if PLUS:
-                acc += _block_max_terms(
-                    xh_base + k0 + xh_rows, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
-                    ws_base + sb0 + ws_off2, mask_m, mask_n, block_ok, BS, BLOCK_K,
+                acc = _block_max_terms(
+                    acc, xh_base + k0, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
+                    ws_base + sb0 + ws_off2, tl.minimum(BLOCK_M, M - m0), stride_xhm, mask_n,
+                    block_ok, BS, BLOCK_M, BLOCK_K,
                 )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -416,18 +416,22 @@ def wide_tile_ok(device: torch.device) -> bool:
 
 
 @triton.jit
-def _block_max_terms(xh_rows, wc_rows, wbm_ptrs, ws_ptrs, mask_m, mask_n, block_ok,
-                     BS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """MX+ weights on the word path: the step's dots decoded every code as plain E2M1, so the
-    block-max element of each block (index wbm_ptrs [BLOCK_N, NB], 255: none) entered as
-    +-E2M1(j) * X where the spec's value is +-(8 + j) / 2 * X (docs/numerics.md, "MX+"). This
-    adds the rest, x_hat[m, k] * delta[n, b] with delta = +-((8 + j) / 2 - E2M1(j)) * X: the
-    activation's value gathered from x_hat (rows at xh_rows, the step's chunks in word order),
-    the code from its byte (weight rows at wc_rows), X from the block's scale code (ws_ptrs).
-    delta has the plain value's sign (both magnitudes are positive), so |x w| splits into
-    |x plain| + |x delta| and the products stay exact: the bound's S is unchanged."""
+def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm, mask_n,
+                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc plus the MX+ weights' block-max rest of one K step. The step's dots decoded every
+    weight code as plain E2M1, so the block-max element of each block (index wbm_ptrs
+    [BLOCK_N, NB], 255: none) entered as +-E2M1(j) * X where the spec's value is
+    +-(8 + j) / 2 * X (docs/numerics.md, "MX+"). This adds x_hat[m, k] * delta[n, b] with
+    delta = +-((8 + j) / 2 - E2M1(j)) * X: the code from its byte (weight rows at wc_rows), X
+    from the block's scale code (ws_ptrs), the activation's value gathered from x_hat (the
+    step's chunks in word order at xh_base, row pitch stride_xhm) for each of the tile's
+    `rows` live rows in turn (a decode step has one: rows past M cost nothing). delta has the
+    plain value's sign (both magnitudes are positive), so |x w| splits into |x plain| +
+    |x delta| and the products stay exact: the bound's S is unchanged."""
     NB: tl.constexpr = BLOCK_K // BS
     i_b = tl.arange(0, NB)
+    i_m = tl.arange(0, BLOCK_M)
     live = mask_n[:, None] & block_ok
     idx = tl.load(wbm_ptrs, mask=live, other=255).to(tl.int32)
     has = live & (idx != 255)
@@ -441,12 +445,11 @@ def _block_max_terms(xh_rows, wc_rows, wbm_ptrs, ws_ptrs, mask_m, mask_n, block_
     # x_hat's position of element pos: chunk pos // 128, then 32p + 2j + h (`x_hat`)
     e = pos % HAT_STEP
     hp = (pos // HAT_STEP) * HAT_STEP + (e % 4) * 32 + (e // 8) * 2 + (e // 4) % 2
-    xg = tl.load(
-        xh_rows[:, None, None] + hp[None, :, :],
-        mask=mask_m[:, None, None] & has[None, :, :],
-        other=0.0,
-    ).to(tl.float32)
-    return tl.sum(xg * delta[None, :, :], axis=2)
+    for r in range(0, rows):
+        xg = tl.load(xh_base + r * stride_xhm + hp, mask=has, other=0.0).to(tl.float32)
+        term = tl.sum(xg * delta, axis=1)  # [BLOCK_N]
+        acc = tl.where((i_m == r)[:, None], acc + term[None, :], acc)
+    return acc
 
 
 def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
