@@ -66,7 +66,7 @@ def test_aot_enumerates_configs_from_the_launchers():
     from vllm_mxplus.backends.triton import decode_gemm as dg
 
     # the 16-row tile everywhere; the batched decode's 32 / 64 rows on the x_hat path only,
-    # with WIDE_NUM_STAGES stages
+    # with WIDE_NUM_STAGES stages; NVFP4 and MX+ on x_hat too
     assert {d["BLOCK_M"] for d in dec} == {dg.GPU_BLOCK_M, *dg.WIDE_BLOCK_MS}
     assert all(d["X_HAT"] for d in dec if d["BLOCK_M"] > dg.GPU_BLOCK_M)
     assert all(
@@ -74,6 +74,9 @@ def test_aot_enumerates_configs_from_the_launchers():
         for c in quick["decode_gemm"]
         for wide_m in [dict(c.constexprs)["BLOCK_M"] > dg.GPU_BLOCK_M]
     )
+    assert any(d["NVFP4"] and d["X_HAT"] for d in dec)
+    assert all(d["X_HAT"] and d["BLOCK_M"] == dg.GPU_BLOCK_M for d in dec if d["PLUS"])
+    assert any(d["PLUS"] for d in dec)
     # the wide tile where the code rows vectorize, the unaligned one elsewhere: both compiled
     wide = (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)
     assert {(d["BLOCK_N"], d["BLOCK_K"]) for d in dec} == {

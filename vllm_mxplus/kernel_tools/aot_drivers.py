@@ -413,11 +413,13 @@ MIN_TARGET: dict[str, int] = {
 
 def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports this module)
     """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, and for
-    the decode kernel's 64-row tile (linear or grouped) `decode_gemm.WIDE_MIN_CAPABILITY`
-    (the launchers never pick it on older GPUs)."""
+    the decode kernel's 64-row tile (linear or grouped) and its MX+ mode
+    `decode_gemm.WIDE_MIN_CAPABILITY` (the launchers never pick them on older GPUs)."""
     from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS, WIDE_MIN_CAPABILITY
 
     c = dict(config.constexprs)
-    if config.kernel == "_decode_gemm_kernel" and c["BLOCK_M"] >= WIDE_BLOCK_MS[-1]:
+    if config.kernel == "_decode_gemm_kernel" and (
+        c["BLOCK_M"] >= WIDE_BLOCK_MS[-1] or c.get("PLUS")
+    ):
         return WIDE_MIN_CAPABILITY * 10
     return MIN_TARGET.get(config.kernel, 0)

@@ -243,12 +243,12 @@ def test_widest_row_tile_needs_sm90(monkeypatch, major, want):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     with capture_launches():  # the GPU's tile choices
-        ok = dg.wide_tile_ok(torch.device("cuda"))
+        ok = dg.sm90_or_later(torch.device("cuda"))
     assert ok == (major >= dg.WIDE_MIN_CAPABILITY)
     assert dg.gpu_block_m(40, True, ok) == want
     assert dg.gpu_block_m(20, True, ok) == 32 and dg.gpu_block_m(8, True, ok) == 16
     assert dg.gpu_block_m(40, False, ok) == 16  # the codes path keeps 16-row tiles
-    assert dg.wide_tile_ok(torch.device("cpu"))
+    assert dg.sm90_or_later(torch.device("cpu"))
     k, n = 1024, 256
     w = (torch.empty((n, k // 2), dtype=torch.uint8, device="meta"),
          torch.empty((n, k // 16), dtype=torch.uint8, device="meta"))  # fmt: skip

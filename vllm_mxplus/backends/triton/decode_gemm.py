@@ -93,10 +93,12 @@ SUPPORTED_BLOCK_SIZES = (16, 32)
 GPU_BLOCK_M = 16  # tl.dot's minimum; rows past M are masked
 # batched decode on x_hat (`gpu_block_m`): 32 rows, or 64 (wgmma on sm_90), per row tile
 WIDE_BLOCK_MS = (32, 64)
-# The 64-row tile (linears and grouped experts alike) needs sm_90 or later (`wide_tile_ok`):
-# there Triton issues wgmma (sm_90: 229-233 registers, no spill); sm_80's mma.sync form holds
-# the accumulators in registers and spills (255 registers: the unfolded weight scales of
-# NVFP4, the grouped experts), so sm_80 gets 32-row tiles at most
+# Tiles that need sm_90 or later (`sm90_or_later`): the 64-row tile (linears and grouped
+# experts alike), where Triton issues wgmma (sm_90: 229-233 registers, no spill) and sm_80's
+# mma.sync form holds the accumulators in registers and spills (255 registers: the unfolded
+# weight scales of NVFP4, the grouped experts), so sm_80 gets 32-row tiles at most; and MX+
+# (`_block_max_terms`), whose split-K tile ptxas caps at 168 registers on sm_80 and spills
+# 36 B, so MX+ keeps `mx_gemm` there
 WIDE_MIN_CAPABILITY = 9
 GPU_BLOCK_N = 128
 GPU_BLOCK_K = 128  # K elements per step on the GPU: 64 bytes per weight row
@@ -407,9 +409,9 @@ def _word_step(
     return part
 
 
-def wide_tile_ok(device: torch.device) -> bool:
-    """Whether the 64-row tile may run on `device` (WIDE_MIN_CAPABILITY; under the
-    interpreter or on other devices, always: their tiles are not the GPU's)."""
+def sm90_or_later(device: torch.device) -> bool:
+    """Whether `device` runs the tiles that need WIDE_MIN_CAPABILITY (the 64-row tile, MX+);
+    under the interpreter or on other devices, always: their tiles are not the GPU's."""
     if interpreting() or device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= WIDE_MIN_CAPABILITY
@@ -455,7 +457,7 @@ def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm,
 def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
     """Rows per GPU row tile: GPU_BLOCK_M, or on the x_hat word path for more rows the
     smallest of WIDE_BLOCK_MS that holds them (64 above 32; 32 at most unless widest_ok,
-    `wide_tile_ok`). A wider row tile dequantizes each weight tile once for more rows (no x
+    `sm90_or_later`). A wider row tile dequantizes each weight tile once for more rows (no x
     to dequantize there): sm_90 counts 671 / 878 / 755 instructions per warp per 16384
     weights at 16 / 32 / 64 rows (64: wgmma), no spill."""
     if not hat or m <= GPU_BLOCK_M:
@@ -738,7 +740,7 @@ def decode_gemm(
         hat = (not plus and x_hat is not None
                and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k))  # fmt: skip
         # (the device is asked only where a wide tile is possible)
-        block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or wide_tile_ok(w_codes.device))
+        block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device))
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)

@@ -4,8 +4,8 @@
   memory-bound decode GEMM (`decode_gemm`: the packed weight, its E8M0 / E4M3 scales and MBS
   bytes or MX+ block-max indices streamed once; 16-row tiles up to DECODE_MAX_M, 32 / 64
   above on the x_hat path); NVFP4 rows with given global scales (row-parallel shards), MX+
-  off the x_hat path or above DECODE_MAX_M, and any layer off the x_hat path above
-  DECODE_MAX_M run `mx_gemm` (its decode or prefill tiles).
+  off the x_hat path, above DECODE_MAX_M or before sm_90, and any layer off the x_hat path
+  above DECODE_MAX_M run `mx_gemm` (its decode or prefill tiles).
 - `triton-gemm` (M > DECODE_MAX_M where the backends before it leave M): `mx_gemm` with
   prefill tiles, every format (E8M0 at block 16 / 32 with MBS at any power-of-two macro block
   16..2048, NVFP4, MX+).
@@ -35,7 +35,11 @@ from vllm_mxplus.backends.base import (
 )
 from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
-from vllm_mxplus.backends.triton.decode_gemm import small_weight_scales, takes_x_hat
+from vllm_mxplus.backends.triton.decode_gemm import (
+    sm90_or_later,
+    small_weight_scales,
+    takes_x_hat,
+)
 from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.mx_gemm import operand_format
@@ -76,13 +80,16 @@ def global_or_plus_pair(weight_format: str, activation_format: str) -> bool:
     )
 
 
-def decode_reads(weight_format: str, activation_format: str, hat: bool, m: int) -> bool:
-    """Whether the decode GEMM (`decode_gemm`) reads this pair for m rows: the E8M0 pairs and
-    NVFP4; MX+ where the layer takes x_hat (`hat`: its activation is read only as x_hat) and
-    m <= DECODE_MAX_M (its 16-row tile: wider ones spill)."""
+def decode_reads(
+    weight_format: str, activation_format: str, hat: bool, m: int, device: torch.device
+) -> bool:
+    """Whether the decode GEMM (`decode_gemm`) reads this pair for m rows on `device`: the
+    E8M0 pairs and NVFP4; MX+ where the layer takes x_hat (`hat`: its activation is read only
+    as x_hat), m <= DECODE_MAX_M (its 16-row tile: wider ones spill) and on sm_90 or later
+    (`sm90_or_later`)."""
     w, a = get_format(weight_format), get_format(activation_format)
     plus = w.block_max_mantissa and a.block_max_mantissa
-    return not plus or (hat and m <= DECODE_MAX_M)
+    return not plus or (hat and m <= DECODE_MAX_M and sm90_or_later(device))
 
 
 def triton_takes(weight_format: str, activation_format: str, macro_block: int) -> tuple[bool, str]:
@@ -194,7 +201,9 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
         # NVFP4 rows with given global scales (a row-parallel shard: the whole row's) keep
         # mx_gemm, whose quantizer takes them
         if (
-            not decode_reads(spec.weight_format, spec.activation_format, hat, x2.shape[0])
+            not decode_reads(
+                spec.weight_format, spec.activation_format, hat, x2.shape[0], x2.device
+            )
             or act_global_scale is not None
             or (x2.shape[0] > DECODE_MAX_M and not hat)
         ):  # mx_gemm's decode or prefill tiles (it picks them by M)

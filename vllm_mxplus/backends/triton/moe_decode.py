@@ -15,7 +15,7 @@ Same values and products as `decode_gemm` on each pair's row (a permuted order o
 each scale block; MBS partials scaled per macro block by sigma_x * sigma_w): the bound of
 docs/numerics.md, "Kernel numerics and error bounds", holds unchanged. Row tiles of 16, 32
 or 64 pairs (`moe_gemm.moe_block_m`: 64 where the active experts get about 64 pairs or more,
-on sm_90 and later: `decode_gemm.wide_tile_ok`), 128 weight rows and 128 K elements per step, 4 warps,
+on sm_90 and later: `decode_gemm.sm90_or_later`), 128 weight rows and 128 K elements per step, 4 warps,
 two pipeline stages above 16 rows (`decode_gemm.gpu_launch_options`). Capturable in a CUDA
 graph: torch ops and one launch per stem, shapes from the input shapes, no host sync.
 """

@@ -34,7 +34,7 @@ import torch
 from vllm_mxplus.backends.base import Activation
 from vllm_mxplus.backends.expert_layer import gated
 from vllm_mxplus.backends.library import op_name
-from vllm_mxplus.backends.triton.decode_gemm import wide_tile_ok
+from vllm_mxplus.backends.triton.decode_gemm import sm90_or_later
 from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
 from vllm_mxplus.backends.triton.gemm_launch import SplitK, codes_aligned
 from vllm_mxplus.backends.triton.launch import ceil_div, check_available, interpreting
@@ -255,7 +255,7 @@ def moe_experts_triton(
         and FMT_CODES[kind] == FMT_E8M0
         and moe_takes_hat(w13, w2, macro_block, has_mbs, p)
     )
-    wide = wide_tile_ok(x.device) if hat else moe_wide(w13, w2, has_mbs, macro_block)
+    wide = sm90_or_later(x.device) if hat else moe_wide(w13, w2, has_mbs, macro_block)
     block_m = moe_block_m(p, w13.experts, wide)
     pairs, tile_expert = align_local(local, w13.experts, block_m)
     common = dict(
