@@ -1,4 +1,4 @@
-"""MX+ on the Triton decode GEMM: the activation read as x_hat (the MX+ `act_quant_hat`,
+"""MX+ on the Triton decode GEMM: the activation read as x_hat (`act_quant_mxplus_hat`,
 block maxima included), the weight decoded as plain E2M1 on the word path, and each weight
 block max added as x_hat[m, k] * delta with delta = +-((8 + j) / 2 - E2M1(j)) * X.
 
@@ -16,7 +16,7 @@ from test_triton_act_quant import assert_same_bits
 from test_triton_decode_gemm import assert_within_bound, reference
 
 from vllm_mxplus.backends.base import LinearSpec
-from vllm_mxplus.backends.triton.act_quant import act_quant_hat
+from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
 from vllm_mxplus.backends.triton.launch import capture_launches
 from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
@@ -41,8 +41,7 @@ def operands(m: int, k: int, n: int, device, seed: int = 0):
 
 def run(x, qw, k, **kw):
     kw.setdefault("macro_block", 128)
-    codes, scales, bm, gs, x_hat = act_quant_hat(x, "mxplus", macro_block=128)
-    assert gs is None
+    codes, scales, bm, x_hat = act_quant_mxplus_hat(x)
     return decode_gemm(codes, scales, None, qw.codes, qw.scales, None, k, x_hat=x_hat,
                        w_block_max=qw.block_max_index, **kw)  # fmt: skip
 
@@ -50,7 +49,7 @@ def run(x, qw, k, **kw):
 @pytest.mark.parametrize("m,k", [(1, 1024), (5, 320), (33, 4096)])
 def test_x_hat_of_mxplus_is_the_spec_bit_for_bit(m, k, triton_device):
     x, qx, _ = operands(m, k, 8, triton_device, seed=k)
-    codes, scales, bm, _, x_hat = act_quant_hat(x, "mxplus", macro_block=128)
+    codes, scales, bm, x_hat = act_quant_mxplus_hat(x)
     assert_same_bits("codes", codes, qx.codes)
     assert_same_bits("scales", scales, qx.scales)
     assert_same_bits("block-max indices", bm, qx.block_max_index)
@@ -88,7 +87,7 @@ def test_block_max_terms_matter(triton_device):
     the correction is what makes the result the spec's."""
     x, qx, qw = operands(3, 1024, 64, triton_device, seed=9)
     none = torch.full_like(qw.block_max_index, NO_BLOCK_MAX)
-    codes, scales, _, _, x_hat = act_quant_hat(x, "mxplus", macro_block=128)
+    codes, scales, _, x_hat = act_quant_mxplus_hat(x)
     y = decode_gemm(codes, scales, None, qw.codes, qw.scales, None, 1024, x_hat=x_hat,
                     w_block_max=none, out_dtype=torch.float32, macro_block=128)  # fmt: skip
     with pytest.raises(AssertionError, match="out of bound"):
@@ -114,7 +113,7 @@ def test_nan_and_zero_rows(triton_device):
 
 def test_bad_arguments_name_the_operand(triton_device):
     x, qx, qw = operands(2, 256, 32, triton_device)
-    codes, scales, _, _, x_hat = act_quant_hat(x, "mxplus", macro_block=128)
+    codes, scales, _, x_hat = act_quant_mxplus_hat(x)
     args = (codes, scales, None, qw.codes, qw.scales, None, 256)
     with pytest.raises(ValueError, match="needs x_hat"):
         decode_gemm(*args, macro_block=128, w_block_max=qw.block_max_index)

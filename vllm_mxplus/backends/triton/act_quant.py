@@ -274,19 +274,14 @@ def act_quant(
 def act_quant_hat(
     x: torch.Tensor, fmt: str, *, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """`act_quant` that also writes x_hat for the decode GEMM: (codes, scales, extra or None,
+    """`act_quant` that also writes x_hat for the decode GEMM: (codes, scales, mbs or None,
     global_scale or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order), all from the
-    same kernel. Rows x [M, K] (2-D). extra: the MBS bytes, or MX+'s block-max indices.
-    E8M0 formats: x_hat = value * 2^(e - 127) (the MBS factor left to the GEMM); MX+ the
-    same with the block max's value; NVFP4: x_hat = value * s, the E4M3 scale without the
-    row's global scale (the GEMM multiplies its sums by g_x * g_w); exact in bf16 alike."""
+    same kernel. Rows x [M, K] (2-D). E8M0 formats: x_hat = value * 2^(e - 127) (the MBS
+    factor left to the GEMM); NVFP4: x_hat = value * s, the E4M3 scale without the row's
+    global scale (the GEMM multiplies its sums by g_x * g_w); exact in bf16 alike. MX+ has
+    its own (`act_quant_plus.act_quant_mxplus_hat`; `ops.act_quant_hat_op` takes both)."""
     if x.dim() != 2:
         raise ValueError(f"act_quant_hat: x must be [M, K], got shape {tuple(x.shape)}")
-    if get_format(fmt).block_max_mantissa:  # MX+: its own kernel (no cycle: imported here)
-        from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
-
-        codes, scales, bm, x_hat = act_quant_mxplus_hat(x)
-        return codes, scales, bm, None, x_hat
     codes, scales, mbs, gs, hat = _act_quant(x, fmt, macro_block, hat=True)
     assert hat is not None
     return codes, scales, mbs, gs, hat

@@ -609,7 +609,7 @@ def _check_block_max(
     if bs != 32 or has_mbs:
         raise ValueError(f"decode_gemm: MX+ is block 32 without MBS bytes, got block {bs}")
     if x_hat is None:
-        raise ValueError("decode_gemm: MX+ needs x_hat (the MX+ `act_quant_hat`)")
+        raise ValueError("decode_gemm: MX+ needs x_hat (`act_quant_mxplus_hat`)")
     if bm.dtype != torch.uint8 or tuple(bm.shape) != (n, ceil_div(k, 32)):
         raise ValueError(
             f"decode_gemm: w_block_max must be uint8 [{n}, {ceil_div(k, 32)}], got "
@@ -689,8 +689,8 @@ def decode_gemm(
     `mx_gemm` does, and the bound of its docstring holds.
 
     MX+ (w_block_max given: the weight's block-max indices uint8 [N, ceil(K/32)], 255 for
-    none): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat (the MX+
-    `act_quant_hat`, which holds the block maxima's values), on the word path (`reads_x_hat`);
+    none): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat
+    (`act_quant_mxplus_hat`: the block maxima's values included), on the word path (`reads_x_hat`);
     the weight's block maxima are added per block (`_block_max_terms`). The bound holds with
     K/32 more additions. An x_hat of +-Inf against a weight block max of 4 * X would give NaN,
     not the spec's +-Inf; the MX+ quantizer never writes the activation scale code (254) that

@@ -21,6 +21,7 @@ import torch
 
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.act_quant import act_quant, act_quant_hat
+from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
 from vllm_mxplus.backends.triton.x_hat import HAT_DTYPE, hat_cols
 from vllm_mxplus.formats import get_format
@@ -71,7 +72,13 @@ def _act_quant_hat_shapes(x: torch.Tensor, fmt: str, macro_block: int):
 def _act_quant_hat_op(
     x: torch.Tensor, fmt: str, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes, scales, extra, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
+    extra: torch.Tensor | None
+    gs: torch.Tensor | None
+    if get_format(fmt).block_max_mantissa:  # MX+: its own quantizer; extra = block-max indices
+        codes, scales, extra, x_hat = act_quant_mxplus_hat(x)
+        gs = None
+    else:
+        codes, scales, extra, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
     (_, _, (extra_shape, _), (gs_shape, _), _) = _act_quant_hat_shapes(x, fmt, macro_block)
     if extra is None:
         extra = torch.empty(extra_shape, dtype=torch.uint8, device=x.device)
@@ -114,7 +121,8 @@ def act_quant_op(
 def act_quant_hat_op(
     x: torch.Tensor, fmt: str, *, macro_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """`act_quant.act_quant_hat` through the custom op (traceable); same return values."""
+    """`act_quant.act_quant_hat` through the custom op (traceable); same return values. MX+
+    too (`act_quant_plus.act_quant_mxplus_hat`: its block-max indices in the third place)."""
     spec = get_format(fmt)
     codes, scales, extra, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(
         x, fmt, macro_block
