@@ -14,14 +14,13 @@ import pytest
 import torch
 from test_triton_act_quant import assert_same_bits
 from test_triton_decode_gemm import assert_within_bound, reference
+from test_triton_decode_nvfp4 import decode_layer
 
-from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
 from vllm_mxplus.backends.triton.launch import capture_launches
-from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
 from vllm_mxplus.backends.triton.x_hat import to_hat_order
-from vllm_mxplus.formats import get_scheme, quantize
+from vllm_mxplus.formats import quantize
 from vllm_mxplus.formats.constants import NO_BLOCK_MAX
 
 
@@ -137,14 +136,7 @@ def test_bad_arguments_name_the_operand(triton_device):
 def test_mxplus_layer_runs_the_decode_gemm(m, k, want, triton_device):
     """`triton-decode` on an MX+ layer: the decode GEMM (16-row tiles) where K takes x_hat
     and M <= 16, else `mx_gemm`; within the bound either way."""
-    n = 48
-    spec = LinearSpec(get_scheme("mxplus"), n, k, torch.bfloat16)
-    gen = torch.Generator().manual_seed(m)
-    qw = quantize((torch.randn(n, k, generator=gen) * 0.1).to(triton_device), "mxplus")
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(triton_device)
-    layer = torch.nn.Module()
-    backend = TritonDecodeBackend(spec)
-    backend.process_weights_after_loading(layer, qw)
+    layer, backend, qw, x = decode_layer("mxplus", k, m, triton_device)
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         backend.apply(layer, x, None)
     y = backend.apply(layer, x, None)

@@ -47,6 +47,20 @@ def run(qx, qw, k, x_hat=None, **kw):
     )  # fmt: skip
 
 
+def decode_layer(scheme: str, k: int, m: int, device):
+    """A 48 x k layer of `scheme` loaded by `triton-decode`, and m bf16 rows for it:
+    (layer, backend, packed weight, x)."""
+    n = 48
+    spec = LinearSpec(get_scheme(scheme), n, k, torch.bfloat16)
+    gen = torch.Generator().manual_seed(m)
+    qw = quantize((torch.randn(n, k, generator=gen) * 0.1).to(device), spec.weight_format)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+    layer = torch.nn.Module()
+    backend = TritonDecodeBackend(spec)
+    backend.process_weights_after_loading(layer, qw)
+    return layer, backend, qw, x
+
+
 SHAPES = [(1, 100, 64), (5, 1024, 300), (16, 576, 256), (33, 4096, 64), (3, 1201, 80)]
 
 
@@ -141,14 +155,7 @@ def test_bad_arguments_name_the_operand(triton_device):
 def test_nvfp4_layer_runs_the_decode_gemm(m, given, want, triton_device):
     """`triton-decode` on an nvfp4 layer: the decode GEMM (E4M3 scales, x_hat where K takes
     it), or `mx_gemm` for rows with given global scales; within the bound either way."""
-    n, k = 48, 512
-    spec = LinearSpec(get_scheme("nvfp4"), n, k, torch.bfloat16)
-    gen = torch.Generator().manual_seed(m)
-    qw = quantize((torch.randn(n, k, generator=gen) * 0.1).to(triton_device), "nvfp4")
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(triton_device)
-    layer = torch.nn.Module()
-    backend = TritonDecodeBackend(spec)
-    backend.process_weights_after_loading(layer, qw)
+    layer, backend, qw, x = decode_layer("nvfp4", 512, m, triton_device)
     qx = quantize(x, "nvfp4", per_row=True)
     g = qx.global_scale if given else None
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
