@@ -161,7 +161,7 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 #ifdef MXPLUS_AVX512
   // the fast block terms of the AVX-512 register tiles (not MX+'s)
   std::optional<FastRows> fr;
-  if (!BM) fr.emplace(a, M);
+  if (!BM) fr.emplace(a, M, /*tiles=*/true, w.groups);
   const PanelRows pr = fr ? fr->rows() : PanelRows{};
   const FastArg fast_rows = fr ? &pr : nullptr;
 #else

@@ -71,6 +71,31 @@ inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_
   }
 }
 
+// group_dots with the rows' codes side by side (PanelRows::codes_t): xg points at row m0's
+// 16 codes of the group, row m0 + m's at xg + 16 m.
+template <int MT, int NTP>
+inline void group_dots_t(const uint8_t* const* wg, const int8_t* xg, __m512i lut,
+                         __m512i (*iacc)[MT]) {
+  __m512i wv[NTP][4];
+  _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead + 64), _MM_HINT_T0);
+    const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
+    wv[j][0] = nib_lo(p0, lut);
+    wv[j][1] = nib_hi(p0, lut);
+    wv[j][2] = nib_lo(p1, lut);
+    wv[j][3] = nib_hi(p1, lut);
+  }
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xg);
+  _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+      const __m512i xb = _mm512_set1_epi32(x4[m * 4 + q]);  // one broadcast serves NTP tiles
+      _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j)
+        iacc[j][m] = dot4(iacc[j][m], wv[j][q], xb);
+    }
+  }
+}
+
 // MX+ weight block maxima of one block for a tile's 16 rows (WeightTiles::bm): the indices as
 // int16 in the low half of each 32-bit lane (high half 0), the 2 * values likewise.
 inline void block_max16(const uint8_t* p, __m512i* sel, __m512i* w16) {
@@ -104,22 +129,55 @@ struct PanelRows {
   const int32_t* ebits;  // [M, nb]
   const int32_t* start;  // [M, nb] the block sums' start: corr + kMagicBits
   const RowExp* range;   // [M]
+  // The register tiles' layout (FastRows built with `tiles`; else nullptr): per block b the
+  // M rows' start and ebits side by side ([nb, M]), per 16-element group g the M rows'
+  // codes side by side ([groups, M, 16]), so a tile reads each from one pointer (with a
+  // pointer per row the row pointers outnumbered the registers and were reloaded per block)
+  const int32_t* start_t = nullptr;
+  const int32_t* ebits_t = nullptr;
+  const int8_t* codes_t = nullptr;
+  int64_t m = 0;
 };
 
 struct FastRows {
-  std::vector<int32_t> ebits, start;
+  std::vector<int32_t> ebits, start, start_t, ebits_t;
   std::vector<RowExp> range;
-  FastRows(const ActRows& a, int64_t M) : ebits(M * a.nb), start(M * a.nb), range(M) {
+  std::vector<int8_t> codes_t;
+  int64_t m;
+  // tiles: also build the register tiles' layout (PanelRows), `groups` 16-element groups
+  FastRows(const ActRows& a, int64_t M, bool tiles = false, int64_t groups = 0)
+      : ebits(M * a.nb), start(M * a.nb), range(M), m(M) {
     for (int64_t i = 0; i < M * a.nb; ++i) start[i] = a.corr[i] + kMagicBits;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* ea = a.ea + m * a.nb;
-      range[m] = row_exp_range(ea, a.nb);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* ea = a.ea + r * a.nb;
+      range[r] = row_exp_range(ea, a.nb);
       for (int64_t b = 0; b < a.nb; ++b)  // (ea - 256 + 127) << 23, as unsigned: ea may be < -127
-        ebits[m * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
+        ebits[r * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
             static_cast<uint32_t>(static_cast<int>(ea[b]) + 127) << 23);
     }
+    if (!tiles) return;
+    start_t.resize(M * a.nb);
+    ebits_t.resize(M * a.nb);
+    codes_t.resize(groups * M * kGroupK);
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t b = 0; b < a.nb; ++b) {
+        start_t[b * M + r] = start[r * a.nb + b];
+        ebits_t[b * M + r] = ebits[r * a.nb + b];
+      }
+      for (int64_t g = 0; g < groups; ++g)
+        std::memcpy(&codes_t[(g * M + r) * kGroupK], a.codes + r * a.kp + g * kGroupK, kGroupK);
+    }
   }
-  PanelRows rows() const { return {ebits.data(), start.data(), range.data()}; }
+  PanelRows rows() const {
+    PanelRows pr{ebits.data(), start.data(), range.data()};
+    if (!codes_t.empty()) {
+      pr.start_t = start_t.data();
+      pr.ebits_t = ebits_t.data();
+      pr.codes_t = codes_t.data();
+      pr.m = m;
+    }
+    return pr;
+  }
 };
 
 // Whether every block term of rows m0 .. m0+mt against weight tiles whose E8M0 codes lie in
@@ -241,9 +299,9 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
   static_assert(!(FAST && BM), "the MX+ tile keeps the general block terms");
   const __m512i lut = weight_lut();
   const RowPtrs<MT> r = row_ptrs<MT>(a, FAST ? pr->start : a.corr, m0);
-  const int32_t* eb[MT];
-  if constexpr (FAST)
-    for (int m = 0; m < MT; ++m) eb[m] = pr->ebits + (m0 + m) * a.nb;
+  // FAST reads the tiles' layout (gemm_tiles builds it): one pointer each for the rows'
+  // starts, ebits and codes
+  if constexpr (FAST) TORCH_CHECK(pr->codes_t != nullptr, "tile_avx512: no tiles' layout");
   // Block b's terms: + I * 2^(ea + ew - 256) per row and tile.
   auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
     __m512 ew[NTP];
@@ -257,13 +315,16 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
       else
         ew[j] = weight_exponents(sc);
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
-        iacc[j][m] = _mm512_set1_epi32(r.c[m][b]);
+        iacc[j][m] = _mm512_set1_epi32(FAST ? pr->start_t[b * pr->m + m0 + m] : r.c[m][b]);
     }
     _Pragma("GCC unroll 2") for (int gg = 0; gg < GPB; ++gg) {
       const int64_t g = b * GPB + gg;
       const uint8_t* wg[NTP];
       for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
-      group_dots<MT, NTP>(wg, r.x, g * kGroupK, lut, iacc);
+      if constexpr (FAST)
+        group_dots_t<MT, NTP>(wg, pr->codes_t + (g * pr->m + m0) * kGroupK, lut, iacc);
+      else
+        group_dots<MT, NTP>(wg, r.x, g * kGroupK, lut, iacc);
     }
     if constexpr (BM) {
       __m512i sel[NTP], w16[NTP];
@@ -279,7 +340,7 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     }
     if constexpr (FAST) {
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512i eab = _mm512_set1_epi32(eb[m][b]);
+        const __m512i eab = _mm512_set1_epi32(pr->ebits_t[b * pr->m + m0 + m]);
         _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {  // the power of two from bits
           const __m512 p2 = _mm512_castsi512_ps(_mm512_add_epi32(ewb[j], eab));
           acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
