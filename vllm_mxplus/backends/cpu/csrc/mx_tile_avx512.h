@@ -48,10 +48,10 @@ inline __m512 weight_exponents(const uint8_t* p) {
 constexpr int64_t kTilePrefetchAhead = 16 * kGroupBytes;
 
 // iacc[j][m] += group g (elements koff .. koff+15) of rows m against NTP weight tiles.
-template <int MT, int NTP>
-inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
-                       __m512i lut, __m512i (*iacc)[MT]) {
-  __m512i wv[NTP][4];
+// The unsigned weight bytes of one group of NTP tiles (wv[j][q]: the 4 elements of every row
+// lane that the activation's int32 q of the group meets), prefetching their streams ahead.
+template <int NTP>
+inline void group_weights(const uint8_t* const* wg, __m512i lut, __m512i (*wv)[4]) {
   _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead + 64), _MM_HINT_T0);
@@ -61,6 +61,13 @@ inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_
     wv[j][2] = nib_lo(p1, lut);
     wv[j][3] = nib_hi(p1, lut);
   }
+}
+
+template <int MT, int NTP>
+inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
+                       __m512i lut, __m512i (*iacc)[MT]) {
+  __m512i wv[NTP][4];
+  group_weights<NTP>(wg, lut, wv);
   _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
     const int32_t* x4 = reinterpret_cast<const int32_t*>(xr[m] + koff);
     _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
@@ -77,15 +84,7 @@ template <int MT, int NTP>
 inline void group_dots_t(const uint8_t* const* wg, const int8_t* xg, __m512i lut,
                          __m512i (*iacc)[MT]) {
   __m512i wv[NTP][4];
-  _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
-    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead + 64), _MM_HINT_T0);
-    const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
-    wv[j][0] = nib_lo(p0, lut);
-    wv[j][1] = nib_hi(p0, lut);
-    wv[j][2] = nib_lo(p1, lut);
-    wv[j][3] = nib_hi(p1, lut);
-  }
+  group_weights<NTP>(wg, lut, wv);
   const int32_t* x4 = reinterpret_cast<const int32_t*>(xg);
   _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
     _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
