@@ -297,9 +297,9 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
                  int64_t m0, float* y, const float* bias, const PanelRows* pr = nullptr) {
   static_assert(!(FAST && BM), "the MX+ tile keeps the general block terms");
   const __m512i lut = weight_lut();
-  const RowPtrs<MT> r = row_ptrs<MT>(a, FAST ? pr->start : a.corr, m0);
-  // FAST reads the tiles' layout (gemm_tiles builds it): one pointer each for the rows'
-  // starts, ebits and codes
+  // the general block terms' row pointers; FAST reads the tiles' layout instead (gemm_tiles
+  // builds it): one pointer each for the rows' starts, ebits and codes
+  const RowPtrs<MT> r = row_ptrs<MT>(a, a.corr, m0);
   if constexpr (FAST) TORCH_CHECK(pr->codes_t != nullptr, "tile_avx512: no tiles' layout");
   // Block b's terms: + I * 2^(ea + ew - 256) per row and tile.
   auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
