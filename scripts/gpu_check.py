@@ -17,12 +17,14 @@ Triton backends, so that a build finishing mid-step changes no choice):
 
   served   selection + first-use self-test on this device for every scheme: linears, and
            experts of every activation (silu, gelu, swigluoai) with and without biases
+  speed    CUDA-graph replay timings, the L2 flushed before each: Llama-3-8B's four linears
+           (act-quant included) per M against the same linears in bf16, beside the static
+           estimate of the same case (benchmarks/results/gpu_static_model.json, made by
+           `benchmarks/gpu_static_model.py --json`); act-quant against a bf16 copy; one
+           expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
   stack    a Llama-3-8B-shaped stack without attention (qkv, o, gate_up, down linears, an
            8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
            torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
-  speed    CUDA-graph replay timings: decode M 1/8/16 and prefill M 32/512/4096 against bf16
-           (the same linear in bf16, also replayed), act-quant against a bf16 copy, one
-           expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
   cutlass  after the build: the prefill backend's self-test (random data within the
            accumulator bound, then exact-by-construction data bit for bit), FP8-subnormal and
            every-row-inexact probes at M 512, CUDA-graph capture, timing against bf16
@@ -73,23 +75,23 @@ TRITON_ONLY = (
 PLAN = (
     ("prereq", 20, "python modules, nvcc, CUTLASS headers, the device"),
     ("build", 0, "CUTLASS extension for this arch, in the background from here until cutlass"),
-    ("served", 90, "selection + self-test per scheme: linears and every expert kind"),
+    ("served", 60, "selection + self-test per scheme: linears first, then every expert kind"),
+    (
+        "speed",
+        150,
+        "graph-replay timings, L2 flushed: Llama-3-8B's linears per M against bf16 beside "
+        "the static estimate; act-quant; one expert's GEMM at 64 tokens",
+    ),
     (
         "stack",
-        110,
+        100,
         "8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA graphs at "
         "M 1/8/16/24/64/512, replay = eager",
     ),
-    (
-        "speed",
-        80,
-        "graph-replay timings: decode 1/8/16, prefill 32/512/4096 vs bf16; act-quant; one "
-        "expert's GEMM at 64 tokens beside its static estimate",
-    ),
-    ("pytest_gpu", 90, "pytest -m gpu -x (tests/backends, tests/kernels)"),
+    ("pytest_gpu", 80, "pytest: the Triton decode / x_hat tests on CUDA tensors, then -m gpu"),
     (
         "cutlass",
-        120,
+        90,
         "after the build: self-test (exact data), subnormal and inexact-row probes, "
         "capture, timing",
     ),
@@ -339,10 +341,23 @@ def _bits_equal(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
+_FLUSH: dict[str, Any] = {}
+FLUSH_BYTES = 512 * 2**20  # several times the L2 (H200 50 MB, B200 126 MB)
+
+
+def _flush_l2() -> None:
+    """Overwrite FLUSH_BYTES on the current stream, so that the next kernel finds none of
+    its operands in L2 (a served step's weights come from HBM: 32 layers are GBs)."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = _torch().empty(FLUSH_BYTES, dtype=_torch().uint8, device=_device())
+    buf.zero_()
+
+
 def _graph_replay_ms(fn: Callable, x, reps: int = 20) -> float:
     """Median ms of one CUDA-graph replay of fn(x) (captured after an eager warm-up on a side
-    stream, as vLLM does): what a served decode or prefill step costs, launch overhead
-    excluded as in vLLM."""
+    stream, as vLLM does), the L2 flushed before each replay outside the timed events: what a
+    served decode or prefill step costs, launch overhead excluded as in vLLM."""
     torch = _torch()
     from vllm_mxplus.backends.graph_guard import capture_graph
 
@@ -352,6 +367,7 @@ def _graph_replay_ms(fn: Callable, x, reps: int = 20) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _flush_l2()
         start.record()
         graph.replay()
         end.record()
@@ -368,13 +384,14 @@ def step_served(st: Step) -> None:
     st.rec["device"] = str(_device()) if REHEARSE else _torch().cuda.get_device_name()
     st.rec["capability"] = _capability()
     n, k = SHAPES[1][1], SHAPES[1][2]
-    for scheme in SCHEMES:
+    for scheme in SCHEMES:  # the linears of every scheme first: what every model serves
 
         def linear(scheme=scheme):
             names = _names(_select(_linear_spec(scheme, n, k), f"gpu_check linear {scheme}"))
             return {"chosen": names, "ok": bool(names) and "reference" not in names}
 
         st.check(f"select+selftest linear {scheme}", linear)
+    for scheme in SCHEMES:
         for act in EXPERT_ACTIVATIONS:
             for bias in (False, True):
 
@@ -463,6 +480,50 @@ def step_stack(st: Step) -> None:
 
 
 # ----------------------------------------------------------------------------- speed
+# M per scheme: decode (1, 16), the batched decode / prefill border (128, 256) and a prefill
+# (4096) for the default scheme; the others at decode and one prefill size
+SPEED_MS = {
+    "mxfp4-mbs": (1, 16, 128, 256, 4096),
+    "mxfp4-16-oas": (1, 16, 4096),
+    "nvfp4": (1, 16, 4096),
+    "mxplus": (1, 16),
+}
+STATIC_JSON = ROOT / "benchmarks" / "results" / "gpu_static_model.json"
+
+
+def static_beside(static: dict | None, capability: int, scheme: str, m: int) -> dict | None:
+    """The static model's estimate for the case the speed step times (Llama-3-8B's four
+    linears at m rows, one layer: the model's whole-forward figure / its layer count), from
+    `benchmarks/gpu_static_model.py --json` saved in STATIC_JSON: the default scheme at every
+    M it models, the other formats' decode at M = 1. None where the model has no such case."""
+    if not static:
+        return None
+    from benchmarks import gpu_static_model as gsm
+
+    gpu = next((g for g, spec in gsm.GPUS.items() if spec[0] == capability), None)
+    layers = gsm.LAYERS
+    if gpu is None:
+        return None
+    if scheme == "mxfp4-mbs":
+        rows = [r for r in static.get("estimates", {}).get(gpu, []) if r["M"] == m]
+    elif m == 1:
+        rows = [
+            r for r in static.get("decode_per_format_m1", {}).get(gpu, []) if r["format"] == scheme
+        ]
+    else:
+        rows = []
+    if not rows:
+        return None
+    r = rows[0]
+    return {
+        "gpu_modelled": gpu,
+        "commit": static.get("commit"),
+        "ms": r["estimate_ms"] / layers,
+        "bf16_ms": r["bf16_estimate_ms"] / layers,
+        "speedup_vs_bf16": r["speedup_vs_bf16"],
+    }
+
+
 def step_speed(st: Step) -> None:
     torch = _torch()
     import torch.nn.functional as F
@@ -472,25 +533,56 @@ def step_speed(st: Step) -> None:
         st.check("speed", lambda: {"skipped": "rehearsal: no timings on a CPU"})
         return
     st.rec["device"] = torch.cuda.get_device_name()
-    for scheme in [s for s in ("mxfp4-mbs", "mxfp4-16-oas", "nvfp4") if s in SCHEMES]:
-        for name, n, k in SHAPES:
+    static = json.loads(STATIC_JSON.read_text()) if STATIC_JSON.exists() else None
+    st.rec["static_estimate_from"] = static and {
+        k: static.get(k) for k in ("command", "commit", "triton")
+    }
+    bf16_ms: dict[tuple[str, int], float] = {}  # the bf16 linears, timed once per (role, M)
+    for scheme, ms in SPEED_MS.items():
+        if scheme not in SCHEMES:
+            continue
+        lins: dict[str, QLinear] = {}
 
-            def timing(scheme=scheme, name=name, n=n, k=k):
-                lin = QLinear(scheme, n, k, seed=n, prefix=f"speed.{name}")
-                res = {}
-                for m in DECODE_MS + PREFILL_MS:
+        def load(scheme=scheme, lins=lins):
+            for name, n, k in SHAPES:
+                lins[name] = QLinear(scheme, n, k, seed=n, prefix=f"speed.{name}")
+            return {"backends": {name: lin.backends for name, lin in lins.items()}}
+
+        if not st.check(f"{scheme}: Llama-3-8B linears loaded", load)["ok"]:
+            continue
+        for m in ms:
+
+            def timing(scheme=scheme, m=m, lins=lins):
+                per, ours, bf16 = {}, 0.0, 0.0
+                for name, _n, k in SHAPES:
+                    lin = lins[name]
                     x = _randn(m, k, seed=m, dtype=torch.bfloat16)
                     t_q = _graph_replay_ms(lin, x)
-                    t_b = _graph_replay_ms(lambda t, w=lin.w_bf16: F.linear(t, w, lin.bias), x)
-                    res[f"M{m}"] = {
-                        "ms": t_q,
-                        "bf16_ms": t_b,
-                        "speedup_vs_bf16": t_b / t_q,
-                        "backend": lin.dispatch.pick(m).name,
-                    }
-                return {"shape": [n, k], "results": res}
+                    if (name, m) not in bf16_ms:
+                        bf16_ms[name, m] = _graph_replay_ms(
+                            lambda t, w=lin.w_bf16, b=lin.bias: F.linear(t, w, b), x
+                        )
+                    per[name] = {"ms": t_q, "bf16_ms": bf16_ms[name, m],
+                                 "backend": lin.dispatch.pick(m).name}  # fmt: skip
+                    ours += t_q
+                    bf16 += bf16_ms[name, m]
+                res = {"M": m, "ms": ours, "bf16_ms": bf16, "speedup_vs_bf16": bf16 / ours,
+                       "linears": per}  # fmt: skip
+                est = static_beside(static, _capability(), scheme, m)
+                if est is not None:
+                    res["static_estimate"] = est
+                    res["measured_over_estimate"] = ours / est["ms"]
+                print(f"[gpu_check] speed {scheme} M={m}: {ours:.4f} ms, bf16 {bf16:.4f} ms, "
+                      f"{bf16 / ours:.2f}x; static estimate "
+                      + (f"{est['ms']:.4f} ms, {est['speedup_vs_bf16']:.2f}x" if est else "-"),
+                      flush=True)  # fmt: skip
+                return res
 
-            st.check(f"{scheme} {name} {n}x{k} vs bf16 (graph replay)", timing)
+            st.check(
+                f"{scheme} Llama-3-8B linears M={m} vs bf16 (graph replay, L2 flushed)", timing
+            )
+        lins.clear()
+        torch.cuda.empty_cache()
 
     def act_quant_vs_copy():
         from vllm_mxplus.backends.triton.act_quant import act_quant

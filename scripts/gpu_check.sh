@@ -17,20 +17,22 @@
 #   build    CUTLASS extension for this arch, started in the BACKGROUND here (all cores
 #            but two, nvcc --split-compile, the keyed ~/.cache build directory: a second
 #            call on the same machine reuses it); waited for before `cutlass`
-#   served   selection + self-test per scheme: linears and every expert kind            90 s
+#   served   selection + self-test per scheme: linears first, then every expert kind    60 s
+#   speed    CUDA-graph replay timings with the L2 flushed: Llama-3-8B's four linears per
+#            M against bf16, beside the static estimate (benchmarks/results/); act-quant
+#            vs a bf16 copy; one expert's GEMM at 64 tokens                             150 s
 #   stack    8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA
-#            graphs at M 1/8/16/24/64/512, replay = eager                               110 s
-#   speed    CUDA-graph replay timings: decode M 1/8/16, prefill M 32/512/4096 vs bf16,
-#            act-quant vs a bf16 copy                                                   80 s
-#   pytest_gpu  pytest -m gpu -x over tests/backends + tests/kernels                    90 s
+#            graphs at M 1/8/16/24/64/512, replay = eager                               100 s
+#   pytest_gpu  the Triton decode / x_hat tests on CUDA tensors, then pytest -m gpu      80 s
 #   cutlass  after the build: self-test (random within bound, then exact data bit for
-#            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing 120 s
+#            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing  90 s
 #   correct  every CUDA backend at Llama-3-8B shapes against float64 (what is left)
 # Until `cutlass`, VLLM_MXPLUS_BACKEND keeps the Triton backends (gpu_check.py TRITON_ONLY):
 # a build finishing mid-step changes no choice. Cold Triton compiles count inside each box.
-# $OUT: <step>.json per step ("started" written first, "cut" when its box ran out),
+# $OUT (packed at the end into $OUT/gpu_check.tgz): <step>.json per step ("started" written first, "cut" when its box ran out),
 # gpu_check.json (the steps' status, rc and seconds, the device), gpu_check.log (all output),
-# build.log (the background build), pytest_gpu.xml (junit; a killed pytest writes none).
+# build.log (the background build), pytest_gpu.xml (junit of the first pytest run; a killed
+# pytest writes none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -97,6 +99,10 @@ if [ "$MODE" = dry ]; then
   echo "[gpu_check] dry run: nothing executed (OUT would be $OUT)"
   exit 0
 fi
+# The device tool returns at most 8 files: the run writes under $FINAL/all, and the summary
+# packs that folder into $FINAL/gpu_check.tgz beside copies of the summary, speed and log.
+FINAL=$OUT
+OUT=$FINAL/all
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
@@ -220,20 +226,31 @@ run_step() {  # name box: gpu_check.py STEP under a time box; its record
 }
 
 # ----------------------------------------------------------------------------- Triton steps
-for step in served stack speed; do run_step "$step" "$(box_for "$step")"; done
+for step in served speed stack; do run_step "$step" "$(box_for "$step")"; done
 
-# ----------------------------------------------------------------------------- pytest -m gpu
-# the bit-exactness tests of the kernels on CUDA tensors, stopping at the first failure
+# ----------------------------------------------------------------------------- pytest on CUDA
+# The Triton kernels' own tests on CUDA tensors (tests/backends/conftest.py: compiled kernels
+# when a GPU is present): the decode GEMM of every format and its x_hat quantizer first, then
+# the tests marked gpu. -v: each result is in the log even when the box cuts pytest short
+# (a killed pytest writes no junit file).
+PYTEST_FIRST="tests/backends/triton/test_triton_x_hat.py tests/backends/triton/test_triton_decode_nvfp4.py tests/backends/triton/test_triton_decode_mxplus.py tests/backends/triton/test_triton_decode_gemm.py"
 b=$(box_for pytest_gpu)
 if [ "$b" -ge 30 ]; then
-  say "pytest -m gpu -x (box $b s)"
+  say "pytest on CUDA (box $b s): $PYTEST_FIRST, then -m gpu"
   t0=$(date +%s)
-  timeout --kill-after=5 "$b" "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="" -rfEs -m gpu \
-    --junitxml="$OUT/pytest_gpu.xml" tests/backends tests/kernels >> "$LOG" 2>&1
+  # shellcheck disable=SC2086  # the file list splits on purpose
+  timeout --kill-after=5 "$b" "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider -o addopts="" -rfEs \
+    --junitxml="$OUT/pytest_gpu.xml" $PYTEST_FIRST >> "$LOG" 2>&1
   prc=$?
+  left=$(( b - ($(date +%s) - t0) ))
+  if [ $prc -eq 0 ] && [ "$left" -ge 20 ]; then
+    timeout --kill-after=5 "$left" "$PY" -m pytest -v --maxfail=10 -p no:cacheprovider -o addopts="" \
+      -rfEs -m gpu tests/backends tests/kernels >> "$LOG" 2>&1
+    prc=$?
+  fi
   if [ $prc -eq 0 ]; then step_record pytest_gpu 0 $(( $(date +%s) - t0 )) ok ""
-  elif [ $prc -eq 124 ] || [ $prc -eq 137 ]; then step_record pytest_gpu $prc $(( $(date +%s) - t0 )) cut "box $b s"; rc=1
-  else step_record pytest_gpu $prc $(( $(date +%s) - t0 )) failed "see pytest_gpu.xml"; rc=1; fi
+  elif [ $prc -eq 124 ] || [ $prc -eq 137 ]; then step_record pytest_gpu $prc $(( $(date +%s) - t0 )) cut "box $b s (results so far: gpu_check.log)"; rc=1
+  else step_record pytest_gpu $prc $(( $(date +%s) - t0 )) failed "see gpu_check.log / pytest_gpu.xml"; rc=1; fi
 else
   step_record pytest_gpu -1 0 skipped "budget spent"
 fi
@@ -260,7 +277,7 @@ try:
     res["prereq"] = json.loads((out / "prereq.json").read_text())
 except Exception as e:
     res["prereq_error"] = repr(e)
-for s in ("served", "stack", "speed", "cutlass", "correct"):
+for s in ("served", "speed", "stack", "cutlass", "correct"):
     p = out / f"{s}.json"
     if p.exists():
         rec = json.loads(p.read_text())
@@ -270,4 +287,8 @@ for s in ("served", "stack", "speed", "cutlass", "correct"):
 print(f"[gpu_check] {out / 'gpu_check.json'}: exit {res['exit']}, {res['seconds']} s of "
       f"{res['budget']}: " + ", ".join(f"{s['step']} {s['status']}" for s in steps))
 PYEOF
+tar czf "$FINAL/gpu_check.tgz" -C "$FINAL" all \
+  && for f in gpu_check.json speed.json gpu_check.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done \
+  && rm -rf "$OUT"
+echo "[gpu_check] $FINAL: gpu_check.tgz (every file of the run), gpu_check.json, speed.json, gpu_check.log"
 exit $rc

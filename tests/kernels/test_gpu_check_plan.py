@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ["prereq", "build", "served", "stack", "speed", "pytest_gpu", "cutlass", "correct"]
+ORDER = ["prereq", "build", "served", "speed", "stack", "pytest_gpu", "cutlass", "correct"]
 
 
 def _module():
@@ -87,3 +87,25 @@ def test_step_without_cuda_records_why(tmp_path):
     rec = json.loads((tmp_path / "served.json").read_text())
     assert res.returncode == 1 and rec["status"] == "failed"
     assert "CUDA" in rec["checks"][0]["error"]
+
+
+def test_speed_step_finds_the_static_estimate_of_each_timed_case():
+    """The speed step's side-by-side figure is the committed static model's case for the same
+    GPU, scheme and M (one layer: the whole forward / the layer count), and none elsewhere."""
+    mod = _module()
+    static = json.loads(mod.STATIC_JSON.read_text())
+    assert "static estimate" in static["what"] and static["commit"]
+    from benchmarks import gpu_static_model as gsm
+
+    for m in (1, 16, 128, 256, 4096):
+        row = next(r for r in static["estimates"]["H200"] if r["M"] == m)
+        est = mod.static_beside(static, 90, "mxfp4-mbs", m)
+        assert est["ms"] == pytest.approx(row["estimate_ms"] / gsm.LAYERS)
+        assert est["bf16_ms"] / est["ms"] == pytest.approx(row["speedup_vs_bf16"])
+    for fmt in ("mxfp4-16-oas", "nvfp4", "mxplus"):
+        row = next(r for r in static["decode_per_format_m1"]["H200"] if r["format"] == fmt)
+        assert mod.static_beside(static, 90, fmt, 1)["speedup_vs_bf16"] == row["speedup_vs_bf16"]
+        assert mod.static_beside(static, 90, fmt, 16) is None  # not modelled per format
+    assert mod.static_beside(static, 80, "mxfp4-mbs", 1) is None  # no A100 in the model
+    assert mod.static_beside(None, 90, "mxfp4-mbs", 1) is None
+    assert set(mod.SPEED_MS) <= set(mod.ALL_SCHEMES)

@@ -43,8 +43,8 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
         "0. prereq",
         "1. build",
         "2. served",
-        "3. stack",
-        "4. speed",
+        "3. speed",
+        "4. stack",
         "5. pytest_gpu",
         "6. cutlass",
     ]
