@@ -33,9 +33,8 @@ from vllm_mxplus.checkpoint.safetensors_io import read_tensor
 from vllm_mxplus.checkpoint.shard_writer import Item
 from vllm_mxplus.errors import UsageError
 from vllm_mxplus.formats import QuantizedTensor, get_format
-from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX
 from vllm_mxplus.formats.e2m1 import pack_fp4
-from vllm_mxplus.formats.nvfp4 import quantize_nvfp4_given
+from vllm_mxplus.formats.nvfp4 import global_from_amax, quantize_nvfp4_given
 
 FORMAT_MXPLUS = "mxplus"
 FORMAT_CT = "compressed-tensors"
@@ -99,7 +98,7 @@ def fused_group_key(module: str) -> str:
 def pow2_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """g = 2^ceil(log2(amax / (6 * 448))) in fp32, shape []: the smallest power of two with
     every block scale amax_b / 6 / g <= 448. amax = 0 (an all-zero weight) gives g = 1."""
-    t = (amax.to(torch.float32).reshape(()) / (E2M1_MAX * F8E4M3_MAX)).reshape(1)
+    t = global_from_amax(amax.reshape(())).reshape(1)
     if not bool(t > 0):
         return torch.ones((), dtype=torch.float32)
     m, e = torch.frexp(t)  # t = m * 2^e, m in [0.5, 1)

@@ -2,6 +2,8 @@
 
 g = amax / (6 * 448); s = e4m3(amax_b / 6 / g) (round to nearest even, saturating, fn);
 codes = e2m1(x / (s * g)); x_hat = value * s * g; s = 0 is a zero block (docs/numerics.md, NVFP4).
+Every division is IEEE fp32 on every device (`div_rn`: torch on CUDA does not divide by a
+Python number exactly).
 amax is over the tensor given, or over each row (the last dim) with per_row=True, which is
 what the activation path uses so that results never depend on batching.
 
@@ -20,11 +22,23 @@ from vllm_mxplus.formats.e2m1 import e2m1_decode, e2m1_magnitude_code, sign_bit
 NVFP4_BLOCK = SMALL_BLOCK
 
 
+def div_rn(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c correctly rounded (IEEE) on every device. torch on CUDA divides a tensor by a
+    Python number as a * fp32(1 / c), one ulp off for some a where c is not a power of two
+    (6, 2688): the divisor as a 0-dim tensor on a's device takes the true division there."""
+    return a / torch.full((), c, dtype=a.dtype, device=a.device)
+
+
+def global_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """g = amax / (6 * 448) in fp32, correctly rounded (`div_rn`)."""
+    return div_rn(amax.to(torch.float32), E2M1_MAX * F8E4M3_MAX)
+
+
 def nvfp4_global_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     """g = amax / (6 * 448) in fp32 over finite |x|: shape [] or [..., 1] with per_row."""
     ax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
     amax = ax.amax(-1, keepdim=True) if per_row else ax.amax()
-    return amax / (E2M1_MAX * F8E4M3_MAX)
+    return global_from_amax(amax)
 
 
 def quantize_nvfp4_blocks(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +51,7 @@ def nvfp4_block_scales(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The E4M3 block scales [..., nB] of fp32 x [..., nB*16] under global g ([] or [..., 1],
     broadcast over the block dim): e4m3(amax_b / 6 / g), 0 when g = 0, NaN for a NaN/Inf block."""
     absmax = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
-    s32 = absmax / E2M1_MAX / g
+    s32 = div_rn(absmax, E2M1_MAX) / g
     s32 = torch.where(g > 0, s32, torch.zeros_like(s32))
     # a block holding NaN/Inf gets the NaN scale (clamp would turn Inf into 448)
     s32 = torch.where(torch.isfinite(absmax), s32, torch.full_like(s32, float("nan")))

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_mxplus.formats.constants import E2M1_MAX, F8E4M3_MAX, NO_BLOCK_MAX, ceil_div
+from vllm_mxplus.formats.constants import NO_BLOCK_MAX, ceil_div
 from vllm_mxplus.formats.e2m1 import pack_fp4, unpack_fp4
 from vllm_mxplus.formats.mx import dequantize_e8m0_blocks, dequantize_mbs
 from vllm_mxplus.formats.mxplus import dequantize_mxplus_blocks
 from vllm_mxplus.formats.nvfp4 import (
     dequantize_nvfp4_blocks,
+    global_from_amax,
     nvfp4_global_scale,
     quantize_nvfp4_given,
 )
@@ -195,7 +196,7 @@ def quantize_nvfp4_logical(
             f"quantize_nvfp4_logical: widths {widths} (sum {sum(widths)}) and amax of "
             f"{amax.numel()} values do not describe a weight of {n} rows"
         )
-    g = amax.to(torch.float32).reshape(-1) / (E2M1_MAX * F8E4M3_MAX)
+    g = global_from_amax(amax.reshape(-1))
     g_rows = torch.cat([g[i : i + 1].expand(width) for i, width in enumerate(widths)])[:, None]
     codes, scales = quantize_nvfp4_given(w, g_rows.contiguous())
     return QuantizedTensor(
