@@ -756,7 +756,7 @@ def step_correct(st: Step) -> None:
                     a = xq.abs() @ w64.abs().T
                     bits = accumulator_bits_of(type(backend), dev)
                     b = output_bound(a, y64, torch.zeros(n, dtype=torch.float64, device=dev), k,
-                                     torch.bfloat16, bits)  # fmt: skip
+                                     torch.bfloat16, bits, type(backend).accumulation_chunk)  # fmt: skip
                     err = (y - y64).abs()
                     res[f"M{m} {backend.name}"] = bool((err <= b).all())
                     worst = max(worst, float((err / b.clamp_min(1e-300)).max()))

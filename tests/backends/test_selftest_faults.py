@@ -69,6 +69,7 @@ class _Sm90Emulated(LinearBackend):
     name = "fake-sm90-emulated"
     kernel = True
     accumulator_bits = 13  # as CutlassPrefillBackend on sm_90a
+    accumulation_chunk = 128  # promoted into fp32 per 128-K chunk, as it is
     fault: str | None = None
 
     @classmethod
@@ -135,8 +136,9 @@ def test_every_fault_fails_the_linear_self_test(emulated, scheme, fault):
 @pytest.mark.parametrize("fault", ["mbs+1", "zero", "flush_subnormals"])
 def test_random_data_alone_misses_faults_the_exact_check_catches(emulated, fault):
     """Why the exact check: at K = 320 against the 13-bit bound, random data (the self-test's
-    first part) passes a weight MBS byte off by one, an all-zero output at K = 4096's scale of
-    error, and flushed subnormals (none in its data); the exact data catches each."""
+    first part) passes a weight MBS byte off by one and flushed subnormals (none in its data);
+    the exact data catches each. An all-zero output at K = 4096 passed the bound of one 13-bit
+    accumulator over all K; the chunked bound (fp32 across 128-K chunks) rejects it."""
     spec = _linear_spec("mxfp4-mbs", torch.float32)
     if fault == "zero":  # at K = 4096 the 13-bit bound admits an all-zero y
         spec = dataclasses.replace(spec, k=4096)
@@ -150,7 +152,12 @@ def test_random_data_alone_misses_faults_the_exact_check_catches(emulated, fault
     backend.process_weights_after_loading(layer, qw)
     y = backend.apply(layer, x, None)
     w_hat = qw.dequantize().double()
-    assert check_output(y, x, w_hat, None, spec, emulated.accumulator_bits) is None
+    bits, chunk = emulated.accumulator_bits, emulated.accumulation_chunk
+    if fault == "zero":
+        assert check_output(y, x, w_hat, None, spec, bits) is None  # one accumulator: admitted
+        assert check_output(y, x, w_hat, None, spec, bits, chunk) is not None
+    else:
+        assert check_output(y, x, w_hat, None, spec, bits, chunk) is None
     assert run_exact_check(backend, spec, [1, 33], CPU) is not None
 
 

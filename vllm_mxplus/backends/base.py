@@ -170,6 +170,10 @@ class Backend(ABC, Generic[S]):
     #: bound (24: IEEE fp32 round to nearest; an accumulator that keeps fewer bits says so
     #: here, with its reason: docs/numerics.md, "Kernel numerics and error bounds").
     accumulator_bits: int = 24
+    #: K elements the narrow accumulator sums (from zero) before each promotion into fp32, for a
+    #: backend with accumulator_bits < 24 (None: one accumulator over all K). The bound is
+    #: then the chunked one (`checks.accumulation_gamma`).
+    accumulation_chunk: int | None = None
 
     @classmethod
     @abstractmethod

@@ -59,6 +59,36 @@ def first_outside_bound(
     )
 
 
+FP32_BITS = 24  # the fp32 accumulator across a chunked kernel's chunks
+
+
+def gamma(n: int, accumulator_bits: int) -> float:
+    """γ_n = n·u / (1 − n·u), u = 2^−bits: the relative bound of n roundings. n·u ≥ 1 makes
+    it meaningless (negative or infinite), so that is an error, never a bound."""
+    nu = n * 2.0**-accumulator_bits
+    if nu >= 1.0:
+        raise ValueError(
+            f"error bound: {n} additions at {accumulator_bits} accumulator bits give n·u = "
+            f"{nu:.3g} >= 1, no bound; a kernel that accumulates in fewer bits than fp32 must "
+            "say over how many K it does (accumulation_chunk)"
+        )
+    return nu / (1.0 - nu)
+
+
+def accumulation_gamma(k: int, accumulator_bits: int = 24, chunk: int | None = None) -> float:
+    """The relative bound γ on |ŷ − y| / S of a K-long dot product (module docstring). One
+    accumulator over all K: γ_{K+8} at its bits. A chunked kernel (`chunk`: K elements summed
+    in the narrow accumulator from zero, then scaled and added into fp32): γ_in + γ_out·(1 +
+    γ_in), γ_in = γ_{chunk+8} at its bits inside a chunk, γ_out = γ_{chunks+8} at fp32 across
+    the chunks (each chunk's sum is off by at most γ_in times its own S and is at most
+    (1 + γ_in) times that S in magnitude; docs/numerics.md)."""
+    if chunk is None or chunk >= k or accumulator_bits >= FP32_BITS:
+        return gamma(k + EXTRA_ROUNDINGS, accumulator_bits)
+    g_in = gamma(chunk + EXTRA_ROUNDINGS, accumulator_bits)
+    g_out = gamma(-(-k // chunk) + EXTRA_ROUNDINGS, FP32_BITS)
+    return g_in + g_out * (1.0 + g_in)
+
+
 def output_bound(
     a: torch.Tensor,
     y64: torch.Tensor,
@@ -66,12 +96,13 @@ def output_bound(
     k: int,
     out_dtype: torch.dtype,
     accumulator_bits: int = 24,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """The per-element bound on |y - y64| of the module docstring (float64)."""
+    """The per-element bound on |y - y64| of the module docstring (float64); `chunk`: see
+    `accumulation_gamma`."""
     u = 2.0**-accumulator_bits
     fi = torch.finfo(out_dtype)
     u_out = fi.eps / 2
-    n = k + EXTRA_ROUNDINGS
-    gamma = n * u / (1 - n * u)
-    r = y64.abs() + bias64.abs() + gamma * a
-    return gamma * a + 2 * (u + u_out) * (1 + u_out) * r + fi.smallest_normal * fi.eps
+    g = accumulation_gamma(k, accumulator_bits, chunk)
+    r = y64.abs() + bias64.abs() + g * a
+    return g * a + 2 * (u + u_out) * (1 + u_out) * r + fi.smallest_normal * fi.eps

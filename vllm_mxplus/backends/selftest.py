@@ -251,7 +251,9 @@ def run_self_test(cls: type[LinearBackend], spec: LinearSpec, device: torch.devi
             if failure:
                 return f"M={m}, {where}: activation {failure}"
         y = backend.apply(layer, xm, bias)
-        failure = check_output(y, xm, w_hat, bias, small, accumulator_bits_of(cls, device))
+        failure = check_output(
+            y, xm, w_hat, bias, small, accumulator_bits_of(cls, device), cls.accumulation_chunk
+        )
         if failure:
             return f"M={m}, {where}: {failure}"
     failure = run_exact_check(backend, small, ms, device)
@@ -289,9 +291,11 @@ def check_output(
     bias: torch.Tensor | None,
     spec: LinearSpec,
     accumulator_bits: int = 24,
+    chunk: int | None = None,
 ) -> str | None:
-    """None when y is within `output_bound` of float64 x̂ Ŵᵀ + b everywhere, else the first
-    element outside it (a NaN where a number is expected is outside)."""
+    """None when y is within `output_bound` (accumulator bits, chunk) of float64 x̂ Ŵᵀ + b
+    everywhere, else the first element outside it (a NaN where a number is expected is
+    outside)."""
     m = x.shape[0]
     if tuple(y.shape) != (m, spec.n) or y.dtype != spec.out_dtype:
         return f"y is {tuple(y.shape)} {y.dtype}, want {(m, spec.n)} {spec.out_dtype}"
@@ -305,5 +309,5 @@ def check_output(
     b64 = torch.zeros(spec.n, dtype=torch.float64) if bias is None else bias.to(torch.float64).cpu()
     y64 = xq64 @ w64.T + b64
     a = xq64.abs() @ w64.abs().T
-    bound = output_bound(a, y64, b64, spec.k, spec.out_dtype, accumulator_bits)
+    bound = output_bound(a, y64, b64, spec.k, spec.out_dtype, accumulator_bits, chunk)
     return first_outside_bound(y.to(torch.float64).cpu(), y64, bound, nan_ok=True)

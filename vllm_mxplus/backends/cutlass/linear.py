@@ -63,6 +63,7 @@ class CutlassPrefillBackend(LinearBackend):
     # accumulates in fp32: 24. `accumulator_bits` is the looser one (no device known).
     ACCUMULATOR_BITS = {"sm90a": 13, "sm100a": 24}
     accumulator_bits = 13
+    accumulation_chunk = CHUNK  # 128: one promotion into fp32 per chunk, as above
 
     @classmethod
     def accumulator_bits_on(cls, device: torch.device) -> int:
