@@ -346,12 +346,17 @@ FLUSH_BYTES = 512 * 2**20  # several times the L2 (H200 50 MB, B200 126 MB)
 
 
 def _flush_l2() -> None:
-    """Overwrite FLUSH_BYTES on the current stream, so that the next kernel finds none of
-    its operands in L2 (a served step's weights come from HBM: 32 layers are GBs)."""
+    """Read FLUSH_BYTES on the current stream, so that the next kernel finds none of its
+    operands in L2 (a served step's weights come from HBM: 32 layers are GBs). A read, not a
+    write: overwritten lines stay dirty in L2 and are written back during the timed replay
+    (the first H200 run flushed with zero_ and carried ~10 us per replay)."""
     buf = _FLUSH.get("buf")
     if buf is None:
-        buf = _FLUSH["buf"] = _torch().empty(FLUSH_BYTES, dtype=_torch().uint8, device=_device())
-    buf.zero_()
+        buf = _FLUSH["buf"] = _torch().zeros(
+            FLUSH_BYTES // 4, dtype=_torch().int32, device=_device()
+        )
+        _torch().cuda.synchronize()
+    _FLUSH["sink"] = buf.amax()
 
 
 def _graph_replay_ms(fn: Callable, x, reps: int = 20) -> float:
@@ -598,6 +603,79 @@ def step_speed(st: Step) -> None:
 
     st.check("act-quant vs a bf16 copy (graph replay)", act_quant_vs_copy)
     st.check("one expert's w13 GEMM at 64 tokens vs bf16 (graph replay)", expert_gemm_vs_bf16)
+    st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
+    st.check("decode sweep: kernels apart, split-K x BLOCK_N (mxfp4-mbs)", decode_sweep)
+
+
+def replay_floor() -> dict:
+    """What a replay of one tiny kernel costs with the L2 flush: the floor under every
+    per-linear figure (each of ours launches 2-5 kernels, bf16 one)."""
+    torch = _torch()
+    x = torch.zeros(16, device=_device())
+    return {"ms": _graph_replay_ms(lambda t: t.add(1.0), x)}
+
+
+# the sweep's cases: Llama-3-8B's qkv (N 6144, K 4096) and down (N 4096, K 14336)
+SWEEP_SHAPES = (("qkv", 6144, 4096), ("down", 4096, 14336))
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
+SWEEP_BLOCK_NS = (32, 64, 128)
+
+
+def decode_sweep() -> dict:
+    """The decode step of one linear taken apart (mxfp4-mbs, MBS-128, no bias): the
+    activation quantizer alone, then the decode GEMM alone (its split-K sum and cast
+    included) at the default launch and at each split-K x BLOCK_N, M 1 and 16; beside the
+    time the packed weight takes to stream at the H200's published 4.8 TB/s. Which launch
+    reaches the bandwidth is what the next kernel change needs to know."""
+    torch = _torch()
+    from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, small_weight_scales
+    from vllm_mxplus.backends.triton.linear import weight_operands
+    from vllm_mxplus.backends.triton.ops import act_quant_hat_op
+    from vllm_mxplus.formats import get_scheme, quantize
+
+    s = get_scheme("mxfp4-mbs")
+    res: dict[str, Any] = {}
+    for name, n, k in SWEEP_SHAPES:
+        q = quantize(_randn(n, k, seed=n, scale=k**-0.5), s.weight_format, macro_block=128)
+        wc, ws, wm, _ = weight_operands(q)
+        small = small_weight_scales(ws)
+        nbytes = wc.numel() + ws.numel() + (0 if wm is None else wm.numel())
+        case: dict[str, Any] = {"weight_bytes": nbytes, "stream_us_at_4p8TBs": nbytes / 4.8e6}
+        for m in (1, 16):
+            x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+            xc, xs, xm, _, xh = act_quant_hat_op(x, s.activation_format, macro_block=128)
+
+            def gemm(t, bn=None, sk=None, xc=xc, xs=xs, xm=xm, xh=xh, wc=wc, ws=ws, wm=wm,
+                     small=small, k=k):  # fmt: skip
+                return decode_gemm(xc, xs, xm, wc, ws, wm, k, None, torch.bfloat16, 16, xh,
+                                   macro_block=128, block_n=bn, split_k=sk,
+                                   w_small_scales=small)  # fmt: skip
+
+            row: dict[str, Any] = {
+                "act_quant_us": 1e3
+                * _graph_replay_ms(
+                    lambda t: act_quant_hat_op(t, s.activation_format, macro_block=128)[4], x
+                ),
+                "default_us": 1e3 * _graph_replay_ms(gemm, x),
+            }
+            for bn in SWEEP_BLOCK_NS:
+                for sk in SWEEP_SPLITS:
+                    try:
+                        row[f"bn{bn} sk{sk}"] = 1e3 * _graph_replay_ms(
+                            lambda t, bn=bn, sk=sk: gemm(t, bn, sk), x
+                        )
+                    except Exception as e:  # a launch the kernel refuses: recorded, go on
+                        row[f"bn{bn} sk{sk}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            times = {kk: v for kk, v in row.items() if kk.startswith("bn") and isinstance(v, float)}
+            if times:
+                best = min(times, key=times.get)
+                row["best"] = [best, times[best]]
+            case[f"M{m}"] = row
+            print(f"[gpu_check] decode sweep {name} M={m}: act-quant {row['act_quant_us']:.1f} us, "
+                  f"default {row['default_us']:.1f} us, best {row.get('best')}, weight stream "
+                  f"{case['stream_us_at_4p8TBs']:.1f} us", flush=True)  # fmt: skip
+        res[name] = case
+    return {"results": res}
 
 
 def expert_gemm_vs_bf16() -> dict:
