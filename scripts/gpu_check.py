@@ -605,6 +605,7 @@ def step_speed(st: Step) -> None:
     st.check("one expert's w13 GEMM at 64 tokens vs bf16 (graph replay)", expert_gemm_vs_bf16)
     st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
     st.check("decode sweep: kernels apart, split-K x BLOCK_N (mxfp4-mbs)", decode_sweep)
+    st.check("prefill apart: FP8-chunk pipeline stages, mxfp4-mbs vs mxfp4-16-oas", prefill_apart)
 
 
 def replay_floor() -> dict:
@@ -675,6 +676,54 @@ def decode_sweep() -> dict:
                   f"default {row['default_us']:.1f} us, best {row.get('best')}, weight stream "
                   f"{case['stream_us_at_4p8TBs']:.1f} us", flush=True)  # fmt: skip
         res[name] = case
+    return {"results": res}
+
+
+APART_NKM = (6144, 4096, 4096)  # Llama-3-8B's qkv at M 4096
+
+
+def prefill_apart() -> dict:
+    """The FP8-chunk prefill pipeline of Llama-3-8B's qkv (N 6144, K 4096) at M 4096 taken
+    apart, for mxfp4-mbs and mxfp4-16-oas (the first run measured the second 7x slower on
+    the same pipeline): the activations' FP8 encoder (`act_fp8`), the weight's per-call FP8
+    form, the Triton FP8 GEMM alone, and the whole backend, each replayed alone."""
+    torch = _torch()
+    from vllm_mxplus.backends.cutlass import act_fp8
+    from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK
+    from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
+    from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
+    from vllm_mxplus.formats import get_scheme
+
+    n, k, m = APART_NKM
+    res: dict[str, Any] = {}
+    for scheme in ("mxfp4-mbs", "mxfp4-16-oas"):
+        s = get_scheme(scheme)
+        lin = QLinear(scheme, n, k, seed=n, prefix=f"apart.{scheme}")
+        q = lin.q
+        x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+        xl = act_fp8.act_quant_fp8_chunks_op(x, s.activation_format, CHUNK)
+        w8, ws = weight_fp8_chunks(q.codes, q.scales, q.mbs, k, n)
+        res[scheme] = {
+            "backend": lin.dispatch.pick(m).name,
+            "exact_rows": int(xl.exact_rows.sum()),
+            "act_fp8_us": 1e3
+            * _graph_replay_ms(
+                lambda t, f=s.activation_format: act_fp8.act_quant_fp8_chunks_op(t, f, CHUNK).fp8, x
+            ),
+            "weight_fp8_us": 1e3
+            * _graph_replay_ms(
+                lambda t, q=q: weight_fp8_chunks(q.codes, q.scales, q.mbs, k, n)[0], x
+            ),
+            "fp8_gemm_us": 1e3
+            * _graph_replay_ms(
+                lambda t, xl=xl, w8=w8, ws=ws: fp8_chunk_gemm(
+                    xl.fp8, xl.scale, w8, ws, None, torch.bfloat16
+                ),
+                x,
+            ),
+            "whole_us": 1e3 * _graph_replay_ms(lin, x),
+        }
+        print(f"[gpu_check] prefill apart {scheme}: {res[scheme]}", flush=True)
     return {"results": res}
 
 

@@ -44,3 +44,40 @@ def test_rehearsal_step_passes(tmp_path, step, least):
     failed = [c for c in rec["checks"] if not c["ok"]]
     assert proc.returncode == 0 and rec["status"] == "ok", failed or proc.stderr[-2000:]
     assert len(rec["checks"]) >= least, rec["checks"]
+
+
+def test_speed_helpers_run_on_toy_shapes(monkeypatch):
+    """The speed step's breakdowns (the decode sweep, the prefill pipeline apart, the replay
+    floor) run end to end on toy shapes under the interpreter, each replay timed once on the
+    CPU instead of captured: an API they call that moved fails here, not on the GPU."""
+    import importlib.util
+    import time
+
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def once_ms(fn, x, reps=1):
+        t0 = time.perf_counter()
+        fn(x)
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(mod, "_capability", lambda: 90)
+    monkeypatch.setattr(mod, "_graph_replay_ms", once_ms)
+    monkeypatch.setattr(mod, "SWEEP_SHAPES", (("qkv", 64, 256),))
+    monkeypatch.setattr(mod, "SWEEP_SPLITS", (1, 2))
+    monkeypatch.setattr(mod, "SWEEP_BLOCK_NS", (32,))
+    monkeypatch.setattr(mod, "APART_NKM", (64, 256, 32))
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", "linear:reference")
+    sweep = mod.decode_sweep()["results"]["qkv"]
+    assert sweep["weight_bytes"] == 64 * 128 + 64 * 16 + 64 * 2  # codes, E8M0, MBS bytes
+    for m in ("M1", "M16"):
+        assert isinstance(sweep[m]["bn32 sk2"], float) and sweep[m]["best"][0].startswith("bn32")
+    apart = mod.prefill_apart()["results"]
+    assert set(apart) == {"mxfp4-mbs", "mxfp4-16-oas"}
+    assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())
+    assert mod.replay_floor()["ms"] > 0
