@@ -686,7 +686,8 @@ def prefill_apart() -> dict:
     """The FP8-chunk prefill pipeline of Llama-3-8B's qkv (N 6144, K 4096) at M 4096 taken
     apart, for mxfp4-mbs and mxfp4-16-oas (the first run measured the second 7x slower on
     the same pipeline): the activations' FP8 encoder (`act_fp8`), the weight's per-call FP8
-    form, the Triton FP8 GEMM alone, and the whole backend, each replayed alone."""
+    form, the Triton FP8 GEMM alone, and the whole backend, each replayed alone; the whole
+    backend again with the weight's FP8 form held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1)."""
     torch = _torch()
     from vllm_mxplus.backends.cutlass import act_fp8
     from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK
@@ -723,6 +724,12 @@ def prefill_apart() -> dict:
             ),
             "whole_us": 1e3 * _graph_replay_ms(lin, x),
         }
+        os.environ["VLLM_MXPLUS_FP8_WEIGHT_HELD"] = "1"  # the weight's FP8 form held from load
+        try:
+            held = QLinear(scheme, n, k, seed=n, prefix=f"apart.held.{scheme}")
+            res[scheme]["whole_weight_held_us"] = 1e3 * _graph_replay_ms(held, x)
+        finally:
+            os.environ.pop("VLLM_MXPLUS_FP8_WEIGHT_HELD", None)
         print(f"[gpu_check] prefill apart {scheme}: {res[scheme]}", flush=True)
     return {"results": res}
 

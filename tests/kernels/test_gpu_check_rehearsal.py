@@ -80,4 +80,5 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     apart = mod.prefill_apart()["results"]
     assert set(apart) == {"mxfp4-mbs", "mxfp4-16-oas"}
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())
+    assert all(r["whole_weight_held_us"] > 0 for r in apart.values())
     assert mod.replay_floor()["ms"] > 0

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, tl, triton
+from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, launch, tl, triton
 
 MAX_SPLIT_K = 16
 MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
@@ -124,14 +124,44 @@ def by_row_chunks(x: tuple, rows: int, gemm: Callable[[tuple], torch.Tensor]) ->
     return torch.cat([gemm(xr) for xr in chunks])
 
 
+FINISH_BLOCK = 1024  # outputs per program of the split-K finish
+
+
+@triton.jit
+def _finish_kernel(part_ptr, bias_ptr, y_ptr, split, mn, n,
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """y[i] = (((p[0, i] + p[1, i]) + ...) + p[split-1, i]) (+ bias[i % n]) over the fp32
+    partials p [split, mn], cast to y's dtype in the store: the K slices in order, so the same
+    bits every run. The slice step is added to a 64-bit pointer (split * mn may pass 2^31)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < mn
+    ptrs = part_ptr + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in range(1, split):
+        ptrs += mn
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def finish_output(
     out: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """y in out_dtype from `SplitK.out`: the K slices' partials summed in fp32 plus the bias
-    (which the kernel adds only without split-K), or y itself cast."""
+    """y in out_dtype from `SplitK.out`: the K slices' partials summed in fp32 in slice order
+    plus the bias (which the kernel adds only without split-K) and cast, in one launch
+    (`_finish_kernel`: on a decode step each launch costs as much as a small kernel's work);
+    or y itself cast. Under the interpreter the kernel writes fp32 and reads the bias as fp32
+    (its own bf16 / fp16 conversions are not IEEE), and torch casts."""
     if out.dim() == 2:
         return out.to(out_dtype)
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.to(torch.float32)
+    split, m, n = out.shape
+    if m * n == 0:
+        return torch.empty((m, n), dtype=out_dtype, device=out.device)
+    interp = interpreting()
+    y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=out.device)
+    b = None if bias is None else (bias.to(torch.float32) if interp else bias)
+    grid = (ceil_div(m * n, FINISH_BLOCK),)
+    launch(_finish_kernel, grid, out, b if b is not None else y, y, split, m * n, n,
+           HAS_BIAS=b is not None, BLOCK=FINISH_BLOCK)  # fmt: skip
     return y.to(out_dtype)
