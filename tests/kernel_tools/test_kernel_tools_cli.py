@@ -101,7 +101,9 @@ def test_aot_kernel_filter(capsys):
     assert aot.parse_kernels(None) is None and aot.parse_kernels("") is None
     assert aot.parse_kernels("decode_gemm, act_quant") == ["decode_gemm", "act_quant"]
     only = aot.enumerate_configs(quick=True, launchers=["decode_gemm"])
-    assert list(only) == ["decode_gemm"]
+    # the launcher's own kernel, and the split-K sum it launches after a split (own key)
+    assert list(only) == ["decode_gemm", aot.SPLIT_K_SUM_KEY]
+    assert {c.kernel for c in only[aot.SPLIT_K_SUM_KEY]} == {"_finish_kernel"}
     assert {c.kernel for c in only["decode_gemm"]} == {"_decode_gemm_kernel"}
     with pytest.raises(ValueError, match="decode_gemm"):
         aot.parse_kernels("decode")

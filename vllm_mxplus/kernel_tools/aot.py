@@ -164,12 +164,16 @@ def select_macro_blocks(
     return {name: cs for name, cs in out.items() if cs}
 
 
+SPLIT_K_SUM_KEY = "split_k_sum"  # enumerate_configs' key of the split-K sum's configurations
+
+
 def enumerate_configs(
     quick: bool = False, launchers: list[str] | None = None
 ) -> dict[str, list[KernelConfig]]:
     """{launcher: distinct configurations} from driving each launcher (all, or `launchers`)
-    in capture mode."""
-    from vllm_mxplus.backends.triton.launch import HAS_TRITON, capture_launches
+    in capture mode. The split-K sum that a split GEMM launches after itself goes under its
+    own key, SPLIT_K_SUM_KEY (one list for every launcher that split)."""
+    from vllm_mxplus.backends.triton.launch import HAS_TRITON, SPLIT_K_SUM, capture_launches
 
     if not HAS_TRITON:
         raise RuntimeError("mxplus kernels --aot needs triton installed")
@@ -181,7 +185,12 @@ def enumerate_configs(
             drive(quick)
         if not launches:
             raise RuntimeError(f"aot: driving {name} recorded no launch")
-        out[name] = list(dict.fromkeys(config_of(la) for la in launches))
+        own = [la for la in launches if la.kernel.__name__ != SPLIT_K_SUM]
+        sums = [la for la in launches if la.kernel.__name__ == SPLIT_K_SUM]
+        out[name] = list(dict.fromkeys(config_of(la) for la in own))
+        if sums:
+            prev = out.get(SPLIT_K_SUM_KEY, [])
+            out[SPLIT_K_SUM_KEY] = list(dict.fromkeys(prev + [config_of(la) for la in sums]))
     return out
 
 

@@ -18,7 +18,7 @@ from test_triton_decode_nvfp4 import decode_layer
 
 from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
-from vllm_mxplus.backends.triton.launch import capture_launches
+from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
 from vllm_mxplus.backends.triton.x_hat import to_hat_order
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.formats.constants import NO_BLOCK_MAX
@@ -66,7 +66,7 @@ def test_matches_float64_reference(m, k, n, triton_device):
     assert (qw.block_max_index == NO_BLOCK_MAX).any() and (qw.block_max_index != NO_BLOCK_MAX).any()
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         run(x, qw, k, out_dtype=torch.float32)
-    assert launches[-1].kwargs["PLUS"] and launches[-1].kwargs["X_HAT"]
+    assert last_gemm(launches).kwargs["PLUS"] and last_gemm(launches).kwargs["X_HAT"]
     y = run(x, qw, k, out_dtype=torch.float32)
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
@@ -140,7 +140,7 @@ def test_mxplus_layer_runs_the_decode_gemm(m, k, want, triton_device):
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         backend.apply(layer, x, None)
     y = backend.apply(layer, x, None)
-    gemm = launches[-1]
+    gemm = last_gemm(launches)
     assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
     if want[1]:
         assert gemm.kwargs["PLUS"] and gemm.kwargs["X_HAT"] and gemm.kwargs["W_FOLD"]

@@ -18,7 +18,7 @@ from test_triton_decode_gemm import assert_within_bound, reference
 from vllm_mxplus.backends.base import LinearSpec
 from vllm_mxplus.backends.triton.act_quant import act_quant_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
-from vllm_mxplus.backends.triton.launch import capture_launches
+from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
 from vllm_mxplus.backends.triton.linear import TritonDecodeBackend
 from vllm_mxplus.formats import get_scheme, quantize
 
@@ -69,7 +69,7 @@ def test_matches_float64_reference(m, k, n, triton_device):
     qx, qw = operands(m, k, n, triton_device, seed=m + k)
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         run(qx, qw, k, out_dtype=torch.float32)
-    assert launches[-1].kwargs["NVFP4"] is True
+    assert last_gemm(launches).kwargs["NVFP4"] is True
     y = run(qx, qw, k, out_dtype=torch.float32)
     assert y.shape == (m, n)
     assert_within_bound(y, *reference(qx, qw), torch.float32)
@@ -98,7 +98,7 @@ def test_x_hat_path_same_bits_as_codes(m, k, triton_device):
     kw = {"out_dtype": torch.float32}
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         run(qx, qw, k, x_hat=x_hat, **kw)
-    assert launches[-1].kwargs["X_HAT"] is True
+    assert last_gemm(launches).kwargs["X_HAT"] is True
     served = run(qx, qw, k, x_hat=x_hat, **kw)
     assert torch.equal(served, run(qx, qw, k, **kw))
     assert_within_bound(served, *reference(qx, qw), torch.float32)
@@ -161,7 +161,7 @@ def test_nvfp4_layer_runs_the_decode_gemm(m, given, want, triton_device):
     with capture_launches() as launches:  # recorded with the GPU's tiles, not run
         backend.apply(layer, x, None, act_global_scale=g)
     y = backend.apply(layer, x, None, act_global_scale=g)
-    gemm = launches[-1]
+    gemm = last_gemm(launches)
     assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
     if want[1]:
         assert gemm.kwargs["NVFP4"] and gemm.kwargs["X_HAT"] and not gemm.kwargs["W_FOLD"]

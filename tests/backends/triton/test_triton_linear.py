@@ -69,7 +69,7 @@ def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
     """What `triton-decode` launches above 16 rows (the GPU's tiles, `capture_launches`):
     the decode GEMM on x_hat with 32- / 64-row tiles where the layer takes x_hat, else
     `mx_gemm` as `triton-gemm` would."""
-    from vllm_mxplus.backends.triton.launch import capture_launches
+    from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
 
     spec = LinearSpec(get_scheme("mxfp4-mbs", macro_block), 64, k, torch.bfloat16)
     w = quantize(torch.randn(64, k) * 0.1, spec.weight_format, macro_block=macro_block)
@@ -78,7 +78,7 @@ def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
     backend.process_weights_after_loading(layer, w)
     with capture_launches() as launches:
         backend.apply(layer, torch.randn(m, k).to(torch.bfloat16), None)
-    gemm = launches[-1]
+    gemm = last_gemm(launches)
     assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
     if gemm.kernel.__name__ == "_decode_gemm_kernel":
         assert gemm.kwargs["X_HAT"] == (macro_block == 128 and k % 32 == 0)

@@ -89,6 +89,15 @@ def capture_launches() -> Iterator[list[Launch]]:
         _CAPTURE = prev
 
 
+SPLIT_K_SUM = "_finish_kernel"  # gemm_launch's split-K sum, launched after a split GEMM
+
+
+def last_gemm(launches: list[Launch]) -> Launch:
+    """The last recorded launch that is not a split-K sum (`gemm_launch.finish_output`): the
+    GEMM whose tile choices a launcher made."""
+    return [lc for lc in launches if lc.kernel.__name__ != SPLIT_K_SUM][-1]
+
+
 def capturing() -> bool:
     return _CAPTURE is not None
 
