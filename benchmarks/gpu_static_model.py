@@ -32,8 +32,16 @@ other path's estimate beside it. Column `quant`: the activation quantizer (with 
 decode paths: its instruction count without x_hat, 2 more bytes per element written), or
 both encoders (FP8 path: the weight's per call, the activations').
 
+Each path also pays LAUNCH_S (an assumption: `gpu_check`'s replay floor measures it) per
+kernel launch, counted from the code's structure (`launches`: quantizer, GEMM, split-K sum;
+bf16 one per linear). What the model leaves out: latency at low occupancy (the decode grid
+holds about 2 programs of 4 warps per SM, 2 warps per scheduler, and the issue bound assumes
+each scheduler issues every cycle).
+
 Every figure printed is an estimate from the code's instruction counts and these peaks, not
-a measurement: `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent.
+a measurement. `scripts/gpu_check.sh` times the same layers (speed step) when a GPU is lent;
+the one H200 run (benchmarks/results/gpu_check_h200_5788301.json, Triton 3.6) measured our
+Triton kernels 3.4-6.8x slower than these estimates (`benchmarks/gpu_measured_vs_static.py`).
 The CUTLASS kernels' machine code is not counted here; their sm_100a block-scaled FP4 path is
 estimated from its tensor-core and memory bounds alone (`cutlass_sm100`, B200 dense FP4
 9000 TFLOPS published; a launch every LAUNCH_S): one full-K launch without MBS, and with MBS
@@ -76,6 +84,9 @@ FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 sc
 ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128  # act_fp8: bf16 read; FP8, scale, ref/MBS/exact written
 FP4_FLOPS = {"B200": 9000e12}  # dense block-scaled FP4 (published); sm_90 has none
 LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumption, not measured)
+# launches per linear besides the GEMM: the activation quantizer (decode, packed prefill);
+# the FP8 pipeline's activation encoder, fallback-rows GEMM and (unless held) weight encoder
+FP8_PIPELINE_LAUNCHES = 3  # act_fp8, the FP8 GEMM, mx_gemm_rows (+ weight_fp8 per call)
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 
@@ -302,10 +313,30 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act
     return (issue, tensor, memory), enc_w + enc_a
 
 
+def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
+             block_n: int = 128, block_k: int = 128) -> int:  # fmt: skip
+    """Kernel launches of Llama-3-8B's four linears at m rows on a path, from the code's
+    structure: decode / packed prefill = the activation quantizer, the GEMM, and the split-K
+    sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs); the FP8
+    pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held. bf16: one each."""
+    from vllm_mxplus.backends.triton.gemm_launch import NOMINAL_SMS, split_k_count
+
+    if kernel == "bf16":
+        return len(LLAMA_8B)
+    if kernel == "fp8":
+        return len(LLAMA_8B) * (FP8_PIPELINE_LAUNCHES + (0 if held else 1))
+    total = 0
+    for _, n, k in LLAMA_8B:
+        tiles = -(-n // block_n) * -(-m // block_m)
+        total += 2 + (split_k_count(tiles, -(-k // block_k), NOMINAL_SMS) > 1)
+    return total
+
+
 def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dict]:
     """Llama-3-8B linears at each M: our kernels (decode <= 16 rows; above, the packed
     prefill GEMM or the FP8-chunk pipeline, as the backends pick by M; the activation
-    quantizer or encoder before each) and bf16, each max(issue, tensor, memory). held: with
+    quantizer or encoder before each) and bf16, each max(issue, tensor, memory) + its
+    launches (`launches`) x LAUNCH_S. held: with
     VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (the weight's FP8 form held from load)."""
     from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M, FP8_PREFILL_MIN_M
     from vllm_mxplus.backends.triton.linear import BATCHED_DECODE_MAX_M, HELD_DECODE_MAX_M
@@ -350,13 +381,21 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
             elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
             fp8 = min(v for p_, v in paths.items() if p_ != kernel)
-        ours = max(bounds) + act
+        block_m = DECODE_MAX_M if m <= DECODE_MAX_M else (32 if m <= 32 else 64)
+        if kernel == "prefill":
+            block_m = pre.block_m
+        n_launch = launches(kernel, m, held, block_m)
+        launch = LAYERS * n_launch * LAUNCH_S
+        ours = max(bounds) + act + launch
         other = fp8  # the fastest path the backends do not take at this M
-        bf16 = max(weights * 2 / bw, m * weights / mac_rate)
+        bf16 = (
+            max(weights * 2 / bw, m * weights / mac_rate) + LAYERS * launches("bf16", m) * LAUNCH_S
+        )
         rows.append({
             "gpu": gpu, "M": m, "kernel": kernel,
             "issue_ms": bounds[0] * 1e3, "tensor_ms": bounds[1] * 1e3,
             "memory_ms": bounds[2] * 1e3, "act_quant_ms": act * 1e3,
+            "launches_per_layer": n_launch, "launch_ms": launch * 1e3,
             "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
             "speedup_vs_bf16": bf16 / ours,
             "other_path_ms": None if other is None else other * 1e3,
@@ -396,15 +435,17 @@ DECODE_FORMATS = {
 
 def decode_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
     """Llama-3-8B's linears at M = 1 on each weight format's decode kernel, max(issue,
-    memory), against bf16's memory time (the activation quantizer left out: ~1% at M = 1)."""
+    memory) + its launches (`launches`), against bf16's memory time + one launch per linear
+    (the activation quantizer's own time left out: ~1% at M = 1)."""
     bw = GPUS[gpu][3]
     weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
-    bf16 = weights * 2 / bw
+    bf16 = weights * 2 / bw + LAYERS * launches("bf16", 1) * LAUNCH_S
+    launch = LAYERS * launches("decode", 1) * LAUNCH_S
     rows = []
     for fmt, (case, nbytes) in DECODE_FORMATS.items():
         c = counts[case]
         issue, memory = c.per_unit * weights / _issue_rate(gpu), weights * nbytes / bw
-        ours = max(issue, memory)
+        ours = max(issue, memory) + launch
         rows.append({"gpu": gpu, "format": fmt, "case": case, "per_weight": c.per_unit,
                      "issue_ms": issue * 1e3, "memory_ms": memory * 1e3,
                      "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,

@@ -15,18 +15,20 @@ def _counts(per_weight: float) -> dict[str, gsm.Count]:
     }
 
 
-def test_memory_bound_decode_is_bf16_bytes_over_ours():
-    """With no instructions to issue, the estimate is the memory time: bf16's 2 bytes per
-    weight over the format's bytes per weight."""
+def test_memory_bound_decode_is_bf16_bytes_over_ours(monkeypatch):
+    """With no instructions to issue (and launches free), the estimate is the memory time:
+    bf16's 2 bytes per weight over the format's bytes per weight."""
+    monkeypatch.setattr(gsm, "LAUNCH_S", 0.0)
     for r in gsm.decode_formats_vs_bf16(_counts(0.0), "H200"):
         nbytes = gsm.DECODE_FORMATS[r["format"]][1]
         assert r["speedup_vs_bf16"] == pytest.approx(2.0 / nbytes)
         assert r["estimate_ms"] == r["memory_ms"]
 
 
-def test_issue_bound_decode_scales_with_the_count():
-    """Issue-bound (a large count): twice the instructions per weight, half the ratio; the
-    issue time is the count times the weights over the issue rate."""
+def test_issue_bound_decode_scales_with_the_count(monkeypatch):
+    """Issue-bound (a large count, launches free): twice the instructions per weight, half
+    the ratio; the issue time is the count times the weights over the issue rate."""
+    monkeypatch.setattr(gsm, "LAUNCH_S", 0.0)
     a = gsm.decode_formats_vs_bf16(_counts(1.0), "H200")
     b = gsm.decode_formats_vs_bf16(_counts(2.0), "H200")
     weights = gsm.LAYERS * sum(n * k for _, n, k in gsm.LLAMA_8B)
@@ -53,3 +55,27 @@ def test_cutlass_sm100_mbs_pays_a_read_modify_write_per_chunk():
         assert per_chunk["estimate_ms"] >= rmw * 1e3 > 0
         assert one["estimate_ms"] >= tensor * 1e3
         assert per_chunk["estimate_ms"] > one["estimate_ms"]
+
+
+def test_launches_follow_the_code_structure():
+    """Per layer (four linears): bf16 one launch each; the FP8 pipeline its encoders, GEMM
+    and fallback GEMM (one fewer with the weight held); the decode at M = 1 quantizer, GEMM
+    and split-K sum for each, since every 8B linear's 128-column tiles (48, 32, 224, 32)
+    are fewer than two per SM of an H200 (264); a prefill at M = 4096 with 64-row tiles
+    has thousands of tiles and no split."""
+    assert gsm.launches("bf16", 1) == 4
+    assert gsm.launches("fp8", 4096) == 16 and gsm.launches("fp8", 4096, held=True) == 12
+    assert gsm.launches("decode", 1) == 12
+    assert gsm.launches("prefill", 4096, block_m=64) == 8
+
+
+def test_launch_time_is_added_per_launch(monkeypatch):
+    """The per-format decode estimate pays LAUNCH_S per launch on top of max(issue, memory):
+    32 layers x 12 launches for ours, 32 x 4 for bf16."""
+    monkeypatch.setattr(gsm, "LAUNCH_S", 0.0)
+    free = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
+    monkeypatch.setattr(gsm, "LAUNCH_S", 1e-6)
+    paid = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
+    for f, p in zip(free, paid, strict=True):
+        assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 12 * 1e-3)
+        assert p["bf16_estimate_ms"] - f["bf16_estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)

@@ -73,6 +73,12 @@ def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
         return 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_k_count(out_tiles, k_tiles, sms)
+
+
+def split_k_count(out_tiles: int, k_tiles: int, sms: int) -> int:
+    """`split_k_for`'s rule on a GPU of `sms` SMs: about two programs per SM, at most
+    MAX_SPLIT_K slices and one per K step."""
     return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
 
 
