@@ -559,11 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     for gpu, rows in est.items():
         print(f"\n## {gpu}: Llama-3-8B linears, one forward, STATIC ESTIMATE (ms)")
         print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'quant':>8}"
-              f"{'ours':>9}{'bf16':>9}{'ratio':>7}  {'bound':<7}{'other path':>11}")  # fmt: skip
+              f"{'launch':>8}{'ours':>9}{'bf16':>9}{'ratio':>7}  {'bound':<7}"
+              f"{'other path':>11}")  # fmt: skip
         for r in rows:
             other = "" if r["other_path_ms"] is None else f"{r['other_path_ms']:>11.3f}"
             print(f"{r['M']:>5} {r['kernel']:<8}{r['issue_ms']:>9.3f}{r['tensor_ms']:>9.3f}"
-                  f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['estimate_ms']:>9.3f}"
+                  f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['launch_ms']:>8.3f}"
+                  f"{r['estimate_ms']:>9.3f}"
                   f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']:<7}"
                   f"{other}")  # fmt: skip
     for gpu, rows in held.items():
