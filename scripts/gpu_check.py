@@ -1,8 +1,8 @@
 """The Python side of scripts/gpu_check.sh: one step per call, its JSON under --out.
 
     python scripts/gpu_check.py --dry-run [--budget S]   # the plan and time boxes, no GPU
-    python scripts/gpu_check.py STEP --out DIR           # STEP: served | stack | speed |
-                                                         #       cutlass | correct
+    python scripts/gpu_check.py STEP --out DIR           # STEP: served | speed | sweep |
+                                                         #       stack | cutlass | correct
     GPU_CHECK_REHEARSE=1 python scripts/gpu_check.py STEP --out DIR
         # on a CPU, under TRITON_INTERPRET=1: the same checks on small shapes, CUDA graphs and
         # timings skipped (tests/kernels/test_gpu_check_rehearsal.py runs it, so that the
@@ -22,6 +22,9 @@ Triton backends, so that a build finishing mid-step changes no choice):
            estimate of the same case (benchmarks/results/gpu_static_model.json, made by
            `benchmarks/gpu_static_model.py --json`); act-quant against a bf16 copy; one
            expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
+  sweep    the decode GEMM alone at each split-K x BLOCK_N x warps x stages (qkv and down at
+           M 1 and 16, each case its own check), the replay floor, the FP8-chunk prefill's
+           stages apart (mxfp4-mbs against mxfp4-16-oas)
   stack    a Llama-3-8B-shaped stack without attention (qkv, o, gate_up, down linears, an
            8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
            torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
@@ -78,20 +81,26 @@ PLAN = (
     ("served", 60, "selection + self-test per scheme: linears first, then every expert kind"),
     (
         "speed",
-        150,
+        120,
         "graph-replay timings, L2 flushed: Llama-3-8B's linears per M against bf16 beside "
         "the static estimate; act-quant; one expert's GEMM at 64 tokens",
     ),
     (
+        "sweep",
+        90,
+        "the decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down; M 1, 16), "
+        "the replay floor, the FP8-chunk prefill taken apart",
+    ),
+    (
         "stack",
-        100,
+        90,
         "8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA graphs at "
         "M 1/8/16/24/64/512, replay = eager",
     ),
-    ("pytest_gpu", 80, "pytest: the Triton decode / x_hat tests on CUDA tensors, then -m gpu"),
+    ("pytest_gpu", 70, "pytest: the Triton decode / x_hat tests on CUDA tensors, then -m gpu"),
     (
         "cutlass",
-        90,
+        80,
         "after the build: self-test (exact data), subnormal and inexact-row probes, "
         "capture, timing",
     ),
@@ -603,9 +612,6 @@ def step_speed(st: Step) -> None:
 
     st.check("act-quant vs a bf16 copy (graph replay)", act_quant_vs_copy)
     st.check("one expert's w13 GEMM at 64 tokens vs bf16 (graph replay)", expert_gemm_vs_bf16)
-    st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
-    st.check("decode sweep: kernels apart, split-K x BLOCK_N (mxfp4-mbs)", decode_sweep)
-    st.check("prefill apart: FP8-chunk pipeline stages, mxfp4-mbs vs mxfp4-16-oas", prefill_apart)
 
 
 def replay_floor() -> dict:
@@ -616,67 +622,96 @@ def replay_floor() -> dict:
     return {"ms": _graph_replay_ms(lambda t: t.add(1.0), x)}
 
 
-# the sweep's cases: Llama-3-8B's qkv (N 6144, K 4096) and down (N 4096, K 14336)
+# the sweep's cases: Llama-3-8B's qkv (N 6144, K 4096) and down (N 4096, K 14336); the launch
+# options, the heuristics' first (BLOCK_N 128, 4 warps, Triton's 3 stages)
 SWEEP_SHAPES = (("qkv", 6144, 4096), ("down", 4096, 14336))
-SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
-SWEEP_BLOCK_NS = (32, 64, 128)
+SWEEP_SPLITS = (1, 2, 4, 8, 16)
+SWEEP_BLOCK_NS = (128, 64, 32)
+SWEEP_WARPS = (4, 8)
+SWEEP_STAGES = (3, 2, 4)
 
 
-def decode_sweep() -> dict:
-    """The decode step of one linear taken apart (mxfp4-mbs, MBS-128, no bias): the
-    activation quantizer alone, then the decode GEMM alone (its split-K sum and cast
-    included) at the default launch and at each split-K x BLOCK_N, M 1 and 16; beside the
-    time the packed weight takes to stream at the H200's published 4.8 TB/s. Which launch
-    reaches the bandwidth is what the next kernel change needs to know."""
+def step_sweep(st: Step) -> None:
+    """The decode and prefill kernels taken apart (each case its own check, so a cut box
+    keeps what it measured): the replay floor, the decode GEMM per launch option, the
+    FP8-chunk prefill's stages."""
+    os.environ["VLLM_MXPLUS_BACKEND"] = TRITON_ONLY
+    if REHEARSE:
+        st.check("sweep", lambda: {"skipped": "rehearsal: no timings on a CPU"})
+        return
+    st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
+    for shape in SWEEP_SHAPES:
+        for m in (1, 16):
+            st.check(f"decode sweep {shape[0]} M={m} (mxfp4-mbs)",
+                     lambda shape=shape, m=m: decode_sweep_case(shape, m))  # fmt: skip
+    st.check("prefill apart: FP8-chunk pipeline stages, mxfp4-mbs vs mxfp4-16-oas", prefill_apart)
+
+
+def decode_sweep_case(shape: tuple[str, int, int], m: int) -> dict:
+    """One linear's decode step taken apart (mxfp4-mbs, MBS-128, no bias): the activation
+    quantizer alone, then the decode GEMM alone (its split-K sum and cast included) at the
+    default launch and at each split-K x BLOCK_N x warps x stages; beside the time the packed
+    weight takes to stream at the H200's published 4.8 TB/s. Which launch reaches the
+    bandwidth is what the next kernel change needs to know."""
     torch = _torch()
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm, small_weight_scales
     from vllm_mxplus.backends.triton.linear import weight_operands
     from vllm_mxplus.backends.triton.ops import act_quant_hat_op
-    from vllm_mxplus.formats import get_scheme, quantize
+    from vllm_mxplus.formats import get_scheme
 
     s = get_scheme("mxfp4-mbs")
-    res: dict[str, Any] = {}
-    for name, n, k in SWEEP_SHAPES:
-        q = quantize(_randn(n, k, seed=n, scale=k**-0.5), s.weight_format, macro_block=128)
-        wc, ws, wm, _ = weight_operands(q)
-        small = small_weight_scales(ws)
-        nbytes = wc.numel() + ws.numel() + (0 if wm is None else wm.numel())
-        case: dict[str, Any] = {"weight_bytes": nbytes, "stream_us_at_4p8TBs": nbytes / 4.8e6}
-        for m in (1, 16):
-            x = _randn(m, k, seed=m, dtype=torch.bfloat16)
-            xc, xs, xm, _, xh = act_quant_hat_op(x, s.activation_format, macro_block=128)
+    _, n, k = shape
+    q = _sweep_weight(n, k)
+    wc, ws, wm, _ = weight_operands(q)
+    small = small_weight_scales(ws)
+    nbytes = wc.numel() + ws.numel() + (0 if wm is None else wm.numel())
+    x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+    xc, xs, xm, _, xh = act_quant_hat_op(x, s.activation_format, macro_block=128)
 
-            def gemm(t, bn=None, sk=None, xc=xc, xs=xs, xm=xm, xh=xh, wc=wc, ws=ws, wm=wm,
-                     small=small, k=k):  # fmt: skip
-                return decode_gemm(xc, xs, xm, wc, ws, wm, k, None, torch.bfloat16, 16, xh,
-                                   macro_block=128, block_n=bn, split_k=sk,
-                                   w_small_scales=small)  # fmt: skip
+    def gemm(t, **kw):
+        return decode_gemm(xc, xs, xm, wc, ws, wm, k, None, torch.bfloat16, 16, xh,
+                           macro_block=128, w_small_scales=small, **kw)  # fmt: skip
 
-            row: dict[str, Any] = {
-                "act_quant_us": 1e3
-                * _graph_replay_ms(
-                    lambda t: act_quant_hat_op(t, s.activation_format, macro_block=128)[4], x
-                ),
-                "default_us": 1e3 * _graph_replay_ms(gemm, x),
-            }
-            for bn in SWEEP_BLOCK_NS:
+    res: dict[str, Any] = {
+        "weight_bytes": nbytes,
+        "stream_us_at_4p8TBs": nbytes / 4.8e6,
+        "act_quant_us": 1e3
+        * _graph_replay_ms(
+            lambda t: act_quant_hat_op(t, s.activation_format, macro_block=128)[4], x
+        ),
+        "default_us": 1e3 * _graph_replay_ms(gemm, x),
+    }
+    for bn in SWEEP_BLOCK_NS:
+        for warps in SWEEP_WARPS:
+            for stages in SWEEP_STAGES:
                 for sk in SWEEP_SPLITS:
+                    key = f"bn{bn} w{warps} s{stages} sk{sk}"
+                    opts = {"block_n": bn, "split_k": sk, "num_warps": warps, "num_stages": stages}
                     try:
-                        row[f"bn{bn} sk{sk}"] = 1e3 * _graph_replay_ms(
-                            lambda t, bn=bn, sk=sk: gemm(t, bn, sk), x
-                        )
-                    except Exception as e:  # a launch the kernel refuses: recorded, go on
-                        row[f"bn{bn} sk{sk}"] = f"{type(e).__name__}: {str(e)[:120]}"
-            times = {kk: v for kk, v in row.items() if kk.startswith("bn") and isinstance(v, float)}
-            if times:
-                best = min(times, key=times.get)
-                row["best"] = [best, times[best]]
-            case[f"M{m}"] = row
-            print(f"[gpu_check] decode sweep {name} M={m}: act-quant {row['act_quant_us']:.1f} us, "
-                  f"default {row['default_us']:.1f} us, best {row.get('best')}, weight stream "
-                  f"{case['stream_us_at_4p8TBs']:.1f} us", flush=True)  # fmt: skip
-        res[name] = case
-    return {"results": res}
+                        res[key] = 1e3 * _graph_replay_ms(lambda t, o=opts: gemm(t, **o), x)
+                    except Exception as e:  # a launch that fails to compile: recorded, go on
+                        res[key] = f"{type(e).__name__}: {str(e)[:120]}"
+    times = {kk: v for kk, v in res.items() if kk.startswith("bn") and isinstance(v, float)}
+    if times:
+        best = min(times, key=times.get)
+        res["best"] = [best, times[best]]
+    print(f"[gpu_check] decode sweep {shape[0]} M={m}: act-quant {res['act_quant_us']:.1f} us, "
+          f"default {res['default_us']:.1f} us, best {res.get('best')}, weight stream "
+          f"{res['stream_us_at_4p8TBs']:.1f} us", flush=True)  # fmt: skip
+    return res
+
+
+_SWEEP_WEIGHTS: dict[tuple[int, int], Any] = {}
+
+
+def _sweep_weight(n: int, k: int):
+    """The sweep's mxfp4-mbs weight [n, k], quantized once per shape."""
+    if (n, k) not in _SWEEP_WEIGHTS:
+        from vllm_mxplus.formats import get_scheme, quantize
+
+        w = _randn(n, k, seed=n, scale=k**-0.5)
+        _SWEEP_WEIGHTS[n, k] = quantize(w, get_scheme("mxfp4-mbs").weight_format, macro_block=128)
+    return _SWEEP_WEIGHTS[n, k]
 
 
 APART_NKM = (6144, 4096, 4096)  # Llama-3-8B's qkv at M 4096
@@ -903,6 +938,7 @@ STEPS = {
     "served": step_served,
     "stack": step_stack,
     "speed": step_speed,
+    "sweep": step_sweep,
     "cutlass": step_cutlass,
     "correct": step_correct,
 }

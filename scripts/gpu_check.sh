@@ -20,12 +20,15 @@
 #   served   selection + self-test per scheme: linears first, then every expert kind    60 s
 #   speed    CUDA-graph replay timings with the L2 flushed: Llama-3-8B's four linears per
 #            M against bf16, beside the static estimate (benchmarks/results/); act-quant
-#            vs a bf16 copy; one expert's GEMM at 64 tokens                             150 s
+#            vs a bf16 copy; one expert's GEMM at 64 tokens                             120 s
+#   sweep    the decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down at
+#            M 1 and 16), the replay floor, the FP8-chunk prefill's stages apart         90 s
 #   stack    8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA
-#            graphs at M 1/8/16/24/64/512, replay = eager                               100 s
-#   pytest_gpu  the Triton decode / x_hat tests on CUDA tensors, then pytest -m gpu      80 s
+#            graphs at M 1/8/16/24/64/512, replay = eager                                90 s
+#   pytest_gpu  the reference on CUDA against the CPU, the Triton decode / x_hat tests
+#            on CUDA tensors, then pytest -m gpu                                         70 s
 #   cutlass  after the build: self-test (random within bound, then exact data bit for
-#            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing  90 s
+#            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing  80 s
 #   correct  every CUDA backend at Llama-3-8B shapes against float64 (what is left)
 # Until `cutlass`, VLLM_MXPLUS_BACKEND keeps the Triton backends (gpu_check.py TRITON_ONLY):
 # a build finishing mid-step changes no choice. Cold Triton compiles count inside each box.
@@ -100,7 +103,7 @@ if [ "$MODE" = dry ]; then
   exit 0
 fi
 # The device tool returns at most 8 files: the run writes under $FINAL/all, and the summary
-# packs that folder into $FINAL/gpu_check.tgz beside copies of the summary, speed and log.
+# packs that folder into $FINAL/gpu_check.tgz beside copies of the summary, speed, sweep and log.
 FINAL=$OUT
 OUT=$FINAL/all
 mkdir -p "$OUT"
@@ -226,7 +229,7 @@ run_step() {  # name box: gpu_check.py STEP under a time box; its record
 }
 
 # ----------------------------------------------------------------------------- Triton steps
-for step in served speed stack; do run_step "$step" "$(box_for "$step")"; done
+for step in served speed sweep stack; do run_step "$step" "$(box_for "$step")"; done
 
 # ----------------------------------------------------------------------------- pytest on CUDA
 # The reference on CUDA against the CPU (every format, bit for bit), then the Triton kernels'
@@ -277,7 +280,7 @@ try:
     res["prereq"] = json.loads((out / "prereq.json").read_text())
 except Exception as e:
     res["prereq_error"] = repr(e)
-for s in ("served", "speed", "stack", "cutlass", "correct"):
+for s in ("served", "speed", "sweep", "stack", "cutlass", "correct"):
     p = out / f"{s}.json"
     if p.exists():
         rec = json.loads(p.read_text())
@@ -288,7 +291,7 @@ print(f"[gpu_check] {out / 'gpu_check.json'}: exit {res['exit']}, {res['seconds'
       f"{res['budget']}: " + ", ".join(f"{s['step']} {s['status']}" for s in steps))
 PYEOF
 tar czf "$FINAL/gpu_check.tgz" -C "$FINAL" all \
-  && for f in gpu_check.json speed.json gpu_check.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done \
+  && for f in gpu_check.json speed.json sweep.json gpu_check.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done \
   && rm -rf "$OUT"
-echo "[gpu_check] $FINAL: gpu_check.tgz (every file of the run), gpu_check.json, speed.json, gpu_check.log"
+echo "[gpu_check] $FINAL: gpu_check.tgz (every file of the run), gpu_check.json, speed.json, sweep.json, gpu_check.log"
 exit $rc

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ["prereq", "build", "served", "speed", "stack", "pytest_gpu", "cutlass", "correct"]
+ORDER = ["prereq", "build", "served", "speed", "sweep", "stack", "pytest_gpu", "cutlass", "correct"]
 
 
 def _module():

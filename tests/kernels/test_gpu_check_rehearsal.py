@@ -68,15 +68,16 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(mod, "_capability", lambda: 90)
     monkeypatch.setattr(mod, "_graph_replay_ms", once_ms)
-    monkeypatch.setattr(mod, "SWEEP_SHAPES", (("qkv", 64, 256),))
     monkeypatch.setattr(mod, "SWEEP_SPLITS", (1, 2))
     monkeypatch.setattr(mod, "SWEEP_BLOCK_NS", (32,))
+    monkeypatch.setattr(mod, "SWEEP_WARPS", (4,))
+    monkeypatch.setattr(mod, "SWEEP_STAGES", (2,))
     monkeypatch.setattr(mod, "APART_NKM", (64, 256, 32))
     monkeypatch.setenv("VLLM_MXPLUS_BACKEND", "linear:reference")
-    sweep = mod.decode_sweep()["results"]["qkv"]
-    assert sweep["weight_bytes"] == 64 * 128 + 64 * 16 + 64 * 2  # codes, E8M0, MBS bytes
-    for m in ("M1", "M16"):
-        assert isinstance(sweep[m]["bn32 sk2"], float) and sweep[m]["best"][0].startswith("bn32")
+    for m in (1, 16):
+        case = mod.decode_sweep_case(("qkv", 64, 256), m)
+        assert case["weight_bytes"] == 64 * 128 + 64 * 16 + 64 * 2  # codes, E8M0, MBS bytes
+        assert isinstance(case["bn32 w4 s2 sk2"], float) and case["best"][0].startswith("bn32")
     apart = mod.prefill_apart()["results"]
     assert set(apart) == {"mxfp4-mbs", "mxfp4-16-oas"}
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())

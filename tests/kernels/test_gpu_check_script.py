@@ -44,9 +44,10 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
         "1. build",
         "2. served",
         "3. speed",
-        "4. stack",
-        "5. pytest_gpu",
-        "6. cutlass",
+        "4. sweep",
+        "5. stack",
+        "6. pytest_gpu",
+        "7. cutlass",
     ]
     at = [out.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), out

@@ -494,3 +494,26 @@ def test_gpu_tile_is_wide_only_where_code_rows_vectorize():
     assert dg.gpu_tile(100, codes(1, 100), codes(64, 100), 128, True) == unaligned  # 50 B rows
     assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096, pitch=2056), 128, True) == unaligned
     assert dg.gpu_tile(4096, codes(2, 4096, offset=8), codes(64, 4096), 128, True) == unaligned
+
+
+def test_launch_option_overrides():
+    """num_warps / num_stages reach the GPU launch (captured, meta tensors) over the
+    heuristics' (`gpu_launch_options`); a value Triton cannot launch names the option."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
+
+    k, n = 4096, 256
+    meta = {"dtype": torch.uint8, "device": "meta"}
+    ops = (torch.empty(1, k // 2, **meta), torch.empty(1, k // 16, **meta), None,
+           torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta), None, k)  # fmt: skip
+    with capture_launches() as launches:
+        decode_gemm(*ops, macro_block=128)
+    assert last_gemm(launches).kwargs["num_warps"] == dg.GPU_NUM_WARPS
+    with capture_launches() as launches:
+        decode_gemm(*ops, macro_block=128, num_warps=8, num_stages=4)
+    gemm = last_gemm(launches)
+    assert gemm.kwargs["num_warps"] == 8 and gemm.kwargs["num_stages"] == 4
+    with pytest.raises(ValueError, match="num_warps must be"):
+        decode_gemm(*ops, macro_block=128, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages must be"):
+        decode_gemm(*ops, macro_block=128, num_stages=0)

@@ -663,6 +663,8 @@ def decode_gemm(
     block_n: int | None = None,
     split_k: int | None = None,
     w_small_scales: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
 
@@ -673,8 +675,8 @@ def decode_gemm(
     macro_block: a power of two >= 16 (`gemm_launch.supports_macro_block`). Any M: rows are
     tiled (more than MAX_GRID_M_TILES row tiles run as consecutive launches).
     block_size is inferred from the scale count when not given (None or 0). fp32
-    accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k override the
-    launch heuristics. w_small_scales: the caller has checked that every weight scale code
+    accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k / num_warps /
+    num_stages override the launch heuristics (the GPU's: `gpu_check`'s decode sweep). w_small_scales: the caller has checked that every weight scale code
     is <= 128 (`small_weight_scales`, once at load: trained weights' blocks are far below
     2^1), so the kernel folds 2^126 into the weight's scale (one multiply per two weights
     instead of two; the same values). x_hat: the same activation's `act_quant_hat` output
@@ -720,6 +722,7 @@ def decode_gemm(
         )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    options = _launch_overrides(num_warps, num_stages)
     check_available(w_codes)
     x_codes, x_scales, w_codes, w_scales = (
         _row_major(x_codes),
@@ -769,6 +772,8 @@ def decode_gemm(
                 block_n=block_n,
                 split_k=split_k,
                 w_small_scales=w_small_scales,
+                num_warps=num_warps,
+                num_stages=num_stages,
                 x_hat=xr[4],  # chunks of rows: the codes path (MX+: x_hat's rows)
                 x_global=xr[3],
                 w_global=None if globals_ is None else globals_[1],
@@ -795,8 +800,24 @@ def decode_gemm(
         tile=(block_m, block_n, block_k), words=words,
         w_fold=words and w_small_scales and not nvfp4,
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
+        options=options,
     )  # fmt: skip
     return finish_output(sk.out, bias, out_dtype)
+
+
+def _launch_overrides(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """`decode_gemm`'s num_warps / num_stages overrides as Triton launch options; a value
+    Triton cannot launch is a ValueError naming the option."""
+    out = {}
+    if num_warps is not None:
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"decode_gemm: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+        out["num_warps"] = num_warps
+    if num_stages is not None:
+        if not 1 <= num_stages <= 8:
+            raise ValueError(f"decode_gemm: num_stages must be 1..8, got {num_stages}")
+        out["num_stages"] = num_stages
+    return out
 
 
 def step_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
@@ -831,6 +852,7 @@ def launch_decode(
     even: bool,
     globals_: tuple[torch.Tensor, torch.Tensor] | None = None,
     plus: bool = False,
+    options: dict[str, int] | None = None,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
@@ -840,7 +862,8 @@ def launch_decode(
     (sorted pairs, expert per row tile, local experts, top_k) or None; with it, sk.out has a
     row per pair and x_hat a row per token (top_k > 1) or per pair. globals_: NVFP4's fp32
     global scales (of x's rows [m], of w's rows [n]), the scales then E4M3 bytes; None for
-    E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes)."""
+    E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes). options: Triton
+    launch options over `gpu_launch_options`' (the GPU only)."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
@@ -894,5 +917,5 @@ def launch_decode(
         MOE=moe is not None,
         NVFP4=globals_ is not None,
         PLUS=plus,
-        **({} if interpreting() else gpu_launch_options(block_m)),
+        **({} if interpreting() else {**gpu_launch_options(block_m), **(options or {})}),
     )
