@@ -291,7 +291,7 @@ print(f"[gpu_check] {out / 'gpu_check.json'}: exit {res['exit']}, {res['seconds'
       f"{res['budget']}: " + ", ".join(f"{s['step']} {s['status']}" for s in steps))
 PYEOF
 tar czf "$FINAL/gpu_check.tgz" -C "$FINAL" all \
-  && for f in gpu_check.json speed.json sweep.json gpu_check.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done \
+  && for f in gpu_check.json speed.json sweep.json gpu_check.log; do if [ -f "$OUT/$f" ]; then cp "$OUT/$f" "$FINAL/"; fi; done \
   && rm -rf "$OUT"
 echo "[gpu_check] $FINAL: gpu_check.tgz (every file of the run), gpu_check.json, speed.json, sweep.json, gpu_check.log"
 exit $rc
