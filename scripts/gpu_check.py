@@ -24,7 +24,8 @@ Triton backends, so that a build finishing mid-step changes no choice):
            expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
   sweep    the decode GEMM alone at each split-K x BLOCK_N x warps x stages (qkv and down at
            M 1 and 16, each case its own check), the replay floor, the FP8-chunk prefill's
-           stages apart (mxfp4-mbs against mxfp4-16-oas)
+           stages apart (mxfp4-mbs against mxfp4-16-oas), the MX+ and NVFP4 layers' decode
+           path against their mx_gemm path at M 1 / 4 / 16
   stack    a Llama-3-8B-shaped stack without attention (qkv, o, gate_up, down linears, an
            8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
            torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
@@ -89,7 +90,7 @@ PLAN = (
         "sweep",
         90,
         "the decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down; M 1, 16), "
-        "the replay floor, the FP8-chunk prefill taken apart",
+        "the replay floor, the FP8-chunk prefill taken apart, MX+ / NVFP4 decode vs mx_gemm",
     ),
     (
         "stack",
@@ -645,6 +646,28 @@ def step_sweep(st: Step) -> None:
             st.check(f"decode sweep {shape[0]} M={m} (mxfp4-mbs)",
                      lambda shape=shape, m=m: decode_sweep_case(shape, m))  # fmt: skip
     st.check("prefill apart: FP8-chunk pipeline stages, mxfp4-mbs vs mxfp4-16-oas", prefill_apart)
+    for scheme in ("mxplus", "nvfp4"):
+        st.check(f"{scheme}: decode GEMM vs mx_gemm at M 1/4/16 (qkv)",
+                 lambda scheme=scheme: decode_vs_mx_gemm(scheme))  # fmt: skip
+
+
+def decode_vs_mx_gemm(scheme: str) -> dict:
+    """Where the decode GEMM should stop for a scheme whose per-row cost grows with M (MX+:
+    its block-max terms per live row) or that has its own scales (NVFP4): the layer's
+    decode path (`apply`) against its `mx_gemm` path on the same layer, qkv, M 1 / 4 / 16."""
+    torch = _torch()
+    _, n, k = SWEEP_SHAPES[0]
+    lin = QLinear(scheme, n, k, seed=n, prefix=f"sweep.{scheme}")
+    be = lin.dispatch.pick(1)
+    res: dict[str, Any] = {"backend": be.name}
+    for m in (1, 4, 16):
+        x = _randn(m, k, seed=m, dtype=torch.bfloat16)
+        res[f"M{m}"] = {
+            "decode_us": 1e3 * _graph_replay_ms(lambda t: be.apply(lin.layer, t, None), x),
+            "mx_gemm_us": 1e3
+            * _graph_replay_ms(lambda t: be._apply_mx_gemm(lin.layer, t, None, None), x),
+        }
+    return res
 
 
 def decode_sweep_case(shape: tuple[str, int, int], m: int) -> dict:

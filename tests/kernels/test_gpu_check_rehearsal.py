@@ -83,3 +83,10 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())
     assert all(r["whole_weight_held_us"] > 0 for r in apart.values())
     assert mod.replay_floor()["ms"] > 0
+    monkeypatch.setattr(mod, "SWEEP_SHAPES", (("qkv", 64, 256),))
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", mod.TRITON_ONLY)
+    for scheme in ("mxplus", "nvfp4"):
+        r = mod.decode_vs_mx_gemm(scheme)
+        assert r["backend"] == "triton-decode" and all(
+            r[f"M{m}"]["mx_gemm_us"] > 0 for m in (1, 4, 16)
+        )
