@@ -676,9 +676,10 @@ def decode_gemm(
     tiled (more than MAX_GRID_M_TILES row tiles run as consecutive launches).
     block_size is inferred from the scale count when not given (None or 0). fp32
     accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k / num_warps /
-    num_stages override the launch heuristics (the GPU's: `gpu_check`'s decode sweep). w_small_scales: the caller has checked that every weight scale code
-    is <= 128 (`small_weight_scales`, once at load: trained weights' blocks are far below
-    2^1), so the kernel folds 2^126 into the weight's scale (one multiply per two weights
+    num_stages override the launch heuristics (the GPU's: `gpu_check`'s decode sweep).
+    w_small_scales: the caller has checked that every weight scale code is <= 128
+    (`small_weight_scales`, once at load: trained weights' blocks are far below 2^1), so the
+    kernel folds 2^126 into the weight's scale (one multiply per two weights
     instead of two; the same values). x_hat: the same activation's `act_quant_hat` output
     [M, hat_cols(K)] bf16, which the kernel reads instead of dequantizing x's codes where it
     takes the word path (`word_path`; ignored elsewhere). `ops.decode_gemm_op` is this
