@@ -319,6 +319,7 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     structure: decode / packed prefill = the activation quantizer, the GEMM, and the split-K
     sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs); the FP8
     pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held. bf16: one each."""
+    from vllm_mxplus import settings
     from vllm_mxplus.backends.triton.gemm_launch import NOMINAL_SMS, split_k_count
 
     if kernel == "bf16":
@@ -328,7 +329,8 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     total = 0
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
-        total += 2 + (split_k_count(tiles, -(-k // block_k), NOMINAL_SMS) > 1)
+        split = split_k_count(tiles, -(-k // block_k), NOMINAL_SMS, settings.gpu_programs_per_sm())
+        total += 2 + (split > 1)
     return total
 
 

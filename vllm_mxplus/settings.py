@@ -76,6 +76,13 @@ FP8_WEIGHT_HELD = Setting(
     "build) keeps each weight's FP8 form from load (1.03 more bytes per weight) instead of "
     "re-encoding it per call, and then serves from M = 17 instead of 65.",
 )
+GPU_PROGRAMS_PER_SM = Setting(
+    "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM",
+    "2",
+    "Programs per SM that the Triton GEMMs' split-K aims at where the output tiles are few "
+    "(decode): more hide more memory latency, each K slice adds an fp32 M x N partial. "
+    "`scripts/gpu_check.sh`'s sweep step times the choices on a GPU.",
+)
 CPU_LM_HEAD_FP32 = Setting(
     "VLLM_MXPLUS_CPU_LM_HEAD_FP32",
     "auto",
@@ -100,6 +107,7 @@ ALL: tuple[Setting, ...] = (
     CUTLASS_BUILD_DIR,
     PREFILL_MIN_M,
     FP8_WEIGHT_HELD,
+    GPU_PROGRAMS_PER_SM,
     CPU_LM_HEAD_FP32,
     CACHE,
 )
@@ -180,6 +188,10 @@ def prefill_min_m() -> int:
 
 def fp8_weight_held() -> bool:
     return _flag(FP8_WEIGHT_HELD)
+
+
+def gpu_programs_per_sm() -> int:
+    return _int_at_least(GPU_PROGRAMS_PER_SM, 1)
 
 
 @dataclass(frozen=True)

@@ -517,3 +517,31 @@ def test_launch_option_overrides():
         decode_gemm(*ops, macro_block=128, num_warps=3)
     with pytest.raises(ValueError, match="num_stages must be"):
         decode_gemm(*ops, macro_block=128, num_stages=0)
+
+
+def test_programs_per_sm_setting_sets_the_split(monkeypatch):
+    """VLLM_MXPLUS_GPU_PROGRAMS_PER_SM: the split-K of a decode launch (captured: the GPU's
+    choice on an H200's NOMINAL_SMS) aims at that many programs per SM; a bad value names
+    the variable."""
+    from vllm_mxplus.backends.triton.gemm_launch import MAX_SPLIT_K, NOMINAL_SMS
+    from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
+
+    k, n = 8192, 6144  # 48 tiles of 128 columns, 64 K steps
+    meta = {"dtype": torch.uint8, "device": "meta"}
+    ops = (torch.empty(1, k // 2, **meta), torch.empty(1, k // 16, **meta), None,
+           torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta), None, k)  # fmt: skip
+
+    def split() -> int:
+        with capture_launches() as launches:
+            decode_gemm(*ops, macro_block=128)
+        return last_gemm(launches).grid[1]
+
+    monkeypatch.delenv("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", raising=False)
+    assert split() == -(-2 * NOMINAL_SMS // 48) == 6
+    monkeypatch.setenv("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", "4")
+    assert split() == -(-4 * NOMINAL_SMS // 48) == 11
+    monkeypatch.setenv("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", "64")
+    assert split() == MAX_SPLIT_K
+    monkeypatch.setenv("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", "zero")
+    with pytest.raises(ValueError, match="VLLM_MXPLUS_GPU_PROGRAMS_PER_SM"):
+        split()

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, launch, tl, triton
 
 MAX_SPLIT_K = 16
@@ -64,8 +65,8 @@ def dot_dtype() -> Any:
 
 
 def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Enough (output tile, K slice) programs to fill the GPU about twice; 1 in the
-    interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
+    """Enough (output tile, K slice) programs for VLLM_MXPLUS_GPU_PROGRAMS_PER_SM (2) per SM;
+    1 in the interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
     fp32 partials would cost split x M x N x 4 bytes."""
     if capturing():
         sms = NOMINAL_SMS
@@ -73,13 +74,13 @@ def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
         return 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return split_k_count(out_tiles, k_tiles, sms)
+    return split_k_count(out_tiles, k_tiles, sms, settings.gpu_programs_per_sm())
 
 
-def split_k_count(out_tiles: int, k_tiles: int, sms: int) -> int:
-    """`split_k_for`'s rule on a GPU of `sms` SMs: about two programs per SM, at most
+def split_k_count(out_tiles: int, k_tiles: int, sms: int, per_sm: int) -> int:
+    """`split_k_for`'s rule on a GPU of `sms` SMs: about per_sm programs per SM, at most
     MAX_SPLIT_K slices and one per K step."""
-    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(2 * sms, out_tiles)))
+    return max(1, min(MAX_SPLIT_K, k_tiles, ceil_div(per_sm * sms, out_tiles)))
 
 
 class SplitK(NamedTuple):
