@@ -22,7 +22,8 @@ Triton backends, so that a build finishing mid-step changes no choice):
            estimate of the same case (benchmarks/results/gpu_static_model.json, made by
            `benchmarks/gpu_static_model.py --json`); act-quant against a bf16 copy; one
            expert's grouped GEMM at 64 tokens against bf16 beside its static estimate
-  sweep    the decode GEMM alone at each split-K x BLOCK_N x warps x stages (qkv and down at
+  sweep    the replay floor; the 8B decode layer at VLLM_MXPLUS_GPU_PROGRAMS_PER_SM 2/3/4/8;
+           the decode GEMM alone at each split-K x BLOCK_N x warps x stages (qkv and down at
            M 1 and 16, each case its own check), the replay floor, the FP8-chunk prefill's
            stages apart (mxfp4-mbs against mxfp4-16-oas), the MX+ and NVFP4 layers' decode
            path against their mx_gemm path at M 1 / 4 / 16
@@ -89,8 +90,9 @@ PLAN = (
     (
         "sweep",
         90,
-        "the decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down; M 1, 16), "
-        "the replay floor, the FP8-chunk prefill taken apart, MX+ / NVFP4 decode vs mx_gemm",
+        "the replay floor, the decode layer per programs per SM, the decode GEMM alone per "
+        "split-K x BLOCK_N x warps x stages (qkv, down; M 1, 16), the FP8-chunk prefill "
+        "taken apart, MX+ / NVFP4 decode vs mx_gemm",
     ),
     (
         "stack",
@@ -641,6 +643,7 @@ def step_sweep(st: Step) -> None:
         st.check("sweep", lambda: {"skipped": "rehearsal: no timings on a CPU"})
         return
     st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
+    st.check("decode layer per VLLM_MXPLUS_GPU_PROGRAMS_PER_SM (mxfp4-mbs, M 1 / 16)", layer_per_sm)
     for shape in SWEEP_SHAPES:
         for m in (1, 16):
             st.check(f"decode sweep {shape[0]} M={m} (mxfp4-mbs)",
@@ -649,6 +652,31 @@ def step_sweep(st: Step) -> None:
     for scheme in ("mxplus", "nvfp4"):
         st.check(f"{scheme}: decode GEMM vs mx_gemm at M 1/4/16 (qkv)",
                  lambda scheme=scheme: decode_vs_mx_gemm(scheme))  # fmt: skip
+
+
+SWEEP_PER_SM = (2, 3, 4, 8)  # VLLM_MXPLUS_GPU_PROGRAMS_PER_SM values (2: the default)
+
+
+def layer_per_sm() -> dict:
+    """Llama-3-8B's four linears (mxfp4-mbs, the layer as served: act-quant, decode GEMM,
+    split-K sum) at M 1 and 16 with the split-K heuristic aiming at each of SWEEP_PER_SM
+    programs per SM (read when each graph is captured)."""
+    torch = _torch()
+    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"per_sm.{name}") for name, n, k in SHAPES]
+    res: dict[str, Any] = {}
+    try:
+        for per_sm in SWEEP_PER_SM:
+            os.environ["VLLM_MXPLUS_GPU_PROGRAMS_PER_SM"] = str(per_sm)
+            for m in (1, 16):
+                total = 0.0
+                for lin in lins:
+                    x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
+                    total += _graph_replay_ms(lin, x)
+                res[f"per_sm{per_sm} M{m}_us"] = 1e3 * total
+    finally:
+        os.environ.pop("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", None)
+    print(f"[gpu_check] decode layer per programs per SM: {res}", flush=True)
+    return res
 
 
 def decode_vs_mx_gemm(scheme: str) -> dict:

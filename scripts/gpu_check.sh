@@ -21,9 +21,10 @@
 #   speed    CUDA-graph replay timings with the L2 flushed: Llama-3-8B's four linears per
 #            M against bf16, beside the static estimate (benchmarks/results/); act-quant
 #            vs a bf16 copy; one expert's GEMM at 64 tokens                             120 s
-#   sweep    the decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down at
-#            M 1 and 16), the replay floor, the FP8-chunk prefill's stages apart, MX+ /
-#            NVFP4 decode against mx_gemm at M 1 / 4 / 16                                90 s
+#   sweep    the replay floor; the decode layer per VLLM_MXPLUS_GPU_PROGRAMS_PER_SM; the
+#            decode GEMM alone per split-K x BLOCK_N x warps x stages (qkv, down at M 1
+#            and 16); the FP8-chunk prefill's stages apart; MX+ / NVFP4 decode against
+#            mx_gemm at M 1 / 4 / 16                                                     90 s
 #   stack    8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA
 #            graphs at M 1/8/16/24/64/512, replay = eager                                90 s
 #   pytest_gpu  the reference on CUDA against the CPU, the Triton decode / x_hat tests

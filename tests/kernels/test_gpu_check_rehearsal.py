@@ -83,6 +83,11 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())
     assert all(r["whole_weight_held_us"] > 0 for r in apart.values())
     assert mod.replay_floor()["ms"] > 0
+    monkeypatch.setattr(mod, "SHAPES", mod.TOY_SHAPES)
+    monkeypatch.setattr(mod, "SWEEP_PER_SM", (2, 4))
+    per_sm = mod.layer_per_sm()
+    assert set(per_sm) == {f"per_sm{p} M{m}_us" for p in (2, 4) for m in (1, 16)}
+    assert "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM" not in os.environ
     monkeypatch.setattr(mod, "SWEEP_SHAPES", (("qkv", 64, 256),))
     monkeypatch.setenv("VLLM_MXPLUS_BACKEND", mod.TRITON_ONLY)
     for scheme in ("mxplus", "nvfp4"):
