@@ -108,6 +108,11 @@ class Count:
     block_m: int  # rows per tile: M is padded to whole row tiles
 
 
+def gpu_of(capability: int) -> str | None:
+    """The modelled GPU (a GPUS key) of a compute capability, None if none is modelled."""
+    return next((g for g, spec in GPUS.items() if spec[0] == capability), None)
+
+
 def _issue_rate(gpu: str) -> float:
     """Warp-instructions per second: SMs x 4 schedulers x clock."""
     _, sms, ghz, _, _, _ = GPUS[gpu]
@@ -341,6 +346,7 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
     launches (`launches`) x LAUNCH_S. held: with
     VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (the weight's FP8 form held from load)."""
     from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M, FP8_PREFILL_MIN_M
+    from vllm_mxplus.backends.triton.decode_gemm import gpu_block_m
     from vllm_mxplus.backends.triton.linear import BATCHED_DECODE_MAX_M, HELD_DECODE_MAX_M
 
     fp8_min_m = FP8_HELD_MIN_M if held else FP8_PREFILL_MIN_M
@@ -367,7 +373,7 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
                              padded * weights / mac_rate, memory)  # fmt: skip
             kernel, bounds = "prefill", packed_bounds
             # the batched decode: 32- or 64-row tiles, each a pass over the weight
-            tile = 32 if m <= 32 else 64
+            tile = gpu_block_m(m, hat=True)
             wide = counts[f"decode mxfp4-mbs {tile} rows"]
             passes = -(-m // tile)
             wide_bounds = (wide.per_unit * weights * passes / issue_rate,
@@ -383,9 +389,7 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
             elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
             fp8 = min(v for p_, v in paths.items() if p_ != kernel)
-        block_m = DECODE_MAX_M if m <= DECODE_MAX_M else (32 if m <= 32 else 64)
-        if kernel == "prefill":
-            block_m = pre.block_m
+        block_m = pre.block_m if kernel == "prefill" else gpu_block_m(m, hat=True)
         n_launch = launches(kernel, m, held, block_m)
         launch = LAYERS * n_launch * LAUNCH_S
         ours = max(bounds) + act + launch

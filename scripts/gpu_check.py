@@ -39,6 +39,7 @@ Triton backends, so that a build finishing mid-step changes no choice):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -347,6 +348,20 @@ def _experts_op():
     return _OP[0]
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside the block, its previous state restored after."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = prev
+
+
 def _bits_equal(a, b) -> bool:
     torch = _torch()
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
@@ -517,7 +532,7 @@ def static_beside(static: dict | None, capability: int, scheme: str, m: int) -> 
         return None
     from benchmarks import gpu_static_model as gsm
 
-    gpu = next((g for g, spec in gsm.GPUS.items() if spec[0] == capability), None)
+    gpu = gsm.gpu_of(capability)
     layers = gsm.LAYERS
     if gpu is None:
         return None
@@ -664,17 +679,14 @@ def layer_per_sm() -> dict:
     torch = _torch()
     lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"per_sm.{name}") for name, n, k in SHAPES]
     res: dict[str, Any] = {}
-    try:
-        for per_sm in SWEEP_PER_SM:
-            os.environ["VLLM_MXPLUS_GPU_PROGRAMS_PER_SM"] = str(per_sm)
+    for per_sm in SWEEP_PER_SM:
+        with _env("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", str(per_sm)):
             for m in (1, 16):
                 total = 0.0
                 for lin in lins:
                     x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
                     total += _graph_replay_ms(lin, x)
                 res[f"per_sm{per_sm} M{m}_us"] = 1e3 * total
-    finally:
-        os.environ.pop("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", None)
     print(f"[gpu_check] decode layer per programs per SM: {res}", flush=True)
     return res
 
@@ -810,12 +822,9 @@ def prefill_apart() -> dict:
             ),
             "whole_us": 1e3 * _graph_replay_ms(lin, x),
         }
-        os.environ["VLLM_MXPLUS_FP8_WEIGHT_HELD"] = "1"  # the weight's FP8 form held from load
-        try:
+        with _env("VLLM_MXPLUS_FP8_WEIGHT_HELD", "1"):  # the weight's FP8 form held from load
             held = QLinear(scheme, n, k, seed=n, prefix=f"apart.held.{scheme}")
             res[scheme]["whole_weight_held_us"] = 1e3 * _graph_replay_ms(held, x)
-        finally:
-            os.environ.pop("VLLM_MXPLUS_FP8_WEIGHT_HELD", None)
         print(f"[gpu_check] prefill apart {scheme}: {res[scheme]}", flush=True)
     return {"results": res}
 
@@ -857,7 +866,7 @@ def expert_gemm_vs_bf16() -> dict:
     t_q = _graph_replay_ms(ours, x)
     t_b = _graph_replay_ms(lambda t: F.linear(t, w_bf16), x)
     res = {"ms": t_q, "bf16_ms": t_b, "speedup_vs_bf16": t_b / t_q, "block_m": block_m}
-    gpu = next((g for g, spec in gsm.GPUS.items() if spec[0] == _capability()), None)
+    gpu = gsm.gpu_of(_capability())
     if gpu is not None:  # the static estimate of the same case, for the model's check
         name = gsm.EXPERT_CASES["decode kernel"]
         role, unit, drive = gsm._cases()[name]

@@ -27,7 +27,7 @@ from vllm_mxplus.backends.graph_guard import (
     fake_cuda,
     guarded,
 )
-from vllm_mxplus.backends.triton.launch import SPLIT_K_SUM
+from vllm_mxplus.backends.triton.launch import is_split_k_sum
 
 CAPTURE_MS = (1, 16, 24, 512)  # vLLM's capture sizes: decode ends, first prefill size, largest
 N, K = 256, 576  # K: four whole macro blocks and a partial one
@@ -484,7 +484,7 @@ def _kernels(launches) -> list[str]:
     launch of more than one K slice and then left out (it comes with every such launch)."""
     names = []
     for i, launch in enumerate(launches):
-        if launch.kernel.__name__ == SPLIT_K_SUM:
+        if is_split_k_sum(launch):
             assert i > 0 and launches[i - 1].grid[1] > 1, "a split-K sum after an unsplit launch"
             continue
         names.append(launch.kernel.__name__)

@@ -173,7 +173,7 @@ def enumerate_configs(
     """{launcher: distinct configurations} from driving each launcher (all, or `launchers`)
     in capture mode. The split-K sum that a split GEMM launches after itself goes under its
     own key, SPLIT_K_SUM_KEY (one list for every launcher that split)."""
-    from vllm_mxplus.backends.triton.launch import HAS_TRITON, SPLIT_K_SUM, capture_launches
+    from vllm_mxplus.backends.triton.launch import HAS_TRITON, capture_launches, is_split_k_sum
 
     if not HAS_TRITON:
         raise RuntimeError("mxplus kernels --aot needs triton installed")
@@ -185,8 +185,8 @@ def enumerate_configs(
             drive(quick)
         if not launches:
             raise RuntimeError(f"aot: driving {name} recorded no launch")
-        own = [la for la in launches if la.kernel.__name__ != SPLIT_K_SUM]
-        sums = [la for la in launches if la.kernel.__name__ == SPLIT_K_SUM]
+        own = [la for la in launches if not is_split_k_sum(la)]
+        sums = [la for la in launches if is_split_k_sum(la)]
         out[name] = list(dict.fromkeys(config_of(la) for la in own))
         if sums:
             prev = out.get(SPLIT_K_SUM_KEY, [])

@@ -92,10 +92,15 @@ def capture_launches() -> Iterator[list[Launch]]:
 SPLIT_K_SUM = "_finish_kernel"  # gemm_launch's split-K sum, launched after a split GEMM
 
 
+def is_split_k_sum(lc: Launch) -> bool:
+    """Whether a recorded launch is the split-K sum (`gemm_launch.finish_output`)."""
+    return lc.kernel.__name__ == SPLIT_K_SUM
+
+
 def last_gemm(launches: list[Launch]) -> Launch:
-    """The last recorded launch that is not a split-K sum (`gemm_launch.finish_output`): the
-    GEMM whose tile choices a launcher made."""
-    return [lc for lc in launches if lc.kernel.__name__ != SPLIT_K_SUM][-1]
+    """The last recorded launch that is not a split-K sum: the GEMM whose tile choices a
+    launcher made."""
+    return [lc for lc in launches if not is_split_k_sum(lc)][-1]
 
 
 def capturing() -> bool:
