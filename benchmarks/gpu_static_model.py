@@ -128,10 +128,11 @@ def _meta(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _capture(drive: Callable[[], None]):
+def _capture(drive: Callable[[], None], arch: int | None = None):
+    """The first launch `drive` makes, with the tile choices of sm_<arch>."""
     from vllm_mxplus.backends.triton.launch import capture_launches
 
-    with capture_launches() as launches:
+    with capture_launches(arch) as launches:
         drive()
     return launches[0]
 
@@ -272,7 +273,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
     from vllm_mxplus.kernel_tools import sass
     from vllm_mxplus.kernel_tools.aot import _ptxas_stats
 
-    ck, cfg = _compile(_capture(drive), arch)
+    ck, cfg = _compile(_capture(drive, arch), arch)
     code = sass.parse(sass.disassemble(ck.asm["cubin"]))
     cx = dict(cfg.constexprs)
     warps = int(ck.metadata.num_warps)

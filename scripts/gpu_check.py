@@ -713,7 +713,8 @@ def decode_vs_mx_gemm(scheme: str) -> dict:
 def decode_sweep_case(shape: tuple[str, int, int], m: int) -> dict:
     """One linear's decode step taken apart (mxfp4-mbs, MBS-128, no bias): the activation
     quantizer alone, then the decode GEMM alone (its split-K sum and cast included) at the
-    default launch and at each split-K x BLOCK_N x warps x stages; beside the time the packed
+    default launch, with the weight as either operand of the dots, and at each split-K x
+    BLOCK_N x warps x stages; beside the time the packed
     weight takes to stream at the H200's published 4.8 TB/s. Which launch reaches the
     bandwidth is what the next kernel change needs to know."""
     torch = _torch()
@@ -744,6 +745,13 @@ def decode_sweep_case(shape: tuple[str, int, int], m: int) -> dict:
         ),
         "default_us": 1e3 * _graph_replay_ms(gemm, x),
     }
+    # the default launch with the weight as the dots' other operand (`weight_is_a`: the
+    # static model's choice per GPU, checked here)
+    for wa in (True, False):
+        try:
+            res[f"weight_a {wa}"] = 1e3 * _graph_replay_ms(lambda t, o=wa: gemm(t, weight_a=o), x)
+        except Exception as e:  # a launch that fails to compile: recorded, go on
+            res[f"weight_a {wa}"] = f"{type(e).__name__}: {str(e)[:120]}"
     for bn in SWEEP_BLOCK_NS:
         for warps in SWEEP_WARPS:
             for stages in SWEEP_STAGES:

@@ -78,6 +78,9 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
         case = mod.decode_sweep_case(("qkv", 64, 256), m)
         assert case["weight_bytes"] == 64 * 128 + 64 * 16 + 64 * 2  # codes, E8M0, MBS bytes
         assert isinstance(case["bn32 w4 s2 sk2"], float) and case["best"][0].startswith("bn32")
+        assert isinstance(case["weight_a True"], float) and isinstance(
+            case["weight_a False"], float
+        )
     apart = mod.prefill_apart()["results"]
     assert set(apart) == {"mxfp4-mbs", "mxfp4-16-oas"}
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())

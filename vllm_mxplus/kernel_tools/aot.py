@@ -167,6 +167,11 @@ def select_macro_blocks(
 SPLIT_K_SUM_KEY = "split_k_sum"  # enumerate_configs' key of the split-K sum's configurations
 
 
+# the GPUs whose tile choices are enumerated: sm_90's (every tile) and sm_100's (the decode
+# GEMM's weight as the B operand, `decode_gemm.weight_is_a`); each is compiled for every target
+CAPTURE_CAPABILITIES = (90, 100)
+
+
 def enumerate_configs(
     quick: bool = False, launchers: list[str] | None = None
 ) -> dict[str, list[KernelConfig]]:
@@ -181,8 +186,11 @@ def enumerate_configs(
     for name, drive in DRIVERS.items():
         if launchers is not None and name not in launchers:
             continue
-        with capture_launches() as launches:
-            drive(quick)
+        launches = []
+        for capability in CAPTURE_CAPABILITIES:  # the union of their tile choices
+            with capture_launches(capability) as got:
+                drive(quick)
+            launches += got
         if not launches:
             raise RuntimeError(f"aot: driving {name} recorded no launch")
         own = [la for la in launches if not is_split_k_sum(la)]

@@ -314,19 +314,18 @@ def test_macro_block_wider_than_k_step(macro_block, triton_device):
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
-def test_mbs_sigma_is_an_ieee_reciprocal():
-    """The MBS partials are scaled by sigma = fp32(1 / F) from div_rn (IEEE), as the docstring
-    promises; a bare `/` lowers to PTX div.full.f32 (up to 2 ulp) on the GPU."""
+def test_mbs_partials_are_scaled_by_sigma_never_divided():
+    """The MBS partials are scaled by sigma = fp32(1 / F) (`gemm_blocks.mbs_sigma`, checked on
+    every MBS byte against an IEEE division in test_triton_gemm_blocks.py); a bare `/`
+    would lower to PTX div.full.f32 (up to 2 ulp) on the GPU."""
     import inspect
 
     from vllm_mxplus.backends.triton import decode_gemm as dg
-    from vllm_mxplus.backends.triton import gemm_blocks
 
-    src = inspect.getsource(dg._decode_gemm_kernel.fn)
-    # both paths (macro block >= and < the K step) scale by the two sigmas, never divide
-    assert src.count("mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)") == 2
+    src = inspect.getsource(dg._decode_gemm_kernel.fn) + inspect.getsource(dg._word_step.fn)
+    # every path (the word step; macro block >= and < the K step) scales by the two sigmas
+    assert src.count("mbs_sigma(fx, X_MBS, ") == src.count("mbs_sigma(fw, W_MBS, ") == 3
     assert "part / " not in src and "pj / " not in src
-    assert "tl.math.div_rn(" in inspect.getsource(gemm_blocks.mbs_sigma.fn)
 
 
 def test_tile_offsets_are_32_bit_only_where_they_fit():
@@ -545,3 +544,34 @@ def test_programs_per_sm_setting_sets_the_split(monkeypatch):
     monkeypatch.setenv("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", "zero")
     with pytest.raises(ValueError, match="VLLM_MXPLUS_GPU_PROGRAMS_PER_SM"):
         split()
+
+
+def test_weight_operand_follows_the_gpu():
+    """The word path's weight is the dots' A operand (W_A) on sm_80 / sm_90 for E8M0 row
+    tiles of <= 32 rows, the B operand on sm_100 (tcgen05 reads A from shared memory), for
+    NVFP4 and for 64-row tiles (captured launches at each capability, meta tensors);
+    `weight_a` overrides the choice (`gpu_check`'s sweep)."""
+    from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
+
+    k, n = 4096, 256
+    meta = {"dtype": torch.uint8, "device": "meta"}
+
+    def w_a(m: int, capability: int | None, **kw) -> bool:
+        ops = (torch.empty(m, k // 2, **meta), torch.empty(m, k // 16, **meta), None,
+               torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta), None, k)  # fmt: skip
+        hat = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+        with capture_launches(capability) as launches:
+            decode_gemm(*ops, macro_block=128, x_hat=hat, w_small_scales=True, **kw)
+        gemm = last_gemm(launches)
+        assert gemm.kwargs["WORDS"] and gemm.kwargs["X_HAT"]
+        return gemm.kwargs["W_A"]
+
+    assert w_a(1, 90) and w_a(1, 80) and w_a(32, 90) and w_a(1, None)
+    assert not w_a(33, 90)  # a 64-row tile
+    assert not w_a(1, 100) and not w_a(16, 103)
+    assert not w_a(1, 90, weight_a=False) and w_a(1, 100, weight_a=True)
+    from vllm_mxplus.backends.triton.decode_gemm import weight_is_a
+
+    with capture_launches(90):
+        assert weight_is_a(torch.device("meta"), False, 16)
+        assert not weight_is_a(torch.device("meta"), True, 16)  # NVFP4

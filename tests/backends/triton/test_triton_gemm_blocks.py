@@ -2,25 +2,40 @@
 word decoders `e2m1_word_values` / `e8m0_word_scales` of the decode GEMM's word path)
 against `formats`, bit for bit, over every code, every packed byte and every nibble
 position of a word (-0.0 included: compared as fp32 bits), with E8M0 scales from the
-subnormal 2^-127 to 2^127 and NaN.
+subnormal 2^-127 to 2^127 and NaN; the MBS factor and its reciprocal (`quant_blocks.
+mbs_factor`, `gemm_blocks.mbs_sigma`) on every MBS byte against `formats` and an IEEE
+division. On the GPU two of them run inline PTX (a lop3 select, a Newton-refined
+reciprocal), which the interpreter cannot run: their definitions are checked here on the
+CPU by emulation (the lop3 truth table; the Newton step's rounding, exactly, for every byte
+and every starting reciprocal within 4 ulps).
 
 Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA when compiled.
 """
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    E2M1_PAIR_MAGNITUDES,
+    RCP_NEWTON,
+    SELECT_BY_MASK,
     e2m1_pair_values,
     e2m1_value,
     e2m1_word_values,
     e8m0_word_scales,
+    mbs_sigma,
 )
 from vllm_mxplus.backends.triton.gemm_launch import dot_dtype
 from vllm_mxplus.backends.triton.launch import tl, triton
+from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 from vllm_mxplus.formats.e2m1 import e2m1_decode
+from vllm_mxplus.formats.mx import mbs_factor as formats_mbs_factor
 
 
 @triton.jit
@@ -105,3 +120,101 @@ def test_word_decoders_match_formats_in_every_nibble(triton_device, bs):
     # the check can fail: the permutation matters (tile 1 is not tile 0) and so does the sign
     assert not torch.equal(want[0].nan_to_num(), want[1].nan_to_num())
     assert (_bits(want) == _bits(torch.tensor(-0.0))).any()
+
+
+@triton.jit
+def _sigma_kernel(m_ptr, f_ptr, s_ptr, N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    i = tl.arange(0, N)
+    f = mbs_factor(tl.load(m_ptr + i))
+    tl.store(f_ptr + i, f)
+    tl.store(s_ptr + i, mbs_sigma(f, True, tl.bfloat16 == DOT_DTYPE))  # the GPU: Newton
+
+
+def test_mbs_factor_and_sigma_on_every_byte(triton_device):
+    """F = 1 + m/256 from the bits equals `formats`' F, and sigma the IEEE fp32(1 / F), for
+    all 256 MBS bytes (on the GPU: the Newton-refined reciprocal)."""
+    m = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    f = torch.empty(256, dtype=torch.float32, device=triton_device)
+    sigma = torch.empty_like(f)
+    _sigma_kernel[(1,)](m.to(triton_device), f, sigma, N=256, DOT_DTYPE=dot_dtype())
+    want_f = formats_mbs_factor(m)
+    want_sigma = torch.from_numpy(np.float32(1.0) / want_f.numpy())  # IEEE on the CPU
+    assert torch.equal(_bits(f.cpu()), _bits(want_f))
+    assert torch.equal(_bits(sigma.cpu()), _bits(want_sigma))
+    # the check can fail: the reciprocal is not exact (1 / 1.5 rounds)
+    assert float(want_sigma[128]) * 1.5 != 1.0
+
+
+def _exponent(a: Fraction) -> int:
+    """e with 2^23 <= a * 2^e < 2^24 (a > 0): a's fp32 ulp is 2^-e."""
+    e = 0
+    while a * 2**e < 2**23:
+        e += 1
+    while a * 2**e >= 2**24:
+        e -= 1
+    return e
+
+
+def _rn_f32(x: Fraction) -> Fraction:
+    """x rounded to the nearest fp32, ties to even (normal range)."""
+    if x == 0:
+        return x
+    e = _exponent(abs(x))
+    q = abs(x) * 2**e
+    n = q.numerator // q.denominator
+    rest = q - n
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2):
+        n += 1
+    return (1 if x > 0 else -1) * Fraction(n, 2**e)
+
+
+def _newton(f: Fraction, r: Fraction) -> Fraction:
+    """`RCP_NEWTON` after its reciprocal r: e = fma(-f, r, 1), then fma(r, e, r), each
+    rounded once (fp32 FMA), computed exactly."""
+    return _rn_f32(r + r * _rn_f32(1 - f * r))
+
+
+def test_sigma_newton_step_rounds_correctly_for_every_byte():
+    """The GPU's sigma (`RCP_NEWTON`): from any starting reciprocal within 4 ulps of 1 / F
+    (the approximate reciprocal is within about 1), one Newton step in two fp32 FMAs gives
+    fp32(1 / F) exactly, for every MBS byte: the argument of docs/numerics.md computed out,
+    with exact rational arithmetic. The PTX is the one these lines emulate."""
+    assert re.search(r"rcp\.approx\.ftz\.f32 r, \$1;.*neg\.f32 n, \$1;.*fma\.rn\.f32 e, n, r,"
+                     r" 0f3F800000;.*fma\.rn\.f32 \$0, r, e, r;", RCP_NEWTON.value)  # fmt: skip
+    far = 0
+    for m in range(256):
+        f = Fraction(256 + m, 256)
+        want = _rn_f32(1 / f)
+        ulp = Fraction(1, 2 ** _exponent(want))
+        for k in range(-4, 5):
+            assert _newton(f, want + k * ulp) == want, (m, k)
+        far += _newton(f, want + 2**12 * ulp) != want
+    # the check can fail: from 2^12 ulps away (error 2^-12, squared 2^-24) one step is not
+    # always enough
+    assert far > 0
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX lop3.b32: bit i of the result is bit (a_i << 2 | b_i << 1 | c_i) of the table."""
+    out = 0
+    for i in range(32):
+        idx = ((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1)
+        out |= ((lut >> idx) & 1) << i
+    return out
+
+
+def test_select_by_mask_is_the_interpreters_select():
+    """`SELECT_BY_MASK` (the GPU's lop3 in `e2m1_word_pair_bits`) computes
+    (mag & E2M1_PAIR_MAGNITUDES) | (sgn & ~E2M1_PAIR_MAGNITUDES), the expression the
+    interpreter runs, on random words."""
+    mt = re.fullmatch(
+        r"lop3\.b32 \$0, \$1, \$2, (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", SELECT_BY_MASK.value
+    )
+    assert mt, SELECT_BY_MASK.value
+    mask, lut = int(mt.group(1), 16), int(mt.group(2), 16)
+    assert mask == E2M1_PAIR_MAGNITUDES.value
+    rng = np.random.default_rng(0)
+    for a, b in rng.integers(0, 2**32, size=(200, 2), dtype=np.uint64).tolist():
+        assert _lop3(a, b, mask, lut) == (a & mask) | (b & ~mask & 0xFFFFFFFF)
+    # the check can fail: another table (c ? b : a) gives other bits
+    assert _lop3(0xFFFFFFFF, 0, mask, 0xD8) != mask

@@ -15,7 +15,9 @@ Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
   K range by sigma_x[m] * sigma_w[n], sigma = fp32(1 / F) from an IEEE division (`div_rn`;
   the default `/` lowers to the approximate div.full.f32, up to 2 ulp) of one value per row:
   the paper's per-chunk sigma_A * sigma_B (section 4.3.2, Appendix E), two fp32 roundings
-  per partial where dividing each partial would cost an IEEE division per output element.
+  per partial where dividing each partial would cost an IEEE division per output element
+  (on the GPU the reciprocal is an approximate one refined by a Newton step, the same
+  correctly rounded value: `gemm_blocks.mbs_sigma`).
   MACRO >= BLOCK_K: a K step lies inside one macro block, one scaling per step. MACRO <
   BLOCK_K (16, 32 with the GPU's 64-element step for such macro blocks): the step keeps its
   loads and its weight dequantization, and runs one dot per macro block on x with the other
@@ -51,6 +53,16 @@ multiplies, where the byte path builds, scales and converts one fp32 value at a 
 values, same products, a permuted order of K inside each scale block: the bound above
 holds unchanged. Counted on sm_90 (`benchmarks/gpu_static_model.py`), MBS-128: 1538 ->
 960 warp-instructions per 16384 weights, 254 -> 179 registers.
+
+Weight as the A operand (`weight_is_a`: E8M0 row tiles of <= 32 rows on sm_80 / sm_90): the
+word path's dots compute the transposed product W x^T into an accumulator [BLOCK_N,
+BLOCK_M], transposed once after the K loop. The 128 weight rows fill the MMA's M side, so
+sm_90 issues wgmma with the decoded weight straight from registers and x_hat from shared
+memory, where x as A (16 rows) meant mma.sync and register copies of x for every MMA. With
+the cheaper pair decode (`gemm_blocks.e2m1_word_pair_bits`), the Newton-refined sigma and
+loads the compiler may vectorize (K slices start on whole steps), sm_90 counts 671 -> 533
+warp-instructions per 16384 weights at 16 rows (0.164 -> 0.130 per weight), 866 -> 594 at
+32 rows, with 161 registers (3 programs per SM, as before).
 """
 
 from __future__ import annotations
@@ -85,7 +97,14 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     finish_output,
     plan_split_k,
 )
-from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.launch import (
+    check_available,
+    interpreting,
+    launch,
+    target_capability,
+    tl,
+    triton,
+)
 from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
 from vllm_mxplus.formats.constants import ceil_div
 
@@ -113,6 +132,13 @@ GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in ke
 # three of the 16-row tile; with three, ptxas capped the 32-row tile on sm_80 at 168 registers
 # and spilled, and every target issued more instructions per weight (kernels/README.md)
 WIDE_NUM_STAGES = 2
+# row tiles of at most this many rows make the weight the dot's A operand (`weight_is_a`)
+W_A_MAX_ROWS = 32
+# row tiles of at most this many rows with the weight as A select the pair bits by one LOP3
+# (`gemm_blocks.e2m1_word_pair_bits`)
+LOP3_MAX_ROWS = tl.constexpr(16)
+# GPUs whose tensor cores (tcgen05) take their A operand from shared or tensor memory only
+TCGEN05_MAJORS = (10, 11)
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 HAT_STEP = tl.constexpr(HAT_CHUNK)  # x_hat's chunk, read inside the kernel
 # the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)
@@ -166,6 +192,7 @@ def _decode_gemm_kernel(
     MOE: tl.constexpr,
     NVFP4: tl.constexpr,
     PLUS: tl.constexpr,
+    W_A: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
@@ -227,6 +254,11 @@ def _decode_gemm_kernel(
     ws_off = i_n[:, None, None] * stride_wsn + i_b[None, :, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # the word path's accumulator: transposed where the weight is the dot's A operand (W_A)
+    if W_A:
+        acc_w = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc_w = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     # WORDS: the codes as int32 words, 8 codes each (`_word_step`)
@@ -253,8 +285,17 @@ def _decode_gemm_kernel(
         wc_rows = i_n * stride_wcn
         wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
     for k0 in range(k_start, k_end, BLOCK_K):
+        # slices start on whole steps (`plan_split_k`): said, the weight's codes and scales
+        # load in 16- and 8-byte pieces (E8M0; NVFP4's E4M3 scales count fewer instructions
+        # without)
+        k0 = tl.multiple_of(k0, BLOCK_K)
         kb0 = k0 // 2
-        sb0 = k0 // BS
+        if NVFP4:
+            kw0 = k0 // 8
+            sb0 = k0 // BS
+        else:
+            kw0 = tl.multiple_of(k0 // 8, BLOCK_K // 8)
+            sb0 = tl.multiple_of(k0 // BS, BLOCK_K // BS)
         left = K - k0
         if WORDS:
             if EVEN:  # constant masks, dropped by the compiler
@@ -266,19 +307,19 @@ def _decode_gemm_kernel(
                 block_ok = i_b[None, :] * BS < left
                 # x_hat's chunks inside its rows (whole chunks, `hat_cols`): the same per dot
                 hat_ok = ((i_t // 32) * 128 < tl.cdiv(K, 128) * 128 - k0)[None, :]
-            acc += _word_step(
-                xw_base + k0 // 8 + xw_off, xs_base + sb0 + xs_off2,
-                ww_base + k0 // 8 + ww_off, ws_base + sb0 + ws_off2,
+            acc_w += _word_step(
+                xw_base + kw0 + xw_off, xs_base + sb0 + xs_off2,
+                ww_base + kw0 + ww_off, ws_base + sb0 + ws_off2,
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
                 xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
                 BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
-                NVFP4, SCALE_ONE,
+                NVFP4, SCALE_ONE, W_A,
             )  # fmt: skip
             if PLUS:
-                acc = _block_max_terms(
-                    acc, xh_base + k0, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
+                acc_w = _block_max_terms(
+                    acc_w, xh_base + k0, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
                     ws_base + sb0 + ws_off2, tl.minimum(BLOCK_M, M - m0), stride_xhm, mask_n,
-                    block_ok, BS, BLOCK_M, BLOCK_K,
+                    block_ok, BS, BLOCK_M, BLOCK_K, W_A,
                 )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -320,7 +361,7 @@ def _decode_gemm_kernel(
                         k0 + j * MACRO < K,  # a macro block past K: no byte to read
                         mask_m, mask_n, X_MBS, W_MBS,
                     )  # fmt: skip
-                    sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                    sx, sw = mbs_sigma(fx, X_MBS, False), mbs_sigma(fw, W_MBS, False)
                     part += pj * sx[:, None] * sw[None, :]
             else:
                 zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -337,9 +378,14 @@ def _decode_gemm_kernel(
                         X_MBS,
                         W_MBS,
                     )
-                    sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
+                    sx, sw = mbs_sigma(fx, X_MBS, False), mbs_sigma(fw, W_MBS, False)
                     part = part * sx[:, None] * sw[None, :]
             acc += part
+    if WORDS:
+        if W_A:
+            acc = tl.trans(acc_w)
+        else:
+            acc = acc_w
 
     if NVFP4:  # the global scales, factored out of the sum (as `mx_gemm` applies them)
         gx = tl.load(xg_ptr + m0 + i_m, mask=mask_m, other=0.0)
@@ -357,7 +403,7 @@ def _word_step(
     block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
-    NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr,
+    NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
@@ -390,7 +436,10 @@ def _word_step(
         ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=SCALE_ONE).to(tl.int32)
     if not W_FOLD:
         wsv = block_word_scales(ws, WPB, DOT_DTYPE, NVFP4)
-    part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if W_A:
+        part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for p in tl.static_range(4):
         if X_HAT:
             xh = tl.load(xh_ptrs + 32 * p, mask=mask_m[:, None] & hat_ok, other=0.0)
@@ -398,30 +447,56 @@ def _word_step(
         else:
             xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
         if W_FOLD:
-            wp = e2m1_folded_word_values(wq, ws, p, WPB, DOT_DTYPE)
+            # the select as one LOP3 where it helps: whole 16-row tiles with the weight as A
+            # (elsewhere ptxas then needed more registers, and spilled some tiles)
+            wp = e2m1_folded_word_values(
+                wq, ws, p, WPB, DOT_DTYPE, W_A and EVEN and BLOCK_M <= LOP3_MAX_ROWS
+            )
         else:
             wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv
-        part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
+        if W_A:
+            part = dot_f32(wp, tl.trans(xp), part, DOT_DTYPE)
+        else:
+            part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
     if X_MBS or W_MBS:
         fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS, W_MBS)
-        sx, sw = mbs_sigma(fx, X_MBS), mbs_sigma(fw, W_MBS)
-        part = part * sx[:, None] * sw[None, :]
+        newton: tl.constexpr = tl.bfloat16 == DOT_DTYPE  # the GPU (`mbs_sigma`)
+        sx, sw = mbs_sigma(fx, X_MBS, newton), mbs_sigma(fw, W_MBS, newton)
+        if W_A:
+            part = part * sx[None, :] * sw[:, None]
+        else:
+            part = part * sx[:, None] * sw[None, :]
     return part
 
 
 def sm90_or_later(device: torch.device) -> bool:
-    """Whether `device` runs the tiles that need WIDE_MIN_CAPABILITY (the 64-row tile, MX+);
-    under the interpreter or on other devices, always: their tiles are not the GPU's."""
-    if interpreting() or device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device)[0] >= WIDE_MIN_CAPABILITY
+    """Whether `device` runs the tiles that need WIDE_MIN_CAPABILITY (the 64-row tile, MX+)
+    (`launch.target_capability`; under the interpreter or on other devices, always: their
+    tiles are not the GPU's)."""
+    cap = target_capability(device)
+    return cap is None or cap // 10 >= WIDE_MIN_CAPABILITY
+
+
+def weight_is_a(device: torch.device, nvfp4: bool, block_m: int) -> bool:
+    """Whether the word path's dots take the weight tile as their A operand (W_A: the
+    accumulator [BLOCK_N, BLOCK_M], transposed once after the K loop): E8M0 row tiles of at
+    most W_A_MAX_ROWS rows on GPUs whose tensor cores read A from registers (sm_80's and
+    sm_90's; sm_90 then issues wgmma with the decoded weight in registers and x_hat from
+    shared memory). Counted on sm_90 (`benchmarks/gpu_static_model.py`): 587 -> 533
+    warp-instructions per 16384 weights at 16 rows, 764 -> 594 at 32 (the mma.sync form
+    copied the x operand's registers for every MMA). Not on sm_100 (tcgen05 takes A from
+    shared memory: 568 -> 768), nor for NVFP4 (E4M3 scales: 784 -> 869 on sm_90)."""
+    if nvfp4 or block_m > W_A_MAX_ROWS:
+        return False
+    cap = target_capability(device)
+    return cap is None or cap // 10 not in TCGEN05_MAJORS
 
 
 @triton.jit
 def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm, mask_n,
-                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc plus the MX+ weights' block-max rest of one K step. The step's dots decoded every
+                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_A: tl.constexpr):  # fmt: skip
+    """acc ([BLOCK_M, BLOCK_N], or transposed where W_A) plus the MX+ weights' block-max rest of one K step. The step's dots decoded every
     weight code as plain E2M1, so the block-max element of each block (index wbm_ptrs
     [BLOCK_N, NB], 255: none) entered as +-E2M1(j) * X where the spec's value is
     +-(8 + j) / 2 * X (docs/numerics.md, "MX+"). This adds x_hat[m, k] * delta[n, b] with
@@ -450,7 +525,10 @@ def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm,
     for r in range(0, rows):
         xg = tl.load(xh_base + r * stride_xhm + hp, mask=has, other=0.0).to(tl.float32)
         term = tl.sum(xg * delta, axis=1)  # [BLOCK_N]
-        acc = tl.where((i_m == r)[:, None], acc + term[None, :], acc)
+        if W_A:
+            acc = tl.where((i_m == r)[None, :], acc + term[:, None], acc)
+        else:
+            acc = tl.where((i_m == r)[:, None], acc + term[None, :], acc)
     return acc
 
 
@@ -458,8 +536,8 @@ def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
     """Rows per GPU row tile: GPU_BLOCK_M, or on the x_hat word path for more rows the
     smallest of WIDE_BLOCK_MS that holds them (64 above 32; 32 at most unless widest_ok,
     `sm90_or_later`). A wider row tile dequantizes each weight tile once for more rows (no x
-    to dequantize there): sm_90 counts 671 / 878 / 755 instructions per warp per 16384
-    weights at 16 / 32 / 64 rows (64: wgmma), no spill."""
+    to dequantize there): sm_90 counts 533 / 594 / 636 instructions per warp per 16384
+    weights at 16 / 32 / 64 rows (wgmma at all three), no spill."""
     if not hat or m <= GPU_BLOCK_M:
         return GPU_BLOCK_M
     sizes = WIDE_BLOCK_MS if widest_ok else WIDE_BLOCK_MS[:-1]
@@ -665,6 +743,7 @@ def decode_gemm(
     w_small_scales: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    weight_a: bool | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x_hat @ W_hat^T (+ bias) from quantized activations and weights.
 
@@ -676,7 +755,8 @@ def decode_gemm(
     tiled (more than MAX_GRID_M_TILES row tiles run as consecutive launches).
     block_size is inferred from the scale count when not given (None or 0). fp32
     accumulation; the output dtype is bf16, fp16 or fp32. block_n / split_k / num_warps /
-    num_stages override the launch heuristics (the GPU's: `gpu_check`'s decode sweep).
+    num_stages / weight_a (`weight_is_a`) override the launch heuristics (the GPU's:
+    `gpu_check`'s decode sweep).
     w_small_scales: the caller has checked that every weight scale code is <= 128
     (`small_weight_scales`, once at load: trained weights' blocks are far below 2^1), so the
     kernel folds 2^126 into the weight's scale (one multiply per two weights
@@ -775,6 +855,7 @@ def decode_gemm(
                 w_small_scales=w_small_scales,
                 num_warps=num_warps,
                 num_stages=num_stages,
+                weight_a=weight_a,
                 x_hat=xr[4],  # chunks of rows: the codes path (MX+: x_hat's rows)
                 x_global=xr[3],
                 w_global=None if globals_ is None else globals_[1],
@@ -801,7 +882,7 @@ def decode_gemm(
         tile=(block_m, block_n, block_k), words=words,
         w_fold=words and w_small_scales and not nvfp4,
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
-        options=options,
+        options=options, weight_a=weight_a,
     )  # fmt: skip
     return finish_output(sk.out, bias, out_dtype)
 
@@ -854,6 +935,7 @@ def launch_decode(
     globals_: tuple[torch.Tensor, torch.Tensor] | None = None,
     plus: bool = False,
     options: dict[str, int] | None = None,
+    weight_a: bool | None = None,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
@@ -864,7 +946,8 @@ def launch_decode(
     row per pair and x_hat a row per token (top_k > 1) or per pair. globals_: NVFP4's fp32
     global scales (of x's rows [m], of w's rows [n]), the scales then E4M3 bytes; None for
     E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes). options: Triton
-    launch options over `gpu_launch_options`' (the GPU only)."""
+    launch options over `gpu_launch_options`' (the GPU only). weight_a: `weight_is_a`'s
+    choice overridden (the word path only)."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
@@ -918,5 +1001,11 @@ def launch_decode(
         MOE=moe is not None,
         NVFP4=globals_ is not None,
         PLUS=plus,
+        W_A=words
+        and (
+            weight_is_a(w_codes.device, globals_ is not None, block_m)
+            if weight_a is None
+            else weight_a
+        ),  # fmt: skip
         **({} if interpreting() else {**gpu_launch_options(block_m), **(options or {})}),
     )

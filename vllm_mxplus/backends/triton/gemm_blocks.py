@@ -16,10 +16,21 @@ from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
 E2M1_REBIAS = tl.constexpr(2.0**126)  # E2M1 bits in fp32's fields -> the E2M1 value (exact)
 E2M1_PAIR_MAGNITUDES = tl.constexpr(0x01C001C0)  # bits 6..8 and 22..24 of a bf16x2 word
-E2M1_PAIR_SIGNS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: bits 15 and 31
+# the sign bits of the even nibbles (bits 3, 11, 19, 27) and of the odd ones (7, 15, 23, 31)
+E2M1_EVEN_SIGNS = tl.constexpr(0x08080808)
+E2M1_ODD_SIGNS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
 # a * b on packed bf16 pairs as fma(a, b, -0.0): exactly the product (-0.0 keeps a -0 product's
 # sign), one HFMA2 / HMUL2; PTX mul.bf16x2 itself needs sm_90, fma.rn.bf16x2 runs from sm_80
 BF16X2_MUL = tl.constexpr("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }")
+# r + r (1 - F r) from the approximate reciprocal r of F: `mbs_sigma` (written out, so that
+# the negation folds into the FMA: the compiler's own lowering kept a separate negate)
+RCP_NEWTON = tl.constexpr(
+    "{ .reg .f32 r, e, n; rcp.approx.ftz.f32 r, $1; neg.f32 n, $1;"
+    " fma.rn.f32 e, n, r, 0f3F800000; fma.rn.f32 $0, r, e, r; }"
+)
+# $1 where E2M1_PAIR_MAGNITUDES has a bit, else $2: lop3's table for c ? a : b (a = 0xF0,
+# b = 0xCC, c = 0xAA) is 0xE4 (`e2m1_word_pair_bits`)
+SELECT_BY_MASK = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_PAIR_MAGNITUDES.value:#010x}, 0xE4;")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 
@@ -77,15 +88,36 @@ def word_halves(wd, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def e2m1_word_pair_bits(q, P: tl.constexpr):
+def e2m1_word_pair_bits(q, P: tl.constexpr, ASM: tl.constexpr):
     """int32 words whose halves are the bf16 bits of nibbles P and P + 4 of words q, the
-    E2M1 values times 2^-126 (`e2m1_word_values` before its multiply)."""
+    E2M1 values times 2^-126 (`e2m1_word_values` before its multiply).
+
+    One shift of q moves nibble P's magnitude bits to bits 6..8 (nibble P + 4's to 22..24,
+    E2M1_PAIR_MAGNITUDES); the sign bits come from q masked to the sign bits of the nibbles
+    of P's parity (the mask is the same for P and P + 2, so the compiler computes it once per
+    word), shifted so that nibble P's lands on bit 15 and nibble P + 4's on bit 31. The
+    shifted signs of the other nibbles of that parity land on bits 7 and 23, inside the
+    magnitude field, or past bit 31, so one select by the magnitude mask (a single LOP3)
+    merges the two: 3 instructions per pair of values (2 for P = 3, whose signs need no
+    shift) and 2 per word, where masking each shift apart took 4 per pair. Arithmetic right
+    shifts (P >= 2) bring their copies of bit 31 in above bit 25, outside the magnitude
+    field. ASM (the GPU only): the select written as the LOP3 itself (`SELECT_BY_MASK`); left
+    to the compiler, the masks were folded back into the shifted word and two LOP3s issued
+    (`e2m1_folded_word_values` asks for it; `e2m1_word_values`, whose halves are split and
+    multiplied apart, counts fewer instructions without)."""
     if P < 2:
-        mag = (q << (6 - 4 * P)) & E2M1_PAIR_MAGNITUDES
-    else:  # arithmetic shift: the bits it brings in lie outside the mask
-        mag = (q >> (4 * P - 6)) & E2M1_PAIR_MAGNITUDES
-    sgn = (q << (12 - 4 * P)) & E2M1_PAIR_SIGNS
-    return mag | sgn
+        mag = q << (6 - 4 * P)
+    else:
+        mag = q >> (4 * P - 6)
+    if P % 2 == 0:
+        sgn = (q & E2M1_EVEN_SIGNS) << (12 - 4 * P)
+    else:
+        sgn = (q & E2M1_ODD_SIGNS) << (12 - 4 * P)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            SELECT_BY_MASK, "=r,r,r", [mag, sgn], dtype=tl.int32, is_pure=True, pack=1
+        )
+    return (mag & E2M1_PAIR_MAGNITUDES) | (sgn & ~E2M1_PAIR_MAGNITUDES)
 
 
 @triton.jit
@@ -100,7 +132,7 @@ def e2m1_word_values(q, P: tl.constexpr, DOT_DTYPE: tl.constexpr):
     and 31, so each instruction builds two values (`e2m1_word_pair_bits`); then one multiply by
     2^126, exact (PTX mul.bf16x2 keeps subnormal operands: E2M1 code 1 is the subnormal
     2^-127 here)."""
-    return word_halves(e2m1_word_pair_bits(q, P), DOT_DTYPE) * E2M1_REBIAS
+    return word_halves(e2m1_word_pair_bits(q, P, False), DOT_DTYPE) * E2M1_REBIAS
 
 
 @triton.jit
@@ -133,7 +165,7 @@ def block_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
 
 @triton.jit
 def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr):  # fmt: skip
+                            DOT_DTYPE: tl.constexpr, ASM: tl.constexpr = False):  # fmt: skip
     """`e2m1_word_values` of int32 words q [R, W] times their blocks' E8M0 scales, the codes
     s (int32) [R, W / WORDS_PER_BLOCK] all <= 128 (`decode_gemm.small_weight_scales`): one
     multiply per two values, by 2^126 * scale = 2^(s - 1), exact (the product is the same
@@ -143,7 +175,7 @@ def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr
     packed pair of the scale ((s + 126) << 7 in both halves): the pairing of halves is the
     word's, so no register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
     were paired across words and their halves swapped back, one PRMT per pair)."""
-    bits = e2m1_word_pair_bits(q, P)
+    bits = e2m1_word_pair_bits(q, P, ASM and tl.bfloat16 == DOT_DTYPE)
     if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
         sc = _word_columns_i32(((s + 126) << 7) * 0x10001, WORDS_PER_BLOCK)
         prod = tl.inline_asm_elementwise(
@@ -206,11 +238,26 @@ def mbs_factors(x_ptrs, w_ptrs, valid, mask_m, mask_n, X_MBS: tl.constexpr, W_MB
 
 
 @triton.jit
-def mbs_sigma(f, HAS_MBS: tl.constexpr):
-    """sigma = fp32(1 / F), an IEEE reciprocal (`div_rn`), of `mbs_factors`' F; 1 for an
-    operand without MBS (the paper's per-chunk sigma_A, sigma_B, section 4.3.2)."""
+def mbs_sigma(f, HAS_MBS: tl.constexpr, NEWTON: tl.constexpr):
+    """sigma = fp32(1 / F), the correctly rounded reciprocal, of `mbs_factors`' F = 1 + m/256;
+    1 for an operand without MBS (the paper's per-chunk sigma_A, sigma_B, section 4.3.2).
+
+    NEWTON (the GPU only, inline PTX): one approximate reciprocal (MUFU.RCP, relative error below
+    2^-22) and one Newton step in two FMAs (`RCP_NEWTON`, inline PTX): its result is within
+    about 2^-44 of 1 / F, and 256 / (256 + m) lies at least 2^-34 (relatively) from every
+    rounding boundary of fp32 for m = 1..255 (m = 0: exactly 1), so the step's rounding is
+    the correct one (docs/numerics.md, "Kernel numerics and error bounds"); an IEEE division
+    (`div_rn`; the default `/` lowers to the approximate div.full.f32) adds a check and a
+    branch to a slow path to the same three instructions. Else (and under the interpreter)
+    `div_rn`: the decode GEMM's byte path keeps it (with the Newton step ptxas spilled a
+    narrow-macro-block tile on sm_80)."""
     if HAS_MBS:
-        f = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
+        if NEWTON:
+            f = tl.inline_asm_elementwise(
+                RCP_NEWTON, "=f,f", [f], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            f = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
     return f
 
 

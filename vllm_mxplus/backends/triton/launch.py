@@ -75,18 +75,34 @@ class Launch(NamedTuple):
 
 
 _CAPTURE: list[Launch] | None = None
+_CAPTURE_CAPABILITY: int | None = None
 
 
 @contextlib.contextmanager
-def capture_launches() -> Iterator[list[Launch]]:
+def capture_launches(capability: int | None = None) -> Iterator[list[Launch]]:
     """Record launches instead of running them, with the GPU's tile choices (not the
-    interpreter's) and no device check: tensors may live on the meta device."""
-    global _CAPTURE
-    prev, _CAPTURE = _CAPTURE, []
+    interpreter's) and no device check: tensors may live on the meta device. capability
+    (e.g. 90 for sm_90): the GPU whose choices the launchers make (`target_capability`);
+    None: a GPU that has every choice (the tiles of sm_90)."""
+    global _CAPTURE, _CAPTURE_CAPABILITY
+    prev = _CAPTURE, _CAPTURE_CAPABILITY
+    _CAPTURE, _CAPTURE_CAPABILITY = [], capability
     try:
         yield _CAPTURE
     finally:
-        _CAPTURE = prev
+        _CAPTURE, _CAPTURE_CAPABILITY = prev
+
+
+def target_capability(device: torch.device) -> int | None:
+    """The compute capability (major * 10 + minor) whose tiles a launch on `device` gets:
+    inside `capture_launches(capability)` that one; else on a CUDA device its own; None under
+    the interpreter or on other devices (the launchers then pick sm_90's tiles)."""
+    if _CAPTURE is not None and _CAPTURE_CAPABILITY is not None:
+        return _CAPTURE_CAPABILITY
+    if interpreting() or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 SPLIT_K_SUM = "_finish_kernel"  # gemm_launch's split-K sum, launched after a split GEMM
@@ -151,6 +167,7 @@ __all__ = [
     "INTERPRET",
     "Launch",
     "capture_launches",
+    "target_capability",
     "capturing",
     "ceil_div",
     "check_available",

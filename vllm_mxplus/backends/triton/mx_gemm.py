@@ -252,6 +252,7 @@ def _mx_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    newton: tl.constexpr = tl.bfloat16 == DOT_DTYPE  # the GPU (`mbs_sigma`)
     for k0 in range(k_start, k_end, BLOCK_K):
         x_lo, x_hi = dequant_rows(
             xc_ptr, xs_ptr, xe_ptr, rows_xc, rows_xs, rows_xe, mask_m, k0, K, KB,
@@ -273,7 +274,8 @@ def _mx_gemm_kernel(
                     xe_ptr + rows_xe + c, we_ptr + rows_we + c, k0 + j * MACRO < K,
                     mask_m, mask_n, X_MBS, W_MBS,
                 )  # fmt: skip
-                acc += (pj * mbs_sigma(fx, X_MBS)[:, None]) * mbs_sigma(fw, W_MBS)[None, :]
+                sx, sw = mbs_sigma(fx, X_MBS, newton), mbs_sigma(fw, W_MBS, newton)
+                acc += (pj * sx[:, None]) * sw[None, :]
         elif X_MBS or W_MBS:  # the step lies inside one macro block
             zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             part = pair_dot(x_lo, x_hi, w_lo, w_hi, zero, DOT_DTYPE)
@@ -281,7 +283,8 @@ def _mx_gemm_kernel(
             fx, fw = mbs_factors(
                 xe_ptr + rows_xe + c, we_ptr + rows_we + c, True, mask_m, mask_n, X_MBS, W_MBS
             )
-            acc += (part * mbs_sigma(fx, X_MBS)[:, None]) * mbs_sigma(fw, W_MBS)[None, :]
+            sx, sw = mbs_sigma(fx, X_MBS, newton), mbs_sigma(fw, W_MBS, newton)
+            acc += (part * sx[:, None]) * sw[None, :]
         else:
             acc = pair_dot(x_lo, x_hi, w_lo, w_hi, acc, DOT_DTYPE)
 
