@@ -575,3 +575,31 @@ def test_weight_operand_follows_the_gpu():
     with capture_launches(90):
         assert weight_is_a(torch.device("meta"), False, 16)
         assert not weight_is_a(torch.device("meta"), True, 16)  # NVFP4
+
+
+@pytest.mark.parametrize("weight_a", [True, False], ids=["weight-A", "weight-B"])
+@pytest.mark.parametrize("m", [1, 24])
+def test_serving_path_either_operand_within_bound(weight_a, m, triton_device, monkeypatch):
+    """The serving path (x_hat, folded weight scales, whole tiles) with the weight as either
+    operand of the dots (`weight_is_a`'s choice overridden): the same bound. Runs on CUDA
+    too (gpu_check's pytest step), where the two are different machine code (wgmma with the
+    weight in registers vs mma.sync on sm_90)."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.backends.triton.act_quant import act_quant_hat
+
+    launched = []
+    real = dg.launch
+    monkeypatch.setattr(dg, "launch", lambda *a, **kw: (launched.append(kw), real(*a, **kw)))
+    k, n = 512, 256
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(triton_device)
+    qw = quantize((torch.randn(n, k, generator=gen) * 0.02).to(triton_device), "mxfp4-mbs-s")
+    codes, scales, mbs, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    y = decode_gemm(
+        codes, scales, mbs, qw.codes, qw.scales, qw.mbs, k, None, torch.float32, x_hat=x_hat,
+        macro_block=128, w_small_scales=True, weight_a=weight_a,
+    )  # fmt: skip
+    assert_within_bound(y, *reference(quantize(x, "mxfp4-mbs-s"), qw), torch.float32)
+    gemm = [kw for kw in launched if "W_A" in kw]
+    assert len(gemm) == 1 and gemm[0]["WORDS"] and gemm[0]["X_HAT"]
+    assert gemm[0]["W_A"] == weight_a

@@ -61,7 +61,7 @@ sm_90 issues wgmma with the decoded weight straight from registers and x_hat fro
 memory, where x as A (16 rows) meant mma.sync and register copies of x for every MMA. With
 the cheaper pair decode (`gemm_blocks.e2m1_word_pair_bits`), the Newton-refined sigma and
 loads the compiler may vectorize (K slices start on whole steps), sm_90 counts 671 -> 533
-warp-instructions per 16384 weights at 16 rows (0.164 -> 0.130 per weight), 866 -> 594 at
+warp-instructions per 16384 weights at 16 rows (0.164 -> 0.130 per weight), 866 -> 626 at
 32 rows, with 161 registers (3 programs per SM, as before).
 """
 
@@ -482,10 +482,10 @@ def weight_is_a(device: torch.device, nvfp4: bool, block_m: int) -> bool:
     accumulator [BLOCK_N, BLOCK_M], transposed once after the K loop): E8M0 row tiles of at
     most W_A_MAX_ROWS rows on GPUs whose tensor cores read A from registers (sm_80's and
     sm_90's; sm_90 then issues wgmma with the decoded weight in registers and x_hat from
-    shared memory). Counted on sm_90 (`benchmarks/gpu_static_model.py`): 587 -> 533
-    warp-instructions per 16384 weights at 16 rows, 764 -> 594 at 32 (the mma.sync form
+    shared memory). Counted on sm_90 (`benchmarks/gpu_static_model.py`): 606 -> 533
+    warp-instructions per 16384 weights at 16 rows, 781 -> 626 at 32 (the mma.sync form
     copied the x operand's registers for every MMA). Not on sm_100 (tcgen05 takes A from
-    shared memory: 568 -> 768), nor for NVFP4 (E4M3 scales: 784 -> 869 on sm_90)."""
+    shared memory: 585 -> 768), nor for NVFP4 (E4M3 scales: 784 -> 869 on sm_90)."""
     if nvfp4 or block_m > W_A_MAX_ROWS:
         return False
     cap = target_capability(device)
@@ -536,7 +536,7 @@ def gpu_block_m(m: int, hat: bool, widest_ok: bool = True) -> int:
     """Rows per GPU row tile: GPU_BLOCK_M, or on the x_hat word path for more rows the
     smallest of WIDE_BLOCK_MS that holds them (64 above 32; 32 at most unless widest_ok,
     `sm90_or_later`). A wider row tile dequantizes each weight tile once for more rows (no x
-    to dequantize there): sm_90 counts 533 / 594 / 636 instructions per warp per 16384
+    to dequantize there): sm_90 counts 533 / 626 / 667 instructions per warp per 16384
     weights at 16 / 32 / 64 rows (wgmma at all three), no spill."""
     if not hat or m <= GPU_BLOCK_M:
         return GPU_BLOCK_M
