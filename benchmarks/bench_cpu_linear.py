@@ -9,6 +9,10 @@ F.linear (and, with --reference, the pure-torch reference backend), in one run.
 For each linear shape (N, K) of the model and each row count M it prints the median wall
 time of:
   bf16      torch.nn.functional.linear on bf16 weights (the unquantized baseline; oneDNN)
+  vllm      what vLLM's CPU backend runs for the same bf16 linear (its
+            dispatch_cpu_unquantized_gemm: oneDNN's GEMM on a weight it packs once, AMX's
+            sgl-kernel for small weights on AMX hosts, zentorch where installed): the
+            baseline a served bf16 model has (nan without vLLM)
   fp32      the same on fp32 weights and activations (the stronger baseline on a CPU without
             avx512_bf16 / AMX, where bf16 F.linear converts to fp32 on the fly)
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
@@ -17,10 +21,14 @@ time of:
             one AMX hosts take for M >= 64, timed here whatever the host (on a CPU without
             native bf16 its GEMM is a plain fp32 one), with the ratios bf16/exact and
             packed/exact (>= 1: the exact path is faster than today's integer kernel)
-and the ratios bf16/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
+and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
-of the smaller macro blocks). Weight bytes per element:
+of the smaller macro blocks). The caches: by default they are evicted before each timed call;
+--stream instead rotates over copies of every weight (per timed kind, enough copies for twice
+the L3), so each call reads its weight from memory while the previous call's traffic is
+still in flight, as a model larger than the caches does step after step; --warm keeps one
+copy (in cache where it fits). Weight bytes per element:
 bf16 2, reference 4, packed ~0.57. The CPU model, its SIMD flags and the load average (before
 and after) are printed: on a shared machine only the ratios measured in one run mean much.
 """
@@ -109,6 +117,37 @@ def cpu_description() -> str:
     return f"{model} [{' '.join(f for f in keep if f in flags)}]"
 
 
+def _copies(nbytes: int) -> int:
+    """--stream: how many copies of an `nbytes` weight make a rotation that misses the L3
+    (twice its size, at least 2)."""
+    return max(2, -(-2 * _l3_bytes() // max(1, nbytes)))
+
+
+def _rotating(items: list, call):
+    """A callable that runs `call(item)` on the next of `items` each time (round robin)."""
+    state = {"i": 0}
+
+    def run():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return call(item)
+
+    return run
+
+
+def _vllm_bf16_linear(w_bf16: torch.Tensor):
+    """The GEMM vLLM's CPU backend serves this bf16 weight with (its own dispatch, the
+    weight kept), as a callable x -> y; None without vLLM."""
+    try:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    except ImportError:
+        return None
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w_bf16, requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return lambda x: layer.cpu_linear(x, layer.weight, None)
+
+
 def machine_line(*extra: str) -> str:
     """The `machine :` banner line of the CPU benchmarks, then `extra` fields."""
     fields = [
@@ -162,6 +201,12 @@ def main() -> int:
         "before each timed call, as serving a model larger than L3 does)",
     )
     ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="rotate over copies of each weight (twice the L3 per timed kind) instead of "
+        "evicting the caches: each call streams its weight from memory, as serving does",
+    )
+    ap.add_argument(
         "--macro-block",
         type=int,
         default=128,
@@ -193,15 +238,24 @@ def main() -> int:
     print(
         f"versions: torch {torch.__version__}; scheme {args.scheme}; build {cpu_kernels.build_name()}"
     )
-    cold = not args.warm
-    print(f"caches  : {'warm (weights stay cached)' if args.warm else 'evicted before each call'}")
+    if args.warm and args.stream:
+        raise SystemExit("--warm and --stream exclude each other")
+    cold = not (args.warm or args.stream)
+    caches = (
+        "warm (weights stay cached)"
+        if args.warm
+        else f"streamed (copies of each weight rotated, >= 2x L3 of {_l3_bytes() >> 20} MiB)"
+        if args.stream
+        else "evicted before each call"
+    )
+    print(f"caches  : {caches}")
     print(f"clock   : {'thread CPU time' if args.clock == 'cpu' else 'wall time'}")
     models = list(SHAPES) if args.model == "all" else [args.model]
     ms = [int(v) for v in args.m.split(",")]
     print(
-        f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'fp32 us':>9s} "
-        f"{'ref us':>9s} {'packed us':>9s} {'bf16/packed':>11s} {'fp32/packed':>11s} "
-        f"{'ref/packed':>10s}"
+        f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'vllm us':>9s} "
+        f"{'fp32 us':>9s} {'ref us':>9s} {'packed us':>9s} {'bf16/packed':>11s} "
+        f"{'vllm/packed':>11s} {'fp32/packed':>11s} {'ref/packed':>10s}"
         + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
         + (
             f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s}"
@@ -210,7 +264,8 @@ def main() -> int:
         )
     )
     g = torch.Generator().manual_seed(0)
-    tot = {"bf16": 0.0, "fp32": 0.0, "ref": 0.0, "packed": 0.0, "p128": 0.0, "exact": 0.0}
+    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact"]
+    tot = dict.fromkeys(kinds, 0.0)
     for model in models:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
             if name not in args.shapes.split(","):
@@ -218,53 +273,93 @@ def main() -> int:
             w = torch.randn(n, k, generator=g) * 0.02
             spec = _linear_spec(LinearSpec, args.scheme, n, k, args.macro_block)
             q = quantize(w, spec.weight_format, macro_block=args.macro_block)
-            ref_layer, packed_layer = torch.nn.Module(), torch.nn.Module()
-            ref, packed = ReferenceBackend(spec), CpuPackedBackend(spec)
+            packed = CpuPackedBackend(spec)
             ok, why = packed.can_implement(spec)
             if not ok:
                 raise SystemExit(why)
+
+            def layer_of(backend, qw):
+                layer = torch.nn.Module()
+                backend.process_weights_after_loading(layer, qw)
+                return layer
+
+            # per timed kind: (make one copy of the weight, bytes per copy, call(copy, x, xf))
+            makers: dict = {
+                "bf16": (
+                    lambda: w.to(torch.bfloat16),
+                    2,
+                    lambda wb, x, xf: torch.nn.functional.linear(x, wb),
+                ),
+                "vllm": (
+                    lambda: _vllm_bf16_linear(w.to(torch.bfloat16)),
+                    2,
+                    lambda f, x, xf: f(x),
+                ),
+                "fp32": (
+                    lambda: w.clone(),
+                    4,
+                    lambda w32, x, xf: torch.nn.functional.linear(xf, w32),
+                ),
+                "packed": (
+                    lambda: layer_of(packed, q),
+                    9 / 16,
+                    lambda layer, x, xf: packed.apply(layer, x, None),
+                ),
+            }
+            if args.macro_block != 128:
+                p128 = CpuPackedBackend(_linear_spec(LinearSpec, args.scheme, n, k, MACRO_BLOCK))
+                q128 = quantize(w, spec.weight_format)
+                makers["p128"] = (
+                    lambda: layer_of(p128, q128),
+                    9 / 16,
+                    lambda layer, x, xf: p128.apply(layer, x, None),
+                )
             if args.reference:
-                ref.process_weights_after_loading(ref_layer, q)
-            packed.process_weights_after_loading(packed_layer, q)
+                ref = ReferenceBackend(spec)
+                makers["ref"] = (
+                    lambda: layer_of(ref, q),
+                    4,
+                    lambda layer, x, xf: ref.apply(layer, x, None),
+                )
             if args.exact_bf16:
                 from vllm_mxplus.backends.cpu import exact_bf16
 
-                exact_w = exact_bf16.ExactBf16Weight.from_quantized(q, spec.scheme)
-            if args.macro_block != 128:
-                spec128 = _linear_spec(LinearSpec, args.scheme, n, k, MACRO_BLOCK)
-                p128, p128_layer = CpuPackedBackend(spec128), torch.nn.Module()
-                p128.process_weights_after_loading(p128_layer, quantize(w, spec.weight_format))
-            wb = w.to(torch.bfloat16)
+                makers["exact"] = (
+                    lambda: exact_bf16.ExactBf16Weight.from_quantized(q, spec.scheme),
+                    2,
+                    lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
+                )
+            copies: dict = {}
+            for kind, (make, per_weight, _) in makers.items():
+                reps = _copies(int(per_weight * n * k)) if args.stream else 1
+                copies[kind] = [make() for _ in range(reps)]
+                if copies[kind][0] is None:  # no vLLM here
+                    del copies[kind]
             for m in ms:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
                 xf = x.float()
+                timed = [kind for kind in kinds if kind in copies]
                 fns = [
-                    lambda: torch.nn.functional.linear(x, wb),
-                    lambda: torch.nn.functional.linear(xf, w),
-                    lambda: packed.apply(packed_layer, x, None),
+                    _rotating(copies[kind], lambda c, f=makers[kind][2]: f(c, x, xf))
+                    for kind in timed
                 ]
-                if args.macro_block != 128:
-                    fns.append(lambda: p128.apply(p128_layer, x, None))
-                if args.reference:
-                    fns.append(lambda: ref.apply(ref_layer, x, None))
-                if args.exact_bf16:
-                    fns.append(lambda: exact_bf16.linear(x, exact_w, None, torch.bfloat16))
-                t_b, t_f, t_p, *rest = _medians_us(fns, cold, args.min_time, args.min_iters, clock)
-                t_128 = rest.pop(0) if args.macro_block != 128 else float("nan")
-                t_r = rest.pop(0) if args.reference else float("nan")
-                t_e = rest.pop(0) if args.exact_bf16 else float("nan")
-                tot["exact"] += t_e
-                tot["p128"] += t_128
-                tot["bf16"] += t_b
-                tot["fp32"] += t_f
-                tot["ref"] += t_r
-                tot["packed"] += t_p
+                t = dict.fromkeys(kinds, float("nan"))
+                t.update(zip(timed, _medians_us(fns, cold, args.min_time, args.min_iters, clock)))
+                for kind in kinds:
+                    tot[kind] += t[kind]
+                t_p = t["packed"]
                 print(
-                    f"{model:8s} {n:6d} {k:6d} {m:4d} {t_b:9.1f} {t_f:9.1f} {t_r:9.1f} "
-                    f"{t_p:9.1f} {t_b / t_p:11.2f} {t_f / t_p:11.2f} {t_r / t_p:10.2f}"
-                    + (f" {t_128:9.1f} {t_p / t_128:6.2f}" if args.macro_block != 128 else "")
+                    f"{model:8s} {n:6d} {k:6d} {m:4d} {t['bf16']:9.1f} {t['vllm']:9.1f} "
+                    f"{t['fp32']:9.1f} {t['ref']:9.1f} {t_p:9.1f} {t['bf16'] / t_p:11.2f} "
+                    f"{t['vllm'] / t_p:11.2f} {t['fp32'] / t_p:11.2f} {t['ref'] / t_p:10.2f}"
                     + (
-                        f" {t_e:9.1f} {t_b / t_e:10.2f} {t_p / t_e:12.2f}"
+                        f" {t['p128']:9.1f} {t_p / t['p128']:6.2f}"
+                        if args.macro_block != 128
+                        else ""
+                    )
+                    + (
+                        f" {t['exact']:9.1f} {t['bf16'] / t['exact']:10.2f} "
+                        f"{t_p / t['exact']:12.2f}"
                         if args.exact_bf16
                         else ""
                     ),
@@ -272,6 +367,7 @@ def main() -> int:
                 )
     print(
         f"sum over rows: bf16/packed = {tot['bf16'] / tot['packed']:.2f}x, "
+        f"vllm/packed = {tot['vllm'] / tot['packed']:.2f}x, "
         f"fp32/packed = {tot['fp32'] / tot['packed']:.2f}x, "
         f"reference/packed = {tot['ref'] / tot['packed']:.2f}x"
         + (
@@ -306,6 +402,7 @@ def main() -> int:
         + (" --reference" if args.reference else "")
         + (" --exact-bf16" if args.exact_bf16 else "")
         + (" --warm" if args.warm else "")
+        + (" --stream" if args.stream else "")
     )
     return 0
 

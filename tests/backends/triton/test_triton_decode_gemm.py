@@ -577,6 +577,27 @@ def test_weight_operand_follows_the_gpu():
         assert not weight_is_a(torch.device("meta"), True, 16)  # NVFP4
 
 
+def test_capture_without_a_capability_asks_no_gpu(monkeypatch):
+    """Inside `capture_launches()` without a capability the launchers make sm_90's choices and
+    never ask torch.cuda (the fake-CUDA graph guard captures on a machine without CUDA); with
+    one, that GPU's choices; outside a capture a CUDA device is asked."""
+    from vllm_mxplus.backends.triton import launch
+
+    def no_gpu(device=None):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu)
+    cuda = torch.device("cuda")
+    with launch.capture_launches():
+        assert launch.target_capability(cuda) is None
+    with launch.capture_launches(100):
+        assert launch.target_capability(cuda) == 100
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert launch.target_capability(cuda) == 89
+    assert launch.target_capability(torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("weight_a", [True, False], ids=["weight-A", "weight-B"])
 @pytest.mark.parametrize("m", [1, 24])
 def test_serving_path_either_operand_within_bound(weight_a, m, triton_device, monkeypatch):

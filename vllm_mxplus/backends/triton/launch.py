@@ -96,8 +96,10 @@ def capture_launches(capability: int | None = None) -> Iterator[list[Launch]]:
 def target_capability(device: torch.device) -> int | None:
     """The compute capability (major * 10 + minor) whose tiles a launch on `device` gets:
     inside `capture_launches(capability)` that one; else on a CUDA device its own; None under
-    the interpreter or on other devices (the launchers then pick sm_90's tiles)."""
-    if _CAPTURE is not None and _CAPTURE_CAPABILITY is not None:
+    the interpreter or on other devices (the launchers then pick sm_90's tiles), and inside
+    `capture_launches()` without one (its tensors may be fake or on the meta device: no GPU
+    is asked)."""
+    if _CAPTURE is not None:
         return _CAPTURE_CAPABILITY
     if interpreting() or device.type != "cuda":
         return None

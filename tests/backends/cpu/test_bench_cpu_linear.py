@@ -1,0 +1,67 @@
+"""benchmarks/bench_cpu_linear.py: the streamed mode's rotation and vLLM's bf16 baseline."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from repo_scripts import load_repo_script
+
+bench = load_repo_script("benchmarks/bench_cpu_linear.py", "bench_cpu_linear_under_test")
+
+
+def test_copies_cover_twice_the_l3(monkeypatch):
+    monkeypatch.setattr(bench, "_l3_bytes", lambda: 32 << 20)
+    for nbytes in (1, 14 << 20, 50 << 20, 63 << 20, 64 << 20, 1 << 30):
+        n = bench._copies(nbytes)
+        assert n >= 2
+        assert n * nbytes >= 2 * (32 << 20)
+        # one copy fewer would not cover it (or the floor of 2 holds)
+        assert n == 2 or (n - 1) * nbytes < 2 * (32 << 20)
+
+
+def test_rotating_calls_each_item_in_turn():
+    seen: list[int] = []
+    run = bench._rotating([10, 20, 30], lambda item: seen.append(item) or item)
+    assert [run() for _ in range(7)] == [10, 20, 30, 10, 20, 30, 10]
+    assert seen == [10, 20, 30, 10, 20, 30, 10]
+
+
+def test_vllm_baseline_is_the_same_linear():
+    pytest.importorskip("vllm")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 256, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    f = bench._vllm_bf16_linear(w)
+    assert f is not None
+    y = f(x)
+    want = x.float() @ w.float().t()
+    assert y.shape == (5, 96) and y.dtype == torch.bfloat16
+    # both sides are the exact product of bf16 values summed in fp32; the output rounds once
+    # to bf16 (relative 2^-8), the fp32 sums differ in order by at most K u |x||w|
+    bound = 2.0**-8 * want.abs() + 256 * 2.0**-24 * (x.float().abs() @ w.float().abs().t())
+    assert torch.all((y.float() - want).abs() <= bound + 1e-30)
+
+
+def test_stream_run_prints_every_column(monkeypatch, capsys):
+    pytest.importorskip("vllm")
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+
+    ok, why = cpu_kernels.load()
+    if not ok:
+        pytest.skip(f"CPU kernels not built here: {why}")
+    monkeypatch.setitem(bench.SHAPES, "smollm2", [(64, 128)] * 4)
+    monkeypatch.setattr(bench, "_l3_bytes", lambda: 1 << 16)  # a few copies, not hundreds
+    argv = ["bench_cpu_linear.py", "--scheme", "mxfp4-mbs-s", "--m", "1,4", "--shapes", "qkv"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--stream", "--min-iters", "1", "--min-time", "0"])
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "caches  : streamed" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("smollm2")]
+    assert [r[3] for r in rows] == ["1", "4"]
+    for r in rows:
+        bf16, vllm, packed = float(r[4]), float(r[5]), float(r[8])
+        assert bf16 > 0 and vllm > 0 and packed > 0  # timed, not nan
+        assert float(r[10]) == pytest.approx(vllm / packed, rel=0.02)
+    assert "vllm/packed = " in out and "--stream" in out.splitlines()[-1]
