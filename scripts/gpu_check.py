@@ -25,8 +25,9 @@ Triton backends, so that a build finishing mid-step changes no choice):
   sweep    the replay floor; the 8B decode layer at VLLM_MXPLUS_GPU_PROGRAMS_PER_SM 2/3/4/8;
            the decode GEMM alone at each split-K x BLOCK_N x warps x stages (qkv and down at
            M 1 and 16, each case its own check), the replay floor, the FP8-chunk prefill's
-           stages apart (mxfp4-mbs against mxfp4-16-oas), the MX+ and NVFP4 layers' decode
-           path against their mx_gemm path at M 1 / 4 / 16
+           stages apart (mxfp4-mbs against mxfp4-16-oas), the 8B layer across the batched
+           decode / prefill border (M 64 ... 512: decode path, served path, bf16), the MX+
+           and NVFP4 layers' decode path against their mx_gemm path at M 1 / 4 / 16
   stack    a Llama-3-8B-shaped stack without attention (qkv, o, gate_up, down linears, an
            8-expert silu MoE layer, a gpt-oss-style swigluoai MoE layer with biases) under
            torch.compile, captured in CUDA graphs at M 1, 8, 16, 24, 64, 512: replay = eager
@@ -664,12 +665,50 @@ def step_sweep(st: Step) -> None:
             st.check(f"decode sweep {shape[0]} M={m} (mxfp4-mbs)",
                      lambda shape=shape, m=m: decode_sweep_case(shape, m))  # fmt: skip
     st.check("prefill apart: FP8-chunk pipeline stages, mxfp4-mbs vs mxfp4-16-oas", prefill_apart)
+    st.check(
+        f"batched decode border: decode path vs served path vs bf16 at M {BORDER_MS} (8B layer)",
+        border_case,
+    )
     for scheme in ("mxplus", "nvfp4"):
         st.check(f"{scheme}: decode GEMM vs mx_gemm at M 1/4/16 (qkv)",
                  lambda scheme=scheme: decode_vs_mx_gemm(scheme))  # fmt: skip
 
 
 SWEEP_PER_SM = (2, 3, 4, 8)  # VLLM_MXPLUS_GPU_PROGRAMS_PER_SM values (2: the default)
+# batched decode sizes across the decode / prefill border (triton.linear.BATCHED_DECODE_MAX_M)
+BORDER_MS = (64, 128, 192, 256, 384, 512)
+
+
+def border_case() -> dict:
+    """Where the decode GEMM should hand over to the prefill pipeline: Llama-3-8B's four
+    linears (mxfp4-mbs, act-quant and bias included) at each of BORDER_MS rows on the decode
+    path (the triton-decode backend's `apply`, which tiles any M), on the path the dispatch
+    serves that M with, and in bf16; each the sum of the four CUDA-graph replays."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"border.{name}") for name, n, k in SHAPES]
+    res: dict[str, Any] = {}
+    for m in BORDER_MS:
+        row = {"decode_us": 0.0, "served_us": 0.0, "bf16_us": 0.0, "served_by": []}
+        for lin in lins:
+            x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
+            dec = lin.dispatch.pick(1)
+            row["decode_us"] += 1e3 * _graph_replay_ms(
+                lambda t, lin=lin, dec=dec: dec.apply(lin.layer, t, lin.bias), x
+            )
+            row["served_us"] += 1e3 * _graph_replay_ms(lin, x)
+            row["bf16_us"] += 1e3 * _graph_replay_ms(
+                lambda t, lin=lin: F.linear(t, lin.w_bf16, lin.bias), x
+            )
+            row["served_by"].append(lin.dispatch.pick(m).name)
+        row["decode_vs_bf16"] = row["bf16_us"] / row["decode_us"]
+        row["served_vs_bf16"] = row["bf16_us"] / row["served_us"]
+        res[f"M{m}"] = row
+        print(f"[gpu_check] border M={m}: decode {row['decode_us']:.1f} us, served "
+              f"{row['served_us']:.1f} us ({row['served_by'][0]}), bf16 {row['bf16_us']:.1f} us",
+              flush=True)  # fmt: skip
+    return res
 
 
 def layer_per_sm() -> dict:

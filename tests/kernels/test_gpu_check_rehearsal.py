@@ -91,6 +91,16 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     per_sm = mod.layer_per_sm()
     assert set(per_sm) == {f"per_sm{p} M{m}_us" for p in (2, 4) for m in (1, 16)}
     assert "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM" not in os.environ
+    monkeypatch.setattr(mod, "BORDER_MS", (8, 24))
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", mod.TRITON_ONLY)
+    border = mod.border_case()
+    assert set(border) == {"M8", "M24"}
+    for row in border.values():
+        assert row["decode_us"] > 0 and row["served_us"] > 0 and row["bf16_us"] > 0
+        assert len(row["served_by"]) == len(mod.TOY_SHAPES)
+        assert row["decode_vs_bf16"] == pytest.approx(row["bf16_us"] / row["decode_us"])
+    assert border["M8"]["served_by"][0] == "triton-decode"
+    monkeypatch.setenv("VLLM_MXPLUS_BACKEND", "linear:reference")
     monkeypatch.setattr(mod, "SWEEP_SHAPES", (("qkv", 64, 256),))
     monkeypatch.setenv("VLLM_MXPLUS_BACKEND", mod.TRITON_ONLY)
     for scheme in ("mxplus", "nvfp4"):
