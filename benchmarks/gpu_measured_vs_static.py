@@ -7,7 +7,11 @@ benchmarks/results/ that holds it under "speed" (default: the newest gpu_check_*
 there). Prints one Markdown table: per scheme and M, Llama-3-8B's four linears (one layer,
 act-quant included) measured against the same linears in bf16, and the static estimate the
 speed step put beside it (`benchmarks/gpu_static_model.py`, its commit named), with the ratio
-measured / estimated. Then act-quant against a bf16 copy and one expert's GEMM.
+measured / estimated. Then act-quant against a bf16 copy and one expert's GEMM, and, where the
+file also holds the sweep step (its sweep.json, or a results file with it under "sweep"; or
+pass it with --sweep), the batched decode / prefill border: the 8B layer at each M on the
+decode path, on the path served and in bf16, and the largest M up to which the decode path is
+ahead of the served one (what `triton.linear.BATCHED_DECODE_MAX_M` would be by measurement).
 """
 
 from __future__ import annotations
@@ -75,9 +79,61 @@ def extras(speed: dict) -> list[str]:
     return out
 
 
+BORDER_CHECK = "batched decode border"  # gpu_check.py's step_sweep: its check's name
+
+
+def border(sweep: dict) -> list[str]:
+    """The sweep's border case as a table, then the largest M up to which the decode path is
+    ahead of (or level with) the served one at every M measured."""
+    case = next((c for c in sweep.get("checks", []) if c["check"].startswith(BORDER_CHECK)), None)
+    if case is None:
+        return []
+    if not case.get("ok"):
+        return [f"- FAILED {case['check']}: {str(case.get('error', ''))[:200]}"]
+    out = [
+        "| M | decode path µs | served µs (qkv's backend) | bf16 µs | decode / bf16 | "
+        "served / bf16 |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    ms = sorted(int(key[1:]) for key in case if key.startswith("M") and key[1:].isdigit())
+    for m in ms:
+        r = case[f"M{m}"]
+        out.append(
+            f"| {m} | {r['decode_us']:.1f} | {r['served_us']:.1f} ({r['served_by'][0]}) | "
+            f"{r['bf16_us']:.1f} | {r['decode_vs_bf16']:.2f}× | {r['served_vs_bf16']:.2f}× |"
+        )
+    ahead_to = None
+    for m in ms:  # from the smallest M up to the first where the decode path is behind
+        if case[f"M{m}"]["decode_us"] > case[f"M{m}"]["served_us"]:
+            break
+        ahead_to = m
+    out.append(
+        f"- the decode path is ahead of the served path up to M = {ahead_to} of those measured"
+        if ahead_to is not None
+        else "- the decode path is behind the served path at every M measured"
+    )
+    return out
+
+
+def load_sweep(path: Path | None, result: Path | None) -> dict | None:
+    """The sweep step's record: from `path`, else from the results file `result` (under
+    "sweep") when it holds one."""
+    if path is not None:
+        doc = json.loads(path.read_text())
+        sweep = doc.get("sweep", doc)
+        if sweep.get("step") != "sweep":
+            raise SystemExit(f"{path}: neither a sweep step record nor a result file holding one")
+        return sweep
+    if result is None:
+        return None
+    sweep = json.loads(result.read_text()).get("sweep")
+    return sweep if isinstance(sweep, dict) and sweep.get("step") == "sweep" else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", nargs="?", type=Path, help="speed.json or a results file")
+    ap.add_argument("--sweep", type=Path, help="the same run's sweep.json (the border table)")
     args = ap.parse_args(argv)
     head, speed = load(args.result)
     est = speed.get("static_estimate_from") or {}
@@ -89,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows(speed)))
     print()
     print("\n".join(extras(speed)))
+    sweep = load_sweep(args.sweep, args.result)
+    table = border(sweep) if sweep else []
+    if table:
+        print(f"\n# MEASURED: the batched decode / prefill border (sweep step, {BORDER_CHECK})\n")
+        print("\n".join(table))
     return 0
 
 

@@ -44,3 +44,40 @@ def test_a_file_without_a_speed_step_is_refused(tmp_path):
     bad.write_text(json.dumps({"step": "served", "checks": []}))
     with pytest.raises(SystemExit, match="neither a speed step"):
         _module().main([str(bad)])
+
+
+def _border_sweep(times: dict[int, tuple[float, float]]) -> dict:
+    """A sweep step record whose border case has (decode µs, served µs) per M."""
+    case = {"check": "batched decode border: decode path vs served path vs bf16", "ok": True}
+    for m, (dec, served) in times.items():
+        case[f"M{m}"] = {"decode_us": dec, "served_us": served, "bf16_us": 100.0,
+                         "served_by": ["triton-decode" if m <= 128 else "triton-fp8-prefill"],
+                         "decode_vs_bf16": 100.0 / dec, "served_vs_bf16": 100.0 / served}  # fmt: skip
+    return {"step": "sweep", "checks": [{"check": "replay floor", "ok": True}, case]}
+
+
+def test_border_table_and_where_decode_stops(tmp_path, capsys):
+    mod = _module()
+    sweep = _border_sweep({256: (90.0, 80.0), 64: (50.0, 50.0), 128: (60.0, 70.0),
+                           512: (150.0, 200.0)})  # fmt: skip
+    lines = mod.border(sweep)
+    assert [ln.split("|")[1].strip() for ln in lines[2:6]] == ["64", "128", "256", "512"]
+    assert "| 128 | 60.0 | 70.0 (triton-decode) | 100.0 | 1.67× | 1.43× |" in lines
+    # ahead (or level) at 64 and 128, behind at 256: 512's lead after that does not count
+    assert lines[-1].endswith("up to M = 128 of those measured")
+    assert mod.border(_border_sweep({64: (60.0, 50.0), 128: (40.0, 50.0)}))[-1].endswith(
+        "behind the served path at every M measured"
+    )
+    assert mod.border({"step": "sweep", "checks": []}) == []
+    failed = {"step": "sweep", "checks": [{"check": "batched decode border: x", "ok": False,
+                                           "error": "OOM"}]}  # fmt: skip
+    assert mod.border(failed) == ["- FAILED batched decode border: x: OOM"]
+    # the CLI: the committed speed record with a sweep.json beside it
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(sweep))
+    assert mod.main([str(RUN), "--sweep", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "batched decode / prefill border" in out and "up to M = 128" in out
+    path.write_text(json.dumps({"step": "speed"}))
+    with pytest.raises(SystemExit, match="sweep.json: neither a sweep step"):
+        mod.main([str(RUN), "--sweep", str(path)])
