@@ -8,8 +8,9 @@ domain (formats x dtypes x row counts x K x macro blocks x bias x split-K) on me
 records each launch with the GPU's tile choices instead of running it. Each distinct
 (kernel, argument types, constexprs, divisibility) is then compiled by Triton's own compiler
 for a `GPUTarget("cuda", cc, 32)`, and the bundled `ptxas -v` reports registers and spills of
-its PTX; Triton's metadata gives the shared memory. A compile failure, any spill, or shared
-memory over the target's per-block limit is a failure (exit code 1).
+its PTX; Triton's metadata gives the shared memory. A compile failure, any spill, shared
+memory over the target's per-block limit, or inline assembly packing elements that the
+compiled layout does not keep consecutive (`asm_packs`) is a failure (exit code 1).
 
 Compiles run in worker processes with a private Triton cache (a temporary directory, removed
 afterwards) and without TRITON_INTERPRET, so nothing leaks into the user's ~/.triton cache.
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from vllm_mxplus.kernel_tools.aot_drivers import DRIVERS, min_target
+from vllm_mxplus.kernel_tools.asm_packs import packed_asm_problems
 
 #: sm -> max dynamic shared memory per block (bytes), from the CUDA programming guide.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
@@ -280,6 +282,9 @@ def compile_config(config: KernelConfig, target: int) -> CompileResult:
     t0 = time.time()
     try:
         ck = compile_kernel(config, target)
+        packs = packed_asm_problems(ck.asm["ttgir"])
+        if packs:
+            raise RuntimeError("; ".join(packs))
         res.smem = int(getattr(ck.metadata, "shared", 0))
         res.regs, res.spill_bytes = _ptxas_stats(
             ck.asm["ptx"], target, os.environ["TRITON_CACHE_DIR"]

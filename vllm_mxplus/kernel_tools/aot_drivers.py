@@ -76,6 +76,20 @@ def _drive_fp8_chunk_gemm(quick: bool) -> None:
                        _meta((nc, n), f32), _meta((n,), f32) if bias else None, out)  # fmt: skip
 
 
+def _drive_fp8_packed_gemm(quick: bool) -> None:
+    from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
+
+    shapes = ((4096, 4096, 4096),) if quick else ((4096, 4096, 4096), (256, 576, 1536),
+                                                   (300, 100, 128), (1024, 4096, 14336))  # fmt: skip
+    outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    for (m, n, k), out, bias, mbs in itertools.product(shapes, outs, (False, True), (True, False)):
+        codes, scales, _ = _gemm_operand(n, k, "mxfp4-16", 16, 128)
+        w_mbs = _meta((n, k // 128), torch.uint8) if mbs else None
+        fp8_packed_gemm(_meta((m, k), f8), _meta((k // 128, m), f32), codes, scales, w_mbs, k,
+                        _meta((n,), f32) if bias else None, out)  # fmt: skip
+
+
 def _gemm_operand(
     rows: int, k: int, fmt: str, bs: int, macro: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -393,6 +407,7 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "act_quant_fp8_chunks": _drive_act_fp8,
     "weight_fp8_chunks": _drive_weight_fp8,
     "fp8_chunk_gemm": _drive_fp8_chunk_gemm,
+    "fp8_packed_gemm": _drive_fp8_packed_gemm,
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
     "moe_gemm": _drive_moe_gemm,
@@ -405,6 +420,7 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
 #: skipped for them, not failed.
 MIN_TARGET: dict[str, int] = {
     "_fp8_chunk_gemm_kernel": 89,
+    "_fp8_packed_gemm_kernel": 89,
     "_weight_fp8_words_kernel": 89,
     "_weight_fp8_chunks_kernel": 89,
     "_act_fp8_chunks_kernel": 89,

@@ -335,6 +335,7 @@ def test_fused_prefill_op_fake():
             torch.empty(20, 19, dtype=torch.uint8),
             torch.empty(20, 3, dtype=torch.uint8),
             torch.empty(0, dtype=torch.int64),
+            torch.empty(0, dtype=torch.int64),  # the packed-weight GEMM's fallback rows
             None,  # no held FP8 weight
             None,
             None,

@@ -134,3 +134,31 @@ def dequantize_fp8_chunks(layout: Fp8ChunkLayout) -> torch.Tensor:
     pow2 = pow2_f32(layout.ref - E8M0_BIAS).repeat_interleave(CHUNK, dim=-1)
     f = mbs_factor(layout.mbs).repeat_interleave(CHUNK, dim=-1)
     return ((layout.fp8.to(torch.float32) * pow2) / f)[:, : layout.k]
+
+
+# The FP8 form read from the packed weight inside the GEMM (`triton.fp8_packed_gemm`): ref is
+# the largest block scale of the chunk (nonzero blocks or not) - TOP_SHIFT, and a block at
+# d = s - ref is looked up in a table that holds only normal E4M3 bytes, d >= PACKED_MIN_D.
+PACKED_MIN_D = -5  # 0.5 * 2^-5 = 2^-6, E4M3's smallest normal
+
+
+def packed_narrow_chunks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [R, nc]: whether every nonzero 16-block of the chunk lies within 6 - PACKED_MIN_D
+    = 11 binades of the chunk's largest block scale (`packed_fallback_rows`)."""
+    r = codes.shape[0]
+    c, s, _ = _unpacked(codes, scales, None, k)
+    nc = c.shape[1] // CHUNK
+    nonzero = ((c & 7) != 0).view(r, nc, BLOCK_PER_CHUNK, BLOCK).any(-1)
+    s = s.view(r, nc, BLOCK_PER_CHUNK)
+    d = s - (s.amax(-1, keepdim=True) - TOP_SHIFT)
+    return ((d >= PACKED_MIN_D) | ~nonzero).all(-1)
+
+
+def packed_fallback_rows(
+    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
+) -> torch.Tensor:
+    """bool [R]: the weight rows the packed-weight FP8 GEMM does not serve exactly, recomputed
+    from the packed operands: a chunk the FP8 form cannot hold (not `exact`) or one wider than
+    its tables (`packed_narrow_chunks`)."""
+    lay = encode_fp8_chunks(codes, scales, mbs, k)
+    return ~(lay.exact & packed_narrow_chunks(codes, scales, k)).all(-1)

@@ -14,7 +14,10 @@ docs/numerics.md, "Kernel numerics and error bounds"):
 The FP8-chunk pipeline (the weight's FP8 form per call, the activations' from `act_fp8`, the
 exact fallback) runs its GEMM on one of two engines (`ENGINES`): the CUTLASS sm_90a kernel
 where the extension is built, else Triton's (`triton.fp8_chunk_gemm`: the same contract, on
-the FP8 tensor cores of sm_90 and sm_100), so it needs no build step.
+the FP8 tensor cores of sm_90 and sm_100), so it needs no build step. On the Triton engine,
+up to PACKED_WEIGHT_MAX_M rows and for K in whole chunks, the GEMM reads the packed weight
+itself and re-encodes each chunk in registers (`fp8_packed_gemm`): no per-call weight pass,
+its own fallback rows (`fp8_chunks.packed_fallback_rows`, listed at load).
 
 Every step inside the prefill ops is CUDA-graph safe: fixed shapes, no host sync, nothing
 allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.py runs them
@@ -47,9 +50,11 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import (
     Fp8ChunkLayout,
     ceil_to,
     encode_fp8_chunks,
+    packed_narrow_chunks,
     pad_last,
     pad_rows,
 )
+from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
 from vllm_mxplus.backends.cutlass.ops import (
     bias_f32,
     fp4_mbs_gemm,
@@ -67,6 +72,12 @@ from vllm_mxplus.formats import QuantizedTensor, get_format
 
 # the GEMM of the FP8-chunk pipeline: the CUTLASS op, or Triton's kernel (no build needed)
 ENGINES = ("cutlass", "triton")
+# The largest M at which the Triton engine runs `fp8_packed_gemm` (the weight re-encoded per
+# chunk inside the GEMM, once per 128-row tile) rather than the weight's FP8 form made per
+# call and `fp8_chunk_gemm`: the static estimate for Llama-3-8B's linears on H200 has the
+# packed-weight GEMM ahead below ~1,200 rows (`benchmarks/gpu_static_model.py`,
+# docs/benchmarks.md); a measurement has yet to confirm it.
+PACKED_WEIGHT_MAX_M = 1024
 
 
 def engine_gemm(engine: str) -> Callable[..., torch.Tensor]:
@@ -98,6 +109,7 @@ class Sm90Weight(NamedTuple):
     scales: torch.Tensor  # E8M0 [N, K/16]
     mbs: torch.Tensor | None  # [N, K/128] or None
     fallback_idx: torch.Tensor  # weight rows with an inexact chunk (known at load), int64
+    packed_fallback_idx: torch.Tensor  # those and the rows `fp8_packed_gemm` leaves, int64
     fp8: torch.Tensor | None = None  # held FP8 form [ceil8(N), Kp] or None
     fp8_scale: torch.Tensor | None = None  # its folded scales [Kp/128, ceil8(N)] or None
 
@@ -115,6 +127,7 @@ class PreparedWeight:
     mbs: torch.Tensor | None = None  # sm100a: the weight's MBS bytes [N, K/128] or None
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # sm90a
     fallback_idx: torch.Tensor | None = None  # sm90a: rows with an inexact chunk
+    packed_fallback_idx: torch.Tensor | None = None  # sm90a: `Sm90Weight.packed_fallback_idx`
     engine: str = "cutlass"  # sm90a: the FP8-chunk GEMM's engine (`ENGINES`)
     held_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # sm90a: (FP8 form, scales)
 
@@ -123,7 +136,11 @@ class PreparedWeight:
         assert self.packed is not None and self.fallback_idx is not None, (
             "sm90_operands of a weight not prepared for sm90a"
         )
-        return Sm90Weight(*self.packed, self.fallback_idx, *(self.held_fp8 or (None, None)))
+        packed_idx = self.packed_fallback_idx
+        packed_idx = self.fallback_idx if packed_idx is None else packed_idx
+        return Sm90Weight(
+            *self.packed, self.fallback_idx, packed_idx, *(self.held_fp8 or (None, None))
+        )
 
     def sigma(self) -> torch.Tensor:
         """sm100a: the weight's fp32(1/F) per (chunk, row), [Kp/128, Np], built per call from
@@ -159,11 +176,12 @@ def prepare_weight(
         raise ValueError(f"unknown FP8-chunk engine {engine!r} (expected one of {list(ENGINES)})")
     if arch == "sm90a":
         packed = (qweight.codes, qweight.scales, qweight.mbs)  # the same tensors, no copy
-        bad = inexact_rows(*packed, k)
+        bad, packed_bad = fallback_rows(*packed, k)
         held = weight_fp8_chunks(*packed, k, ceil_to(n, 8)) if hold_fp8 else None
         return PreparedWeight(
-            arch, n, k, use_mbs, packed=packed, fallback_idx=bad, engine=engine, held_fp8=held
-        )
+            arch, n, k, use_mbs, packed=packed, fallback_idx=bad, packed_fallback_idx=packed_bad,
+            engine=engine, held_fp8=held,
+        )  # fmt: skip
     if arch == "sm100a":
         npad, kp = ceil_to(n, 8), ceil_to(k, CHUNK)
         codes = pad_rows(qweight.codes, npad)
@@ -184,21 +202,33 @@ def prepare_weight(
 LOAD_ROWS = 256  # weight rows re-encoded at a time at load (temporaries: see inexact_rows)
 
 
-def inexact_rows(
+def fallback_rows(
     codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
-) -> torch.Tensor:
-    """Indices (int64) of the weight rows with a chunk the FP8 form cannot hold exactly, from
-    the definition (`encode_fp8_chunks`), LOAD_ROWS rows at a time: the extra memory at load
-    is one slice's temporaries, not the whole weight's FP8 form (measured on CPU: 29 bytes per
-    slice element, 102 MiB at K = 14336). A host sync per slice: at load only."""
-    bad = []
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (int64) of the weight rows with a chunk the FP8 form cannot hold exactly (from
+    the definition, `encode_fp8_chunks`), and of those plus the rows with a chunk wider than
+    `fp8_packed_gemm`'s tables (`packed_narrow_chunks`), LOAD_ROWS rows at a time: the extra
+    memory at load is one slice's temporaries, not the whole weight's FP8 form (measured on
+    CPU: 29 bytes per slice element, 102 MiB at K = 14336). A host sync per slice: at load
+    only."""
+    bad, packed_bad = [], []
     for r in range(0, codes.shape[0], LOAD_ROWS):
         part = slice(r, r + LOAD_ROWS)
-        lay = encode_fp8_chunks(codes[part], scales[part], None if mbs is None else mbs[part], k)
-        bad.append((~lay.exact_rows).nonzero().flatten() + r)
+        c, s = codes[part], scales[part]
+        exact = encode_fp8_chunks(c, s, None if mbs is None else mbs[part], k).exact
+        bad.append((~exact.all(-1)).nonzero().flatten() + r)
+        narrow = exact & packed_narrow_chunks(c, s, k)
+        packed_bad.append((~narrow.all(-1)).nonzero().flatten() + r)
     if not bad:
-        return torch.empty(0, dtype=torch.int64, device=codes.device)
-    return torch.cat(bad)
+        none = torch.empty(0, dtype=torch.int64, device=codes.device)
+        return none, none
+    return torch.cat(bad), torch.cat(packed_bad)
+
+
+def packed_serves(m: int, k: int, engine: str) -> bool:
+    """Whether the pipeline's GEMM reads the packed weight (`fp8_packed_gemm`) for m rows:
+    the Triton engine, K in whole chunks, m <= PACKED_WEIGHT_MAX_M."""
+    return engine == "triton" and k % CHUNK == 0 and m <= PACKED_WEIGHT_MAX_M
 
 
 def _sm90_gemm(
@@ -219,14 +249,19 @@ def _sm90_gemm(
     work following their number) and, when the weight has inexact rows (known at load), over
     those output columns."""
     rows = ceil_to(n, 8)
-    if w.fp8 is not None and w.fp8_scale is not None:  # held from load
-        w_fp8, w_scale = w.fp8, w.fp8_scale
-    else:
-        w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
     b32 = bias_f32(bias, rows)
-    y = engine_gemm(engine)(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
-    del w_fp8, w_scale  # a temporary goes back to the allocator before the fallbacks
-    y = y[:, :n].contiguous() if y.shape[1] != n else y
+    fallback_idx = w.fallback_idx
+    if w.fp8 is None and packed_serves(xl.fp8.shape[0], xl.k, engine):
+        y = fp8_packed_gemm(xl.fp8, xl.scale, w.codes, w.scales, w.mbs, xl.k, b32, out_dtype)
+        fallback_idx = w.packed_fallback_idx
+    else:
+        if w.fp8 is not None and w.fp8_scale is not None:  # held from load
+            w_fp8, w_scale = w.fp8, w.fp8_scale
+        else:
+            w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, xl.k, rows)
+        y = engine_gemm(engine)(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
+        del w_fp8, w_scale  # a temporary goes back to the allocator before the fallbacks
+        y = y[:, :n].contiguous() if y.shape[1] != n else y
     codes, scales, mbs = x_packed()
     x_ops = (codes, scales, mbs, None)
     w_ops = (w.codes, w.scales, w.mbs, None)
@@ -234,8 +269,8 @@ def _sm90_gemm(
     y = mx_gemm_rows(
         y, ~xl.exact_rows, x_ops, w_ops, xl.k, b, fmt="e8m0", block_size=BLOCK, macro_block=CHUNK
     )
-    if w.fallback_idx.numel():  # static (known at load): no sync
-        idx = w.fallback_idx
+    if fallback_idx.numel():  # static (known at load): no sync
+        idx = fallback_idx
         w_rows = tuple(None if t is None else t[idx] for t in w_ops)
         b_rows = None if b32 is None else b32[idx]
         y[:, idx] = mx_gemm(
@@ -253,6 +288,7 @@ def prefill_sm90_impl(
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
     fallback_idx: torch.Tensor,
+    packed_fallback_idx: torch.Tensor,
     w_fp8: torch.Tensor | None,
     w_fp8_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -264,7 +300,7 @@ def prefill_sm90_impl(
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
         lambda: (x_codes, x_scales, x_mbs),
-        Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, w_fp8, w_fp8_scale),
+        Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, packed_fallback_idx, w_fp8, w_fp8_scale),
         bias,
         n,
         out_dtype,
@@ -287,6 +323,7 @@ def prefill_sm90_fused_impl(
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
     fallback_idx: torch.Tensor,
+    packed_fallback_idx: torch.Tensor,
     w_fp8: torch.Tensor | None,
     w_fp8_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -307,7 +344,7 @@ def prefill_sm90_fused_impl(
         codes, scales, mbs, _ = act_quant(x, fmt, macro_block=CHUNK)
         return codes, scales, mbs if has_mbs else None
 
-    w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, w_fp8, w_fp8_scale)
+    w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, packed_fallback_idx, w_fp8, w_fp8_scale)
     return _sm90_gemm(xl, packed, w, bias, n, out_dtype, engine)
 
 
