@@ -25,12 +25,14 @@ tensor peak) and the ratio. Published peak figures used (dense, boost clock):
 Above 16 rows three paths are estimated: the batched decode (the decode GEMM on x_hat with 32-
 or 64-row tiles, one pass over the weight per row tile; `triton-decode` serves it up to
 `BATCHED_DECODE_MAX_M`), the packed Triton GEMM (`mx_gemm`) and the FP8-chunk pipeline
-(`triton-fp8-prefill`: the weight re-encoded to FP8 per call, the activations encoded by
-`act_fp8`, the Triton FP8 GEMM on the FP8 tensor cores, three kernels one after the other);
-the table shows the path the backends pick at that M (`FP8_PREFILL_MIN_M`) and the fastest
-other path's estimate beside it. Column `quant`: the activation quantizer (with x_hat on the
-decode paths: its instruction count without x_hat, 2 more bytes per element written), or
-both encoders (FP8 path: the weight's per call, the activations').
+(`triton-fp8-prefill`: the activations encoded by `act_fp8`, then up to
+`gemm.PACKED_WEIGHT_MAX_M` rows `fp8_packed_gemm`, which re-encodes each weight chunk in
+registers, above it the weight re-encoded to FP8 per call and the Triton FP8 GEMM, all on
+the FP8 tensor cores); the table shows the path the backends pick at that M
+(`FP8_PREFILL_MIN_M`) and the fastest other path's estimate beside it. Column `quant`: the
+activation quantizer (with x_hat on the decode paths: its instruction count without x_hat, 2
+more bytes per element written), or the encoders (FP8 path: the activations', and the
+weight's where it is re-encoded per call).
 
 Each path also pays LAUNCH_S (an assumption: `gpu_check`'s replay floor measures it) per
 kernel launch, counted from the code's structure (`launches`: quantizer, GEMM, split-K sum;
@@ -86,7 +88,9 @@ FP4_FLOPS = {"B200": 9000e12}  # dense block-scaled FP4 (published); sm_90 has n
 LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumption, not measured)
 # launches per linear besides the GEMM: the activation quantizer (decode, packed prefill);
 # the FP8 pipeline's activation encoder, fallback-rows GEMM and (unless held) weight encoder
-FP8_PIPELINE_LAUNCHES = 3  # act_fp8, the FP8 GEMM, mx_gemm_rows (+ weight_fp8 per call)
+# act_fp8, the act-quant of the fallback rows' packed operand (`gemm._sm90_gemm` runs it over
+# every row: the rows are listed on the device), the FP8 GEMM, mx_gemm_rows (+ weight_fp8)
+FP8_PIPELINE_LAUNCHES = 4
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 
@@ -140,6 +144,7 @@ def _capture(drive: Callable[[], None], arch: int | None = None):
 def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     """name -> (role, unit, a call of the launcher as a Llama-3-8B layer would make it)."""
     from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
+    from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
     from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
     from vllm_mxplus.backends.triton.act_quant import act_quant
     from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
@@ -233,6 +238,12 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         fp8_chunk_gemm(_meta((4096, k), f8), _meta((nc, 4096), f32), _meta((n, k), f8),
                        _meta((nc, n), f32), None, bf16)  # fmt: skip
 
+    def fp8_packed() -> None:  # the weight's chunks re-encoded inside the GEMM
+        f8, f32, nc = torch.float8_e4m3fn, torch.float32, k // 128
+        w = _mx_operand(n, k, "e8m0", 16, 128)
+        fp8_packed_gemm(_meta((4096, k), f8), _meta((nc, 4096), f32), w[0], w[1], w[2], k,
+                        None, bf16)  # fmt: skip
+
     def weight_fp8() -> None:
         w = _mx_operand(n, k, "e8m0", 16, 128)
         weight_fp8_chunks(w[0], w[1], w[2], k, n)
@@ -256,6 +267,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "experts mx_gemm MBS-128": ("experts", "MAC", experts_mx),
         "act-quant mxfp4-mbs-s": ("act_quant", "element", act("mxfp4-mbs-s")),
         "prefill fp8-chunk gemm": ("prefill", "MAC", fp8_gemm),
+        "prefill fp8 packed-weight": ("prefill", "MAC", fp8_packed),
         "encode weight-fp8": ("encode", "weight", weight_fp8),
         "encode act-fp8 mbs-s": ("encode", "element", act_fp8("mxfp4-mbs-s")),
     }
@@ -303,35 +315,68 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int,
                    held: bool = False):  # fmt: skip
     """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
-    seconds of its encoders (the weight's per call unless `held`, the activations'), each
-    kernel max(issue, memory)."""
+    seconds of its encoders (the weight's per call unless `held` or `packed_serves`, the
+    activations' FP8 form and their packed form for the fallback rows), each kernel
+    max(issue, memory). Up to PACKED_WEIGHT_MAX_M rows (not held)
+    the GEMM is `fp8_packed_gemm`, reading the packed weight."""
+    from vllm_mxplus.backends.cutlass.gemm import packed_serves
+
     _, _, _, bw, _, fp8_flops = GPUS[gpu]
     rate = _issue_rate(gpu)
-    g, ew, ea = (counts["prefill fp8-chunk gemm"], counts["encode weight-fp8"],
-                 counts["encode act-fp8 mbs-s"])  # fmt: skip
+    cap, sms = GPUS[gpu][:2]
+    packed = not held and packed_serves(m, 4096, "triton", cap)
+    g = counts["prefill fp8 packed-weight" if packed else "prefill fp8-chunk gemm"]
+    ew, ea = counts["encode weight-fp8"], counts["encode act-fp8 mbs-s"]
     padded = _whole_tiles(m, g.block_m)
-    issue = g.per_unit * padded * weights / rate
+    issue = 0.0
+    memory = m * act_k * FP8_BYTES / bw
+    for _, n, k in LLAMA_8B:
+        # a grid of fewer programs than SMs leaves the others idle; the packed-weight GEMM
+        # splits K to fill them (`split_k_for`), its fp32 partials written and read once more
+        tiles = padded // g.block_m * -(-n // g.block_m)
+        split = _packed_split(tiles, k, gpu) if packed else 1
+        fill = min(1.0, tiles * split / GPUS[gpu][1])
+        issue += g.per_unit * padded * n * k * LAYERS / rate / fill
+        w_bytes = BYTES_PER_WEIGHT if packed else FP8_BYTES
+        memory += LAYERS * (n * k * w_bytes + (split > 1) * 8 * split * m * n) / bw
     tensor = padded * weights / (fp8_flops / 2)
-    memory = (weights + m * act_k) * FP8_BYTES / bw
     enc_w = max(ew.per_unit * weights / rate, weights * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
-    enc_w = 0.0 if held else enc_w
+    enc_w = 0.0 if held or packed else enc_w
     enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
+    aq = counts["act-quant mxfp4-mbs-s"]  # the fallback rows' packed operand, every row
+    enc_a += max(aq.per_unit * m * act_k / rate, m * act_k * ACT_BYTES / bw)
     return (issue, tensor, memory), enc_w + enc_a
 
 
+def _packed_split(tiles: int, k: int, gpu: str) -> int:
+    """K slices `fp8_packed_gemm` launches for `tiles` output tiles over K on `gpu`."""
+    from vllm_mxplus import settings
+    from vllm_mxplus.backends.triton.gemm_launch import split_k_count
+
+    return split_k_count(tiles, -(-k // 128), GPUS[gpu][1], settings.gpu_programs_per_sm())
+
+
 def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
-             block_n: int = 128, block_k: int = 128) -> int:  # fmt: skip
+             block_n: int = 128, block_k: int = 128, capability: int = 90) -> int:  # fmt: skip
     """Kernel launches of Llama-3-8B's four linears at m rows on a path, from the code's
     structure: decode / packed prefill = the activation quantizer, the GEMM, and the split-K
     sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs); the FP8
-    pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held. bf16: one each."""
+    pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held or read packed
+    (`gemm.packed_serves`), + 1 for the split-K sum where the packed-weight GEMM splits K.
+    bf16: one each."""
     from vllm_mxplus import settings
+    from vllm_mxplus.backends.cutlass.gemm import packed_serves
     from vllm_mxplus.backends.triton.gemm_launch import NOMINAL_SMS, split_k_count
 
     if kernel == "bf16":
         return len(LLAMA_8B)
     if kernel == "fp8":
-        return len(LLAMA_8B) * (FP8_PIPELINE_LAUNCHES + (0 if held else 1))
+        if held or not packed_serves(m, 4096, "triton", capability):
+            return len(LLAMA_8B) * (FP8_PIPELINE_LAUNCHES + (0 if held else 1))
+        gpu = next(g for g, spec in GPUS.items() if spec[0] == capability)
+        tiles = [-(-m // 128) * -(-n // 128) for _, n, _ in LLAMA_8B]
+        finish = sum(_packed_split(t, k, gpu) > 1 for t, (_, _, k) in zip(tiles, LLAMA_8B))
+        return len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES + finish
     total = 0
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
@@ -383,15 +428,24 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
             fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k, held)
             # the quantizer also writes x_hat for the decode GEMM (2 bytes per element)
             act_hat = max(act, m * act_k * (ACT_BYTES + HAT_BYTES) / bw)
-            paths = {"prefill": max(packed_bounds) + act, "decode": max(wide_bounds) + act_hat,
-                     "fp8": max(fp8_bounds) + enc}  # fmt: skip
+            cap = GPUS[gpu][0]
+
+            def launch_s(kind: str, bm: int) -> float:
+                return LAYERS * launches(kind, m, held, bm, capability=cap) * LAUNCH_S
+
+            # each path with its own launches, so that "other path" compares like with like
+            paths = {
+                "prefill": max(packed_bounds) + act + launch_s("prefill", pre.block_m),
+                "decode": max(wide_bounds) + act_hat + launch_s("decode", tile),
+                "fp8": max(fp8_bounds) + enc + launch_s("fp8", 128),
+            }
             if m <= wide_max_m:
                 kernel, bounds, act = "decode", wide_bounds, act_hat
             elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
             fp8 = min(v for p_, v in paths.items() if p_ != kernel)
         block_m = pre.block_m if kernel == "prefill" else gpu_block_m(m, hat=True)
-        n_launch = launches(kernel, m, held, block_m)
+        n_launch = launches(kernel, m, held, block_m, capability=GPUS[gpu][0])
         launch = LAYERS * n_launch * LAUNCH_S
         ours = max(bounds) + act + launch
         other = fp8  # the fastest path the backends do not take at this M

@@ -172,7 +172,8 @@ def exact_operands(
     the block's element 0, w at element 1, so a product is at most 6 units of the block's
     scale), random signs; block exponents alternate 0, EXACT_LOW on x and EXACT_LOW, 0 on w
     (products all ~2^-13), NVFP4 0 and -3 (E4M3 block scales) with every value times
-    NVFP4_ROW_AMAX / 6 (a power-of-two global scale); rows times 2^r, r in [-2, 2]."""
+    NVFP4_ROW_AMAX / 6 (a power-of-two global scale); odd E8M0 weight rows without their
+    EXACT_LOW blocks and their others at 2^0, 2^-1 in turn; rows times 2^r, r in [-2, 2]."""
     out = []
     for rows, fmt, at, phase in (
         (m, spec.activation_format, 0, 0),
@@ -187,6 +188,15 @@ def exact_operands(
         low = (torch.arange(nb) + phase) % 2 == 1
         e = torch.where(low, -3.0 if f.has_global_scale else float(EXACT_LOW), 0.0)
         v = mag * sign * torch.exp2(e).repeat_interleave(bs)
+        if phase and not f.has_global_scale:
+            # odd weight rows: the low blocks zero and the others at 2^0 / 2^-1 in turn, so
+            # a chunk's nonzero blocks lie within one binade (the packed-weight FP8 GEMM
+            # serves such rows itself rather than its exact fallback) and several block
+            # exponents meet in one chunk; products still ~2^-13 or 2^-14, under 2^11 of
+            # the finer unit per chunk
+            odd = v[1::2].view(-1, nb, bs)
+            odd[:, low] = 0.0
+            odd[:, ~low] *= torch.exp2(-((torch.arange(nb)[~low] // 2) % 2).float())[:, None]
         if f.has_global_scale:
             v = v * (NVFP4_ROW_AMAX / E2M1_MAX)
         r = torch.randint(-2, 3, (rows, 1), generator=gen).to(torch.float32)

@@ -110,7 +110,10 @@ def _words() -> list[list[int]]:
 def test_ptx_word_gives_the_e4m3_bytes(d):
     """out0 = the E4M3 bytes of nibbles 0..3 (elements 8j..8j+3), out1 those of 4..7: the
     exact E4M3 encoding of each E2M1 value times 2^d (signs and -0 included)."""
-    lo, hi = (fpg.TABLE_LO.value + d * fpg.STEP_LO.value, fpg.TABLE_HI.value + d * fpg.STEP_HI.value)
+    lo, hi = (
+        fpg.TABLE_LO.value + d * fpg.STEP_LO.value,
+        fpg.TABLE_HI.value + d * fpg.STEP_HI.value,
+    )
     for codes in _words():
         word = sum(c << (4 * p) for p, c in enumerate(codes))
         # $2: the 4 code bytes; $3..$6 / $7..$10: the tables (one per packed element)
@@ -229,6 +232,9 @@ def test_pipeline_takes_the_packed_gemm_within_bound(triton_device, monkeypatch)
     """`prefill_gemm` on the Triton engine with K in whole chunks runs `fp8_packed_gemm`
     (counted), recomputes its fallback rows (wide spans, the d = -6 row) and stays within
     the fp32 bound of formats' x_hat W_hat^T; at M above PACKED_WEIGHT_MAX_M it does not."""
+    assert cutlass_gemm.packed_serves(10**6, 512, "triton", 100), "sm_100: every M"
+    assert not cutlass_gemm.packed_serves(16, 576, "triton", 90), "K not in whole chunks"
+    assert not cutlass_gemm.packed_serves(16, 512, "cutlass", 90)
     m, n, k = 21, 40, 512
     g = torch.Generator().manual_seed(9)
     e = torch.randint(-12, 13, (n, k // 16), generator=g)
@@ -254,7 +260,41 @@ def test_pipeline_takes_the_packed_gemm_within_bound(triton_device, monkeypatch)
     bound = output_bound(xh.abs() @ wh.abs().T, y64, bias.double(), k, torch.float32, 24)
     failure = first_outside_bound(y.double(), y64, bound, nan_ok=False)
     assert failure is None, failure
-    monkeypatch.setattr(cutlass_gemm, "PACKED_WEIGHT_MAX_M", m - 1)
+    monkeypatch.setitem(cutlass_gemm.PACKED_WEIGHT_MAX_M, 90, m - 1)  # the interpreter's
     y2 = cutlass_gemm.prefill_gemm(qx.codes, qx.scales, qx.mbs, k, w, bias, torch.float32)
     assert calls == [m], "above PACKED_WEIGHT_MAX_M: the re-encoding pipeline"
     assert first_outside_bound(y2.double(), y64, bound, nan_ok=False) is None
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_packed_gemm_split_k_within_the_chunk_sum_bound(triton_device, split_k):
+    """K slices of whole chunks, summed in order with the bias afterwards: the fp64 chunk sum
+    within (Kp + 3 nc + 2 + split) 2^-24 sum |terms| (the slices add split - 1 additions),
+    plus one ulp of the output dtype; equal to the unsplit kernel where K has one slice."""
+    from cutlass_helpers import emulated_fp8_gemm  # tests/backends/cutlass, on sys.path
+
+    m, n, k = 19, 40, 640
+    w = _packed_weight(n, k, seed=8, mbs=True)
+    xl = _activation(m, k, seed=9)
+    bias = torch.randn(n) * 2
+    served = ~fc.packed_fallback_rows(w.codes, w.scales, w.mbs, k)
+    w_fp8, w_scale = weight_fp8_chunks(w.codes, w.scales, w.mbs, k, n)
+    want = emulated_fp8_gemm(xl.fp8, xl.scale, w_fp8, w_scale, bias, torch.float64)
+    a = xl.fp8.double().view(m, -1, fc.CHUNK).abs()
+    b = w_fp8.double().view(n, -1, fc.CHUNK).abs()
+    mag = torch.einsum("mck,nck->cmn", a, b) * xl.scale.double()[:, :, None]
+    mag = (mag * w_scale.double()[:, None, :]).sum(0) + bias.double().abs()
+    nc = k // fc.CHUNK
+    for out, ulp in ((torch.float32, 2.0**-23), (torch.bfloat16, 2.0**-7)):
+        y = fpg.fp8_packed_gemm(xl.fp8, xl.scale, w.codes, w.scales, w.mbs, k, bias, out,
+                                split_k=split_k)  # fmt: skip
+        assert y.shape == (m, n) and y.dtype == out
+        bound = (k + 3 * nc + 2 + split_k) * 2.0**-24 * mag + ulp * want.abs()
+        err = (y.double() - want).abs()
+        assert (err[:, served] <= bound[:, served]).all()
+        assert (want[:, served].abs() > 64 * bound[:, served]).float().mean() > 0.5
+    one = fpg.fp8_packed_gemm(xl.fp8[:, :128], xl.scale[:1], w.codes[:, :64], w.scales[:, :8],
+                              w.mbs[:, :1], 128, bias, torch.float32, split_k=4)  # fmt: skip
+    ref = fpg.fp8_packed_gemm(xl.fp8[:, :128], xl.scale[:1], w.codes[:, :64], w.scales[:, :8],
+                              w.mbs[:, :1], 128, bias, torch.float32)  # fmt: skip
+    assert torch.equal(one, ref), "one chunk: one slice, whatever split_k asks"

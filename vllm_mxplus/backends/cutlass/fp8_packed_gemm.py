@@ -41,6 +41,7 @@ import torch
 from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, TOP_SHIFT
 from vllm_mxplus.backends.triton.fp8_chunk_gemm import INTERPRET_BLOCK, OUT_DTYPES
 from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma
+from vllm_mxplus.backends.triton.gemm_launch import finish_output, split_k_for
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 from vllm_mxplus.formats.constants import ceil_div
@@ -123,8 +124,8 @@ def packed_chunk_fp8(cb, s, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _fp8_packed_gemm_kernel(
     a_ptr, as_ptr, wc_ptr, ws_ptr, wm_ptr, bias_ptr, out_ptr,
-    M, N, K, NC,
-    stride_am, stride_asc, stride_wc, stride_ws, stride_wm, stride_om,
+    M, N, K, NC, CPS,
+    stride_am, stride_asc, stride_wc, stride_ws, stride_wm, stride_os, stride_om,
     HAS_MBS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, ASM: tl.constexpr,
@@ -148,8 +149,11 @@ def _fp8_packed_gemm_kernel(
     offs_b = tl.arange(0, BLOCK_K // 2)  # its code bytes
     offs_s = tl.arange(0, BLOCK_K // 16)  # its 16-blocks
 
+    # K slice pid_s: chunks [pid_s * CPS, min(NC, (pid_s + 1) * CPS)) (all of them unsplit)
+    pid_s = tl.program_id(1)
+    c0 = pid_s * CPS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c in tl.range(0, NC, num_stages=NUM_STAGES):
+    for c in tl.range(c0, tl.minimum(NC, c0 + CPS), num_stages=NUM_STAGES):
         a = tl.load(a_rows + (c * BLOCK_K + offs_k)[None, :], mask=live_m[:, None], other=0.0)
         kb = c * (BLOCK_K // 2) + offs_b
         cb = tl.load(wc_ptr + w_rows * stride_wc + kb[None, :], mask=live_n[:, None], other=0)
@@ -171,7 +175,7 @@ def _fp8_packed_gemm_kernel(
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
-    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
+    out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
     tl.store(
         out_rows + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -188,10 +192,14 @@ def fp8_packed_gemm(
     k: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """out_dtype [M, N] = sum_c a_scale[c,:,None] w_scale[c,None,:] (A_c W_c^T) + bias, the
     weight W [N, k] packed (module docstring); its fallback rows' columns are not exact here
-    (the caller recomputes them)."""
+    (the caller recomputes them). split_k: K slices (whole chunks each); None: enough for
+    about VLLM_MXPLUS_GPU_PROGRAMS_PER_SM programs per SM (`gemm_launch.split_k_for`: a few
+    rows of a 4096-wide layer give 32 output tiles), none under the interpreter. The slices'
+    fp32 partials are summed in order (`gemm_launch.finish_output`)."""
     if a_fp8.dtype != torch.float8_e4m3fn or a_fp8.dim() != 2:
         raise ValueError(f"fp8_packed_gemm: a_fp8 must be 2-D float8_e4m3fn, got "
                          f"{a_fp8.dtype} {tuple(a_fp8.shape)}")  # fmt: skip
@@ -227,29 +235,39 @@ def fp8_packed_gemm(
         warps, stages = 4, 1
     else:
         bm, bn, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split_k is None:
+        split_k = 1 if interpreting() else split_k_for(tiles, nc, a_fp8.device)
+    cps = triton.cdiv(nc, max(1, min(split_k, nc)))
+    split = triton.cdiv(nc, cps)
+    if split > 1:  # fp32 partials [split, m, n], the bias added by the sum
+        out = torch.empty((split, m, n), dtype=torch.float32, device=a_fp8.device)
     mbs_arg = w_mbs if w_mbs is not None else w_scales  # not read without MBS
+    bias_k = bias if split == 1 else None
     launch(
         _fp8_packed_gemm_kernel,
-        (triton.cdiv(m, bm) * triton.cdiv(n, bn),),
+        (tiles, split),
         a_fp8,
         a_scale,
         w_codes,
         w_scales,
         mbs_arg,
-        bias if bias is not None else a_scale,  # not read without a bias
+        bias_k if bias_k is not None else a_scale,  # not read without a bias
         out,
         m,
         n,
         k,
         nc,
+        cps,
         a_fp8.stride(0),
         a_scale.stride(0),
         w_codes.stride(0),
         w_scales.stride(0),
         mbs_arg.stride(0),
-        out.stride(0),
+        m * n if split > 1 else 0,
+        n,
         HAS_MBS=w_mbs is not None,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias_k is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=CHUNK,
@@ -258,4 +276,4 @@ def fp8_packed_gemm(
         ASM=not interpreting(),
         num_warps=warps,
     )
-    return out
+    return finish_output(out, None if bias is None else bias[:n], out_dtype) if split > 1 else out

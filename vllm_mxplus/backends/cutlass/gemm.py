@@ -15,7 +15,7 @@ The FP8-chunk pipeline (the weight's FP8 form per call, the activations' from `a
 exact fallback) runs its GEMM on one of two engines (`ENGINES`): the CUTLASS sm_90a kernel
 where the extension is built, else Triton's (`triton.fp8_chunk_gemm`: the same contract, on
 the FP8 tensor cores of sm_90 and sm_100), so it needs no build step. On the Triton engine,
-up to PACKED_WEIGHT_MAX_M rows and for K in whole chunks, the GEMM reads the packed weight
+up to PACKED_WEIGHT_MAX_M rows (per GPU) and for K in whole chunks, the GEMM reads the packed weight
 itself and re-encodes each chunk in registers (`fp8_packed_gemm`): no per-call weight pass,
 its own fallback rows (`fp8_chunks.packed_fallback_rows`, listed at load).
 
@@ -66,6 +66,7 @@ from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton import fp8_chunk_gemm as triton_fp8
 from vllm_mxplus.backends.triton.act_quant import act_quant
+from vllm_mxplus.backends.triton.launch import target_capability
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows
 from vllm_mxplus.backends.triton.ops import act_quant_op
 from vllm_mxplus.formats import QuantizedTensor, get_format
@@ -74,10 +75,12 @@ from vllm_mxplus.formats import QuantizedTensor, get_format
 ENGINES = ("cutlass", "triton")
 # The largest M at which the Triton engine runs `fp8_packed_gemm` (the weight re-encoded per
 # chunk inside the GEMM, once per 128-row tile) rather than the weight's FP8 form made per
-# call and `fp8_chunk_gemm`: the static estimate for Llama-3-8B's linears on H200 has the
-# packed-weight GEMM ahead below ~1,200 rows (`benchmarks/gpu_static_model.py`,
-# docs/benchmarks.md); a measurement has yet to confirm it.
-PACKED_WEIGHT_MAX_M = 1024
+# call and `fp8_chunk_gemm`, per GPU capability (None: every M). The static estimate for
+# Llama-3-8B's linears (`benchmarks/gpu_static_model.py`, docs/benchmarks.md): on sm_90 the
+# packed-weight GEMM issues 0.0015 warp-instructions per MAC against 0.0011 plus the
+# per-call encode, ahead below ~800 rows; on sm_100 it issues fewer than `fp8_chunk_gemm`
+# at any M. A measurement has yet to confirm either.
+PACKED_WEIGHT_MAX_M: dict[int, int | None] = {90: 768, 100: None}
 
 
 def engine_gemm(engine: str) -> Callable[..., torch.Tensor]:
@@ -225,10 +228,14 @@ def fallback_rows(
     return torch.cat(bad), torch.cat(packed_bad)
 
 
-def packed_serves(m: int, k: int, engine: str) -> bool:
-    """Whether the pipeline's GEMM reads the packed weight (`fp8_packed_gemm`) for m rows:
-    the Triton engine, K in whole chunks, m <= PACKED_WEIGHT_MAX_M."""
-    return engine == "triton" and k % CHUNK == 0 and m <= PACKED_WEIGHT_MAX_M
+def packed_serves(m: int, k: int, engine: str, capability: int | None) -> bool:
+    """Whether the pipeline's GEMM reads the packed weight (`fp8_packed_gemm`) for m rows on
+    a GPU of `capability` (None: sm_90's choice): the Triton engine, K in whole chunks, m up
+    to PACKED_WEIGHT_MAX_M."""
+    if engine != "triton" or k % CHUNK:
+        return False
+    top = PACKED_WEIGHT_MAX_M.get(capability or 90, PACKED_WEIGHT_MAX_M[90])
+    return top is None or m <= top
 
 
 def _sm90_gemm(
@@ -251,7 +258,8 @@ def _sm90_gemm(
     rows = ceil_to(n, 8)
     b32 = bias_f32(bias, rows)
     fallback_idx = w.fallback_idx
-    if w.fp8 is None and packed_serves(xl.fp8.shape[0], xl.k, engine):
+    cap = target_capability(xl.fp8.device)
+    if w.fp8 is None and packed_serves(xl.fp8.shape[0], xl.k, engine, cap):
         y = fp8_packed_gemm(xl.fp8, xl.scale, w.codes, w.scales, w.mbs, xl.k, b32, out_dtype)
         fallback_idx = w.packed_fallback_idx
     else:
