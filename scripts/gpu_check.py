@@ -825,6 +825,7 @@ def _sweep_weight(n: int, k: int):
 
 
 APART_NKM = (6144, 4096, 4096)  # Llama-3-8B's qkv at M 4096
+PACKED_M = 256  # prefill apart also times the packed-weight GEMM at this M
 
 
 def prefill_apart() -> dict:
@@ -832,10 +833,12 @@ def prefill_apart() -> dict:
     apart, for mxfp4-mbs and mxfp4-16-oas (the first run measured the second 7x slower on
     the same pipeline): the activations' FP8 encoder (`act_fp8`), the weight's per-call FP8
     form, the Triton FP8 GEMM alone, and the whole backend, each replayed alone; the whole
-    backend again with the weight's FP8 form held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1)."""
+    backend again with the weight's FP8 form held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1); the
+    packed-weight GEMM against the weight encode + FP8 GEMM at M and PACKED_M rows."""
     torch = _torch()
     from vllm_mxplus.backends.cutlass import act_fp8
     from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK
+    from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
     from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
     from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
     from vllm_mxplus.formats import get_scheme
@@ -869,6 +872,25 @@ def prefill_apart() -> dict:
             ),
             "whole_us": 1e3 * _graph_replay_ms(lin, x),
         }
+        # the packed-weight GEMM (each weight chunk re-encoded in registers) against the
+        # per-call weight encode + FP8 GEMM it replaces, at M and at PACKED_M rows: the
+        # crossover behind `gemm.PACKED_WEIGHT_MAX_M`
+        for rows in sorted({m, min(PACKED_M, m)}):
+            xr = x[:rows]
+            xlr = act_fp8.act_quant_fp8_chunks_op(xr, s.activation_format, CHUNK)
+            res[scheme][f"packed_gemm_m{rows}_us"] = 1e3 * _graph_replay_ms(
+                lambda t, xl=xlr, q=q: fp8_packed_gemm(
+                    xl.fp8, xl.scale, q.codes, q.scales, q.mbs, k, None, torch.bfloat16
+                ),
+                xr,
+            )
+            res[scheme][f"reencode_gemm_m{rows}_us"] = 1e3 * _graph_replay_ms(
+                lambda t, xl=xlr, q=q: fp8_chunk_gemm(
+                    xl.fp8, xl.scale, *weight_fp8_chunks(q.codes, q.scales, q.mbs, k, n), None,
+                    torch.bfloat16,
+                ),
+                xr,
+            )  # fmt: skip
         with _env("VLLM_MXPLUS_FP8_WEIGHT_HELD", "1"):  # the weight's FP8 form held from load
             held = QLinear(scheme, n, k, seed=n, prefix=f"apart.held.{scheme}")
             res[scheme]["whole_weight_held_us"] = 1e3 * _graph_replay_ms(held, x)

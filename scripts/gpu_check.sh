@@ -27,7 +27,8 @@
 #            mx_gemm at M 1 / 4 / 16                                                     90 s
 #   stack    8B-shaped stack (linears, MoE, gpt-oss MoE) under torch.compile, CUDA
 #            graphs at M 1/8/16/24/64/512, replay = eager                                90 s
-#   pytest_gpu  the reference on CUDA against the CPU, the Triton decode / x_hat tests
+#   pytest_gpu  the reference on CUDA against the CPU, the Triton decode / x_hat tests and the
+#            packed-weight FP8 GEMM's (its inline PTX on the GPU),
 #            on CUDA tensors, then pytest -m gpu                                         70 s
 #   cutlass  after the build: self-test (random within bound, then exact data bit for
 #            bit), FP8-subnormal and every-row-inexact probes at M 512, capture, timing  80 s
@@ -238,7 +239,7 @@ for step in served speed sweep stack; do run_step "$step" "$(box_for "$step")"; 
 # own tests on CUDA tensors (tests/backends/conftest.py: compiled kernels when a GPU is
 # present): the decode GEMM of every format and its x_hat quantizer, then the tests marked gpu. -v: each result is in the log even when the box cuts pytest short
 # (a killed pytest writes no junit file).
-PYTEST_FIRST="tests/formats/test_device_division.py tests/backends/triton/test_triton_gemm_blocks.py tests/backends/triton/test_triton_x_hat.py tests/backends/triton/test_triton_decode_nvfp4.py tests/backends/triton/test_triton_decode_mxplus.py tests/backends/triton/test_triton_decode_gemm.py"
+PYTEST_FIRST="tests/formats/test_device_division.py tests/backends/triton/test_triton_gemm_blocks.py tests/backends/cutlass/test_fp8_packed_gemm.py tests/backends/triton/test_triton_x_hat.py tests/backends/triton/test_triton_decode_nvfp4.py tests/backends/triton/test_triton_decode_mxplus.py tests/backends/triton/test_triton_decode_gemm.py"
 b=$(box_for pytest_gpu)
 if [ "$b" -ge 30 ]; then
   say "pytest on CUDA (box $b s): $PYTEST_FIRST, then -m gpu"

@@ -85,6 +85,9 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     assert set(apart) == {"mxfp4-mbs", "mxfp4-16-oas"}
     assert all(r["exact_rows"] == 32 and r["fp8_gemm_us"] > 0 for r in apart.values())
     assert all(r["whole_weight_held_us"] > 0 for r in apart.values())
+    assert all(
+        r["packed_gemm_m32_us"] > 0 and r["reencode_gemm_m32_us"] > 0 for r in apart.values()
+    )
     assert mod.replay_floor()["ms"] > 0
     monkeypatch.setattr(mod, "SHAPES", mod.TOY_SHAPES)
     monkeypatch.setattr(mod, "SWEEP_PER_SM", (2, 4))
