@@ -560,7 +560,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="90,100", help="targets, comma-separated (90, 100)")
     ap.add_argument("--json", action="store_true", help="JSON instead of tables")
+    ap.add_argument(
+        "--no-packed-weight",
+        action="store_true",
+        help="estimate the FP8 pipeline without the packed-weight GEMM (the weight re-encoded "
+        "per call at every M), as before it existed",
+    )
     args = ap.parse_args(argv)
+    if args.no_packed_weight:
+        from vllm_mxplus.backends.cutlass import gemm
+
+        gemm.PACKED_WEIGHT_MAX_M.update(dict.fromkeys(gemm.PACKED_WEIGHT_MAX_M, 0))
     archs = [int(a) for a in args.arch.split(",") if a]
     import triton
 
@@ -592,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc = {
         "what": "static estimate (instruction counts of the compiled code x published peaks)",
-        "command": "python benchmarks/gpu_static_model.py --arch " + args.arch,
+        "command": "python benchmarks/gpu_static_model.py --arch "
+        + args.arch
+        + (" --no-packed-weight" if args.no_packed_weight else ""),
         "commit": _commit(),
         "triton": triton.__version__,
         "host": platform.processor() or platform.machine(),
