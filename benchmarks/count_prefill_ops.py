@@ -75,7 +75,7 @@ def count_sm90(m: int, scheme: str, n: int = 4096, k: int = 4096, inexact_w: int
         layer = types.SimpleNamespace(**{CutlassPrefillBackend.WEIGHT_ATTR: w})
         x = cuda_empty((m, k), torch.bfloat16)
         _, outer = guarded(CutlassPrefillBackend(spec).apply, layer, x, None, strict=False)
-        fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
+        fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks_packed(x, spec.activation_format, 128)
         _, inner = guarded(
             cutlass_gemm.prefill_sm90_fused_impl,
             x,

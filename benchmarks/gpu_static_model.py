@@ -83,14 +83,15 @@ BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written
 HAT_BYTES = 2  # the decode path's x_hat per element: written by act-quant, read by the GEMM
 FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 scale per 128
-ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128  # act_fp8: bf16 read; FP8, scale, ref/MBS/exact written
+# act_fp8: bf16 read; FP8, scale, ref/MBS/exact written, and formats' codes and E8M0 scales
+ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128 + 0.5 + 1 / 16
 FP4_FLOPS = {"B200": 9000e12}  # dense block-scaled FP4 (published); sm_90 has none
 LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumption, not measured)
 # launches per linear besides the GEMM: the activation quantizer (decode, packed prefill);
 # the FP8 pipeline's activation encoder, fallback-rows GEMM and (unless held) weight encoder
-# act_fp8, the act-quant of the fallback rows' packed operand (`gemm._sm90_gemm` runs it over
-# every row: the rows are listed on the device), the FP8 GEMM, mx_gemm_rows (+ weight_fp8)
-FP8_PIPELINE_LAUNCHES = 4
+# act_fp8 (the FP8 layout and the packed fields the exact fallback reads), the FP8 GEMM,
+# mx_gemm_rows (+ weight_fp8 per call)
+FP8_PIPELINE_LAUNCHES = 3
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 
@@ -143,7 +144,7 @@ def _capture(drive: Callable[[], None], arch: int | None = None):
 
 def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     """name -> (role, unit, a call of the launcher as a Llama-3-8B layer would make it)."""
-    from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
+    from vllm_mxplus.backends.cutlass.act_fp8 import _fields as act_fp8_fields
     from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
     from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
     from vllm_mxplus.backends.triton.act_quant import act_quant
@@ -249,7 +250,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         weight_fp8_chunks(w[0], w[1], w[2], k, n)
 
     def act_fp8(fmt: str) -> Callable[[], None]:
-        return lambda: act_quant_fp8_chunks(_meta((4096, k), bf16), fmt, 128)
+        # the prefill's launch: the FP8 layout and the packed fields for the exact fallback
+        return lambda: act_fp8_fields(_meta((4096, k), bf16), fmt, 128, packed=True)
 
     return {
         "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
@@ -315,9 +317,9 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int,
                    held: bool = False):  # fmt: skip
     """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
-    seconds of its encoders (the weight's per call unless `held` or `packed_serves`, the
-    activations' FP8 form and their packed form for the fallback rows), each kernel
-    max(issue, memory). Up to PACKED_WEIGHT_MAX_M rows (not held)
+    seconds of its encoders (the weight's per call unless `held` or `packed_serves`; the
+    activations' FP8 form and, in the same launch, their packed form for the exact fallback),
+    each kernel max(issue, memory). Up to PACKED_WEIGHT_MAX_M rows (not held)
     the GEMM is `fp8_packed_gemm`, reading the packed weight."""
     from vllm_mxplus.backends.cutlass.gemm import packed_serves
 
@@ -343,8 +345,6 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act
     enc_w = max(ew.per_unit * weights / rate, weights * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
     enc_w = 0.0 if held or packed else enc_w
     enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
-    aq = counts["act-quant mxfp4-mbs-s"]  # the fallback rows' packed operand, every row
-    enc_a += max(aq.per_unit * m * act_k / rate, m * act_k * ACT_BYTES / bw)
     return (issue, tensor, memory), enc_w + enc_a
 
 

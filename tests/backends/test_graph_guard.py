@@ -116,6 +116,8 @@ def test_sm90_fused_prefill_is_graph_safe(fmt, m):
             _e((m, nc), torch.int32),
             _e((m, nc), torch.uint8),
             _e((m, nc), torch.bool),
+            _e((m, k // 2), torch.uint8),  # the encoder's packed codes and E8M0 scales
+            _e((m, k // 16), torch.uint8),
             *w.sm90_operands(),
             _e((n,), torch.bfloat16),
             n,

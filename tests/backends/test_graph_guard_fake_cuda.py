@@ -133,7 +133,7 @@ def _fused_sm90(x, spec, w, bias, *engine):
     from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
     from vllm_mxplus.backends.triton.launch import capture_launches
 
-    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, spec.activation_format, 128)
+    fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks_packed(x, spec.activation_format, 128)
     with capture_launches() as launches:
         y, guard = guarded(
             cutlass_gemm.prefill_sm90_fused_impl,
@@ -169,12 +169,12 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     _assert_cuda_out(y, m)
     assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
     kernels = _kernels(launches)
-    # the weight's FP8 form for this call (none is held; on words: the rows vectorize),
-    # act-quant, the row-list GEMM, and the
-    # columns of the weight's inexact rows
-    assert kernels == ["_weight_fp8_words_kernel", "_mx_act_quant_kernel", "_mx_gemm_kernel"] + [
-        "_mx_gemm_kernel"
-    ] * bool(inexact_w), kernels
+    # the weight's FP8 form for this call (none is held; on words: the rows vectorize), the
+    # row-list GEMM (the activations' packed fields come from the fused encoder's launch),
+    # and the columns of the weight's inexact rows
+    assert kernels == ["_weight_fp8_words_kernel", "_mx_gemm_kernel"] + ["_mx_gemm_kernel"] * bool(
+        inexact_w
+    ), kernels
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["per-call", "held"])
@@ -201,8 +201,33 @@ def test_triton_fp8_prefill(held, m):
     assert not guard.violations
     kernels = _kernels(launches)
     encoder = [] if held else ["_weight_fp8_words_kernel"]
-    assert kernels == [*encoder, "_fp8_chunk_gemm_kernel", "_mx_act_quant_kernel",
-                       "_mx_gemm_kernel"], kernels  # fmt: skip
+    assert kernels == [*encoder, "_fp8_chunk_gemm_kernel", "_mx_gemm_kernel"], kernels
+
+
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_fp8_prefill_packed_weight(m):
+    """K in whole chunks (512): the Triton engine's GEMM reads the packed weight
+    (`fp8_packed_gemm`, split K on this small grid, its sum in order), no weight encoder, then
+    the fallback's row-list GEMM; no host sync or host->device copy at any capture size."""
+    import dataclasses
+
+    from benchmarks_count import sm90_weight  # type: ignore[import-not-found]
+
+    from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
+
+    k = 512
+    spec = LinearSpec(scheme="mxfp4-mbs", n=N, k=k, out_dtype=torch.bfloat16, device_type="cuda")
+    w = dataclasses.replace(sm90_weight(N, k, 0), engine="triton")
+    layer = types.SimpleNamespace(**{TritonFp8PrefillBackend.WEIGHT_ATTR: w})
+    x = cuda_empty((m, k), torch.bfloat16)
+    y, guard = guarded(TritonFp8PrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
+    y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16), w.engine)
+    _assert_cuda_out(y, m)
+    assert not guard.violations
+    assert _kernels(launches) == ["_fp8_packed_gemm_kernel", "_mx_gemm_kernel"]
+    assert any(is_split_k_sum(lc) for lc in launches), "a grid of 2-8 tiles splits K"
 
 
 def test_cutlass_sm90_every_row_inexact_at_m512():

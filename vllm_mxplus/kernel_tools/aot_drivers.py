@@ -50,6 +50,7 @@ def _drive_act_fp8(quick: bool) -> None:
     ks = (4096,) if quick else (128, 256, 576, 4096, 4104)
     for fmt, dtype, m, k in itertools.product(af.SUPPORTED_FORMATS, dtypes, ms, ks):
         af.act_quant_fp8_chunks(_meta((m, k), dtype), fmt, 128)
+        af._fields(_meta((m, k), dtype), fmt, 128, packed=True)  # the prefill's launch
 
 
 def _drive_weight_fp8(quick: bool) -> None:

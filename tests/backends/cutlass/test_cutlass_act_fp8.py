@@ -27,6 +27,7 @@ from vllm_mxplus.backends.cutlass import fp8_chunks as fc
 from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
 from vllm_mxplus.backends.cutlass.act_fp8 import (
     SUPPORTED_FORMATS,
+    act_fp8_and_packed_op,
     act_quant_fp8_chunks,
     act_quant_fp8_chunks_op,
 )
@@ -53,10 +54,20 @@ def assert_same_layout(got: fc.Fp8ChunkLayout, want: fc.Fp8ChunkLayout) -> None:
         assert_same_bits(name, getattr(got, name), getattr(want, name))
 
 
-def check_bit_exact(x: torch.Tensor, fmt: str) -> fc.Fp8ChunkLayout:
-    got = act_quant_fp8_chunks(x, fmt, 128)
+def check_bit_exact(x: torch.Tensor, fmt: str, packed: bool = True) -> fc.Fp8ChunkLayout:
+    """The kernel's layout against the two-step path, bit for bit; with `packed` (the launch
+    the prefill makes) also its codes and E8M0 scales against formats.quantize's."""
     want = reference_layout(x, fmt)
+    if not packed:
+        assert_same_layout(act_quant_fp8_chunks(x, fmt, 128), want)
+        return want
+    got, codes, scales = act_fp8_and_packed_op(x, fmt, 128)
     assert_same_layout(got, want)
+    q = quantize(x.reshape(-1, x.shape[-1]), fmt)
+    assert_same_bits("codes", codes, q.codes)
+    assert_same_bits("scales", scales, q.scales)
+    if q.mbs is not None:
+        assert_same_bits("mbs", got.mbs, q.mbs)
     return want
 
 
@@ -139,6 +150,7 @@ def special_rows(dtype: torch.dtype, k: int = 576) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_special_rows(fmt, dtype, triton_device):
+    check_bit_exact(special_rows(DTYPES[dtype]).to(triton_device), fmt, packed=False)
     want = check_bit_exact(special_rows(DTYPES[dtype]).to(triton_device), fmt)
     ex = want.exact.cpu()
     assert bool(ex[0].all()) and not bool(ex[1].any()) and not bool(ex[2, 0])
@@ -298,11 +310,13 @@ def test_prefill_from_x_traces_and_passes_opcheck(triton_device):
     )
     want = cutlass_gemm.prefill_gemm_from_x(x, "mxfp4-mbs-s", w, None)
     assert torch.equal(compiled(x).view(torch.int16), want.view(torch.int16))
-    xl = act_quant_fp8_chunks(x, "mxfp4-mbs-s", 128)
+    xl, codes, scales = act_fp8_and_packed_op(x, "mxfp4-mbs-s", 128)
     args = (
         x,
         "mxfp4-mbs-s",
         *xl.fields(),
+        codes,
+        scales,
         *w.sm90_operands(),
         None,
         w.n,
@@ -320,8 +334,8 @@ def test_fused_prefill_op_fake():
 
     with FakeTensorMode():
         x = torch.empty(10, 300, dtype=torch.bfloat16)
-        fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(
-            x, "mxfp4-mbs-s", 128
+        fp8, scale, ref, mbs, exact, codes, scales = (
+            torch.ops.vllm_mxplus.triton_act_fp8_chunks_packed(x, "mxfp4-mbs-s", 128)
         )
         y = torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
             x,
@@ -331,6 +345,8 @@ def test_fused_prefill_op_fake():
             ref,
             mbs,
             exact,
+            codes,
+            scales,
             torch.empty(20, 150, dtype=torch.uint8),
             torch.empty(20, 19, dtype=torch.uint8),
             torch.empty(20, 3, dtype=torch.uint8),
@@ -344,6 +360,7 @@ def test_fused_prefill_op_fake():
         )
     assert fp8.shape == (10, 384) and fp8.dtype == torch.float8_e4m3fn
     assert scale.shape == (3, 10) and ref.dtype == torch.int32 and exact.dtype == torch.bool
+    assert codes.shape == (10, 150) and scales.shape == (10, 19)
     assert y.shape == (10, 20) and y.dtype == torch.bfloat16
 
 

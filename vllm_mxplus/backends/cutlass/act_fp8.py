@@ -50,6 +50,7 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     e8m0_block_quant,
     load_row_tile,
     mbs_static_scale,
+    store_codes_and_scales,
 )
 from vllm_mxplus.formats import FORMATS, FormatSpec, get_format
 from vllm_mxplus.formats.constants import E8M0_NAN, ceil_div
@@ -154,11 +155,11 @@ def encode_live(
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _act_fp8_chunks_kernel(
-    x_ptr, fp8_ptr, scale_ptr, ref_ptr, mbs_ptr, exact_ptr,
-    M, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_cm,
+    x_ptr, fp8_ptr, scale_ptr, ref_ptr, mbs_ptr, exact_ptr, codes_ptr, pscales_ptr,
+    M, K, KP, NCH, stride_xm, stride_fm, stride_sc, stride_cm, stride_pc, stride_ps,
     MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr,
     BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    HW_FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     NC: tl.constexpr = BLOCK_K // CHUNK_K  # chunks (= macro blocks) per tile
     NB: tl.constexpr = BLOCK_K // BLOCK_K16  # 16-blocks per tile
@@ -167,6 +168,11 @@ def _act_fp8_chunks_kernel(
 
     # -- 1. MBS-S and the block-16 quantization (exactly triton_act_quant's arithmetic)
     m, f, s, mag, neg = _quantize_tile(x, MANT_THRESHOLD, HAS_MBS, BLOCK_M, NC, NB)
+    if PACKED:  # the same codes and E8M0 scales in formats' packed layout (exact fallback)
+        store_codes_and_scales(
+            codes_ptr, pscales_ptr, mag | (neg << 3), s, offs_m, mask_m, stride_pc, stride_ps,
+            pid_k, K, BLOCK_K16, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
 
     # -- 2.-4. reference exponents, FP8 bytes and exact flags of every block
     every = tl.full((BLOCK_M, NB), 1, tl.int32)
@@ -221,9 +227,12 @@ def _layout_dims(x: torch.Tensor, fmt: str, macro_block: int) -> tuple[int, int]
     return kp, kp // CHUNK
 
 
-def _launch(kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple) -> None:
+def _launch(
+    kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple, packed: bool = False
+) -> None:
     """Launch `kernel` over `rows` rows of x [..., K] quantized with fmt: (row tile, K tile)
-    programs; outputs: its pointer arguments after x, then the row strides it takes."""
+    programs; outputs: its pointer arguments after x, then the row strides it takes; packed:
+    it also writes the packed codes and E8M0 scales (PACKED)."""
     if not rows:
         return
     spec = get_format(fmt)
@@ -245,6 +254,7 @@ def _launch(kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple) -
         *strides,
         MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
         HW_FP8=not interpreting(),
+        PACKED=packed,
         HAS_MBS=bool(spec.mbs),
         BF16_BITS=bf16_bits,
         BLOCK_M=block_m,
@@ -252,18 +262,26 @@ def _launch(kernel: Any, x: torch.Tensor, fmt: str, rows: int, outputs: tuple) -
     )
 
 
-def _fields(x: torch.Tensor, fmt: str, macro_block: int):
-    """Launch the kernel: (fp8, scale, ref, mbs, exact) for the rows of x [..., K]."""
+def _fields(x: torch.Tensor, fmt: str, macro_block: int, packed: bool = False):
+    """Launch the kernel: (fp8, scale, ref, mbs, exact) for the rows of x [..., K], and with
+    `packed` also (codes uint8 [R, ceil(K/2)], E8M0 scales uint8 [R, ceil(K/16)]): formats'
+    fields of the same quantization (the MBS bytes are `mbs`)."""
     kp, nc = _layout_dims(x, fmt, macro_block)
+    k = x.shape[-1]
     m, dev = math.prod(x.shape[:-1]), x.device
     fp8 = torch.empty((m, kp), dtype=torch.uint8, device=dev)
     scale = torch.empty((nc, m), dtype=torch.float32, device=dev)
     ref = torch.empty((m, nc), dtype=torch.int32, device=dev)
     mbs = torch.empty((m, nc), dtype=torch.uint8, device=dev)
     exact = torch.empty((m, nc), dtype=torch.uint8, device=dev)
-    strides = (fp8.stride(0), scale.stride(0), ref.stride(0))
-    _launch(_act_fp8_chunks_kernel, x, fmt, m, ((fp8, scale, ref, mbs, exact), strides))
-    return fp8.view(torch.float8_e4m3fn), scale, ref, mbs, exact.view(torch.bool)
+    codes = torch.empty((m, ceil_div(k, 2) if packed else 0), dtype=torch.uint8, device=dev)
+    scales = torch.empty((m, ceil_div(k, BLOCK) if packed else 0), dtype=torch.uint8, device=dev)
+    strides = (fp8.stride(0), scale.stride(0), ref.stride(0), codes.stride(0), scales.stride(0))
+    pointers = (fp8, scale, ref, mbs, exact, codes if packed else exact,
+                scales if packed else exact)  # fmt: skip
+    _launch(_act_fp8_chunks_kernel, x, fmt, m, (pointers, strides), packed)
+    out = (fp8.view(torch.float8_e4m3fn), scale, ref, mbs, exact.view(torch.bool))
+    return (*out, codes, scales) if packed else out
 
 
 def act_quant_fp8_chunks(x: torch.Tensor, fmt: str, macro_block: int) -> Fp8ChunkLayout:
@@ -307,6 +325,45 @@ def act_quant_fp8_chunks_op(x: torch.Tensor, fmt: str, macro_block: int) -> Fp8C
     """`act_quant_fp8_chunks` through the custom op (traceable by torch.compile)."""
     fp8, scale, ref, mbs, exact = torch.ops.vllm_mxplus.triton_act_fp8_chunks(x, fmt, macro_block)
     return Fp8ChunkLayout(fp8=fp8, scale=scale, ref=ref, mbs=mbs, exact=exact, k=x.shape[-1])
+
+
+def _packed_field_shapes(x: torch.Tensor):
+    k, rows = x.shape[-1], math.prod(x.shape[:-1])
+    return (
+        *_field_shapes(x),
+        ((rows, ceil_div(k, 2)), torch.uint8),
+        ((rows, ceil_div(k, BLOCK)), torch.uint8),
+    )
+
+
+@torch.library.custom_op(op_name("triton_act_fp8_chunks_packed"), mutates_args=())
+def _act_fp8_chunks_packed_op(
+    x: torch.Tensor, fmt: str, macro_block: int
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor,
+]:  # fmt: skip
+    return _fields(x, fmt, macro_block, packed=True)
+
+
+@_act_fp8_chunks_packed_op.register_fake
+def _act_fp8_chunks_packed_fake(x: torch.Tensor, fmt: str, macro_block: int):
+    _check(x, fmt, macro_block)
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _packed_field_shapes(x))
+
+
+def act_fp8_and_packed_op(
+    x: torch.Tensor, fmt: str, macro_block: int
+) -> tuple[Fp8ChunkLayout, torch.Tensor, torch.Tensor]:
+    """(the FP8-chunk layout of x, codes, E8M0 scales) from one kernel launch through a
+    custom op: the layout as `act_quant_fp8_chunks_op` gives it, and formats' packed codes and
+    scales of the same quantization (bit for bit `formats.quantize(x, fmt)`; its MBS bytes
+    are the layout's `mbs`), which the prefill's exact fallback reads."""
+    fp8, scale, ref, mbs, exact, codes, scales = torch.ops.vllm_mxplus.triton_act_fp8_chunks_packed(
+        x, fmt, macro_block
+    )
+    lay = Fp8ChunkLayout(fp8=fp8, scale=scale, ref=ref, mbs=mbs, exact=exact, k=x.shape[-1])
+    return lay, codes, scales
 
 
 def supports(fmt: str | None) -> bool:

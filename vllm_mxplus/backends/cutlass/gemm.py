@@ -26,7 +26,8 @@ and no row ever comes out NaN or wrong for want of room: activation rows with an
 chunk (a chunk whose block exponents span more than 14 binades, a NaN block, a scale under
 2^-125) are listed on the device (`nonzero_static` at capacity M, no host sync) and the
 Triton FP4 GEMM recomputes exactly those rows from the packed operands (`mx_gemm_rows`: the
-activations' codes from the Triton act-quant, the packed weight the decode backend holds;
+activations' codes from the fused encoder's same launch, or the Triton act-quant, the packed
+weight the decode backend holds;
 fp32 accumulation), writing them over the CUTLASS rows; its row tiles past the listed rows
 return at once, so the cost follows the number of inexact rows, whatever M. Weight rows with
 an inexact chunk are known at load; their output columns come from the same Triton GEMM
@@ -65,7 +66,6 @@ from vllm_mxplus.backends.cutlass.ops import (
 from vllm_mxplus.backends.cutlass.weight_fp8 import weight_fp8_chunks
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton import fp8_chunk_gemm as triton_fp8
-from vllm_mxplus.backends.triton.act_quant import act_quant
 from vllm_mxplus.backends.triton.launch import target_capability
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows
 from vllm_mxplus.backends.triton.ops import act_quant_op
@@ -327,6 +327,8 @@ def prefill_sm90_fused_impl(
     x_ref: torch.Tensor,
     x_mbs: torch.Tensor,
     x_exact: torch.Tensor,
+    x_codes: torch.Tensor,
+    x_scales: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
     w_mbs: torch.Tensor | None,
@@ -339,18 +341,19 @@ def prefill_sm90_fused_impl(
     out_dtype: torch.dtype,
     engine: str = "cutlass",
 ) -> torch.Tensor:
-    """From activation rows x [M, K] and their fused FP8 layout (`act_fp8`): GEMM; the rows
-    the layout cannot hold exactly are recomputed from x's Triton act-quant (bit for bit
-    `formats.quantize(x, fmt)`), which runs only inside this op."""
+    """From activation rows x [M, K] and the one launch of the fused encoder
+    (`act_fp8.act_fp8_and_packed_op`): their FP8 layout and formats' packed codes and E8M0
+    scales of the same quantization (bit for bit `formats.quantize(x, fmt)`; the MBS bytes are
+    the layout's), which the exact fallback reads for the rows and columns the FP8 form cannot
+    hold."""
 
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
     )
-    has_mbs = bool(get_format(fmt).mbs)
+    x_mbs_packed = x_mbs if get_format(fmt).mbs else None
 
     def packed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        codes, scales, mbs, _ = act_quant(x, fmt, macro_block=CHUNK)
-        return codes, scales, mbs if has_mbs else None
+        return x_codes, x_scales, x_mbs_packed
 
     w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, packed_fallback_idx, w_fp8, w_fp8_scale)
     return _sm90_gemm(xl, packed, w, bias, n, out_dtype, engine)
@@ -431,14 +434,16 @@ def prefill_gemm_from_x(
     """y [M, N] = Q(x) W_hat^T (+ bias) from activation rows x [M, K] (bf16/fp16/fp32).
 
     sm_90a with an activation format of the fused kernel (`act_fp8.supports`): one
-    Triton kernel writes the FP8 layout straight from x, then the GEMM op. Otherwise: the
+    Triton kernel writes the FP8 layout and the packed fields straight from x, then the
+    GEMM op. Otherwise: the
     Triton act-quant, then `prefill_gemm`. Same numbers either way."""
 
     if w.arch == "sm90a" and act_fp8.supports(fmt):
-        xl = act_fp8.act_quant_fp8_chunks_op(x, fmt, CHUNK)
+        xl, x_codes, x_scales = act_fp8.act_fp8_and_packed_op(x, fmt, CHUNK)
         return torch.ops.vllm_mxplus.cutlass_prefill_sm90_fused(
-            x, fmt, *xl.fields(), *w.sm90_operands(), bias, w.n, out_dtype, w.engine
-        )
+            x, fmt, *xl.fields(), x_codes, x_scales, *w.sm90_operands(), bias, w.n, out_dtype,
+            w.engine,
+        )  # fmt: skip
 
     codes, scales, mbs, _ = act_quant_op(x, fmt, macro_block=CHUNK)
     return prefill_gemm(
