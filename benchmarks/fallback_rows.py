@@ -11,7 +11,7 @@ weight of a checkpoint as the plugin does at load (the scheme's weight format, M
 has MBS) and counts both kinds of rows (`gemm.fallback_rows`), per projection kind and in all,
 so the cost of the fallbacks on real weights is a measured fraction, not a guess. CPU only.
 Default model: the SmolLM2-135M checkpoint `mxplus prepare` writes (its hidden size 576 is
-not whole 128-K chunks: the packed-weight GEMM serves only its K = 1536 down projections).
+not a multiple of 256: the packed-weight GEMM serves only its K = 1536 down projections).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def linear_weights(model_dir: Path):
 
 
 def count(model_dir: Path, scheme: str) -> dict:
-    from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK
+    from vllm_mxplus.backends.cutlass.fp8_packed_gemm import K_MULTIPLE
     from vllm_mxplus.backends.cutlass.gemm import fallback_rows
     from vllm_mxplus.formats import get_scheme, quantize
 
@@ -57,7 +57,7 @@ def count(model_dir: Path, scheme: str) -> dict:
         kind["tensors"] += 1
         kind["rows"] += n
         kind["inexact_rows"] += bad.numel()
-        if k % CHUNK == 0:  # the packed-weight GEMM takes K in whole chunks only
+        if k % K_MULTIPLE == 0:  # the K the packed-weight GEMM serves (`gemm.packed_serves`)
             kind["packed_rows"] += n
             kind["packed_fallback_rows"] += packed_bad.numel()
     total: dict[str, int] = defaultdict(int)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=1))
         return 0
     print(f"# {res['model']}, {res['scheme']} (weights as {res['weight_format']})")
-    print(f"{'kind':<12}{'rows':>9}{'FP8 form inexact':>18}{'rows in whole chunks':>22}"
+    print(f"{'kind':<12}{'rows':>9}{'FP8 form inexact':>18}{'rows it serves':>22}"
           f"{'packed-GEMM fallback':>22}")  # fmt: skip
     for kind, v in [*res["by_kind"].items(), ("all", res["total"])]:
         pr = v.get("packed_rows", 0)

@@ -80,8 +80,9 @@ def _drive_fp8_chunk_gemm(quick: bool) -> None:
 def _drive_fp8_packed_gemm(quick: bool) -> None:
     from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
 
+    # K as `gemm.packed_serves` takes it: multiples of fp8_packed_gemm.K_MULTIPLE (256)
     shapes = ((4096, 4096, 4096),) if quick else ((4096, 4096, 4096), (256, 576, 1536),
-                                                   (300, 100, 128), (1024, 4096, 14336))  # fmt: skip
+                                                   (300, 100, 256), (1024, 4096, 14336))  # fmt: skip
     outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
     f8, f32 = torch.float8_e4m3fn, torch.float32
     for (m, n, k), out, bias, mbs in itertools.product(shapes, outs, (False, True), (True, False)):

@@ -237,6 +237,7 @@ def test_pipeline_takes_the_packed_gemm_within_bound(triton_device, monkeypatch)
     the fp32 bound of formats' x_hat W_hat^T; at M above PACKED_WEIGHT_MAX_M it does not."""
     assert cutlass_gemm.packed_serves(10**6, 512, "triton", 100), "sm_100: every M"
     assert not cutlass_gemm.packed_serves(16, 576, "triton", 90), "K not in whole chunks"
+    assert not cutlass_gemm.packed_serves(16, 384, "triton", 100), "scale rows not 16 bytes"
     assert not cutlass_gemm.packed_serves(16, 512, "cutlass", 90)
     m, n, k = 21, 40, 512
     g = torch.Generator().manual_seed(9)

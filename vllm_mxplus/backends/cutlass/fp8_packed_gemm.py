@@ -73,6 +73,10 @@ E2M1_FP8_WORD = tl.constexpr(
     " prmt.b32 g, u, $2, 0x7362;"
     " lop3.b32 $1, m, g, 0x80808080, 0xF8; }"
 )
+# K the pipeline serves with this kernel (`gemm.packed_serves`): whole chunks, and E8M0 scale
+# rows of whole 16 bytes (K % 256 == 0), which vectorize; with narrower scale rows ptxas
+# spilled 8-56 B at 255 registers on sm_100 (K = 128, 384, 640)
+K_MULTIPLE = 256
 # the GPU tile: 128 x 128 outputs on 8 warps, one 128-K chunk per step (as fp8_chunk_gemm)
 BLOCK_M = 128
 BLOCK_N = 128
@@ -121,7 +125,9 @@ def packed_chunk_fp8(cb, s, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     return w.to(tl.float8e4nv, bitcast=True), ref
 
 
-@triton.jit
+# NC / CPS are not specialized when 1 (one chunk, or one chunk per K slice): the binary that
+# runs is the one `mxplus kernels --aot` compiles and checks
+@triton.jit(do_not_specialize=["NC", "CPS"])
 def _fp8_packed_gemm_kernel(
     a_ptr, as_ptr, wc_ptr, ws_ptr, wm_ptr, bias_ptr, out_ptr,
     M, N, K, NC, CPS,

@@ -15,7 +15,7 @@ The FP8-chunk pipeline (the weight's FP8 form per call, the activations' from `a
 exact fallback) runs its GEMM on one of two engines (`ENGINES`): the CUTLASS sm_90a kernel
 where the extension is built, else Triton's (`triton.fp8_chunk_gemm`: the same contract, on
 the FP8 tensor cores of sm_90 and sm_100), so it needs no build step. On the Triton engine,
-up to PACKED_WEIGHT_MAX_M rows (per GPU) and for K in whole chunks, the GEMM reads the packed weight
+up to PACKED_WEIGHT_MAX_M rows (per GPU) and for K a multiple of 256, the GEMM reads the packed weight
 itself and re-encodes each chunk in registers (`fp8_packed_gemm`): no per-call weight pass,
 its own fallback rows (`fp8_chunks.packed_fallback_rows`, listed at load).
 
@@ -55,7 +55,7 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import (
     pad_last,
     pad_rows,
 )
-from vllm_mxplus.backends.cutlass.fp8_packed_gemm import fp8_packed_gemm
+from vllm_mxplus.backends.cutlass.fp8_packed_gemm import K_MULTIPLE, fp8_packed_gemm
 from vllm_mxplus.backends.cutlass.ops import (
     bias_f32,
     fp4_mbs_gemm,
@@ -230,9 +230,9 @@ def fallback_rows(
 
 def packed_serves(m: int, k: int, engine: str, capability: int | None) -> bool:
     """Whether the pipeline's GEMM reads the packed weight (`fp8_packed_gemm`) for m rows on
-    a GPU of `capability` (None: sm_90's choice): the Triton engine, K in whole chunks, m up
-    to PACKED_WEIGHT_MAX_M."""
-    if engine != "triton" or k % CHUNK:
+    a GPU of `capability` (None: sm_90's choice): the Triton engine, K a multiple of
+    `fp8_packed_gemm.K_MULTIPLE` (256), m up to PACKED_WEIGHT_MAX_M."""
+    if engine != "triton" or k % K_MULTIPLE:
         return False
     top = PACKED_WEIGHT_MAX_M.get(capability or 90, PACKED_WEIGHT_MAX_M[90])
     return top is None or m <= top
