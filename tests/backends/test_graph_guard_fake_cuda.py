@@ -177,47 +177,23 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     ), kernels
 
 
+@pytest.mark.parametrize("k", [K, 512], ids=["K576", "K512"])
 @pytest.mark.parametrize("held", [False, True], ids=["per-call", "held"])
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
-def test_triton_fp8_prefill(held, m):
+def test_triton_fp8_prefill(held, m, k):
     """The FP8-chunk pipeline on Triton's GEMM (`triton-fp8-prefill`) on fake CUDA tensors:
-    no host sync or host->device copy; the weight's encoder runs per call unless its FP8 form
-    is held (VLLM_MXPLUS_FP8_WEIGHT_HELD=1), then the Triton FP8 GEMM and the fallback."""
-    import dataclasses
-
-    from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
-
-    spec = _spec("mxfp4-mbs")
-    rows, kp = -(-N // 8) * 8, -(-K // 128) * 128
-    fp8 = (cuda_empty((rows, kp), torch.float8_e4m3fn), cuda_empty((kp // 128, rows)))
-    w = dataclasses.replace(_sm90_weight(0), engine="triton", held_fp8=fp8 if held else None)
-    layer = types.SimpleNamespace(**{TritonFp8PrefillBackend.WEIGHT_ATTR: w})
-    x = cuda_empty((m, K), torch.bfloat16)
-    y, guard = guarded(TritonFp8PrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
-    _assert_cuda_out(y, m)
-    assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
-    y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16), w.engine)
-    _assert_cuda_out(y, m)
-    assert not guard.violations
-    kernels = _kernels(launches)
-    encoder = [] if held else ["_weight_fp8_words_kernel"]
-    assert kernels == [*encoder, "_fp8_chunk_gemm_kernel", "_mx_gemm_kernel"], kernels
-
-
-@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
-def test_triton_fp8_prefill_packed_weight(m):
-    """K in whole chunks (512): the Triton engine's GEMM reads the packed weight
-    (`fp8_packed_gemm`, split K on this small grid, its sum in order), no weight encoder, then
-    the fallback's row-list GEMM; no host sync or host->device copy at any capture size."""
-    import dataclasses
-
+    no host sync or host->device copy; then its kernels: with the weight's FP8 form held
+    (VLLM_MXPLUS_FP8_WEIGHT_HELD=1) the Triton FP8 GEMM; else for K a multiple of 256 the
+    packed-weight GEMM (`fp8_packed_gemm`, K split on this small grid, its sum in order), for
+    other K the weight's encoder per call and the FP8 GEMM; then the fallback's row-list GEMM."""
     from benchmarks_count import sm90_weight  # type: ignore[import-not-found]
 
     from vllm_mxplus.backends.cutlass.linear import TritonFp8PrefillBackend
 
-    k = 512
     spec = LinearSpec(scheme="mxfp4-mbs", n=N, k=k, out_dtype=torch.bfloat16, device_type="cuda")
-    w = dataclasses.replace(sm90_weight(N, k, 0), engine="triton")
+    rows, kp = -(-N // 8) * 8, -(-k // 128) * 128
+    fp8 = (cuda_empty((rows, kp), torch.float8_e4m3fn), cuda_empty((kp // 128, rows)))
+    w = dataclasses.replace(sm90_weight(N, k, 0), engine="triton", held_fp8=fp8 if held else None)
     layer = types.SimpleNamespace(**{TritonFp8PrefillBackend.WEIGHT_ATTR: w})
     x = cuda_empty((m, k), torch.bfloat16)
     y, guard = guarded(TritonFp8PrefillBackend(spec).apply, layer, x, cuda_empty((N,)))
@@ -226,8 +202,14 @@ def test_triton_fp8_prefill_packed_weight(m):
     y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16), w.engine)
     _assert_cuda_out(y, m)
     assert not guard.violations
-    assert _kernels(launches) == ["_fp8_packed_gemm_kernel", "_mx_gemm_kernel"]
-    assert any(is_split_k_sum(lc) for lc in launches), "a grid of 2-8 tiles splits K"
+    if held:
+        gemm = ["_fp8_chunk_gemm_kernel"]
+    elif k % 256 == 0:
+        gemm = ["_fp8_packed_gemm_kernel"]
+        assert any(is_split_k_sum(lc) for lc in launches), "a grid of 2-8 tiles splits K"
+    else:
+        gemm = ["_weight_fp8_words_kernel", "_fp8_chunk_gemm_kernel"]
+    assert _kernels(launches) == [*gemm, "_mx_gemm_kernel"]
 
 
 def test_cutlass_sm90_every_row_inexact_at_m512():

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, TOP_SHIFT
-from vllm_mxplus.backends.triton.fp8_chunk_gemm import INTERPRET_BLOCK, OUT_DTYPES
+from vllm_mxplus.backends.triton.fp8_chunk_gemm import INTERPRET_BLOCK, OUT_DTYPES, grouped_tile
 from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma
 from vllm_mxplus.backends.triton.gemm_launch import finish_output, split_k_for
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
@@ -136,17 +136,7 @@ def _fp8_packed_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     live_m = offs_m < M
     live_n = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am

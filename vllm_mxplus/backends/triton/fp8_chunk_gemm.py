@@ -41,13 +41,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _fp8_chunk_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr,
-    M, N, NC,
-    stride_am, stride_bn, stride_asc, stride_bsc, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-):  # fmt: skip
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(offs_m, offs_n) of program 0-axis id's output tile, in the grouped launch order:
+    GROUP_M row tiles per group sweep the columns together, so neighbours share B tiles in L2."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -56,9 +52,18 @@ def _fp8_chunk_gemm_kernel(
     group_m = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _fp8_chunk_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr,
+    M, N, NC,
+    stride_am, stride_bn, stride_asc, stride_bsc, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     live_m = offs_m < M
     live_n = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
