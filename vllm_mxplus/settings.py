@@ -74,7 +74,7 @@ FP8_WEIGHT_HELD = Setting(
     "0",
     "`1`: the Triton FP8 prefill (`triton-fp8-prefill`, sm_90 / sm_100 without the CUTLASS "
     "build) keeps each weight's FP8 form from load (1.03 more bytes per weight) instead of "
-    "re-encoding it per call, and then serves from M = 17 instead of 65.",
+    "reading it packed or re-encoding it per call, and then serves from M = 65 instead of 129.",
 )
 GPU_PROGRAMS_PER_SM = Setting(
     "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM",
