@@ -155,10 +155,16 @@ def packed_narrow_chunks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> t
 
 
 def packed_fallback_rows(
-    codes: torch.Tensor, scales: torch.Tensor, mbs: torch.Tensor | None, k: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mbs: torch.Tensor | None,
+    k: int,
+    exact: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bool [R]: the weight rows the packed-weight FP8 GEMM does not serve exactly, recomputed
     from the packed operands: a chunk the FP8 form cannot hold (not `exact`) or one wider than
-    its tables (`packed_narrow_chunks`)."""
-    lay = encode_fp8_chunks(codes, scales, mbs, k)
-    return ~(lay.exact & packed_narrow_chunks(codes, scales, k)).all(-1)
+    its tables (`packed_narrow_chunks`). exact: the layout's `exact` [R, nc] where the caller
+    has encoded the rows already (else encoded here)."""
+    if exact is None:
+        exact = encode_fp8_chunks(codes, scales, mbs, k).exact
+    return ~(exact & packed_narrow_chunks(codes, scales, k)).all(-1)

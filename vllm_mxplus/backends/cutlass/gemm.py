@@ -15,9 +15,9 @@ The FP8-chunk pipeline (the weight's FP8 form per call, the activations' from `a
 exact fallback) runs its GEMM on one of two engines (`ENGINES`): the CUTLASS sm_90a kernel
 where the extension is built, else Triton's (`triton.fp8_chunk_gemm`: the same contract, on
 the FP8 tensor cores of sm_90 and sm_100), so it needs no build step. On the Triton engine,
-up to PACKED_WEIGHT_MAX_M rows (per GPU) and for K a multiple of 256, the GEMM reads the packed weight
-itself and re-encodes each chunk in registers (`fp8_packed_gemm`): no per-call weight pass,
-its own fallback rows (`fp8_chunks.packed_fallback_rows`, listed at load).
+up to PACKED_WEIGHT_MAX_M rows (per GPU) and for K a multiple of 256, the GEMM reads the
+packed weight itself and re-encodes each chunk in registers (`fp8_packed_gemm`): no per-call
+weight pass, its own fallback rows (`fp8_chunks.packed_fallback_rows`, listed at load).
 
 Every step inside the prefill ops is CUDA-graph safe: fixed shapes, no host sync, nothing
 allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.py runs them
@@ -51,7 +51,7 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import (
     Fp8ChunkLayout,
     ceil_to,
     encode_fp8_chunks,
-    packed_narrow_chunks,
+    packed_fallback_rows,
     pad_last,
     pad_rows,
 )
@@ -202,7 +202,7 @@ def prepare_weight(
 
 
 # ----------------------------------------------------------------------------- sm_90a
-LOAD_ROWS = 256  # weight rows re-encoded at a time at load (temporaries: see inexact_rows)
+LOAD_ROWS = 256  # weight rows re-encoded at a time at load (temporaries: see fallback_rows)
 
 
 def fallback_rows(
@@ -210,18 +210,18 @@ def fallback_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (int64) of the weight rows with a chunk the FP8 form cannot hold exactly (from
     the definition, `encode_fp8_chunks`), and of those plus the rows with a chunk wider than
-    `fp8_packed_gemm`'s tables (`packed_narrow_chunks`), LOAD_ROWS rows at a time: the extra
+    `fp8_packed_gemm`'s tables (`packed_fallback_rows`), LOAD_ROWS rows at a time: the extra
     memory at load is one slice's temporaries, not the whole weight's FP8 form (measured on
     CPU: 29 bytes per slice element, 102 MiB at K = 14336). A host sync per slice: at load
     only."""
     bad, packed_bad = [], []
     for r in range(0, codes.shape[0], LOAD_ROWS):
         part = slice(r, r + LOAD_ROWS)
-        c, s = codes[part], scales[part]
-        exact = encode_fp8_chunks(c, s, None if mbs is None else mbs[part], k).exact
+        c, s, m = codes[part], scales[part], None if mbs is None else mbs[part]
+        exact = encode_fp8_chunks(c, s, m, k).exact
         bad.append((~exact.all(-1)).nonzero().flatten() + r)
-        narrow = exact & packed_narrow_chunks(c, s, k)
-        packed_bad.append((~narrow.all(-1)).nonzero().flatten() + r)
+        packed = packed_fallback_rows(c, s, m, k, exact=exact)
+        packed_bad.append(packed.nonzero().flatten() + r)
     if not bad:
         none = torch.empty(0, dtype=torch.int64, device=codes.device)
         return none, none
@@ -240,7 +240,7 @@ def packed_serves(m: int, k: int, engine: str, capability: int | None) -> bool:
 
 def _sm90_gemm(
     xl: Fp8ChunkLayout,
-    x_packed: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    x_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     w: Sm90Weight,
     bias: torch.Tensor | None,
     n: int,
@@ -248,7 +248,7 @@ def _sm90_gemm(
     engine: str,
 ) -> torch.Tensor:
     """The sm_90a GEMM (on `engine`) on an activation layout, every inexact row and column recomputed
-    (module docstring). x_packed() gives the activations' codes, E8M0 scales and MBS bytes
+    (module docstring). x_packed: the activations' codes, E8M0 scales and MBS bytes
     (formats' layout, every row).
 
     One CUTLASS launch over all rows; then the Triton FP4 GEMM over the device-side list of
@@ -270,7 +270,7 @@ def _sm90_gemm(
         y = engine_gemm(engine)(xl.fp8, xl.scale, w_fp8, w_scale, b32, out_dtype)
         del w_fp8, w_scale  # a temporary goes back to the allocator before the fallbacks
         y = y[:, :n].contiguous() if y.shape[1] != n else y
-    codes, scales, mbs = x_packed()
+    codes, scales, mbs = x_packed
     x_ops = (codes, scales, mbs, None)
     w_ops = (w.codes, w.scales, w.mbs, None)
     b = None if b32 is None else b32[:n]
@@ -307,7 +307,7 @@ def prefill_sm90_impl(
     """From quantized activations: re-encode them in torch (`encode_fp8_chunks`), GEMM."""
     return _sm90_gemm(
         encode_fp8_chunks(x_codes, x_scales, x_mbs, k),
-        lambda: (x_codes, x_scales, x_mbs),
+        (x_codes, x_scales, x_mbs),
         Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, packed_fallback_idx, w_fp8, w_fp8_scale),
         bias,
         n,
@@ -350,11 +350,7 @@ def prefill_sm90_fused_impl(
     xl = Fp8ChunkLayout(
         fp8=x_fp8, scale=x_scale, ref=x_ref, mbs=x_mbs, exact=x_exact, k=x.shape[-1]
     )
-    x_mbs_packed = x_mbs if get_format(fmt).mbs else None
-
-    def packed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return x_codes, x_scales, x_mbs_packed
-
+    packed = (x_codes, x_scales, x_mbs if get_format(fmt).mbs else None)
     w = Sm90Weight(w_codes, w_scales, w_mbs, fallback_idx, packed_fallback_idx, w_fp8, w_fp8_scale)
     return _sm90_gemm(xl, packed, w, bias, n, out_dtype, engine)
 
