@@ -172,7 +172,6 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                 bf16,
                 block_size=16,
                 macro_block=128,
-                split_k=1,
                 w_small_scales=True,
                 x_hat=x_hat,
             )
@@ -360,13 +359,18 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
              block_n: int = 128, block_k: int = 128, capability: int = 90) -> int:  # fmt: skip
     """Kernel launches of Llama-3-8B's four linears at m rows on a path, from the code's
     structure: decode / packed prefill = the activation quantizer, the GEMM, and the split-K
-    sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs); the FP8
+    sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs; the decode
+    GEMM sums inside its own launch, `gemm_blocks.reduce_split_tile`); the FP8
     pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held or read packed
     (`gemm.packed_serves`), + 1 for the split-K sum where the packed-weight GEMM splits K.
     bf16: one each."""
     from vllm_mxplus import settings
     from vllm_mxplus.backends.cutlass.gemm import packed_serves
-    from vllm_mxplus.backends.triton.gemm_launch import NOMINAL_SMS, split_k_count
+    from vllm_mxplus.backends.triton.gemm_launch import (
+        NOMINAL_SMS,
+        SPLIT_COUNTERS,
+        split_k_count,
+    )
 
     if kernel == "bf16":
         return len(LLAMA_8B)
@@ -381,7 +385,9 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
         split = split_k_count(tiles, -(-k // block_k), NOMINAL_SMS, settings.gpu_programs_per_sm())
-        total += 2 + (split > 1)
+        # the decode GEMM sums its slices in its own launch up to SPLIT_COUNTERS tiles
+        in_launch = kernel == "decode" and tiles <= SPLIT_COUNTERS
+        total += 2 + (split > 1 and not in_launch)
     return total
 
 

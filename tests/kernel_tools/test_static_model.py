@@ -62,24 +62,25 @@ def test_launches_follow_the_code_structure():
     encoder (the FP8 layout and the fallback's packed fields), the GEMM and the fallback
     GEMM, + the weight's encoder above PACKED_WEIGHT_MAX_M unless held; below it the
     packed-weight GEMM's split-K sum where its tiles are fewer than two per SM (M = 256: 96,
-    64, 448, 64 tiles: all but gate_up); the decode at M = 1 quantizer, GEMM
-    and split-K sum for each, since every 8B linear's 128-column tiles (48, 32, 224, 32)
-    are fewer than two per SM of an H200 (264); a prefill at M = 4096 with 64-row tiles
-    has thousands of tiles and no split."""
+    64, 448, 64 tiles: all but gate_up); the decode at M = 1 quantizer and GEMM for each:
+    every 8B linear's 128-column tiles (48, 32, 224, 32) are fewer than two per SM of an
+    H200 (264), so it splits K, and sums the slices in its own launch
+    (`gemm_blocks.reduce_split_tile`); a prefill at M = 4096 with 64-row tiles has
+    thousands of tiles and no split."""
     assert gsm.launches("bf16", 1) == 4
     assert gsm.launches("fp8", 4096) == 16 and gsm.launches("fp8", 4096, held=True) == 12
     assert gsm.launches("fp8", 256) == 12 + 3
-    assert gsm.launches("decode", 1) == 12
+    assert gsm.launches("decode", 1) == 8
     assert gsm.launches("prefill", 4096, block_m=64) == 8
 
 
 def test_launch_time_is_added_per_launch(monkeypatch):
     """The per-format decode estimate pays LAUNCH_S per launch on top of max(issue, memory):
-    32 layers x 12 launches for ours, 32 x 4 for bf16."""
+    32 layers x 8 launches for ours, 32 x 4 for bf16."""
     monkeypatch.setattr(gsm, "LAUNCH_S", 0.0)
     free = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
     monkeypatch.setattr(gsm, "LAUNCH_S", 1e-6)
     paid = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
     for f, p in zip(free, paid, strict=True):
-        assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 12 * 1e-3)
+        assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 8 * 1e-3)
         assert p["bf16_estimate_ms"] - f["bf16_estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)

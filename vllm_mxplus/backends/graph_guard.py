@@ -251,15 +251,17 @@ def cuda_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def capture_graph(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> tuple[Any, Any]:
     """(torch.cuda.CUDAGraph, its output) of fn(x), captured after an eager warm-up on a side
-    stream, as vLLM captures (real CUDA device only)."""
+    stream, on that stream, as vLLM warms up and captures on its own stream (real CUDA
+    device only): what a kernel sets up per stream at its first eager call (the split-K
+    counters, `gemm_launch.split_counters`) is there for the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn(x)
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         out = fn(x)
+    torch.cuda.current_stream().wait_stream(side)
     return graph, out
 
 

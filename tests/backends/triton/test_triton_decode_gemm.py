@@ -450,10 +450,9 @@ def test_split_k_heuristic_counts_row_tiles():
         wm = torch.empty(n, k // macro_block, **meta)
         with capture_launches() as launches:
             decode_gemm(x[0], x[1], xm, w[0], w[1], wm, k, macro_block=macro_block)
-        split = launches[0].grid[1]  # K slices > 1: their sum is the one more launch
-        assert (
-            len(launches) == (2 if split > 1 else 1) and launches[0].kwargs["MACRO"] == macro_block
-        )
+        split = launches[0].grid[1]  # K slices > 1: summed in the same launch
+        assert len(launches) == 1 and launches[0].kwargs["MACRO"] == macro_block
+        assert launches[0].kwargs["REDUCE"] == (split > 1)
         assert launches[0].kwargs["BLOCK_K"] == 64  # the GPU's K step, any macro block
         return launches[0].grid
 

@@ -85,17 +85,19 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     mbs_factors,
     mbs_sigma,
     pair_dot,
+    reduce_split_tile,
     store_out_tile,
 )
 from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
+    MAX_SPLIT_K,
     SplitK,
     by_row_chunks,
     check_gemm_args,
     codes_aligned,
     dot_dtype,
-    finish_output,
     plan_split_k,
+    split_k_result,
 )
 from vllm_mxplus.backends.triton.launch import (
     check_available,
@@ -139,6 +141,7 @@ W_A_MAX_ROWS = 32
 LOP3_MAX_ROWS = tl.constexpr(16)
 # GPUs whose tensor cores (tcgen05) take their A operand from shared or tensor memory only
 TCGEN05_MAJORS = (10, 11)
+SPLIT_PLANES = tl.constexpr(MAX_SPLIT_K)  # the in-launch split-K sum's unrolled planes
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 HAT_STEP = tl.constexpr(HAT_CHUNK)  # x_hat's chunk, read inside the kernel
 # the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)
@@ -155,6 +158,8 @@ def _decode_gemm_kernel(
     wmbs_ptr,
     bias_ptr,
     out_ptr,
+    y_ptr,
+    cnt_ptr,
     xh_ptr,
     pairs_ptr,
     tile_expert_ptr,
@@ -175,6 +180,7 @@ def _decode_gemm_kernel(
     stride_wmn,
     stride_os,
     stride_om,
+    stride_ym,
     stride_xhm,
     BS: tl.constexpr,
     MACRO: tl.constexpr,
@@ -193,6 +199,7 @@ def _decode_gemm_kernel(
     NVFP4: tl.constexpr,
     PLUS: tl.constexpr,
     W_A: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
@@ -391,10 +398,17 @@ def _decode_gemm_kernel(
         gx = tl.load(xg_ptr + m0 + i_m, mask=mask_m, other=0.0)
         gw = tl.load(wg_ptr + n0 + i_n, mask=mask_n, other=0.0)
         acc = (acc * gx[:, None]) * gw[None, :]
-    store_out_tile(
-        out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
-        HAS_BIAS, BLOCK_N,
-    )  # fmt: skip
+    if REDUCE:  # split K, summed by the last slice of the tile (`plan_split_k`)
+        tl.static_assert(not MOE, "the grouped experts do not split K")
+        reduce_split_tile(
+            out_ptr, acc, bias_ptr, y_ptr, cnt_ptr, m0, n0, M, N, pid_s, stride_os, stride_om,
+            stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_PLANES,
+        )  # fmt: skip
+    else:
+        store_out_tile(
+            out_ptr, acc, bias_ptr, out_row, n0, mask_m, mask_n, pid_s, stride_os, stride_om,
+            HAS_BIAS, BLOCK_N,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -867,7 +881,8 @@ def decode_gemm(
     words = word_path(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     n_tiles = triton.cdiv(n, block_n)
     out_tiles = n_tiles * triton.cdiv(m, block_m)
-    sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device)
+    sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device,
+                      in_launch=True)  # fmt: skip
 
     use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     if plus and not use_hat:
@@ -884,7 +899,7 @@ def decode_gemm(
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
         options=options, weight_a=weight_a,
     )  # fmt: skip
-    return finish_output(sk.out, bias, out_dtype)
+    return split_k_result(sk, bias, out_dtype)
 
 
 def _launch_overrides(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
@@ -938,7 +953,8 @@ def launch_decode(
     weight_a: bool | None = None,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
-    `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n]).
+    `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n], and sk.y
+    summed from them where sk.counters is set: `gemm_blocks.reduce_split_tile`).
 
     x, w: (codes, scales, MBS bytes or None), uint8 row-major, tile-addressable; x_hat: the
     activation's `act_quant_hat` output where the launch reads it (None: x's codes). moe:
@@ -965,6 +981,8 @@ def launch_decode(
         w_mbs if w_mbs is not None else dummy,
         sk.bias if sk.bias is not None else dummy,
         sk.out,
+        sk.y if sk.y is not None else dummy,
+        sk.counters if sk.counters is not None else dummy,
         x_hat if x_hat is not None else dummy,
         pairs,
         tile_expert,
@@ -984,6 +1002,7 @@ def launch_decode(
         w_mbs.stride(0) if w_mbs is not None else 0,
         sk.out.stride(0) if sk.split > 1 else 0,
         sk.out.stride(-2),
+        sk.y.stride(0) if sk.y is not None else 0,
         x_hat.stride(0) if x_hat is not None else 0,
         BS=bs,
         MACRO=macro_block,
@@ -1007,5 +1026,6 @@ def launch_decode(
             if weight_a is None
             else weight_a
         ),  # fmt: skip
+        REDUCE=sk.counters is not None,
         **({} if interpreting() else {**gpu_launch_options(block_m), **(options or {})}),
     )

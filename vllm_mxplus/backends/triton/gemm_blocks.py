@@ -33,6 +33,7 @@ RCP_NEWTON = tl.constexpr(
 SELECT_BY_MASK = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_PAIR_MAGNITUDES.value:#010x}, 0xE4;")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
+SUM_PIECES = tl.constexpr(2)  # column pieces of `reduce_split_tile`'s sum (its docstring)
 
 
 @triton.jit
@@ -293,6 +294,71 @@ def macro_block_dot(
     acc = tl.zeros((x_lo.shape[0], w_lo.shape[1]), tl.float32)
     acc = dot_f32(tl.where(sel, x_lo, 0.0).to(DOT_DTYPE), w_lo, acc, DOT_DTYPE)
     return dot_f32(tl.where(sel, x_hi, 0.0).to(DOT_DTYPE), w_hi, acc, DOT_DTYPE)
+
+
+@triton.jit
+def reduce_split_tile(
+    part_ptr,
+    acc,
+    bias_ptr,
+    y_ptr,
+    cnt_ptr,
+    m0,
+    n0,
+    M,
+    N,
+    pid_s,
+    stride_os,
+    stride_om,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+):
+    """The split-K sum inside the GEMM's launch. K slice pid_s stores its fp32 partial acc
+    [BLOCK_M, BLOCK_N] of rows m0.. and columns n0.. (consecutive rows: not the grouped
+    experts' gathered ones) in its plane of part_ptr, as `store_out_tile` does, and counts
+    itself in the tile's counter (cnt_ptr + tile, tile = program_id(2) * num_programs(0) +
+    program_id(0)); the last slice to arrive sums the planes in slice order, (p[0] + p[1]) +
+    ... + p[split - 1] (+ bias), as `gemm_launch.finish_output` does: the same bits, one
+    launch fewer. It then sets the counter back to 0 for the next launch
+    (`gemm_launch.split_counters`).
+
+    Ordering, as CUTLASS's split-K semaphore: a CTA barrier after every thread's store, then
+    one thread's acq_rel atomic at GPU scope (release: the tile's stores happen before it;
+    acquire for the last slice: the other slices' stores happen before its loads, which the
+    barrier Triton puts behind the atomic's broadcast passes to every thread). The partials
+    are loaded with ld.global.cg (L2, never a stale L1 line).
+
+    The sum's loop over the planes is unrolled to MAX_SPLIT (planes past the split masked)
+    and runs over SUM_PIECES column pieces: a loop with a runtime bound made ptxas schedule
+    the decode GEMM's K loop with 16 more instructions per step (sm_90, the sign masks
+    recomputed per pair), and one piece held its 15 loads in flight at 174 registers (2
+    programs per SM instead of 3); so the K loop counts as with `finish_output`
+    (`benchmarks/gpu_static_model.py`)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(part_ptr + pid_s.to(tl.int64) * stride_os + offs, acc, mask=mask)
+    tl.debug_barrier()
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    split = tl.num_programs(1)
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
+        for h in tl.static_range(SUM_PIECES):
+            c = n0 + h * (BLOCK_N // SUM_PIECES) + tl.arange(0, BLOCK_N // SUM_PIECES)
+            mask_h = (rows < M)[:, None] & (c < N)[None, :]
+            ptrs = part_ptr + rows.to(tl.int64)[:, None] * stride_om + c[None, :]
+            tot = tl.load(ptrs, mask=mask_h, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, MAX_SPLIT):
+                ptrs += stride_os  # the next plane, on 64-bit pointers
+                tot += tl.load(ptrs, mask=mask_h & (s < split), other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + c[None, :]
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask_h)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """What the GEMM launchers (`triton_decode_gemm`, `triton_mx_gemm`) share on the host: their
 argument checks, the macro blocks their K steps tile, and split-K (how many K slices, the
-output the kernel writes, the deterministic sum of the fp32 partials, the interpreter's
-cast outside the kernel).
+output the kernel writes, the deterministic sum of the fp32 partials in a second launch or
+inside the GEMM's own, the interpreter's cast outside the kernel).
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 
 MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
 NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# output tiles one launch can sum its K slices for in-launch (`split_counters`): above the
+# largest split grid (`split_k_count` splits only grids of fewer than per_sm x SMs tiles)
+SPLIT_COUNTERS = 4096
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def codes_aligned(k: int, *codes: torch.Tensor) -> bool:
@@ -89,7 +94,36 @@ class SplitK(NamedTuple):
     split: int  # K slices (grid axis 1)
     k_per_split: int  # K per slice: a whole number of K steps
     out: torch.Tensor  # y [m, n] itself (split 1), or fp32 partials [split, m, n]
-    bias: torch.Tensor | None  # the bias as the kernel reads it (split 1), else None
+    # the bias as the kernel reads it (split 1 or summed in the launch), else None
+    bias: torch.Tensor | None
+    y: torch.Tensor | None = None  # y [m, n], where the launch sums its slices itself
+    counters: torch.Tensor | None = None  # `split_counters`' int32 [SPLIT_COUNTERS] then
+
+
+def split_counters(device: torch.device) -> torch.Tensor | None:
+    """The arrival counters of the in-launch split-K sum (`gemm_blocks.reduce_split_tile`)
+    on `device` and its current stream: int32 [SPLIT_COUNTERS], zero between launches (the
+    last program of each tile sets its counter back to 0). One buffer per stream: launches
+    on one stream run one after the other, so they never count into the same counter at the
+    same time (vLLM's micro-batches share one compute stream). Allocated (zeroed) at the
+    first call on a stream, so not during a CUDA-graph capture: None then (the caller sums
+    in a second launch); vLLM's warm-up runs before each capture allocate it. Kept for the
+    process (16 KiB)."""
+    if capturing():  # recorded, never run; the tensors may be fake (not kept)
+        return torch.empty(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    cuda = device.type == "cuda"
+    if cuda:
+        stream = torch.cuda.current_stream(device)
+        key: tuple = (stream.device.index, stream.cuda_stream)
+    else:  # the interpreter's CPU tensors, the meta device of `capture_launches`
+        key = (device.type, device.index)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
 
 
 def plan_split_k(
@@ -102,24 +136,39 @@ def plan_split_k(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     device: torch.device,
+    in_launch: bool = False,
 ) -> SplitK:
     """Split K in split_k slices when given (at most one per K step), else `split_k_for`;
-    no slice is empty. Partials are summed by `finish_output`: deterministic, unlike atomics.
-    Under the interpreter y stays fp32 (its fp32 -> bf16 cast does not round to nearest
-    even: `finish_output` casts) and the bias is read as fp32 (its bf16 / fp16 conversions
-    are not exact)."""
+    no slice is empty. Partials are summed in slice order, so deterministically (unlike
+    atomic adds): in_launch (a kernel that calls `gemm_blocks.reduce_split_tile`) by the
+    last program of each output tile, where `split_counters` has counters (SplitK.y,
+    SplitK.counters set), else by `finish_output`'s second launch. Under the interpreter y
+    stays fp32 (its fp32 -> bf16 cast does not round to nearest even: `split_k_result`
+    casts) and the bias is read as fp32 (its bf16 / fp16 conversions are not exact)."""
     k_tiles = triton.cdiv(k, block_k)
     split = max(1, min(split_k or split_k_for(out_tiles, k_tiles, device), k_tiles))
     k_per_split = ceil_div(k_tiles, split) * block_k
     split = ceil_div(k, k_per_split)
+    interp = interpreting()
+    kernel_bias = bias.to(torch.float32) if interp and bias is not None else bias
+    y_dtype = torch.float32 if interp else out_dtype
     if split > 1:
         out = torch.empty((split, m, n), dtype=torch.float32, device=device)
-        return SplitK(split, k_per_split, out, None)
-    interp = interpreting()
-    out = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=device)
-    return SplitK(
-        1, k_per_split, out, bias.to(torch.float32) if interp and bias is not None else bias
-    )
+        counters = split_counters(device) if in_launch and out_tiles <= SPLIT_COUNTERS else None
+        if counters is None:
+            return SplitK(split, k_per_split, out, None)
+        y = torch.empty((m, n), dtype=y_dtype, device=device)
+        return SplitK(split, k_per_split, out, kernel_bias, y, counters)
+    out = torch.empty((m, n), dtype=y_dtype, device=device)
+    return SplitK(1, k_per_split, out, kernel_bias)
+
+
+def split_k_result(sk: SplitK, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y in out_dtype after a launch planned by `plan_split_k`: the launch's own sum
+    (SplitK.y), else `finish_output` of what it wrote."""
+    if sk.y is not None:
+        return sk.y.to(out_dtype)
+    return finish_output(sk.out, bias, out_dtype)
 
 
 def by_row_chunks(x: tuple, rows: int, gemm: Callable[[tuple], torch.Tensor]) -> torch.Tensor:
