@@ -313,7 +313,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
                  spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]))  # fmt: skip
 
 
-def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act_k: int,
+def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
                    held: bool = False):  # fmt: skip
     """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
     seconds of its encoders (the weight's per call unless `held` or `packed_serves`; the
@@ -324,14 +324,14 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act
 
     _, _, _, bw, _, fp8_flops = GPUS[gpu]
     rate = _issue_rate(gpu)
-    cap, sms = GPUS[gpu][:2]
-    packed = not held and packed_serves(m, 4096, "triton", cap)
-    g = counts["prefill fp8 packed-weight" if packed else "prefill fp8-chunk gemm"]
+    cap = GPUS[gpu][0]
     ew, ea = counts["encode weight-fp8"], counts["encode act-fp8 mbs-s"]
-    padded = _whole_tiles(m, g.block_m)
-    issue = 0.0
+    issue = tensor = enc_w = 0.0
     memory = m * act_k * FP8_BYTES / bw
-    for _, n, k in LLAMA_8B:
+    for _, n, k in LLAMA_8B:  # each linear by its own K (`packed_serves`)
+        packed = not held and packed_serves(m, k, "triton", cap)
+        g = counts["prefill fp8 packed-weight" if packed else "prefill fp8-chunk gemm"]
+        padded = _whole_tiles(m, g.block_m)
         # a grid of fewer programs than SMs leaves the others idle; the packed-weight GEMM
         # splits K to fill them (`split_k_for`), its fp32 partials written and read once more
         tiles = padded // g.block_m * -(-n // g.block_m)
@@ -340,9 +340,10 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, weights: int, act
         issue += g.per_unit * padded * n * k * LAYERS / rate / fill
         w_bytes = BYTES_PER_WEIGHT if packed else FP8_BYTES
         memory += LAYERS * (n * k * w_bytes + (split > 1) * 8 * split * m * n) / bw
-    tensor = padded * weights / (fp8_flops / 2)
-    enc_w = max(ew.per_unit * weights / rate, weights * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
-    enc_w = 0.0 if held or packed else enc_w
+        tensor += padded * n * k * LAYERS / (fp8_flops / 2)
+        if not held and not packed:  # the weight's FP8 copy, per call
+            w = n * k * LAYERS
+            enc_w += max(ew.per_unit * w / rate, w * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
     enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
     return (issue, tensor, memory), enc_w + enc_a
 
@@ -362,7 +363,7 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs; the decode
     GEMM sums inside its own launch, `gemm_blocks.reduce_split_tile`); the FP8
     pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held or read packed
-    (`gemm.packed_serves`), + 1 for the split-K sum where the packed-weight GEMM splits K.
+    (`gemm.packed_serves`; the packed-weight GEMM sums split K in its own launch too).
     bf16: one each."""
     from vllm_mxplus import settings
     from vllm_mxplus.backends.cutlass.gemm import packed_serves
@@ -375,12 +376,18 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     if kernel == "bf16":
         return len(LLAMA_8B)
     if kernel == "fp8":
-        if held or not packed_serves(m, 4096, "triton", capability):
-            return len(LLAMA_8B) * (FP8_PIPELINE_LAUNCHES + (0 if held else 1))
         gpu = next(g for g, spec in GPUS.items() if spec[0] == capability)
-        tiles = [-(-m // 128) * -(-n // 128) for _, n, _ in LLAMA_8B]
-        finish = sum(_packed_split(t, k, gpu) > 1 for t, (_, _, k) in zip(tiles, LLAMA_8B))
-        return len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES + finish
+        total = len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES
+        for _, n, k in LLAMA_8B:
+            if held:
+                continue
+            if not packed_serves(m, k, "triton", capability):
+                total += 1  # the weight's encoder
+                continue
+            # split K is summed in the GEMM's own launch up to SPLIT_COUNTERS tiles
+            tiles = -(-m // 128) * -(-n // 128)
+            total += _packed_split(tiles, k, gpu) > 1 and tiles > SPLIT_COUNTERS
+        return total
     total = 0
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
@@ -431,7 +438,7 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
             wide_bounds = (wide.per_unit * weights * passes / issue_rate,
                            passes * tile * weights / mac_rate,
                            (passes * weights * BYTES_PER_WEIGHT + m * act_k * HAT_BYTES) / bw)  # fmt: skip
-            fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, weights, act_k, held)
+            fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, act_k, held)
             # the quantizer also writes x_hat for the decode GEMM (2 bytes per element)
             act_hat = max(act, m * act_k * (ACT_BYTES + HAT_BYTES) / bw)
             cap = GPUS[gpu][0]

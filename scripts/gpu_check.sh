@@ -239,7 +239,7 @@ for step in served speed sweep stack; do run_step "$step" "$(box_for "$step")"; 
 # own tests on CUDA tensors (tests/backends/conftest.py: compiled kernels when a GPU is
 # present): the decode GEMM of every format and its x_hat quantizer, then the tests marked gpu. -v: each result is in the log even when the box cuts pytest short
 # (a killed pytest writes no junit file).
-PYTEST_FIRST="tests/formats/test_device_division.py tests/backends/triton/test_triton_gemm_blocks.py tests/backends/cutlass/test_fp8_packed_gemm.py tests/backends/triton/test_triton_x_hat.py tests/backends/triton/test_triton_decode_nvfp4.py tests/backends/triton/test_triton_decode_mxplus.py tests/backends/triton/test_triton_decode_gemm.py"
+PYTEST_FIRST="tests/formats/test_device_division.py tests/backends/triton/test_triton_gemm_blocks.py tests/backends/triton/test_triton_split_k_finish.py tests/backends/cutlass/test_fp8_packed_gemm.py tests/backends/triton/test_triton_x_hat.py tests/backends/triton/test_triton_decode_nvfp4.py tests/backends/triton/test_triton_decode_mxplus.py tests/backends/triton/test_triton_decode_gemm.py"
 b=$(box_for pytest_gpu)
 if [ "$b" -ge 30 ]; then
   say "pytest on CUDA (box $b s): $PYTEST_FIRST, then -m gpu"

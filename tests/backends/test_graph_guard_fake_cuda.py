@@ -206,7 +206,10 @@ def test_triton_fp8_prefill(held, m, k):
         gemm = ["_fp8_chunk_gemm_kernel"]
     elif k % 256 == 0:
         gemm = ["_fp8_packed_gemm_kernel"]
-        assert any(is_split_k_sum(lc) for lc in launches), "a grid of 2-8 tiles splits K"
+        packed = next(lc for lc in launches if lc.kernel.fn.__name__ == gemm[0])
+        # a grid of 2-8 tiles splits K, summed in the same launch
+        assert packed.grid[1] > 1 and packed.kwargs["REDUCE"]
+        assert not any(is_split_k_sum(lc) for lc in launches)
     else:
         gemm = ["_weight_fp8_words_kernel", "_fp8_chunk_gemm_kernel"]
     assert _kernels(launches) == [*gemm, "_mx_gemm_kernel"]

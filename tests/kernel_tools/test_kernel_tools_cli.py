@@ -101,10 +101,13 @@ def test_aot_kernel_filter(capsys):
     assert aot.parse_kernels(None) is None and aot.parse_kernels("") is None
     assert aot.parse_kernels("decode_gemm, act_quant") == ["decode_gemm", "act_quant"]
     only = aot.enumerate_configs(quick=True, launchers=["decode_gemm"])
-    # the launcher's own kernel, and the split-K sum it launches after a split (own key)
-    assert list(only) == ["decode_gemm", aot.SPLIT_K_SUM_KEY]
-    assert {c.kernel for c in only[aot.SPLIT_K_SUM_KEY]} == {"_finish_kernel"}
+    # the launcher's own kernel, which sums its split K itself
+    assert list(only) == ["decode_gemm"]
     assert {c.kernel for c in only["decode_gemm"]} == {"_decode_gemm_kernel"}
+    # mx_gemm's split-K sum is a second launch (own key)
+    gemm = aot.enumerate_configs(quick=True, launchers=["mx_gemm"])
+    assert list(gemm) == ["mx_gemm", aot.SPLIT_K_SUM_KEY]
+    assert {c.kernel for c in gemm[aot.SPLIT_K_SUM_KEY]} == {"_finish_kernel"}
     with pytest.raises(ValueError, match="decode_gemm"):
         aot.parse_kernels("decode")
     assert main(["kernels", "--aot", "--kernel", "nope"]) == 2

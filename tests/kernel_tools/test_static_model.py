@@ -61,15 +61,15 @@ def test_launches_follow_the_code_structure():
     """Per layer (four linears): bf16 one launch each; the FP8 pipeline its activation
     encoder (the FP8 layout and the fallback's packed fields), the GEMM and the fallback
     GEMM, + the weight's encoder above PACKED_WEIGHT_MAX_M unless held; below it the
-    packed-weight GEMM's split-K sum where its tiles are fewer than two per SM (M = 256: 96,
-    64, 448, 64 tiles: all but gate_up); the decode at M = 1 quantizer and GEMM for each:
+    packed-weight GEMM splits K where its tiles are fewer than two per SM (M = 256: 96, 64,
+    448, 64 tiles: all but gate_up) and sums the slices in its own launch
+    (`gemm_blocks.reduce_split_tile`); the decode at M = 1 quantizer and GEMM for each:
     every 8B linear's 128-column tiles (48, 32, 224, 32) are fewer than two per SM of an
-    H200 (264), so it splits K, and sums the slices in its own launch
-    (`gemm_blocks.reduce_split_tile`); a prefill at M = 4096 with 64-row tiles has
-    thousands of tiles and no split."""
+    H200 (264), so it splits K, summed in its own launch too; a prefill at M = 4096 with
+    64-row tiles has thousands of tiles and no split."""
     assert gsm.launches("bf16", 1) == 4
     assert gsm.launches("fp8", 4096) == 16 and gsm.launches("fp8", 4096, held=True) == 12
-    assert gsm.launches("fp8", 256) == 12 + 3
+    assert gsm.launches("fp8", 256) == 12
     assert gsm.launches("decode", 1) == 8
     assert gsm.launches("prefill", 4096, block_m=64) == 8
 

@@ -305,3 +305,26 @@ def test_packed_gemm_split_k_within_the_chunk_sum_bound(triton_device, split_k):
     ref = fpg.fp8_packed_gemm(xl.fp8[:, :128], xl.scale[:1], w.codes[:, :64], w.scales[:, :8],
                               w.mbs[:, :1], 128, bias, torch.float32)  # fmt: skip
     assert torch.equal(one, ref), "one chunk: one slice, whatever split_k asks"
+
+
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_packed_gemm_sums_its_slices_in_its_own_launch(triton_device, split_k, monkeypatch):
+    """Split K summed by the launch's last slice per tile (`gemm_blocks.reduce_split_tile`,
+    the counters of `gemm_launch.split_counters`): the bits of the same launch summed by
+    `finish_output` (bias, bf16 and fp32 outputs, ragged M and N), the counters back at 0."""
+    from vllm_mxplus.backends.triton import gemm_launch
+
+    m, n, k = 19, 40, 640
+    w = _packed_weight(n, k, seed=8, mbs=True, device=triton_device)
+    xl = _activation(m, k, seed=9, device=triton_device)
+    bias = (torch.randn(n) * 2).to(triton_device)
+    args = (xl.fp8, xl.scale, w.codes, w.scales, w.mbs, k, bias)
+    counters = gemm_launch.split_counters(triton_device)
+    for out, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        in_launch = fpg.fp8_packed_gemm(*args, out, split_k=split_k)
+        assert not counters.cpu().any(), "a tile's counter was not set back to 0"
+        with monkeypatch.context() as mp:
+            mp.setattr(fpg, "split_counters", lambda device: None)
+            second = fpg.fp8_packed_gemm(*args, out, split_k=split_k)
+        assert in_launch.dtype == second.dtype == out
+        assert torch.equal(in_launch.view(view), second.view(view))

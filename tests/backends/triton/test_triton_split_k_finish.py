@@ -151,3 +151,32 @@ def test_decode_gemm_sums_in_launch_bit_for_bit(pair, split_k, monkeypatch, trit
     assert launched[-1].counters is None
     assert torch.equal(in_launch.view(torch.int16), second.view(torch.int16))
     assert not launched[0].counters.cpu().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_in_launch_sum_holds_under_concurrency(m, monkeypatch, cuda_device):
+    """On a GPU the K slices of a tile run at the same time on different SMs and arrive in any
+    order: an 8B-shaped decode GEMM (4096 x 4096, 32 tiles, split 8 and 16) summed in its
+    own launch, 20 times in a row and once inside a CUDA graph replayed 5 times, gives the
+    bits of the same launch summed by `finish_output` every time (a missing fence or a
+    counter left non-zero shows up as a differing or NaN output here), and leaves the
+    counters at 0."""
+    from tests.backends.triton.test_triton_decode_gemm import operands, run
+    from vllm_mxplus.backends.graph_guard import capture_graph
+
+    qx, qw = operands(m, 4096, 4096, "mbs-s", cuda_device, seed=m)
+    bias = torch.randn(4096, device=cuda_device).to(torch.bfloat16)
+    for split in (8, 16):
+        kw = {"bias": bias, "out_dtype": torch.bfloat16, "split_k": split}
+        with monkeypatch.context() as mp:
+            mp.setattr(gemm_launch, "split_counters", lambda device: None)
+            want = run(qx, qw, 4096, **kw).view(torch.int16)
+        for _ in range(20):
+            assert torch.equal(run(qx, qw, 4096, **kw).view(torch.int16), want)
+        graph, out = capture_graph(lambda _x, kw=kw: run(qx, qw, 4096, **kw), qx.codes)
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), want)
+    assert not torch.cat([c for c in gemm_launch._COUNTERS.values() if c.is_cuda]).any()

@@ -39,9 +39,19 @@ from __future__ import annotations
 import torch
 
 from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, TOP_SHIFT
-from vllm_mxplus.backends.triton.fp8_chunk_gemm import INTERPRET_BLOCK, OUT_DTYPES, grouped_tile
-from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma
-from vllm_mxplus.backends.triton.gemm_launch import finish_output, split_k_for
+from vllm_mxplus.backends.triton.fp8_chunk_gemm import (
+    INTERPRET_BLOCK,
+    OUT_DTYPES,
+    grouped_tile_ids,
+)
+from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma, reduce_split_tile
+from vllm_mxplus.backends.triton.gemm_launch import (
+    SPLIT_COUNTERS,
+    SPLIT_PLANES,
+    finish_output,
+    split_counters,
+    split_k_for,
+)
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 from vllm_mxplus.formats.constants import ceil_div
@@ -129,14 +139,16 @@ def packed_chunk_fp8(cb, s, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
 # runs is the one `mxplus kernels --aot` compiles and checks
 @triton.jit(do_not_specialize=["NC", "CPS"])
 def _fp8_packed_gemm_kernel(
-    a_ptr, as_ptr, wc_ptr, ws_ptr, wm_ptr, bias_ptr, out_ptr,
+    a_ptr, as_ptr, wc_ptr, ws_ptr, wm_ptr, bias_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, NC, CPS,
-    stride_am, stride_asc, stride_wc, stride_ws, stride_wm, stride_os, stride_om,
+    stride_am, stride_asc, stride_wc, stride_ws, stride_wm, stride_os, stride_om, stride_ym,
     HAS_MBS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ASM: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ASM: tl.constexpr, REDUCE: tl.constexpr,
 ):  # fmt: skip
-    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = offs_m < M
     live_n = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
@@ -169,14 +181,22 @@ def _fp8_packed_gemm_kernel(
         sw = p2 * mbs_sigma(f, HAS_MBS, ASM)
         acc += part * (sa[:, None] * sw[None, :])
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
-    out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
-    tl.store(
-        out_rows + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=live_m[:, None] & live_n[None, :],
-    )
+    if REDUCE:  # split K, summed by the tile's last slice (`gemm_blocks.reduce_split_tile`)
+        reduce_split_tile(
+            out_ptr, acc, bias_ptr, y_ptr, cnt_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+            pid_s, stride_os, stride_om, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_PLANES,
+        )  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
+        out_rows = (
+            out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+        )
+        tl.store(
+            out_rows + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live_m[:, None] & live_n[None, :],
+        )
 
 
 def fp8_packed_gemm(
@@ -236,10 +256,16 @@ def fp8_packed_gemm(
         split_k = 1 if interpreting() else split_k_for(tiles, nc, a_fp8.device)
     cps = triton.cdiv(nc, max(1, min(split_k, nc)))
     split = triton.cdiv(nc, cps)
+    y = counters = None
     if split > 1:  # fp32 partials [split, m, n], the bias added by the sum
         out = torch.empty((split, m, n), dtype=torch.float32, device=a_fp8.device)
+        # summed by the launch itself where it gets counters (`gemm_launch.split_counters`)
+        counters = split_counters(a_fp8.device) if tiles <= SPLIT_COUNTERS else None
+        if counters is not None:  # fp32 under the interpreter, whose casts are not IEEE
+            y_dtype = torch.float32 if interpreting() else out_dtype
+            y = torch.empty((m, n), dtype=y_dtype, device=a_fp8.device)
     mbs_arg = w_mbs if w_mbs is not None else w_scales  # not read without MBS
-    bias_k = bias if split == 1 else None
+    bias_k = bias if split == 1 or counters is not None else None
     launch(
         _fp8_packed_gemm_kernel,
         (tiles, split),
@@ -250,6 +276,8 @@ def fp8_packed_gemm(
         mbs_arg,
         bias_k if bias_k is not None else a_scale,  # not read without a bias
         out,
+        y if y is not None else out,  # not written without the in-launch sum
+        counters if counters is not None else a_scale,
         m,
         n,
         k,
@@ -262,6 +290,7 @@ def fp8_packed_gemm(
         mbs_arg.stride(0),
         m * n if split > 1 else 0,
         n,
+        n,
         HAS_MBS=w_mbs is not None,
         HAS_BIAS=bias_k is not None,
         BLOCK_M=bm,
@@ -270,6 +299,9 @@ def fp8_packed_gemm(
         GROUP_M=GROUP_M,
         NUM_STAGES=stages,
         ASM=not interpreting(),
+        REDUCE=counters is not None,
         num_warps=warps,
     )
+    if y is not None:
+        return y.to(out_dtype)
     return finish_output(out, None if bias is None else bias[:n], out_dtype) if split > 1 else out

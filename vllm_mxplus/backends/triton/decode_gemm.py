@@ -90,7 +90,7 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
 )
 from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
-    MAX_SPLIT_K,
+    SPLIT_PLANES,
     SplitK,
     by_row_chunks,
     check_gemm_args,
@@ -141,7 +141,6 @@ W_A_MAX_ROWS = 32
 LOP3_MAX_ROWS = tl.constexpr(16)
 # GPUs whose tensor cores (tcgen05) take their A operand from shared or tensor memory only
 TCGEN05_MAJORS = (10, 11)
-SPLIT_PLANES = tl.constexpr(MAX_SPLIT_K)  # the in-launch split-K sum's unrolled planes
 MAX_TILE_OFFSET = 2**31  # in-tile offsets are 32-bit
 HAT_STEP = tl.constexpr(HAT_CHUNK)  # x_hat's chunk, read inside the kernel
 # the largest weight scale code whose 2^126 * 2^(code - 127) is a finite bf16 (`_word_step`)

@@ -42,8 +42,15 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(offs_m, offs_n) of program 0-axis id's output tile, in the grouped launch order:
-    GROUP_M row tiles per group sweep the columns together, so neighbours share B tiles in L2."""
+    """(offs_m, offs_n) of program 0-axis id's output tile (`grouped_tile_ids`)."""
+    pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def grouped_tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program 0-axis id, in the grouped launch order: GROUP_M row
+    tiles per group sweep the columns together, so neighbours share B tiles in L2."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -52,7 +59,7 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     group_m = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m, pid_n
 
 
 @triton.jit

@@ -33,7 +33,7 @@ RCP_NEWTON = tl.constexpr(
 SELECT_BY_MASK = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_PAIR_MAGNITUDES.value:#010x}, 0xE4;")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
-SUM_PIECES = tl.constexpr(2)  # column pieces of `reduce_split_tile`'s sum (its docstring)
+SUM_PIECE = tl.constexpr(512)  # outputs per piece of `reduce_split_tile`'s sum (its docstring)
 
 
 @triton.jit
@@ -332,11 +332,11 @@ def reduce_split_tile(
     are loaded with ld.global.cg (L2, never a stale L1 line).
 
     The sum's loop over the planes is unrolled to MAX_SPLIT (planes past the split masked)
-    and runs over SUM_PIECES column pieces: a loop with a runtime bound made ptxas schedule
-    the decode GEMM's K loop with 16 more instructions per step (sm_90, the sign masks
-    recomputed per pair), and one piece held its 15 loads in flight at 174 registers (2
-    programs per SM instead of 3); so the K loop counts as with `finish_output`
-    (`benchmarks/gpu_static_model.py`)."""
+    and runs over column pieces of SUM_PIECE outputs: a loop with a runtime bound made ptxas
+    schedule the decode GEMM's K loop with 16 more instructions per step (sm_90, the sign
+    masks recomputed per pair), and the whole 16 x 128 tile at once held its 15 loads in
+    flight at 174 registers (2 programs per SM instead of 3; the 128 x 128 FP8 tile
+    spilled); so the K loops count as with `finish_output` (`benchmarks/gpu_static_model.py`)."""
     rows = m0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     offs = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -346,8 +346,9 @@ def reduce_split_tile(
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     split = tl.num_programs(1)
     if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
-        for h in tl.static_range(SUM_PIECES):
-            c = n0 + h * (BLOCK_N // SUM_PIECES) + tl.arange(0, BLOCK_N // SUM_PIECES)
+        PIECES: tl.constexpr = max(1, BLOCK_M * BLOCK_N // SUM_PIECE)
+        for h in tl.static_range(PIECES):
+            c = n0 + h * (BLOCK_N // PIECES) + tl.arange(0, BLOCK_N // PIECES)
             mask_h = (rows < M)[:, None] & (c < N)[None, :]
             ptrs = part_ptr + rows.to(tl.int64)[:, None] * stride_om + c[None, :]
             tot = tl.load(ptrs, mask=mask_h, other=0.0, cache_modifier=".cg")

@@ -16,6 +16,7 @@ from vllm_mxplus import settings
 from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, launch, tl, triton
 
 MAX_SPLIT_K = 16
+SPLIT_PLANES = tl.constexpr(MAX_SPLIT_K)  # planes `gemm_blocks.reduce_split_tile` unrolls
 MAX_GRID_M_TILES = 65535  # the grid's third axis (row tiles) is at most 2^16 - 1 on CUDA
 MIN_MACRO_BLOCK = 16  # one scale block; a power of two: a K step holds whole macro blocks
 NOMINAL_SMS = 132  # SM count used while capturing launches (H100/H200 class)
