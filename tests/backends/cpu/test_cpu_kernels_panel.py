@@ -142,6 +142,26 @@ def test_plain_weights_take_the_fast_terms(ck, m):
         _assert_bits(y, _model(x.float(), q, af, None))
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_fast_terms_checked_over_every_block(ck, where):
+    """The AVX-512 register tiles (M = 4) run the fast block terms first and learn only from
+    the scale bytes the blocks load whether they held for a tile pair (else the general terms
+    run over the same outputs again): one weight row of the second tile pair with a NaN block
+    (code 255) and another with an exponent too large for the fast terms, in the first or the
+    last block of K = 4100 (33 MBS chunks), the other pairs plain. The same bits as the model."""
+    g = torch.Generator().manual_seed(11)
+    k = 4100
+    for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
+        q = quantize(torch.randn(70, k, generator=g) * 0.02, wf)
+        b = 0 if where == "first" else q.scales.shape[1] - 1
+        q.scales[33, b] = E8M0_NAN
+        q.scales[40, b] = 245  # 2^118 * 2^(ea - 127): past kFastMaxExp with these rows
+        x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+        y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK)
+        _assert_bits(y, _model(x.float(), q, af, None))
+        assert torch.isnan(y[:, 33]).all() and not torch.isnan(y[:, :32]).any()
+
+
 def _rowwise_equal(run, x: torch.Tensor) -> None:
     y = run(x)
     for i in range(x.shape[0]):

@@ -60,8 +60,9 @@ using FastArg = std::nullptr_t;  // the fast block terms are AVX-512's
 #endif
 
 #ifdef MXPLUS_AVX512
-// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t; fast: `fast_block_terms` holds for
-// them (pr the rows' FastRows; never with BM).
+// Rows m0 .. m0+mt (mt <= MT) against NTP tiles from t; fast: try the fast block terms first
+// (pr the rows' FastRows; never with BM), the general ones where `fast_block_terms` turns out
+// not to hold for these rows and tiles (tile_avx512 tells).
 template <int MT, int NTP, bool MBS, bool BM>
 void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
                int64_t mt, float* y, const float* bias, const PanelRows* pr, bool fast) {
@@ -70,10 +71,12 @@ void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
   }
   if constexpr (BM) {
     tile_avx512<MT, NTP, 2, false, true>(w, a, s, t, m0, y, bias);
-  } else if (fast) {
-    if (s.gpb == 1) tile_avx512<MT, NTP, 1, MBS, false, true>(w, a, s, t, m0, y, bias, pr);
-    else tile_avx512<MT, NTP, 2, MBS, false, true>(w, a, s, t, m0, y, bias, pr);
-  } else if (s.gpb == 1) {
+    return;
+  }
+  if (fast && (s.gpb == 1 ? tile_avx512<MT, NTP, 1, MBS, false, true>(w, a, s, t, m0, y, bias, pr)
+                          : tile_avx512<MT, NTP, 2, MBS, false, true>(w, a, s, t, m0, y, bias, pr)))
+    return;
+  if (s.gpb == 1) {
     tile_avx512<MT, NTP, 1, MBS, false>(w, a, s, t, m0, y, bias);
   } else {
     tile_avx512<MT, NTP, 2, MBS, false>(w, a, s, t, m0, y, bias);
@@ -82,29 +85,30 @@ void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
 
 // Pairs of weight tiles share each activation broadcast (half the loads per product); an odd
 // last tile runs alone. Register tiles: 2 x 4 rows, or 1 x 8. With pr (the rows' FastRows; not
-// for MX+) a row tile against a tile pair takes the fast block terms where they hold, from the
-// tiles' E8M0 code extremes (one pass over their scale bytes per call of this function).
+// for MX+) a row tile takes the fast block terms where they hold (tile_rows), tried wherever
+// some weight codes could let them: not for a row with a NaN block, nor for rows whose
+// exponents no one weight code brings into range together (fast_block_terms).
+inline bool rows_may_be_fast(const PanelRows& pr, int64_t m0, int64_t mt) {
+  int lo = 0, hi = kE8m0Nan - 1;  // the weight codes that would suit every row
+  for (int64_t m = m0; m < m0 + mt; ++m) {
+    const RowExp& r = pr.range[m];
+    if (!r.finite) return false;
+    lo = std::max(lo, -126 - r.lo);
+    hi = std::min(hi, kFastMaxExp - r.hi);
+  }
+  return lo <= hi;
+}
+
 template <bool MBS, bool BM>
 void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t tend,
                 int64_t m0, int64_t mt, float* y, const float* bias, FastArg pr) {
-  int lo[kTilesPerPass], hi[kTilesPerPass];
-  for (int64_t tt = t; pr && tt < tend; ++tt) tile_code_range(w, tt, &lo[tt - t], &hi[tt - t]);
-  auto fast = [&](int64_t tt, int ntp, int64_t mm, int64_t rows) {
-    if (!pr) return false;
-    int wlo = kE8m0Nan, whi = 0;
-    for (int j = 0; j < ntp; ++j) {
-      wlo = std::min(wlo, lo[tt - t + j]);
-      whi = std::max(whi, hi[tt - t + j]);
-    }
-    return fast_block_terms(wlo, whi, *pr, mm, rows);
-  };
   for (int64_t mm = m0; mm < m0 + mt; mm += 4) {
     const int64_t rows = std::min<int64_t>(4, m0 + mt - mm);
+    const bool fast = pr && rows_may_be_fast(*pr, mm, rows);
     int64_t tt = t;
     for (; tt + 2 <= tend; tt += 2)
-      tile_rows<4, 2, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast(tt, 2, mm, rows));
-    if (tt < tend)
-      tile_rows<4, 1, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast(tt, 1, mm, rows));
+      tile_rows<4, 2, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast);
+    if (tt < tend) tile_rows<4, 1, MBS, BM>(w, a, s, tt, mm, rows, y, bias, pr, fast);
   }
 }
 #elif defined(MXPLUS_AVX2)
@@ -333,30 +337,34 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
 
   // Activation rows, quantized once per call.
   at::Tensor fa = at::empty({act_mbs ? M : 0, nm}, call.xf.options());
+  // the buffers' pointers once, not per block (each data_ptr call checks the tensor)
+  int8_t* const codes = call.codes.data_ptr<int8_t>();
+  int32_t* const corr = call.corr.data_ptr<int32_t>();
+  float* const scale = call.scale.data_ptr<float>();
+  const float* const xf = call.xf.data_ptr<float>();
+  float* const fap = act_mbs ? fa.data_ptr<float>() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> ybuf(std::max(macro, block));
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
-      int8_t* cr = call.codes.data_ptr<int8_t>() + r * kp;
-      int32_t* sums = call.corr.data_ptr<int32_t>() + r * nb;
-      quant_row(call.xf.data_ptr<float>() + r * k, k, block, rule, act_mbs, macro, cr, sc.data(),
-                mb.data(), sums, ybuf.data());
+      int8_t* cr = codes + r * kp;
+      int32_t* sums = corr + r * nb;
+      quant_row(xf + r * k, k, block, rule, act_mbs, macro, cr, sc.data(), mb.data(), sums,
+                ybuf.data());
       for (int64_t b = 0; b < nb; ++b) {
         int big = 0;
         for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
           big = std::max(big, std::abs(static_cast<int>(cr[b * block + i])));
         sums[b] *= -kOffset;
-        call.scale.data_ptr<float>()[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
+        scale[r * nb + b] = sc[b] == kE8m0Nan || overflows(sc[b], big)
             ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(sc[b]) - 256.0f;
       }
-      for (int64_t c = 0; act_mbs && c < nm; ++c) fa.data_ptr<float>()[r * nm + c] = mbs_factor(mb[c]);
+      for (int64_t c = 0; act_mbs && c < nm; ++c) fap[r * nm + c] = mbs_factor(mb[c]);
     }
   });
   const bool any_mbs = act_mbs || w.mbs;
   TORCH_CHECK(!(any_mbs && w.bm), op, ": MX+ weights take no MBS");
-  const ActRows a{call.codes.data_ptr<int8_t>(), call.corr.data_ptr<int32_t>(),
-                  call.scale.data_ptr<float>(), act_mbs ? fa.data_ptr<float>() : nullptr, kp, nb,
-                  nm};
+  const ActRows a{codes, corr, scale, fap, kp, nb, nm};
   const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
   float* y = call.y.data_ptr<float>();
   const float* bp = call.bias_ptr();

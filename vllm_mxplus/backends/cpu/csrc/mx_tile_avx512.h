@@ -192,29 +192,6 @@ inline bool fast_block_terms(int wlo, int whi, const PanelRows& pr, int64_t m0, 
   return true;
 }
 
-// The smallest and largest E8M0 code of weight tile t (255: a NaN block).
-inline void tile_code_range(const WeightTiles& w, int64_t t, int* lo, int* hi) {
-  const uint8_t* sc = w.scales + t * w.nb * kTileN;
-  const int64_t nbytes = w.nb * kTileN;
-  __m512i vlo = _mm512_set1_epi8(static_cast<char>(0xFF)), vhi = _mm512_setzero_si512();
-  for (int64_t i = 0; i < nbytes; i += 64) {
-    const __mmask64 mk = nbytes - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (nbytes - i)) - 1;
-    const __m512i v = _mm512_maskz_loadu_epi8(mk, sc + i);
-    vlo = _mm512_mask_min_epu8(vlo, mk, vlo, v);
-    vhi = _mm512_max_epu8(vhi, v);  // masked-off bytes are 0
-  }
-  alignas(64) uint8_t l[64], h[64];
-  _mm512_store_si512(l, vlo);
-  _mm512_store_si512(h, vhi);
-  int a = 255, b = 0;
-  for (int i = 0; i < 64; ++i) {
-    a = std::min<int>(a, l[i]);
-    b = std::max<int>(b, h[i]);
-  }
-  *lo = a;
-  *hi = b;
-}
-
 // Per row of a register tile (MT rows from m0): its codes, its block sums' start (ActRows::corr,
 // or PanelRows::start for the fast block terms) and its block exponents.
 template <int MT>
@@ -291,9 +268,14 @@ inline MXPLUS_FORCE_INLINE void tile_frame(const WeightTiles& w, const ActRows& 
 // BM: MX+ block maxima (GPB = 2): + x[index] * (2 * value), exact, per lane (vpermw picks
 // x[index] from the block's 32 codes widened to int16; vpmaddwd multiplies it, the lane's
 // other int16 product is x[0] * 0). FAST (not with BM; pr the rows' FastRows): every block
-// term takes the fast form (`fast_block_terms` holds for these rows and tiles): the same bits.
+// term takes the fast form, which gives the same bits where `fast_block_terms` holds for these
+// rows and tiles. Whether it holds is known only at the end: the tiles' smallest and largest
+// E8M0 codes are gathered from the scale bytes the blocks load anyway (not by a pass of their
+// own over them before the tiles: one burst of memory reads per tile pair that nothing
+// overlapped, when the weight streams from memory). Returns false when it does not hold: then
+// y's entries here are not the sums, and the caller runs the general block terms over them.
 template <int MT, int NTP, int GPB, bool MBS, bool BM, bool FAST = false>
-void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
+bool tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
                  int64_t m0, float* y, const float* bias, const PanelRows* pr = nullptr) {
   static_assert(!(FAST && BM), "the MX+ tile keeps the general block terms");
   const __m512i lut = weight_lut();
@@ -301,6 +283,8 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
   // builds it): one pointer each for the rows' starts, ebits and codes
   const RowPtrs<MT> r = row_ptrs<MT>(a, a.corr, m0);
   if constexpr (FAST) TORCH_CHECK(pr->codes_t != nullptr, "tile_avx512: no tiles' layout");
+  // FAST: the smallest and largest E8M0 code byte of the tiles so far
+  __m128i code_lo = _mm_set1_epi8(static_cast<char>(0xFF)), code_hi = _mm_setzero_si128();
   // Block b's terms: + I * 2^(ea + ew - 256) per row and tile.
   auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
     __m512 ew[NTP];
@@ -308,11 +292,14 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     __m512i iacc[NTP][MT];
     _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
       const uint8_t* sc = w.scales + ((t0 + j) * w.nb + b) * kTileN;
-      if constexpr (FAST)
-        ewb[j] = _mm512_slli_epi32(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))), 23);
-      else
+      if constexpr (FAST) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+        code_lo = _mm_min_epu8(code_lo, codes);
+        code_hi = _mm_max_epu8(code_hi, codes);
+        ewb[j] = _mm512_slli_epi32(_mm512_cvtepu8_epi32(codes), 23);
+      } else {
         ew[j] = weight_exponents(sc);
+      }
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
         iacc[j][m] = _mm512_set1_epi32(FAST ? pr->start_t[b * pr->m + m0 + m] : r.c[m][b]);
     }
@@ -355,6 +342,18 @@ void tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     }
   };
   tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);
+  if constexpr (FAST) {
+    alignas(16) uint8_t lo[16], hi[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lo), code_lo);
+    _mm_store_si128(reinterpret_cast<__m128i*>(hi), code_hi);
+    int wlo = 255, whi = 0;
+    for (int i = 0; i < 16; ++i) {
+      wlo = std::min<int>(wlo, lo[i]);
+      whi = std::max<int>(whi, hi[i]);
+    }
+    return fast_block_terms(wlo, whi, *pr, m0, MT);
+  }
+  return true;
 }
 #endif
 
