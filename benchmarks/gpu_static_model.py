@@ -369,8 +369,8 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     from vllm_mxplus.backends.cutlass.gemm import packed_serves
     from vllm_mxplus.backends.triton.gemm_launch import (
         NOMINAL_SMS,
-        SPLIT_COUNTERS,
         split_k_count,
+        sums_in_launch,
     )
 
     if kernel == "bf16":
@@ -386,14 +386,15 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
                 continue
             # split K is summed in the GEMM's own launch up to SPLIT_COUNTERS tiles
             tiles = -(-m // 128) * -(-n // 128)
-            total += _packed_split(tiles, k, gpu) > 1 and tiles > SPLIT_COUNTERS
+            split = _packed_split(tiles, k, gpu)
+            total += split > 1 and not sums_in_launch(tiles, split)
         return total
     total = 0
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
         split = split_k_count(tiles, -(-k // block_k), NOMINAL_SMS, settings.gpu_programs_per_sm())
         # the decode GEMM sums its slices in its own launch up to SPLIT_COUNTERS tiles
-        in_launch = kernel == "decode" and tiles <= SPLIT_COUNTERS
+        in_launch = kernel == "decode" and sums_in_launch(tiles, split)
         total += 2 + (split > 1 and not in_launch)
     return total
 

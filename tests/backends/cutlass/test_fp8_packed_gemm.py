@@ -307,14 +307,15 @@ def test_packed_gemm_split_k_within_the_chunk_sum_bound(triton_device, split_k):
     assert torch.equal(one, ref), "one chunk: one slice, whatever split_k asks"
 
 
-@pytest.mark.parametrize("split_k", [2, 5])
+@pytest.mark.parametrize("split_k", [2, 5, 32])
 def test_packed_gemm_sums_its_slices_in_its_own_launch(triton_device, split_k, monkeypatch):
     """Split K summed by the launch's last slice per tile (`gemm_blocks.reduce_split_tile`,
     the counters of `gemm_launch.split_counters`): the bits of the same launch summed by
     `finish_output` (bias, bf16 and fp32 outputs, ragged M and N), the counters back at 0."""
     from vllm_mxplus.backends.triton import gemm_launch
 
-    m, n, k = 19, 40, 640
+    m, n = 19, 40
+    k = 640 if split_k < 32 else 32 * 128  # 32 chunks: more slices than the sum unrolls
     w = _packed_weight(n, k, seed=8, mbs=True, device=triton_device)
     xl = _activation(m, k, seed=9, device=triton_device)
     bias = (torch.randn(n) * 2).to(triton_device)

@@ -119,6 +119,10 @@ def test_in_launch_plan_and_fallback(monkeypatch, triton_device):
     assert too_many.split == 4 and too_many.y is None and too_many.counters is None
     one = plan_split_k(3, 40, 1024, 128, 1, 1, None, torch.bfloat16, dev, in_launch=True)
     assert one.split == 1 and one.counters is None
+    # more slices than the in-launch sum unrolls (an explicit split_k, e.g. gpu_check's sweep)
+    wide = plan_split_k(3, 40, 8192, 128, 1, 2 * MAX_SPLIT_K, None, torch.bfloat16, dev,
+                        in_launch=True)  # fmt: skip
+    assert wide.split == 2 * MAX_SPLIT_K and wide.counters is None
     monkeypatch.setattr(gemm_launch, "split_counters", lambda device: None)
     sk = plan_split_k(3, 40, 1024, 128, 1, 4, None, torch.bfloat16, dev, in_launch=True)
     assert sk.split == 4 and sk.y is None and sk.counters is None

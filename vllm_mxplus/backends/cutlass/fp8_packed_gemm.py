@@ -46,11 +46,11 @@ from vllm_mxplus.backends.triton.fp8_chunk_gemm import (
 )
 from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma, reduce_split_tile
 from vllm_mxplus.backends.triton.gemm_launch import (
-    SPLIT_COUNTERS,
     SPLIT_PLANES,
     finish_output,
     split_counters,
     split_k_for,
+    sums_in_launch,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
@@ -260,7 +260,7 @@ def fp8_packed_gemm(
     if split > 1:  # fp32 partials [split, m, n], the bias added by the sum
         out = torch.empty((split, m, n), dtype=torch.float32, device=a_fp8.device)
         # summed by the launch itself where it gets counters (`gemm_launch.split_counters`)
-        counters = split_counters(a_fp8.device) if tiles <= SPLIT_COUNTERS else None
+        counters = split_counters(a_fp8.device) if sums_in_launch(tiles, split) else None
         if counters is not None:  # fp32 under the interpreter, whose casts are not IEEE
             y_dtype = torch.float32 if interpreting() else out_dtype
             y = torch.empty((m, n), dtype=y_dtype, device=a_fp8.device)

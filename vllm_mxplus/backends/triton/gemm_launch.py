@@ -155,13 +155,22 @@ def plan_split_k(
     y_dtype = torch.float32 if interp else out_dtype
     if split > 1:
         out = torch.empty((split, m, n), dtype=torch.float32, device=device)
-        counters = split_counters(device) if in_launch and out_tiles <= SPLIT_COUNTERS else None
+        counters = (
+            split_counters(device) if in_launch and sums_in_launch(out_tiles, split) else None
+        )
         if counters is None:
             return SplitK(split, k_per_split, out, None)
         y = torch.empty((m, n), dtype=y_dtype, device=device)
         return SplitK(split, k_per_split, out, kernel_bias, y, counters)
     out = torch.empty((m, n), dtype=y_dtype, device=device)
     return SplitK(1, k_per_split, out, kernel_bias)
+
+
+def sums_in_launch(out_tiles: int, split: int) -> bool:
+    """Whether a launch of out_tiles tiles and `split` K slices can sum them itself
+    (`gemm_blocks.reduce_split_tile`): a counter per tile (SPLIT_COUNTERS) and at most the
+    SPLIT_PLANES planes its sum unrolls (an explicit split_k may ask for more)."""
+    return out_tiles <= SPLIT_COUNTERS and split <= MAX_SPLIT_K
 
 
 def split_k_result(sk: SplitK, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
