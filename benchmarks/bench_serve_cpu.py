@@ -81,14 +81,15 @@ def _throughput(
 
     max_pos, vocab = _max_positions(model)
     per_prompt = prefill_tokens // max(1, prefill_prompts)
-    prefill = prefill_tokens if prefill_tokens and per_prompt < max_pos else 0
+    # prefill only where a prompt (and its one output token, with room) fits the context
+    prefill = prefill_tokens if prefill_tokens and per_prompt + 8 <= max_pos else 0
     t0 = time.time()
     llm = LLM(
         model=model,
         quantization=quantization,
         dtype="bfloat16",
         enforce_eager=eager,
-        max_model_len=max(512, per_prompt + 8),
+        max_model_len=min(max_pos, max(512, per_prompt + 8) if prefill else 512),
         max_num_seqs=max(len(prompts), prefill_prompts),
         seed=0,
         max_num_batched_tokens=max(2048, prefill + 8 * prefill_prompts),
