@@ -49,6 +49,35 @@ def test_listing_loops_and_counts():
     assert code.count() == 9 and code.kinds() == {"HMMA": 2}
 
 
+# sm_100's pipelined loops wait on an mbarrier in a spin placed after the EXIT, which jumps
+# back into the loop: that backward branch spans the epilogue and is not a loop
+OUT_OF_LINE_WAIT = """
+.L_x_11:
+        /*0000*/                   UTCOMMA.4X gdesc[UR10], gdesc[UR12], tmem[UR9], tmem[UR6], idesc[UR7], tmem[UR20], UPT ;
+        /*0010*/              @!P6 BRA `(.L_x_10) ;
+.L_x_16:
+        /*0020*/                   IADD3 R4, P1, R4, 0x80, RZ ;
+        /*0030*/                   BRA.U UP0, `(.L_x_11) ;
+        /*0040*/                   F2FP.BF16.F32.PACK_AB R2, R3, R2 ;
+        /*0050*/                   STG.E desc[UR4][R6.64], R2 ;
+        /*0060*/              @P0 EXIT ;
+        /*0070*/                   STG.E desc[UR4][R8.64], R2 ;
+        /*0080*/                   EXIT ;
+.L_x_10:
+        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P6, [UR8+0x8], R3 ;
+        /*00a0*/              @!P6 BRA `(.L_x_10) ;
+        /*00b0*/                   BRA `(.L_x_16) ;
+"""
+
+
+def test_out_of_line_wait_is_no_loop():
+    code = sass.parse(OUT_OF_LINE_WAIT)
+    spans = {(lp.start, lp.end) for lp in code.loops()}
+    assert spans == {(0x00, 0x30), (0x90, 0xA0)}  # not (0x20, 0xB0): it holds the EXIT
+    hot = code.hot_loop()
+    assert hot is not None and (hot.start, hot.end) == (0x00, 0x30) and hot.count == 4
+
+
 def test_opcode_strips_predicate_and_modifiers():
     ins = sass.Instr(0, "@!P1 LDG.E.128 R4, desc[UR4][R2.64]")
     assert ins.opcode == "LDG" and not ins.tensor_core

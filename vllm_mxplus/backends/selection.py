@@ -82,6 +82,11 @@ _REGISTRY: dict[LayerKind, Registry] = {
             LazyBackend(
                 "cutlass_prefill", "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend"
             ),
+            # large M on sm_100 without the extension: the block-scaled FP4 MMA (tcgen05)
+            LazyBackend(
+                "triton-fp4-prefill",
+                "vllm_mxplus.backends.triton.fp4_prefill:TritonFp4PrefillBackend",
+            ),
             # large M where the extension is not built: the FP8-chunk pipeline on Triton
             LazyBackend(
                 "triton-fp8-prefill",

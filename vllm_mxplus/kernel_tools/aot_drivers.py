@@ -92,6 +92,43 @@ def _drive_fp8_packed_gemm(quick: bool) -> None:
                         _meta((n,), f32) if bias else None, out)  # fmt: skip
 
 
+def _drive_fp4_scaled_gemm(quick: bool) -> None:
+    from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
+    from vllm_mxplus.backends.triton.fp4_scaled_gemm import CAPABILITY_MAJOR, fp4_scaled_gemm
+    from vllm_mxplus.backends.triton.launch import target_capability
+    from vllm_mxplus.formats.constants import ceil_div
+
+    cap = target_capability(torch.device("cuda"))
+    if cap is not None and cap // 10 != CAPABILITY_MAJOR:
+        return  # sm_100's block-scaled FP4 MMA only
+
+    shapes = ((4096, 4096, 4096),) if quick else ((4096, 4096, 4096), (256, 576, 1536),
+                                                   (300, 100, 640))  # fmt: skip
+    outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    u8, f32 = torch.uint8, torch.float32
+    meta = torch.device("meta")
+
+    def op(rows: int, k: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # scales and factors laid out as rel_scales lays them
+        return (_meta((rows, ceil_div(k, 2)), u8), aligned_rows(rows, k // 16, u8, meta),
+                aligned_rows(groups, rows, f32, meta))  # fmt: skip
+
+    for (m, n, k), out, bias, mbs in itertools.product(shapes, outs, (False, True), (True, False)):
+        groups = k // 128 if mbs else 1
+        fp4_scaled_gemm(op(m, k, groups), op(n, k, groups), k,
+                        _meta((n,), f32) if bias else None, out, mbs)  # fmt: skip
+
+
+def _drive_fp4_rel_scales(quick: bool) -> None:
+    from vllm_mxplus.backends.triton.fp4_rel_scales import rel_scales
+    from vllm_mxplus.formats.constants import ceil_div
+
+    ks = (4096,) if quick else (4096, 200)
+    for k, bs, mbs in itertools.product(ks, (16, 32), (True, False)):
+        m = _meta((4096, ceil_div(k, 128)), torch.uint8) if mbs else None
+        rel_scales(_meta((4096, ceil_div(k, bs)), torch.uint8), m, k, bs, per_chunk=mbs)
+
+
 def _gemm_operand(
     rows: int, k: int, fmt: str, bs: int, macro: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -410,6 +447,8 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "weight_fp8_chunks": _drive_weight_fp8,
     "fp8_chunk_gemm": _drive_fp8_chunk_gemm,
     "fp8_packed_gemm": _drive_fp8_packed_gemm,
+    "fp4_scaled_gemm": _drive_fp4_scaled_gemm,
+    "fp4_rel_scales": _drive_fp4_rel_scales,
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
     "moe_gemm": _drive_moe_gemm,
@@ -429,6 +468,9 @@ MIN_TARGET: dict[str, int] = {
 }
 
 
+FP4_MMA_TARGET = 100  # `fp4_scaled_gemm`'s MMA: sm_100 only (older targets emulate it)
+
+
 def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports this module)
     """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, and for
     the decode kernel's 64-row tile (linear or grouped) and its MX+ mode
@@ -436,6 +478,8 @@ def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports th
     from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS, WIDE_MIN_CAPABILITY
 
     c = dict(config.constexprs)
+    if config.kernel == "_fp4_scaled_gemm_kernel":
+        return FP4_MMA_TARGET  # tcgen05's block-scaled FP4 MMA
     if config.kernel == "_decode_gemm_kernel" and (
         c["BLOCK_M"] >= WIDE_BLOCK_MS[-1] or c.get("PLUS")
     ):

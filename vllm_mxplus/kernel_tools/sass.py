@@ -71,7 +71,8 @@ class Sass:
 
     def loops(self) -> list[Loop]:
         """Every backward branch as a loop [target, branch], its body the instructions
-        between (inner loops included)."""
+        between (inner loops included); not a branch whose span holds an unpredicated EXIT
+        (the return jump of an out-of-line wait loop)."""
         out = []
         for ins in self.instrs:
             if ins.opcode != "BRA":
@@ -82,7 +83,10 @@ class Sass:
             head = self.labels[m.group(1)]
             if head <= ins.addr:
                 body = [i for i in self.instrs if head <= i.addr <= ins.addr]
-                out.append(Loop(head, ins.addr, body))
+                # a wait loop placed after the function's end (sm_100's mbarrier try-wait
+                # spins) jumps back into the main code: its "body" would hold the EXIT
+                if not any(i.text.split()[0] == "EXIT" for i in body):
+                    out.append(Loop(head, ins.addr, body))
         return out
 
     def hot_loop(self) -> Loop | None:

@@ -13,13 +13,15 @@ from vllm_mxplus.formats import SCHEMES, get_scheme, quantize
 
 def test_registered_first_for_cuda_only():
     from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend, TritonFp8PrefillBackend
+    from vllm_mxplus.backends.triton.fp4_prefill import TritonFp4PrefillBackend
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
-    # decode first, then CUTLASS where built, then the FP8-chunk pipeline on Triton (large M),
-    # then the packed Triton GEMM: the order decides
+    # decode first, then CUTLASS where built, then sm_100's FP4 MMA, then the FP8-chunk
+    # pipeline on Triton (large M), then the packed Triton GEMM: the order decides
     assert registered_backends("cuda") == [
         TritonDecodeBackend,
         CutlassPrefillBackend,
+        TritonFp4PrefillBackend,
         TritonFp8PrefillBackend,
         TritonGemmBackend,
     ]

@@ -1,0 +1,195 @@
+"""`triton-fp4-prefill` (sm_100's block-scaled FP4 MMA): the relative UE4M3 scales against a
+float derivation, bit for bit; the GEMM (its MMA emulated in fp32 where no sm_100 runs it)
+and the whole backend against the float64 product of `formats`' x_hat and W_hat, within the
+fp32-accumulation bound, every E8M0 scheme and NVFP4, with rows and weight rows the scales
+cannot hold served exactly by the fallback; the dispatch's order and reasons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mxplus.backends import LinearSpec
+from vllm_mxplus.backends.triton.fp4_prefill import TritonFp4PrefillBackend, fp4_operand
+from vllm_mxplus.backends.triton.fp4_rel_scales import (
+    REF_MAX,
+    REF_MIN,
+    SPAN,
+    rel_scales,
+    rel_scales_torch,
+)
+from vllm_mxplus.backends.triton.fp4_scaled_gemm import fp4_scaled_gemm
+from vllm_mxplus.backends.triton.gemm_ops import act_operands
+from vllm_mxplus.formats import get_scheme, quantize
+from vllm_mxplus.formats.constants import ceil_div
+
+
+def _expected_rel(scales, mbs, k, bs, per_chunk):
+    """The module docstring's definition in float arithmetic: u = float8_e4m3fn(2^(s - ref +
+    8)) for s - ref >= -17, f = 2^(ref - 135) * fp32(1/F), inexact as stated."""
+    r = scales.shape[0]
+    nb, nc = ceil_div(k, 16), ceil_div(k, 128)
+    s16 = scales.long().repeat_interleave(bs // 16, dim=1)[:, :nb]
+    s16 = torch.nn.functional.pad(s16, (0, nc * 8 - nb), value=-1)  # -1: past K
+    groups = s16.view(r, nc, 8) if per_chunk else s16.view(r, 1, nc * 8)
+    ref = groups.max(dim=2).values
+    d = groups - ref[:, :, None]
+    live = groups >= 0
+    pow2 = torch.pow(2.0, (d + 8).clamp(min=-9).double())
+    u = pow2.to(torch.float8_e4m3fn).view(torch.uint8)
+    u = torch.where(live & (d >= -SPAN.value), u, torch.zeros_like(u)).reshape(r, nc * 8)
+    sigma = torch.ones_like(ref, dtype=torch.float32)
+    if mbs is not None:
+        sigma = (1.0 / (1.0 + mbs.double() / 256.0)).float()  # correctly rounded 1/F
+    refc = ref.clamp(REF_MIN.value, REF_MAX.value)
+    f = (torch.pow(2.0, (refc - 135).double()) * sigma.double()).float().T  # [groups, R]
+    bad = (ref < REF_MIN.value) | (ref > REF_MAX.value)
+    bad = bad.any(dim=1) | (live & (d < -SPAN.value)).flatten(1).any(dim=1)
+    return u, f, bad
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("bs,per_chunk,k", [(16, True, 384), (16, True, 200), (32, True, 320),
+                                            (16, False, 416), (32, False, 100)])  # fmt: skip
+def test_rel_scales_bit_for_bit(bs, per_chunk, k, impl, triton_device):
+    """The Triton kernel (activations, per call) and the torch form (weights, at load)."""
+    g = torch.Generator().manual_seed(k + bs)
+    r = 70
+    scales = torch.randint(110, 135, (r, ceil_div(k, bs)), generator=g, dtype=torch.uint8)
+    scales[1, 0] = 0  # a zero block: below the span
+    scales[2, -1] = 255  # a NaN block
+    scales[3, :] = 40  # a row of tiny values (ref < REF_MIN)
+    scales[4, :] = 220  # huge ones (ref > REF_MAX)
+    scales[5, 1] = scales[5, 0] - 17 if scales[5, 0] >= 17 else 0  # exactly the span's edge
+    scales[5, 2:] = scales[5, 0]
+    mbs = None
+    if per_chunk:
+        mbs = torch.randint(0, 256, (r, ceil_div(k, 128)), generator=g, dtype=torch.uint8)
+    dev = triton_device
+    rel = rel_scales if impl == "kernel" else rel_scales_torch
+    u, f, bad = rel(scales.to(dev), None if mbs is None else mbs.to(dev), k, bs, per_chunk)
+    eu, ef, ebad = _expected_rel(scales, mbs, k, bs, per_chunk)
+    assert torch.equal(u.cpu(), eu)
+    assert torch.equal(f.cpu().view(torch.int32), ef.view(torch.int32))
+    assert torch.equal(bad.cpu(), ebad)
+    assert ebad[1:5].all() and not ebad[5]  # each edge case is the one it is meant to be
+
+
+def _operands(scheme: str, m: int, n: int, k: int, g: torch.Generator):
+    sch = get_scheme(scheme)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    qx = quantize(x, sch.activation_format, macro_block=128)
+    qw = quantize(w, sch.weight_format, macro_block=128)
+    return sch, x, w, qx, qw
+
+
+def _bound(xd, wd, k, bias=None):
+    y64 = xd @ wd.T
+    s = xd.abs() @ wd.abs().T
+    if bias is not None:
+        y64 = y64 + bias.double()
+        s = s + bias.double().abs()
+    return y64, (k + 8) * 2.0**-24 * s + 2.0**-140
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp"])
+@pytest.mark.parametrize("k", [384, 128])
+def test_gemm_within_the_bound(scheme, k, triton_device):
+    """The GEMM (`fp4_scaled_gemm`, MMA emulated off sm_100) on rows the scales hold, against
+    y64 with the fp32 bound (K + 8) 2^-24 S; a factor off by one ulp of 2^-10 in one chunk
+    breaks it (the check can fail)."""
+    g = torch.Generator().manual_seed(k)
+    sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
+    dev = triton_device
+    a, abad = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
+                          sch.activation_format, k)  # fmt: skip
+    b, bbad = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
+                          sch.weight_format, k)  # fmt: skip
+    assert not abad.any() and not bbad.any()  # Gaussian rows sit inside the span
+    per_chunk = qw.mbs is not None
+    bias = torch.randn(36, generator=g)
+    y = fp4_scaled_gemm(a, b, k, bias.to(dev), torch.float32, per_chunk).cpu().double()
+    y64, tol = _bound(qx.dequantize().double(), qw.dequantize().double(), k, bias)
+    assert ((y - y64).abs() <= tol).all()
+    f_bad = a[2].clone()
+    f_bad[-1, 7] *= 1 + 2.0**-10
+    y_bad = fp4_scaled_gemm((a[0], a[1], f_bad), b, k, bias.to(dev), torch.float32, per_chunk)
+    assert not ((y_bad.cpu().double() - y64).abs() <= tol).all()
+
+
+def _dev(t, dev):
+    return None if t is None else t.to(dev)
+
+
+def _layer(scheme: str, qw, dev):
+    spec = LinearSpec(get_scheme(scheme), qw.codes.shape[0], qw.shape[-1], torch.float32)
+    backend = TritonFp4PrefillBackend(spec)
+    layer = torch.nn.Module()
+    backend.process_weights_after_loading(layer, _to(qw, dev))
+    return backend, layer
+
+
+def _to(q, dev):
+    import dataclasses
+
+    fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
+    moved = {n: (v.to(dev) if isinstance(v, torch.Tensor) else v) for n, v in fields.items()}
+    return dataclasses.replace(q, **moved)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "nvfp4"])
+def test_backend_exact_with_fallback_rows_and_columns(scheme, triton_device):
+    """The whole backend: rows x with a block far below its chunk (a zero block; one row of
+    tiny values) and a weight row with the same go through the exact fallback; a NaN input
+    gives a NaN row (docs/numerics.md); everything else through the MMA; all within the
+    bound against formats' x_hat / W_hat."""
+    g = torch.Generator().manual_seed(7)
+    m, n, k = 36, 40, 256
+    sch, x, w, _, _ = _operands(scheme, m, n, k, g)
+    x[3, 16:32] = 0.0  # a zero block
+    x[5, :] *= 2.0**-70  # ref below REF_MIN
+    x[9, 40] = float("nan")
+    w[11, 128:144] = 0.0  # a weight row the scales cannot hold: its column is the fallback's
+    qw = quantize(w, sch.weight_format, macro_block=128)
+    dev = triton_device
+    backend, layer = _layer(scheme, qw, dev)
+    nvfp4 = scheme == "nvfp4"
+    assert layer.mxplus_fp4_w_inexact.tolist() == ([] if nvfp4 else [11])
+    bias = torch.randn(n, generator=g)
+    y = backend.apply(layer, x.to(dev), bias.to(dev)).cpu().double()
+    x_ops = act_operands(x.to(dev), sch.activation_format, 128)
+    _, x_bad = fp4_operand(*x_ops, sch.activation_format, k)
+    assert x_bad.nonzero()[:, 0].tolist() == ([9] if nvfp4 else [3, 5, 9])  # the rest: the MMA
+    assert y[9].isnan().all() and not y[torch.arange(m) != 9].isnan().any()
+    per_row = backend.spec.activation_per_row  # NVFP4 activations: a global scale per row
+    qx = quantize(x, sch.activation_format, macro_block=128, per_row=per_row)
+    y64, tol = _bound(qx.dequantize().double(), qw.dequantize().double(), k, bias)
+    keep = torch.arange(m) != 9
+    assert ((y[keep] - y64[keep]).abs() <= tol[keep]).all()
+
+
+def test_dispatch_order_and_reasons():
+    from vllm_mxplus.backends import registered_backends
+    from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend, TritonFp8PrefillBackend
+
+    order = registered_backends("cuda")
+    assert order.index(CutlassPrefillBackend) < order.index(TritonFp4PrefillBackend)
+    assert order.index(TritonFp4PrefillBackend) < order.index(TritonFp8PrefillBackend)
+    ok, why = TritonFp4PrefillBackend.is_supported("cuda", 90)
+    assert not ok and "10.x" in why
+    assert not TritonFp4PrefillBackend.is_supported("cpu", None)[0]
+    spec = LinearSpec(get_scheme("mxfp4-mbs", 64), 64, 256, torch.bfloat16)
+    ok, why = TritonFp4PrefillBackend.can_implement(spec)
+    assert not ok and "macro block 64" in why
+    ok, why = TritonFp4PrefillBackend.can_implement(LinearSpec("mxplus", 64, 256, torch.bfloat16))
+    assert not ok and "MX+" in why
+    for scheme in ("mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4"):
+        assert TritonFp4PrefillBackend.can_implement(LinearSpec(scheme, 64, 256, torch.bfloat16))[0]
+    ok, why = TritonFp4PrefillBackend.can_implement(LinearSpec("nvfp4", 64, 576, torch.bfloat16))
+    assert not ok and "K = 576" in why
+    with pytest.raises(ValueError, match="K = 200"):
+        op = (torch.zeros(4, 100, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.uint8),
+              torch.ones(1, 4))  # fmt: skip
+        fp4_scaled_gemm(op, op, 200, None, torch.float32, per_chunk=False)
+    assert TritonFp4PrefillBackend.m_range() == (129, None)

@@ -1,0 +1,263 @@
+"""The block-scaled FP4 GEMM on Blackwell's tensor cores (sm_100: tcgen05, kind::mxf4nvf4),
+Macro Block Scaling inside the one launch.
+
+y[m, n] = sum_G fa[m, G] fb[n, G] (A_G B_G^T)[m, n] (+ bias), where A_G, B_G are a group's
+E2M1 codes times their UE4M3 block scales (one per 16 elements): Triton's `tl.dot_scaled` with
+float8_e4m3 scales, which sm_100 runs as one `UTCOMMA.4X` (tcgen05 block-scaled MMA) per 128-K
+step, reading the packed codes (0.5 bytes per element) straight from shared memory. K is whole 128-K
+chunks (the loop has no K masks). Operands:
+codes uint8 [R, K/2] (formats' packing: element 2i in the low nibble, as the MMA wants),
+scales uint8 [R, K/16] (UE4M3 bits), factors fp32 [groups, R] (chunk-major: a chunk's
+factors are one vector).
+
+- PER_CHUNK (MBS): one group per 128-K chunk. Each step's product starts from a fresh
+  accumulator in tensor memory, is read into registers and added as acc += part * (fa * fb):
+  the MBS factors applied per chunk inside the launch (the paper's Appendix E), the promotion
+  into fp32 once per chunk. The E8M0 scales arrive relative to the chunk's largest code
+  (`fp4_rel_scales`): fa = 2^(ref - 135) sigma.
+- otherwise one group per row: the MMA accumulates over all of K in tensor memory, and the
+  sum is multiplied by fa[m] then fb[n] once: E8M0 without MBS (`fp4_rel_scales` with one
+  group: fa an exact power of two) and NVFP4 (the E4M3 scales as they are, fa and fb the
+  global scales, `mx_gemm`'s order).
+
+Error (docs/numerics.md, "The block-scaled FP4 MMA on sm_100"): every product is exact
+(E2M1 times a power of two, or NVFP4's E4M3 scale); the MMA adds in fp32; per chunk one
+rounding each for fa * fb, the product and the addition; the bias and the output cast.
+
+Under the interpreter (no `dot_scaled` there) and with EMULATE the step decodes both tiles to
+fp32 values (`emulated_scaled_dot`: the codes by `gemm_blocks.e2m1_pair_values`, the UE4M3
+bits by a float8 bitcast) and runs `tl.dot` in IEEE fp32: everything but the MMA instruction
+is the GPU's code. The MMA itself is checked where a GPU runs: the first-use self-test
+(`selftest`, bit for bit on exact data) and `scripts/gpu_check.sh`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mxplus.backends.triton.fp4_rel_scales import (
+    BLOCKS_PER_CHUNK,
+    CHUNK,
+    ROW_ALIGN,
+    aligned_rows,
+)
+from vllm_mxplus.backends.triton.fp8_chunk_gemm import grouped_tile
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values
+from vllm_mxplus.backends.triton.launch import (
+    check_available,
+    interpreting,
+    launch,
+    target_capability,
+    tl,
+    triton,
+)
+from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
+
+# the GPU tile: 128 x 128 outputs, a 128-K chunk per step (one UTCOMMA.4X), 8 warps: with MBS
+# they hold the fp32 accumulator and the chunk's partial in registers (4 spill); without it
+# the accumulator stays in tensor memory until the epilogue, whose 128 x 128 fp32 tile 4
+# warps spill (counted by `benchmarks/gpu_static_model.py`)
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8
+NUM_STAGES = 3
+GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
+EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CAPABILITY_MAJOR = 10  # sm_100 / sm_103: tcgen05's block-scaled MMA
+
+
+@triton.jit
+def _tile_values(q, s, ROWS: tl.constexpr):
+    """fp32 values [ROWS, 128] of packed codes q [ROWS, 64] (uint8) and UE4M3 bits s [ROWS, 8]."""
+    lo, hi = e2m1_pair_values(q.to(tl.int32))
+    v = tl.reshape(tl.join(lo, hi), (ROWS, 8, 16))
+    sv = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(v * sv[:, :, None], (ROWS, 128))
+
+
+@triton.jit
+def emulated_scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc + (codes a [BM, 64] x UE4M3 ua [BM, 8]) @ (codes b [64, BN] x ub [BN, 8])^T in IEEE
+    fp32: what `tl.dot_scaled(a, ua, "e2m1", b, ub, "e2m1", acc)` computes."""
+    av = _tile_values(a, ua, BLOCK_M)
+    bv = _tile_values(tl.trans(b), ub, BLOCK_N)
+    return tl.dot(av, tl.trans(bv), acc, input_precision="ieee")
+
+
+@triton.jit
+def scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               EMULATE: tl.constexpr):  # fmt: skip
+    if EMULATE:
+        return emulated_scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N)
+    sa = ua.to(tl.float8e4nv, bitcast=True)
+    sb = ub.to(tl.float8e4nv, bitcast=True)
+    return tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc=acc)
+
+
+@triton.jit
+def _chunk_step(
+    acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
+    stride_fa, stride_fb, live_m, live_n,
+    PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """One 128-K chunk c: (acc, part) after it (the kernel's docstring)."""
+    k = c * 64 + tl.arange(0, 64)  # the chunk's code bytes
+    js = c * 8 + tl.arange(0, 8)  # its 16-blocks' scales
+    a = tl.load(a_rows + k[None, :], mask=live_m[:, None], other=0)
+    b = tl.load(b_cols + k[:, None], mask=live_n[None, :], other=0)
+    ua = tl.load(ua_rows + js[None, :], mask=live_m[:, None], other=0)
+    ub = tl.load(ub_rows + js[None, :], mask=live_n[:, None], other=0)
+    if PER_CHUNK:
+        # a fresh accumulator per chunk, written as a select on the step (Triton 3.7's
+        # accumulator-init pass fails on a zero constant here with the scaled MMA; the select
+        # becomes the MMA's own "do not accumulate" flag)
+        part = scaled_dot(a, ua, b, ub, tl.where(c < 0, part, 0.0), BLOCK_M, BLOCK_N, EMULATE)
+        fa = tl.load(fa_ptr + c * stride_fa + m64, mask=live_m, other=0.0)
+        fb = tl.load(fb_ptr + c * stride_fb + n64, mask=live_n, other=0.0)
+        acc += part * (fa[:, None] * fb[None, :])
+    else:
+        acc = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE)
+    return acc, part
+
+
+@triton.jit
+def _fp4_scaled_gemm_kernel(
+    a_ptr, ua_ptr, fa_ptr, b_ptr, ub_ptr, fb_ptr, bias_ptr, out_ptr,
+    M, N, NC,
+    stride_a, stride_ua, stride_fa, stride_b, stride_ub, stride_fb, stride_om,
+    PER_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    live_m = offs_m < M
+    live_n = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    a_rows = a_ptr + m64[:, None] * stride_a
+    b_cols = b_ptr + n64[None, :] * stride_b
+    ua_rows = ua_ptr + m64[:, None] * stride_ua
+    ub_rows = ub_ptr + n64[:, None] * stride_ub
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in tl.range(0, NC, num_stages=NUM_STAGES):
+        acc, part = _chunk_step(
+            acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
+            stride_fa, stride_fb, live_m, live_n, PER_CHUNK, BLOCK_M, BLOCK_N, EMULATE,
+        )  # fmt: skip
+    if not PER_CHUNK:
+        fa = tl.load(fa_ptr + m64, mask=live_m, other=0.0)
+        fb = tl.load(fb_ptr + n64, mask=live_n, other=0.0)
+        acc = acc * fa[:, None]
+        acc = acc * fb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
+    out_rows = out_ptr + m64[:, None] * stride_om
+    tl.store(
+        out_rows + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=live_m[:, None] & live_n[None, :],
+    )
+
+
+def emulates(device: torch.device) -> bool:
+    """Whether launches on `device` take `emulated_scaled_dot` (the interpreter), else the MMA;
+    a ValueError on a GPU (or a captured target) outside sm_100's generation, which has no
+    block-scaled FP4 MMA (`launch.target_capability`; captures without a target get the
+    MMA)."""
+    if interpreting():
+        return True
+    cap = target_capability(device)
+    if cap is not None and cap // 10 != CAPABILITY_MAJOR:
+        raise ValueError(f"fp4_scaled_gemm: needs sm_100's block-scaled FP4 MMA, not sm_{cap}")
+    return False
+
+
+Operand = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (codes, UE4M3 bits, factors)
+
+
+def _check(name: str, op: Operand, k: int, groups: int) -> None:
+    codes, u, f = op
+    nc = ceil_div(k, CHUNK)
+    rows = codes.shape[0]
+    want = (
+        ("codes", codes, torch.uint8, (rows, ceil_div(k, 2))),
+        ("scales", u, torch.uint8, (rows, nc * BLOCKS_PER_CHUNK)),
+        ("factors", f, torch.float32, (groups, rows)),
+    )
+    for what, t, dtype, shape in want:
+        if t.dtype != dtype or tuple(t.shape) != shape or t.stride(-1) != 1:
+            raise ValueError(f"fp4_scaled_gemm: {name} {what} must be {dtype} {list(shape)} with "
+                             f"unit stride, got {t.dtype} {tuple(t.shape)}")  # fmt: skip
+
+
+def fp4_scaled_gemm(
+    a: Operand,
+    b: Operand,
+    k: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    per_chunk: bool,
+    emulate: bool | None = None,
+) -> torch.Tensor:
+    """out_dtype [M, N] = sum_G fa fb (A_G B_G^T) + bias (module docstring): a, b = (codes
+    [R, K/2], UE4M3 scale bits [R, K/16], factors [K/128 with per_chunk, else 1, R]); bias
+    fp32 [N] or None.
+    emulate: the fp32 dot of the decoded tiles instead of `tl.dot_scaled` (default: under
+    the interpreter, `emulates`)."""
+    if k % CHUNK:
+        raise ValueError(f"fp4_scaled_gemm: K = {k} is not whole {CHUNK}-element chunks (the "
+                         "MMA's K step)")  # fmt: skip
+    groups = k // CHUNK if per_chunk else 1
+    _check("a", a, k, groups)
+    _check("b", b, k, groups)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (b[0].shape[0],)):
+        raise ValueError(f"fp4_scaled_gemm: bias must be fp32 [{b[0].shape[0]}]")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"fp4_scaled_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    check_available(a[0])
+    m, n = a[0].shape[0], b[0].shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a[0].device)
+    if m == 0 or n == 0:
+        return out
+    emulate = emulates(a[0].device) if emulate is None else emulate
+    if emulate:  # small tiles of fp32 values
+        bm = bn = EMULATE_BLOCK
+        warps, stages = 4, 1
+    else:
+        bm, bn, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+    launch(
+        _fp4_scaled_gemm_kernel,
+        (triton.cdiv(m, bm) * triton.cdiv(n, bn),),
+        *a[:1], a[1], a[2], b[0], b[1], b[2],
+        bias if bias is not None else a[2],  # not read without a bias
+        out,
+        m, n, k // CHUNK,
+        a[0].stride(0), a[1].stride(0), a[2].stride(0),
+        b[0].stride(0), b[1].stride(0), b[2].stride(0), out.stride(0),
+        PER_CHUNK=per_chunk,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        GROUP_M=GROUP_M,
+        NUM_STAGES=stages,
+        EMULATE=emulate,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def scale_bits_per_chunk(scales: torch.Tensor, k: int) -> torch.Tensor:
+    """NVFP4's E4M3 block scales [R, K/16] as the GEMM's UE4M3 bits (the sign bit is clear:
+    NVFP4's scales are >= 0), in rows aligned as `fp4_rel_scales.aligned_rows`."""
+    nb = ceil_div(k, SMALL_BLOCK)
+    if scales.shape[-1] != nb:
+        raise ValueError(f"scale_bits_per_chunk: {scales.shape[-1]} scales for K = {k} ({nb})")
+    bits = scales.view(torch.uint8)
+    if bits.stride(-1) == 1 and (bits.stride(0) * bits.element_size()) % ROW_ALIGN == 0:
+        return bits  # already aligned (K a multiple of 1024): no copy
+    u = aligned_rows(scales.shape[0], nb, torch.uint8, scales.device)
+    u.copy_(bits)
+    return u
