@@ -94,6 +94,15 @@ LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumptio
 FP8_PIPELINE_LAUNCHES = 3
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
+# sm_100's Triton FP4 MMA (`triton-fp4-prefill`), its cases counted on sm_100 only
+FP4_MBS, FP4_NO_MBS = "prefill fp4 mma MBS-128", "prefill fp4 mma (no MBS)"
+FP4_MMA_ARCH = 100
+# its operands per element: E2M1, a UE4M3 byte per 16, an fp32 factor per 128 (MBS) or per row
+FP4_MMA_BYTES = {True: 0.5 + 1 / 16 + 4 / 128, False: 0.5 + 1 / 16}
+# the relative scales of the activations per call: E8M0 + MBS bytes read, UE4M3 + factors written
+REL_SCALE_BYTES = 1 / 16 + 1 / 128 + 1 / 16 + 4 / 128
+# launches per linear: act-quant, relative scales, the GEMM, the fallback rows' GEMM
+FP4_PIPELINE_LAUNCHES = 4
 
 
 @dataclass
@@ -185,6 +194,22 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         return go
 
+    def fp4_mma(mbs: bool) -> Callable[[], None]:  # sm_100's block-scaled FP4 MMA
+        def go() -> None:
+            from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
+            from vllm_mxplus.backends.triton.fp4_scaled_gemm import fp4_scaled_gemm
+
+            meta, groups = torch.device("meta"), k // 128 if mbs else 1
+
+            def op(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return (_meta((rows, k // 2), torch.uint8),
+                        aligned_rows(rows, k // 16, torch.uint8, meta),
+                        aligned_rows(groups, rows, torch.float32, meta))  # fmt: skip
+
+            fp4_scaled_gemm(op(4096), op(n), k, None, bf16, per_chunk=mbs)
+
+        return go
+
     def decode_nvfp4() -> None:  # NVFP4 on the decode GEMM: x_hat, E4M3 scales, g_x * g_w
         def operand(rows: int) -> tuple:
             return (_meta((rows, k // 2), torch.uint8),
@@ -268,6 +293,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "experts mx_gemm MBS-128": ("experts", "MAC", experts_mx),
         "act-quant mxfp4-mbs-s": ("act_quant", "element", act("mxfp4-mbs-s")),
         "prefill fp8-chunk gemm": ("prefill", "MAC", fp8_gemm),
+        FP4_MBS: ("prefill", "MAC", fp4_mma(True)),
+        FP4_NO_MBS: ("prefill", "MAC", fp4_mma(False)),
         "prefill fp8 packed-weight": ("prefill", "MAC", fp8_packed),
         "encode weight-fp8": ("encode", "weight", weight_fp8),
         "encode act-fp8 mbs-s": ("encode", "element", act_fp8("mxfp4-mbs-s")),
@@ -348,6 +375,32 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
     return (issue, tensor, memory), enc_w + enc_a
 
 
+def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool = True):
+    """(issue, tensor, memory) seconds of sm_100's FP4 MMA GEMM (`fp4_scaled_gemm`) over
+    Llama-3-8B's linears at m rows, and the seconds of its activation side (the quantizer and
+    the relative scales, each max(issue, memory)); None where the GPU has no FP4 MMA or the
+    case was not counted. One tile per SM (its registers), a grid of fewer tiles than SMs
+    leaves the rest idle."""
+    name = FP4_MBS if mbs else FP4_NO_MBS
+    if gpu not in FP4_FLOPS or name not in counts:
+        return None
+    g, aq = counts[name], counts["act-quant mxfp4-mbs-s"]
+    _, sms, _, bw, _, _ = GPUS[gpu]
+    rate = _issue_rate(gpu)
+    padded = _whole_tiles(m, g.block_m)
+    issue = tensor = 0.0
+    memory = m * act_k * FP4_MMA_BYTES[mbs] / bw
+    block_n = g.work_per_iteration // (g.block_m * 128)  # BLOCK_K = 128
+    for _, n, k in LLAMA_8B:
+        tiles = padded // g.block_m * -(-n // block_n)
+        fill = min(1.0, tiles / sms)
+        issue += g.per_unit * padded * n * k * LAYERS / rate / fill
+        tensor += padded * n * k * LAYERS / (FP4_FLOPS[gpu] / 2)
+        memory += LAYERS * n * k * FP4_MMA_BYTES[mbs] / bw
+    act = max(aq.per_unit * m * act_k / rate, m * act_k * (ACT_BYTES + REL_SCALE_BYTES) / bw)
+    return (issue, tensor, memory), act
+
+
 def _packed_split(tiles: int, k: int, gpu: str) -> int:
     """K slices `fp8_packed_gemm` launches for `tiles` output tiles over K on `gpu`."""
     from vllm_mxplus import settings
@@ -375,6 +428,8 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
 
     if kernel == "bf16":
         return len(LLAMA_8B)
+    if kernel == "fp4":
+        return len(LLAMA_8B) * FP4_PIPELINE_LAUNCHES
     if kernel == "fp8":
         gpu = next(g for g, spec in GPUS.items() if spec[0] == capability)
         total = len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES
@@ -407,6 +462,7 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
     VLLM_MXPLUS_FP8_WEIGHT_HELD=1 (the weight's FP8 form held from load)."""
     from vllm_mxplus.backends.cutlass.linear import FP8_HELD_MIN_M, FP8_PREFILL_MIN_M
     from vllm_mxplus.backends.triton.decode_gemm import gpu_block_m
+    from vllm_mxplus.backends.triton.fp4_prefill import FP4_PREFILL_MIN_M
     from vllm_mxplus.backends.triton.linear import BATCHED_DECODE_MAX_M, HELD_DECODE_MAX_M
 
     fp8_min_m = FP8_HELD_MIN_M if held else FP8_PREFILL_MIN_M
@@ -453,8 +509,13 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
                 "decode": max(wide_bounds) + act_hat + launch_s("decode", tile),
                 "fp8": max(fp8_bounds) + enc + launch_s("fp8", 128),
             }
+            fp4 = fp4_mma_s(counts, gpu, m, act_k)
+            if fp4 is not None:
+                paths["fp4"] = max(fp4[0]) + fp4[1] + launch_s("fp4", 128)
             if m <= wide_max_m:
                 kernel, bounds, act = "decode", wide_bounds, act_hat
+            elif fp4 is not None and m >= FP4_PREFILL_MIN_M:  # `triton-fp4-prefill`
+                kernel, (bounds, act) = "fp4", fp4
             elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
             fp8 = min(v for p_, v in paths.items() if p_ != kernel)
@@ -562,6 +623,30 @@ def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
             "bf16_copy_ps_per_element": copy * 1e12, "time_vs_copy": ours / copy}  # fmt: skip
 
 
+def fp4_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
+    """sm_100's FP4 MMA prefill per kind of format at M = 256, 512, 4096: MBS (MXFP4-MBS-*, a
+    promotion per 128-K chunk) and without (MXFP4-16-OAS, MXFP4-OCP, NVFP4: the MMA accumulates
+    over K), bf16, and the MBS kernel's time over the one without."""
+    rows = []
+    weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
+    act_k = LAYERS * sum(k for _, _, k in LLAMA_8B)
+    _, _, _, bw, bf16_flops, _ = GPUS[gpu]
+    for m in (256, 512, 4096):
+        bf16 = max(weights * 2 / bw, m * weights / (bf16_flops / 2))
+        bf16 += LAYERS * launches("bf16", m) * LAUNCH_S
+        per = {}
+        for mbs in (True, False):
+            r = fp4_mma_s(counts, gpu, m, act_k, mbs)
+            if r is None:
+                return []
+            per[mbs] = max(r[0]) + r[1] + LAYERS * launches("fp4", m) * LAUNCH_S
+        rows.append({"gpu": gpu, "M": m, "mbs_ms": per[True] * 1e3, "no_mbs_ms": per[False] * 1e3,
+                     "bf16_estimate_ms": bf16 * 1e3, "mbs_vs_bf16": bf16 / per[True],
+                     "no_mbs_vs_bf16": bf16 / per[False],
+                     "mbs_overhead": per[True] / per[False] - 1})  # fmt: skip
+    return rows
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -593,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         arch: {
             name: count(name, role, unit, drive, arch)
             for name, (role, unit, drive) in _cases().items()
+            if name not in (FP4_MBS, FP4_NO_MBS) or arch == FP4_MMA_ARCH
         }  # fmt: skip
         for arch in archs
     }
@@ -601,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     held = {g: estimate(counts[GPUS[g][0]], g, held=True) for g in gpus}
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
     formats = {g: decode_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
+    fp4_formats = {g: fp4_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
     sm100 = [
         cutlass_sm100(counts[GPUS[g][0]], g, m, mbs)
         for g in gpus
@@ -626,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimates": est,
         "estimates_fp8_weight_held": held,
         "decode_per_format_m1": formats,
+        "fp4_mma_prefill_per_format": fp4_formats,
         "cutlass_sm100_bound_model": sm100,
         "act_quant_vs_bf16_copy": act,
         "expert_gemm_vs_bf16": list(moe.values()),
@@ -671,6 +759,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['format']:<14}{r['per_weight']:>11.4f}{r['issue_ms']:>9.3f}"
                   f"{r['memory_ms']:>9.3f}{r['estimate_ms']:>9.3f}{r['bf16_estimate_ms']:>9.3f}"
                   f"{r['speedup_vs_bf16']:>6.2f}x")  # fmt: skip
+    for gpu, rows in fp4_formats.items():
+        if not rows:
+            continue
+        print(f"\n## {gpu}: prefill on the FP4 MMA (triton-fp4-prefill) with and without MBS, "
+              "Llama-3-8B linears, STATIC ESTIMATE (ms)")  # fmt: skip
+        print(f"{'M':>5}{'MBS':>9}{'ratio':>7}{'no MBS':>9}{'ratio':>7}{'bf16':>9}"
+              f"{'MBS over no MBS':>17}")  # fmt: skip
+        for r in rows:
+            print(f"{r['M']:>5}{r['mbs_ms']:>9.3f}{r['mbs_vs_bf16']:>6.2f}x{r['no_mbs_ms']:>9.3f}"
+                  f"{r['no_mbs_vs_bf16']:>6.2f}x{r['bf16_estimate_ms']:>9.3f}"
+                  f"{r['mbs_overhead']:>+16.0%}")  # fmt: skip
     if sm100:
         print("\n## CUTLASS sm_100a FP4 GEMM, Llama-3-8B linears: BOUND MODEL (tensor, memory, "
               "launches; its machine code not counted), STATIC ESTIMATE (ms)")  # fmt: skip

@@ -53,13 +53,18 @@ from vllm_mxplus.backends.triton.launch import (
 )
 from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
 
-# the GPU tile: 128 x 128 outputs, a 128-K chunk per step (one UTCOMMA.4X), 8 warps: with MBS
-# they hold the fp32 accumulator and the chunk's partial in registers (4 spill); without it
-# the accumulator stays in tensor memory until the epilogue, whose 128 x 128 fp32 tile 4
-# warps spill (counted by `benchmarks/gpu_static_model.py`)
-BLOCK_M = 128
-BLOCK_N = 128
-NUM_WARPS = 8
+# the GPU tiles ((PER_CHUNK, HAS_BIAS) -> BLOCK_M, BLOCK_N, warps), a 128-K chunk per step
+# (one UTCOMMA.4X). With MBS 128 x 128 on 8 warps, which hold the fp32 accumulator and the
+# chunk's partial in registers (4 warps, or 128 x 256, spill); without it the accumulator stays
+# in tensor memory until the epilogue, and 128 x 256 halves the per-MAC overhead of a step
+# except with a bias (its epilogue then spills). Counted by `benchmarks/gpu_static_model.py`
+# on sm_100: 0.00093 (MBS) and 0.00028 warp-instructions per MAC.
+TILES = {
+    (True, False): (128, 128, 8),
+    (True, True): (128, 128, 8),
+    (False, False): (128, 256, 8),
+    (False, True): (128, 128, 8),
+}
 NUM_STAGES = 3
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
 EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
@@ -100,11 +105,11 @@ def _chunk_step(
     acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
     stride_fa, stride_fb, live_m, live_n,
     PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """One 128-K chunk c: (acc, part) after it (the kernel's docstring)."""
-    k = c * 64 + tl.arange(0, 64)  # the chunk's code bytes
-    js = c * 8 + tl.arange(0, 8)  # its 16-blocks' scales
+    k = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the chunk's code bytes
+    js = c * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)  # its 16-blocks' scales
     a = tl.load(a_rows + k[None, :], mask=live_m[:, None], other=0)
     b = tl.load(b_cols + k[:, None], mask=live_n[None, :], other=0)
     ua = tl.load(ua_rows + js[None, :], mask=live_m[:, None], other=0)
@@ -128,7 +133,7 @@ def _fp4_scaled_gemm_kernel(
     M, N, NC,
     stride_a, stride_ua, stride_fa, stride_b, stride_ub, stride_fb, stride_om,
     PER_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -145,7 +150,7 @@ def _fp4_scaled_gemm_kernel(
     for c in tl.range(0, NC, num_stages=NUM_STAGES):
         acc, part = _chunk_step(
             acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
-            stride_fa, stride_fb, live_m, live_n, PER_CHUNK, BLOCK_M, BLOCK_N, EMULATE,
+            stride_fa, stride_fb, live_m, live_n, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
         )  # fmt: skip
     if not PER_CHUNK:
         fa = tl.load(fa_ptr + m64, mask=live_m, other=0.0)
@@ -227,7 +232,7 @@ def fp4_scaled_gemm(
         bm = bn = EMULATE_BLOCK
         warps, stages = 4, 1
     else:
-        bm, bn, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        (bm, bn, warps), stages = TILES[per_chunk, bias is not None], NUM_STAGES
     launch(
         _fp4_scaled_gemm_kernel,
         (triton.cdiv(m, bm) * triton.cdiv(n, bn),),
@@ -241,6 +246,7 @@ def fp4_scaled_gemm(
         HAS_BIAS=bias is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
+        BLOCK_K=CHUNK,
         GROUP_M=GROUP_M,
         NUM_STAGES=stages,
         EMULATE=emulate,
