@@ -75,7 +75,8 @@ MOE = (4, 2, 64) if REHEARSE else (8, 2, 1024)
 DECODE_MS, PREFILL_MS = (1, 8, 16), (32, 512, 4096)
 # Until the `cutlass` step: the Triton backends only (CUTLASS is being built meanwhile)
 TRITON_ONLY = (
-    "linear:triton-decode,linear:triton-fp8-prefill,linear:triton-gemm,experts:triton-grouped"
+    "linear:triton-decode,linear:triton-fp4-prefill,linear:triton-fp8-prefill,linear:triton-gemm,"
+    "experts:triton-grouped"
 )
 
 # (step, time box in seconds at the default budget, what it does): gpu_check.sh reads this

@@ -288,6 +288,59 @@ def test_cutlass_sm100_prefill(monkeypatch, use_mbs, m):
     assert guard.count("vllm_mxplus.cutlass_fp4_mbs_gemm") == 1
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "nvfp4"])
+@pytest.mark.parametrize("inexact_w", [0, 3], ids=["w-exact", "w-fallback"])
+@pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
+def test_triton_fp4_prefill(scheme, inexact_w, m):
+    """sm_100's FP4 MMA pipeline (`triton-fp4-prefill`) on fake CUDA tensors: its one op per
+    apply, then the op's body under the guard (no host sync, no host->device copy): the
+    activations' relative scales (E8M0), the FP4 MMA GEMM, the exact fallback's row-list GEMM,
+    and the columns of the weight's inexact rows (known at load)."""
+    from vllm_mxplus.backends.triton.fp4_prefill import (
+        FP4_ATTRS,
+        TritonFp4PrefillBackend,
+        fp4_prefill_impl,
+    )
+    from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
+    from vllm_mxplus.backends.triton.launch import capture_launches
+    from vllm_mxplus.backends.triton.linear import ATTRS, GLOBAL_ATTR
+    from vllm_mxplus.formats import get_format, get_scheme
+
+    k = 512  # whole 128-K chunks (the MMA's step)
+    sch = get_scheme(scheme)
+    wf = get_format(sch.weight_format)
+    nvfp4, mbs = wf.has_global_scale, bool(wf.mbs)
+    dev = torch.device("cuda")
+    packed = (
+        cuda_empty((N, k // 2), torch.uint8),
+        cuda_empty((N, k // 16), torch.float8_e4m3fn if nvfp4 else torch.uint8),
+        cuda_empty((N, k // 128), torch.uint8) if mbs else None,
+    )
+    fp4 = (
+        aligned_rows(N, k // 16, torch.uint8, dev),
+        aligned_rows(k // 128 if mbs else 1, N, torch.float32, dev),
+        torch.arange(inexact_w, device=dev),
+    )
+    layer = types.SimpleNamespace(**dict(zip(ATTRS + FP4_ATTRS, packed + fp4, strict=True)))
+    setattr(layer, GLOBAL_ATTR, cuda_empty((N,)) if nvfp4 else None)
+    spec = LinearSpec(scheme=sch, n=N, k=k, out_dtype=torch.bfloat16, device_type="cuda")
+    x = cuda_empty((m, k), torch.bfloat16)
+    y, guard = guarded(TritonFp4PrefillBackend(spec).apply, layer, x, None)
+    _assert_cuda_out(y, m)
+    assert guard.count("vllm_mxplus.triton_fp4_prefill") == 1
+    with capture_launches() as launches:
+        y, guard = guarded(
+            fp4_prefill_impl, x, sch.activation_format, sch.weight_format, 128, *packed,
+            getattr(layer, GLOBAL_ATTR), *fp4, cuda_empty((N,)), None, torch.bfloat16,
+        )  # fmt: skip
+    _assert_cuda_out(y, m)
+    assert not guard.violations
+    assert guard.count("aten.nonzero_static") == 1  # the fallback rows, listed on the device
+    want = ([] if nvfp4 else ["_rel_scales_kernel"]) + ["_fp4_scaled_gemm_kernel"]
+    want += ["_mx_gemm_kernel"] * (1 + bool(inexact_w))
+    assert _kernels(launches) == want
+
+
 # ----------------------------------------------------------------------------- MoE
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")

@@ -24,6 +24,14 @@ from vllm_mxplus.formats import get_scheme, quantize
 from vllm_mxplus.formats.constants import ceil_div
 
 
+@pytest.fixture
+def fp4_device(triton_device):
+    """Where the FP4 MMA GEMM runs: the interpreter (its emulation), or an sm_100 GPU."""
+    if triton_device.type == "cuda" and torch.cuda.get_device_capability(triton_device)[0] != 10:
+        pytest.skip("the FP4 MMA needs sm_100 (capability 10.x); other GPUs never select it")
+    return triton_device
+
+
 def _expected_rel(scales, mbs, k, bs, per_chunk):
     """The module docstring's definition in float arithmetic: u = float8_e4m3fn(2^(s - ref +
     8)) for s - ref >= -17, f = 2^(ref - 135) * fp32(1/F), inexact as stated."""
@@ -95,13 +103,13 @@ def _bound(xd, wd, k, bias=None):
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp"])
 @pytest.mark.parametrize("k", [384, 128])
-def test_gemm_within_the_bound(scheme, k, triton_device):
+def test_gemm_within_the_bound(scheme, k, fp4_device):
     """The GEMM (`fp4_scaled_gemm`, MMA emulated off sm_100) on rows the scales hold, against
     y64 with the fp32 bound (K + 8) 2^-24 S; a factor off by one ulp of 2^-10 in one chunk
     breaks it (the check can fail)."""
     g = torch.Generator().manual_seed(k)
     sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
-    dev = triton_device
+    dev = fp4_device
     a, abad = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
                           sch.activation_format, k)  # fmt: skip
     b, bbad = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
@@ -139,7 +147,7 @@ def _to(q, dev):
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "nvfp4"])
-def test_backend_exact_with_fallback_rows_and_columns(scheme, triton_device):
+def test_backend_exact_with_fallback_rows_and_columns(scheme, fp4_device):
     """The whole backend: rows x with a block far below its chunk (a zero block; one row of
     tiny values) and a weight row with the same go through the exact fallback; a NaN input
     gives a NaN row (docs/numerics.md); everything else through the MMA; all within the
@@ -152,7 +160,7 @@ def test_backend_exact_with_fallback_rows_and_columns(scheme, triton_device):
     x[9, 40] = float("nan")
     w[11, 128:144] = 0.0  # a weight row the scales cannot hold: its column is the fallback's
     qw = quantize(w, sch.weight_format, macro_block=128)
-    dev = triton_device
+    dev = fp4_device
     backend, layer = _layer(scheme, qw, dev)
     nvfp4 = scheme == "nvfp4"
     assert layer.mxplus_fp4_w_inexact.tolist() == ([] if nvfp4 else [11])
@@ -193,3 +201,33 @@ def test_dispatch_order_and_reasons():
               torch.ones(1, 4))  # fmt: skip
         fp4_scaled_gemm(op, op, 200, None, torch.float32, per_chunk=False)
     assert TritonFp4PrefillBackend.m_range() == (129, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_chunk", [True, False], ids=["mbs", "no-mbs"])
+def test_mma_equals_its_emulation_on_sm100(per_chunk, cuda_device):
+    """On an sm_100 GPU: the block-scaled FP4 MMA (`tl.dot_scaled`, UTCOMMA.4X) against the
+    emulated dot of the same launch code, bit for bit on data whose chunk sums are exact in
+    fp32 (E2M1 values times scales 2^-1..2^1 at K = 256: integers of 2^-4 below 2^20), so
+    the nibble order, the scale layout and the UE4M3 reading are what the emulation says."""
+    from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
+
+    if torch.cuda.get_device_capability(cuda_device)[0] != 10:
+        pytest.skip("needs sm_100's block-scaled FP4 MMA (capability 10.x)")
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 256, 384, 256
+
+    def operand(rows):
+        codes = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+        bits = torch.randint(6, 9, (rows, k // 16), generator=g, dtype=torch.uint8) << 3
+        u = aligned_rows(rows, k // 16, torch.uint8, cuda_device)
+        u.copy_(bits)  # UE4M3 2^-1, 2^0, 2^1
+        groups = k // 128 if per_chunk else 1
+        f = aligned_rows(groups, rows, torch.float32, cuda_device)
+        f.copy_(torch.rand(groups, rows, generator=g) + 0.5)
+        return codes.to(cuda_device), u, f
+
+    a, b = operand(m), operand(n)
+    y = fp4_scaled_gemm(a, b, k, None, torch.float32, per_chunk, emulate=False)
+    ref = fp4_scaled_gemm(a, b, k, None, torch.float32, per_chunk, emulate=True)
+    assert torch.equal(y, ref)

@@ -110,7 +110,7 @@ ROW_ALIGN = 64  # bytes: the start of every row of u and f
 def aligned_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty [rows, cols] tensor whose rows start every ROW_ALIGN bytes (a view of wider
     storage): its row stride is divisible by 16, which Triton's loads specialize on."""
-    per = ROW_ALIGN // torch.empty((), dtype=dtype).element_size()
+    per = ROW_ALIGN // dtype.itemsize
     return torch.empty((rows, ceil_div(cols, per) * per), dtype=dtype, device=device)[:, :cols]
 
 
