@@ -231,3 +231,24 @@ def test_mma_equals_its_emulation_on_sm100(per_chunk, cuda_device):
     y = fp4_scaled_gemm(a, b, k, None, torch.float32, per_chunk, emulate=False)
     ref = fp4_scaled_gemm(a, b, k, None, torch.float32, per_chunk, emulate=True)
     assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4"])
+def test_first_use_self_test_passes_and_can_fail(scheme, fp4_device, monkeypatch):
+    """The first-use self-test (`selftest.run_self_test`: random data within the bound, exact
+    data bit for bit in bf16) passes the backend, and fails it when one chunk factor of the
+    weight is off by 2^-6 (the MMA's operands and everything else unchanged)."""
+    from vllm_mxplus.backends import selftest
+    from vllm_mxplus.backends.triton import fp4_prefill
+
+    spec = LinearSpec(get_scheme(scheme), 4096, 4096, torch.bfloat16)
+    assert selftest.run_self_test(TritonFp4PrefillBackend, spec, fp4_device) is None
+    real = fp4_prefill.fp4_scaled_gemm
+
+    def off(a, b, *args, **kwargs):
+        f = b[2].clone()
+        f[0, 0] *= 1 + 2.0**-6
+        return real(a, (b[0], b[1], f), *args, **kwargs)
+
+    monkeypatch.setattr(fp4_prefill, "fp4_scaled_gemm", off)
+    assert selftest.run_self_test(TritonFp4PrefillBackend, spec, fp4_device) is not None

@@ -224,9 +224,12 @@ def fp4_scaled_gemm(
         raise ValueError(f"fp4_scaled_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     check_available(a[0])
     m, n = a[0].shape[0], b[0].shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a[0].device)
+    # the interpreter's fp32 -> bf16 / fp16 cast is not round-to-nearest-even: there the
+    # kernel writes fp32 and torch casts
+    cast_after = interpreting() and out_dtype != torch.float32
+    out = torch.empty((m, n), dtype=torch.float32 if cast_after else out_dtype, device=a[0].device)
     if m == 0 or n == 0:
-        return out
+        return out.to(out_dtype)
     emulate = emulates(a[0].device) if emulate is None else emulate
     if emulate:  # small tiles of fp32 values
         bm = bn = EMULATE_BLOCK
@@ -252,7 +255,7 @@ def fp4_scaled_gemm(
         EMULATE=emulate,
         num_warps=warps,
     )  # fmt: skip
-    return out
+    return out.to(out_dtype) if cast_after else out
 
 
 def scale_bits_per_chunk(scales: torch.Tensor, k: int) -> torch.Tensor:
