@@ -97,6 +97,8 @@ OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output 
 # sm_100's Triton FP4 MMA (`triton-fp4-prefill`), its cases counted on sm_100 only
 FP4_MBS, FP4_NO_MBS = "prefill fp4 mma MBS-128", "prefill fp4 mma (no MBS)"
 FP4_MMA_ARCH = 100
+SPLIT = " split-K"  # the same kernel with K split (a grid short of the SMs)
+FP4_CASES = tuple(c + t for c in (FP4_MBS, FP4_NO_MBS) for t in ("", SPLIT))
 # its operands per element: E2M1, a UE4M3 byte per 16, an fp32 factor per 128 (MBS) or per row
 FP4_MMA_BYTES = {True: 0.5 + 1 / 16 + 4 / 128, False: 0.5 + 1 / 16}
 # the relative scales of the activations per call: E8M0 + MBS bytes read, UE4M3 + factors written
@@ -194,8 +196,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         return go
 
-    def fp4_mma(mbs: bool) -> Callable[[], None]:  # sm_100's block-scaled FP4 MMA
-        def go() -> None:
+    def fp4_mma(mbs: bool, rows: int = 4096) -> Callable[[], None]:  # sm_100's FP4 MMA
+        def go() -> None:  # rows = 256: a grid short of the SMs, K split
             from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
             from vllm_mxplus.backends.triton.fp4_scaled_gemm import fp4_scaled_gemm
 
@@ -206,7 +208,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                         aligned_rows(rows, k // 16, torch.uint8, meta),
                         aligned_rows(groups, rows, torch.float32, meta))  # fmt: skip
 
-            fp4_scaled_gemm(op(4096), op(n), k, None, bf16, per_chunk=mbs)
+            fp4_scaled_gemm(op(rows), op(n), k, None, bf16, per_chunk=mbs)
 
         return go
 
@@ -295,6 +297,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "prefill fp8-chunk gemm": ("prefill", "MAC", fp8_gemm),
         FP4_MBS: ("prefill", "MAC", fp4_mma(True)),
         FP4_NO_MBS: ("prefill", "MAC", fp4_mma(False)),
+        FP4_MBS + SPLIT: ("prefill", "MAC", fp4_mma(True, 256)),
+        FP4_NO_MBS + SPLIT: ("prefill", "MAC", fp4_mma(False, 256)),
         "prefill fp8 packed-weight": ("prefill", "MAC", fp8_packed),
         "encode weight-fp8": ("encode", "weight", weight_fp8),
         "encode act-fp8 mbs-s": ("encode", "element", act_fp8("mxfp4-mbs-s")),
@@ -384,21 +388,31 @@ def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool 
     name = FP4_MBS if mbs else FP4_NO_MBS
     if gpu not in FP4_FLOPS or name not in counts:
         return None
-    g, aq = counts[name], counts["act-quant mxfp4-mbs-s"]
+    aq = counts["act-quant mxfp4-mbs-s"]
     _, sms, _, bw, _, _ = GPUS[gpu]
     rate = _issue_rate(gpu)
-    padded = _whole_tiles(m, g.block_m)
     issue = tensor = 0.0
     memory = m * act_k * FP4_MMA_BYTES[mbs] / bw
-    block_n = g.work_per_iteration // (g.block_m * 128)  # BLOCK_K = 128
     for _, n, k in LLAMA_8B:
-        tiles = padded // g.block_m * -(-n // block_n)
-        fill = min(1.0, tiles / sms)
+        split, bm, bn = fp4_split(m, n, k, mbs)
+        g = counts[name + SPLIT if split > 1 else name]  # the variant's own hot loop
+        padded = _whole_tiles(m, bm)
+        tiles = padded // bm * -(-n // bn)
+        fill = min(1.0, tiles * split / sms)
         issue += g.per_unit * padded * n * k * LAYERS / rate / fill
         tensor += padded * n * k * LAYERS / (FP4_FLOPS[gpu] / 2)
-        memory += LAYERS * n * k * FP4_MMA_BYTES[mbs] / bw
+        # the weight, and split K's fp32 partials written and read again by the sum
+        memory += LAYERS * (n * k * FP4_MMA_BYTES[mbs] + (split > 1) * 8 * split * m * n) / bw
     act = max(aq.per_unit * m * act_k / rate, m * act_k * (ACT_BYTES + REL_SCALE_BYTES) / bw)
     return (issue, tensor, memory), act
+
+
+def fp4_split(m: int, n: int, k: int, mbs: bool) -> tuple[int, int, int]:
+    """(K slices, BLOCK_M, BLOCK_N) `fp4_scaled_gemm`'s launcher picks for one linear at m rows
+    on B200, without a bias (`fp4_scaled_gemm.gpu_split`)."""
+    from vllm_mxplus.backends.triton.fp4_scaled_gemm import gpu_split
+
+    return gpu_split(m, n, k, mbs, False, GPUS["B200"][1])
 
 
 def _packed_split(tiles: int, k: int, gpu: str) -> int:
@@ -428,8 +442,10 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
 
     if kernel == "bf16":
         return len(LLAMA_8B)
-    if kernel == "fp4":
-        return len(LLAMA_8B) * FP4_PIPELINE_LAUNCHES
+    if kernel == "fp4":  # + split K's sum (`finish_output`) where the grid splits K
+        return len(LLAMA_8B) * FP4_PIPELINE_LAUNCHES + sum(
+            fp4_split(m, n, k, True)[0] > 1 for _, n, k in LLAMA_8B
+        )
     if kernel == "fp8":
         gpu = next(g for g, spec in GPUS.items() if spec[0] == capability)
         total = len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES
@@ -678,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         arch: {
             name: count(name, role, unit, drive, arch)
             for name, (role, unit, drive) in _cases().items()
-            if name not in (FP4_MBS, FP4_NO_MBS) or arch == FP4_MMA_ARCH
+            if name not in FP4_CASES or arch == FP4_MMA_ARCH
         }  # fmt: skip
         for arch in archs
     }

@@ -103,7 +103,7 @@ def _drive_fp4_scaled_gemm(quick: bool) -> None:
         return  # sm_100's block-scaled FP4 MMA only
 
     shapes = ((4096, 4096, 4096),) if quick else ((4096, 4096, 4096), (256, 576, 1536),
-                                                   (300, 100, 640))  # fmt: skip
+                                                   (300, 100, 640), (256, 4096, 4096))  # fmt: skip
     outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
     u8, f32 = torch.uint8, torch.float32
     meta = torch.device("meta")

@@ -41,9 +41,17 @@ from vllm_mxplus.backends.triton.fp4_rel_scales import (
     ROW_ALIGN,
     aligned_rows,
 )
-from vllm_mxplus.backends.triton.fp8_chunk_gemm import grouped_tile
-from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values
+from vllm_mxplus.backends.triton.fp8_chunk_gemm import grouped_tile_ids
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values, reduce_split_tile
+from vllm_mxplus.backends.triton.gemm_launch import (
+    NOMINAL_SMS,
+    SPLIT_PLANES,
+    plan_split_k,
+    split_k_count,
+    split_k_result,
+)
 from vllm_mxplus.backends.triton.launch import (
+    capturing,
     check_available,
     interpreting,
     launch,
@@ -66,6 +74,13 @@ TILES = {
     (False, True): (128, 128, 8),
 }
 NUM_STAGES = 3
+BLOCK_N_SPLIT = 128  # the tile width where K is split (the in-launch sum's registers)
+PROGRAMS_PER_SM = 1  # one tile per SM (its registers): a grid below the SM count splits K
+MIN_SPLIT = 3  # a grid filling under a third of the SMs splits K (`gpu_split`)
+B200_SMS = 148  # the SMs launches captured for sm_100 are planned for
+# the split-K sum in the launch (`gemm_blocks.reduce_split_tile`) spills these tiles (88-272
+# bytes on sm_100): split K is summed by `finish_output`'s second launch instead
+IN_LAUNCH_SUM = False
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
 EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -127,16 +142,20 @@ def _chunk_step(
     return acc, part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC", "CPS"])
 def _fp4_scaled_gemm_kernel(
-    a_ptr, ua_ptr, fa_ptr, b_ptr, ub_ptr, fb_ptr, bias_ptr, out_ptr,
-    M, N, NC,
-    stride_a, stride_ua, stride_fa, stride_b, stride_ub, stride_fb, stride_om,
+    a_ptr, ua_ptr, fa_ptr, b_ptr, ub_ptr, fb_ptr, bias_ptr, out_ptr, y_ptr, cnt_ptr,
+    M, N, NC, CPS,
+    stride_a, stride_ua, stride_fa, stride_b, stride_ub, stride_fb, stride_os, stride_om,
+    stride_ym,
     PER_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):  # fmt: skip
-    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = offs_m < M
     live_n = offs_n < N
     m64 = offs_m.to(tl.int64)
@@ -147,7 +166,13 @@ def _fp4_scaled_gemm_kernel(
     ub_rows = ub_ptr + n64[:, None] * stride_ub
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c in tl.range(0, NC, num_stages=NUM_STAGES):
+    # K slice pid_s: chunks [pid_s * CPS, min(NC, (pid_s + 1) * CPS)); unsplit all of them
+    # from 0 (the loop's bounds as constants of the launch: a runtime start cost the MBS loop
+    # 65 instructions per step on sm_100)
+    pid_s = tl.program_id(1)
+    c0 = pid_s * CPS if SPLIT else 0
+    c1 = tl.minimum(NC, c0 + CPS) if SPLIT else NC
+    for c in tl.range(c0, c1, num_stages=NUM_STAGES):
         acc, part = _chunk_step(
             acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
             stride_fa, stride_fb, live_m, live_n, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
@@ -157,14 +182,46 @@ def _fp4_scaled_gemm_kernel(
         fb = tl.load(fb_ptr + n64, mask=live_n, other=0.0)
         acc = acc * fa[:, None]
         acc = acc * fb[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
-    out_rows = out_ptr + m64[:, None] * stride_om
-    tl.store(
-        out_rows + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=live_m[:, None] & live_n[None, :],
-    )
+    if REDUCE:  # split K, summed by the tile's last slice (`gemm_blocks.reduce_split_tile`)
+        reduce_split_tile(
+            out_ptr, acc, bias_ptr, y_ptr, cnt_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+            pid_s, stride_os, stride_om, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_PLANES,
+        )  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
+        out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + m64[:, None] * stride_om
+        tl.store(
+            out_rows + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live_m[:, None] & live_n[None, :],
+        )
+
+
+def gpu_split(
+    m: int, n: int, k: int, per_chunk: bool, has_bias: bool, sms: int
+) -> tuple[int, int, int]:
+    """(K slices, BLOCK_M, BLOCK_N) of a GPU launch on `sms` SMs: the tile of `TILES`; where
+    that grid fills under a third of the SMs, K split to fill them (one tile per SM), the
+    tile then BLOCK_N_SPLIT wide. A split of 2 does not pay: the split variant's loop starts
+    at a runtime chunk, 309 instead of 244 instructions per MBS step on sm_100
+    (`benchmarks/gpu_static_model.py`), and its fp32 partials are written and summed again."""
+    bm, bn, _ = TILES[per_chunk, has_bias]
+    split = split_k_count(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // CHUNK, sms, PROGRAMS_PER_SM)
+    if split < MIN_SPLIT:
+        return 1, bm, bn
+    bn = BLOCK_N_SPLIT
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return split_k_count(tiles, k // CHUNK, sms, PROGRAMS_PER_SM), bm, bn
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device` (B200's 148 while capturing launches for sm_100, else NOMINAL_SMS,
+    and off CUDA)."""
+    if capturing() or device.type != "cuda":
+        cap = target_capability(device)
+        return B200_SMS if cap is not None and cap // 10 == CAPABILITY_MAJOR else NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def emulates(device: torch.device) -> bool:
@@ -206,12 +263,15 @@ def fp4_scaled_gemm(
     out_dtype: torch.dtype,
     per_chunk: bool,
     emulate: bool | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """out_dtype [M, N] = sum_G fa fb (A_G B_G^T) + bias (module docstring): a, b = (codes
     [R, K/2], UE4M3 scale bits [R, K/16], factors [K/128 with per_chunk, else 1, R]); bias
     fp32 [N] or None.
     emulate: the fp32 dot of the decoded tiles instead of `tl.dot_scaled` (default: under
-    the interpreter, `emulates`)."""
+    the interpreter, `emulates`). split_k: K slices (whole chunks; default: as many as fill
+    the SMs with one tile each, `gemm_launch.split_k_for`; 1 emulated), summed in slice order
+    (`gemm_launch.plan_split_k`: in this launch where it gets counters)."""
     if k % CHUNK:
         raise ValueError(f"fp4_scaled_gemm: K = {k} is not whole {CHUNK}-element chunks (the "
                          "MMA's K step)")  # fmt: skip
@@ -224,38 +284,50 @@ def fp4_scaled_gemm(
         raise ValueError(f"fp4_scaled_gemm: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     check_available(a[0])
     m, n = a[0].shape[0], b[0].shape[0]
-    # the interpreter's fp32 -> bf16 / fp16 cast is not round-to-nearest-even: there the
-    # kernel writes fp32 and torch casts
-    cast_after = interpreting() and out_dtype != torch.float32
-    out = torch.empty((m, n), dtype=torch.float32 if cast_after else out_dtype, device=a[0].device)
+    dev = a[0].device
     if m == 0 or n == 0:
-        return out.to(out_dtype)
-    emulate = emulates(a[0].device) if emulate is None else emulate
+        return torch.empty((m, n), dtype=out_dtype, device=dev)
+    emulate = emulates(dev) if emulate is None else emulate
+    nc = k // CHUNK
     if emulate:  # small tiles of fp32 values
-        bm = bn = EMULATE_BLOCK
-        warps, stages = 4, 1
+        (bm, bn, warps), stages = (EMULATE_BLOCK, EMULATE_BLOCK, 4), 1
     else:
         (bm, bn, warps), stages = TILES[per_chunk, bias is not None], NUM_STAGES
+    if split_k is None:
+        split_k = 1
+        if not emulate:
+            split_k, bm, bn = gpu_split(m, n, k, per_chunk, bias is not None, sm_count(dev))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    # partials summed in slice order, in this launch where it gets counters; the output is
+    # fp32 under the interpreter (its fp32 -> bf16 / fp16 cast is not RNE), cast by torch
+    sk = plan_split_k(m, n, k, CHUNK, tiles, split_k, bias, out_dtype, dev, in_launch=IN_LAUNCH_SUM)
     launch(
         _fp4_scaled_gemm_kernel,
-        (triton.cdiv(m, bm) * triton.cdiv(n, bn),),
+        (tiles, sk.split),
         *a[:1], a[1], a[2], b[0], b[1], b[2],
-        bias if bias is not None else a[2],  # not read without a bias
-        out,
-        m, n, k // CHUNK,
+        sk.bias if sk.bias is not None else a[2],  # not read without a bias
+        sk.out,
+        sk.y if sk.y is not None else sk.out,  # not written without the in-launch sum
+        sk.counters if sk.counters is not None else a[2],
+        m, n, nc, sk.k_per_split // CHUNK,
         a[0].stride(0), a[1].stride(0), a[2].stride(0),
-        b[0].stride(0), b[1].stride(0), b[2].stride(0), out.stride(0),
+        b[0].stride(0), b[1].stride(0), b[2].stride(0),
+        m * n if sk.split > 1 else 0, n, n,
         PER_CHUNK=per_chunk,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=sk.bias is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=CHUNK,
         GROUP_M=GROUP_M,
         NUM_STAGES=stages,
         EMULATE=emulate,
+        SPLIT=sk.split > 1,
+        REDUCE=sk.counters is not None,
         num_warps=warps,
     )  # fmt: skip
-    return out.to(out_dtype) if cast_after else out
+    if sk.split == 1:
+        return sk.out.to(out_dtype)
+    return split_k_result(sk, bias, out_dtype)
 
 
 def scale_bits_per_chunk(scales: torch.Tensor, k: int) -> torch.Tensor:

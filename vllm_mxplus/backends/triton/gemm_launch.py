@@ -70,9 +70,11 @@ def dot_dtype() -> Any:
     return tl.float32 if interpreting() else tl.bfloat16
 
 
-def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Enough (output tile, K slice) programs for VLLM_MXPLUS_GPU_PROGRAMS_PER_SM (2) per SM;
-    1 in the interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
+def split_k_for(
+    out_tiles: int, k_tiles: int, device: torch.device, per_sm: int | None = None
+) -> int:
+    """Enough (output tile, K slice) programs for VLLM_MXPLUS_GPU_PROGRAMS_PER_SM (2) per SM
+    (per_sm: a kernel's own, where its registers fit fewer); 1 in the interpreter. out_tiles counts N tiles x M tiles: many rows (prefill) need no split, whose
     fp32 partials would cost split x M x N x 4 bytes."""
     if capturing():
         sms = NOMINAL_SMS
@@ -80,7 +82,7 @@ def split_k_for(out_tiles: int, k_tiles: int, device: torch.device) -> int:
         return 1
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return split_k_count(out_tiles, k_tiles, sms, settings.gpu_programs_per_sm())
+    return split_k_count(out_tiles, k_tiles, sms, per_sm or settings.gpu_programs_per_sm())
 
 
 def split_k_count(out_tiles: int, k_tiles: int, sms: int, per_sm: int) -> int:
