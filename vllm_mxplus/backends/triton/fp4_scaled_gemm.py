@@ -42,10 +42,9 @@ from vllm_mxplus.backends.triton.fp4_rel_scales import (
     aligned_rows,
 )
 from vllm_mxplus.backends.triton.fp8_chunk_gemm import grouped_tile_ids
-from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values, reduce_split_tile
+from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values
 from vllm_mxplus.backends.triton.gemm_launch import (
     NOMINAL_SMS,
-    SPLIT_PLANES,
     plan_split_k,
     split_k_count,
     split_k_result,
@@ -78,9 +77,6 @@ BLOCK_N_SPLIT = 128  # the tile width where K is split (the in-launch sum's regi
 PROGRAMS_PER_SM = 1  # one tile per SM (its registers): a grid below the SM count splits K
 MIN_SPLIT = 3  # a grid filling under a third of the SMs splits K (`gpu_split`)
 B200_SMS = 148  # the SMs launches captured for sm_100 are planned for
-# the split-K sum in the launch (`gemm_blocks.reduce_split_tile`) spills these tiles (88-272
-# bytes on sm_100): split K is summed by `finish_output`'s second launch instead
-IN_LAUNCH_SUM = False
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
 EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -144,14 +140,12 @@ def _chunk_step(
 
 @triton.jit(do_not_specialize=["NC", "CPS"])
 def _fp4_scaled_gemm_kernel(
-    a_ptr, ua_ptr, fa_ptr, b_ptr, ub_ptr, fb_ptr, bias_ptr, out_ptr, y_ptr, cnt_ptr,
+    a_ptr, ua_ptr, fa_ptr, b_ptr, ub_ptr, fb_ptr, bias_ptr, out_ptr,
     M, N, NC, CPS,
     stride_a, stride_ua, stride_fa, stride_b, stride_ub, stride_fb, stride_os, stride_om,
-    stride_ym,
     PER_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
-    REDUCE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,20 +176,15 @@ def _fp4_scaled_gemm_kernel(
         fb = tl.load(fb_ptr + n64, mask=live_n, other=0.0)
         acc = acc * fa[:, None]
         acc = acc * fb[None, :]
-    if REDUCE:  # split K, summed by the tile's last slice (`gemm_blocks.reduce_split_tile`)
-        reduce_split_tile(
-            out_ptr, acc, bias_ptr, y_ptr, cnt_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
-            pid_s, stride_os, stride_om, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_PLANES,
-        )  # fmt: skip
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
-        out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + m64[:, None] * stride_om
-        tl.store(
-            out_rows + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=live_m[:, None] & live_n[None, :],
-        )
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
+    # split K: slice pid_s's fp32 partial in its plane (`gemm_launch.finish_output` sums them)
+    out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + m64[:, None] * stride_om
+    tl.store(
+        out_rows + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=live_m[:, None] & live_n[None, :],
+    )
 
 
 def gpu_split(
@@ -270,8 +259,7 @@ def fp4_scaled_gemm(
     fp32 [N] or None.
     emulate: the fp32 dot of the decoded tiles instead of `tl.dot_scaled` (default: under
     the interpreter, `emulates`). split_k: K slices (whole chunks; default: as many as fill
-    the SMs with one tile each, `gemm_launch.split_k_for`; 1 emulated), summed in slice order
-    (`gemm_launch.plan_split_k`: in this launch where it gets counters)."""
+    the SMs, `gpu_split`; 1 emulated), summed in slice order by `gemm_launch.finish_output`."""
     if k % CHUNK:
         raise ValueError(f"fp4_scaled_gemm: K = {k} is not whole {CHUNK}-element chunks (the "
                          "MMA's K step)")  # fmt: skip
@@ -298,21 +286,21 @@ def fp4_scaled_gemm(
         if not emulate:
             split_k, bm, bn = gpu_split(m, n, k, per_chunk, bias is not None, sm_count(dev))
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    # partials summed in slice order, in this launch where it gets counters; the output is
-    # fp32 under the interpreter (its fp32 -> bf16 / fp16 cast is not RNE), cast by torch
-    sk = plan_split_k(m, n, k, CHUNK, tiles, split_k, bias, out_dtype, dev, in_launch=IN_LAUNCH_SUM)
+    # fp32 partials [split, M, N] summed in slice order by `finish_output` (the in-launch sum,
+    # `gemm_blocks.reduce_split_tile`, spilled these tiles: 88-272 bytes on sm_100); the
+    # output is fp32 under the interpreter (its fp32 -> bf16 / fp16 cast is not RNE), cast
+    # by torch
+    sk = plan_split_k(m, n, k, CHUNK, tiles, split_k, bias, out_dtype, dev)
     launch(
         _fp4_scaled_gemm_kernel,
         (tiles, sk.split),
         *a[:1], a[1], a[2], b[0], b[1], b[2],
         sk.bias if sk.bias is not None else a[2],  # not read without a bias
         sk.out,
-        sk.y if sk.y is not None else sk.out,  # not written without the in-launch sum
-        sk.counters if sk.counters is not None else a[2],
         m, n, nc, sk.k_per_split // CHUNK,
         a[0].stride(0), a[1].stride(0), a[2].stride(0),
         b[0].stride(0), b[1].stride(0), b[2].stride(0),
-        m * n if sk.split > 1 else 0, n, n,
+        m * n if sk.split > 1 else 0, n,
         PER_CHUNK=per_chunk,
         HAS_BIAS=sk.bias is not None,
         BLOCK_M=bm,
@@ -322,12 +310,9 @@ def fp4_scaled_gemm(
         NUM_STAGES=stages,
         EMULATE=emulate,
         SPLIT=sk.split > 1,
-        REDUCE=sk.counters is not None,
         num_warps=warps,
     )  # fmt: skip
-    if sk.split == 1:
-        return sk.out.to(out_dtype)
-    return split_k_result(sk, bias, out_dtype)
+    return split_k_result(sk, bias, out_dtype) if sk.split > 1 else sk.out.to(out_dtype)
 
 
 def scale_bits_per_chunk(scales: torch.Tensor, k: int) -> torch.Tensor:
