@@ -95,9 +95,9 @@ FP8_PIPELINE_LAUNCHES = 3
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 # sm_100's Triton FP4 MMA (`triton-fp4-prefill`), its cases counted on sm_100 only
-FP4_MBS, FP4_NO_MBS = "prefill fp4 mma MBS-128", "prefill fp4 mma (no MBS)"
+FP4_MBS, FP4_NO_MBS = "prefill fp4 MBS-128", "prefill fp4 (no MBS)"
 FP4_MMA_ARCH = 100
-SPLIT = " split-K"  # the same kernel with K split (a grid short of the SMs)
+SPLIT = " split"  # the same kernel with K split (a grid short of the SMs)
 FP4_CASES = tuple(c + t for c in (FP4_MBS, FP4_NO_MBS) for t in ("", SPLIT))
 # its operands per element: E2M1, a UE4M3 byte per 16, an fp32 factor per 128 (MBS) or per row
 FP4_MMA_BYTES = {True: 0.5 + 1 / 16 + 4 / 128, False: 0.5 + 1 / 16}
@@ -741,11 +741,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['triton']})")  # fmt: skip
     for arch, cs in counts.items():
         print(f"\n## sm_{arch}: hot loops")
-        print(f"{'kernel':<24}{'instr/warp/iter':>16}{'warps':>6}{'work/iter':>10}"
+        print(f"{'kernel':<28}{'instr/warp/iter':>16}{'warps':>6}{'work/iter':>10}"
               f"{'per unit':>10} {'unit':<8}{'tensor core':<14}{'regs':>5}{'spill':>6}")  # fmt: skip
         for c in cs.values():
             tc = ",".join(f"{k}x{v}" for k, v in c.tensor_core.items()) or "-"
-            print(f"{c.kernel:<24}{c.loop_instructions:>16}{c.warps:>6}{c.work_per_iteration:>10}"
+            print(f"{c.kernel:<28}{c.loop_instructions:>16}{c.warps:>6}{c.work_per_iteration:>10}"
                   f"{c.per_unit:>10.4f} {c.unit:<8}{tc:<14}{c.registers:>5}{c.spill_bytes:>6}")  # fmt: skip
     for gpu, rows in est.items():
         print(f"\n## {gpu}: Llama-3-8B linears, one forward, STATIC ESTIMATE (ms)")
