@@ -92,6 +92,17 @@ def _operands(scheme: str, m: int, n: int, k: int, g: torch.Generator):
     return sch, x, w, qx, qw
 
 
+def _gemm_operands(scheme: str, k: int, g: torch.Generator, dev):
+    """(qx [40, k], qw [36, k], the GEMM's x operand and inexact rows, the w one) of Gaussian
+    data in `scheme`."""
+    sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
+    a = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
+                    sch.activation_format, k)  # fmt: skip
+    b = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
+                    sch.weight_format, k)  # fmt: skip
+    return qx, qw, a, b
+
+
 def _bound(xd, wd, k, bias=None):
     y64 = xd @ wd.T
     s = xd.abs() @ wd.abs().T
@@ -108,12 +119,8 @@ def test_gemm_within_the_bound(scheme, k, fp4_device):
     y64 with the fp32 bound (K + 8) 2^-24 S; a factor off by one ulp of 2^-10 in one chunk
     breaks it (the check can fail)."""
     g = torch.Generator().manual_seed(k)
-    sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
+    qx, qw, (a, abad), (b, bbad) = _gemm_operands(scheme, k, g, fp4_device)
     dev = fp4_device
-    a, abad = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
-                          sch.activation_format, k)  # fmt: skip
-    b, bbad = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
-                          sch.weight_format, k)  # fmt: skip
     assert not abad.any() and not bbad.any()  # Gaussian rows sit inside the span
     per_chunk = qw.mbs is not None
     bias = torch.randn(36, generator=g)
@@ -261,17 +268,11 @@ def test_split_k_within_the_bound(per_chunk, split, fp4_device):
     in slice order (`finish_output`) with the bias: within the bound in fp32 (a slice lost or
     summed twice would move outputs by whole chunks), and the bf16 output the one rounding
     of that fp32 result."""
-    from vllm_mxplus.backends.triton.fp4_prefill import fp4_operand
-
     g = torch.Generator().manual_seed(split)
     k = 768  # 6 chunks: 2 or 3 slices of whole chunks
     scheme = "mxfp4-mbs" if per_chunk else "mxfp4-16-oas"
-    sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
+    qx, qw, (a, _), (b, _) = _gemm_operands(scheme, k, g, fp4_device)
     dev = fp4_device
-    a, _ = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
-                       sch.activation_format, k)  # fmt: skip
-    b, _ = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
-                       sch.weight_format, k)  # fmt: skip
     bias = torch.randn(36, generator=g).to(dev)
     y64, tol = _bound(qx.dequantize().double(), qw.dequantize().double(), k, bias.cpu())
     y32 = fp4_scaled_gemm(a, b, k, bias, torch.float32, per_chunk, split_k=split)

@@ -111,27 +111,10 @@ def fp4_prefill_impl(
     return y
 
 
-@torch.library.custom_op(op_name("triton_fp4_prefill"), mutates_args=())
-def fp4_prefill_op(
-    x: Tensor,
-    act_format: str,
-    weight_format: str,
-    macro_block: int,
-    w_codes: Tensor,
-    w_scales: Tensor,
-    w_extra: Tensor | None,
-    w_global: Tensor | None,
-    w_u: Tensor,
-    w_f: Tensor,
-    w_inexact: Tensor,
-    bias: Tensor | None,
-    act_global: Tensor | None,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    return fp4_prefill_impl(
-        x, act_format, weight_format, macro_block, w_codes, w_scales, w_extra, w_global,
-        w_u, w_f, w_inexact, bias, act_global, out_dtype,
-    )  # fmt: skip
+# the whole pipeline as one opaque custom op (torch.compile never traces into the fallback)
+fp4_prefill_op = torch.library.custom_op(
+    op_name("triton_fp4_prefill"), fp4_prefill_impl, mutates_args=()
+)
 
 
 @fp4_prefill_op.register_fake
