@@ -5,8 +5,9 @@ E8M0 scheme (block 16 / 32, MBS at macro block 128 or none) and NVFP4, K a multi
 Per call: the fused Triton act-quant (formats' codes, scales, MBS bytes), the activations'
 E8M0 scales re-expressed per group (`fp4_rel_scales`), then one launch of `fp4_scaled_gemm`
 (MBS applied per 128-K chunk inside it). The weight's scales are re-expressed once at load;
-the weight stays packed (codes, UE4M3 bits, one fp32 factor per row and chunk: ~0.59 bytes per
-weight besides the packed form the decode backend holds).
+the weight stays packed: its UE4M3 bits (a byte per 16 weights; NVFP4's own scales where their
+rows are aligned) and one fp32 factor per row and 128-K chunk (per row without MBS), about
+0.09 bytes per weight besides the packed form the decode backend holds (0.66 in all with MBS).
 
 Exact everywhere: activation rows the relative scales cannot hold (`fp4_rel_scales`: a
 block more than 17 binades below its group's largest, values beyond about 2^+-55, a NaN

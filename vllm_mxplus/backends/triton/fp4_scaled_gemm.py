@@ -128,7 +128,7 @@ def _chunk_step(
     if PER_CHUNK:
         # a fresh accumulator per chunk, written as a select on the step (Triton 3.7's
         # accumulator-init pass fails on a zero constant here with the scaled MMA; the select
-        # becomes the MMA's own "do not accumulate" flag)
+        # compiles to one store of zeros into tensor memory per step, STTM.x64)
         part = scaled_dot(a, ua, b, ub, tl.where(c < 0, part, 0.0), BLOCK_M, BLOCK_N, EMULATE)
         fa = tl.load(fa_ptr + c * stride_fa + m64, mask=live_m, other=0.0)
         fb = tl.load(fb_ptr + c * stride_fb + n64, mask=live_n, other=0.0)
