@@ -324,8 +324,11 @@ def main() -> int:
             if args.exact_bf16:
                 from vllm_mxplus.backends.cpu import exact_bf16
 
+                on_tiles = exact_bf16.amx_tiles(spec.scheme)[0]  # as the backend decides
                 makers["exact"] = (
-                    lambda: exact_bf16.ExactBf16Weight.from_quantized(q, spec.scheme),
+                    lambda: exact_bf16.ExactBf16Weight.from_quantized(
+                        q, spec.scheme, tiles=on_tiles
+                    ),
                     2,
                     lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
                 )

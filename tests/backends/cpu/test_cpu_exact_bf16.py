@@ -421,14 +421,15 @@ def _inject(monkeypatch, wrong: str) -> None:
     if wrong in ("e4m3 scale one step", "scale code", "block max one step"):
         monkeypatch.setattr(exact_bf16, "_decode_rows", _decoded_wrong(wrong))
     elif wrong == "row scale x2":  # every scale of weight row 0 one code up
-        real_rows = exact_bf16.ExactBf16Weight.weight_rows
+        real_decode = exact_bf16._decode_rows
 
-        def off_by_one(self, n0, n1):
-            wt, fw = real_rows(self, n0, n1)
-            wt[0] *= 2.0
-            return wt, fw
+        def off_by_one(q, n0, n1, macro):
+            rows = real_decode(q, n0, n1, macro)
+            if n0 == 0:
+                rows[0] *= 2.0
+            return rows
 
-        monkeypatch.setattr(exact_bf16.ExactBf16Weight, "weight_rows", off_by_one)
+        monkeypatch.setattr(exact_bf16, "_decode_rows", off_by_one)
     elif wrong == "global product in bf16":  # G = fl(ga * gw) rounded once more, to bf16
         real_g = exact_bf16.global_product
         monkeypatch.setattr(
@@ -437,8 +438,8 @@ def _inject(monkeypatch, wrong: str) -> None:
     elif wrong == "weight global scale of another weight":  # gw * 1.01 (a fused neighbour's)
         real_from = exact_bf16.ExactBf16Weight.from_quantized
 
-        def other_gw(q, scheme):
-            w = real_from(q, scheme)
+        def other_gw(q, scheme, tiles=False):
+            w = real_from(q, scheme, tiles=tiles)
             w.gw = w.gw * 1.01
             return w
 

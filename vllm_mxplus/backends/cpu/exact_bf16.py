@@ -196,7 +196,7 @@ class ExactBf16Weight:
     the MBS factors Fw fp32 [N, chunks] or None; the NVFP4 global scales gw fp32 [N] or None;
     with what the path needs to run it."""
 
-    operand: torch.Tensor
+    operand: torch.Tensor | None  # None where `tiles` holds it
     fw: torch.Tensor | None
     gw: torch.Tensor | None
     n: int
@@ -204,11 +204,20 @@ class ExactBf16Weight:
     weight: FormatSpec
     activation: FormatSpec
     macro_block: int
+    # the operand in AMX tile layout (`amx_pack`: bf16 [Np/16, Kp/32, 16, 32], Np and Kp
+    # zero-padded to `TILE_PAD`) and the reciprocals 1/Fw fp32 [chunks, Np] (padding 1) where
+    # the GEMM runs on AMX tiles (csrc/mx_amx_cpu.cpp); None for torch's GEMM
+    tiles: torch.Tensor | None = None
+    rw: torch.Tensor | None = None
 
     @classmethod
-    def from_quantized(cls, q: QuantizedTensor, scheme: Scheme) -> ExactBf16Weight:
+    def from_quantized(
+        cls, q: QuantizedTensor, scheme: Scheme, tiles: bool = False
+    ) -> ExactBf16Weight:
         """The operand of weight q for the scheme's activations (and macro block): the pair
-        of q's own format and the scheme's activation format must be one the path `takes`."""
+        of q's own format and the scheme's activation format must be one the path `takes`.
+        tiles: hold it in AMX tile layout for `cpu_amx_gemm` (`amx_tiles` says where it runs)
+        instead of torch's row-major one (same bytes: 2 per weight)."""
         w, a = q.spec, scheme.activation
         ok, why = takes(dataclasses.replace(scheme, weight_format=w.name))
         if not ok:
@@ -225,7 +234,21 @@ class ExactBf16Weight:
             operand[n0:n1, :k] = _decode_rows(q, n0, n1, scheme.macro_block)
         fw = _mbs_factors(q._field("mbs"), chunks) if w.mbs else None
         gw = cpu_kernels.nvfp4_row_global_scales(q).clone() if w.has_global_scale else None
-        return cls(operand, fw, gw, n, k, w, a, scheme.macro_block)
+        out = cls(operand, fw, gw, n, k, w, a, scheme.macro_block)
+        if tiles:
+            chunked = bool(w.mbs or a.mbs)
+            out.tiles = amx_pack(_pad_to(operand, TILE_PAD, out.kp_tiles))
+            if chunked:
+                ones = torch.ones(n, chunks) if fw is None else fw
+                out.rw = _pad_to(1.0 / ones, TILE_PAD, chunks, value=1.0).t().contiguous()
+            out.operand = None
+        return out
+
+    @property
+    def kp_tiles(self) -> int:
+        """K of the tile layout: the chunks (each a multiple of 32 with MBS), else K rounded
+        up to a multiple of 32 (one chunk)."""
+        return self.chunks * self.chunk if self.chunked else ceil_div(self.k, TILE_PAD) * TILE_PAD
 
     @property
     def chunked(self) -> bool:
@@ -246,6 +269,8 @@ class ExactBf16Weight:
         product's way into y, plus one for the float64 evaluation of y64 and S."""
         in_chunk = min(self.chunk, self.k) - 1  # the GEMM's additions, any order
         after = self.chunks if self.chunked else 0  # a division per chunk, n_c - 1 additions
+        if self.chunked and self.tiles is not None:
+            after += 3  # fl(1/Fa), fl(1/Fw), their product; a fused multiply-add per chunk
         spec = 0  # the spec's own roundings of x_hat and w_hat (none: E2M1 * 2^e, MX+)
         if self.chunked:
             spec = 2  # x_hat = fl(a / Fa), w_hat = fl(w / Fw)
@@ -256,7 +281,14 @@ class ExactBf16Weight:
     def weight_rows(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows n0..n1 as the GEMM's operand: (vw * 2^(ew-127) or vw * sw, fp32 [rows,
         chunks*chunk], zero-padded; Fw [rows, chunks] or None)."""
-        return self.operand[n0:n1].float(), None if self.fw is None else self.fw[n0:n1]
+        rows = self.operand[n0:n1] if self.operand is not None else self._untiled(n0, n1)
+        return rows.float(), None if self.fw is None else self.fw[n0:n1]
+
+    def _untiled(self, n0: int, n1: int) -> torch.Tensor:
+        assert self.tiles is not None
+        t = self.tiles
+        full = t.view(t.shape[0], t.shape[1], 16, 16, 2).permute(0, 3, 1, 2, 4)
+        return full.reshape(t.shape[0] * 16, -1)[n0:n1, : self.chunks * self.chunk]
 
 
 def act_operand(
@@ -309,6 +341,11 @@ def linear(
     out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     if m == 0:
         return out.to(out_dtype).reshape(*lead, w.n)
+    if w.tiles is not None:
+        out = _tiled(x2d, w)
+        if bias is not None:
+            out += bias.to(torch.float32)
+        return out.to(out_dtype).reshape(*lead, w.n)
     a, fa, ga = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
     with bf16_math() if amx else _nothing():
         for n0 in range(0, w.n, ROW_TILE):
@@ -328,6 +365,74 @@ def linear(
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+# ------------------------------------------------------------------ the GEMM on AMX tiles
+TILE_PAD = 32  # rows, columns and K of the AMX layout are padded to a multiple of this
+
+
+def amx_tiles(scheme: Scheme) -> tuple[bool, str]:
+    """Whether the path's GEMM runs on AMX-BF16 tiles (`cpu_amx_gemm`) for this scheme: the
+    host takes the path (`host_choice`), the kernels were built with AMX code, and with MBS
+    the macro block is a multiple of 32 (a chunk of whole tile steps). (True, "") or (False,
+    why); elsewhere the path's GEMM is torch's (oneDNN)."""
+    ok, why = host_choice()
+    if not ok:
+        return False, why
+    loaded, why = cpu_kernels.load()
+    if not loaded:
+        return False, why
+    if not torch.ops.vllm_mxplus.cpu_amx_available():  # cpuid and the permission, in C++
+        return False, "no AMX-BF16 tiles in this process (CPU, permission or compiler)"
+    if (scheme.weight.mbs or scheme.activation.mbs) and scheme.macro_block % TILE_PAD:
+        return False, f"macro block {scheme.macro_block} is not a multiple of {TILE_PAD}"
+    return True, ""
+
+
+def amx_pack(operand: torch.Tensor) -> torch.Tensor:
+    """bf16 [Np, Kp] (multiples of 16 and 32) -> the B tiles of `tdpbf16ps`, bf16 [Np/16, Kp/32,
+    16, 32]: per 16 columns and 32-K step, row r holds the 16 columns' pairs (k = 2r, 2r+1)."""
+    n, k = operand.shape
+    tiles = operand.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    return tiles.contiguous().view(n // 16, k // 32, 16, 32)
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """t [R, C] zero- (or value-) padded to rows a multiple of `rows` and exactly cols columns."""
+    r, c = t.shape
+    pad = (0, cols - c, 0, ceil_div(r, rows) * rows - r)
+    return torch.nn.functional.pad(t, pad, value=value) if any(pad) else t.contiguous()
+
+
+def _tiled(x2d: torch.Tensor, w: ExactBf16Weight) -> torch.Tensor:
+    """Q_act(x) @ W^T, fp32 [M, N], on AMX tiles: the activation operand expanded to bf16 by
+    `cpu_amx_act_operand` (codes times half their block scale, exact), the chunks' partial
+    sums scaled by fl(1/Fa) * fl(1/Fw) (`cpu_amx_gemm`); NVFP4's P * fl(ga * gw) after."""
+    assert w.tiles is not None
+    ops = torch.ops.vllm_mxplus
+    m, act = x2d.shape[0], w.activation
+    mp, kp = ceil_div(m, TILE_PAD) * TILE_PAD, w.kp_tiles
+    ga = mbs = None
+    if act.has_global_scale:
+        codes, sbytes, ga = cpu_kernels.nvfp4_act_quant(x2d)
+        half = sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5
+    else:
+        codes, e, mbs = cpu_kernels.act_quant(x2d, act, w.macro_block)
+        half = _HALF_SCALE[e.long()]
+    a = ops.cpu_amx_act_operand(codes, half, act.block_size, mp, kp)
+    if w.chunked:
+        fa = _mbs_factors(mbs, w.chunks) if mbs is not None and act.mbs else None
+        ra = _pad_to(1.0 / fa if fa is not None else torch.ones(m, w.chunks), TILE_PAD, w.chunks)
+        out = ops.cpu_amx_gemm(a, w.tiles, ra, w.rw, w.chunk)
+    else:
+        out = ops.cpu_amx_gemm(a, w.tiles, _EMPTY, _EMPTY, kp)
+    out = out[:m, : w.n]
+    if ga is not None and w.gw is not None:
+        out = out * global_product(ga, w.gw)
+    return out.contiguous() if not out.is_contiguous() else out
+
+
+_EMPTY = torch.empty(0)
 
 
 def _chunked(
@@ -391,11 +496,12 @@ def bound(
     return y, b
 
 
-def self_test(scheme: Scheme, amx: bool = True) -> tuple[bool, str]:
+def self_test(scheme: Scheme, amx: bool = True, tiles: bool = False) -> tuple[bool, str]:
     """The path on a small problem (M = MIN_M + 3, K with a partial block and a partial chunk)
-    against `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx).
-    (True, "") or (False, the first output out of bound)."""
-    key = (scheme.name, scheme.macro_block, amx)
+    against `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx,
+    tiles); tiles: the GEMM on AMX tiles (`amx_tiles`). (True, "") or (False, the first output
+    out of bound)."""
+    key = (scheme.name, scheme.macro_block, amx, tiles)
     if key in _VERDICT:
         return _VERDICT[key]
     g = torch.Generator().manual_seed(0)
@@ -405,7 +511,7 @@ def self_test(scheme: Scheme, amx: bool = True) -> tuple[bool, str]:
     )
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
-    w = ExactBf16Weight.from_quantized(wq, scheme)
+    w = ExactBf16Weight.from_quantized(wq, scheme, tiles=tiles)
     y = linear(x, w, bias, torch.float32, amx)
     xq = quantize(
         x,

@@ -85,3 +85,11 @@ def register_fakes(tile_n: int) -> None:
     @torch.library.register_fake(op_name("cpu_mxplus_linear"))
     def _(x, wcodes, wscales, wbm, n, k, bias, out_dtype):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+    @torch.library.register_fake(op_name("cpu_amx_gemm"))
+    def _(a, w, ra, rw, chunk):
+        return a.new_empty((a.shape[0], w.shape[0] * w.shape[2]), dtype=torch.float32)
+
+    @torch.library.register_fake(op_name("cpu_amx_act_operand"))
+    def _(codes, half, block, mp, kp):
+        return codes.new_empty((mp, kp), dtype=torch.bfloat16)

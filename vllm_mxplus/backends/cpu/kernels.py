@@ -26,6 +26,8 @@ Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile)
   cpu_nvfp4_act_quant / cpu_nvfp4_linear                 -> NVFP4 (csrc/mx_nvfp4_cpu.cpp)
   cpu_mxplus_pack_weight / cpu_mxplus_linear             -> MX+ (csrc/mx_mxplus_cpu.cpp); its
       activations are cpu_act_quant / cpu_act_fake_quant with rule MXPLUS_RULE
+  cpu_amx_gemm / cpu_amx_act_operand / cpu_amx_available -> the exact-bf16 path's GEMM on
+      AMX-BF16 tiles (csrc/mx_amx_cpu.cpp; exact_bf16.py calls it on AMX hosts)
 The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
 (docs/numerics.md, "Kernel numerics and error bounds").
 """
@@ -55,7 +57,13 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / f
-    for f in ("mx_quant_cpu.cpp", "mx_gemm_cpu.cpp", "mx_nvfp4_cpu.cpp", "mx_mxplus_cpu.cpp")
+    for f in (
+        "mx_quant_cpu.cpp",
+        "mx_gemm_cpu.cpp",
+        "mx_nvfp4_cpu.cpp",
+        "mx_mxplus_cpu.cpp",
+        "mx_amx_cpu.cpp",
+    )
 )
 HEADERS = tuple(
     CSRC / h

@@ -148,8 +148,9 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         ok, why = exact_bf16.takes(self.spec.scheme)
         if ok:
             ok, why = exact_bf16.host_choice()
+        tiles, tiles_why = exact_bf16.amx_tiles(self.spec.scheme) if ok else (False, why)
         if ok:
-            ok, why = exact_bf16.self_test(self.spec.scheme)
+            ok, why = exact_bf16.self_test(self.spec.scheme, tiles=tiles)
         if not ok:
             log_once(
                 logger,
@@ -163,12 +164,13 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             logger,
             ("exact-bf16", self.spec.scheme.name),
             logging.INFO,
-            "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (AMX-BF16 "
-            "through oneDNN, docs/cpu_kernels.md)",
+            "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (%s, "
+            "docs/cpu_kernels.md)",
             self.spec.scheme,
             self.exact_min_m,
+            "on AMX-BF16 tiles" if tiles else f"through oneDNN: {tiles_why}",
         )
-        return exact_bf16.ExactBf16Weight.from_quantized(qweight, self.spec.scheme)
+        return exact_bf16.ExactBf16Weight.from_quantized(qweight, self.spec.scheme, tiles=tiles)
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None

@@ -1,0 +1,188 @@
+"""The exact-bf16 path's GEMM on AMX-BF16 tiles (csrc/mx_amx_cpu.cpp; docs/cpu_kernels.md,
+"Large M on AMX hosts"): the tile layout (runs everywhere), and on a CPU with AMX-BF16 the
+kernel against float64 and the path against `vllm_mxplus.formats` within the derived bound
+
+    |y - y64| <= gamma_n S + 2^-124 (|x_hat|_1 + |w_hat|_1 + K)
+
+with n = `ExactBf16Weight.roundings` (with MBS three more than torch's GEMM: fl(1/Fa),
+fl(1/Fw) and their product replace the one division), for every scheme, M across the tile
+padding, K with partial blocks and chunks, special rows, a bias; the first-use self-test on
+tiles passes every scheme and rejects a wrong operand. The AMX tests skip elsewhere with the
+reason (they need amx_tile, amx_bf16 and Linux's tile permission)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_cpu_exact_bf16 import (  # tests/backends/cpu, on sys.path
+    ALL_PAIRS,
+    FAULTS,
+    SCHEME_NAMES,
+    _backend,
+    _check,
+    _data,
+    _inject,
+    _scheme,
+)
+
+from vllm_mxplus import log_once
+from vllm_mxplus.backends.cpu import exact_bf16
+from vllm_mxplus.formats import get_scheme, quantize
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
+
+U = 2.0**-24
+
+
+def _on_tiles() -> tuple[bool, str]:
+    from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+
+    ok, why = cpu_kernels.load()
+    if not ok:
+        return False, why
+    return exact_bf16.amx_tiles(get_scheme("mxfp4-mbs"))
+
+
+amx = pytest.mark.skipif(
+    not _on_tiles()[0],
+    reason=f"needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16) and the tile permission: "
+    f"{_on_tiles()[1]}",
+)
+
+
+def test_tile_layout_is_the_b_operand_of_tdpbf16ps():
+    """amx_pack: tiles[j, s, r, 2c + p] = W[16 j + c, 32 s + 2 r + p] (the pairs of row r of
+    the B tile), and the path's row view of a tiled weight is W again."""
+    w = torch.arange(64 * 96, dtype=torch.float32).view(64, 96).to(torch.bfloat16)
+    t = exact_bf16.amx_pack(w)
+    assert t.shape == (4, 3, 16, 32)
+    for j, s, r, c, p in ((0, 0, 0, 0, 0), (1, 2, 5, 7, 1), (3, 1, 15, 15, 1), (2, 0, 3, 9, 0)):
+        assert t[j, s, r, 2 * c + p] == w[16 * j + c, 32 * s + 2 * r + p]
+
+
+def test_pad_to():
+    t = torch.ones(3, 5)
+    p = exact_bf16._pad_to(t, 32, 7, value=2.0)
+    assert p.shape == (32, 7) and p[:3, :5].eq(1).all() and p[3:].eq(2).all() and p[:, 5:].eq(2).all()
+
+
+def _exact_operand(g, rows, k):
+    """bf16 values with 2-4 significant bits over a few binades (exact products)."""
+    v = torch.randint(-12, 13, (rows, k), generator=g).float()
+    return (v * 2.0 ** torch.randint(-4, 4, (rows, k), generator=g).float()).to(torch.bfloat16)
+
+
+@amx
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gemm_against_float64(ck, scaled):
+    """cpu_amx_gemm on exact operands: sum over chunks of fl(P_c * fl(ra * rw)) within
+    gamma_n of sum |a| |w| / (Fa Fw), n = (chunk - 1) + 3 + chunks + 1; with no factors the
+    sum of one chunk (K = 256 of small integers times powers of two: exact)."""
+    g = torch.Generator().manual_seed(3)
+    m, n, k, chunk = 64, 96, 256, 128 if scaled else 256
+    a, w = _exact_operand(g, m, k), _exact_operand(g, n, k)
+    chunks = k // chunk
+    fa = 1 + torch.randint(0, 256, (m, chunks), generator=g).float() / 256
+    fw = 1 + torch.randint(0, 256, (n, chunks), generator=g).float() / 256
+    ops = torch.ops.vllm_mxplus
+    if scaled:
+        out = ops.cpu_amx_gemm(a, exact_bf16.amx_pack(w), 1 / fa, (1 / fw).t().contiguous(), chunk)
+    else:
+        out = ops.cpu_amx_gemm(a, exact_bf16.amx_pack(w), torch.empty(0), torch.empty(0), chunk)
+        fa, fw = torch.ones(m, 1), torch.ones(n, 1)
+    ad, wd = a.double(), w.double()
+    want = torch.zeros(m, n, dtype=torch.float64)
+    scale = torch.zeros(m, n, dtype=torch.float64)
+    for c in range(chunks):
+        sl = slice(c * chunk, (c + 1) * chunk)
+        f = fa.double()[:, c : c + 1] * fw.double()[:, c][None]
+        want += ad[:, sl] @ wd[:, sl].T / f
+        scale += ad[:, sl].abs() @ wd[:, sl].abs().T / f
+    if not scaled:
+        assert torch.equal(out.double(), want)
+        return
+    nr = chunk - 1 + 3 + chunks + 1
+    err = (out.double() - want).abs()
+    assert (err <= nr * U / (1 - nr * U) * scale).all()
+    assert err.max() > 0  # the factors are not exact: a real rounding, inside the bound
+
+
+@amx
+def test_gemm_refuses_bad_layouts(ck):
+    ops = torch.ops.vllm_mxplus
+    a = torch.zeros(32, 64, dtype=torch.bfloat16)
+    w = exact_bf16.amx_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="Mp must be a multiple of 32"):
+        ops.cpu_amx_gemm(torch.zeros(31, 64, dtype=torch.bfloat16), w, torch.empty(0), torch.empty(0), 64)
+    with pytest.raises(RuntimeError, match="ra must be contiguous fp32"):
+        ops.cpu_amx_gemm(a, w, torch.ones(32, 3), torch.ones(1, 32), 64)
+    with pytest.raises(RuntimeError, match="amx_pack"):
+        ops.cpu_amx_gemm(a, w[:, :1].contiguous(), torch.empty(0), torch.empty(0), 64)
+
+
+@amx
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=lambda p: p[0])
+@pytest.mark.parametrize("m", [1, 33, 130], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("k", [33, 577, 1536], ids=lambda k: f"K{k}")
+def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
+    """Every scheme on tiles: special activation and weight rows (_data), N = 45 (padded to
+    64), M across the 32-row padding, a bias; the row view of the tiled weight is the torch
+    path's operand."""
+    wf, af = pair
+    scheme = _scheme(wf, af)
+    wsrc, xs = _data(wf, 45, k, m, seed=m + k)
+    q = quantize(wsrc, wf)
+    x = xs.to(torch.bfloat16)
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(m * 7 + k))
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    plain = exact_bf16.ExactBf16Weight.from_quantized(q, scheme)
+    assert w.operand is None
+    torch.testing.assert_close(
+        w.weight_rows(0, 45)[0], plain.weight_rows(0, 45)[0], rtol=0, atol=0, equal_nan=True
+    )
+    assert w.roundings == plain.roundings + (3 if w.chunked else 0)
+    y = exact_bf16.linear(x, w, bias, torch.float32)
+    checked = _check(y, x, q, scheme, bias, w)
+    assert checked.float().mean() > 0.3
+
+
+@amx
+@pytest.mark.parametrize("name", SCHEME_NAMES)
+def test_self_test_on_tiles_passes_for_every_scheme(ck, monkeypatch, name):
+    monkeypatch.setattr(exact_bf16, "_VERDICT", {})
+    assert exact_bf16.self_test(get_scheme(name), tiles=True) == (True, "")
+
+
+@amx
+@pytest.mark.parametrize(("name", "wrong"), FAULTS, ids=lambda v: str(v).replace(" ", "-"))
+def test_self_test_on_tiles_rejects_a_wrong_path(ck, monkeypatch, name, wrong):
+    monkeypatch.setattr(exact_bf16, "_VERDICT", {})
+    monkeypatch.setattr(log_once, "_SEEN", set())
+    _inject(monkeypatch, wrong)
+    ok, why = exact_bf16.self_test(get_scheme(name), tiles=True)
+    assert not ok and "outside the bound" in why
+
+
+@amx
+@pytest.mark.parametrize("name", ["mxfp4-mbs", "nvfp4", "mxplus"])
+def test_backend_serves_large_m_on_tiles(ck, name):
+    """On this AMX host cpu-packed lays the exact-bf16 weight out in tiles and serves M >= MIN_M
+    from them, within the bound."""
+    scheme = get_scheme(name)
+    q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
+    backend, layer = _backend(name, 24, 320)
+    backend.process_weights_after_loading(layer, q)
+    assert backend.exact is not None and backend.exact.tiles is not None
+    x = torch.randn(exact_bf16.MIN_M, 320)
+    _check(backend.apply(layer, x, None), x, q, scheme, None, backend.exact)
+
+
+def test_no_tiles_without_amx(ck, monkeypatch):
+    """Where the C++ side finds no AMX (another CPU, no permission, an old compiler) the path
+    keeps torch's GEMM, whatever host_choice says."""
+    monkeypatch.setattr(exact_bf16, "host_choice", lambda: (True, ""))
+    monkeypatch.setattr(torch.ops.vllm_mxplus, "cpu_amx_available", lambda: 0, raising=False)
+    ok, why = exact_bf16.amx_tiles(get_scheme("mxfp4-mbs"))
+    assert not ok and "no AMX-BF16 tiles" in why

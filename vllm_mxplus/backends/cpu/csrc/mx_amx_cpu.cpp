@@ -1,0 +1,299 @@
+// The exact-bf16 path's GEMM on AMX-BF16 tiles (docs/cpu_kernels.md, "Large M on AMX hosts"):
+// the operands are the path's bf16 values (exact: E2M1 * 2^e, MX+ block maxima, NVFP4's v * s),
+// the products are accumulated in fp32 by `tdpbf16ps` over one macro chunk, and each chunk's
+// partial sum P_c is scaled into an fp32 accumulator by the reciprocals of its MBS factors:
+//
+//   y[m, n] = sum over c of fl(P_c[m, n] * fl(ra[m, c] * rw[c, n]))   (one fused multiply-add
+//                                                                       per chunk, in c order)
+//
+// with ra = fl(1 / Fa), rw = fl(1 / Fw) given by the caller (ones for a side without MBS).
+// Without MBS the row is one chunk and P is the output (no scaling). Rounding count per product
+// on its way into y (the bound of docs/cpu_kernels.md): L - 1 additions inside the tiles (any
+// order: AMX sums pairs then accumulates), 3 for the factor (ra, rw, their product), and one
+// per chunk for the fused multiply-add (its first into a zero accumulator rounds the product).
+// AMX-BF16 reads bf16 denormals as zero and flushes denormal fp32 results (the bound's
+// absolute term). NaN and Inf propagate through the tiles and the epilogue.
+//
+// Layouts. Activations: bf16 [Mp, Kp] row-major, Mp a multiple of 32 and Kp of the chunk (a
+// multiple of 32), zero-padded. Weight: bf16 [Np / 16, Kp / 32, 16, 32] (`amx_pack`): for
+// each 16 output columns and 32-K step, the B tile of `tdpbf16ps` (row r holds columns
+// 0..15 as pairs (k = 2r, 2r + 1)), Np a multiple of 32. Reciprocals: ra fp32 [Mp, chunks],
+// rw fp32 [chunks, Np] (a chunk's 16 columns contiguous). Output fp32 [Mp, Np].
+//
+// AMX needs the process's tile permission (platform_amx asks Linux for it) and a CPU with
+// amx_tile and amx_bf16: the caller checks both (exact_bf16.host_choice); this file compiles
+// on any x86-64 GCC >= 11 / Clang >= 12 through function target attributes, and elsewhere
+// reports that it has no AMX code (cpu_amx_available() == 0, as on a CPU without AMX-BF16).
+// Compiled with -ffp-contract=off: the one fused multiply-add is the intrinsic's.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "mx_cpu_common.h"
+
+#if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+                            (defined(__clang__) && __clang_major__ >= 12))
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MXPLUS_AMX 1
+#define MXPLUS_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+namespace mxplus_cpu {
+namespace {
+
+constexpr int64_t kAmxRows = 16;   // rows of a tile
+constexpr int64_t kAmxStepK = 32;  // bf16 K per tile row (64 bytes)
+constexpr int64_t kAmxBlock = 32;  // output rows / columns per 2 x 2 tile block
+constexpr int64_t kPanelBlocks = 4;  // column blocks per thread panel (128 columns)
+
+#ifdef MXPLUS_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Whether this thread may run AMX-BF16: cpuid leaf 7 lists amx-tile (EDX bit 24) and amx-bf16
+// (bit 22), and Linux grants the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM, the
+// same request platform_amx makes; idempotent). Without both a tile instruction is SIGILL.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+#endif
+
+// 1 where this build has AMX code and this process may run it (cpuid and the permission),
+// else 0: what exact_bf16.amx_tiles asks before it lays a weight out for cpu_amx_gemm.
+int64_t amx_available() {
+#ifdef MXPLUS_AMX
+  return amx_usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+#ifdef MXPLUS_AMX
+// Tiles 0-3: the 2 x 2 fp32 accumulators, 4-5 the A rows (16 each), 6-7 the B columns.
+MXPLUS_AMX_TARGET void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One 32 x 32 output block over all chunks. buf: 2 x 32 x 32 fp32 scratch, acc: 32 x 32 fp32.
+MXPLUS_AMX_TARGET void block(const uint16_t* a, int64_t kp, const uint16_t* w0,
+                             const uint16_t* w1, const float* ra, const float* rw, int64_t np,
+                             int64_t chunk, int64_t chunks, bool scaled, float* buf, float* acc,
+                             float* out, int64_t ldo) {
+  const int64_t steps = chunk / kAmxStepK, lda = kp * 2;
+  const uint16_t* a1 = a + kAmxRows * kp;
+  // chunk c's partial sums are scaled after chunk c + 1's tile products are issued, from a
+  // second buffer, so the vector epilogue overlaps the tile unit's work
+  auto epilogue = [&](int64_t c) {
+    const float* b = buf + (c & 1) * kAmxBlock * kAmxBlock;
+    const __m512 rw0 = _mm512_loadu_ps(rw + c * np);
+    const __m512 rw1 = _mm512_loadu_ps(rw + c * np + kAmxRows);
+    for (int64_t i = 0; i < kAmxBlock; ++i) {
+      const __m512 r = _mm512_set1_ps(ra[i * chunks + c]);
+      float* row = acc + i * kAmxBlock;
+      const float* p = b + i * kAmxBlock;
+      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(p), _mm512_mul_ps(r, rw0),
+                                           _mm512_load_ps(row)));
+      _mm512_store_ps(row + kAmxRows,
+                      _mm512_fmadd_ps(_mm512_load_ps(p + kAmxRows), _mm512_mul_ps(r, rw1),
+                                      _mm512_load_ps(row + kAmxRows)));
+    }
+  };
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = c * steps; s < (c + 1) * steps; ++s) {
+      _tile_loadd(4, a + s * kAmxStepK, lda);
+      _tile_loadd(5, a1 + s * kAmxStepK, lda);
+      _tile_loadd(6, w0 + s * kAmxRows * kAmxStepK, 64);
+      _tile_loadd(7, w1 + s * kAmxRows * kAmxStepK, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (!scaled) {  // one chunk, no factors: the sums are the outputs
+      _tile_stored(0, out, ldo * 4);
+      _tile_stored(1, out + kAmxRows, ldo * 4);
+      _tile_stored(2, out + kAmxRows * ldo, ldo * 4);
+      _tile_stored(3, out + kAmxRows * ldo + kAmxRows, ldo * 4);
+      continue;
+    }
+    if (c > 0) epilogue(c - 1);
+    float* b = buf + (c & 1) * kAmxBlock * kAmxBlock;
+    _tile_stored(0, b, kAmxBlock * 4);
+    _tile_stored(1, b + kAmxRows, kAmxBlock * 4);
+    _tile_stored(2, b + kAmxRows * kAmxBlock, kAmxBlock * 4);
+    _tile_stored(3, b + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
+  }
+  if (scaled) epilogue(chunks - 1);
+  if (scaled) {
+    for (int64_t i = 0; i < kAmxBlock; ++i) {
+      std::memcpy(out + i * ldo, acc + i * kAmxBlock, kAmxBlock * sizeof(float));
+    }
+  }
+}
+
+MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* ra,
+                            const float* rw, float* out, int64_t mp, int64_t np, int64_t kp,
+                            int64_t chunk, bool scaled) {
+  const int64_t chunks = kp / chunk, mb = mp / kAmxBlock, nbk = np / kAmxBlock;
+  const int64_t panels = (nbk + kPanelBlocks - 1) / kPanelBlocks;
+  const int64_t wstride = (kp / kAmxStepK) * kAmxRows * kAmxStepK;  // one 16-column tile row
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    alignas(64) float buf[2 * kAmxBlock * kAmxBlock];
+    alignas(64) float acc[kAmxBlock * kAmxBlock];
+    for (int64_t p = p0; p < p1; ++p) {  // a panel of weight columns stays in L2 over all M
+      const int64_t j1 = std::min(nbk, (p + 1) * kPanelBlocks);
+      for (int64_t i = 0; i < mb; ++i) {
+        for (int64_t j = p * kPanelBlocks; j < j1; ++j) {
+          if (scaled) std::memset(acc, 0, sizeof(acc));
+          block(a + i * kAmxBlock * kp, kp, w + (2 * j) * wstride, w + (2 * j + 1) * wstride,
+                ra + i * kAmxBlock * chunks, rw + j * kAmxBlock, np, chunk, chunks, scaled, buf,
+                acc, out + i * kAmxBlock * np + j * kAmxBlock, np);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& ra,
+                    const at::Tensor& rw, int64_t chunk) {
+  const char* op = "vllm_mxplus::cpu_amx_gemm";
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kBFloat16 && a.is_contiguous() &&
+                  a.device().is_cpu(),
+              op, ": activations must be contiguous CPU bf16 [Mp, Kp], got ", a.sizes(), " ",
+              a.scalar_type());
+  const int64_t mp = a.size(0), kp = a.size(1);
+  TORCH_CHECK(chunk > 0 && chunk % kAmxStepK == 0 && kp % chunk == 0 && mp % kAmxBlock == 0,
+              op, ": Mp must be a multiple of 32 and Kp of the chunk (a multiple of 32), got Mp=",
+              mp, " Kp=", kp, " chunk=", chunk);
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                  w.device().is_cpu() && w.size(0) % 2 == 0 && w.size(1) == kp / kAmxStepK &&
+                  w.size(2) == kAmxRows && w.size(3) == kAmxStepK,
+              op, ": the weight must be contiguous CPU bf16 [Np/16, Kp/32, 16, 32] (amx_pack) "
+              "with Np a multiple of 32 and Kp=", kp, ", got ", w.sizes(), " ", w.scalar_type());
+  const int64_t np = w.size(0) * kAmxRows, chunks = kp / chunk;
+  const bool scaled = ra.numel() > 0;
+  if (scaled) {
+    TORCH_CHECK(ra.scalar_type() == at::kFloat && ra.is_contiguous() &&
+                    ra.sizes() == at::IntArrayRef({mp, chunks}),
+                op, ": ra must be contiguous fp32 [", mp, ", ", chunks, "], got ", ra.sizes());
+    TORCH_CHECK(rw.scalar_type() == at::kFloat && rw.is_contiguous() &&
+                    rw.sizes() == at::IntArrayRef({chunks, np}),
+                op, ": rw must be contiguous fp32 [", chunks, ", ", np, "], got ", rw.sizes());
+  } else {
+    TORCH_CHECK(chunks == 1 && rw.numel() == 0, op,
+                ": without factors the row must be one chunk (chunk = Kp) and rw empty");
+  }
+  at::Tensor out = at::empty({mp, np}, a.options().dtype(at::kFloat));
+#ifdef MXPLUS_AMX
+  TORCH_CHECK(amx_usable(), op, ": this CPU has no AMX-BF16 or Linux refused the AMX tile "
+              "permission (exact_bf16.amx_tiles says so before a call)");
+  gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()),
+       reinterpret_cast<const uint16_t*>(w.data_ptr()), scaled ? ra.data_ptr<float>() : nullptr,
+       scaled ? rw.data_ptr<float>() : nullptr, out.data_ptr<float>(), mp, np, kp, chunk, scaled);
+  return out;
+#else
+  TORCH_CHECK(false, op, ": this build has no AMX code (needs x86-64 and GCC >= 11 / Clang "
+              ">= 12); cpu_amx_available() says so before a call");
+  return out;
+#endif
+}
+
+// The activation operand of the path in bf16: a[m, k] = code[m, k] * half[m, k / block]
+// (codes are 2 * value, half the block scale / 2: an exact bf16 product), zero-padded to
+// [Mp, Kp]. The fp32 product is exact, so its top 16 bits are its bf16 value; a NaN keeps a
+// quiet NaN.
+at::Tensor amx_act_operand(const at::Tensor& codes, const at::Tensor& half, int64_t block,
+                           int64_t mp, int64_t kp) {
+  const char* op = "vllm_mxplus::cpu_amx_act_operand";
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.device().is_cpu(),
+              op, ": codes must be contiguous CPU int8 [M, K], got ", codes.sizes(), " ",
+              codes.scalar_type());
+  const int64_t m = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(block > 0 && mp >= m && kp >= k, op, ": bad block / padding for codes ",
+              codes.sizes(), ": block=", block, " Mp=", mp, " Kp=", kp);
+  const int64_t nb = cdiv(k, block);
+  TORCH_CHECK(half.scalar_type() == at::kFloat && half.is_contiguous() && half.dim() == 2 &&
+                  half.size(0) == m && half.size(1) >= nb,
+              op, ": half scales must be contiguous fp32 [", m, ", >= ", nb, "], got ",
+              half.sizes());
+  at::Tensor out = at::zeros({mp, kp}, codes.options().dtype(at::kBFloat16));
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* h = half.data_ptr<float>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t hs = half.size(1);
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int8_t* cr = c + r * k;
+      const float* hr = h + r * hs;
+      uint16_t* orow = o + r * kp;
+      int64_t k0 = 0;
+#ifdef MXPLUS_AVX512
+      if (block % 16 == 0) {  // 16 elements share one scale
+        for (; k0 + 16 <= k; k0 += 16) {
+          const __m512 v = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cr + k0)))),
+              _mm512_set1_ps(hr[k0 / block]));
+          const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+          bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC0));
+          _mm256_storeu_si256((__m256i*)(orow + k0), _mm512_cvtepi32_epi16(bits));
+        }
+      }
+#endif
+      for (; k0 < k; ++k0) {
+        const float v = static_cast<float>(cr[k0]) * hr[k0 / block];
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        orow[k0] = v != v ? uint16_t(0x7FC0) : uint16_t(bits >> 16);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
+  m.def("cpu_amx_available() -> int", &amx_available);
+  m.def("cpu_amx_gemm(Tensor a, Tensor w, Tensor ra, Tensor rw, int chunk) -> Tensor",
+        cpu_kernel(&amx_gemm));
+  m.def("cpu_amx_act_operand(Tensor codes, Tensor half, int block, int mp, int kp) -> Tensor",
+        cpu_kernel(&amx_act_operand));
+}
+
+}  // namespace mxplus_cpu
