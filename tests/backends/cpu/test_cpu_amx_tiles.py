@@ -65,7 +65,9 @@ def test_tile_layout_is_the_b_operand_of_tdpbf16ps():
 def test_pad_to():
     t = torch.ones(3, 5)
     p = exact_bf16._pad_to(t, 32, 7, value=2.0)
-    assert p.shape == (32, 7) and p[:3, :5].eq(1).all() and p[3:].eq(2).all() and p[:, 5:].eq(2).all()
+    assert (
+        p.shape == (32, 7) and p[:3, :5].eq(1).all() and p[3:].eq(2).all() and p[:, 5:].eq(2).all()
+    )
 
 
 def _exact_operand(g, rows, k):
@@ -88,9 +90,12 @@ def test_gemm_against_float64(ck, scaled):
     fw = 1 + torch.randint(0, 256, (n, chunks), generator=g).float() / 256
     ops = torch.ops.vllm_mxplus
     if scaled:
-        out = ops.cpu_amx_gemm(a, exact_bf16.amx_pack(w), 1 / fa, (1 / fw).t().contiguous(), chunk)
+        ra, rw = 1 / fa, (1 / fw).t().contiguous()
     else:
-        out = ops.cpu_amx_gemm(a, exact_bf16.amx_pack(w), torch.empty(0), torch.empty(0), chunk)
+        ra, rw = torch.empty(0), torch.empty(0)
+    wt = exact_bf16.amx_pack(w)
+    out = ops.cpu_amx_gemm(a, wt, ra, rw, chunk, m, n, None, None, None, torch.float32)
+    if not scaled:
         fa, fw = torch.ones(m, 1), torch.ones(n, 1)
     ad, wd = a.double(), w.double()
     want = torch.zeros(m, n, dtype=torch.float64)
@@ -114,12 +119,23 @@ def test_gemm_refuses_bad_layouts(ck):
     ops = torch.ops.vllm_mxplus
     a = torch.zeros(32, 64, dtype=torch.bfloat16)
     w = exact_bf16.amx_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+    e = torch.empty(0)
+
+    def gemm(a, w, ra, rw, chunk, m=32, bias=None, dtype=torch.float32):
+        return ops.cpu_amx_gemm(a, w, ra, rw, chunk, m, 32, None, None, bias, dtype)
+
     with pytest.raises(RuntimeError, match="Mp must be a multiple of 32"):
-        ops.cpu_amx_gemm(torch.zeros(31, 64, dtype=torch.bfloat16), w, torch.empty(0), torch.empty(0), 64)
+        gemm(torch.zeros(31, 64, dtype=torch.bfloat16), w, e, e, 64)
     with pytest.raises(RuntimeError, match="ra must be contiguous fp32"):
-        ops.cpu_amx_gemm(a, w, torch.ones(32, 3), torch.ones(1, 32), 64)
+        gemm(a, w, torch.ones(32, 3), torch.ones(1, 32), 64)
     with pytest.raises(RuntimeError, match="amx_pack"):
-        ops.cpu_amx_gemm(a, w[:, :1].contiguous(), torch.empty(0), torch.empty(0), 64)
+        gemm(a, w[:, :1].contiguous(), e, e, 64)
+    with pytest.raises(RuntimeError, match="must fit the padded"):
+        gemm(a, w, e, e, 64, m=33)
+    with pytest.raises(RuntimeError, match="bias must be contiguous fp32 with 32"):
+        gemm(a, w, e, e, 64, bias=torch.ones(31))
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
+        gemm(a, w, e, e, 64, dtype=torch.float64)
 
 
 @amx
@@ -146,6 +162,10 @@ def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
     y = exact_bf16.linear(x, w, bias, torch.float32)
     checked = _check(y, x, q, scheme, bias, w)
     assert checked.float().mean() > 0.3
+    for dt in (torch.bfloat16, torch.float16):  # the kernel's cast is torch's, bit for bit
+        torch.testing.assert_close(
+            exact_bf16.linear(x, w, bias, dt), y.to(dt), rtol=0, atol=0, equal_nan=True
+        )
 
 
 @amx
@@ -155,8 +175,13 @@ def test_self_test_on_tiles_passes_for_every_scheme(ck, monkeypatch, name):
     assert exact_bf16.self_test(get_scheme(name), tiles=True) == (True, "")
 
 
+# the faults injected in Python that reach the tiles path (the global product is formed
+# inside cpu_amx_gemm there, so "global product in bf16" has nothing to patch)
+TILE_FAULTS = [f for f in FAULTS if f[1] != "global product in bf16"]
+
+
 @amx
-@pytest.mark.parametrize(("name", "wrong"), FAULTS, ids=lambda v: str(v).replace(" ", "-"))
+@pytest.mark.parametrize(("name", "wrong"), TILE_FAULTS, ids=lambda v: str(v).replace(" ", "-"))
 def test_self_test_on_tiles_rejects_a_wrong_path(ck, monkeypatch, name, wrong):
     monkeypatch.setattr(exact_bf16, "_VERDICT", {})
     monkeypatch.setattr(log_once, "_SEEN", set())

@@ -431,6 +431,8 @@ def _inject(monkeypatch, wrong: str) -> None:
 
         monkeypatch.setattr(exact_bf16, "_decode_rows", off_by_one)
     elif wrong == "global product in bf16":  # G = fl(ga * gw) rounded once more, to bf16
+        # (torch's GEMM path: on AMX tiles the product is formed inside cpu_amx_gemm)
+        monkeypatch.setattr(exact_bf16, "amx_tiles", lambda scheme: (False, "a test"))
         real_g = exact_bf16.global_product
         monkeypatch.setattr(
             exact_bf16, "global_product", lambda a, b: real_g(a, b).bfloat16().float()

@@ -342,10 +342,7 @@ def linear(
     if m == 0:
         return out.to(out_dtype).reshape(*lead, w.n)
     if w.tiles is not None:
-        out = _tiled(x2d, w)
-        if bias is not None:
-            out += bias.to(torch.float32)
-        return out.to(out_dtype).reshape(*lead, w.n)
+        return _tiled(x2d, w, bias, out_dtype).reshape(*lead, w.n)
     a, fa, ga = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
     with bf16_math() if amx else _nothing():
         for n0 in range(0, w.n, ROW_TILE):
@@ -404,10 +401,13 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.
     return torch.nn.functional.pad(t, pad, value=value) if any(pad) else t.contiguous()
 
 
-def _tiled(x2d: torch.Tensor, w: ExactBf16Weight) -> torch.Tensor:
-    """Q_act(x) @ W^T, fp32 [M, N], on AMX tiles: the activation operand expanded to bf16 by
-    `cpu_amx_act_operand` (codes times half their block scale, exact), the chunks' partial
-    sums scaled by fl(1/Fa) * fl(1/Fw) (`cpu_amx_gemm`); NVFP4's P * fl(ga * gw) after."""
+def _tiled(
+    x2d: torch.Tensor, w: ExactBf16Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Q_act(x) @ W^T (+ bias) [M, N] of out_dtype on AMX tiles: the activation operand
+    expanded to bf16 by `cpu_amx_act_operand` (codes times half their block scale, exact), the
+    chunks' partial sums scaled by fl(1/Fa) * fl(1/Fw), then NVFP4's P * fl(ga * gw), the bias
+    and the cast, all in `cpu_amx_gemm` (the same operations in the same order as `linear`)."""
     assert w.tiles is not None
     ops = torch.ops.vllm_mxplus
     m, act = x2d.shape[0], w.activation
@@ -420,16 +420,19 @@ def _tiled(x2d: torch.Tensor, w: ExactBf16Weight) -> torch.Tensor:
         codes, e, mbs = cpu_kernels.act_quant(x2d, act, w.macro_block)
         half = _HALF_SCALE[e.long()]
     a = ops.cpu_amx_act_operand(codes, half, act.block_size, mp, kp)
+    ra, rw, chunk = _EMPTY, _EMPTY, kp
     if w.chunked:
+        assert w.rw is not None
         fa = _mbs_factors(mbs, w.chunks) if mbs is not None and act.mbs else None
         ra = _pad_to(1.0 / fa if fa is not None else torch.ones(m, w.chunks), TILE_PAD, w.chunks)
-        out = ops.cpu_amx_gemm(a, w.tiles, ra, w.rw, w.chunk)
-    else:
-        out = ops.cpu_amx_gemm(a, w.tiles, _EMPTY, _EMPTY, kp)
-    out = out[:m, : w.n]
+        rw, chunk = w.rw, w.chunk
+    gw = None
     if ga is not None and w.gw is not None:
-        out = out * global_product(ga, w.gw)
-    return out.contiguous() if not out.is_contiguous() else out
+        ga, gw = ga.reshape(-1).contiguous(), w.gw
+    else:
+        ga = None
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    return ops.cpu_amx_gemm(a, w.tiles, ra, rw, chunk, m, w.n, ga, gw, b, out_dtype)
 
 
 _EMPTY = torch.empty(0)

@@ -87,8 +87,8 @@ def register_fakes(tile_n: int) -> None:
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
     @torch.library.register_fake(op_name("cpu_amx_gemm"))
-    def _(a, w, ra, rw, chunk):
-        return a.new_empty((a.shape[0], w.shape[0] * w.shape[2]), dtype=torch.float32)
+    def _(a, w, ra, rw, chunk, m, n, ga, gw, bias, out_dtype):
+        return a.new_empty((m, n), dtype=out_dtype)
 
     @torch.library.register_fake(op_name("cpu_amx_act_operand"))
     def _(codes, half, block, mp, kp):

@@ -18,7 +18,9 @@
 // multiple of 32), zero-padded. Weight: bf16 [Np / 16, Kp / 32, 16, 32] (`amx_pack`): for
 // each 16 output columns and 32-K step, the B tile of `tdpbf16ps` (row r holds columns
 // 0..15 as pairs (k = 2r, 2r + 1)), Np a multiple of 32. Reciprocals: ra fp32 [Mp, chunks],
-// rw fp32 [chunks, Np] (a chunk's 16 columns contiguous). Output fp32 [Mp, Np].
+// rw fp32 [chunks, Np] (a chunk's 16 columns contiguous). Output [M, N] of the layer's dtype:
+// y times fl(ga * gw) (NVFP4's global scales), plus the bias, rounded once to the dtype,
+// the same operations in the same order as the torch path (exact_bf16.linear).
 //
 // AMX needs the process's tile permission (platform_amx asks Linux for it) and a CPU with
 // amx_tile and amx_bf16: the caller checks both (exact_bf16.host_choice); this file compiles
@@ -42,7 +44,7 @@
 #include <unistd.h>
 #define MXPLUS_AMX 1
 #define MXPLUS_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,f16c")))
 #endif
 
 namespace mxplus_cpu {
@@ -101,11 +103,11 @@ MXPLUS_AMX_TARGET void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// One 32 x 32 output block over all chunks. buf: 2 x 32 x 32 fp32 scratch, acc: 32 x 32 fp32.
+// One 32 x 32 output block over all chunks into acc (32 x 32 fp32, zeroed by the caller when
+// scaled); buf: 2 x 32 x 32 fp32 scratch.
 MXPLUS_AMX_TARGET void block(const uint16_t* a, int64_t kp, const uint16_t* w0,
                              const uint16_t* w1, const float* ra, const float* rw, int64_t np,
-                             int64_t chunk, int64_t chunks, bool scaled, float* buf, float* acc,
-                             float* out, int64_t ldo) {
+                             int64_t chunk, int64_t chunks, bool scaled, float* buf, float* acc) {
   const int64_t steps = chunk / kAmxStepK, lda = kp * 2;
   const uint16_t* a1 = a + kAmxRows * kp;
   // chunk c's partial sums are scaled after chunk c + 1's tile products are issued, from a
@@ -140,11 +142,11 @@ MXPLUS_AMX_TARGET void block(const uint16_t* a, int64_t kp, const uint16_t* w0,
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    if (!scaled) {  // one chunk, no factors: the sums are the outputs
-      _tile_stored(0, out, ldo * 4);
-      _tile_stored(1, out + kAmxRows, ldo * 4);
-      _tile_stored(2, out + kAmxRows * ldo, ldo * 4);
-      _tile_stored(3, out + kAmxRows * ldo + kAmxRows, ldo * 4);
+    if (!scaled) {  // one chunk, no factors: the sums are the result
+      _tile_stored(0, acc, kAmxBlock * 4);
+      _tile_stored(1, acc + kAmxRows, kAmxBlock * 4);
+      _tile_stored(2, acc + kAmxRows * kAmxBlock, kAmxBlock * 4);
+      _tile_stored(3, acc + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
       continue;
     }
     if (c > 0) epilogue(c - 1);
@@ -155,15 +157,54 @@ MXPLUS_AMX_TARGET void block(const uint16_t* a, int64_t kp, const uint16_t* w0,
     _tile_stored(3, b + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
   }
   if (scaled) epilogue(chunks - 1);
-  if (scaled) {
-    for (int64_t i = 0; i < kAmxBlock; ++i) {
-      std::memcpy(out + i * ldo, acc + i * kAmxBlock, kAmxBlock * sizeof(float));
+}
+
+// What follows the GEMM, in the torch path's order and roundings: y = fl(y * fl(ga * gw))
+// (NVFP4), then fl(y + b), then the output dtype (round to nearest even; NaN stays NaN).
+struct Finish {
+  const float* ga;    // [M] or null
+  const float* gw;    // [N] or null
+  const float* bias;  // [N] or null
+  void* out;          // [M, N] of dtype
+  at::ScalarType dtype;
+  int64_t m, n;
+};
+
+MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int64_t n0) {
+  const int64_t rows = std::min(kAmxBlock, f.m - m0);
+  for (int64_t h = 0; h < kAmxBlock; h += kAmxRows) {
+    const int64_t cols = std::min(kAmxRows, f.n - n0 - h);
+    if (cols <= 0) break;
+    const __mmask16 live = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const int64_t c0 = n0 + h;
+    const __m512 gw = f.gw ? _mm512_maskz_loadu_ps(live, f.gw + c0) : _mm512_setzero_ps();
+    const __m512 b = f.bias ? _mm512_maskz_loadu_ps(live, f.bias + c0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 y = _mm512_load_ps(acc + i * kAmxBlock + h);
+      if (f.ga) y = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(f.ga[m0 + i]), gw));
+      if (f.bias) y = _mm512_add_ps(y, b);
+      const int64_t at = (m0 + i) * f.n + c0;
+      if (f.dtype == at::kFloat) {
+        _mm512_mask_storeu_ps(static_cast<float*>(f.out) + at, live, y);
+      } else if (f.dtype == at::kBFloat16) {
+        const __m512i bits = _mm512_castps_si512(y);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(f.out) + at, live,
+                                 _mm512_cvtepi32_epi16(r));
+      } else {  // kHalf
+        const __m256i r = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(f.out) + at, live, r);
+      }
     }
   }
 }
 
 MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* ra,
-                            const float* rw, float* out, int64_t mp, int64_t np, int64_t kp,
+                            const float* rw, const Finish& f, int64_t mp, int64_t np, int64_t kp,
                             int64_t chunk, bool scaled) {
   const int64_t chunks = kp / chunk, mb = mp / kAmxBlock, nbk = np / kAmxBlock;
   const int64_t panels = (nbk + kPanelBlocks - 1) / kPanelBlocks;
@@ -174,12 +215,13 @@ MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* r
     alignas(64) float acc[kAmxBlock * kAmxBlock];
     for (int64_t p = p0; p < p1; ++p) {  // a panel of weight columns stays in L2 over all M
       const int64_t j1 = std::min(nbk, (p + 1) * kPanelBlocks);
-      for (int64_t i = 0; i < mb; ++i) {
-        for (int64_t j = p * kPanelBlocks; j < j1; ++j) {
+      for (int64_t i = 0; i < mb && i * kAmxBlock < f.m; ++i) {
+        for (int64_t j = p * kPanelBlocks; j < j1 && j * kAmxBlock < f.n; ++j) {
           if (scaled) std::memset(acc, 0, sizeof(acc));
           block(a + i * kAmxBlock * kp, kp, w + (2 * j) * wstride, w + (2 * j + 1) * wstride,
-                ra + i * kAmxBlock * chunks, rw + j * kAmxBlock, np, chunk, chunks, scaled, buf,
-                acc, out + i * kAmxBlock * np + j * kAmxBlock, np);
+                scaled ? ra + i * kAmxBlock * chunks : nullptr,
+                scaled ? rw + j * kAmxBlock : nullptr, np, chunk, chunks, scaled, buf, acc);
+          finish(f, acc, i * kAmxBlock, j * kAmxBlock);
         }
       }
     }
@@ -189,7 +231,9 @@ MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* r
 #endif
 
 at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& ra,
-                    const at::Tensor& rw, int64_t chunk) {
+                    const at::Tensor& rw, int64_t chunk, int64_t m, int64_t n,
+                    const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gw,
+                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const char* op = "vllm_mxplus::cpu_amx_gemm";
   TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kBFloat16 && a.is_contiguous() &&
                   a.device().is_cpu(),
@@ -205,6 +249,10 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
               op, ": the weight must be contiguous CPU bf16 [Np/16, Kp/32, 16, 32] (amx_pack) "
               "with Np a multiple of 32 and Kp=", kp, ", got ", w.sizes(), " ", w.scalar_type());
   const int64_t np = w.size(0) * kAmxRows, chunks = kp / chunk;
+  TORCH_CHECK(m >= 0 && m <= mp && n >= 0 && n <= np, op, ": the output [", m, ", ", n,
+              "] must fit the padded [", mp, ", ", np, "]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              op, ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
   const bool scaled = ra.numel() > 0;
   if (scaled) {
     TORCH_CHECK(ra.scalar_type() == at::kFloat && ra.is_contiguous() &&
@@ -217,15 +265,27 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
     TORCH_CHECK(chunks == 1 && rw.numel() == 0, op,
                 ": without factors the row must be one chunk (chunk = Kp) and rw empty");
   }
-  at::Tensor out = at::empty({mp, np}, a.options().dtype(at::kFloat));
+  auto vec = [&](const c10::optional<at::Tensor>& t, int64_t len, const char* what) {
+    if (!t.has_value()) return static_cast<const float*>(nullptr);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == len, op,
+                ": ", what, " must be contiguous fp32 with ", len, " elements, got ",
+                t->sizes(), " ", t->scalar_type());
+    return static_cast<const float*>(t->data_ptr<float>());
+  };
+  TORCH_CHECK(ga.has_value() == gw.has_value(), op, ": ga and gw go together (NVFP4)");
+  at::Tensor out = at::empty({m, n}, a.options().dtype(out_dtype));
+  Finish f{vec(ga, m, "ga"), vec(gw, n, "gw"), vec(bias, n, "bias"), out.data_ptr(), out_dtype,
+           m, n};
+  if (m == 0 || n == 0) return out;
 #ifdef MXPLUS_AMX
   TORCH_CHECK(amx_usable(), op, ": this CPU has no AMX-BF16 or Linux refused the AMX tile "
               "permission (exact_bf16.amx_tiles says so before a call)");
   gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()),
        reinterpret_cast<const uint16_t*>(w.data_ptr()), scaled ? ra.data_ptr<float>() : nullptr,
-       scaled ? rw.data_ptr<float>() : nullptr, out.data_ptr<float>(), mp, np, kp, chunk, scaled);
+       scaled ? rw.data_ptr<float>() : nullptr, f, mp, np, kp, chunk, scaled);
   return out;
 #else
+  (void)f;
   TORCH_CHECK(false, op, ": this build has no AMX code (needs x86-64 and GCC >= 11 / Clang "
               ">= 12); cpu_amx_available() says so before a call");
   return out;
@@ -290,7 +350,8 @@ at::Tensor amx_act_operand(const at::Tensor& codes, const at::Tensor& half, int6
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
   m.def("cpu_amx_available() -> int", &amx_available);
-  m.def("cpu_amx_gemm(Tensor a, Tensor w, Tensor ra, Tensor rw, int chunk) -> Tensor",
+  m.def("cpu_amx_gemm(Tensor a, Tensor w, Tensor ra, Tensor rw, int chunk, int m, int n, "
+        "Tensor? ga, Tensor? gw, Tensor? bias, ScalarType out_dtype) -> Tensor",
         cpu_kernel(&amx_gemm));
   m.def("cpu_amx_act_operand(Tensor codes, Tensor half, int block, int mp, int kp) -> Tensor",
         cpu_kernel(&amx_act_operand));
