@@ -156,6 +156,33 @@ def test_single_candidate_is_called_directly():
     assert _dispatch_calls(graphs[0]) == 0
 
 
+class _Branching(_Marker):
+    """One backend that picks its own kernels by M (as cpu-packed with its exact-bf16 path)."""
+
+    name = "fake-branching"
+
+    @property
+    def branches_on_m(self) -> bool:
+        return True
+
+    def apply(self, layer, x, bias, act_global_scale=None):
+        type(self).calls.append(x.shape[0])
+        marker = PREFILL if x.shape[0] >= 32 else DECODE
+        return torch.full((*x.shape[:-1], self.spec.n), marker, dtype=self.spec.out_dtype)
+
+
+@pytest.mark.parametrize("first,then", [(100, 1), (1, 100)], ids=["trace100-run1", "trace1-run100"])
+def test_a_single_candidate_that_branches_on_m_runs_inside_the_op(first, then):
+    """Its M test must run on every call: the dispatch registers it and calls the op, so a
+    graph traced at one M runs the other branch at the other M."""
+    layer, d = _layer([_Branching(SPEC)], prefix="model.layers.0.self_attn.o_proj")
+    assert d.key is not None
+    fn, counter = compile_like_vllm(lambda x: d.apply(layer, x, None))
+    for m in (first, then):
+        assert (fn(_marked(m)) == (PREFILL if m >= 32 else DECODE)).all(), m
+    assert counter.frame_count == 1
+
+
 def test_inductor_like_vllm():
     """The same with inductor, vLLM's backend on CPU (slower: compiles C++)."""
     layer, d = _layer([_Decode(SPEC), _Prefill(SPEC)])

@@ -225,6 +225,13 @@ class LinearBackend(Backend[LinearSpec]):
 
     kind: ClassVar[LayerKind] = "linear"
 
+    @property
+    def branches_on_m(self) -> bool:
+        """Whether apply picks its kernels by the row count M: then it must run inside the
+        dispatch's opaque op (`linear_op`), where the test runs on every call, not once at
+        trace time in a compiled graph. Set once the weights are processed."""
+        return False
+
     def selftest_activation(self, x: Tensor) -> QuantizedTensor | Tensor | None:
         """The backend's own activation quantization of rows x, for the self-test to compare
         bit for bit with `formats.quantize` (a QuantizedTensor: codes, scales, MBS bytes) or

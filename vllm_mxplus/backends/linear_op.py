@@ -70,7 +70,7 @@ class LinearDispatch:
     def process_weights_after_loading(self, layer: Layer, qweight) -> None:
         for backend in self.candidates:
             backend.process_weights_after_loading(layer, qweight)
-        if len(self.candidates) > 1:
+        if len(self.candidates) > 1 or self.candidates[0].branches_on_m:
             self.key = LayerKey(register_layer(layer, self))
 
     def pick(self, m: int) -> LinearBackend:
@@ -85,9 +85,9 @@ class LinearDispatch:
         bias: torch.Tensor | None,
         act_global_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # One candidate: call it directly (no registry lookup, no op boundary, and no read of
-        # x.shape that could put a shape guard into a compiled graph).
-        if len(self.candidates) == 1:
+        # One candidate that does not branch on M: call it directly (no registry lookup, no op
+        # boundary, and no read of x.shape that could put a shape guard into a compiled graph).
+        if len(self.candidates) == 1 and not self.candidates[0].branches_on_m:
             return self.candidates[0].apply(layer, x, bias, act_global_scale)
         if self.key is None:
             raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")

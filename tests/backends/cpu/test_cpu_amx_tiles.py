@@ -25,6 +25,7 @@ from test_cpu_exact_bf16 import (  # tests/backends/cpu, on sys.path
     _data,
     _inject,
     _scheme,
+    act_quant_via_codes,
 )
 
 from vllm_mxplus import log_once
@@ -173,6 +174,25 @@ def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
 def test_self_test_on_tiles_passes_for_every_scheme(ck, monkeypatch, name):
     monkeypatch.setattr(exact_bf16, "_VERDICT", {})
     assert exact_bf16.self_test(get_scheme(name), tiles=True) == (True, "")
+
+
+@amx
+@pytest.mark.parametrize("name", ["mxfp4-mbs", "mxfp4-16-oas", "mxplus", "mxfp4-mbs-s"])
+def test_fused_act_quant_is_the_quantizer_expanded(ck, name):
+    """cpu_amx_act_quant = cpu_act_quant's codes times half their block scale (bit for bit,
+    NaN where the block is NaN), fl(1/F) of its MBS bytes, zero padding."""
+    scheme = get_scheme(name)
+    act = scheme.activation
+    k, m = 300, 37
+    x = _data(scheme.weight_format, 8, k, m, seed=5)[1].to(torch.bfloat16)
+    chunked = bool(scheme.weight.mbs or act.mbs)
+    chunks = -(-k // scheme.macro_block) if chunked else 0
+    kp = (chunks * scheme.macro_block) if chunked else 320
+    a, ra = exact_bf16.cpu_kernels.amx_act_quant(x, act, scheme.macro_block, 64, kp, chunks)
+    want_a, want_ra = act_quant_via_codes(x, act, scheme.macro_block, 64, kp, chunks)
+    torch.testing.assert_close(a, want_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ra, want_ra, rtol=0, atol=0)
+    assert a[m:].eq(0).all() and a[:, k:].eq(0).all() and a.isnan().any() == x.isnan().any()
 
 
 # the faults injected in Python that reach the tiles path (the global product is formed

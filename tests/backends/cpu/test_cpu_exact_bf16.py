@@ -463,6 +463,21 @@ def _inject(monkeypatch, wrong: str) -> None:
 
         monkeypatch.setattr(exact_bf16.cpu_kernels, "nvfp4_act_quant", nv)
         monkeypatch.setattr(exact_bf16.cpu_kernels, "act_quant", act)
+        # on AMX tiles the path quantizes in one fused op: rebuilt from the altered codes
+        monkeypatch.setattr(exact_bf16.cpu_kernels, "amx_act_quant", act_quant_via_codes)
+
+
+def act_quant_via_codes(x, fmt, macro, mp, kp, chunks):
+    """cpu_amx_act_quant (the tiles' fused quantizer) rebuilt from cpu_act_quant's codes (which
+    a fault may have altered) and cpu_amx_act_operand, fl(1/F) from its MBS bytes."""
+    codes, e, mbs = exact_bf16.cpu_kernels.act_quant(x, fmt, macro)
+    half = exact_bf16._HALF_SCALE[e.long()]
+    a = torch.ops.vllm_mxplus.cpu_amx_act_operand(codes, half, fmt.block_size, mp, kp)
+    ra = torch.zeros(mp, chunks)
+    if chunks:
+        f = exact_bf16._mbs_factors(mbs, chunks) if mbs.numel() else torch.ones(len(x), chunks)
+        ra[: len(x)] = 1.0 / f
+    return a, ra
 
 
 @pytest.mark.parametrize(("name", "wrong"), FAULTS, ids=lambda v: str(v).replace(" ", "-"))

@@ -89,7 +89,9 @@ from vllm_mxplus.platform_amx import AmxResult, cpu_flags, read_cpuinfo, request
 
 logger = logging.getLogger(__name__)
 
-MIN_M = 64  # rows per call from which AMX hosts take this path (unmeasured on AMX: see docs)
+# rows per call from which AMX hosts take this path: on the AMX Xeon of docs/cpu_kernels.md the
+# tiles beat the integer kernels from M = 32 (1.3x on Llama-3-8B's o / down) and not at 16
+MIN_M = 32
 ROW_TILE = 512  # weight rows decoded per step (bounds the fp32 temporaries)
 PARTIAL_BYTES = 32 << 20  # fp32 partial sums [chunks, M, rows] per batched GEMM, at most
 U = 2.0**-24
@@ -412,20 +414,20 @@ def _tiled(
     ops = torch.ops.vllm_mxplus
     m, act = x2d.shape[0], w.activation
     mp, kp = ceil_div(m, TILE_PAD) * TILE_PAD, w.kp_tiles
-    ga = mbs = None
-    if act.has_global_scale:
+    ga = None
+    if act.has_global_scale:  # NVFP4 (never chunked): codes and E4M3 bytes, then expanded
         codes, sbytes, ga = cpu_kernels.nvfp4_act_quant(x2d)
         half = sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5
-    else:
-        codes, e, mbs = cpu_kernels.act_quant(x2d, act, w.macro_block)
-        half = _HALF_SCALE[e.long()]
-    a = ops.cpu_amx_act_operand(codes, half, act.block_size, mp, kp)
-    ra, rw, chunk = _EMPTY, _EMPTY, kp
+        a = ops.cpu_amx_act_operand(codes, half, act.block_size, mp, kp)
+    else:  # quantized and expanded in one pass, with fl(1/Fa) per row and chunk
+        chunks = w.chunks if w.chunked else 0
+        a, ra = cpu_kernels.amx_act_quant(x2d, act, w.macro_block, mp, kp, chunks)
+    rw, chunk = _EMPTY, kp
     if w.chunked:
         assert w.rw is not None
-        fa = _mbs_factors(mbs, w.chunks) if mbs is not None and act.mbs else None
-        ra = _pad_to(1.0 / fa if fa is not None else torch.ones(m, w.chunks), TILE_PAD, w.chunks)
         rw, chunk = w.rw, w.chunk
+    else:
+        ra = _EMPTY
     gw = None
     if ga is not None and w.gw is not None:
         ga, gw = ga.reshape(-1).contiguous(), w.gw

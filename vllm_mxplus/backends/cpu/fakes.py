@@ -93,3 +93,10 @@ def register_fakes(tile_n: int) -> None:
     @torch.library.register_fake(op_name("cpu_amx_act_operand"))
     def _(codes, half, block, mp, kp):
         return codes.new_empty((mp, kp), dtype=torch.bfloat16)
+
+    @torch.library.register_fake(op_name("cpu_amx_act_quant"))
+    def _(x, block, rule, mbs, macro, mp, kp, chunks):
+        return (
+            x.new_empty((mp, kp), dtype=torch.bfloat16),
+            x.new_empty((mp, chunks), dtype=torch.float32),
+        )

@@ -26,7 +26,7 @@ Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile)
   cpu_nvfp4_act_quant / cpu_nvfp4_linear                 -> NVFP4 (csrc/mx_nvfp4_cpu.cpp)
   cpu_mxplus_pack_weight / cpu_mxplus_linear             -> MX+ (csrc/mx_mxplus_cpu.cpp); its
       activations are cpu_act_quant / cpu_act_fake_quant with rule MXPLUS_RULE
-  cpu_amx_gemm / cpu_amx_act_operand / cpu_amx_available -> the exact-bf16 path's GEMM on
+  cpu_amx_gemm / cpu_amx_act_quant / cpu_amx_act_operand / cpu_amx_available -> the exact-bf16 path's GEMM on
       AMX-BF16 tiles (csrc/mx_amx_cpu.cpp; exact_bf16.py calls it on AMX hosts)
 The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
 (docs/numerics.md, "Kernel numerics and error bounds").
@@ -247,6 +247,17 @@ def act_quant(
     _require()
     block, rule, mbs = _act_args(fmt)
     return torch.ops.vllm_mxplus.cpu_act_quant(x, block, rule, mbs, macro_block)
+
+
+def amx_act_quant(
+    x: torch.Tensor, fmt: Format, macro_block: int, mp: int, kp: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact-bf16 path's activation operand for rows x [M, K] on AMX tiles, in one pass:
+    (bf16 [mp, kp], the codes of `act_quant` times half their block scale, zero-padded; fp32
+    [mp, chunks], fl(1/F) of the rows' MBS bytes, 1 without MBS, 0 in padding rows)."""
+    _require()
+    block, rule, mbs = _act_args(fmt)
+    return torch.ops.vllm_mxplus.cpu_amx_act_quant(x, block, rule, mbs, macro_block, mp, kp, chunks)
 
 
 def act_fake_quant(x: torch.Tensor, fmt: Format, macro_block: int) -> torch.Tensor:

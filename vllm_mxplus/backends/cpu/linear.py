@@ -172,6 +172,10 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         )
         return exact_bf16.ExactBf16Weight.from_quantized(qweight, self.spec.scheme, tiles=tiles)
 
+    @property
+    def branches_on_m(self) -> bool:
+        return self.exact is not None  # the exact-bf16 path from exact_min_m rows
+
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
     ) -> Tensor:

@@ -31,8 +31,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "mx_cpu_common.h"
 
@@ -346,6 +349,79 @@ at::Tensor amx_act_operand(const at::Tensor& codes, const at::Tensor& half, int6
   return out;
 }
 
+// The E8M0 / MX+ activation operand straight from the rows x [M, K] (any float dtype): each
+// row quantized by quant_row (the codes, scales and MBS bytes of cpu_act_quant, bit-exact with
+// formats) and expanded at once to bf16 [Mp, Kp] (a = code * 2^(e - 128), zero-padded, NaN in
+// a NaN block), with ra fp32 [Mp, chunks] = fl(1 / F) of the row's MBS bytes (1 without them;
+// 0 in padding rows). One pass over x instead of cpu_act_quant + a gather + the expansion.
+std::tuple<at::Tensor, at::Tensor> amx_act_quant(const at::Tensor& x, int64_t block, int64_t rule,
+                                                 bool mbs, int64_t macro, int64_t mp, int64_t kp,
+                                                 int64_t chunks) {
+  const char* op = "vllm_mxplus::cpu_amx_act_quant";
+  check_rule(block, rule, mbs, macro);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0, op,
+              ": x must be a CPU [M, K] tensor, got ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), nb = cdiv(k, block);
+  TORCH_CHECK(mp >= m && mp % kAmxBlock == 0 && kp >= nb * block && kp % kAmxStepK == 0 &&
+                  chunks >= 0,
+              op, ": Mp=", mp, " Kp=", kp, " do not pad [", m, ", ", k, "] to tiles");
+  TORCH_CHECK(!mbs || (chunks == cdiv(k, macro) && macro % kAmxStepK == 0), op,
+              ": with MBS the chunks are the macro blocks (", cdiv(k, macro), "), got ", chunks);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor a = at::empty({mp, kp}, x.options().dtype(at::kBFloat16));
+  at::Tensor ra = at::empty({mp, chunks}, x.options().dtype(at::kFloat));
+  static const auto half_scale = [] {  // 2^(e - 128): half the block scale (codes are 2 * v)
+    std::array<float, 256> t{};
+    for (int e = 0; e < 255; ++e) t[e] = pow2f(e - 128);
+    t[255] = std::numeric_limits<float>::quiet_NaN();
+    return t;
+  }();
+  const float* xp = xf.data_ptr<float>();
+  uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
+  float* rp = ra.data_ptr<float>();
+  at::parallel_for(0, mp, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block));
+    std::vector<int8_t> codes(nb * block);
+    std::vector<uint8_t> scales(nb), mbytes(mbs ? cdiv(k, macro) : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* orow = ap + r * kp;
+      if (r >= m) {  // padding rows
+        std::memset(orow, 0, kp * 2);
+        for (int64_t c = 0; c < chunks; ++c) rp[r * chunks + c] = 0.0f;
+        continue;
+      }
+      quant_row(xp + r * k, k, block, static_cast<int>(rule), mbs, macro, codes.data(),
+                scales.data(), mbytes.data(), nullptr, ybuf.data());
+      for (int64_t c = 0; c < chunks; ++c) {
+        rp[r * chunks + c] = mbs ? 1.0f / mbs_factor(mbytes[c]) : 1.0f;
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        const float h = half_scale[scales[b]];
+        const int8_t* cb = codes.data() + b * block;
+        uint16_t* ob = orow + b * block;
+        int64_t i = 0;
+#ifdef MXPLUS_AVX512
+        for (; i + 16 <= block; i += 16) {
+          const __m512 v = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cb + i)))),
+              _mm512_set1_ps(h));
+          __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+          bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                       _mm512_set1_epi32(0x7FC0));
+          _mm256_storeu_si256((__m256i*)(ob + i), _mm512_cvtepi32_epi16(bits));
+        }
+#endif
+        for (; i < block; ++i) {
+          const float v = static_cast<float>(cb[i]) * h;
+          ob[i] = v != v ? uint16_t(0x7FC0) : uint16_t(f2u(v) >> 16);
+        }
+      }
+      if (kp > nb * block) std::memset(orow + nb * block, 0, (kp - nb * block) * 2);
+    }
+  });
+  return {a, ra};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
@@ -355,6 +431,9 @@ TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
         cpu_kernel(&amx_gemm));
   m.def("cpu_amx_act_operand(Tensor codes, Tensor half, int block, int mp, int kp) -> Tensor",
         cpu_kernel(&amx_act_operand));
+  m.def("cpu_amx_act_quant(Tensor x, int block, int rule, bool mbs, int macro, int mp, int kp, "
+        "int chunks) -> (Tensor, Tensor)",
+        cpu_kernel(&amx_act_quant));
 }
 
 }  // namespace mxplus_cpu
