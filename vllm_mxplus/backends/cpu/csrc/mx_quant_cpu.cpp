@@ -32,15 +32,15 @@ inline void mxplus_block_max(const float* y, int64_t len, int code, int8_t* out,
   if (!(v >= 4.0f)) return;  // none: zero block, or clamped at the bottom of the E8M0 range
   const int j = std::min(std::max(static_cast<int>(std::nearbyint(2.0f * v - 8.0f)), 0), 7);
   const int8_t c = static_cast<int8_t>(std::signbit(y[im]) ? -(8 + j) : 8 + j);
-  *sum += c - out[im];
+  if (sum) *sum += c - out[im];
   out[im] = c;
 }
 
 // Quantize one block of len <= 32 values y to doubled E2M1 codes (MX+: the block max as
-// above); returns the E8M0 code and sets *sum to the sum of the codes.
+// above); returns the E8M0 code and sets *sum (where not null) to the sum of the codes.
 inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32_t* sum) {
   const int code = scale_code(nan_absmax(y, len), rule);
-  *sum = 0;
+  if (sum) *sum = 0;
   if (code == kE8m0Nan) {
     std::memset(out, 0, len);
     return code;
@@ -66,14 +66,14 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32
     __m512i d = _mm512_permutexvar_epi32(mag, table);
     const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
     d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
-    *sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
+    if (sum) *sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
     _mm512_mask_cvtepi32_storeu_epi8(out + i, lm, d);
   }
 #else
   for (int64_t i = 0; i < len; ++i) {
     const int mag = e2m1_mag(std::fabs(y[i]) * recip);
     out[i] = kE2M1x2[mag | (std::signbit(y[i]) ? 8 : 0)];
-    *sum += out[i];
+    if (sum) *sum += out[i];
   }
 #endif
   if (rule == kRuleMxplus) mxplus_block_max(y, len, code, out, sum);
@@ -98,8 +98,8 @@ void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, 
     for (int64_t b0 = 0; b0 < ulen; b0 += block) {
       const int64_t blen = std::min(block, ulen - b0);
       int32_t sum;
-      scales[(u0 + b0) / block] = static_cast<uint8_t>(quant_block(y + b0, blen, rule,
-                                                                   codes + u0 + b0, &sum));
+      scales[(u0 + b0) / block] = static_cast<uint8_t>(
+          quant_block(y + b0, blen, rule, codes + u0 + b0, sums ? &sum : nullptr));
       if (sums) sums[(u0 + b0) / block] = sum;
     }
   }
