@@ -79,12 +79,16 @@ def _exact_operand(g, rows, k):
 
 @amx
 @pytest.mark.parametrize("scaled", [False, True])
-def test_gemm_against_float64(ck, scaled):
+@pytest.mark.parametrize("shape", [(64, 96, 256), (320, 224, 1152)], ids=["one-task", "tasks"])
+def test_gemm_against_float64(ck, scaled, shape):
     """cpu_amx_gemm on exact operands: sum over chunks of fl(P_c * fl(ra * rw)) within
     gamma_n of sum |a| |w| / (Fa Fw), n = (chunk - 1) + 3 + chunks + 1; with no factors the
-    sum of one chunk (K = 256 of small integers times powers of two: exact)."""
+    sum within gamma_K (spans of 512 added in fp32), exact at K = 256 (small sums).
+    The larger shape spans two row panels of tasks (256 rows), two column panels (128) and
+    three K spans."""
     g = torch.Generator().manual_seed(3)
-    m, n, k, chunk = 64, 96, 256, 128 if scaled else 256
+    m, n, k = shape
+    chunk = 128 if scaled else k
     a, w = _exact_operand(g, m, k), _exact_operand(g, n, k)
     chunks = k // chunk
     fa = 1 + torch.randint(0, 256, (m, chunks), generator=g).float() / 256
@@ -106,11 +110,13 @@ def test_gemm_against_float64(ck, scaled):
         f = fa.double()[:, c : c + 1] * fw.double()[:, c][None]
         want += ad[:, sl] @ wd[:, sl].T / f
         scale += ad[:, sl].abs() @ wd[:, sl].abs().T / f
-    if not scaled:
-        assert torch.equal(out.double(), want)
+    err = (out.double() - want).abs()
+    if not scaled:  # K - 1 additions in any order (+1 for float64)
+        if k <= 256:  # small exact sums: no rounding at all
+            assert torch.equal(out.double(), want)
+        assert (err <= k * U / (1 - k * U) * scale).all()
         return
     nr = chunk - 1 + 3 + chunks + 1
-    err = (out.double() - want).abs()
     assert (err <= nr * U / (1 - nr * U) * scale).all()
     assert err.max() > 0  # the factors are not exact: a real rounding, inside the bound
 

@@ -56,7 +56,9 @@ namespace {
 constexpr int64_t kAmxRows = 16;   // rows of a tile
 constexpr int64_t kAmxStepK = 32;  // bf16 K per tile row (64 bytes)
 constexpr int64_t kAmxBlock = 32;  // output rows / columns per 2 x 2 tile block
-constexpr int64_t kPanelBlocks = 4;  // column blocks per thread panel (128 columns)
+constexpr int64_t kTaskRowBlocks = 8;  // row blocks per task (256 rows)
+constexpr int64_t kTaskColBlocks = 4;  // column blocks per task (128 columns)
+constexpr int64_t kSpanK = 512;        // K per pass over a task's blocks
 
 #ifdef MXPLUS_AMX
 struct alignas(64) TileConfig {
@@ -106,60 +108,55 @@ MXPLUS_AMX_TARGET void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// One 32 x 32 output block over all chunks into acc (32 x 32 fp32, zeroed by the caller when
-// scaled); buf: 2 x 32 x 32 fp32 scratch.
-MXPLUS_AMX_TARGET void block(const uint16_t* a, int64_t kp, const uint16_t* w0,
-                             const uint16_t* w1, const float* ra, const float* rw, int64_t np,
-                             int64_t chunk, int64_t chunks, bool scaled, float* buf, float* acc) {
-  const int64_t steps = chunk / kAmxStepK, lda = kp * 2;
+// The tile products of one 32 x 32 block over K [k0, k1) into tiles 0-3 (zeroed first).
+MXPLUS_AMX_TARGET void products(const uint16_t* a, int64_t kp, const uint16_t* w0,
+                                const uint16_t* w1, int64_t k0, int64_t k1) {
+  const int64_t lda = kp * 2;
   const uint16_t* a1 = a + kAmxRows * kp;
-  // chunk c's partial sums are scaled after chunk c + 1's tile products are issued, from a
-  // second buffer, so the vector epilogue overlaps the tile unit's work
-  auto epilogue = [&](int64_t c) {
-    const float* b = buf + (c & 1) * kAmxBlock * kAmxBlock;
-    const __m512 rw0 = _mm512_loadu_ps(rw + c * np);
-    const __m512 rw1 = _mm512_loadu_ps(rw + c * np + kAmxRows);
-    for (int64_t i = 0; i < kAmxBlock; ++i) {
-      const __m512 r = _mm512_set1_ps(ra[i * chunks + c]);
-      float* row = acc + i * kAmxBlock;
-      const float* p = b + i * kAmxBlock;
-      _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(p), _mm512_mul_ps(r, rw0),
-                                           _mm512_load_ps(row)));
-      _mm512_store_ps(row + kAmxRows,
-                      _mm512_fmadd_ps(_mm512_load_ps(p + kAmxRows), _mm512_mul_ps(r, rw1),
-                                      _mm512_load_ps(row + kAmxRows)));
-    }
-  };
-  for (int64_t c = 0; c < chunks; ++c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = c * steps; s < (c + 1) * steps; ++s) {
-      _tile_loadd(4, a + s * kAmxStepK, lda);
-      _tile_loadd(5, a1 + s * kAmxStepK, lda);
-      _tile_loadd(6, w0 + s * kAmxRows * kAmxStepK, 64);
-      _tile_loadd(7, w1 + s * kAmxRows * kAmxStepK, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    if (!scaled) {  // one chunk, no factors: the sums are the result
-      _tile_stored(0, acc, kAmxBlock * 4);
-      _tile_stored(1, acc + kAmxRows, kAmxBlock * 4);
-      _tile_stored(2, acc + kAmxRows * kAmxBlock, kAmxBlock * 4);
-      _tile_stored(3, acc + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
-      continue;
-    }
-    if (c > 0) epilogue(c - 1);
-    float* b = buf + (c & 1) * kAmxBlock * kAmxBlock;
-    _tile_stored(0, b, kAmxBlock * 4);
-    _tile_stored(1, b + kAmxRows, kAmxBlock * 4);
-    _tile_stored(2, b + kAmxRows * kAmxBlock, kAmxBlock * 4);
-    _tile_stored(3, b + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = k0 / kAmxStepK; s < k1 / kAmxStepK; ++s) {
+    _tile_loadd(4, a + s * kAmxStepK, lda);
+    _tile_loadd(5, a1 + s * kAmxStepK, lda);
+    _tile_loadd(6, w0 + s * kAmxRows * kAmxStepK, 64);
+    _tile_loadd(7, w1 + s * kAmxRows * kAmxStepK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
-  if (scaled) epilogue(chunks - 1);
+}
+
+MXPLUS_AMX_TARGET void store_tiles(float* b) {  // tiles 0-3 -> 32 x 32 fp32, row-major
+  _tile_stored(0, b, kAmxBlock * 4);
+  _tile_stored(1, b + kAmxRows, kAmxBlock * 4);
+  _tile_stored(2, b + kAmxRows * kAmxBlock, kAmxBlock * 4);
+  _tile_stored(3, b + kAmxRows * kAmxBlock + kAmxRows, kAmxBlock * 4);
+}
+
+// acc += P * fl(ra[i] * rw) (one fused multiply-add; ra of the block's rows for this chunk,
+// stride `chunks`; rw the chunk's 32 column reciprocals), or acc += P where ra is null.
+MXPLUS_AMX_TARGET void accumulate(const float* p, float* acc, const float* ra, int64_t chunks,
+                                  const float* rw) {
+  if (ra == nullptr) {
+    for (int64_t e = 0; e < kAmxBlock * kAmxBlock; e += kAmxRows) {
+      _mm512_storeu_ps(acc + e, _mm512_add_ps(_mm512_loadu_ps(p + e), _mm512_loadu_ps(acc + e)));
+    }
+    return;
+  }
+  const __m512 rw0 = _mm512_loadu_ps(rw), rw1 = _mm512_loadu_ps(rw + kAmxRows);
+  for (int64_t i = 0; i < kAmxBlock; ++i) {
+    const __m512 r = _mm512_set1_ps(ra[i * chunks]);
+    float* row = acc + i * kAmxBlock;
+    const float* q = p + i * kAmxBlock;
+    _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_loadu_ps(q), _mm512_mul_ps(r, rw0),
+                                          _mm512_loadu_ps(row)));
+    _mm512_storeu_ps(row + kAmxRows,
+                     _mm512_fmadd_ps(_mm512_loadu_ps(q + kAmxRows), _mm512_mul_ps(r, rw1),
+                                     _mm512_loadu_ps(row + kAmxRows)));
+  }
 }
 
 // What follows the GEMM, in the torch path's order and roundings: y = fl(y * fl(ga * gw))
@@ -183,7 +180,7 @@ MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int
     const __m512 gw = f.gw ? _mm512_maskz_loadu_ps(live, f.gw + c0) : _mm512_setzero_ps();
     const __m512 b = f.bias ? _mm512_maskz_loadu_ps(live, f.bias + c0) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i) {
-      __m512 y = _mm512_load_ps(acc + i * kAmxBlock + h);
+      __m512 y = _mm512_loadu_ps(acc + i * kAmxBlock + h);
       if (f.ga) y = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(f.ga[m0 + i]), gw));
       if (f.bias) y = _mm512_add_ps(y, b);
       const int64_t at = (m0 + i) * f.n + c0;
@@ -206,27 +203,70 @@ MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int
   }
 }
 
-MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* ra,
-                            const float* rw, const Finish& f, int64_t mp, int64_t np, int64_t kp,
-                            int64_t chunk, bool scaled) {
-  const int64_t chunks = kp / chunk, mb = mp / kAmxBlock, nbk = np / kAmxBlock;
-  const int64_t panels = (nbk + kPanelBlocks - 1) / kPanelBlocks;
+// One task: row blocks [i0, i1) x column blocks [j0, j1) (at most 8 x 4: 256 x 128 outputs,
+// their fp32 accumulators 128 KiB), K in spans of kSpanK so that the span's activation rows
+// and weight columns stay in L2 while every block of the task passes. Each item (a block and
+// one chunk, or without factors one span) issues its tile products, then the previous item's
+// sums are accumulated from the other buffer (the vector work overlapping the tile unit's),
+// then its own are stored. Without factors the spans' sums are added in fp32: another
+// order of the same additions (at most K - 1 on a product's way).
+MXPLUS_AMX_TARGET void task(const uint16_t* a, const uint16_t* w, const float* ra,
+                            const float* rw, const Finish& f, int64_t np, int64_t kp,
+                            int64_t chunk, bool scaled, int64_t i0, int64_t i1, int64_t j0,
+                            int64_t j1, float* acc, float* buf) {
+  const int64_t chunks = kp / chunk, nj = j1 - j0;
   const int64_t wstride = (kp / kAmxStepK) * kAmxRows * kAmxStepK;  // one 16-column tile row
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
-    alignas(64) float buf[2 * kAmxBlock * kAmxBlock];
-    alignas(64) float acc[kAmxBlock * kAmxBlock];
-    for (int64_t p = p0; p < p1; ++p) {  // a panel of weight columns stays in L2 over all M
-      const int64_t j1 = std::min(nbk, (p + 1) * kPanelBlocks);
-      for (int64_t i = 0; i < mb && i * kAmxBlock < f.m; ++i) {
-        for (int64_t j = p * kPanelBlocks; j < j1 && j * kAmxBlock < f.n; ++j) {
-          if (scaled) std::memset(acc, 0, sizeof(acc));
-          block(a + i * kAmxBlock * kp, kp, w + (2 * j) * wstride, w + (2 * j + 1) * wstride,
-                scaled ? ra + i * kAmxBlock * chunks : nullptr,
-                scaled ? rw + j * kAmxBlock : nullptr, np, chunk, chunks, scaled, buf, acc);
-          finish(f, acc, i * kAmxBlock, j * kAmxBlock);
+  const int64_t span = scaled ? std::max(chunk, kSpanK / chunk * chunk) : kSpanK;
+  std::memset(acc, 0, (i1 - i0) * nj * kAmxBlock * kAmxBlock * sizeof(float));
+  struct Item {
+    float* acc;
+    const float* ra;
+    const float* rw;
+  } prev{nullptr, nullptr, nullptr};
+  int parity = 0;
+  for (int64_t k0 = 0; k0 < kp; k0 += span) {
+    const int64_t k1 = std::min(kp, k0 + span), piece = scaled ? chunk : k1 - k0;
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t c0 = k0; c0 < k1; c0 += piece) {
+          products(a + i * kAmxBlock * kp, kp, w + 2 * j * wstride, w + (2 * j + 1) * wstride,
+                   c0, c0 + piece);
+          if (prev.acc) accumulate(buf + (parity ^ 1) * kAmxBlock * kAmxBlock, prev.acc,
+                                   prev.ra, chunks, prev.rw);
+          store_tiles(buf + parity * kAmxBlock * kAmxBlock);
+          parity ^= 1;
+          const int64_t c = c0 / chunk;
+          prev = {acc + ((i - i0) * nj + (j - j0)) * kAmxBlock * kAmxBlock,
+                  scaled ? ra + i * kAmxBlock * chunks + c : nullptr,
+                  scaled ? rw + c * np + j * kAmxBlock : nullptr};
         }
       }
+    }
+  }
+  if (prev.acc) accumulate(buf + (parity ^ 1) * kAmxBlock * kAmxBlock, prev.acc, prev.ra, chunks,
+                           prev.rw);
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t j = j0; j < j1; ++j) {
+      finish(f, acc + ((i - i0) * nj + (j - j0)) * kAmxBlock * kAmxBlock, i * kAmxBlock,
+             j * kAmxBlock);
+    }
+  }
+}
+
+MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* ra,
+                            const float* rw, const Finish& f, int64_t np, int64_t kp,
+                            int64_t chunk, bool scaled) {
+  const int64_t mb = cdiv(f.m, kAmxBlock), nbk = cdiv(f.n, kAmxBlock);  // live blocks only
+  const int64_t rpanels = cdiv(mb, kTaskRowBlocks), cpanels = cdiv(nbk, kTaskColBlocks);
+  at::parallel_for(0, rpanels * cpanels, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    std::vector<float> acc(kTaskRowBlocks * kTaskColBlocks * kAmxBlock * kAmxBlock);
+    std::vector<float> buf(2 * kAmxBlock * kAmxBlock);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rp = t / cpanels, cp = t % cpanels;
+      task(a, w, ra, rw, f, np, kp, chunk, scaled, rp * kTaskRowBlocks,
+           std::min(mb, (rp + 1) * kTaskRowBlocks), cp * kTaskColBlocks,
+           std::min(nbk, (cp + 1) * kTaskColBlocks), acc.data(), buf.data());
     }
     _tile_release();
   });
@@ -285,7 +325,7 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
               "permission (exact_bf16.amx_tiles says so before a call)");
   gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()),
        reinterpret_cast<const uint16_t*>(w.data_ptr()), scaled ? ra.data_ptr<float>() : nullptr,
-       scaled ? rw.data_ptr<float>() : nullptr, f, mp, np, kp, chunk, scaled);
+       scaled ? rw.data_ptr<float>() : nullptr, f, np, kp, chunk, scaled);
   return out;
 #else
   (void)f;
