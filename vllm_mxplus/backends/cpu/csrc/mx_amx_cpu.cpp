@@ -253,22 +253,31 @@ MXPLUS_AMX_TARGET void task(const uint16_t* a, const uint16_t* w, const float* r
   }
 }
 
-MXPLUS_AMX_TARGET void gemm(const uint16_t* a, const uint16_t* w, const float* ra,
-                            const float* rw, const Finish& f, int64_t np, int64_t kp,
-                            int64_t chunk, bool scaled) {
+// Tasks [t0, t1) on this thread: the tile configuration, the tasks, the release. (A function
+// of its own with the AMX target: a lambda does not inherit its enclosing function's.)
+MXPLUS_AMX_TARGET void run_tasks(const uint16_t* a, const uint16_t* w, const float* ra,
+                                 const float* rw, const Finish& f, int64_t np, int64_t kp,
+                                 int64_t chunk, bool scaled, int64_t t0, int64_t t1) {
   const int64_t mb = cdiv(f.m, kAmxBlock), nbk = cdiv(f.n, kAmxBlock);  // live blocks only
-  const int64_t rpanels = cdiv(mb, kTaskRowBlocks), cpanels = cdiv(nbk, kTaskColBlocks);
-  at::parallel_for(0, rpanels * cpanels, 1, [&](int64_t t0, int64_t t1) {
-    configure_tiles();
-    std::vector<float> acc(kTaskRowBlocks * kTaskColBlocks * kAmxBlock * kAmxBlock);
-    std::vector<float> buf(2 * kAmxBlock * kAmxBlock);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t rp = t / cpanels, cp = t % cpanels;
-      task(a, w, ra, rw, f, np, kp, chunk, scaled, rp * kTaskRowBlocks,
-           std::min(mb, (rp + 1) * kTaskRowBlocks), cp * kTaskColBlocks,
-           std::min(nbk, (cp + 1) * kTaskColBlocks), acc.data(), buf.data());
-    }
-    _tile_release();
+  const int64_t cpanels = cdiv(nbk, kTaskColBlocks);
+  configure_tiles();
+  std::vector<float> acc(kTaskRowBlocks * kTaskColBlocks * kAmxBlock * kAmxBlock);
+  std::vector<float> buf(2 * kAmxBlock * kAmxBlock);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t rp = t / cpanels, cp = t % cpanels;
+    task(a, w, ra, rw, f, np, kp, chunk, scaled, rp * kTaskRowBlocks,
+         std::min(mb, (rp + 1) * kTaskRowBlocks), cp * kTaskColBlocks,
+         std::min(nbk, (cp + 1) * kTaskColBlocks), acc.data(), buf.data());
+  }
+  _tile_release();
+}
+
+void gemm(const uint16_t* a, const uint16_t* w, const float* ra, const float* rw,
+          const Finish& f, int64_t np, int64_t kp, int64_t chunk, bool scaled) {
+  const int64_t tasks = cdiv(cdiv(f.m, kAmxBlock), kTaskRowBlocks) *
+                        cdiv(cdiv(f.n, kAmxBlock), kTaskColBlocks);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    run_tasks(a, w, ra, rw, f, np, kp, chunk, scaled, t0, t1);
   });
 }
 #endif
