@@ -327,7 +327,7 @@ def test_backend_takes_the_path_for_large_m_on_an_amx_host(ck, monkeypatch, name
     q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
     backend, layer = _backend(name, 24, 320)
     backend.process_weights_after_loading(layer, q)
-    assert backend.exact is not None
+    assert backend.exact is not None and backend.branches_on_m  # dispatched inside the op
     assert list(exact_bf16._VERDICT.values()) == [(True, "")]
     for m in (1, exact_bf16.MIN_M - 1, exact_bf16.MIN_M, 200):
         x = torch.randn(m, 320)
@@ -362,7 +362,7 @@ def test_backend_keeps_the_integer_kernels_without_the_host(ck, monkeypatch, nam
     q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
     backend, layer = _backend(name, 24, 320)
     backend.process_weights_after_loading(layer, q)
-    assert backend.exact is None
+    assert backend.exact is None and not backend.branches_on_m
     x = torch.randn(300, 320)
     want = (
         fake_quantize(x, scheme.activation_format, per_row=scheme.activations_per_row).double()
