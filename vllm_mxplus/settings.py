@@ -91,6 +91,13 @@ CPU_LM_HEAD_FP32 = Setting(
     "the CPU lacks native bf16 (no `avx512_bf16`, no `amx_bf16`), `1` always, `0` never "
     "(vLLM's own GEMM).",
 )
+CPU_EXACT_BF16 = Setting(
+    "VLLM_MXPLUS_CPU_EXACT_BF16",
+    "auto",
+    "The CPU backend's large-M path on AMX-BF16 tiles (calls of 32+ rows; docs/cpu_kernels.md): "
+    "`auto` on CPUs with AMX-BF16, `0` never (the integer kernels serve every M: no bf16 copy "
+    "of the weights, 2 bytes per weight less memory, slower prefill).",
+)
 CACHE = Setting(
     "MXPLUS_CACHE",
     "",
@@ -109,6 +116,7 @@ ALL: tuple[Setting, ...] = (
     FP8_WEIGHT_HELD,
     GPU_PROGRAMS_PER_SM,
     CPU_LM_HEAD_FP32,
+    CPU_EXACT_BF16,
     CACHE,
 )
 
@@ -160,6 +168,14 @@ def cpu_kernels_enabled() -> bool:
 def cpu_lm_head_fp32() -> bool | None:
     """VLLM_MXPLUS_CPU_LM_HEAD_FP32: True / False forced, None for `auto`."""
     return _auto_flag(CPU_LM_HEAD_FP32)
+
+
+def cpu_exact_bf16() -> bool:
+    """VLLM_MXPLUS_CPU_EXACT_BF16: False for `0`, True for `auto` (the host decides)."""
+    raw = CPU_EXACT_BF16.value()
+    if raw not in ("auto", "0"):
+        raise ValueError(f"{CPU_EXACT_BF16.name}={raw!r}: expected `auto` or `0`")
+    return raw == "auto"
 
 
 def cpu_march() -> str:

@@ -494,3 +494,16 @@ def test_a_failing_self_test_keeps_the_integer_kernels(ck, monkeypatch, caplog, 
         backend.process_weights_after_loading(layer, quantize(torch.randn(24, 320), name))
     assert backend.exact is None
     assert "exact-bf16 CPU path is REJECTED" in caplog.text and "outside the bound" in caplog.text
+
+
+def test_the_setting_turns_the_path_off(monkeypatch):
+    """VLLM_MXPLUS_CPU_EXACT_BF16=0: no host takes the path (no bf16 copy of the weights),
+    whatever its CPU; a value other than `auto` / `0` is an error naming the variable."""
+    monkeypatch.setenv("VLLM_MXPLUS_CPU_EXACT_BF16", "0")
+    ok, why = exact_bf16.host_choice(AMX_CPUINFO, AmxResult("granted", ""))
+    assert not ok and "VLLM_MXPLUS_CPU_EXACT_BF16=0" in why
+    monkeypatch.setenv("VLLM_MXPLUS_CPU_EXACT_BF16", "yes")
+    with pytest.raises(ValueError, match="VLLM_MXPLUS_CPU_EXACT_BF16='yes'"):
+        exact_bf16.host_choice(AMX_CPUINFO, AmxResult("granted", ""))
+    monkeypatch.setenv("VLLM_MXPLUS_CPU_EXACT_BF16", "auto")
+    assert exact_bf16.host_choice(AMX_CPUINFO, AmxResult("granted", "")) == (True, "")

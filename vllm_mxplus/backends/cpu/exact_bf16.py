@@ -80,6 +80,7 @@ from typing import Any
 
 import torch
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.base import is_cpu_kernel_pair
 from vllm_mxplus.backends.cpu import kernels as cpu_kernels
 from vllm_mxplus.formats import FormatSpec, QuantizedTensor, Scheme, quantize
@@ -123,7 +124,13 @@ def host_choice(
 ) -> tuple[bool, str]:
     """Whether this host runs the exact-bf16 path for large M: (True, "") with `amx_bf16` in
     cpuinfo and the AMX tile permission held, else (False, why); decided once per process.
-    The arguments replace the real machine (tests; not cached)."""
+    The arguments replace the real machine (tests; not cached). VLLM_MXPLUS_CPU_EXACT_BF16=0
+    turns the path off on every host (read at each call)."""
+    if not settings.cpu_exact_bf16():
+        return False, (
+            f"{settings.CPU_EXACT_BF16.name}=0 (no bf16 copy of the weights: 2 bytes per weight "
+            "less memory, slower prefill)"
+        )
     if cpuinfo is None and permission is None:
         if not _HOST:
             _HOST.extend(_host_choice(read_cpuinfo(), request_amx_permission()))

@@ -165,7 +165,8 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             ("exact-bf16", self.spec.scheme.name),
             logging.INFO,
             "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (%s, "
-            "docs/cpu_kernels.md)",
+            "docs/cpu_kernels.md; a bf16 copy of each weight, 2 bytes per weight more memory: "
+            "VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
             self.spec.scheme,
             self.exact_min_m,
             "on AMX-BF16 tiles" if tiles else f"through oneDNN: {tiles_why}",
