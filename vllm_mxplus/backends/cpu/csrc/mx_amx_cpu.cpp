@@ -344,6 +344,27 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
 #endif
 }
 
+// out[i] = bf16(codes[i] * h) for len elements of one block (h half its scale): the fp32
+// product is exact, so its top 16 bits are its bf16 value; a NaN keeps a quiet NaN.
+inline void expand_block(const int8_t* codes, float h, int64_t len, uint16_t* out) {
+  int64_t i = 0;
+#ifdef MXPLUS_AVX512
+  for (; i + 16 <= len; i += 16) {
+    const __m512 v = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + i)))),
+        _mm512_set1_ps(h));
+    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(bits));
+  }
+#endif
+  for (; i < len; ++i) {
+    const float v = static_cast<float>(codes[i]) * h;
+    out[i] = v != v ? uint16_t(0x7FC0) : uint16_t(f2u(v) >> 16);
+  }
+}
+
 // The activation operand of the path in bf16: a[m, k] = code[m, k] * half[m, k / block]
 // (codes are 2 * value, half the block scale / 2: an exact bf16 product), zero-padded to
 // [Mp, Kp]. The fp32 product is exact, so its top 16 bits are its bf16 value; a NaN keeps a
@@ -373,25 +394,8 @@ at::Tensor amx_act_operand(const at::Tensor& codes, const at::Tensor& half, int6
       const int8_t* cr = c + r * k;
       const float* hr = h + r * hs;
       uint16_t* orow = o + r * kp;
-      int64_t k0 = 0;
-#ifdef MXPLUS_AVX512
-      if (block % 16 == 0) {  // 16 elements share one scale
-        for (; k0 + 16 <= k; k0 += 16) {
-          const __m512 v = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cr + k0)))),
-              _mm512_set1_ps(hr[k0 / block]));
-          const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
-          bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC0));
-          _mm256_storeu_si256((__m256i*)(orow + k0), _mm512_cvtepi32_epi16(bits));
-        }
-      }
-#endif
-      for (; k0 < k; ++k0) {
-        const float v = static_cast<float>(cr[k0]) * hr[k0 / block];
-        uint32_t bits;
-        std::memcpy(&bits, &v, 4);
-        orow[k0] = v != v ? uint16_t(0x7FC0) : uint16_t(bits >> 16);
+      for (int64_t k0 = 0; k0 < k; k0 += block) {
+        expand_block(cr + k0, hr[k0 / block], std::min(block, k - k0), orow + k0);
       }
     }
   });
@@ -445,25 +449,7 @@ std::tuple<at::Tensor, at::Tensor> amx_act_quant(const at::Tensor& x, int64_t bl
         rp[r * chunks + c] = mbs ? 1.0f / mbs_factor(mbytes[c]) : 1.0f;
       }
       for (int64_t b = 0; b < nb; ++b) {
-        const float h = half_scale[scales[b]];
-        const int8_t* cb = codes.data() + b * block;
-        uint16_t* ob = orow + b * block;
-        int64_t i = 0;
-#ifdef MXPLUS_AVX512
-        for (; i + 16 <= block; i += 16) {
-          const __m512 v = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(cb + i)))),
-              _mm512_set1_ps(h));
-          __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
-          bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                       _mm512_set1_epi32(0x7FC0));
-          _mm256_storeu_si256((__m256i*)(ob + i), _mm512_cvtepi32_epi16(bits));
-        }
-#endif
-        for (; i < block; ++i) {
-          const float v = static_cast<float>(cb[i]) * h;
-          ob[i] = v != v ? uint16_t(0x7FC0) : uint16_t(f2u(v) >> 16);
-        }
+        expand_block(codes.data() + b * block, half_scale[scales[b]], block, orow + b * block);
       }
       if (kp > nb * block) std::memset(orow + nb * block, 0, (kp - nb * block) * 2);
     }
