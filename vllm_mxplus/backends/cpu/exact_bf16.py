@@ -37,7 +37,11 @@ one product G = fl(ga * gw) per output and one product P * G, as the integer ker
 (ga * gw) * 1/4). The spec composes NVFP4 as x_hat = fl(fl(v * s) * g) = fl(a * g), v * s
 being exact: the path's a * ga differs from x_hat by the spec's one rounding, counted below.
 
-The GEMM is torch's fp32 matmul with oneDNN's bf16 math mode switched on for the call
+Where the CPU has AMX-BF16 (`amx_tiles`: what serves), the GEMM is the plugin's tile kernel
+(csrc/mx_amx_cpu.cpp: the weight held as `tdpbf16ps` B tiles, each chunk's fp32 sums scaled by
+fl(1/Fa) * fl(1/Fw) in one fused multiply-add: three roundings more than a division, counted
+in `roundings`). Elsewhere (tests, and a host whose C++ side finds no AMX) it is torch's fp32
+matmul with oneDNN's bf16 math mode switched on for the call
 (`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`, restored after): on a CPU with AMX-BF16
 or AVX512-BF16 oneDNN converts the fp32 operands to bf16 (exact here) and accumulates in fp32
 on the tiles; elsewhere the mode does nothing and the same fp32 GEMM runs. Error bound
@@ -51,7 +55,8 @@ with n (`ExactBf16Weight.roundings`) the most roundings on one product's way int
 one for the float64 evaluation of y64 and S:
 
     E8M0 with MBS       n = L + n_c + 3    (L - 1 in the chunk, 1 division, n_c - 1 chunk
-                                            additions, the bias, the spec's x_hat and w_hat)
+                                            additions, the bias, the spec's x_hat and w_hat;
+                                            + 3 on AMX tiles)
     E8M0 without MBS, MX+   n = K + 1      (K - 1 additions, the bias; x_hat, w_hat exact)
     NVFP4               n = K + 5          (K - 1 additions, ga * gw, P * G, the bias, the
                                             spec's x_hat and w_hat)

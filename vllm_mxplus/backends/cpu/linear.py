@@ -16,8 +16,9 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 
 On AMX-BF16 hosts, calls of at least `exact_bf16.MIN_M` rows of every scheme take the
 exact-bf16 path instead (exact_bf16.py: bf16-exact operands, an fp32-accumulated GEMM on the
-AMX tiles, a derived bound, a first-use self-test per scheme); elsewhere the integer kernels
-serve every M.
+AMX tiles by csrc/mx_amx_cpu.cpp, a derived bound, a first-use self-test per scheme; the
+dispatch runs this backend inside its opaque op there: `branches_on_m`); elsewhere, and with
+VLLM_MXPLUS_CPU_EXACT_BF16=0, the integer kernels serve every M.
 """
 
 from __future__ import annotations
