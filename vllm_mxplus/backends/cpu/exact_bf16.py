@@ -250,11 +250,10 @@ class ExactBf16Weight:
         gw = cpu_kernels.nvfp4_row_global_scales(q).clone() if w.has_global_scale else None
         out = cls(operand, fw, gw, n, k, w, a, scheme.macro_block)
         if tiles:
-            chunked = bool(w.mbs or a.mbs)
             out.tiles = amx_pack(_pad_to(operand, TILE_PAD, out.kp_tiles))
-            if chunked:
-                ones = torch.ones(n, chunks) if fw is None else fw
-                out.rw = _pad_to(1.0 / ones, TILE_PAD, chunks, value=1.0).t().contiguous()
+            if out.chunked:
+                f = fw if fw is not None else torch.ones(n, chunks)
+                out.rw = _pad_to(1.0 / f, TILE_PAD, chunks, value=1.0).t().contiguous()
             out.operand = None
         return out
 
@@ -317,7 +316,7 @@ def act_operand(
     ga = None
     if activation.has_global_scale:
         codes, sbytes, ga = cpu_kernels.nvfp4_act_quant(x2d)
-        half = sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5  # NaN: the NaN scale
+        half = _nvfp4_half(sbytes)
         mbs = None
     else:
         codes, e, mbs = cpu_kernels.act_quant(x2d, activation, macro_block)
@@ -332,6 +331,12 @@ def act_operand(
     a = a[:, :kp] if a.shape[1] >= kp else torch.nn.functional.pad(a, (0, kp - a.shape[1]))
     f = _mbs_factors(mbs, chunks) if mbs is not None and activation.mbs else None
     return a, f, ga
+
+
+def _nvfp4_half(sbytes: torch.Tensor) -> torch.Tensor:
+    """Half of each NVFP4 E4M3 block scale (the codes are 2 * value), fp32, exact (>= 2^-10);
+    NaN for the NaN scale."""
+    return sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5
 
 
 def global_product(ga: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
@@ -429,22 +434,15 @@ def _tiled(
     ga = None
     if act.has_global_scale:  # NVFP4 (never chunked): codes and E4M3 bytes, then expanded
         codes, sbytes, ga = cpu_kernels.nvfp4_act_quant(x2d)
-        half = sbytes.view(torch.float8_e4m3fn).to(torch.float32) * 0.5
-        a = ops.cpu_amx_act_operand(codes, half, act.block_size, mp, kp)
-    else:  # quantized and expanded in one pass, with fl(1/Fa) per row and chunk
+        a = ops.cpu_amx_act_operand(codes, _nvfp4_half(sbytes), act.block_size, mp, kp)
+        ra = _EMPTY
+        ga = ga.reshape(-1).contiguous()
+    else:  # quantized and expanded in one pass, with fl(1/Fa) per chunk (none: [Mp, 0])
         chunks = w.chunks if w.chunked else 0
         a, ra = cpu_kernels.amx_act_quant(x2d, act, w.macro_block, mp, kp, chunks)
-    rw, chunk = _EMPTY, kp
-    if w.chunked:
-        assert w.rw is not None
-        rw, chunk = w.rw, w.chunk
-    else:
-        ra = _EMPTY
-    gw = None
-    if ga is not None and w.gw is not None:
-        ga, gw = ga.reshape(-1).contiguous(), w.gw
-    else:
-        ga = None
+    rw = w.rw if w.rw is not None else _EMPTY
+    chunk = w.chunk if w.chunked else kp
+    gw = w.gw if ga is not None else None
     b = None if bias is None else bias.to(torch.float32).contiguous()
     return ops.cpu_amx_gemm(a, w.tiles, ra, rw, chunk, m, w.n, ga, gw, b, out_dtype)
 
