@@ -145,6 +145,16 @@ def test_gemm_refuses_bad_layouts(ck):
         gemm(a, w, e, e, 64, dtype=torch.float64)
 
 
+def _nan_overflowing_blocks(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """rows [N, K] with every block that holds a non-finite value all NaN, its zero padding
+    past K included (cpu_pack_weight marks a NaN scale or an overflowing value with scale 255:
+    every product with it is NaN either way)."""
+    n, k = rows.shape
+    v = torch.nn.functional.pad(rows, (0, -k % block)).view(n, -1, block)
+    bad = ~torch.isfinite(v).all(-1, keepdim=True)
+    return torch.where(bad, torch.full_like(v, float("nan")), v).view(n, -1)[:, :k]
+
+
 @amx
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=lambda p: p[0])
 @pytest.mark.parametrize("m", [1, 33, 130], ids=lambda m: f"M{m}")
@@ -152,7 +162,8 @@ def test_gemm_refuses_bad_layouts(ck):
 def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
     """Every scheme on tiles: special activation and weight rows (_data), N = 45 (padded to
     64), M across the 32-row padding, a bias; the row view of the tiled weight is the torch
-    path's operand."""
+    path's operand (E8M0: decoded from the packed codes, a block with an overflowing value NaN
+    as in the integer kernels)."""
     wf, af = pair
     scheme = _scheme(wf, af)
     wsrc, xs = _data(wf, 45, k, m, seed=m + k)
@@ -161,10 +172,11 @@ def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
     bias = torch.randn(45, generator=torch.Generator().manual_seed(m * 7 + k))
     w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
     plain = exact_bf16.ExactBf16Weight.from_quantized(q, scheme)
-    assert w.operand is None
-    torch.testing.assert_close(
-        w.weight_rows(0, 45)[0], plain.weight_rows(0, 45)[0], rtol=0, atol=0, equal_nan=True
-    )
+    assert w.operand is None and (w.packed is not None) == w.e8m0
+    want = plain.weight_rows(0, 45)[0]
+    if w.e8m0:
+        want = _nan_overflowing_blocks(want, q.spec.block_size)
+    torch.testing.assert_close(w.weight_rows(0, 45)[0], want, rtol=0, atol=0, equal_nan=True)
     assert w.roundings == plain.roundings + (3 if w.chunked else 0)
     y = exact_bf16.linear(x, w, bias, torch.float32)
     checked = _check(y, x, q, scheme, bias, w)
@@ -220,12 +232,19 @@ def test_self_test_on_tiles_rejects_a_wrong_path(ck, monkeypatch, name, wrong):
 @pytest.mark.parametrize("name", ["mxfp4-mbs", "nvfp4", "mxplus"])
 def test_backend_serves_large_m_on_tiles(ck, name):
     """On this AMX host cpu-packed lays the exact-bf16 weight out in tiles and serves M >= MIN_M
-    from them, within the bound."""
+    from them, within the bound: an E8M0 weight from the layer's own packed codes and scales
+    (no bf16 copy: the very tensors of the integer kernels), NVFP4 and MX+ from bf16 tiles."""
     scheme = get_scheme(name)
     q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
     backend, layer = _backend(name, 24, 320)
     backend.process_weights_after_loading(layer, q)
-    assert backend.exact is not None and backend.exact.tiles is not None
+    w = backend.exact
+    assert w is not None and w.on_tiles
+    if w.e8m0:
+        assert w.tiles is None and w.packed is not None
+        assert w.packed[0] is layer.mxplus_cpu_codes and w.packed[1] is layer.mxplus_cpu_scales
+    else:
+        assert w.tiles is not None and w.packed is None
     x = torch.randn(exact_bf16.MIN_M, 320)
     _check(backend.apply(layer, x, None), x, q, scheme, None, backend.exact)
 
@@ -237,3 +256,106 @@ def test_no_tiles_without_amx(ck, monkeypatch):
     monkeypatch.setattr(torch.ops.vllm_mxplus, "cpu_amx_available", lambda: 0, raising=False)
     ok, why = exact_bf16.amx_tiles(get_scheme("mxfp4-mbs"))
     assert not ok and "no AMX-BF16 tiles" in why
+
+
+def _packed_weight(wf: str, n: int, k: int, seed: int):
+    """(q, codes, scales, the torch path's operand) of an E8M0 weight with special rows, and
+    block scales at every edge of the vector decoder's range (E8M0 codes 0, 1, 2, 252, 253,
+    254 and NaN)."""
+    scheme = get_scheme(wf)
+    q = quantize(_data(wf, n, k, 1, seed=seed)[0], scheme.weight_format)
+    edges = torch.tensor([0, 1, 2, 252, 253, 254, 255], dtype=torch.uint8)
+    rows = torch.arange(min(n, len(edges)))
+    q.scales[rows, -1] = edges[rows]
+    codes, scales, _ = exact_bf16.cpu_kernels.pack_weight(
+        q.codes, q.scales, None, k, q.spec, scheme.macro_block
+    )
+    plain = exact_bf16.ExactBf16Weight.from_quantized(q, scheme)
+    return q, codes, scales, plain
+
+
+@pytest.mark.parametrize("wf", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
+@pytest.mark.parametrize(("n", "k"), [(45, 33), (16, 577), (70, 256)])
+def test_scalar_decoder_is_the_operand_in_tile_layout(ck, wf, n, k):
+    """cpu_amx_unpack's reference decoder (every host): the packed codes and scales give the
+    torch path's bf16 operand in amx_pack's layout, bit for bit (zero padding to 32 columns
+    and steps; a block the packer marks NaN all NaN)."""
+    q, codes, scales, plain = _packed_weight(wf, n, k, seed=n + k)
+    kp = -(-plain.operand.shape[1] // 32) * 32  # K, or the macro chunks, padded to 32
+    got = torch.ops.vllm_mxplus.cpu_amx_unpack(codes, scales, q.spec.block_size, k, n, kp, True)
+    rows = exact_bf16._pad_to(plain.operand.float(), 32, kp)
+    rows[:n] = _nan_overflowing_blocks(rows[:n], q.spec.block_size)
+    want = exact_bf16.amx_pack(rows.to(torch.bfloat16))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@amx
+@pytest.mark.parametrize("wf", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
+@pytest.mark.parametrize(("n", "k"), [(45, 33), (16, 577), (70, 256)])
+def test_vector_decoder_is_the_scalar_one(ck, wf, n, k):
+    """The decoder the packed GEMM runs (bit operations on 32 values at a time, the scalar one
+    for blocks whose scale leaves its range) = the reference decoder, bits included (NaN
+    payloads, -0, subnormal and infinite values)."""
+    q, codes, scales, _ = _packed_weight(wf, n, k, seed=3 * n + k)
+    kp = -(-k // 32) * 32 + 32  # a zero step past the packed groups
+    args = (codes, scales, q.spec.block_size, k, n, kp)
+    ops = torch.ops.vllm_mxplus
+    assert torch.equal(
+        ops.cpu_amx_unpack(*args, False).view(torch.int16),
+        ops.cpu_amx_unpack(*args, True).view(torch.int16),
+    )
+
+
+@amx
+@pytest.mark.parametrize("name", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-mbs-s", "mxfp4-16-oas"])
+@pytest.mark.parametrize("m", [1, 33, 300], ids=lambda m: f"M{m}")
+def test_packed_gemm_is_the_held_tiles_gemm(ck, name, m):
+    """cpu_amx_packed_gemm (B tiles decoded per task) = cpu_amx_gemm on the same tiles held in
+    bf16, bit for bit (NaN where NaN), over several tasks (N = 300: 3 column panels) and K
+    spans (K = 1100)."""
+    scheme = get_scheme(name)
+    n, k = 300, 1100
+    q, codes, scales, plain = _packed_weight(name, n, k, seed=m)
+    packed = exact_bf16.ExactBf16Weight.from_quantized(
+        q, scheme, tiles=True, packed=(codes, scales)
+    )
+    held = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    held.tiles = exact_bf16.amx_pack(
+        exact_bf16._pad_to(held._untiled(0, n).float(), 32, held.kp_tiles).to(torch.bfloat16)
+    )
+    held.packed = None
+    x = _data(name, 8, k, m, seed=m)[1].to(torch.bfloat16)
+    bias = torch.randn(n)
+    y = exact_bf16.linear(x, packed, bias, torch.float32)
+    want = exact_bf16.linear(x, held, bias, torch.float32)
+    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+    finite = torch.isfinite(want)
+    assert finite.float().mean() > 0.3
+    assert torch.equal(y[finite].view(torch.int32), want[finite].view(torch.int32))  # -0 too
+
+
+@amx
+def test_packed_gemm_refuses_bad_layouts(ck):
+    ops = torch.ops.vllm_mxplus
+    q, codes, scales, _ = _packed_weight("mxfp4-mbs", 32, 64, seed=1)
+    a, e = torch.zeros(32, 64, dtype=torch.bfloat16), torch.empty(0)
+
+    def gemm(codes=codes, scales=scales, block=16, k=64, a=a):
+        return ops.cpu_amx_packed_gemm(
+            a, codes, scales, block, k, e, e, 64, 32, 32, None, torch.float32
+        )
+
+    gemm()  # the good call runs
+    with pytest.raises(RuntimeError, match="packed weight codes must be"):
+        gemm(codes=codes[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match="packed weight scales must be"):
+        gemm(scales=scales[:1].contiguous())
+    with pytest.raises(RuntimeError, match="block must be 16 or 32"):
+        gemm(block=8)
+    with pytest.raises(RuntimeError, match="shorter than the weight"):
+        gemm(
+            k=65,
+            codes=torch.zeros(2, 640, dtype=torch.uint8),
+            scales=torch.zeros(2, 80, dtype=torch.uint8),
+        )

@@ -430,6 +430,14 @@ def _inject(monkeypatch, wrong: str) -> None:
             return rows
 
         monkeypatch.setattr(exact_bf16, "_decode_rows", off_by_one)
+        real_pack = exact_bf16.cpu_kernels.pack_weight
+
+        def packed_off_by_one(codes, scales, mbs, k, fmt, macro):  # AMX tiles of E8M0 weights
+            c, sc, m = real_pack(codes, scales, mbs, k, fmt, macro)
+            sc[0, ::16] += (sc[0, ::16] < 254).to(torch.uint8)  # tile 0, row 0, every block
+            return c, sc, m
+
+        monkeypatch.setattr(exact_bf16.cpu_kernels, "pack_weight", packed_off_by_one)
     elif wrong == "global product in bf16":  # G = fl(ga * gw) rounded once more, to bf16
         # (torch's GEMM path: on AMX tiles the product is formed inside cpu_amx_gemm)
         monkeypatch.setattr(exact_bf16, "amx_tiles", lambda scheme: (False, "a test"))
@@ -440,8 +448,8 @@ def _inject(monkeypatch, wrong: str) -> None:
     elif wrong == "weight global scale of another weight":  # gw * 1.01 (a fused neighbour's)
         real_from = exact_bf16.ExactBf16Weight.from_quantized
 
-        def other_gw(q, scheme, tiles=False):
-            w = real_from(q, scheme, tiles=tiles)
+        def other_gw(q, scheme, tiles=False, packed=None):
+            w = real_from(q, scheme, tiles=tiles, packed=packed)
             w.gw = w.gw * 1.01
             return w
 

@@ -210,7 +210,7 @@ class ExactBf16Weight:
     the MBS factors Fw fp32 [N, chunks] or None; the NVFP4 global scales gw fp32 [N] or None;
     with what the path needs to run it."""
 
-    operand: torch.Tensor | None  # None where `tiles` holds it
+    operand: torch.Tensor | None  # None where `tiles` or `packed` holds it
     fw: torch.Tensor | None
     gw: torch.Tensor | None
     n: int
@@ -223,15 +223,25 @@ class ExactBf16Weight:
     # the GEMM runs on AMX tiles (csrc/mx_amx_cpu.cpp); None for torch's GEMM
     tiles: torch.Tensor | None = None
     rw: torch.Tensor | None = None
+    # E8M0 weights on AMX tiles: no bf16 copy at all; the GEMM decodes the same B tiles per
+    # task from the integer kernels' packed codes and scales (`cpu_pack_weight`, ~0.57 byte
+    # per weight, shared with the integer kernels): (codes, scales), with `tiles` None
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_quantized(
-        cls, q: QuantizedTensor, scheme: Scheme, tiles: bool = False
+        cls,
+        q: QuantizedTensor,
+        scheme: Scheme,
+        tiles: bool = False,
+        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ExactBf16Weight:
         """The operand of weight q for the scheme's activations (and macro block): the pair
         of q's own format and the scheme's activation format must be one the path `takes`.
-        tiles: hold it in AMX tile layout for `cpu_amx_gemm` (`amx_tiles` says where it runs)
-        instead of torch's row-major one (same bytes: 2 per weight)."""
+        tiles: run it on AMX tiles (`amx_tiles` says where it runs): an E8M0 weight from its
+        packed FP4 tiles (`packed`, the integer kernels' codes and scales of q: the caller's,
+        shared; packed here when None), NVFP4 and MX+ from a bf16 copy in tile layout (2
+        bytes per weight); else torch's row-major bf16 operand."""
         w, a = q.spec, scheme.activation
         ok, why = takes(dataclasses.replace(scheme, weight_format=w.name))
         if not ok:
@@ -242,20 +252,39 @@ class ExactBf16Weight:
         n, k = q.codes.shape[0], q.shape[-1]
         chunk = scheme.macro_block if (w.mbs or a.mbs) else k
         chunks = ceil_div(k, chunk)
-        operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
-        for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
-            n1 = min(n, n0 + ROW_TILE)
-            operand[n0:n1, :k] = _decode_rows(q, n0, n1, scheme.macro_block)
         fw = _mbs_factors(q._field("mbs"), chunks) if w.mbs else None
         gw = cpu_kernels.nvfp4_row_global_scales(q).clone() if w.has_global_scale else None
-        out = cls(operand, fw, gw, n, k, w, a, scheme.macro_block)
-        if tiles:
-            out.tiles = amx_pack(_pad_to(operand, TILE_PAD, out.kp_tiles))
-            if out.chunked:
-                f = fw if fw is not None else torch.ones(n, chunks)
-                out.rw = _pad_to(1.0 / f, TILE_PAD, chunks, value=1.0).t().contiguous()
-            out.operand = None
+        out = cls(None, fw, gw, n, k, w, a, scheme.macro_block)
+        if tiles and out.e8m0:
+            if packed is None:
+                codes, scales, _ = cpu_kernels.pack_weight(
+                    q.codes, q.scales, None, k, w, scheme.macro_block
+                )
+                packed = (codes, scales)
+            out.packed = packed
+        else:
+            operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
+            for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
+                n1 = min(n, n0 + ROW_TILE)
+                operand[n0:n1, :k] = _decode_rows(q, n0, n1, scheme.macro_block)
+            if tiles:
+                out.tiles = amx_pack(_pad_to(operand, TILE_PAD, out.kp_tiles))
+            else:
+                out.operand = operand
+        if tiles and out.chunked:
+            f = fw if fw is not None else torch.ones(n, chunks)
+            out.rw = _pad_to(1.0 / f, TILE_PAD, chunks, value=1.0).t().contiguous()
         return out
+
+    @property
+    def e8m0(self) -> bool:
+        """An E8M0 weight (no NVFP4 global scale, no MX+ block maxima)."""
+        return not (self.weight.has_global_scale or self.weight.block_max_mantissa)
+
+    @property
+    def on_tiles(self) -> bool:
+        """The GEMM runs on AMX tiles (`cpu_amx_gemm` / `cpu_amx_packed_gemm`)."""
+        return self.tiles is not None or self.packed is not None
 
     @property
     def kp_tiles(self) -> int:
@@ -282,7 +311,7 @@ class ExactBf16Weight:
         product's way into y, plus one for the float64 evaluation of y64 and S."""
         in_chunk = min(self.chunk, self.k) - 1  # the GEMM's additions, any order
         after = self.chunks if self.chunked else 0  # a division per chunk, n_c - 1 additions
-        if self.chunked and self.tiles is not None:
+        if self.chunked and self.on_tiles:
             after += 3  # fl(1/Fa), fl(1/Fw), their product; a fused multiply-add per chunk
         spec = 0  # the spec's own roundings of x_hat and w_hat (none: E2M1 * 2^e, MX+)
         if self.chunked:
@@ -298,8 +327,13 @@ class ExactBf16Weight:
         return rows.float(), None if self.fw is None else self.fw[n0:n1]
 
     def _untiled(self, n0: int, n1: int) -> torch.Tensor:
-        assert self.tiles is not None
         t = self.tiles
+        if t is None:  # the packed tiles, by the scalar reference decoder
+            assert self.packed is not None
+            codes, scales = self.packed
+            t = torch.ops.vllm_mxplus.cpu_amx_unpack(
+                codes, scales, self.weight.block_size, self.k, self.n, self.kp_tiles, True
+            )
         full = t.view(t.shape[0], t.shape[1], 16, 16, 2).permute(0, 3, 1, 2, 4)
         return full.reshape(t.shape[0] * 16, -1)[n0:n1, : self.chunks * self.chunk]
 
@@ -360,7 +394,7 @@ def linear(
     out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     if m == 0:
         return out.to(out_dtype).reshape(*lead, w.n)
-    if w.tiles is not None:
+    if w.on_tiles:
         return _tiled(x2d, w, bias, out_dtype).reshape(*lead, w.n)
     a, fa, ga = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
     with bf16_math() if amx else _nothing():
@@ -426,8 +460,8 @@ def _tiled(
     """Q_act(x) @ W^T (+ bias) [M, N] of out_dtype on AMX tiles: the activation operand
     expanded to bf16 by `cpu_amx_act_operand` (codes times half their block scale, exact), the
     chunks' partial sums scaled by fl(1/Fa) * fl(1/Fw), then NVFP4's P * fl(ga * gw), the bias
-    and the cast, all in `cpu_amx_gemm` (the same operations in the same order as `linear`)."""
-    assert w.tiles is not None
+    and the cast, all in `cpu_amx_gemm` (the same operations in the same order as `linear`;
+    `cpu_amx_packed_gemm` for a packed E8M0 weight, its B tiles decoded per task)."""
     ops = torch.ops.vllm_mxplus
     m, act = x2d.shape[0], w.activation
     mp, kp = ceil_div(m, TILE_PAD) * TILE_PAD, w.kp_tiles
@@ -444,6 +478,12 @@ def _tiled(
     chunk = w.chunk if w.chunked else kp
     gw = w.gw if ga is not None else None
     b = None if bias is None else bias.to(torch.float32).contiguous()
+    if w.packed is not None:
+        codes, scales = w.packed
+        block = w.weight.block_size
+        return ops.cpu_amx_packed_gemm(
+            a, codes, scales, block, w.k, ra, rw, chunk, m, w.n, b, out_dtype
+        )
     return ops.cpu_amx_gemm(a, w.tiles, ra, rw, chunk, m, w.n, ga, gw, b, out_dtype)
 
 

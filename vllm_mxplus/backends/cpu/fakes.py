@@ -90,6 +90,14 @@ def register_fakes(tile_n: int) -> None:
     def _(a, w, ra, rw, chunk, m, n, ga, gw, bias, out_dtype):
         return a.new_empty((m, n), dtype=out_dtype)
 
+    @torch.library.register_fake(op_name("cpu_amx_packed_gemm"))
+    def _(a, codes, scales, block, k, ra, rw, chunk, m, n, bias, out_dtype):
+        return a.new_empty((m, n), dtype=out_dtype)
+
+    @torch.library.register_fake(op_name("cpu_amx_unpack"))
+    def _(codes, scales, block, k, n, kp, scalar):
+        return codes.new_empty((-(-n // 32) * 2, kp // 32, 16, 32), dtype=torch.bfloat16)
+
     @torch.library.register_fake(op_name("cpu_amx_act_operand"))
     def _(codes, half, block, mp, kp):
         return codes.new_empty((mp, kp), dtype=torch.bfloat16)

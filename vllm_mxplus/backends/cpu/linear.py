@@ -139,13 +139,20 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             )
         packed, self._args = pack_for_kernels(qweight, spec.scheme.activation, spec.macro_block)
         set_packed_buffers(layer, ATTRS, packed)
-        self.exact = self._exact_weight(qweight)
+        # an E8M0 weight's tiles decode from the layer's own packed codes and scales
+        shared = None
+        if self._args[0] == E8M0_GEMM:
+            shared = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales)
+        self.exact = self._exact_weight(qweight, shared)
 
-    def _exact_weight(self, qweight: QuantizedTensor) -> exact_bf16.ExactBf16Weight | None:
+    def _exact_weight(
+        self, qweight: QuantizedTensor, packed: tuple[Tensor, Tensor] | None
+    ) -> exact_bf16.ExactBf16Weight | None:
         """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
         tile permission, a scheme whose operands the path builds: E8M0, NVFP4 and MX+ alike,
-        the path's first-use self-test for the scheme passed), else None. It keeps its bf16
-        operand beside the tiles (2 more bytes per weight)."""
+        the path's first-use self-test for the scheme passed), else None. On AMX tiles an
+        E8M0 weight is read from `packed` (no more memory); NVFP4 and MX+, and torch's GEMM
+        elsewhere, keep a bf16 operand (2 more bytes per weight)."""
         ok, why = exact_bf16.takes(self.spec.scheme)
         if ok:
             ok, why = exact_bf16.host_choice()
@@ -161,18 +168,23 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
                 why,
             )
             return None
+        w = exact_bf16.ExactBf16Weight.from_quantized(
+            qweight, self.spec.scheme, tiles=tiles, packed=packed
+        )
         log_once(
             logger,
             ("exact-bf16", self.spec.scheme.name),
             logging.INFO,
             "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (%s, "
-            "docs/cpu_kernels.md; a bf16 copy of each weight, 2 bytes per weight more memory: "
-            "VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
+            "docs/cpu_kernels.md; %s: VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
             self.spec.scheme,
             self.exact_min_m,
             "on AMX-BF16 tiles" if tiles else f"through oneDNN: {tiles_why}",
+            "weights decoded from their packed codes per call, no more memory"
+            if w.packed is not None
+            else "a bf16 copy of each weight, 2 bytes per weight more memory",
         )
-        return exact_bf16.ExactBf16Weight.from_quantized(qweight, self.spec.scheme, tiles=tiles)
+        return w
 
     @property
     def branches_on_m(self) -> bool:

@@ -47,7 +47,7 @@
 #include <unistd.h>
 #define MXPLUS_AMX 1
 #define MXPLUS_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
 #endif
 
 namespace mxplus_cpu {
@@ -59,6 +59,11 @@ constexpr int64_t kAmxBlock = 32;  // output rows / columns per 2 x 2 tile block
 constexpr int64_t kTaskRowBlocks = 8;  // row blocks per task (256 rows)
 constexpr int64_t kTaskColBlocks = 4;  // column blocks per task (128 columns)
 constexpr int64_t kSpanK = 512;        // K per pass over a task's blocks
+
+// K per pass: kSpanK, or with factors the whole chunks that fit it (at least one).
+inline int64_t span_k(int64_t chunk, bool scaled) {
+  return scaled ? std::max(chunk, kSpanK / chunk * chunk) : kSpanK;
+}
 
 #ifdef MXPLUS_AMX
 struct alignas(64) TileConfig {
@@ -108,17 +113,20 @@ MXPLUS_AMX_TARGET void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// The tile products of one 32 x 32 block over K [k0, k1) into tiles 0-3 (zeroed first).
+// The tile products of one 32 x 32 block over K [k0, k0 + 32 steps) into tiles 0-3 (zeroed
+// first); w0 / w1 point at the two column tiles' B tiles of step k0 / 32, one step every
+// kAmxRows * kAmxStepK elements (both weight layouts).
 MXPLUS_AMX_TARGET void products(const uint16_t* a, int64_t kp, const uint16_t* w0,
-                                const uint16_t* w1, int64_t k0, int64_t k1) {
+                                const uint16_t* w1, int64_t k0, int64_t steps) {
   const int64_t lda = kp * 2;
-  const uint16_t* a1 = a + kAmxRows * kp;
+  const uint16_t* a0 = a + k0;
+  const uint16_t* a1 = a0 + kAmxRows * kp;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t s = k0 / kAmxStepK; s < k1 / kAmxStepK; ++s) {
-    _tile_loadd(4, a + s * kAmxStepK, lda);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a0 + s * kAmxStepK, lda);
     _tile_loadd(5, a1 + s * kAmxStepK, lda);
     _tile_loadd(6, w0 + s * kAmxRows * kAmxStepK, 64);
     _tile_loadd(7, w1 + s * kAmxRows * kAmxStepK, 64);
@@ -203,6 +211,152 @@ MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int
   }
 }
 
+#endif
+
+// ---- the weight's B tiles: held in bf16 (amx_pack), or decoded per task from the integer
+// kernels' packed FP4 tiles (cpu_pack_weight: 0.5 byte per code and one E8M0 byte per block
+// and row; E8M0 formats), so that no bf16 copy of the weight exists.
+constexpr int64_t kTileElems = kAmxRows * kAmxStepK;  // one B tile: 16 rows x 32 bf16
+
+// The bf16 B tiles of amx_pack: [Np / 16, Kp / 32, 16, 32].
+struct HeldTiles {
+  const uint16_t* w;
+  int64_t steps;  // Kp / 32
+  void prepare(int64_t, int64_t, int64_t, int64_t) {}
+  const uint16_t* tile(int64_t t, int64_t s) const { return w + (t * steps + s) * kTileElems; }
+};
+
+// The packed tiles (mx_tiles.h WeightTiles, E8M0): codes [nt, groups, 128] (group g, byte
+// 64 q + 4 i + j of tile row i: code k = 16 g + 8 q + j in the low nibble, k + 4 in the high
+// one), scales [nt, nb, 16]; code 255 a NaN block (the packer's mark of a NaN scale or an
+// overflowing block).
+struct PackedCodes {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t nt, groups, nb, gpb;  // gpb: 16-element groups per block (1 or 2)
+};
+
+// bf16 bits of the E2M1 values of codes 0..15, twice (vpermw reads five index bits).
+alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// The E8M0 codes for which v * 2^(e - 127) of every nonzero E2M1 v (0.5 .. 6: bf16 exponent
+// fields 126 .. 129) is the normal bf16 whose exponent field is v's plus e - 127: one integer
+// add of exponent bits. Other codes (subnormal or overflowing results, NaN) take the scalar
+// decoder.
+constexpr int kFastScaleLo = 2, kFastScaleHi = 252;
+
+// Rows 8 h .. 8 h + 7 of a B tile (h: which 16-K half of the step) from one packed group of
+// one tile: out[r][2 c + p] = bf16(v(code(c, 2 r + p)) * 2^(e_c - 127)), the exact value.
+// The scalar form, for any codes (NaN for code 255, subnormal and infinite values exact).
+inline void decode_group_scalar(const uint8_t* g, const uint8_t* e, uint16_t* out) {
+  for (int r = 0; r < 8; ++r) {
+    for (int c = 0; c < kAmxRows; ++c) {
+      for (int p = 0; p < 2; ++p) {
+        const int kk = 2 * r + p, q = kk / 4, j = kk % 4;
+        const uint8_t byte = g[64 * (q / 2) + 4 * c + j];
+        const int code = (q % 2) ? (byte >> 4) : (byte & 0xF);
+        const float v = kE2M1[code] * e8m0_value(e[c]);
+        out[r * kAmxStepK + 2 * c + p] = v != v ? uint16_t(0x7FC0) : uint16_t(f2u(v) >> 16);
+      }
+    }
+  }
+}
+
+// The scalar decoder of a whole B tile (step s of column tile t; zeros past the packed tiles
+// or groups): what the vector decoder must equal, bit for bit (cpu_amx_unpack).
+inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t grp = 2 * s + h;
+    uint16_t* rows = out + h * 8 * kAmxStepK;
+    if (t >= pc.nt || grp >= pc.groups) {
+      std::memset(rows, 0, 8 * kAmxStepK * sizeof(uint16_t));
+      continue;
+    }
+    decode_group_scalar(pc.codes + (t * pc.groups + grp) * 128,
+                        pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows, rows);
+  }
+}
+
+#ifdef MXPLUS_AMX
+// The same rows where every e_c is in [kFastScaleLo, kFastScaleHi]: per quarter q of the group
+// (codes 4 q .. 4 q + 3 of each column) one byte permutation puts rows 2 q and 2 q + 1 in
+// order, widened to 16 bits, looked up as bf16 and scaled by adding (e_c - 127) << 7 to every
+// nonzero value's bits.
+MXPLUS_AMX_TARGET void decode_group_fast(const uint8_t* g, __m512i shift, uint16_t* out) {
+  static const __m512i order = [] {  // output byte o: row 2q + o / 32, column (o % 32) / 2
+    alignas(64) uint8_t idx[64];
+    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * ((o % 32) / 2) + 2 * (o / 32) + o % 2);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i lut = _mm512_load_si512(kE2M1Bf16);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
+  const __m512i p0 = _mm512_loadu_si512(g), p1 = _mm512_loadu_si512(g + 64);
+  const __m512i nib[4] = {_mm512_and_si512(p0, lo4),
+                          _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4),
+                          _mm512_and_si512(p1, lo4),
+                          _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4)};
+  for (int q = 0; q < 4; ++q) {
+    const __m512i b = _mm512_permutexvar_epi8(order, nib[q]);
+    const __m512i w[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(b)),
+                          _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(b, 1))};
+    for (int h = 0; h < 2; ++h) {
+      __m512i v = _mm512_permutexvar_epi16(w[h], lut);
+      v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(w[h], seven), v, shift);
+      _mm512_storeu_si512(out + (2 * q + h) * kAmxStepK, v);
+    }
+  }
+}
+
+// decode_tile_scalar's tile, groups whose scales allow it by decode_group_fast.
+MXPLUS_AMX_TARGET void decode_tile(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t grp = 2 * s + h;
+    uint16_t* rows = out + h * 8 * kAmxStepK;
+    if (t >= pc.nt || grp >= pc.groups) {
+      std::memset(rows, 0, 8 * kAmxStepK * sizeof(uint16_t));
+      continue;
+    }
+    const uint8_t* g = pc.codes + (t * pc.groups + grp) * 128;
+    const uint8_t* e = pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows;
+    const __m128i eb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
+    const bool fast = _mm_cmplt_epu8_mask(eb, _mm_set1_epi8(kFastScaleLo)) == 0 &&
+                      _mm_cmpgt_epu8_mask(eb, _mm_set1_epi8(char(kFastScaleHi))) == 0;
+    if (!fast) {
+      decode_group_scalar(g, e, rows);
+      continue;
+    }
+    const __m512i d = _mm512_and_si512(
+        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(eb), _mm512_set1_epi32(kE8m0Bias)),
+                          7),
+        _mm512_set1_epi32(0xFFFF));
+    decode_group_fast(g, _mm512_or_si512(d, _mm512_slli_epi32(d, 16)), rows);
+  }
+}
+
+// The B tiles a task's pass over K [k0, k1) reads, decoded once into a buffer of the thread
+// (column tiles 2 j0 .. 2 j1, steps k0 / 32 .. k1 / 32: at most 8 x 16 tiles, 128 KiB) and
+// read by every row block of the task.
+struct DecodedTiles {
+  PackedCodes pc;
+  uint16_t* buf;
+  int64_t t0 = 0, s0 = 0, steps = 0;
+  void prepare(int64_t k0, int64_t k1, int64_t j0, int64_t j1) {
+    t0 = 2 * j0;
+    s0 = k0 / kAmxStepK;
+    steps = (k1 - k0) / kAmxStepK;
+    for (int64_t t = t0; t < 2 * j1; ++t)
+      for (int64_t s = 0; s < steps; ++s)
+        decode_tile(pc, t, s0 + s, buf + ((t - t0) * steps + s) * kTileElems);
+  }
+  const uint16_t* tile(int64_t t, int64_t s) const {
+    return buf + ((t - t0) * steps + (s - s0)) * kTileElems;
+  }
+};
+
 // One task: row blocks [i0, i1) x column blocks [j0, j1) (at most 8 x 4: 256 x 128 outputs,
 // their fp32 accumulators 128 KiB), K in spans of kSpanK so that the span's activation rows
 // and weight columns stay in L2 while every block of the task passes. Each item (a block and
@@ -210,13 +364,12 @@ MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int
 // sums are accumulated from the other buffer (the vector work overlapping the tile unit's),
 // then its own are stored. Without factors the spans' sums are added in fp32: another
 // order of the same additions (at most K - 1 on a product's way).
-MXPLUS_AMX_TARGET void task(const uint16_t* a, const uint16_t* w, const float* ra,
-                            const float* rw, const Finish& f, int64_t np, int64_t kp,
-                            int64_t chunk, bool scaled, int64_t i0, int64_t i1, int64_t j0,
-                            int64_t j1, float* acc, float* buf) {
-  const int64_t chunks = kp / chunk, nj = j1 - j0;
-  const int64_t wstride = (kp / kAmxStepK) * kAmxRows * kAmxStepK;  // one 16-column tile row
-  const int64_t span = scaled ? std::max(chunk, kSpanK / chunk * chunk) : kSpanK;
+template <class Src>
+MXPLUS_AMX_TARGET void task(const uint16_t* a, Src& w, const float* ra, const float* rw,
+                            const Finish& f, int64_t np, int64_t kp, int64_t chunk, bool scaled,
+                            int64_t i0, int64_t i1, int64_t j0, int64_t j1, float* acc,
+                            float* buf) {
+  const int64_t chunks = kp / chunk, nj = j1 - j0, span = span_k(chunk, scaled);
   std::memset(acc, 0, (i1 - i0) * nj * kAmxBlock * kAmxBlock * sizeof(float));
   struct Item {
     float* acc;
@@ -226,11 +379,13 @@ MXPLUS_AMX_TARGET void task(const uint16_t* a, const uint16_t* w, const float* r
   int parity = 0;
   for (int64_t k0 = 0; k0 < kp; k0 += span) {
     const int64_t k1 = std::min(kp, k0 + span), piece = scaled ? chunk : k1 - k0;
+    w.prepare(k0, k1, j0, j1);
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t j = j0; j < j1; ++j) {
         for (int64_t c0 = k0; c0 < k1; c0 += piece) {
-          products(a + i * kAmxBlock * kp, kp, w + 2 * j * wstride, w + (2 * j + 1) * wstride,
-                   c0, c0 + piece);
+          const int64_t s = c0 / kAmxStepK;
+          products(a + i * kAmxBlock * kp, kp, w.tile(2 * j, s), w.tile(2 * j + 1, s), c0,
+                   piece / kAmxStepK);
           if (prev.acc) accumulate(buf + (parity ^ 1) * kAmxBlock * kAmxBlock, prev.acc,
                                    prev.ra, chunks, prev.rw);
           store_tiles(buf + parity * kAmxBlock * kAmxBlock);
@@ -255,52 +410,51 @@ MXPLUS_AMX_TARGET void task(const uint16_t* a, const uint16_t* w, const float* r
 
 // Tasks [t0, t1) on this thread: the tile configuration, the tasks, the release. (A function
 // of its own with the AMX target: a lambda does not inherit its enclosing function's.)
-MXPLUS_AMX_TARGET void run_tasks(const uint16_t* a, const uint16_t* w, const float* ra,
-                                 const float* rw, const Finish& f, int64_t np, int64_t kp,
-                                 int64_t chunk, bool scaled, int64_t t0, int64_t t1) {
+// pc: decode the weight from packed codes (null: w holds the bf16 B tiles).
+MXPLUS_AMX_TARGET void run_tasks(const uint16_t* a, const uint16_t* w, const PackedCodes* pc,
+                                 const float* ra, const float* rw, const Finish& f, int64_t np,
+                                 int64_t kp, int64_t chunk, bool scaled, int64_t t0, int64_t t1) {
   const int64_t mb = cdiv(f.m, kAmxBlock), nbk = cdiv(f.n, kAmxBlock);  // live blocks only
   const int64_t cpanels = cdiv(nbk, kTaskColBlocks);
   configure_tiles();
   std::vector<float> acc(kTaskRowBlocks * kTaskColBlocks * kAmxBlock * kAmxBlock);
   std::vector<float> buf(2 * kAmxBlock * kAmxBlock);
+  std::vector<uint16_t> wbuf(pc ? 2 * kTaskColBlocks * span_k(chunk, scaled) / kAmxStepK *
+                                      kTileElems
+                                : 0);
+  HeldTiles held{w, kp / kAmxStepK};
+  DecodedTiles decoded{pc ? *pc : PackedCodes{}, wbuf.data()};
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t rp = t / cpanels, cp = t % cpanels;
-    task(a, w, ra, rw, f, np, kp, chunk, scaled, rp * kTaskRowBlocks,
-         std::min(mb, (rp + 1) * kTaskRowBlocks), cp * kTaskColBlocks,
-         std::min(nbk, (cp + 1) * kTaskColBlocks), acc.data(), buf.data());
+    const int64_t i0 = rp * kTaskRowBlocks, i1 = std::min(mb, (rp + 1) * kTaskRowBlocks);
+    const int64_t j0 = cp * kTaskColBlocks, j1 = std::min(nbk, (cp + 1) * kTaskColBlocks);
+    if (pc) {
+      task(a, decoded, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.data(), buf.data());
+    } else {
+      task(a, held, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.data(), buf.data());
+    }
   }
   _tile_release();
 }
 
-void gemm(const uint16_t* a, const uint16_t* w, const float* ra, const float* rw,
-          const Finish& f, int64_t np, int64_t kp, int64_t chunk, bool scaled) {
+void gemm(const uint16_t* a, const uint16_t* w, const PackedCodes* pc, const float* ra,
+          const float* rw, const Finish& f, int64_t np, int64_t kp, int64_t chunk, bool scaled) {
   const int64_t tasks = cdiv(cdiv(f.m, kAmxBlock), kTaskRowBlocks) *
                         cdiv(cdiv(f.n, kAmxBlock), kTaskColBlocks);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    run_tasks(a, w, ra, rw, f, np, kp, chunk, scaled, t0, t1);
+    run_tasks(a, w, pc, ra, rw, f, np, kp, chunk, scaled, t0, t1);
   });
 }
 #endif
 
-at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& ra,
-                    const at::Tensor& rw, int64_t chunk, int64_t m, int64_t n,
-                    const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gw,
-                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  const char* op = "vllm_mxplus::cpu_amx_gemm";
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kBFloat16 && a.is_contiguous() &&
-                  a.device().is_cpu(),
-              op, ": activations must be contiguous CPU bf16 [Mp, Kp], got ", a.sizes(), " ",
-              a.scalar_type());
-  const int64_t mp = a.size(0), kp = a.size(1);
-  TORCH_CHECK(chunk > 0 && chunk % kAmxStepK == 0 && kp % chunk == 0 && mp % kAmxBlock == 0,
-              op, ": Mp must be a multiple of 32 and Kp of the chunk (a multiple of 32), got Mp=",
-              mp, " Kp=", kp, " chunk=", chunk);
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
-                  w.device().is_cpu() && w.size(0) % 2 == 0 && w.size(1) == kp / kAmxStepK &&
-                  w.size(2) == kAmxRows && w.size(3) == kAmxStepK,
-              op, ": the weight must be contiguous CPU bf16 [Np/16, Kp/32, 16, 32] (amx_pack) "
-              "with Np a multiple of 32 and Kp=", kp, ", got ", w.sizes(), " ", w.scalar_type());
-  const int64_t np = w.size(0) * kAmxRows, chunks = kp / chunk;
+// The checks and the call both GEMM ops share: activations a, the weight's padded columns np
+// (held B tiles w, or packed codes pc), the reciprocals, the global scales, the bias.
+at::Tensor run_gemm(const char* op, const at::Tensor& a, const uint16_t* w, const PackedCodes* pc,
+                    int64_t np, const at::Tensor& ra, const at::Tensor& rw, int64_t chunk,
+                    int64_t m, int64_t n, const c10::optional<at::Tensor>& ga,
+                    const c10::optional<at::Tensor>& gw, const c10::optional<at::Tensor>& bias,
+                    at::ScalarType out_dtype) {
+  const int64_t mp = a.size(0), kp = a.size(1), chunks = kp / chunk;
   TORCH_CHECK(m >= 0 && m <= mp && n >= 0 && n <= np, op, ": the output [", m, ", ", n,
               "] must fit the padded [", mp, ", ", np, "]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
@@ -332,16 +486,111 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
 #ifdef MXPLUS_AMX
   TORCH_CHECK(amx_usable(), op, ": this CPU has no AMX-BF16 or Linux refused the AMX tile "
               "permission (exact_bf16.amx_tiles says so before a call)");
-  gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()),
-       reinterpret_cast<const uint16_t*>(w.data_ptr()), scaled ? ra.data_ptr<float>() : nullptr,
-       scaled ? rw.data_ptr<float>() : nullptr, f, np, kp, chunk, scaled);
+  gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()), w, pc,
+       scaled ? ra.data_ptr<float>() : nullptr, scaled ? rw.data_ptr<float>() : nullptr, f, np,
+       kp, chunk, scaled);
   return out;
 #else
   (void)f;
+  (void)w;
+  (void)pc;
   TORCH_CHECK(false, op, ": this build has no AMX code (needs x86-64 and GCC >= 11 / Clang "
               ">= 12); cpu_amx_available() says so before a call");
   return out;
 #endif
+}
+
+void check_activations(const char* op, const at::Tensor& a, int64_t chunk) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kBFloat16 && a.is_contiguous() &&
+                  a.device().is_cpu(),
+              op, ": activations must be contiguous CPU bf16 [Mp, Kp], got ", a.sizes(), " ",
+              a.scalar_type());
+  const int64_t mp = a.size(0), kp = a.size(1);
+  TORCH_CHECK(chunk > 0 && chunk % kAmxStepK == 0 && kp % chunk == 0 && mp % kAmxBlock == 0,
+              op, ": Mp must be a multiple of 32 and Kp of the chunk (a multiple of 32), got Mp=",
+              mp, " Kp=", kp, " chunk=", chunk);
+}
+
+at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& ra,
+                    const at::Tensor& rw, int64_t chunk, int64_t m, int64_t n,
+                    const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gw,
+                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  const char* op = "vllm_mxplus::cpu_amx_gemm";
+  check_activations(op, a, chunk);
+  const int64_t kp = a.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                  w.device().is_cpu() && w.size(0) % 2 == 0 && w.size(1) == kp / kAmxStepK &&
+                  w.size(2) == kAmxRows && w.size(3) == kAmxStepK,
+              op, ": the weight must be contiguous CPU bf16 [Np/16, Kp/32, 16, 32] (amx_pack) "
+              "with Np a multiple of 32 and Kp=", kp, ", got ", w.sizes(), " ", w.scalar_type());
+  return run_gemm(op, a, reinterpret_cast<const uint16_t*>(w.data_ptr()), nullptr,
+                  w.size(0) * kAmxRows, ra, rw, chunk, m, n, ga, gw, bias, out_dtype);
+}
+
+// The packed tiles of an E8M0 weight [n, k] of this block size (cpu_pack_weight's codes and
+// scales), checked.
+PackedCodes packed_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales,
+                         int64_t n, int64_t k, int64_t block) {
+  TORCH_CHECK((block == 16 || block == 32) && n > 0 && k > 0, op,
+              ": block must be 16 or 32 and N, K positive, got block=", block, " N=", n, " K=", k);
+  const int64_t nt = cdiv(n, kAmxRows), nb = cdiv(k, block), groups = nb * block / 16;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu() &&
+                  codes.sizes() == at::IntArrayRef({nt, groups * 128}),
+              op, ": packed weight codes must be contiguous CPU uint8 [", nt, ", ", groups * 128,
+              "] (cpu_pack_weight), got ", codes.sizes(), " ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.device().is_cpu() && scales.sizes() == at::IntArrayRef({nt, nb * 16}),
+              op, ": packed weight scales must be contiguous CPU uint8 [", nt, ", ", nb * 16,
+              "] (cpu_pack_weight), got ", scales.sizes(), " ", scales.scalar_type());
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nt, groups, nb, block / 16};
+}
+
+// cpu_amx_gemm with the weight decoded per task from its packed FP4 tiles (E8M0 formats):
+// the same B tiles, the same result bit for bit, no bf16 copy of the weight.
+at::Tensor amx_packed_gemm(const at::Tensor& a, const at::Tensor& codes, const at::Tensor& scales,
+                           int64_t block, int64_t k, const at::Tensor& ra, const at::Tensor& rw,
+                           int64_t chunk, int64_t m, int64_t n,
+                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  const char* op = "vllm_mxplus::cpu_amx_packed_gemm";
+  check_activations(op, a, chunk);
+  const PackedCodes pc = packed_codes(op, codes, scales, n, k, block);
+  TORCH_CHECK(a.size(1) >= pc.groups * 16, op, ": Kp=", a.size(1), " is shorter than the weight's ",
+              pc.groups * 16, " packed elements");
+  return run_gemm(op, a, nullptr, &pc, cdiv(n, kAmxBlock) * kAmxBlock, ra, rw, chunk, m, n,
+                  c10::nullopt, c10::nullopt, bias, out_dtype);
+}
+
+// The B tiles the packed GEMM decodes, bf16 [Np / 16, Kp / 32, 16, 32] (amx_pack's layout,
+// Np = n rounded up to 32): by the vector decoder the GEMM uses (AMX hosts only) or, scalar,
+// by the reference decoder (every host). For the tests: both must equal amx_pack of the
+// path's bf16 operand.
+at::Tensor amx_unpack(const at::Tensor& codes, const at::Tensor& scales, int64_t block, int64_t k,
+                      int64_t n, int64_t kp, bool scalar) {
+  const char* op = "vllm_mxplus::cpu_amx_unpack";
+  const PackedCodes pc = packed_codes(op, codes, scales, n, k, block);
+  TORCH_CHECK(kp % kAmxStepK == 0 && kp >= pc.groups * 16, op, ": Kp=", kp,
+              " must be a multiple of 32 covering ", pc.groups * 16, " elements");
+  const int64_t tiles = cdiv(n, kAmxBlock) * 2, steps = kp / kAmxStepK;
+  at::Tensor out = at::empty({tiles, steps, kAmxRows, kAmxStepK}, codes.options().dtype(at::kBFloat16));
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+#ifdef MXPLUS_AMX
+  TORCH_CHECK(scalar || amx_usable(), op, ": the vector decoder needs an AMX host");
+#else
+  TORCH_CHECK(scalar, op, ": this build has no vector decoder");
+#endif
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t s = 0; s < steps; ++s) {
+      uint16_t* dst = o + (t * steps + s) * kTileElems;
+#ifdef MXPLUS_AMX
+      if (!scalar) {
+        decode_tile(pc, t, s, dst);
+        continue;
+      }
+#endif
+      decode_tile_scalar(pc, t, s, dst);
+    }
+  }
+  return out;
 }
 
 // out[i] = bf16(codes[i] * h) for len elements of one block (h half its scale): the fp32
@@ -464,6 +713,12 @@ TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
   m.def("cpu_amx_gemm(Tensor a, Tensor w, Tensor ra, Tensor rw, int chunk, int m, int n, "
         "Tensor? ga, Tensor? gw, Tensor? bias, ScalarType out_dtype) -> Tensor",
         cpu_kernel(&amx_gemm));
+  m.def("cpu_amx_packed_gemm(Tensor a, Tensor codes, Tensor scales, int block, int k, Tensor ra, "
+        "Tensor rw, int chunk, int m, int n, Tensor? bias, ScalarType out_dtype) -> Tensor",
+        cpu_kernel(&amx_packed_gemm));
+  m.def("cpu_amx_unpack(Tensor codes, Tensor scales, int block, int k, int n, int kp, "
+        "bool scalar) -> Tensor",
+        cpu_kernel(&amx_unpack));
   m.def("cpu_amx_act_operand(Tensor codes, Tensor half, int block, int mp, int kp) -> Tensor",
         cpu_kernel(&amx_act_operand));
   m.def("cpu_amx_act_quant(Tensor x, int block, int rule, bool mbs, int macro, int mp, int kp, "
