@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "mx_cpu_common.h"
@@ -222,7 +223,7 @@ constexpr int64_t kTileElems = kAmxRows * kAmxStepK;  // one B tile: 16 rows x 3
 struct HeldTiles {
   const uint16_t* w;
   int64_t steps;  // Kp / 32
-  void prepare(int64_t, int64_t, int64_t, int64_t) {}
+  void prepare(int64_t, int64_t, int64_t) {}
   const uint16_t* tile(int64_t t, int64_t s) const { return w + (t * steps + s) * kTileElems; }
 };
 
@@ -282,31 +283,36 @@ inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint
 }
 
 #ifdef MXPLUS_AMX
-// The same rows where every e_c is in [kFastScaleLo, kFastScaleHi]: per quarter q of the group
-// (codes 4 q .. 4 q + 3 of each column) one byte permutation puts rows 2 q and 2 q + 1 in
-// order, widened to 16 bits, looked up as bf16 and scaled by adding (e_c - 127) << 7 to every
-// nonzero value's bits.
+// The same rows where every e_c is in [kFastScaleLo, kFastScaleHi]. Per 64 packed bytes and
+// half h of a code quarter, one zero-masked byte permutation makes the 32 words of B row
+// 2 q + h (q the quarter in the low nibbles) with the packed byte in each word's low byte:
+// its low 5 bits index the bf16 table (the low nibble; the table repeats every 16), the word
+// shifted right by 4 indexes row 2 (q + 1) + h (the high nibble). Each nonzero value is then
+// scaled by adding (e_c - 127) << 7 to its bits.
 MXPLUS_AMX_TARGET void decode_group_fast(const uint8_t* g, __m512i shift, uint16_t* out) {
-  static const __m512i order = [] {  // output byte o: row 2q + o / 32, column (o % 32) / 2
+  static const __m512i order[2] = {[] {  // word w of row h: column w / 2, code w % 2 of the pair
     alignas(64) uint8_t idx[64];
-    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * ((o % 32) / 2) + 2 * (o / 32) + o % 2);
+    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * (o / 4) + (o / 2) % 2);
     return _mm512_load_si512(idx);
-  }();
+  }(), [] {
+    alignas(64) uint8_t idx[64];
+    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * (o / 4) + 2 + (o / 2) % 2);
+    return _mm512_load_si512(idx);
+  }()};
+  constexpr __mmask64 kLowBytes = 0x5555555555555555ULL;
   const __m512i lut = _mm512_load_si512(kE2M1Bf16);
-  const __m512i lo4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
-  const __m512i p0 = _mm512_loadu_si512(g), p1 = _mm512_loadu_si512(g + 64);
-  const __m512i nib[4] = {_mm512_and_si512(p0, lo4),
-                          _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4),
-                          _mm512_and_si512(p1, lo4),
-                          _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4)};
-  for (int q = 0; q < 4; ++q) {
-    const __m512i b = _mm512_permutexvar_epi8(order, nib[q]);
-    const __m512i w[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(b)),
-                          _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(b, 1))};
+  const __m512i lo3 = _mm512_set1_epi16(0x0007), hi3 = _mm512_set1_epi16(0x0070);
+  for (int half = 0; half < 2; ++half) {  // codes 0..7 (low nibbles k, high k + 4), 8..15
+    const __m512i p = _mm512_loadu_si512(g + 64 * half);
     for (int h = 0; h < 2; ++h) {
-      __m512i v = _mm512_permutexvar_epi16(w[h], lut);
-      v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(w[h], seven), v, shift);
-      _mm512_storeu_si512(out + (2 * q + h) * kAmxStepK, v);
+      const __m512i w = _mm512_maskz_permutexvar_epi8(kLowBytes, order[h], p);
+      __m512i lo = _mm512_permutexvar_epi16(w, lut);
+      __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+      lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(w, lo3), lo, shift);
+      hi = _mm512_mask_add_epi16(hi, _mm512_test_epi16_mask(w, hi3), hi, shift);
+      const int q = 2 * half;  // the low nibbles' quarter
+      _mm512_storeu_si512(out + (2 * q + h) * kAmxStepK, lo);
+      _mm512_storeu_si512(out + (2 * (q + 1) + h) * kAmxStepK, hi);
     }
   }
 }
@@ -337,18 +343,18 @@ MXPLUS_AMX_TARGET void decode_tile(const PackedCodes& pc, int64_t t, int64_t s, 
   }
 }
 
-// The B tiles a task's pass over K [k0, k1) reads, decoded once into a buffer of the thread
-// (column tiles 2 j0 .. 2 j1, steps k0 / 32 .. k1 / 32: at most 8 x 16 tiles, 128 KiB) and
+// The B tiles of one column block (tiles 2 j, 2 j + 1) over a task's pass over K [k0, k1),
+// decoded once into a buffer of the thread (at most 2 x 16 tiles, 32 KiB: it stays in L1) and
 // read by every row block of the task.
 struct DecodedTiles {
   PackedCodes pc;
   uint16_t* buf;
   int64_t t0 = 0, s0 = 0, steps = 0;
-  void prepare(int64_t k0, int64_t k1, int64_t j0, int64_t j1) {
-    t0 = 2 * j0;
+  void prepare(int64_t k0, int64_t k1, int64_t j) {
+    t0 = 2 * j;
     s0 = k0 / kAmxStepK;
     steps = (k1 - k0) / kAmxStepK;
-    for (int64_t t = t0; t < 2 * j1; ++t)
+    for (int64_t t = t0; t < t0 + 2; ++t)
       for (int64_t s = 0; s < steps; ++s)
         decode_tile(pc, t, s0 + s, buf + ((t - t0) * steps + s) * kTileElems);
   }
@@ -359,8 +365,10 @@ struct DecodedTiles {
 
 // One task: row blocks [i0, i1) x column blocks [j0, j1) (at most 8 x 4: 256 x 128 outputs,
 // their fp32 accumulators 128 KiB), K in spans of kSpanK so that the span's activation rows
-// and weight columns stay in L2 while every block of the task passes. Each item (a block and
-// one chunk, or without factors one span) issues its tile products, then the previous item's
+// and weight columns stay in L2 while every block of the task passes: per span, column block
+// after column block (its B tiles, 32 KiB, in L1 for all the row blocks; a packed weight's
+// decoded once there). Each item (a block and one chunk, or without factors one span) issues
+// its tile products, then the previous item's
 // sums are accumulated from the other buffer (the vector work overlapping the tile unit's),
 // then its own are stored. Without factors the spans' sums are added in fp32: another
 // order of the same additions (at most K - 1 on a product's way).
@@ -379,9 +387,9 @@ MXPLUS_AMX_TARGET void task(const uint16_t* a, Src& w, const float* ra, const fl
   int parity = 0;
   for (int64_t k0 = 0; k0 < kp; k0 += span) {
     const int64_t k1 = std::min(kp, k0 + span), piece = scaled ? chunk : k1 - k0;
-    w.prepare(k0, k1, j0, j1);
-    for (int64_t i = i0; i < i1; ++i) {
-      for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
+      w.prepare(k0, k1, j);  // the block's B tiles of the span, read by every row block
+      for (int64_t i = i0; i < i1; ++i) {
         for (int64_t c0 = k0; c0 < k1; c0 += piece) {
           const int64_t s = c0 / kAmxStepK;
           products(a + i * kAmxBlock * kp, kp, w.tile(2 * j, s), w.tile(2 * j + 1, s), c0,
@@ -417,21 +425,24 @@ MXPLUS_AMX_TARGET void run_tasks(const uint16_t* a, const uint16_t* w, const Pac
   const int64_t mb = cdiv(f.m, kAmxBlock), nbk = cdiv(f.n, kAmxBlock);  // live blocks only
   const int64_t cpanels = cdiv(nbk, kTaskColBlocks);
   configure_tiles();
-  std::vector<float> acc(kTaskRowBlocks * kTaskColBlocks * kAmxBlock * kAmxBlock);
-  std::vector<float> buf(2 * kAmxBlock * kAmxBlock);
-  std::vector<uint16_t> wbuf(pc ? 2 * kTaskColBlocks * span_k(chunk, scaled) / kAmxStepK *
-                                      kTileElems
-                                : 0);
+  // scratch without value-initialization (task() zeroes the accumulators it uses; every
+  // other byte is written before it is read): 256 KiB of memset per call otherwise
+  const std::unique_ptr<float[]> acc(new float[kTaskRowBlocks * kTaskColBlocks * kAmxBlock *
+                                               kAmxBlock]);
+  const std::unique_ptr<float[]> buf(new float[2 * kAmxBlock * kAmxBlock]);
+  const std::unique_ptr<uint16_t[]> wbuf(
+      pc ? new uint16_t[2 * span_k(chunk, scaled) / kAmxStepK * kTileElems]
+         : nullptr);
   HeldTiles held{w, kp / kAmxStepK};
-  DecodedTiles decoded{pc ? *pc : PackedCodes{}, wbuf.data()};
+  DecodedTiles decoded{pc ? *pc : PackedCodes{}, wbuf.get()};
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t rp = t / cpanels, cp = t % cpanels;
     const int64_t i0 = rp * kTaskRowBlocks, i1 = std::min(mb, (rp + 1) * kTaskRowBlocks);
     const int64_t j0 = cp * kTaskColBlocks, j1 = std::min(nbk, (cp + 1) * kTaskColBlocks);
     if (pc) {
-      task(a, decoded, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.data(), buf.data());
+      task(a, decoded, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.get(), buf.get());
     } else {
-      task(a, held, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.data(), buf.data());
+      task(a, held, ra, rw, f, np, kp, chunk, scaled, i0, i1, j0, j1, acc.get(), buf.get());
     }
   }
   _tile_release();
