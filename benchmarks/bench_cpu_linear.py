@@ -18,9 +18,13 @@ time of:
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
   reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
   exact     the exact-bf16 path of cpu-packed (backends/cpu/exact_bf16.py; --exact-bf16): the
-            one AMX hosts take for M >= 64, timed here whatever the host (on a CPU without
+            one AMX hosts take for M >= 32, timed here whatever the host (on a CPU without
             native bf16 its GEMM is a plain fp32 one), with the ratios bf16/exact and
-            packed/exact (>= 1: the exact path is faster than today's integer kernel)
+            packed/exact; next to it `int`, cpu-packed's integer kernels whatever M (int/exact
+            >= 1: the exact path is faster than them), and on AMX hosts for E8M0 weights
+            `held`, the same tile GEMM on B tiles held as a bf16 copy (2 bytes per weight)
+            instead of decoded per call from the packed codes (held/exact >= 1: the decoding
+            costs nothing)
 and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
@@ -170,6 +174,16 @@ def _linear_spec(spec_cls: type, scheme: str, n: int, k: int, macro_block: int):
     return spec_cls(scheme=get_scheme(scheme, macro), n=n, k=k, out_dtype=torch.bfloat16)
 
 
+def _held_tiles(exact_bf16, q, scheme):
+    """The exact path's weight with its B tiles held as a bf16 copy (2 bytes per weight; the
+    layout E8M0 weights had before they were decoded from their packed codes per task)."""
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    rows = exact_bf16._pad_to(w._untiled(0, w.n).float(), exact_bf16.TILE_PAD, w.kp_tiles)
+    w.tiles = exact_bf16.amx_pack(rows.to(torch.bfloat16))
+    w.packed = None
+    return w
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,7 +241,7 @@ def main() -> int:
 
     from vllm_mxplus.backends.base import LinearSpec
     from vllm_mxplus.backends.cpu import kernels as cpu_kernels
-    from vllm_mxplus.backends.cpu.linear import CpuPackedBackend
+    from vllm_mxplus.backends.cpu.linear import CpuPackedBackend, cpu_linear
     from vllm_mxplus.backends.reference.linear import ReferenceBackend
     from vllm_mxplus.formats import MACRO_BLOCK, quantize
 
@@ -258,13 +272,14 @@ def main() -> int:
         f"{'vllm/packed':>11s} {'fp32/packed':>11s} {'ref/packed':>10s}"
         + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
         + (
-            f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s}"
+            f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s} {'int us':>9s} "
+            f"{'int/exact':>9s} {'held us':>9s} {'held/exact':>10s}"
             if args.exact_bf16
             else ""
         )
     )
     g = torch.Generator().manual_seed(0)
-    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact"]
+    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact", "int", "held"]
     tot = dict.fromkeys(kinds, 0.0)
     for model in models:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
@@ -325,13 +340,33 @@ def main() -> int:
                 from vllm_mxplus.backends.cpu import exact_bf16
 
                 on_tiles = exact_bf16.amx_tiles(spec.scheme)[0]  # as the backend decides
+                probe = exact_bf16.ExactBf16Weight.from_quantized(q, spec.scheme, tiles=on_tiles)
                 makers["exact"] = (
                     lambda: exact_bf16.ExactBf16Weight.from_quantized(
                         q, spec.scheme, tiles=on_tiles
                     ),
-                    2,
+                    9 / 16 if probe.packed is not None else 2,
                     lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
                 )
+
+                # the integer kernels whatever M (the backend with its large-M path off)
+                makers["int"] = (
+                    lambda: layer_of(packed, q),
+                    9 / 16,
+                    lambda layer, x, xf: cpu_linear(
+                        x,
+                        packed._args,
+                        (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs),
+                        None,
+                        torch.bfloat16,
+                    ),
+                )
+                if probe.packed is not None:  # the same tiles held as a bf16 copy (2 B/weight)
+                    makers["held"] = (
+                        lambda: _held_tiles(exact_bf16, q, spec.scheme),
+                        2,
+                        lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
+                    )
             copies: dict = {}
             for kind, (make, per_weight, _) in makers.items():
                 reps = _copies(int(per_weight * n * k)) if args.stream else 1
@@ -362,7 +397,8 @@ def main() -> int:
                     )
                     + (
                         f" {t['exact']:9.1f} {t['bf16'] / t['exact']:10.2f} "
-                        f"{t_p / t['exact']:12.2f}"
+                        f"{t_p / t['exact']:12.2f} {t['int']:9.1f} {t['int'] / t['exact']:9.2f} "
+                        f"{t['held']:9.1f} {t['held'] / t['exact']:10.2f}"
                         if args.exact_bf16
                         else ""
                     ),
@@ -380,7 +416,9 @@ def main() -> int:
         )
         + (
             f", bf16/exact = {tot['bf16'] / tot['exact']:.2f}x, "
-            f"packed/exact = {tot['packed'] / tot['exact']:.2f}x"
+            f"packed/exact = {tot['packed'] / tot['exact']:.2f}x, "
+            f"int/exact = {tot['int'] / tot['exact']:.2f}x, "
+            f"held/exact = {tot['held'] / tot['exact']:.2f}x"
             if args.exact_bf16
             else ""
         )

@@ -95,8 +95,9 @@ CPU_EXACT_BF16 = Setting(
     "VLLM_MXPLUS_CPU_EXACT_BF16",
     "auto",
     "The CPU backend's large-M path on AMX-BF16 tiles (calls of 32+ rows; docs/cpu_kernels.md): "
-    "`auto` on CPUs with AMX-BF16, `0` never (the integer kernels serve every M: no bf16 copy "
-    "of the weights, 2 bytes per weight less memory, slower prefill).",
+    "`auto` on CPUs with AMX-BF16, `0` never (the integer kernels serve every M: slower prefill; "
+    "NVFP4 and MX+ weights without the path's bf16 copy, 2 bytes per weight less memory; E8M0 "
+    "weights have none either way).",
 )
 CACHE = Setting(
     "MXPLUS_CACHE",

@@ -19,7 +19,10 @@ The activation codes and scales are those of the C++ quantizers, bit-exact with 
 2 * value) and `cpu_nvfp4_act_quant` (2 * value codes, E4M3 bytes, the row's global scale ga).
 The weight is decoded once at load and kept in bf16: E8M0 by `cpu_dequant_weight` (without
 its MBS bytes), MX+ and NVFP4 by the spec's own block decoder (formats, per row tile) with the
-NVFP4 global scale set to 1, i.e. the spec's fp32 value * s before its `* g`.
+NVFP4 global scale set to 1, i.e. the spec's fp32 value * s before its `* g`. On AMX tiles an
+E8M0 weight is not kept in bf16: the tile GEMM decodes the same values from the integer
+kernels' packed codes and E8M0 bytes per call (`packed`), a block the packer marks NaN (a NaN
+scale, or a value that overflows: the spec's +-Inf) all NaN, as in the integer kernels.
 
 Exact in bf16 (8 significant bits, fp32's exponent range, subnormals down to 2^-133): an E2M1
 value has at most 2 significant bits (0.5 .. 6), an MX+ block max 4 (8 + j, j = 0..7, times
@@ -38,7 +41,8 @@ one product G = fl(ga * gw) per output and one product P * G, as the integer ker
 being exact: the path's a * ga differs from x_hat by the spec's one rounding, counted below.
 
 Where the CPU has AMX-BF16 (`amx_tiles`: what serves), the GEMM is the plugin's tile kernel
-(csrc/mx_amx_cpu.cpp: the weight held as `tdpbf16ps` B tiles, each chunk's fp32 sums scaled by
+(csrc/mx_amx_cpu.cpp: the weight as `tdpbf16ps` B tiles, decoded per task from the packed
+codes for E8M0, held in bf16 for NVFP4 and MX+; each chunk's fp32 sums scaled by
 fl(1/Fa) * fl(1/Fw) in one fused multiply-add: three roundings more than a division, counted
 in `roundings`). Elsewhere (tests, and a host whose C++ side finds no AMX) it is torch's fp32
 matmul with oneDNN's bf16 math mode switched on for the call
@@ -133,8 +137,8 @@ def host_choice(
     turns the path off on every host (read at each call)."""
     if not settings.cpu_exact_bf16():
         return False, (
-            f"{settings.CPU_EXACT_BF16.name}=0 (no bf16 copy of the weights: 2 bytes per weight "
-            "less memory, slower prefill)"
+            f"{settings.CPU_EXACT_BF16.name}=0 (slower prefill; NVFP4 and MX+ weights "
+            "without their bf16 copy, 2 bytes per weight less memory)"
         )
     if cpuinfo is None and permission is None:
         if not _HOST:

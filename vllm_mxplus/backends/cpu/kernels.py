@@ -26,8 +26,10 @@ Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile)
   cpu_nvfp4_act_quant / cpu_nvfp4_linear                 -> NVFP4 (csrc/mx_nvfp4_cpu.cpp)
   cpu_mxplus_pack_weight / cpu_mxplus_linear             -> MX+ (csrc/mx_mxplus_cpu.cpp); its
       activations are cpu_act_quant / cpu_act_fake_quant with rule MXPLUS_RULE
-  cpu_amx_gemm / cpu_amx_act_quant / cpu_amx_act_operand / cpu_amx_available -> the exact-bf16 path's GEMM on
-      AMX-BF16 tiles (csrc/mx_amx_cpu.cpp; exact_bf16.py calls it on AMX hosts)
+  cpu_amx_gemm / cpu_amx_packed_gemm / cpu_amx_act_quant / cpu_amx_act_operand /
+  cpu_amx_available -> the exact-bf16 path's GEMM on AMX-BF16 tiles (csrc/mx_amx_cpu.cpp;
+      exact_bf16.py calls it on AMX hosts; the packed form decodes E8M0 weights from
+      cpu_pack_weight's tiles per call; cpu_amx_unpack shows its decoder's tiles, for tests)
 The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
 (docs/numerics.md, "Kernel numerics and error bounds").
 """

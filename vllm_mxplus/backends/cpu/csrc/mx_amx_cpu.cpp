@@ -17,7 +17,9 @@
 // Layouts. Activations: bf16 [Mp, Kp] row-major, Mp a multiple of 32 and Kp of the chunk (a
 // multiple of 32), zero-padded. Weight: bf16 [Np / 16, Kp / 32, 16, 32] (`amx_pack`): for
 // each 16 output columns and 32-K step, the B tile of `tdpbf16ps` (row r holds columns
-// 0..15 as pairs (k = 2r, 2r + 1)), Np a multiple of 32. Reciprocals: ra fp32 [Mp, chunks],
+// 0..15 as pairs (k = 2r, 2r + 1)), Np a multiple of 32 (cpu_amx_gemm); or, for E8M0
+// weights, the integer kernels' packed codes and scales, decoded into the same B tiles per
+// task (cpu_amx_packed_gemm: no bf16 copy of the weight). Reciprocals: ra fp32 [Mp, chunks],
 // rw fp32 [chunks, Np] (a chunk's 16 columns contiguous). Output [M, N] of the layer's dtype:
 // y times fl(ga * gw) (NVFP4's global scales), plus the bias, rounded once to the dtype,
 // the same operations in the same order as the torch path (exact_bf16.linear).
