@@ -100,7 +100,8 @@ from vllm_mxplus.platform_amx import AmxResult, cpu_flags, read_cpuinfo, request
 logger = logging.getLogger(__name__)
 
 # rows per call from which AMX hosts take this path: on the AMX Xeon of docs/cpu_kernels.md the
-# tiles beat the integer kernels from M = 32 (1.3x on Llama-3-8B's o / down) and not at 16
+# tiles beat the integer kernels from M = 32 (1.3x on Llama-3-8B's o / down) and not at 16;
+# the same with E8M0 weights decoded per task
 MIN_M = 32
 ROW_TILE = 512  # weight rows decoded per step (bounds the fp32 temporaries)
 PARTIAL_BYTES = 32 << 20  # fp32 partial sums [chunks, M, rows] per batched GEMM, at most

@@ -291,16 +291,23 @@ inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint
 // its low 5 bits index the bf16 table (the low nibble; the table repeats every 16), the word
 // shifted right by 4 indexes row 2 (q + 1) + h (the high nibble). Each nonzero value is then
 // scaled by adding (e_c - 127) << 7 to its bits.
+// The byte permutations of decode_group_fast, per half h: output byte o (word o / 2 of B row
+// 2 q + h: column o / 4, code (o / 2) % 2 of its pair) reads packed byte 4 (o / 4) + 2 h +
+// (o / 2) % 2 (odd output bytes are zeroed by the mask). Plain data: a lambda would not
+// inherit the AMX target (it breaks every build without AVX-512).
+struct DecodeOrder {
+  alignas(64) uint8_t idx[2][64];
+  constexpr DecodeOrder() : idx() {
+    for (int h = 0; h < 2; ++h)
+      for (int o = 0; o < 64; ++o)
+        idx[h][o] = static_cast<uint8_t>(4 * (o / 4) + 2 * h + (o / 2) % 2);
+  }
+};
+constexpr DecodeOrder kDecodeOrder{};
+
 MXPLUS_AMX_TARGET void decode_group_fast(const uint8_t* g, __m512i shift, uint16_t* out) {
-  static const __m512i order[2] = {[] {  // word w of row h: column w / 2, code w % 2 of the pair
-    alignas(64) uint8_t idx[64];
-    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * (o / 4) + (o / 2) % 2);
-    return _mm512_load_si512(idx);
-  }(), [] {
-    alignas(64) uint8_t idx[64];
-    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(4 * (o / 4) + 2 + (o / 2) % 2);
-    return _mm512_load_si512(idx);
-  }()};
+  const __m512i order[2] = {_mm512_load_si512(kDecodeOrder.idx[0]),
+                            _mm512_load_si512(kDecodeOrder.idx[1])};
   constexpr __mmask64 kLowBytes = 0x5555555555555555ULL;
   const __m512i lut = _mm512_load_si512(kE2M1Bf16);
   const __m512i lo3 = _mm512_set1_epi16(0x0007), hi3 = _mm512_set1_epi16(0x0070);
@@ -547,8 +554,8 @@ PackedCodes packed_codes(const char* op, const at::Tensor& codes, const at::Tens
   TORCH_CHECK((block == 16 || block == 32) && n > 0 && k > 0, op,
               ": block must be 16 or 32 and N, K positive, got block=", block, " N=", n, " K=", k);
   const int64_t nt = cdiv(n, kAmxRows), nb = cdiv(k, block), groups = nb * block / 16;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu() &&
-                  codes.sizes() == at::IntArrayRef({nt, groups * 128}),
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.device().is_cpu() && codes.sizes() == at::IntArrayRef({nt, groups * 128}),
               op, ": packed weight codes must be contiguous CPU uint8 [", nt, ", ", groups * 128,
               "] (cpu_pack_weight), got ", codes.sizes(), " ", codes.scalar_type());
   TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() &&
@@ -584,7 +591,8 @@ at::Tensor amx_unpack(const at::Tensor& codes, const at::Tensor& scales, int64_t
   TORCH_CHECK(kp % kAmxStepK == 0 && kp >= pc.groups * 16, op, ": Kp=", kp,
               " must be a multiple of 32 covering ", pc.groups * 16, " elements");
   const int64_t tiles = cdiv(n, kAmxBlock) * 2, steps = kp / kAmxStepK;
-  at::Tensor out = at::empty({tiles, steps, kAmxRows, kAmxStepK}, codes.options().dtype(at::kBFloat16));
+  at::Tensor out =
+      at::empty({tiles, steps, kAmxRows, kAmxStepK}, codes.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
 #ifdef MXPLUS_AMX
   TORCH_CHECK(scalar || amx_usable(), op, ": the vector decoder needs an AMX host");
