@@ -269,9 +269,11 @@ inline void decode_group_scalar(const uint8_t* g, const uint8_t* e, uint16_t* ou
   }
 }
 
-// The scalar decoder of a whole B tile (step s of column tile t; zeros past the packed tiles
-// or groups): what the vector decoder must equal, bit for bit (cpu_amx_unpack).
-inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
+// A whole B tile (step s of column tile t) by a group decoder `group(g, e, rows)` per 16-K
+// half; zeros past the packed tiles or groups.
+template <class Group>
+inline void decode_tile_by(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out,
+                           Group group) {
   for (int h = 0; h < 2; ++h) {
     const int64_t grp = 2 * s + h;
     uint16_t* rows = out + h * 8 * kAmxStepK;
@@ -279,18 +281,18 @@ inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint
       std::memset(rows, 0, 8 * kAmxStepK * sizeof(uint16_t));
       continue;
     }
-    decode_group_scalar(pc.codes + (t * pc.groups + grp) * 128,
-                        pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows, rows);
+    group(pc.codes + (t * pc.groups + grp) * 128,
+          pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows, rows);
   }
 }
 
+// The scalar decoder of a whole B tile: what the vector decoder must equal, bit for bit
+// (cpu_amx_unpack).
+inline void decode_tile_scalar(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
+  decode_tile_by(pc, t, s, out, decode_group_scalar);
+}
+
 #ifdef MXPLUS_AMX
-// The same rows where every e_c is in [kFastScaleLo, kFastScaleHi]. Per 64 packed bytes and
-// half h of a code quarter, one zero-masked byte permutation makes the 32 words of B row
-// 2 q + h (q the quarter in the low nibbles) with the packed byte in each word's low byte:
-// its low 5 bits index the bf16 table (the low nibble; the table repeats every 16), the word
-// shifted right by 4 indexes row 2 (q + 1) + h (the high nibble). Each nonzero value is then
-// scaled by adding (e_c - 127) << 7 to its bits.
 // The byte permutations of decode_group_fast, per half h: output byte o (word o / 2 of B row
 // 2 q + h: column o / 4, code (o / 2) % 2 of its pair) reads packed byte 4 (o / 4) + 2 h +
 // (o / 2) % 2 (odd output bytes are zeroed by the mask). Plain data: a lambda would not
@@ -305,6 +307,12 @@ struct DecodeOrder {
 };
 constexpr DecodeOrder kDecodeOrder{};
 
+// The same rows where every e_c is in [kFastScaleLo, kFastScaleHi]. Per 64 packed bytes and
+// half h of a code quarter, one zero-masked byte permutation makes the 32 words of B row
+// 2 q + h (q the quarter in the low nibbles) with the packed byte in each word's low byte:
+// its low 5 bits index the bf16 table (the low nibble; the table repeats every 16), the word
+// shifted right by 4 indexes row 2 (q + 1) + h (the high nibble). Each nonzero value is then
+// scaled by adding (e_c - 127) << 7 to its bits.
 MXPLUS_AMX_TARGET void decode_group_fast(const uint8_t* g, __m512i shift, uint16_t* out) {
   const __m512i order[2] = {_mm512_load_si512(kDecodeOrder.idx[0]),
                             _mm512_load_si512(kDecodeOrder.idx[1])};
@@ -326,30 +334,24 @@ MXPLUS_AMX_TARGET void decode_group_fast(const uint8_t* g, __m512i shift, uint16
   }
 }
 
-// decode_tile_scalar's tile, groups whose scales allow it by decode_group_fast.
-MXPLUS_AMX_TARGET void decode_tile(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
-  for (int h = 0; h < 2; ++h) {
-    const int64_t grp = 2 * s + h;
-    uint16_t* rows = out + h * 8 * kAmxStepK;
-    if (t >= pc.nt || grp >= pc.groups) {
-      std::memset(rows, 0, 8 * kAmxStepK * sizeof(uint16_t));
-      continue;
-    }
-    const uint8_t* g = pc.codes + (t * pc.groups + grp) * 128;
-    const uint8_t* e = pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows;
-    const __m128i eb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
-    const bool fast = _mm_cmplt_epu8_mask(eb, _mm_set1_epi8(kFastScaleLo)) == 0 &&
-                      _mm_cmpgt_epu8_mask(eb, _mm_set1_epi8(char(kFastScaleHi))) == 0;
-    if (!fast) {
-      decode_group_scalar(g, e, rows);
-      continue;
-    }
-    const __m512i d = _mm512_and_si512(
-        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(eb), _mm512_set1_epi32(kE8m0Bias)),
-                          7),
-        _mm512_set1_epi32(0xFFFF));
-    decode_group_fast(g, _mm512_or_si512(d, _mm512_slli_epi32(d, 16)), rows);
+// One group by decode_group_fast where its scales allow it, else by the scalar decoder.
+MXPLUS_AMX_TARGET void decode_group(const uint8_t* g, const uint8_t* e, uint16_t* rows) {
+  const __m128i eb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
+  if (_mm_cmplt_epu8_mask(eb, _mm_set1_epi8(kFastScaleLo)) != 0 ||
+      _mm_cmpgt_epu8_mask(eb, _mm_set1_epi8(char(kFastScaleHi))) != 0) {
+    decode_group_scalar(g, e, rows);
+    return;
   }
+  const __m512i d = _mm512_and_si512(
+      _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(eb), _mm512_set1_epi32(kE8m0Bias)),
+                        7),
+      _mm512_set1_epi32(0xFFFF));
+  decode_group_fast(g, _mm512_or_si512(d, _mm512_slli_epi32(d, 16)), rows);
+}
+
+// decode_tile_scalar's tile, by the vector decoder.
+MXPLUS_AMX_TARGET void decode_tile(const PackedCodes& pc, int64_t t, int64_t s, uint16_t* out) {
+  decode_tile_by(pc, t, s, out, decode_group);
 }
 
 // The B tiles of one column block (tiles 2 j, 2 j + 1) over a task's pass over K [k0, k1),
