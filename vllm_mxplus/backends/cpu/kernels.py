@@ -71,6 +71,7 @@ HEADERS = tuple(
     CSRC / h
     for h in (
         "mx_cpu_common.h",
+        "mx_amx_decode.h",
         "mx_tiles.h",
         "mx_tile_avx512.h",
         "mx_tile_avx512_panel.h",
