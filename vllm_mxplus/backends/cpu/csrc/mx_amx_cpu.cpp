@@ -242,10 +242,10 @@ struct DecodedTiles {
 // and weight columns stay in L2 while every block of the task passes: per span, column block
 // after column block (its B tiles, 32 KiB, in L1 for all the row blocks; a packed weight's
 // decoded once there). Each item (a block and one chunk, or without factors one span) issues
-// its tile products, then the previous item's
-// sums are accumulated from the other buffer (the vector work overlapping the tile unit's),
-// then its own are stored. Without factors the spans' sums are added in fp32: another
-// order of the same additions (at most K - 1 on a product's way).
+// its tile products, then the previous item's sums are accumulated from the other buffer (the
+// vector work overlapping the tile unit's), then its own are stored. Without factors the
+// spans' sums are added in fp32: another order of the same additions (at most K - 1 on a
+// product's way).
 template <class Src>
 MXPLUS_AMX_TARGET void task(const uint16_t* a, Src& w, const float* ra, const float* rw,
                             const Finish& f, int64_t np, int64_t kp, int64_t chunk, bool scaled,
@@ -413,21 +413,12 @@ at::Tensor amx_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
 }
 
 // The packed tiles of an E8M0 weight [n, k] of this block size (cpu_pack_weight's codes and
-// scales), checked.
+// scales), checked as the integer kernels check them.
 PackedCodes packed_codes(const char* op, const at::Tensor& codes, const at::Tensor& scales,
                          int64_t n, int64_t k, int64_t block) {
   TORCH_CHECK((block == 16 || block == 32) && n > 0 && k > 0, op,
               ": block must be 16 or 32 and N, K positive, got block=", block, " N=", n, " K=", k);
-  const int64_t nt = cdiv(n, kAmxRows), nb = cdiv(k, block), groups = nb * block / 16;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.device().is_cpu() && codes.sizes() == at::IntArrayRef({nt, groups * 128}),
-              op, ": packed weight codes must be contiguous CPU uint8 [", nt, ", ", groups * 128,
-              "] (cpu_pack_weight), got ", codes.sizes(), " ", codes.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() &&
-                  scales.device().is_cpu() && scales.sizes() == at::IntArrayRef({nt, nb * 16}),
-              op, ": packed weight scales must be contiguous CPU uint8 [", nt, ", ", nb * 16,
-              "] (cpu_pack_weight), got ", scales.sizes(), " ", scales.scalar_type());
-  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nt, groups, nb, block / 16};
+  return gemm_detail::e8m0_weight_tiles(op, codes, scales, at::Tensor(), n, k, block, block);
 }
 
 // cpu_amx_gemm with the weight decoded per task from its packed FP4 tiles (E8M0 formats):

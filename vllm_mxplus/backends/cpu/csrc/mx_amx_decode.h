@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "mx_cpu_common.h"
+#include "mx_tiles.h"
 
 #if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
                             (defined(__clang__) && __clang_major__ >= 12))
@@ -28,15 +29,11 @@ constexpr int64_t kAmxRows = 16;   // rows of a tile
 constexpr int64_t kAmxStepK = 32;  // bf16 K per tile row (64 bytes)
 constexpr int64_t kTileElems = kAmxRows * kAmxStepK;  // one B tile: 16 rows x 32 bf16
 
-// The packed tiles (mx_tiles.h WeightTiles, E8M0): codes [nt, groups, 128] (group g, byte
-// 64 q + 4 i + j of tile row i: code k = 16 g + 8 q + j in the low nibble, k + 4 in the high
-// one), scales [nt, nb, 16]; code 255 a NaN block (the packer's mark of a NaN scale or an
-// overflowing block).
-struct PackedCodes {
-  const uint8_t* codes;
-  const uint8_t* scales;
-  int64_t nt, groups, nb, gpb;  // gpb: 16-element groups per block (1 or 2)
-};
+// The packed tiles it reads are the integer kernels' (mx_tiles.h WeightTiles of an E8M0
+// weight): codes [nt, groups, 128] (group g, byte 64 q + 4 i + j of tile row i: code
+// k = 16 g + 8 q + j in the low nibble, k + 4 in the high one), scales [nt, nb, 16]; code 255
+// a NaN block (the packer's mark of a NaN scale or an overflowing block).
+using PackedCodes = gemm_detail::WeightTiles;
 
 // bf16 bits of the E2M1 values of codes 0..15, twice (vpermw reads five index bits).
 alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
@@ -80,8 +77,8 @@ inline void decode_tile_by(const PackedCodes& pc, int64_t t, int64_t s, uint16_t
       std::memset(rows, 0, 8 * kAmxStepK * sizeof(uint16_t));
       continue;
     }
-    group(pc.codes + (t * pc.groups + grp) * 128,
-          pc.scales + (t * pc.nb + grp / pc.gpb) * kAmxRows, rows);
+    group(pc.codes + (t * pc.groups + grp) * gemm_detail::kGroupBytes,
+          pc.scales + (t * pc.nb + grp / (pc.groups / pc.nb)) * kAmxRows, rows);
   }
 }
 

@@ -383,6 +383,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_weight(const at::Tensor& cod
   return pack_tiles(codes, scales, mbs, k, block, macro);
 }
 
+}  // namespace
+
+WeightTiles gemm_detail::e8m0_weight_tiles(const char* op, const at::Tensor& codes,
+                                           const at::Tensor& scales, const at::Tensor& mbs,
+                                           int64_t n, int64_t k, int64_t block, int64_t macro) {
+  const int64_t nb = cdiv(k, block), kp = nb * block, nt = cdiv(n, kTileN);
+  const bool has_mbs = mbs.defined() && mbs.numel() > 0;
+  const int64_t nm = cdiv(k, macro);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({nt, kp / kGroupK * kGroupBytes}),
+              op, ": packed weight codes must be contiguous uint8 [", nt, ", ",
+              kp / kGroupK * kGroupBytes, "] (cpu_pack_weight), got ", codes.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({nt, nb * kTileN}),
+              op, ": packed weight scales must be contiguous uint8 [", nt, ", ", nb * kTileN,
+              "] (cpu_pack_weight), got ", scales.sizes());
+  TORCH_CHECK(!has_mbs || (mbs.scalar_type() == at::kByte && mbs.is_contiguous() &&
+                           mbs.sizes() == at::IntArrayRef({nt, nm * kTileN})),
+              op, ": packed weight MBS bytes must be contiguous uint8 [", nt, ", ", nm * kTileN,
+              "] (cpu_pack_weight), got ", mbs.sizes());
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() &&
+                  (!mbs.defined() || mbs.device().is_cpu()),
+              op, ": weights must be on the CPU");
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+          has_mbs ? mbs.data_ptr<uint8_t>() : nullptr, nt, kp / kGroupK, nb, nm, n};
+}
+
+namespace {
+
 at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, bool act_mbs,
                      int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
                      const at::Tensor& wmbs, int64_t n, int64_t k, int64_t w_block,
@@ -392,26 +421,10 @@ at::Tensor mx_linear(const at::Tensor& x, int64_t act_block, int64_t act_rule, b
   TORCH_CHECK(w_block == act_block, "vllm_mxplus::cpu_mx_linear: weight block ", w_block,
               " differs from the activation block ", act_block);
   TORCH_CHECK(k > 0 && n > 0, "vllm_mxplus::cpu_mx_linear: N and K must be positive");
-  const int64_t block = act_block, nb = cdiv(k, block), kp = nb * block, nt = cdiv(n, kTileN);
-  const bool w_mbs = wmbs.numel() > 0;
-  const int64_t nm = cdiv(k, macro);
-  TORCH_CHECK(wcodes.scalar_type() == at::kByte && wcodes.is_contiguous() &&
-                  wcodes.sizes() == at::IntArrayRef({nt, kp / kGroupK * kGroupBytes}),
-              "vllm_mxplus::cpu_mx_linear: packed weight codes must be contiguous uint8 [", nt,
-              ", ", kp / kGroupK * kGroupBytes, "] (cpu_pack_weight), got ", wcodes.sizes());
-  TORCH_CHECK(wscales.scalar_type() == at::kByte && wscales.is_contiguous() &&
-                  wscales.sizes() == at::IntArrayRef({nt, nb * kTileN}),
-              "vllm_mxplus::cpu_mx_linear: packed weight scales must be contiguous uint8 [", nt,
-              ", ", nb * kTileN, "] (cpu_pack_weight), got ", wscales.sizes());
-  TORCH_CHECK(!w_mbs || (wmbs.scalar_type() == at::kByte && wmbs.is_contiguous() &&
-                         wmbs.sizes() == at::IntArrayRef({nt, nm * kTileN})),
-              "vllm_mxplus::cpu_mx_linear: packed weight MBS bytes must be contiguous uint8 [",
-              nt, ", ", nm * kTileN, "] (cpu_pack_weight), got ", wmbs.sizes());
-  TORCH_CHECK(wcodes.device().is_cpu() && wscales.device().is_cpu() && wmbs.device().is_cpu(),
-              "vllm_mxplus::cpu_mx_linear: weights must be on the CPU");
-  const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(),
-                      w_mbs ? wmbs.data_ptr<uint8_t>() : nullptr, nt, kp / kGroupK, nb, nm, n};
-  return tile_linear(x, block, static_cast<int>(act_rule), act_mbs, macro, w, k, bias, out_dtype,
+  const WeightTiles w = e8m0_weight_tiles("vllm_mxplus::cpu_mx_linear", wcodes, wscales, wmbs,
+                                          n, k, act_block, macro);
+  return tile_linear(x, act_block, static_cast<int>(act_rule), act_mbs, macro, w, k, bias,
+                     out_dtype,
                      "vllm_mxplus::cpu_mx_linear");
 }
 

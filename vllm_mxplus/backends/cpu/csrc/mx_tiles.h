@@ -104,6 +104,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_tiles(const at::Tensor& code
                                                           const at::Tensor& mbs, int64_t k,
                                                           int64_t block, int64_t macro);
 
+// An E8M0 weight [n, k] of this block size as cpu_pack_weight packed it (codes, scales, and the
+// MBS bytes of this macro block, or an empty or undefined mbs), its layout checked: `op` names the caller in
+// the errors. mx_gemm_cpu.cpp; cpu_mx_linear and the AMX path's cpu_amx_packed_gemm.
+WeightTiles e8m0_weight_tiles(const char* op, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& mbs, int64_t n, int64_t k, int64_t block,
+                              int64_t macro);
+
 // The start every integer GEMM op shares (tile_linear; mx_nvfp4_cpu.cpp): x [..., k] checked
 // (on the CPU, last dim k), its rows as contiguous fp32, the bias as fp32, the fp32 output, and
 // the activation operand's buffers, which the op's row quantizer fills. `op` names the caller
