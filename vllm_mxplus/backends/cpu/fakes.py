@@ -94,6 +94,10 @@ def register_fakes(tile_n: int) -> None:
     def _(a, codes, scales, block, k, ra, rw, chunk, m, n, bias, out_dtype):
         return a.new_empty((m, n), dtype=out_dtype)
 
+    @torch.library.register_fake(op_name("cpu_amx_int8_linear"))
+    def _(x, block, rule, act_mbs, macro, wcodes, wscales, wmbs, rw, n, k, bias, out_dtype):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
     @torch.library.register_fake(op_name("cpu_amx_unpack"))
     def _(codes, scales, block, k, n, kp, scalar):
         return codes.new_empty((-(-n // 32) * 2, kp // 32, 16, 32), dtype=torch.bfloat16)

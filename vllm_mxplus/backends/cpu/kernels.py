@@ -30,6 +30,8 @@ Ops (namespace `vllm_mxplus`, each with a fake implementation for torch.compile)
   cpu_amx_available -> the exact-bf16 path's GEMM on AMX-BF16 tiles (csrc/mx_amx_cpu.cpp;
       exact_bf16.py calls it on AMX hosts; the packed form decodes E8M0 weights from
       cpu_pack_weight's tiles per call; cpu_amx_unpack shows its decoder's tiles, for tests)
+  cpu_amx_int8_linear / cpu_amx_int8_available -> the E8M0 linear on AMX-INT8 tiles
+      (csrc/mx_amx_int8_cpu.cpp; exact_bf16.py calls it on AMX hosts)
 The numerics and the error bounds: csrc/mx_gemm_cpu.cpp, mx_nvfp4_cpu.cpp, mx_mxplus_cpu.cpp
 (docs/numerics.md, "Kernel numerics and error bounds").
 """
@@ -65,6 +67,7 @@ SOURCES = tuple(
         "mx_nvfp4_cpu.cpp",
         "mx_mxplus_cpu.cpp",
         "mx_amx_cpu.cpp",
+        "mx_amx_int8_cpu.cpp",
     )
 )
 HEADERS = tuple(

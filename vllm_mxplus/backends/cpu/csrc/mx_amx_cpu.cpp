@@ -57,36 +57,12 @@ inline int64_t span_k(int64_t chunk, bool scaled) {
   return scaled ? std::max(chunk, kSpanK / chunk * chunk) : kSpanK;
 }
 
-#ifdef MXPLUS_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Whether this thread may run AMX-BF16: cpuid leaf 7 lists amx-tile (EDX bit 24) and amx-bf16
-// (bit 22), and Linux grants the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM, the
-// same request platform_amx makes; idempotent). Without both a tile instruction is SIGILL.
-bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-
-#endif
 
 // 1 where this build has AMX code and this process may run it (cpuid and the permission),
 // else 0: what exact_bf16.amx_tiles asks before it lays a weight out for cpu_amx_gemm.
 int64_t amx_available() {
 #ifdef MXPLUS_AMX
-  return amx_usable() ? 1 : 0;
+  return amx_bf16_usable() ? 1 : 0;
 #else
   return 0;
 #endif
@@ -183,22 +159,7 @@ MXPLUS_AMX_TARGET void finish(const Finish& f, const float* acc, int64_t m0, int
       __m512 y = _mm512_loadu_ps(acc + i * kAmxBlock + h);
       if (f.ga) y = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(f.ga[m0 + i]), gw));
       if (f.bias) y = _mm512_add_ps(y, b);
-      const int64_t at = (m0 + i) * f.n + c0;
-      if (f.dtype == at::kFloat) {
-        _mm512_mask_storeu_ps(static_cast<float*>(f.out) + at, live, y);
-      } else if (f.dtype == at::kBFloat16) {
-        const __m512i bits = _mm512_castps_si512(y);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
-                                  _mm512_set1_epi32(0x7FC0));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(f.out) + at, live,
-                                 _mm512_cvtepi32_epi16(r));
-      } else {  // kHalf
-        const __m256i r = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(f.out) + at, live, r);
-      }
+      store_outputs(y, f.dtype, f.out, (m0 + i) * f.n + c0, live);
     }
   }
 }
@@ -369,7 +330,7 @@ at::Tensor run_gemm(const char* op, const at::Tensor& a, const uint16_t* w, cons
            m, n};
   if (m == 0 || n == 0) return out;
 #ifdef MXPLUS_AMX
-  TORCH_CHECK(amx_usable(), op, ": this CPU has no AMX-BF16 or Linux refused the AMX tile "
+  TORCH_CHECK(amx_bf16_usable(), op, ": this CPU has no AMX-BF16 or Linux refused the AMX tile "
               "permission (exact_bf16.amx_tiles says so before a call)");
   gemm(reinterpret_cast<const uint16_t*>(a.data_ptr()), w, pc,
        scaled ? ra.data_ptr<float>() : nullptr, scaled ? rw.data_ptr<float>() : nullptr, f, np,
@@ -451,7 +412,7 @@ at::Tensor amx_unpack(const at::Tensor& codes, const at::Tensor& scales, int64_t
       at::empty({tiles, steps, kAmxRows, kAmxStepK}, codes.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
 #ifdef MXPLUS_AMX
-  TORCH_CHECK(scalar || amx_usable(), op, ": the vector decoder needs an AMX host");
+  TORCH_CHECK(scalar || amx_bf16_usable(), op, ": the vector decoder needs an AMX host");
 #else
   TORCH_CHECK(scalar, op, ": this build has no vector decoder");
 #endif

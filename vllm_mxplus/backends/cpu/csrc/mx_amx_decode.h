@@ -21,9 +21,65 @@
 #define MXPLUS_AMX 1
 #define MXPLUS_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
+#define MXPLUS_AMX_INT8_TARGET \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
+#define MXPLUS_AMX_STORE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #endif
 
 namespace mxplus_cpu {
+
+#ifdef MXPLUS_AMX
+// The tile configuration `ldtilecfg` reads (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Whether this thread may run AMX tile instructions of one kind: cpuid leaf 7 lists amx-tile
+// (EDX bit 24) and the kind's bit (amx-bf16 22, amx-int8 25), and Linux grants the tile data
+// permission (arch_prctl ARCH_REQ_XCOMP_PERM, the same request platform_amx makes;
+// idempotent). Without both a tile instruction is SIGILL.
+inline bool amx_permitted(unsigned kind_bit) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1u) || !((edx >> kind_bit) & 1u)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// The live lanes of 16 fp32 outputs y into out[at ..] of dtype (fp32, bf16 or fp16; round to
+// nearest even, a NaN stays NaN): both AMX GEMMs' last step.
+MXPLUS_AMX_STORE_TARGET inline void store_outputs(__m512 y, at::ScalarType dtype, void* out,
+                                                  int64_t at, __mmask16 live) {
+  if (dtype == at::kFloat) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out) + at, live, y);
+  } else if (dtype == at::kBFloat16) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + at, live, _mm512_cvtepi32_epi16(r));
+  } else {  // kHalf
+    const __m256i r = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + at, live, r);
+  }
+}
+
+inline bool amx_bf16_usable() {  // mx_amx_cpu.cpp
+  static const bool usable = amx_permitted(22);
+  return usable;
+}
+
+inline bool amx_int8_usable() {  // mx_amx_int8_cpu.cpp
+  static const bool usable = amx_permitted(25);
+  return usable;
+}
+#endif
 
 constexpr int64_t kAmxRows = 16;   // rows of a tile
 constexpr int64_t kAmxStepK = 32;  // bf16 K per tile row (64 bytes)

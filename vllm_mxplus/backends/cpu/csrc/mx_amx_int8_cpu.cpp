@@ -1,0 +1,609 @@
+// The E8M0 linear on AMX-INT8 tiles (docs/cpu_kernels.md, "Small M on AMX hosts"): the
+// integer kernels' sum (mx_gemm_cpu.cpp) with a 64-element step of K on one `tdpbssd` (16 x 16
+// outputs, 16,384 int8 products) instead of one 16-element block per `vpdpbusd` group.
+//
+// The products of one step span 64 / block blocks with different scales, so the step folds
+// the scales into the int8 operands where that is exact: per activation row (and per weight
+// column) and step, with e_lo .. e_hi the E8M0 codes of the step's nonzero blocks, a spread
+// e_hi - e_lo <= 3 lets each block's codes be multiplied by 2^(e_b - e_lo): 2 * |value| <= 12
+// times at most 8 is <= 96, still an int8. Then
+//
+//   J = sum over the step's k of  (2 va_k 2^(ea_b - EA)) * (2 vw_k 2^(ew_b - EW))   (exact int32)
+//   T = J * 2^(EA + EW - 256)      = the sum of the step's block terms I_b 2^(ea_b + ew_b - 256)
+//
+// exactly (|J| <= 64 * 96 * 96 < 2^20, and the power of two is a normal fp32 where the call
+// is taken: below). A row or column whose spread is larger keeps its codes unshifted
+// (EA = ea_b per block), and any 16 x 16 tile with such a row or column in the step runs the
+// step once per block instead, the other blocks' activation codes masked to zero: the same
+// T, per block. The T of a macro chunk are added in fp32 in step order (fused multiply-adds
+// of exact products: one rounding each), and with MBS the chunk's sum S_c is scaled into the
+// output as on the bf16 tiles (mx_amx_cpu.cpp): y += S_c * fl(fl(1/Fa) * fl(1/Fw)), one fused
+// multiply-add per chunk; without MBS the row is one chunk and y = S. Then the bias (one
+// addition) and the output dtype. Rounding count per product: at most L / 64 additions in the
+// chunk (L - 1 on bf16 tiles), 3 for the factor and n_c for the chunks: within the exact-bf16
+// path's bound on AMX tiles (exact_bf16.py, `roundings`).
+//
+// Where the fold cannot be exact the whole call runs on the integer kernels instead
+// (tile_linear, the same result as cpu_mx_linear): a NaN block or one whose values overflow
+// (E8M0 255, or 253 / 254 with a large code) on either side, a nonzero block with scale code 0
+// (values below 2^-125), or exponents whose power of two 2^(EA + EW - 256) would leave
+// [2^-126, 2^107] (|T| < 2^127: finite). A block of scale code 0 whose codes are zero (an
+// all-zero block) takes any shift: it adds nothing.
+//
+// Layouts. The weight is the integer kernels' packed tiles (cpu_pack_weight: mx_tiles.h
+// WeightTiles), decoded per call into `tdpbssd` B tiles: per 16 columns and step, B row r
+// holds the 16 columns' codes k = 4 r .. 4 r + 3 (the packed group's nibbles are already in
+// that order); a 64-entry byte table maps (shift << 4 | nibble) to 2 value * 2^shift. The
+// activation operand is int8 [Mp, Kp] (rows padded to 16, K to 64), quantized here by
+// quant_row (bit-exact with formats). Reciprocals: rw fp32 [chunks, Np >= N rounded up to 16]
+// as on the bf16 tiles (exact_bf16.ExactBf16Weight.rw), ra fp32 = 1 / Fa from the MBS bytes.
+// Compiled with -ffp-contract=off: every fused multiply-add is an intrinsic's.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "mx_amx_decode.h"
+#include "mx_cpu_common.h"
+
+namespace mxplus_cpu {
+namespace {
+
+using gemm_detail::WeightTiles;
+
+#ifdef MXPLUS_AMX
+constexpr int64_t kStepK = 64;       // K per tdpbssd
+constexpr int kPackedPerStep = 4;    // 16-element packed groups per step
+constexpr int kColTiles = 4;         // 16-column tiles per column block (64 outputs)
+constexpr int64_t kSpanSteps = 8;    // steps whose B tiles are decoded at once (32 KiB)
+constexpr int kMaxSpread = 3;        // 12 * 2^3 = 96 <= 127
+constexpr int kDummyExp = 129;       // the exponent of an all-zero block: its scale bits are 0
+constexpr int kLowWindow = 256 - 126;  // EA + EW >= this: 2^(EA + EW - 256) is normal
+constexpr int kHighWindow = 256 + 107;  // EA + EW <= this: |J| 2^(EA + EW - 256) < 2^127
+// MACs per thread before a call is split over threads (~5 us of tile work on the AMX Xeon of
+// docs/cpu_kernels.md): below it one thread runs the call
+constexpr int64_t kInt8ParallelMacs = int64_t{1} << 22;
+
+// (EA - 129) << 23: added to EW << 23 it gives the fp32 bits of 2^(EA + EW - 256)
+inline int32_t exp_bits(int e) {
+  return static_cast<int32_t>(static_cast<uint32_t>(e - kDummyExp) << 23);
+}
+
+// max |code| of one block (2 * value: at most 12)
+inline int block_max(const int8_t* c, int64_t len) {
+  int big = 0;
+  for (int64_t i = 0; i < len; ++i) big = std::max(big, std::abs(static_cast<int>(c[i])));
+  return big;
+}
+
+// out = c * 2^shift for one block of 16 or 32 codes (|c| <= 12, shift <= 3: exact in int8),
+// 16 at a time: a 16-bit shift, each byte's bits from its neighbour masked off.
+inline void shift_codes(const int8_t* c, int64_t len, int shift, int8_t* out) {
+  const __m128i keep = _mm_set1_epi8(static_cast<char>((0xFF << shift) & 0xFF));
+  for (int64_t i = 0; i < len; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_and_si128(_mm_sll_epi16(v, _mm_cvtsi32_si128(shift)), keep));
+  }
+}
+
+// The activation operand of one call. Per row and step, the exponents e of its nonzero blocks
+// (lo .. hi) give its levels: one where hi - lo <= 3 (every block shifted by e - lo), two where
+// hi - lo <= 7 (blocks with e >= hi - 3 shifted by e - (hi - 3) in `a`, the others by e - lo
+// in `a1`), else none (codes unshifted, each block on its own). A 16-row tile runs a step as
+// its rows' largest count says: one product, two (the second with `a1`), or one per block.
+struct Rows {
+  int64_t m, mp, kp, steps, nb, bps;  // bps: blocks per step
+  std::vector<int8_t> a, a1;          // [mp, kp] codes: the first level (or all), the second
+  std::vector<int32_t> bits0, bits1;  // [mp, steps] exp_bits of each level's base
+  std::vector<int32_t> block_bits;    // [mp, steps * bps] exp_bits of each block's level base
+  std::vector<uint8_t> levels;        // [mp / 16, steps] 1, 2, or 3: one product per block
+  std::vector<float> ra;              // [mp, chunks] fl(1 / Fa), 1 without activation MBS
+  int lo = 255, hi = 0;               // the nonzero blocks' exponents
+  bool exact_only = false;            // a block the fold cannot take: the integer kernels run
+};
+
+constexpr int kPerBlock = 3;
+
+// Row `row` of x (fp32, bf16 or fp16, contiguous [M, k]) as fp32: x's own memory, or buf.
+inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* buf) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return x.data_ptr<float>() + row * k;
+    case at::kBFloat16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + row * k;
+      for (int64_t i = 0; i < k; ++i) buf[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
+      return buf;
+    }
+    default: {
+      const at::Half* p = x.data_ptr<at::Half>() + row * k;
+      for (int64_t i = 0; i < k; ++i) buf[i] = static_cast<float>(p[i]);
+      return buf;
+    }
+  }
+}
+
+// Quantize x's rows (quant_row; x contiguous [M, k] fp32, bf16 or fp16) and lay the operand
+// out. `chunks` 0: no factors.
+Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs, int64_t macro,
+              int64_t chunks) {
+  Rows r;
+  r.m = x.size(0);
+  r.mp = cdiv(r.m, kAmxRows) * kAmxRows;
+  r.nb = cdiv(k, block);
+  r.steps = cdiv(r.nb * block, kStepK);
+  r.kp = r.steps * kStepK;
+  r.bps = kStepK / block;
+  r.a.assign(r.mp * r.kp, 0);
+  r.a1.assign(r.mp * r.kp, 0);
+  r.bits0.assign(r.mp * r.steps, exp_bits(kDummyExp));
+  r.bits1.assign(r.mp * r.steps, exp_bits(kDummyExp));
+  r.block_bits.assign(r.mp * r.steps * r.bps, exp_bits(kDummyExp));
+  r.levels.assign(r.mp / kAmxRows * r.steps, 1);
+  r.ra.assign(r.mp * chunks, 1.0f);
+  const int64_t nm = mbs ? cdiv(k, macro) : 0;
+  std::atomic<int> lo{255}, hi{0};
+  std::atomic<bool> exact_only{false};
+  at::parallel_for(0, r.m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block)), xbuf(k);
+    std::vector<int8_t> codes(r.nb * block);
+    std::vector<uint8_t> sc(r.nb), mb(std::max<int64_t>(nm, 1));
+    int tlo = 255, thi = 0;
+    bool bad = false;
+    for (int64_t row = r0; row < r1; ++row) {
+      quant_row(row_f32(x, row, k, xbuf.data()), k, block, rule, mbs, macro, codes.data(),
+                sc.data(), mb.data(), nullptr, ybuf.data());
+      for (int64_t c = 0; mbs && c < chunks; ++c) r.ra[row * chunks + c] = 1.0f / mbs_factor(mb[c]);
+      for (int64_t s = 0; s < r.steps; ++s) {
+        const int64_t b0 = s * r.bps, b1 = std::min(r.nb, b0 + r.bps);
+        int elo = 255, ehi = 0;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int e = sc[b];
+          const int8_t* cb = codes.data() + b * block;
+          if (e == kE8m0Nan || (e >= 253 && overflows(e, block_max(cb, block))) ||
+              (e == 0 && block_max(cb, block) != 0))
+            bad = true;
+          if (e == 0) continue;  // an all-zero block: any shift
+          elo = std::min(elo, e);
+          ehi = std::max(ehi, e);
+        }
+        if (elo > ehi) continue;  // all zero: zero codes, dummy exponents
+        tlo = std::min(tlo, elo);
+        thi = std::max(thi, ehi);
+        const int spread = ehi - elo;
+        const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
+        const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
+        r.bits0[row * r.steps + s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
+        if (lv == 2) r.bits1[row * r.steps + s] = exp_bits(elo);
+        uint8_t& tl = r.levels[row / kAmxRows * r.steps + s];
+        tl = std::max<uint8_t>(tl, static_cast<uint8_t>(lv));
+        int32_t* bits = r.block_bits.data() + (row * r.steps + s) * r.bps;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
+          const bool low = lv == 2 && e < base0;  // the second level
+          const int base = lv == kPerBlock ? e : low ? elo : base0;
+          bits[b - b0] = exp_bits(base);
+          int8_t* out = (low ? r.a1 : r.a).data() + row * r.kp + b * block;
+          shift_codes(codes.data() + b * block, block, e - base, out);
+        }
+      }
+    }
+    // the call's extremes (rare contention: once per thread)
+    for (int v = lo.load(); tlo < v && !lo.compare_exchange_weak(v, tlo);) {}
+    for (int v = hi.load(); thi > v && !hi.compare_exchange_weak(v, thi);) {}
+    if (bad) exact_only = true;
+  });
+  r.lo = lo;
+  r.hi = hi;
+  r.exact_only = exact_only;
+  return r;
+}
+
+// 2 * value(code) * 2^shift at index shift << 4 | code: the B tiles' table.
+struct Int8Table {
+  alignas(64) int8_t v[64];
+  constexpr Int8Table() : v() {
+    for (int s = 0; s < 4; ++s)
+      for (int c = 0; c < 16; ++c) v[s * 16 + c] = static_cast<int8_t>(kE2M1x2[c] * (1 << s));
+  }
+};
+constexpr Int8Table kInt8Table{};
+
+// Byte o of a 64-byte vector reads byte o / 4 of a 16-byte one (a column's shift to its 4
+// codes of a B row).
+struct Spread4 {
+  alignas(64) uint8_t idx[64];
+  constexpr Spread4() : idx() {
+    for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>(o / 4);
+  }
+};
+constexpr Spread4 kSpread4{};
+
+// What a step's decode of one column tile found.
+struct StepMeta {
+  alignas(64) int32_t ew_bits[16];  // EW << 23 of a folded column (kDummyExp for none)
+  alignas(16) uint8_t lo[16];       // the column's lowest nonzero-block code (255: none)
+  uint16_t fold_lanes;              // columns whose spread folds
+  bool folded;                      // every column folds
+};
+
+// The weight codes one thread's decodes met: the extremes of the nonzero blocks' E8M0 codes
+// (per column lane; a NaN block's 255 is among them) and whether a block of scale code 0 held
+// a nonzero code. Checked once the thread is done (`fits`), not per tile: where they fail
+// the call's results are discarded and the integer kernels compute it.
+struct WeightSeen {
+  __m128i lo, hi;
+  bool tiny = false;
+};
+
+// The B tile of column tile t, step s (16 rows x 64 bytes), and its StepMeta.
+MXPLUS_AMX_INT8_TARGET void decode_step(const WeightTiles& w, int64_t block, int64_t t, int64_t s,
+                                        int8_t* out, StepMeta* meta, WeightSeen* seen) {
+  const __m512i table = _mm512_load_si512(kInt8Table.v);
+  const __m512i spread = _mm512_load_si512(kSpread4.idx);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  if (t >= w.nt) {  // past the weight: zero columns
+    std::memset(out, 0, kAmxRows * kStepK);
+    for (int i = 0; i < 16; ++i) meta->ew_bits[i] = static_cast<int32_t>(kDummyExp) << 23;
+    std::memset(meta->lo, 255, 16);
+    meta->fold_lanes = 0xFFFF;
+    meta->folded = true;
+    return;
+  }
+  const int64_t bps = kStepK / block, ppb = block / 16, b0 = s * bps;
+  const int64_t b1 = std::min(w.nb, b0 + bps);
+  __m128i lo = _mm_set1_epi8(char(255)), hi = _mm_setzero_si128();
+  __m128i sc[4];
+  for (int64_t b = b0; b < b1; ++b) {
+    sc[b - b0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));
+    const __mmask16 live = _mm_test_epi8_mask(sc[b - b0], sc[b - b0]);
+    lo = _mm_mask_min_epu8(lo, live, lo, sc[b - b0]);
+    hi = _mm_mask_max_epu8(hi, live, hi, sc[b - b0]);
+  }
+  seen->lo = _mm_min_epu8(seen->lo, lo);
+  seen->hi = _mm_max_epu8(seen->hi, hi);
+  const __mmask16 any = _mm_cmpneq_epi8_mask(lo, _mm_set1_epi8(char(255)));
+  const __mmask16 fold =
+      static_cast<__mmask16>(~any | _mm_mask_cmple_epu8_mask(any, _mm_sub_epi8(hi, lo),
+                                                             _mm_set1_epi8(kMaxSpread)));
+  const __m512i ew = _mm512_mask_blend_epi32(any, _mm512_set1_epi32(kDummyExp),
+                                             _mm512_cvtepu8_epi32(lo));
+  _mm512_store_si512(meta->ew_bits, _mm512_slli_epi32(ew, 23));
+  _mm_store_si128(reinterpret_cast<__m128i*>(meta->lo), lo);
+  meta->fold_lanes = fold;
+  meta->folded = fold == 0xFFFF;
+  for (int p = 0; p < kPackedPerStep; ++p) {
+    const int64_t grp = s * kPackedPerStep + p, b = b0 + p / ppb;
+    int8_t* rows = out + 4 * p * kStepK;
+    if (grp >= w.groups) {
+      std::memset(rows, 0, 4 * kStepK);
+      continue;
+    }
+    const __m128i e = sc[b - b0];
+    const __mmask16 live = _mm_test_epi8_mask(e, e);
+    // shift << 4 for the columns that fold, 0 for the others and for all-zero blocks
+    const __m128i sh = _mm_slli_epi16(_mm_maskz_sub_epi8(live & fold, e, lo), 4);
+    const __m512i shift = _mm512_permutexvar_epi8(spread, _mm512_castsi128_si512(sh));
+    const uint8_t* g = w.codes + (t * w.groups + grp) * gemm_detail::kGroupBytes;
+    const __m512i p0 = _mm512_loadu_si512(g), p1 = _mm512_loadu_si512(g + 64);
+    constexpr int kAndOr = 0xEA;  // (a & b) | c
+    const __m512i r0 = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(p0, nib, shift, kAndOr), table);
+    const __m512i r1 = _mm512_permutexvar_epi8(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(p0, 4), nib, shift, kAndOr), table);
+    const __m512i r2 = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(p1, nib, shift, kAndOr), table);
+    const __m512i r3 = _mm512_permutexvar_epi8(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(p1, 4), nib, shift, kAndOr), table);
+    _mm512_storeu_si512(rows, r0);
+    _mm512_storeu_si512(rows + kStepK, r1);
+    _mm512_storeu_si512(rows + 2 * kStepK, r2);
+    _mm512_storeu_si512(rows + 3 * kStepK, r3);
+    if (live != 0xFFFF) {  // a block of scale code 0 must be all zero (not tiny values)
+      const __m512i any_code = _mm512_or_si512(_mm512_or_si512(r0, r1), _mm512_or_si512(r2, r3));
+      if (_mm512_mask_test_epi32_mask(static_cast<__mmask16>(~live), any_code, any_code) != 0)
+        seen->tiny = true;
+    }
+  }
+}
+
+// Whether the fold was exact for a thread's weights `seen` and the rows' exponents [alo, ahi]:
+// no NaN block, no tiny block, every scale 2^(EA + EW - 256) in the window.
+MXPLUS_AMX_INT8_TARGET bool fits(const WeightSeen& seen, int alo, int ahi) {
+  alignas(16) uint8_t l[16], h[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(l), seen.lo);
+  _mm_store_si128(reinterpret_cast<__m128i*>(h), seen.hi);
+  int wlo = 255, whi = 0;
+  for (int i = 0; i < 16; ++i) {
+    wlo = std::min<int>(wlo, l[i]);
+    whi = std::max<int>(whi, h[i]);
+  }
+  if (seen.tiny || whi == kE8m0Nan) return false;
+  if (wlo > whi || alo > ahi) return true;  // no nonzero block on one side
+  return alo + wlo >= kLowWindow && ahi + whi <= kHighWindow;
+}
+
+// EW << 23 of block b (of the step) for the per-block pass: lo of a folded column (its codes
+// were shifted), the block's own code of another, kDummyExp for an all-zero block.
+MXPLUS_AMX_INT8_TARGET __m512i block_ew_bits(const WeightTiles& w, int64_t t, int64_t b,
+                                             const StepMeta& meta) {
+  if (t >= w.nt || b >= w.nb) return _mm512_set1_epi32(kDummyExp << 23);
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));
+  const __mmask16 live = _mm_test_epi8_mask(e, e);
+  const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(meta.lo));
+  const __m128i own = _mm_mask_blend_epi8(meta.fold_lanes, e, lo);
+  const __m512i v = _mm512_mask_blend_epi32(live, _mm512_set1_epi32(kDummyExp),
+                                            _mm512_cvtepu8_epi32(own));
+  return _mm512_slli_epi32(v, 23);
+}
+
+// S[r][0..15] += J[r] * 2^(EA_r + EW - 256) for the 16 rows of a tile: J int32 [16][16],
+// row bits (exp_bits of EA) with stride `stride`, ew the columns' EW << 23.
+MXPLUS_AMX_INT8_TARGET inline void add_terms(const int32_t* j, const int32_t* row_bits,
+                                             int64_t stride, __m512i ew, float* s,
+                                             int64_t s_stride) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 scale =
+        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(row_bits[r * stride]), ew));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(j + r * 16));
+    float* o = s + r * s_stride;
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, scale, _mm512_loadu_ps(o)));
+  }
+}
+
+struct Call {
+  const Rows* rows;
+  const WeightTiles* w;
+  int64_t block, n, chunk_steps, chunks;  // chunk_steps: steps per chunk (all: no factors)
+  const float* rw;                        // [chunks, rw_stride] or null
+  int64_t rw_stride;
+  const float* bias;                      // [n] or null
+  void* out;                              // [m, n] of dtype
+  at::ScalarType dtype;
+  std::atomic<bool>* refused;
+};
+
+// One step's pending epilogue: the 4 tiles' J (stored) of row tile rt, step s.
+struct Pending {
+  int64_t rt = -1, s = 0;
+  const int32_t* j = nullptr;
+};
+
+// The tile configuration: 16 rows x 64 bytes each. Tiles 0-3 the 4 column tiles' J, 4 the
+// activation rows, 5-6 the B tiles, 7 the J of a step's second level or of one block.
+MXPLUS_AMX_INT8_TARGET void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// J of one B tile against 16 activation rows of 64 bytes (stride lda) into j (tiles 4, 5, 7).
+MXPLUS_AMX_INT8_TARGET inline void product(const int8_t* a, int64_t lda, const int8_t* b,
+                                           int32_t* j) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, b, 64);
+  _tile_zero(7);
+  _tile_dpbssd(7, 4, 5);
+  _tile_stored(7, j, 64);
+}
+
+// Column blocks [c0, c1) of the call on this thread.
+MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
+  const Rows& r = *c.rows;
+  const WeightTiles& w = *c.w;
+  const int64_t mt = r.mp / kAmxRows, bps = r.bps, cols = kColTiles * 16;
+  const int64_t span = std::max<int64_t>(1, kSpanSteps / c.chunk_steps) * c.chunk_steps;
+  const int64_t span_alloc = std::min(span, r.steps);
+  configure_tiles();
+  const std::unique_ptr<int8_t[]> bbuf(new int8_t[kColTiles * span_alloc * 1024]);
+  const std::unique_ptr<StepMeta[]> meta(new StepMeta[kColTiles * span_alloc]);
+  alignas(64) int32_t jbuf[2][kColTiles][256];
+  alignas(64) int32_t jone[256];
+  alignas(64) int8_t abuf[1024];
+  const bool scaled = c.rw != nullptr;
+  WeightSeen seen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
+  std::vector<float> sacc(r.mp * cols), yacc(scaled ? r.mp * cols : 0);
+  float* const S = sacc.data();
+  float* const Y = scaled ? yacc.data() : S;
+  const int8_t* const a0 = r.a.data();
+  const int8_t* const a1 = r.a1.data();
+  auto B = [&](int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; };
+
+  // The epilogue of one step (row tile rt, step s; g its index in the span): the J of the
+  // tile's first level (stored) by add_terms, and the second level's products where the
+  // rows need it; a tile whose rows or columns do not fold runs once per block, the other
+  // blocks' activation codes masked out. Tiles 4, 5 and 7 only: the next step's products
+  // are issued. Then, at a chunk's end, y += S * fl(fl(1/Fa) * fl(1/Fw)).
+  auto epilogue = [&](const Pending& p, int64_t s0, int64_t tile0) {
+    const int64_t g = p.s - s0, row0 = p.rt * kAmxRows;
+    const int lv = r.levels[p.rt * r.steps + p.s];
+    float* srow = S + row0 * cols;
+    for (int j = 0; j < kColTiles; ++j) {
+      const StepMeta& m = meta[j * span_alloc + g];
+      const __m512i ew = _mm512_load_si512(m.ew_bits);
+      if (lv != kPerBlock && m.folded) {
+        add_terms(p.j + j * 256, r.bits0.data() + row0 * r.steps + p.s, r.steps, ew,
+                  srow + j * 16, cols);
+        if (lv == 2) {
+          product(a1 + row0 * r.kp + p.s * kStepK, r.kp, B(j, g), jone);
+          add_terms(jone, r.bits1.data() + row0 * r.steps + p.s, r.steps, ew, srow + j * 16,
+                    cols);
+        }
+        continue;
+      }
+      for (int64_t bb = 0; bb < bps && p.s * bps + bb < r.nb; ++bb) {
+        const __mmask64 keep = (c.block == 16 ? 0xFFFFULL : 0xFFFFFFFFULL) << (bb * c.block);
+        const int64_t at = row0 * r.kp + p.s * kStepK;
+        for (int i = 0; i < kAmxRows; ++i)  // each block is in one level: the other has 0
+          _mm512_store_si512(abuf + i * 64,
+                             _mm512_or_si512(_mm512_maskz_loadu_epi8(keep, a0 + at + i * r.kp),
+                                             _mm512_maskz_loadu_epi8(keep, a1 + at + i * r.kp)));
+        product(abuf, 64, B(j, g), jone);
+        add_terms(jone, r.block_bits.data() + (row0 * r.steps + p.s) * bps + bb, r.steps * bps,
+                  block_ew_bits(w, tile0 + j, p.s * bps + bb, m), srow + j * 16, cols);
+      }
+    }
+    const bool chunk_end = (p.s + 1) % c.chunk_steps == 0 || p.s + 1 == r.steps;
+    if (!scaled || !chunk_end) return;
+    const int64_t ch = p.s / c.chunk_steps;
+    for (int j = 0; j < kColTiles; ++j) {
+      const int64_t n0 = (tile0 + j) * 16;
+      if (n0 >= c.n) break;
+      const __m512 rw = _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0);
+      for (int i = 0; i < kAmxRows; ++i) {
+        float* so = srow + i * cols + j * 16;
+        float* yo = Y + (row0 + i) * cols + j * 16;
+        const __m512 t = _mm512_mul_ps(_mm512_set1_ps(r.ra[(row0 + i) * c.chunks + ch]), rw);
+        _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_loadu_ps(so), t, _mm512_loadu_ps(yo)));
+        _mm512_storeu_ps(so, _mm512_setzero_ps());
+      }
+    }
+  };
+
+  for (int64_t cb = c0; cb < c1; ++cb) {
+    const int64_t tile0 = cb * kColTiles;
+    std::fill(sacc.begin(), sacc.end(), 0.0f);
+    std::fill(yacc.begin(), yacc.end(), 0.0f);
+    for (int64_t s0 = 0; s0 < r.steps; s0 += span) {
+      const int64_t s1 = std::min(r.steps, s0 + span);
+      for (int j = 0; j < kColTiles; ++j)
+        for (int64_t s = s0; s < s1; ++s)
+          decode_step(w, c.block, tile0 + j, s, B(j, s - s0), &meta[j * span_alloc + (s - s0)],
+                      &seen);
+      Pending prev;
+      int parity = 0;
+      for (int64_t rt = 0; rt < mt; ++rt) {
+        for (int64_t s = s0; s < s1; ++s) {
+          _tile_loadd(4, a0 + rt * kAmxRows * r.kp + s * kStepK, r.kp);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_loadd(5, B(0, s - s0), 64);
+          _tile_dpbssd(0, 4, 5);
+          _tile_loadd(6, B(1, s - s0), 64);
+          _tile_dpbssd(1, 4, 6);
+          _tile_loadd(5, B(2, s - s0), 64);
+          _tile_dpbssd(2, 4, 5);
+          _tile_loadd(6, B(3, s - s0), 64);
+          _tile_dpbssd(3, 4, 6);
+          int32_t* jb = jbuf[parity][0];
+          _tile_stored(0, jb, 64);
+          _tile_stored(1, jb + 256, 64);
+          _tile_stored(2, jb + 512, 64);
+          _tile_stored(3, jb + 768, 64);
+          if (prev.rt >= 0) epilogue(prev, s0, tile0);
+          prev = {rt, s, jb};
+          parity ^= 1;
+        }
+      }
+      if (prev.rt >= 0) epilogue(prev, s0, tile0);
+    }
+    for (int64_t row = 0; row < r.m; ++row) {  // + the bias, in the output dtype
+      for (int j = 0; j < kColTiles; ++j) {
+        const int64_t n0 = (tile0 + j) * 16;
+        if (n0 >= c.n) break;
+        const int64_t live = std::min<int64_t>(16, c.n - n0);
+        const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+        __m512 v = _mm512_loadu_ps(Y + row * cols + j * 16);
+        if (c.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c.bias + n0));
+        store_outputs(v, c.dtype, c.out, row * c.n + n0, mask);
+      }
+    }
+  }
+  _tile_release();
+  if (!fits(seen, r.lo, r.hi)) c.refused->store(true);
+}
+#endif
+
+int64_t amx_int8_available() {
+#ifdef MXPLUS_AMX
+  return amx_int8_usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, bool act_mbs,
+                           int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
+                           const at::Tensor& wmbs, const at::Tensor& rw, int64_t n, int64_t k,
+                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  const char* op = "vllm_mxplus::cpu_amx_int8_linear";
+  check_rule(block, rule, act_mbs, macro);
+  TORCH_CHECK(rule != kRuleMxplus, op, ": MX+ is not an E8M0 pair for this path");
+  TORCH_CHECK(k > 0 && n > 0, op, ": N and K must be positive");
+  const WeightTiles w =
+      gemm_detail::e8m0_weight_tiles(op, wcodes, wscales, wmbs, n, k, block, macro);
+  const bool chunked = act_mbs || w.mbs != nullptr;
+  const int64_t chunks = chunked ? cdiv(k, macro) : 0;
+  TORCH_CHECK(!chunked || macro % 64 == 0, op, ": with MBS the macro block must be a "
+              "multiple of 64 (one tile step), got ", macro);
+  if (chunked) {
+    TORCH_CHECK(rw.scalar_type() == at::kFloat && rw.is_contiguous() && rw.dim() == 2 &&
+                    rw.size(0) == chunks && rw.size(1) >= w.nt * 16,
+                op, ": rw must be contiguous fp32 [", chunks, ", >= ", w.nt * 16,
+                "] (1 / Fw per chunk and column), got ", rw.sizes(), " ", rw.scalar_type());
+  } else {
+    TORCH_CHECK(rw.numel() == 0, op, ": rw must be empty without MBS");
+  }
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              op, ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, op,
+              ": x must be a CPU tensor with last dim K=", k, ", got ", x.sizes());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options().dtype(out_dtype));
+  if (x.numel() == 0) return out;
+#ifdef MXPLUS_AMX
+  TORCH_CHECK(amx_int8_usable(), op, ": this CPU has no AMX-INT8 or Linux refused the AMX tile "
+              "permission (cpu_amx_int8_available() says so before a call)");
+  at::Tensor x2 = x.reshape({-1, k});
+  const at::ScalarType xt = x2.scalar_type();
+  if (xt != at::kFloat && xt != at::kBFloat16 && xt != at::kHalf) x2 = x2.to(at::kFloat);
+  x2 = x2.contiguous();
+  std::vector<float> b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",
+                n);
+    const at::Tensor bf = bias->to(at::kFloat).contiguous();
+    b32.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + n);
+  }
+  const Rows rows = act_rows(x2, k, block, static_cast<int>(rule), act_mbs, macro, chunks);
+  std::atomic<bool> refused{rows.exact_only};
+  if (!refused) {
+    const int64_t chunk_steps = chunked ? macro / kStepK : rows.steps;
+    const Call c{&rows,  &w, block, n, chunk_steps, chunks,
+                 chunked ? rw.data_ptr<float>() : nullptr, chunked ? rw.size(1) : 0,
+                 b32.empty() ? nullptr : b32.data(), out.data_ptr(), out_dtype, &refused};
+    const int64_t ncb = cdiv(w.nt, kColTiles);
+    const int64_t grain = std::max<int64_t>(
+        1, kInt8ParallelMacs / std::max<int64_t>(1, kColTiles * 16 * rows.kp * rows.mp));
+    at::parallel_for(0, ncb, grain, [&](int64_t c0, int64_t c1) { run_blocks(c, c0, c1); });
+  }
+  if (!refused) return out;
+#endif
+  // what the fold cannot take exactly (or no AMX code): the integer kernels
+  return gemm_detail::tile_linear(x, block, static_cast<int>(rule), act_mbs, macro, w, k, bias,
+                                  out_dtype, op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
+  m.def("cpu_amx_int8_available() -> int", &amx_int8_available);
+  m.def("cpu_amx_int8_linear(Tensor x, int block, int rule, bool act_mbs, int macro, "
+        "Tensor wcodes, Tensor wscales, Tensor wmbs, Tensor rw, int n, int k, Tensor? bias, "
+        "ScalarType out_dtype) -> Tensor",
+        cpu_kernel(&amx_int8_linear));
+}
+
+}  // namespace mxplus_cpu
