@@ -170,7 +170,7 @@ def test_linear_on_tiles_within_the_bound(ck, pair, m, k):
     q = quantize(wsrc, wf)
     x = xs.to(torch.bfloat16)
     bias = torch.randn(45, generator=torch.Generator().manual_seed(m * 7 + k))
-    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=False)
     plain = exact_bf16.ExactBf16Weight.from_quantized(q, scheme)
     assert w.operand is None and (w.packed is not None) == w.e8m0
     want = plain.weight_rows(0, 45)[0]
@@ -243,6 +243,7 @@ def test_backend_serves_large_m_on_tiles(ck, name):
     if w.e8m0:
         assert w.tiles is None and w.packed is not None
         assert w.packed[0] is layer.mxplus_cpu_codes and w.packed[1] is layer.mxplus_cpu_scales
+        assert w.packed[2] is layer.mxplus_cpu_mbs
     else:
         assert w.tiles is not None and w.packed is None
     x = torch.randn(exact_bf16.MIN_M, 320)
@@ -259,7 +260,7 @@ def test_no_tiles_without_amx(ck, monkeypatch):
 
 
 def _packed_weight(wf: str, n: int, k: int, seed: int):
-    """(q, codes, scales, the torch path's operand) of an E8M0 weight with special rows, and
+    """(q, codes, scales, MBS bytes, the torch path's operand) of an E8M0 weight with special rows, and
     block scales at every edge of the vector decoder's range (E8M0 codes 0, 1, 2, 252, 253,
     254 and NaN)."""
     scheme = get_scheme(wf)
@@ -267,11 +268,11 @@ def _packed_weight(wf: str, n: int, k: int, seed: int):
     edges = torch.tensor([0, 1, 2, 252, 253, 254, 255], dtype=torch.uint8)
     rows = torch.arange(min(n, len(edges)))
     q.scales[rows, -1] = edges[rows]
-    codes, scales, _ = exact_bf16.cpu_kernels.pack_weight(
-        q.codes, q.scales, None, k, q.spec, scheme.macro_block
+    codes, scales, mbs = exact_bf16.cpu_kernels.pack_weight(
+        q.codes, q.scales, q.mbs, k, q.spec, scheme.macro_block
     )
     plain = exact_bf16.ExactBf16Weight.from_quantized(q, scheme)
-    return q, codes, scales, plain
+    return q, codes, scales, mbs, plain
 
 
 @pytest.mark.parametrize("wf", ["mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
@@ -280,7 +281,7 @@ def test_scalar_decoder_is_the_operand_in_tile_layout(ck, wf, n, k):
     """cpu_amx_unpack's reference decoder (every host): the packed codes and scales give the
     torch path's bf16 operand in amx_pack's layout, bit for bit (zero padding to 32 columns
     and steps; a block the packer marks NaN all NaN)."""
-    q, codes, scales, plain = _packed_weight(wf, n, k, seed=n + k)
+    q, codes, scales, _, plain = _packed_weight(wf, n, k, seed=n + k)
     kp = -(-plain.operand.shape[1] // 32) * 32  # K, or the macro chunks, padded to 32
     got = torch.ops.vllm_mxplus.cpu_amx_unpack(codes, scales, q.spec.block_size, k, n, kp, True)
     rows = exact_bf16._pad_to(plain.operand.float(), 32, kp)
@@ -297,7 +298,7 @@ def test_vector_decoder_is_the_scalar_one(ck, wf, n, k):
     """The decoder the packed GEMM runs (bit operations on 32 values at a time, the scalar one
     for blocks whose scale leaves its range) = the reference decoder, bits included (NaN
     payloads, -0, subnormal and infinite values)."""
-    q, codes, scales, _ = _packed_weight(wf, n, k, seed=3 * n + k)
+    q, codes, scales, _, _ = _packed_weight(wf, n, k, seed=3 * n + k)
     kp = -(-k // 32) * 32 + 32  # a zero step past the packed groups
     args = (codes, scales, q.spec.block_size, k, n, kp)
     ops = torch.ops.vllm_mxplus
@@ -316,11 +317,11 @@ def test_packed_gemm_is_the_held_tiles_gemm(ck, name, m):
     spans (K = 1100)."""
     scheme = get_scheme(name)
     n, k = 300, 1100
-    q, codes, scales, plain = _packed_weight(name, n, k, seed=m)
+    q, codes, scales, mbs, plain = _packed_weight(name, n, k, seed=m)
     packed = exact_bf16.ExactBf16Weight.from_quantized(
-        q, scheme, tiles=True, packed=(codes, scales)
+        q, scheme, tiles=True, packed=(codes, scales, mbs), int8=False
     )
-    held = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    held = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=False)
     held.tiles = exact_bf16.amx_pack(
         exact_bf16._pad_to(held._untiled(0, n).float(), 32, held.kp_tiles).to(torch.bfloat16)
     )
@@ -338,7 +339,7 @@ def test_packed_gemm_is_the_held_tiles_gemm(ck, name, m):
 @amx
 def test_packed_gemm_refuses_bad_layouts(ck):
     ops = torch.ops.vllm_mxplus
-    q, codes, scales, _ = _packed_weight("mxfp4-mbs", 32, 64, seed=1)
+    q, codes, scales, _, _ = _packed_weight("mxfp4-mbs", 32, 64, seed=1)
     a, e = torch.zeros(32, 64, dtype=torch.bfloat16), torch.empty(0)
 
     def gemm(codes=codes, scales=scales, block=16, k=64, a=a):

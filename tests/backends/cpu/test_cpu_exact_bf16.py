@@ -318,8 +318,9 @@ def _count_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize("name", SCHEME_NAMES)
 def test_backend_takes_the_path_for_large_m_on_an_amx_host(ck, monkeypatch, name):
-    """With the host taken for an AMX one, cpu-packed runs the exact path from MIN_M rows and
-    its integer kernels below, for every scheme (its self-test passed first)."""
+    """With the host taken for an AMX one, cpu-packed runs the exact path from its min_m rows
+    (MIN_M; INT8_MIN_M for E8M0 weights on AMX-INT8 tiles) and its integer kernels below, for
+    every scheme (its self-test passed first)."""
     monkeypatch.setattr(exact_bf16, "host_choice", lambda: (True, ""))
     monkeypatch.setattr(exact_bf16, "_VERDICT", {})
     calls = _count_calls(monkeypatch)
@@ -329,11 +330,13 @@ def test_backend_takes_the_path_for_large_m_on_an_amx_host(ck, monkeypatch, name
     backend.process_weights_after_loading(layer, q)
     assert backend.exact is not None and backend.branches_on_m  # dispatched inside the op
     assert list(exact_bf16._VERDICT.values()) == [(True, "")]
-    for m in (1, exact_bf16.MIN_M - 1, exact_bf16.MIN_M, 200):
+    lo = backend.exact.min_m
+    assert lo == (exact_bf16.INT8_MIN_M if backend.exact.int8 else exact_bf16.MIN_M)
+    for m in (1, lo - 1, lo, 200):
         x = torch.randn(m, 320)
         y = backend.apply(layer, x, None)
         _check(y, x, q, scheme, None, backend.exact)
-    assert [s[0] for s in calls if s[0] != exact_bf16.MIN_M + 3] == [exact_bf16.MIN_M, 200]
+    assert [s[0] for s in calls if s[0] != exact_bf16.MIN_M + 3] == [lo, 200]
 
 
 def test_nvfp4_given_row_global_scales_keep_the_integer_kernel(ck, monkeypatch):

@@ -40,6 +40,15 @@ one product G = fl(ga * gw) per output and one product P * G, as the integer ker
 (ga * gw) * 1/4). The spec composes NVFP4 as x_hat = fl(fl(v * s) * g) = fl(a * g), v * s
 being exact: the path's a * ga differs from x_hat by the spec's one rounding, counted below.
 
+On hosts with AMX-INT8 as well (`int8_tiles`), E8M0 weights take the plugin's int8 tile
+linear instead (csrc/mx_amx_int8_cpu.cpp, `cpu_amx_int8_linear`, from INT8_MIN_M rows): the
+integer kernels' exact block sums, 64 elements per `tdpbssd`, the block scales folded into
+the int8 operands where that is exact (a spread of at most 3 in E8M0 codes across the fold;
+two folds or one product per block where it is larger), and each macro chunk's exact sum
+scaled into y as below; its roundings are at most the tile GEMM's (`roundings` holds for
+both), and what the fold cannot take exactly (NaN, tiny or extreme scales) runs on the
+integer kernels inside the op.
+
 Where the CPU has AMX-BF16 (`amx_tiles`: what serves), the GEMM is the plugin's tile kernel
 (csrc/mx_amx_cpu.cpp: the weight as `tdpbf16ps` B tiles, decoded per task from the packed
 codes for E8M0, held in bf16 for NVFP4 and MX+; each chunk's fp32 sums scaled by
@@ -103,6 +112,10 @@ logger = logging.getLogger(__name__)
 # tiles beat the integer kernels from M = 32 (1.3x on Llama-3-8B's o / down) and not at 16;
 # the same with E8M0 weights decoded per task
 MIN_M = 32
+# rows per call from which AMX-INT8 hosts run E8M0 weights on int8 tiles (int8_tiles): on the
+# AMX Xeon of docs/cpu_kernels.md they beat the integer kernels from about 10 rows (SmolLM2's
+# layer: 1.03-1.16x at 12, 1.2-1.4x at 16) and the bf16 tiles at every M measured (to 1024)
+INT8_MIN_M = 12
 ROW_TILE = 512  # weight rows decoded per step (bounds the fp32 temporaries)
 PARTIAL_BYTES = 32 << 20  # fp32 partial sums [chunks, M, rows] per batched GEMM, at most
 U = 2.0**-24
@@ -230,8 +243,11 @@ class ExactBf16Weight:
     rw: torch.Tensor | None = None
     # E8M0 weights on AMX tiles: no bf16 copy at all; the GEMM decodes the same B tiles per
     # task from the integer kernels' packed codes and scales (`cpu_pack_weight`, ~0.57 byte
-    # per weight, shared with the integer kernels): (codes, scales), with `tiles` None
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per weight, shared with the integer kernels): (codes, scales, MBS bytes), `tiles` None
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # E8M0 weights on AMX-INT8 hosts (`int8_tiles`): the `linear_args` of cpu_amx_int8_linear,
+    # which runs the packed weight on int8 tiles instead of the bf16 tile GEMM; else None
+    int8: tuple | None = None
 
     @classmethod
     def from_quantized(
@@ -239,14 +255,17 @@ class ExactBf16Weight:
         q: QuantizedTensor,
         scheme: Scheme,
         tiles: bool = False,
-        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        int8: bool | None = None,
     ) -> ExactBf16Weight:
         """The operand of weight q for the scheme's activations (and macro block): the pair
         of q's own format and the scheme's activation format must be one the path `takes`.
         tiles: run it on AMX tiles (`amx_tiles` says where it runs): an E8M0 weight from its
-        packed FP4 tiles (`packed`, the integer kernels' codes and scales of q: the caller's,
-        shared; packed here when None), NVFP4 and MX+ from a bf16 copy in tile layout (2
-        bytes per weight); else torch's row-major bf16 operand."""
+        packed FP4 tiles (`packed`, the integer kernels' codes, scales and MBS bytes of q: the
+        caller's, shared; packed here when None), NVFP4 and MX+ from a bf16 copy in tile
+        layout (2 bytes per weight); else torch's row-major bf16 operand. int8: an E8M0
+        weight on tiles runs on AMX-INT8 (`cpu_amx_int8_linear`) rather than the bf16 tile
+        GEMM; None: where this host and scheme take it (`int8_tiles`)."""
         w, a = q.spec, scheme.activation
         ok, why = takes(dataclasses.replace(scheme, weight_format=w.name))
         if not ok:
@@ -262,11 +281,15 @@ class ExactBf16Weight:
         out = cls(None, fw, gw, n, k, w, a, scheme.macro_block)
         if tiles and out.e8m0:
             if packed is None:
-                codes, scales, _ = cpu_kernels.pack_weight(
-                    q.codes, q.scales, None, k, w, scheme.macro_block
+                packed = cpu_kernels.pack_weight(
+                    q.codes, q.scales, q._field("mbs") if w.mbs else None, k, w,
+                    scheme.macro_block,
                 )
-                packed = (codes, scales)
             out.packed = packed
+            if int8 is None:
+                int8 = int8_tiles(dataclasses.replace(scheme, weight_format=w.name))[0]
+            if int8:
+                out.int8 = cpu_kernels.linear_args(w, a, n, k, scheme.macro_block)
         else:
             operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
             for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
@@ -280,6 +303,11 @@ class ExactBf16Weight:
             f = fw if fw is not None else torch.ones(n, chunks)
             out.rw = _pad_to(1.0 / f, TILE_PAD, chunks, value=1.0).t().contiguous()
         return out
+
+    @property
+    def min_m(self) -> int:
+        """Rows per call from which the path serves: INT8_MIN_M on int8 tiles, else MIN_M."""
+        return INT8_MIN_M if self.int8 is not None else MIN_M
 
     @property
     def e8m0(self) -> bool:
@@ -335,7 +363,7 @@ class ExactBf16Weight:
         t = self.tiles
         if t is None:  # the packed tiles, by the scalar reference decoder
             assert self.packed is not None
-            codes, scales = self.packed
+            codes, scales, _ = self.packed
             t = torch.ops.vllm_mxplus.cpu_amx_unpack(
                 codes, scales, self.weight.block_size, self.k, self.n, self.kp_tiles, True
             )
@@ -444,6 +472,23 @@ def amx_tiles(scheme: Scheme) -> tuple[bool, str]:
     return True, ""
 
 
+def int8_tiles(scheme: Scheme) -> tuple[bool, str]:
+    """Whether E8M0 weights of this scheme run on AMX-INT8 tiles (`cpu_amx_int8_linear`):
+    the GEMM runs on AMX tiles (`amx_tiles`), the scheme is an E8M0 pair, the C++ side finds
+    AMX-INT8 and the tile permission, and with MBS the macro block is a multiple of 64 (a
+    chunk of whole int8 steps). (True, "") or (False, why)."""
+    ok, why = amx_tiles(scheme)
+    if not ok:
+        return False, why
+    if scheme.weight.has_global_scale or scheme.weight.block_max_mantissa:
+        return False, f"{scheme.weight.name} weights are not E8M0 (int8 tiles take E8M0 only)"
+    if not torch.ops.vllm_mxplus.cpu_amx_int8_available():
+        return False, "no AMX-INT8 tiles in this process (CPU, permission or compiler)"
+    if (scheme.weight.mbs or scheme.activation.mbs) and scheme.macro_block % 64:
+        return False, f"macro block {scheme.macro_block} is not a multiple of 64"
+    return True, ""
+
+
 def amx_pack(operand: torch.Tensor) -> torch.Tensor:
     """bf16 [Np, Kp] (multiples of 16 and 32) -> the B tiles of `tdpbf16ps`, bf16 [Np/16, Kp/32,
     16, 32]: per 16 columns and 32-K step, row r holds the 16 columns' pairs (k = 2r, 2r+1)."""
@@ -469,6 +514,9 @@ def _tiled(
     `cpu_amx_packed_gemm` for a packed E8M0 weight, its B tiles decoded per task)."""
     ops = torch.ops.vllm_mxplus
     m, act = x2d.shape[0], w.activation
+    if w.int8 is not None and w.packed is not None:  # the whole linear in one op
+        rw = w.rw if w.rw is not None else _EMPTY
+        return cpu_kernels.amx_int8_linear(x2d, w.int8, *w.packed, rw, bias, out_dtype)
     mp, kp = ceil_div(m, TILE_PAD) * TILE_PAD, w.kp_tiles
     ga = None
     if act.has_global_scale:  # NVFP4 (never chunked): codes and E4M3 bytes, then expanded
@@ -484,7 +532,7 @@ def _tiled(
     gw = w.gw if ga is not None else None
     b = None if bias is None else bias.to(torch.float32).contiguous()
     if w.packed is not None:
-        codes, scales = w.packed
+        codes, scales, _ = w.packed
         block = w.weight.block_size
         return ops.cpu_amx_packed_gemm(
             a, codes, scales, block, w.k, ra, rw, chunk, m, w.n, b, out_dtype
@@ -557,19 +605,23 @@ def bound(
 
 
 def self_test(scheme: Scheme, amx: bool = True, tiles: bool = False) -> tuple[bool, str]:
-    """The path on a small problem (M = MIN_M + 3, K with a partial block and a partial chunk)
-    against `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx,
-    tiles); tiles: the GEMM on AMX tiles (`amx_tiles`). (True, "") or (False, the first output
-    out of bound)."""
+    """The path on a small problem (M = MIN_M + 3, K with a partial block and a partial chunk,
+    blocks whose scales spread past one int8 fold in some rows and one column tile) against
+    `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx, tiles);
+    tiles: the GEMM on AMX tiles (`amx_tiles`; E8M0 on int8 tiles where `int8_tiles` says).
+    (True, "") or (False, the first output out of bound)."""
     key = (scheme.name, scheme.macro_block, amx, tiles)
     if key in _VERDICT:
         return _VERDICT[key]
     g = torch.Generator().manual_seed(0)
     n, k, m = 40, 2 * scheme.macro_block + 40, MIN_M + 3
-    wq = quantize(
-        torch.randn(n, k, generator=g) * 0.05, scheme.weight_format, macro_block=scheme.macro_block
-    )
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    wsrc = torch.randn(n, k, generator=g) * 0.05
+    wsrc[3, 16:32] *= 2.0**6  # block scales 6 apart: one 16-column tile past any fold
+    wq = quantize(wsrc, scheme.weight_format, macro_block=scheme.macro_block)
+    x = torch.randn(m, k, generator=g)
+    x[::5, 16:32] *= 2.0**5  # rows whose scales need two folds of the int8 tiles
+    x[(3, 9), 48:64] *= 2.0**9  # and two rows (one 16-row tile) a product per block
+    x = x.to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     w = ExactBf16Weight.from_quantized(wq, scheme, tiles=tiles)
     y = linear(x, w, bias, torch.float32, amx)

@@ -266,6 +266,25 @@ def amx_act_quant(
     return torch.ops.vllm_mxplus.cpu_amx_act_quant(x, block, rule, mbs, macro_block, mp, kp, chunks)
 
 
+def amx_int8_linear(
+    x: torch.Tensor,
+    args: tuple,
+    wcodes: torch.Tensor,
+    wscales: torch.Tensor,
+    wmbs: torch.Tensor,
+    rw: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`cpu_amx_int8_linear`: `linear_packed`'s linear on AMX-INT8 tiles (AMX hosts; rw the
+    reciprocals 1/Fw [chunks, >= N rounded up to 16] with MBS on either side, else empty);
+    where its scale fold cannot be exact the op runs `cpu_mx_linear`'s kernels itself."""
+    a_block, a_rule, a_mbs, macro, n, k, _ = args
+    return torch.ops.vllm_mxplus.cpu_amx_int8_linear(
+        x, a_block, a_rule, a_mbs, macro, wcodes, wscales, wmbs, rw, n, k, bias, out_dtype
+    )
+
+
 def act_fake_quant(x: torch.Tensor, fmt: Format, macro_block: int) -> torch.Tensor:
     """formats.fake_quantize(x, fmt) in fp32 (same bits), for the E8M0 activation formats."""
     _require()

@@ -17,8 +17,9 @@ csrc/mx_mxplus_cpu.cpp): every scheme.
 On AMX-BF16 hosts, calls of at least `exact_bf16.MIN_M` rows of every scheme take the
 exact-bf16 path instead (exact_bf16.py: bf16-exact operands, an fp32-accumulated GEMM on the
 AMX tiles by csrc/mx_amx_cpu.cpp, a derived bound, a first-use self-test per scheme; the
-dispatch runs this backend inside its opaque op there: `branches_on_m`); elsewhere, and with
-VLLM_MXPLUS_CPU_EXACT_BF16=0, the integer kernels serve every M.
+dispatch runs this backend inside its opaque op there: `branches_on_m`); with AMX-INT8 too,
+E8M0 weights from `exact_bf16.INT8_MIN_M` rows on int8 tiles (csrc/mx_amx_int8_cpu.cpp);
+elsewhere, and with VLLM_MXPLUS_CPU_EXACT_BF16=0, the integer kernels serve every M.
 """
 
 from __future__ import annotations
@@ -142,11 +143,13 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         # an E8M0 weight's tiles decode from the layer's own packed codes and scales
         shared = None
         if self._args[0] == E8M0_GEMM:
-            shared = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales)
+            shared = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         self.exact = self._exact_weight(qweight, shared)
+        if self.exact is not None:
+            self.exact_min_m = self.exact.min_m
 
     def _exact_weight(
-        self, qweight: QuantizedTensor, packed: tuple[Tensor, Tensor] | None
+        self, qweight: QuantizedTensor, packed: tuple[Tensor, Tensor, Tensor] | None
     ) -> exact_bf16.ExactBf16Weight | None:
         """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
         tile permission, a scheme whose operands the path builds: E8M0, NVFP4 and MX+ alike,
@@ -178,8 +181,12 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (%s, "
             "docs/cpu_kernels.md; %s: VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
             self.spec.scheme,
-            self.exact_min_m,
-            "on AMX-BF16 tiles" if tiles else f"through oneDNN: {tiles_why}",
+            w.min_m,
+            "on AMX-INT8 tiles, the block scales folded into the int8 codes"
+            if w.int8 is not None
+            else "on AMX-BF16 tiles"
+            if tiles
+            else f"through oneDNN: {tiles_why}",
             "weights decoded from their packed codes per call, no more memory"
             if w.packed is not None
             else "a bf16 copy of each weight, 2 bytes per weight more memory",

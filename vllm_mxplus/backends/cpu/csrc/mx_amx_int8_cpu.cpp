@@ -64,7 +64,9 @@ constexpr int kColTiles = 4;         // 16-column tiles per column block (64 out
 constexpr int64_t kSpanSteps = 8;    // steps whose B tiles are decoded at once (32 KiB)
 constexpr int kMaxSpread = 3;        // 12 * 2^3 = 96 <= 127
 constexpr int kDummyExp = 129;       // the exponent of an all-zero block: its scale bits are 0
-constexpr int kLowWindow = 256 - 126;  // EA + EW >= this: 2^(EA + EW - 256) is normal
+// EA + EW >= this: 2^(EA + EW - 256) is normal, and so is its product with an MBS factor
+// t = fl(1/Fa) fl(1/Fw) > 1/4
+constexpr int kLowWindow = 256 - 124;
 constexpr int kHighWindow = 256 + 107;  // EA + EW <= this: |J| 2^(EA + EW - 256) < 2^127
 // MACs per thread before a call is split over threads (~5 us of tile work on the AMX Xeon of
 // docs/cpu_kernels.md): below it one thread runs the call
@@ -104,6 +106,9 @@ struct Rows {
   std::vector<int32_t> bits0, bits1;  // [mp, steps] exp_bits of each level's base
   std::vector<int32_t> block_bits;    // [mp, steps * bps] exp_bits of each block's level base
   std::vector<uint8_t> levels;        // [mp / 16, steps] 1, 2, or 3: one product per block
+  std::vector<uint8_t> unit_fold;     // [mp / 16, units] every row folds over the unit
+  std::vector<int32_t> ubits;         // [mp, units] exp_bits of the unit's base where it folds
+  int64_t units;
   std::vector<float> ra;              // [mp, chunks] fl(1 / Fa), 1 without activation MBS
   int lo = 255, hi = 0;               // the nonzero blocks' exponents
   bool exact_only = false;            // a block the fold cannot take: the integer kernels run
@@ -132,7 +137,7 @@ inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* 
 // Quantize x's rows (quant_row; x contiguous [M, k] fp32, bf16 or fp16) and lay the operand
 // out. `chunks` 0: no factors.
 Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs, int64_t macro,
-              int64_t chunks) {
+              int64_t chunks, int64_t unit) {
   Rows r;
   r.m = x.size(0);
   r.mp = cdiv(r.m, kAmxRows) * kAmxRows;
@@ -146,6 +151,9 @@ Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs,
   r.bits1.assign(r.mp * r.steps, exp_bits(kDummyExp));
   r.block_bits.assign(r.mp * r.steps * r.bps, exp_bits(kDummyExp));
   r.levels.assign(r.mp / kAmxRows * r.steps, 1);
+  r.units = cdiv(r.steps, unit);
+  r.unit_fold.assign(r.mp / kAmxRows * r.units, unit > 1 ? 1 : 0);
+  r.ubits.assign(r.mp * r.units, exp_bits(kDummyExp));
   r.ra.assign(r.mp * chunks, 1.0f);
   const int64_t nm = mbs ? cdiv(k, macro) : 0;
   std::atomic<int> lo{255}, hi{0};
@@ -154,15 +162,17 @@ Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs,
     std::vector<float> ybuf(std::max(macro, block)), xbuf(k);
     std::vector<int8_t> codes(r.nb * block);
     std::vector<uint8_t> sc(r.nb), mb(std::max<int64_t>(nm, 1));
+    std::vector<int> slo(r.steps), shi(r.steps);
     int tlo = 255, thi = 0;
     bool bad = false;
     for (int64_t row = r0; row < r1; ++row) {
       quant_row(row_f32(x, row, k, xbuf.data()), k, block, rule, mbs, macro, codes.data(),
                 sc.data(), mb.data(), nullptr, ybuf.data());
       for (int64_t c = 0; mbs && c < chunks; ++c) r.ra[row * chunks + c] = 1.0f / mbs_factor(mb[c]);
-      for (int64_t s = 0; s < r.steps; ++s) {
+      for (int64_t s = 0; s < r.steps; ++s) {  // each step's nonzero exponents
         const int64_t b0 = s * r.bps, b1 = std::min(r.nb, b0 + r.bps);
-        int elo = 255, ehi = 0;
+        slo[s] = 255;
+        shi[s] = 0;
         for (int64_t b = b0; b < b1; ++b) {
           const int e = sc[b];
           const int8_t* cb = codes.data() + b * block;
@@ -170,27 +180,41 @@ Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs,
               (e == 0 && block_max(cb, block) != 0))
             bad = true;
           if (e == 0) continue;  // an all-zero block: any shift
-          elo = std::min(elo, e);
-          ehi = std::max(ehi, e);
+          slo[s] = std::min(slo[s], e);
+          shi[s] = std::max(shi[s], e);
         }
-        if (elo > ehi) continue;  // all zero: zero codes, dummy exponents
-        tlo = std::min(tlo, elo);
-        thi = std::max(thi, ehi);
-        const int spread = ehi - elo;
-        const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
-        const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
-        r.bits0[row * r.steps + s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
-        if (lv == 2) r.bits1[row * r.steps + s] = exp_bits(elo);
-        uint8_t& tl = r.levels[row / kAmxRows * r.steps + s];
-        tl = std::max<uint8_t>(tl, static_cast<uint8_t>(lv));
-        int32_t* bits = r.block_bits.data() + (row * r.steps + s) * r.bps;
-        for (int64_t b = b0; b < b1; ++b) {
-          const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
-          const bool low = lv == 2 && e < base0;  // the second level
-          const int base = lv == kPerBlock ? e : low ? elo : base0;
-          bits[b - b0] = exp_bits(base);
-          int8_t* out = (low ? r.a1 : r.a).data() + row * r.kp + b * block;
-          shift_codes(codes.data() + b * block, block, e - base, out);
+      }
+      for (int64_t u = 0; u < r.units; ++u) {
+        const int64_t u0 = u * unit, u1 = std::min(r.steps, u0 + unit);
+        int ulo = 255, uhi = 0;
+        for (int64_t s = u0; s < u1; ++s) {
+          ulo = std::min(ulo, slo[s]);
+          uhi = std::max(uhi, shi[s]);
+        }
+        const bool unit_fold = ulo > uhi || uhi - ulo <= kMaxSpread;
+        if (!unit_fold) r.unit_fold[row / kAmxRows * r.units + u] = 0;
+        if (unit_fold && ulo <= uhi) r.ubits[row * r.units + u] = exp_bits(ulo);
+        for (int64_t s = u0; s < u1; ++s) {
+          const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
+          if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
+          tlo = std::min(tlo, elo);
+          thi = std::max(thi, ehi);
+          const int spread = ehi - elo;
+          const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
+          const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
+          r.bits0[row * r.steps + s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
+          if (lv == 2) r.bits1[row * r.steps + s] = exp_bits(elo);
+          uint8_t& tl = r.levels[row / kAmxRows * r.steps + s];
+          tl = std::max<uint8_t>(tl, static_cast<uint8_t>(lv));
+          int32_t* bits = r.block_bits.data() + (row * r.steps + s) * r.bps;
+          for (int64_t b = s * r.bps; b < std::min(r.nb, (s + 1) * r.bps); ++b) {
+            const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
+            const bool low = lv == 2 && e < base0;  // the second level
+            const int base = lv == kPerBlock ? e : low ? elo : base0;
+            bits[b - s * r.bps] = exp_bits(base);
+            int8_t* out = (low ? r.a1 : r.a).data() + row * r.kp + b * block;
+            shift_codes(codes.data() + b * block, block, e - base, out);
+          }
         }
       }
     }
@@ -231,7 +255,29 @@ struct StepMeta {
   alignas(16) uint8_t lo[16];       // the column's lowest nonzero-block code (255: none)
   uint16_t fold_lanes;              // columns whose spread folds
   bool folded;                      // every column folds
+  bool unit_folded;                 // every column folds over the step's unit (same EW)
 };
+
+// Per column lane of tile t, the lowest and highest nonzero E8M0 code of blocks [b0, b1)
+// (lo 255 and hi 0 where all are zero).
+MXPLUS_AMX_INT8_TARGET inline void scale_range(const WeightTiles& w, int64_t t, int64_t b0,
+                                               int64_t b1, __m128i* lo, __m128i* hi) {
+  *lo = _mm_set1_epi8(char(255));
+  *hi = _mm_setzero_si128();
+  for (int64_t b = b0; b < std::min(b1, w.nb); ++b) {
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));
+    const __mmask16 live = _mm_test_epi8_mask(e, e);
+    *lo = _mm_mask_min_epu8(*lo, live, *lo, e);
+    *hi = _mm_mask_max_epu8(*hi, live, *hi, e);
+  }
+}
+
+// The lanes whose nonzero codes in [lo, hi] fold (spread <= 3, or none).
+MXPLUS_AMX_INT8_TARGET inline __mmask16 fold_lanes(__m128i lo, __m128i hi) {
+  const __mmask16 any = _mm_cmpneq_epi8_mask(lo, _mm_set1_epi8(char(255)));
+  return static_cast<__mmask16>(
+      ~any | _mm_mask_cmple_epu8_mask(any, _mm_sub_epi8(hi, lo), _mm_set1_epi8(kMaxSpread)));
+}
 
 // The weight codes one thread's decodes met: the extremes of the nonzero blocks' E8M0 codes
 // (per column lane; a NaN block's 255 is among them) and whether a block of scale code 0 held
@@ -244,7 +290,8 @@ struct WeightSeen {
 
 // The B tile of column tile t, step s (16 rows x 64 bytes), and its StepMeta.
 MXPLUS_AMX_INT8_TARGET void decode_step(const WeightTiles& w, int64_t block, int64_t t, int64_t s,
-                                        int8_t* out, StepMeta* meta, WeightSeen* seen) {
+                                        __m128i ulo, __mmask16 ufold, int8_t* out,
+                                        StepMeta* meta, WeightSeen* seen) {
   const __m512i table = _mm512_load_si512(kInt8Table.v);
   const __m512i spread = _mm512_load_si512(kSpread4.idx);
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -253,31 +300,28 @@ MXPLUS_AMX_INT8_TARGET void decode_step(const WeightTiles& w, int64_t block, int
     for (int i = 0; i < 16; ++i) meta->ew_bits[i] = static_cast<int32_t>(kDummyExp) << 23;
     std::memset(meta->lo, 255, 16);
     meta->fold_lanes = 0xFFFF;
-    meta->folded = true;
+    meta->folded = meta->unit_folded = true;
     return;
   }
   const int64_t bps = kStepK / block, ppb = block / 16, b0 = s * bps;
-  const int64_t b1 = std::min(w.nb, b0 + bps);
-  __m128i lo = _mm_set1_epi8(char(255)), hi = _mm_setzero_si128();
-  __m128i sc[4];
-  for (int64_t b = b0; b < b1; ++b) {
-    sc[b - b0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));
-    const __mmask16 live = _mm_test_epi8_mask(sc[b - b0], sc[b - b0]);
-    lo = _mm_mask_min_epu8(lo, live, lo, sc[b - b0]);
-    hi = _mm_mask_max_epu8(hi, live, hi, sc[b - b0]);
-  }
+  __m128i lo, hi;
+  scale_range(w, t, b0, b0 + bps, &lo, &hi);
   seen->lo = _mm_min_epu8(seen->lo, lo);
   seen->hi = _mm_max_epu8(seen->hi, hi);
+  // the lanes that fold over the unit take its base (ulo) in both its steps
+  lo = _mm_mask_blend_epi8(ufold, lo, ulo);
   const __mmask16 any = _mm_cmpneq_epi8_mask(lo, _mm_set1_epi8(char(255)));
-  const __mmask16 fold =
-      static_cast<__mmask16>(~any | _mm_mask_cmple_epu8_mask(any, _mm_sub_epi8(hi, lo),
-                                                             _mm_set1_epi8(kMaxSpread)));
+  const __mmask16 fold = ufold | fold_lanes(lo, hi);
   const __m512i ew = _mm512_mask_blend_epi32(any, _mm512_set1_epi32(kDummyExp),
                                              _mm512_cvtepu8_epi32(lo));
   _mm512_store_si512(meta->ew_bits, _mm512_slli_epi32(ew, 23));
   _mm_store_si128(reinterpret_cast<__m128i*>(meta->lo), lo);
   meta->fold_lanes = fold;
   meta->folded = fold == 0xFFFF;
+  meta->unit_folded = ufold == 0xFFFF;
+  __m128i sc[4];
+  for (int64_t b = b0; b < std::min(w.nb, b0 + bps); ++b)
+    sc[b - b0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));
   for (int p = 0; p < kPackedPerStep; ++p) {
     const int64_t grp = s * kPackedPerStep + p, b = b0 + p / ppb;
     int8_t* rows = out + 4 * p * kStepK;
@@ -355,10 +399,28 @@ MXPLUS_AMX_INT8_TARGET inline void add_terms(const int32_t* j, const int32_t* ro
   }
 }
 
+// Y[r][0..15] += J[r] * (2^(EA_r + EW - 256) * fl(ra_r * rw)) for the 16 rows of a tile: a
+// chunk's one fold (its sum exact) scaled into y, one rounding, as y += P_c * t on the bf16
+// tiles (the power of two times t is exact: normal in the window).
+MXPLUS_AMX_INT8_TARGET inline void add_scaled_terms(const int32_t* j, const int32_t* row_bits,
+                                                    int64_t stride, __m512i ew, const float* ra,
+                                                    int64_t ra_stride, __m512 rw, float* y,
+                                                    int64_t y_stride) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ra[r * ra_stride]), rw);
+    const __m512 scale = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(row_bits[r * stride]), ew)), t);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(j + r * 16));
+    float* o = y + r * y_stride;
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, scale, _mm512_loadu_ps(o)));
+  }
+}
+
 struct Call {
   const Rows* rows;
   const WeightTiles* w;
   int64_t block, n, chunk_steps, chunks;  // chunk_steps: steps per chunk (all: no factors)
+  int64_t unit;                           // steps per unit: 2, or 1 (no units)
   const float* rw;                        // [chunks, rw_stride] or null
   int64_t rw_stride;
   const float* bias;                      // [n] or null
@@ -367,10 +429,12 @@ struct Call {
   std::atomic<bool>* refused;
 };
 
-// One step's pending epilogue: the 4 tiles' J (stored) of row tile rt, step s.
+// One step's (or unit's) pending epilogue: the 4 tiles' J (stored) of row tile rt, from
+// step s.
 struct Pending {
   int64_t rt = -1, s = 0;
   const int32_t* j = nullptr;
+  bool unit = false;  // J of the unit's steps, one fold
 };
 
 // The tile configuration: 16 rows x 64 bytes each. Tiles 0-3 the 4 column tiles' J, 4 the
@@ -417,6 +481,7 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
   const int8_t* const a0 = r.a.data();
   const int8_t* const a1 = r.a1.data();
   auto B = [&](int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; };
+  auto srow_of = [&](int64_t row0) { return S + row0 * cols; };
 
   // The epilogue of one step (row tile rt, step s; g its index in the span): the J of the
   // tile's first level (stored) by add_terms, and the second level's products where the
@@ -425,8 +490,25 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
   // are issued. Then, at a chunk's end, y += S * fl(fl(1/Fa) * fl(1/Fw)).
   auto epilogue = [&](const Pending& p, int64_t s0, int64_t tile0) {
     const int64_t g = p.s - s0, row0 = p.rt * kAmxRows;
+    if (p.unit) {  // the unit's J, every row and column folded with the unit's exponents
+      const int64_t ch = p.s / c.chunk_steps;
+      const bool direct = scaled && c.chunk_steps == c.unit;  // the unit is the chunk
+      for (int j = 0; j < kColTiles; ++j) {
+        const __m512i ew = _mm512_load_si512(meta[j * span_alloc + g].ew_bits);
+        const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
+        if (direct)
+          add_scaled_terms(p.j + j * 256, r.ubits.data() + row0 * r.units + p.s / c.unit,
+                           r.units, ew, r.ra.data() + row0 * c.chunks + ch, c.chunks,
+                           _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0), Y + row0 * cols + j * 16,
+                           cols);
+        else
+          add_terms(p.j + j * 256, r.ubits.data() + row0 * r.units + p.s / c.unit, r.units, ew,
+                    srow_of(row0) + j * 16, cols);
+      }
+      if (direct) return;
+    } else {
     const int lv = r.levels[p.rt * r.steps + p.s];
-    float* srow = S + row0 * cols;
+    float* srow = srow_of(row0);
     for (int j = 0; j < kColTiles; ++j) {
       const StepMeta& m = meta[j * span_alloc + g];
       const __m512i ew = _mm512_load_si512(m.ew_bits);
@@ -452,9 +534,12 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
                   block_ew_bits(w, tile0 + j, p.s * bps + bb, m), srow + j * 16, cols);
       }
     }
-    const bool chunk_end = (p.s + 1) % c.chunk_steps == 0 || p.s + 1 == r.steps;
+    }
+    const int64_t last = p.unit ? std::min(r.steps, p.s + c.unit) - 1 : p.s;
+    const bool chunk_end = (last + 1) % c.chunk_steps == 0 || last + 1 == r.steps;
     if (!scaled || !chunk_end) return;
-    const int64_t ch = p.s / c.chunk_steps;
+    const int64_t ch = last / c.chunk_steps;
+    float* srow = srow_of(row0);
     for (int j = 0; j < kColTiles; ++j) {
       const int64_t n0 = (tile0 + j) * 16;
       if (n0 >= c.n) break;
@@ -475,35 +560,68 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
     std::fill(yacc.begin(), yacc.end(), 0.0f);
     for (int64_t s0 = 0; s0 < r.steps; s0 += span) {
       const int64_t s1 = std::min(r.steps, s0 + span);
-      for (int j = 0; j < kColTiles; ++j)
-        for (int64_t s = s0; s < s1; ++s)
-          decode_step(w, c.block, tile0 + j, s, B(j, s - s0), &meta[j * span_alloc + (s - s0)],
-                      &seen);
+      for (int j = 0; j < kColTiles; ++j) {
+        for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
+          __m128i ulo = _mm_setzero_si128(), uhi;
+          __mmask16 ufold = 0;
+          if (c.unit > 1) {
+            scale_range(w, tile0 + j, u0 * bps, (u0 + c.unit) * bps, &ulo, &uhi);
+            ufold = fold_lanes(ulo, uhi);
+          }
+          for (int64_t s = u0; s < std::min(s1, u0 + c.unit); ++s)
+            decode_step(w, c.block, tile0 + j, s, ulo, ufold, B(j, s - s0),
+                        &meta[j * span_alloc + (s - s0)], &seen);
+        }
+      }
       Pending prev;
       int parity = 0;
+      // the products of one step into tiles 0-3 (accumulated: zeroed by the caller)
+      auto step_products = [&](int64_t rt, int64_t s) {
+        _tile_loadd(4, a0 + rt * kAmxRows * r.kp + s * kStepK, r.kp);
+        _tile_loadd(5, B(0, s - s0), 64);
+        _tile_dpbssd(0, 4, 5);
+        _tile_loadd(6, B(1, s - s0), 64);
+        _tile_dpbssd(1, 4, 6);
+        _tile_loadd(5, B(2, s - s0), 64);
+        _tile_dpbssd(2, 4, 5);
+        _tile_loadd(6, B(3, s - s0), 64);
+        _tile_dpbssd(3, 4, 6);
+      };
+      auto finish_item = [&](int64_t rt, int64_t s, bool unit) {
+        int32_t* jb = jbuf[parity][0];
+        _tile_stored(0, jb, 64);
+        _tile_stored(1, jb + 256, 64);
+        _tile_stored(2, jb + 512, 64);
+        _tile_stored(3, jb + 768, 64);
+        if (prev.rt >= 0) epilogue(prev, s0, tile0);
+        prev = {rt, s, jb, unit};
+        parity ^= 1;
+      };
       for (int64_t rt = 0; rt < mt; ++rt) {
-        for (int64_t s = s0; s < s1; ++s) {
-          _tile_loadd(4, a0 + rt * kAmxRows * r.kp + s * kStepK, r.kp);
+        for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
+          const int64_t u1 = std::min(s1, u0 + c.unit);
+          bool unit = u1 - u0 > 1 && r.unit_fold[rt * r.units + u0 / c.unit] != 0;
+          for (int j = 0; unit && j < kColTiles; ++j)
+            unit = meta[j * span_alloc + (u0 - s0)].unit_folded;
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          _tile_loadd(5, B(0, s - s0), 64);
-          _tile_dpbssd(0, 4, 5);
-          _tile_loadd(6, B(1, s - s0), 64);
-          _tile_dpbssd(1, 4, 6);
-          _tile_loadd(5, B(2, s - s0), 64);
-          _tile_dpbssd(2, 4, 5);
-          _tile_loadd(6, B(3, s - s0), 64);
-          _tile_dpbssd(3, 4, 6);
-          int32_t* jb = jbuf[parity][0];
-          _tile_stored(0, jb, 64);
-          _tile_stored(1, jb + 256, 64);
-          _tile_stored(2, jb + 512, 64);
-          _tile_stored(3, jb + 768, 64);
-          if (prev.rt >= 0) epilogue(prev, s0, tile0);
-          prev = {rt, s, jb};
-          parity ^= 1;
+          if (unit) {
+            for (int64_t s = u0; s < u1; ++s) step_products(rt, s);
+            finish_item(rt, u0, true);
+            continue;
+          }
+          for (int64_t s = u0; s < u1; ++s) {
+            if (s > u0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            }
+            step_products(rt, s);
+            finish_item(rt, s, false);
+          }
         }
       }
       if (prev.rt >= 0) epilogue(prev, s0, tile0);
@@ -577,11 +695,13 @@ at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, boo
     const at::Tensor bf = bias->to(at::kFloat).contiguous();
     b32.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + n);
   }
-  const Rows rows = act_rows(x2, k, block, static_cast<int>(rule), act_mbs, macro, chunks);
+  // units of two steps where they stay inside a chunk (without MBS the row is one chunk)
+  const int64_t unit = !chunked || (macro / kStepK) % 2 == 0 ? 2 : 1;
+  const Rows rows = act_rows(x2, k, block, static_cast<int>(rule), act_mbs, macro, chunks, unit);
   std::atomic<bool> refused{rows.exact_only};
   if (!refused) {
     const int64_t chunk_steps = chunked ? macro / kStepK : rows.steps;
-    const Call c{&rows,  &w, block, n, chunk_steps, chunks,
+    const Call c{&rows,  &w, block, n, chunk_steps, chunks, unit,
                  chunked ? rw.data_ptr<float>() : nullptr, chunked ? rw.size(1) : 0,
                  b32.empty() ? nullptr : b32.data(), out.data_ptr(), out_dtype, &refused};
     const int64_t ncb = cdiv(w.nt, kColTiles);
