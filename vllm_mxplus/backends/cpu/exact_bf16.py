@@ -282,7 +282,11 @@ class ExactBf16Weight:
         if tiles and out.e8m0:
             if packed is None:
                 packed = cpu_kernels.pack_weight(
-                    q.codes, q.scales, q._field("mbs") if w.mbs else None, k, w,
+                    q.codes,
+                    q.scales,
+                    q._field("mbs") if w.mbs else None,
+                    k,
+                    w,
                     scheme.macro_block,
                 )
             out.packed = packed

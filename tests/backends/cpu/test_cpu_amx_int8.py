@@ -1,0 +1,250 @@
+"""The E8M0 linear on AMX-INT8 tiles (csrc/mx_amx_int8_cpu.cpp, `cpu_amx_int8_linear`;
+docs/cpu_kernels.md, "E8M0 on AMX-INT8 tiles") against `vllm_mxplus.formats` within the
+exact-bf16 path's bound on tiles
+
+    |y - y64| <= gamma_n S + 2^-124 (|x_hat|_1 + |w_hat|_1 + K),   n = ExactBf16Weight.roundings
+
+for every E8M0 pair, M across the 16-row tiles, K with partial blocks, steps and chunks, and
+activation / weight data planted so that each of the kernel's ways runs: one fold per unit of
+two steps, one per step, two folds (scales 4-7 apart), one product per block (further apart,
+rows or columns), all-zero blocks. What the fold cannot take exactly (NaN, Inf, values below
+2^-125, exponents outside its window) must equal the integer kernels bit for bit (the op runs
+them). The kernel tests skip off AMX-INT8 hosts with the reason; the selection rules run
+everywhere."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_cpu_exact_bf16 import _backend, _check, _scheme  # tests/backends/cpu, on sys.path
+from test_cpu_kernels import PAIRS  # every E8M0 pair the CPU kernels serve
+
+from vllm_mxplus.backends.cpu import exact_bf16
+from vllm_mxplus.backends.cpu import kernels as cpu_kernels
+from vllm_mxplus.formats import get_scheme, quantize
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++)")
+
+MAX_SPREAD = 3  # E8M0 codes one fold takes (12 * 2^3 = 96 <= 127)
+
+
+def _int8() -> tuple[bool, str]:
+    ok, why = cpu_kernels.load()
+    if not ok:
+        return False, why
+    return exact_bf16.int8_tiles(get_scheme("mxfp4-mbs"))
+
+
+int8 = pytest.mark.skipif(
+    not _int8()[0],
+    reason="needs a CPU with AMX-INT8 tiles (amx_tile, amx_int8; amx_bf16 for the path) and "
+    f"the tile permission: {_int8()[1]}",
+)
+
+PLANTS = ["plain", "two folds", "rows per block", "columns per block", "zero blocks"]
+
+
+def _planted(plant: str, n: int, k: int, m: int, seed: int):
+    """(weight [n, k], rows [m, k]) of random data with the plant's blocks."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    if plant == "two folds":  # scales 5 apart inside a step, in every third row
+        x[::3, 16:32] *= 2.0**5
+        x[1::5, 100 % k : 100 % k + 16] *= 2.0**-5
+    elif plant == "rows per block":  # 9 apart: one product per block for those row tiles
+        x[::17, 16:32] *= 2.0**9
+    elif plant == "columns per block":  # 6 apart in one column of the first tile
+        w[2, 16:32] *= 2.0**6
+    elif plant == "zero blocks":
+        w[:, :16] = 0
+        x[:, 32:64] = 0
+        x[min(2, m - 1)] = 0
+    return w, x
+
+
+def _spreads(scales: torch.Tensor, span: int, block: int) -> torch.Tensor:
+    """The largest spread of nonzero E8M0 codes [R, nb] within each 16-row (or column) tile
+    and span of K (64: one step), as the kernel decides its way (activations: <= 3 one fold,
+    <= 7 two, more one product per block; weight columns: <= 3 one fold, else per block)."""
+    r, nb = scales.shape
+    per = span // block
+    c = torch.nn.functional.pad(scales.int(), (0, -nb % per)).view(r, -1, per)
+    live = c != 0
+    lo = torch.where(live, c, 999).amin(-1)
+    hi = torch.where(live, c, -1).amax(-1)
+    spread = torch.where(hi >= 0, hi - lo, 0)
+    return (
+        torch.nn.functional.pad(spread, (0, 0, 0, -r % 16)).view(-1, 16, spread.shape[-1]).amax(1)
+    )
+
+
+def _weight(wf: str, scheme, w: torch.Tensor, int8: bool = True):
+    q = quantize(w, wf, macro_block=scheme.macro_block)
+    return q, exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=int8)
+
+
+@int8
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("plant", PLANTS)
+@pytest.mark.parametrize(("m", "k"), [(1, 296), (16, 576), (19, 1100), (40, 1536)])
+def test_int8_linear_within_the_bound(ck, pair, plant, m, k):
+    wf, af = pair
+    scheme = _scheme(wf, af)
+    wsrc, x = _planted(plant, 70, k, m, seed=m + k)
+    q, w = _weight(wf, scheme, wsrc)
+    assert w.int8 is not None and w.min_m == exact_bf16.INT8_MIN_M
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(k))
+    y = exact_bf16.linear(x, w, bias, torch.float32)
+    checked = _check(y, x, q, scheme, bias, w)
+    assert checked.float().mean() > 0.9
+    xq = quantize(x, scheme.activation_format, macro_block=scheme.macro_block)
+    rows = _spreads(xq.scales, 64, xq.spec.block_size)  # the data reach the way tested
+    if plant == "two folds":
+        assert ((rows > MAX_SPREAD) & (rows <= 2 * MAX_SPREAD + 1)).any()
+    if plant == "rows per block":
+        assert (rows > 2 * MAX_SPREAD + 1).any()
+    if plant == "columns per block":
+        assert (_spreads(q.scales, 64, q.spec.block_size) > MAX_SPREAD).any()
+
+
+@int8
+@pytest.mark.parametrize("name", ["mxfp4-ocp", "mxfp4-16-oas"])
+def test_int8_linear_is_exact_where_fp32_is(ck, name):
+    """Small-integer data whose every partial sum is an fp32 integer (no MBS: its factors are
+    not integers): the output is the float64 product exactly, no rounding to hide behind."""
+    scheme = get_scheme(name)
+    g = torch.Generator().manual_seed(7)
+    wsrc = torch.randint(-6, 7, (48, 320), generator=g).float()
+    x = torch.randint(-6, 7, (20, 320), generator=g).float()
+    q, w = _weight(scheme.weight_format, scheme, wsrc)
+    assert not w.chunked
+    y = exact_bf16.linear(x, w, None, torch.float32)
+    xq = quantize(x, scheme.activation_format)
+    want = xq.dequantize().double() @ q.dequantize().double().T
+    assert torch.equal(y.double(), want)
+
+
+@int8
+@pytest.mark.parametrize(
+    "case",
+    [
+        "nan row",
+        "inf element",
+        "tiny activation block",
+        "tiny weight block",
+        "huge products",
+        "tiny products",
+    ],
+)
+def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case):
+    """The op's way out: the integer kernels' result, bit for bit (NaN where NaN)."""
+    scheme = get_scheme("mxfp4-mbs-s")
+    wsrc, x = _planted("plain", 40, 320, 18, seed=3)
+    if case == "nan row":
+        x[5, 7] = float("nan")
+    elif case == "inf element":
+        x[2, 100] = float("inf")
+    elif case == "tiny activation block":  # a nonzero block below 2^-125: E8M0 code 0
+        x[3, 64:80] = 1e-38
+    elif case == "tiny weight block":
+        wsrc[4, 32:48] = 1e-38
+    elif case == "huge products":  # 2^(EA + EW - 256) past 2^107
+        x *= 2.0**100
+        wsrc *= 2.0**20
+    else:  # below the normal range
+        x *= 2.0**-80
+        wsrc *= 2.0**-60
+    q, w = _weight(scheme.weight_format, scheme, wsrc)
+    y = exact_bf16.linear(x, w, None, torch.float32)
+    codes, scales, mbs = w.packed
+    want = torch.ops.vllm_mxplus.cpu_mx_linear(
+        x, *w.int8[:4], codes, scales, mbs, *w.int8[4:], None, torch.float32
+    )
+    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+
+
+@int8
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("odt", [torch.bfloat16, torch.float16])
+def test_int8_dtypes(ck, xdt, odt):
+    """Rows of any float dtype (read as they are) and the output's dtype: the fp32 output of
+    the same rows rounded once (round to nearest even), bit for bit; the leading shape kept."""
+    scheme = get_scheme("mxfp4-mbs")
+    wsrc, x = _planted("two folds", 50, 300, 26, seed=11)
+    _, w = _weight(scheme.weight_format, scheme, wsrc)
+    x = x.to(xdt).view(2, 13, 300)
+    bias = torch.randn(50)
+    y = exact_bf16.linear(x, w, bias, odt)
+    want = exact_bf16.linear(x.float(), w, bias, torch.float32).to(odt)
+    assert y.shape == (2, 13, 50) and y.dtype == odt
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
+@int8
+def test_int8_refuses_bad_arguments(ck):
+    ops = torch.ops.vllm_mxplus
+    scheme = get_scheme("mxfp4-mbs")
+    _, w = _weight(scheme.weight_format, scheme, torch.randn(40, 256))
+    codes, scales, mbs = w.packed
+    a_block, a_rule, a_mbs, macro, n, k, _ = w.int8
+    x = torch.randn(3, 256)
+
+    def call(x=x, rule=a_rule, macro=macro, rw=w.rw, k=k, out=torch.float32, mbs=mbs):
+        return ops.cpu_amx_int8_linear(
+            x, a_block, rule, a_mbs, macro, codes, scales, mbs, rw, n, k, None, out
+        )
+
+    assert call().shape == (3, 40)
+    with pytest.raises(RuntimeError, match="rw must be contiguous fp32"):
+        call(rw=w.rw[:, :16])
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        call(macro=32, mbs=torch.empty(0, 0, dtype=torch.uint8), rw=torch.ones(8, 48))
+    with pytest.raises(RuntimeError, match="last dim K=256"):
+        call(x=torch.randn(3, 255))
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        call(out=torch.int32)
+    with pytest.raises(RuntimeError, match="packed weight codes"):
+        call(k=512)
+    with pytest.raises(RuntimeError, match="MX\\+"):
+        call(rule=cpu_kernels.MXPLUS_RULE)
+    assert call(x=torch.randn(0, 256)).shape == (0, 40)
+
+
+@int8
+@pytest.mark.parametrize("name", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-ocp"])
+def test_backend_serves_e8m0_on_int8_tiles(ck, monkeypatch, name):
+    """On this host cpu-packed runs E8M0 calls of at least INT8_MIN_M rows on the int8 tiles,
+    from the layer's own packed tensors, fewer on the integer kernels; within the bound."""
+    scheme = get_scheme(name)
+    q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
+    backend, layer = _backend(name, 24, 320)
+    backend.process_weights_after_loading(layer, q)
+    w = backend.exact
+    assert w is not None and w.int8 is not None and backend.exact_min_m == exact_bf16.INT8_MIN_M
+    assert w.packed[0] is layer.mxplus_cpu_codes and w.packed[2] is layer.mxplus_cpu_mbs
+    calls: list = []
+    real = cpu_kernels.amx_int8_linear
+    monkeypatch.setattr(
+        cpu_kernels, "amx_int8_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+    )
+    for m in (exact_bf16.INT8_MIN_M - 1, exact_bf16.INT8_MIN_M, 100):
+        x = torch.randn(m, 320)
+        _check(backend.apply(layer, x, None), x, q, scheme, None, w)
+    assert calls == [exact_bf16.INT8_MIN_M, 100]
+
+
+def test_int8_tiles_says_why_not(ck, monkeypatch):
+    """Where int8 tiles do not serve, `int8_tiles` says why (and the bf16 tiles keep E8M0)."""
+    monkeypatch.setattr(exact_bf16, "amx_tiles", lambda scheme: (True, ""))
+    monkeypatch.setattr(torch.ops.vllm_mxplus, "cpu_amx_int8_available", lambda: 0, raising=False)
+    ok, why = exact_bf16.int8_tiles(get_scheme("mxfp4-mbs"))
+    assert not ok and "no AMX-INT8" in why
+    monkeypatch.setattr(torch.ops.vllm_mxplus, "cpu_amx_int8_available", lambda: 1, raising=False)
+    ok, why = exact_bf16.int8_tiles(get_scheme("nvfp4"))
+    assert not ok and "E8M0 only" in why
+    ok, why = exact_bf16.int8_tiles(get_scheme("mxfp4-mbs").with_macro_block(32))
+    assert not ok and "multiple of 64" in why
+    assert exact_bf16.int8_tiles(get_scheme("mxfp4-mbs")) == (True, "")
