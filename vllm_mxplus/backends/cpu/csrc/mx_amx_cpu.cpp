@@ -69,17 +69,8 @@ int64_t amx_available() {
 }
 
 #ifdef MXPLUS_AMX
-// Tiles 0-3: the 2 x 2 fp32 accumulators, 4-5 the A rows (16 each), 6-7 the B columns.
-MXPLUS_AMX_TARGET void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kAmxRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (configure_tiles, mx_amx_decode.h): 0-3 the 2 x 2 fp32 accumulators, 4-5 the A rows
+// (16 each), 6-7 the B columns.
 
 // The tile products of one 32 x 32 block over K [k0, k0 + 32 steps) into tiles 0-3 (zeroed
 // first); w0 / w1 point at the two column tiles' B tiles of step k0 / 32, one step every

@@ -70,6 +70,22 @@ MXPLUS_AMX_STORE_TARGET inline void store_outputs(__m512 y, at::ScalarType dtype
   }
 }
 
+// The tile configuration both AMX GEMMs use: 8 tiles of 16 rows x 64 bytes. The barrier
+// matters: ldtilecfg reads all 64 bytes, but GCC's intrinsic declares a pointer's worth, so
+// the other stores to the configuration can be dropped as dead (seen: colsb left zero, and
+// ldtilecfg faulting).
+__attribute__((target("amx-tile"))) inline void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 inline bool amx_bf16_usable() {  // mx_amx_cpu.cpp
   static const bool usable = amx_permitted(22);
   return usable;

@@ -437,18 +437,8 @@ struct Pending {
   bool unit = false;  // J of the unit's steps, one fold
 };
 
-// The tile configuration: 16 rows x 64 bytes each. Tiles 0-3 the 4 column tiles' J, 4 the
-// activation rows, 5-6 the B tiles, 7 the J of a step's second level or of one block.
-MXPLUS_AMX_INT8_TARGET void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kAmxRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (configure_tiles, mx_amx_decode.h): 0-3 the 4 column tiles' J, 4 the activation rows,
+// 5-6 the B tiles, 7 the J of a step's second level or of one block.
 
 // J of one B tile against 16 activation rows of 64 bytes (stride lda) into j (tiles 4, 5, 7).
 MXPLUS_AMX_INT8_TARGET inline void product(const int8_t* a, int64_t lda, const int8_t* b,
@@ -460,173 +450,197 @@ MXPLUS_AMX_INT8_TARGET inline void product(const int8_t* a, int64_t lda, const i
   _tile_stored(7, j, 64);
 }
 
-// Column blocks [c0, c1) of the call on this thread.
-MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
-  const Rows& r = *c.rows;
-  const WeightTiles& w = *c.w;
-  const int64_t mt = r.mp / kAmxRows, bps = r.bps, cols = kColTiles * 16;
-  const int64_t span = std::max<int64_t>(1, kSpanSteps / c.chunk_steps) * c.chunk_steps;
-  const int64_t span_alloc = std::min(span, r.steps);
-  configure_tiles();
-  const std::unique_ptr<int8_t[]> bbuf(new int8_t[kColTiles * span_alloc * 1024]);
-  const std::unique_ptr<StepMeta[]> meta(new StepMeta[kColTiles * span_alloc]);
+// One thread's run over column blocks (a struct, not lambdas: a lambda does not inherit the
+// AMX target of its enclosing function, and the portable builds fail).
+struct Worker {
+  const Call& c;
+  const Rows& r;
+  const WeightTiles& w;
+  int64_t mt, bps, cols, span, span_alloc;
+  bool scaled;
+  std::unique_ptr<int8_t[]> bbuf;      // [kColTiles, span_alloc, 1024] the span's B tiles
+  std::unique_ptr<StepMeta[]> meta;    // [kColTiles, span_alloc]
+  std::vector<float> sacc, yacc;       // [mp, cols] S (per chunk) and y (with factors)
+  float* S;
+  float* Y;
+  WeightSeen seen;
   alignas(64) int32_t jbuf[2][kColTiles][256];
   alignas(64) int32_t jone[256];
   alignas(64) int8_t abuf[1024];
-  const bool scaled = c.rw != nullptr;
-  WeightSeen seen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
-  std::vector<float> sacc(r.mp * cols), yacc(scaled ? r.mp * cols : 0);
-  float* const S = sacc.data();
-  float* const Y = scaled ? yacc.data() : S;
-  const int8_t* const a0 = r.a.data();
-  const int8_t* const a1 = r.a1.data();
-  auto B = [&](int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; };
-  auto srow_of = [&](int64_t row0) { return S + row0 * cols; };
+  Pending prev;
+  int parity = 0;
+  int64_t s0 = 0, tile0 = 0;  // the span's first step, the column block's first tile
 
-  // The epilogue of one step (row tile rt, step s; g its index in the span): the J of the
-  // tile's first level (stored) by add_terms, and the second level's products where the
-  // rows need it; a tile whose rows or columns do not fold runs once per block, the other
-  // blocks' activation codes masked out. Tiles 4, 5 and 7 only: the next step's products
-  // are issued. Then, at a chunk's end, y += S * fl(fl(1/Fa) * fl(1/Fw)).
-  auto epilogue = [&](const Pending& p, int64_t s0, int64_t tile0) {
+  explicit Worker(const Call& call)
+      : c(call), r(*call.rows), w(*call.w), mt(r.mp / kAmxRows), bps(r.bps),
+        cols(kColTiles * 16),
+        span(std::max<int64_t>(1, kSpanSteps / call.chunk_steps) * call.chunk_steps),
+        span_alloc(std::min(span, r.steps)), scaled(call.rw != nullptr),
+        bbuf(new int8_t[kColTiles * span_alloc * 1024]),
+        meta(new StepMeta[kColTiles * span_alloc]), sacc(r.mp * cols),
+        yacc(scaled ? r.mp * cols : 0), S(sacc.data()), Y(scaled ? yacc.data() : S) {}
+
+  int8_t* B(int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; }
+  float* srow(int64_t row0) { return S + row0 * cols; }
+
+  // The epilogue of one step or unit (row tile rt, from step s; g its index in the span):
+  // a unit's J, every row and column folded with the unit's exponents, into y directly where
+  // the unit is the chunk (or S); a step's first level's J (stored) by add_terms, and the
+  // second level's products where the rows need it; a tile whose rows or columns do not fold
+  // runs once per block, the other blocks' activation codes masked out. Tiles 4, 5 and 7
+  // only: the next step's products are issued. Then, at a chunk's end, y += S * fl(fl(1/Fa)
+  // * fl(1/Fw)).
+  MXPLUS_AMX_INT8_TARGET void epilogue(const Pending& p) {
     const int64_t g = p.s - s0, row0 = p.rt * kAmxRows;
-    if (p.unit) {  // the unit's J, every row and column folded with the unit's exponents
+    const int8_t* const a0 = r.a.data();
+    const int8_t* const a1 = r.a1.data();
+    if (p.unit) {
       const int64_t ch = p.s / c.chunk_steps;
       const bool direct = scaled && c.chunk_steps == c.unit;  // the unit is the chunk
+      const int32_t* ub = r.ubits.data() + row0 * r.units + p.s / c.unit;
       for (int j = 0; j < kColTiles; ++j) {
         const __m512i ew = _mm512_load_si512(meta[j * span_alloc + g].ew_bits);
-        const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
-        if (direct)
-          add_scaled_terms(p.j + j * 256, r.ubits.data() + row0 * r.units + p.s / c.unit,
-                           r.units, ew, r.ra.data() + row0 * c.chunks + ch, c.chunks,
-                           _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0), Y + row0 * cols + j * 16,
-                           cols);
-        else
-          add_terms(p.j + j * 256, r.ubits.data() + row0 * r.units + p.s / c.unit, r.units, ew,
-                    srow_of(row0) + j * 16, cols);
+        if (direct) {
+          const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
+          add_scaled_terms(p.j + j * 256, ub, r.units, ew, r.ra.data() + row0 * c.chunks + ch,
+                           c.chunks, _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0),
+                           Y + row0 * cols + j * 16, cols);
+        } else {
+          add_terms(p.j + j * 256, ub, r.units, ew, srow(row0) + j * 16, cols);
+        }
       }
       if (direct) return;
     } else {
-    const int lv = r.levels[p.rt * r.steps + p.s];
-    float* srow = srow_of(row0);
-    for (int j = 0; j < kColTiles; ++j) {
-      const StepMeta& m = meta[j * span_alloc + g];
-      const __m512i ew = _mm512_load_si512(m.ew_bits);
-      if (lv != kPerBlock && m.folded) {
-        add_terms(p.j + j * 256, r.bits0.data() + row0 * r.steps + p.s, r.steps, ew,
-                  srow + j * 16, cols);
-        if (lv == 2) {
-          product(a1 + row0 * r.kp + p.s * kStepK, r.kp, B(j, g), jone);
-          add_terms(jone, r.bits1.data() + row0 * r.steps + p.s, r.steps, ew, srow + j * 16,
-                    cols);
+      const int lv = r.levels[p.rt * r.steps + p.s];
+      for (int j = 0; j < kColTiles; ++j) {
+        const StepMeta& m = meta[j * span_alloc + g];
+        const __m512i ew = _mm512_load_si512(m.ew_bits);
+        if (lv != kPerBlock && m.folded) {
+          add_terms(p.j + j * 256, r.bits0.data() + row0 * r.steps + p.s, r.steps, ew,
+                    srow(row0) + j * 16, cols);
+          if (lv == 2) {
+            product(a1 + row0 * r.kp + p.s * kStepK, r.kp, B(j, g), jone);
+            add_terms(jone, r.bits1.data() + row0 * r.steps + p.s, r.steps, ew,
+                      srow(row0) + j * 16, cols);
+          }
+          continue;
         }
-        continue;
+        for (int64_t bb = 0; bb < bps && p.s * bps + bb < r.nb; ++bb) {
+          const __mmask64 keep = (c.block == 16 ? 0xFFFFULL : 0xFFFFFFFFULL) << (bb * c.block);
+          const int64_t at = row0 * r.kp + p.s * kStepK;
+          for (int i = 0; i < kAmxRows; ++i)  // each block is in one level: the other has 0
+            _mm512_store_si512(
+                abuf + i * 64,
+                _mm512_or_si512(_mm512_maskz_loadu_epi8(keep, a0 + at + i * r.kp),
+                                _mm512_maskz_loadu_epi8(keep, a1 + at + i * r.kp)));
+          product(abuf, 64, B(j, g), jone);
+          add_terms(jone, r.block_bits.data() + (row0 * r.steps + p.s) * bps + bb,
+                    r.steps * bps, block_ew_bits(w, tile0 + j, p.s * bps + bb, m),
+                    srow(row0) + j * 16, cols);
+        }
       }
-      for (int64_t bb = 0; bb < bps && p.s * bps + bb < r.nb; ++bb) {
-        const __mmask64 keep = (c.block == 16 ? 0xFFFFULL : 0xFFFFFFFFULL) << (bb * c.block);
-        const int64_t at = row0 * r.kp + p.s * kStepK;
-        for (int i = 0; i < kAmxRows; ++i)  // each block is in one level: the other has 0
-          _mm512_store_si512(abuf + i * 64,
-                             _mm512_or_si512(_mm512_maskz_loadu_epi8(keep, a0 + at + i * r.kp),
-                                             _mm512_maskz_loadu_epi8(keep, a1 + at + i * r.kp)));
-        product(abuf, 64, B(j, g), jone);
-        add_terms(jone, r.block_bits.data() + (row0 * r.steps + p.s) * bps + bb, r.steps * bps,
-                  block_ew_bits(w, tile0 + j, p.s * bps + bb, m), srow + j * 16, cols);
-      }
-    }
     }
     const int64_t last = p.unit ? std::min(r.steps, p.s + c.unit) - 1 : p.s;
     const bool chunk_end = (last + 1) % c.chunk_steps == 0 || last + 1 == r.steps;
     if (!scaled || !chunk_end) return;
     const int64_t ch = last / c.chunk_steps;
-    float* srow = srow_of(row0);
     for (int j = 0; j < kColTiles; ++j) {
       const int64_t n0 = (tile0 + j) * 16;
       if (n0 >= c.n) break;
       const __m512 rw = _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0);
       for (int i = 0; i < kAmxRows; ++i) {
-        float* so = srow + i * cols + j * 16;
+        float* so = srow(row0) + i * cols + j * 16;
         float* yo = Y + (row0 + i) * cols + j * 16;
         const __m512 t = _mm512_mul_ps(_mm512_set1_ps(r.ra[(row0 + i) * c.chunks + ch]), rw);
         _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_loadu_ps(so), t, _mm512_loadu_ps(yo)));
         _mm512_storeu_ps(so, _mm512_setzero_ps());
       }
     }
-  };
+  }
 
-  for (int64_t cb = c0; cb < c1; ++cb) {
-    const int64_t tile0 = cb * kColTiles;
+  // The products of one step into tiles 0-3 (accumulated: zeroed by the caller).
+  MXPLUS_AMX_INT8_TARGET void step_products(int64_t rt, int64_t s) {
+    _tile_loadd(4, r.a.data() + rt * kAmxRows * r.kp + s * kStepK, r.kp);
+    _tile_loadd(5, B(0, s - s0), 64);
+    _tile_dpbssd(0, 4, 5);
+    _tile_loadd(6, B(1, s - s0), 64);
+    _tile_dpbssd(1, 4, 6);
+    _tile_loadd(5, B(2, s - s0), 64);
+    _tile_dpbssd(2, 4, 5);
+    _tile_loadd(6, B(3, s - s0), 64);
+    _tile_dpbssd(3, 4, 6);
+  }
+
+  // Store tiles 0-3 (the J of one step or unit), then run the previous item's epilogue from
+  // the other buffer.
+  MXPLUS_AMX_INT8_TARGET void finish_item(int64_t rt, int64_t s, bool unit) {
+    int32_t* jb = jbuf[parity][0];
+    _tile_stored(0, jb, 64);
+    _tile_stored(1, jb + 256, 64);
+    _tile_stored(2, jb + 512, 64);
+    _tile_stored(3, jb + 768, 64);
+    if (prev.rt >= 0) epilogue(prev);
+    prev = {rt, s, jb, unit};
+    parity ^= 1;
+  }
+
+  MXPLUS_AMX_INT8_TARGET static void zero_tiles() {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+
+  // The span's B tiles of the column block, each unit's folding columns on the unit's base.
+  MXPLUS_AMX_INT8_TARGET void decode_span(int64_t s1) {
+    for (int j = 0; j < kColTiles; ++j) {
+      for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
+        __m128i ulo = _mm_setzero_si128(), uhi;
+        __mmask16 ufold = 0;
+        if (c.unit > 1) {
+          scale_range(w, tile0 + j, u0 * bps, (u0 + c.unit) * bps, &ulo, &uhi);
+          ufold = fold_lanes(ulo, uhi);
+        }
+        for (int64_t s = u0; s < std::min(s1, u0 + c.unit); ++s)
+          decode_step(w, c.block, tile0 + j, s, ulo, ufold, B(j, s - s0),
+                      &meta[j * span_alloc + (s - s0)], &seen);
+      }
+    }
+  }
+
+  // One column block: per span, its B tiles, then every row tile unit by unit (one product
+  // per step into the same tiles where the rows and columns fold over the unit, else step by
+  // step); last the outputs, plus the bias, in the output dtype.
+  MXPLUS_AMX_INT8_TARGET void column_block(int64_t cb) {
+    tile0 = cb * kColTiles;
     std::fill(sacc.begin(), sacc.end(), 0.0f);
     std::fill(yacc.begin(), yacc.end(), 0.0f);
-    for (int64_t s0 = 0; s0 < r.steps; s0 += span) {
+    for (s0 = 0; s0 < r.steps; s0 += span) {
       const int64_t s1 = std::min(r.steps, s0 + span);
-      for (int j = 0; j < kColTiles; ++j) {
-        for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
-          __m128i ulo = _mm_setzero_si128(), uhi;
-          __mmask16 ufold = 0;
-          if (c.unit > 1) {
-            scale_range(w, tile0 + j, u0 * bps, (u0 + c.unit) * bps, &ulo, &uhi);
-            ufold = fold_lanes(ulo, uhi);
-          }
-          for (int64_t s = u0; s < std::min(s1, u0 + c.unit); ++s)
-            decode_step(w, c.block, tile0 + j, s, ulo, ufold, B(j, s - s0),
-                        &meta[j * span_alloc + (s - s0)], &seen);
-        }
-      }
-      Pending prev;
-      int parity = 0;
-      // the products of one step into tiles 0-3 (accumulated: zeroed by the caller)
-      auto step_products = [&](int64_t rt, int64_t s) {
-        _tile_loadd(4, a0 + rt * kAmxRows * r.kp + s * kStepK, r.kp);
-        _tile_loadd(5, B(0, s - s0), 64);
-        _tile_dpbssd(0, 4, 5);
-        _tile_loadd(6, B(1, s - s0), 64);
-        _tile_dpbssd(1, 4, 6);
-        _tile_loadd(5, B(2, s - s0), 64);
-        _tile_dpbssd(2, 4, 5);
-        _tile_loadd(6, B(3, s - s0), 64);
-        _tile_dpbssd(3, 4, 6);
-      };
-      auto finish_item = [&](int64_t rt, int64_t s, bool unit) {
-        int32_t* jb = jbuf[parity][0];
-        _tile_stored(0, jb, 64);
-        _tile_stored(1, jb + 256, 64);
-        _tile_stored(2, jb + 512, 64);
-        _tile_stored(3, jb + 768, 64);
-        if (prev.rt >= 0) epilogue(prev, s0, tile0);
-        prev = {rt, s, jb, unit};
-        parity ^= 1;
-      };
+      decode_span(s1);
+      prev = Pending{};
       for (int64_t rt = 0; rt < mt; ++rt) {
         for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
           const int64_t u1 = std::min(s1, u0 + c.unit);
           bool unit = u1 - u0 > 1 && r.unit_fold[rt * r.units + u0 / c.unit] != 0;
           for (int j = 0; unit && j < kColTiles; ++j)
             unit = meta[j * span_alloc + (u0 - s0)].unit_folded;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
           if (unit) {
+            zero_tiles();
             for (int64_t s = u0; s < u1; ++s) step_products(rt, s);
             finish_item(rt, u0, true);
             continue;
           }
           for (int64_t s = u0; s < u1; ++s) {
-            if (s > u0) {
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_zero(2);
-              _tile_zero(3);
-            }
+            zero_tiles();
             step_products(rt, s);
             finish_item(rt, s, false);
           }
         }
       }
-      if (prev.rt >= 0) epilogue(prev, s0, tile0);
+      if (prev.rt >= 0) epilogue(prev);
     }
-    for (int64_t row = 0; row < r.m; ++row) {  // + the bias, in the output dtype
+    for (int64_t row = 0; row < r.m; ++row) {
       for (int j = 0; j < kColTiles; ++j) {
         const int64_t n0 = (tile0 + j) * 16;
         if (n0 >= c.n) break;
@@ -638,8 +652,17 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
       }
     }
   }
+};
+
+// Column blocks [c0, c1) of the call on this thread: the tile configuration, the blocks, the
+// release, and the check of what the decodes met (`fits`).
+MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
+  configure_tiles();
+  Worker wk(c);
+  wk.seen = WeightSeen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
+  for (int64_t cb = c0; cb < c1; ++cb) wk.column_block(cb);
   _tile_release();
-  if (!fits(seen, r.lo, r.hi)) c.refused->store(true);
+  if (!fits(wk.seen, c.rows->lo, c.rows->hi)) c.refused->store(true);
 }
 #endif
 
