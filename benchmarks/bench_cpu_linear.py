@@ -18,13 +18,15 @@ time of:
   packed    CpuPackedBackend.apply (packed FP4 weight: activation quantization + integer GEMM)
   reference ReferenceBackend.apply (fp32 dequantized weight, torch fake-quant; --reference)
   exact     the exact-bf16 path of cpu-packed (backends/cpu/exact_bf16.py; --exact-bf16): the
-            one AMX hosts take for M >= 32, timed here whatever the host (on a CPU without
+            one AMX hosts take from exact_bf16.MIN_M rows (E8M0 on AMX-INT8 from
+            INT8_MIN_M), timed here whatever the host (on a CPU without
             native bf16 its GEMM is a plain fp32 one), with the ratios bf16/exact and
             packed/exact; next to it `int`, cpu-packed's integer kernels whatever M (int/exact
             >= 1: the exact path is faster than them), and on AMX hosts for E8M0 weights
-            `held`, the same tile GEMM on B tiles held as a bf16 copy (2 bytes per weight)
-            instead of decoded per call from the packed codes (held/exact >= 1: the decoding
-            costs nothing)
+            `held`, the bf16 tile GEMM on B tiles held as a bf16 copy (2 bytes per weight)
+            instead of decoded per call from the packed codes, and `tiles`, the bf16 tile
+            GEMM on the packed codes (where E8M0 weights run on AMX-INT8 tiles, `exact` is
+            that int8 linear: tiles/exact >= 1 says it is faster)
 and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
@@ -177,7 +179,7 @@ def _linear_spec(spec_cls: type, scheme: str, n: int, k: int, macro_block: int):
 def _held_tiles(exact_bf16, q, scheme):
     """The exact path's weight with its B tiles held as a bf16 copy (2 bytes per weight; the
     layout E8M0 weights had before they were decoded from their packed codes per task)."""
-    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True)
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=False)
     rows = exact_bf16._pad_to(w._untiled(0, w.n).float(), exact_bf16.TILE_PAD, w.kp_tiles)
     w.tiles = exact_bf16.amx_pack(rows.to(torch.bfloat16))
     w.packed = None
@@ -273,13 +275,14 @@ def main() -> int:
         + (f" {'packed128':>9s} {'N/128':>6s}" if args.macro_block != 128 else "")
         + (
             f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s} {'int us':>9s} "
-            f"{'int/exact':>9s} {'held us':>9s} {'held/exact':>10s}"
+            f"{'int/exact':>9s} {'held us':>9s} {'held/exact':>10s} {'tiles us':>9s} "
+            f"{'tiles/exact':>11s}"
             if args.exact_bf16
             else ""
         )
     )
     g = torch.Generator().manual_seed(0)
-    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact", "int", "held"]
+    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact", "int", "held", "tiles"]
     tot = dict.fromkeys(kinds, 0.0)
     for model in models:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
@@ -367,6 +370,14 @@ def main() -> int:
                         2,
                         lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
                     )
+                if probe.int8 is not None:  # the bf16 tile GEMM on the same packed codes
+                    makers["tiles"] = (
+                        lambda: exact_bf16.ExactBf16Weight.from_quantized(
+                            q, spec.scheme, tiles=True, int8=False
+                        ),
+                        9 / 16,
+                        lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
+                    )
             copies: dict = {}
             for kind, (make, per_weight, _) in makers.items():
                 reps = _copies(int(per_weight * n * k)) if args.stream else 1
@@ -398,7 +409,8 @@ def main() -> int:
                     + (
                         f" {t['exact']:9.1f} {t['bf16'] / t['exact']:10.2f} "
                         f"{t_p / t['exact']:12.2f} {t['int']:9.1f} {t['int'] / t['exact']:9.2f} "
-                        f"{t['held']:9.1f} {t['held'] / t['exact']:10.2f}"
+                        f"{t['held']:9.1f} {t['held'] / t['exact']:10.2f} "
+                        f"{t['tiles']:9.1f} {t['tiles'] / t['exact']:11.2f}"
                         if args.exact_bf16
                         else ""
                     ),
@@ -418,7 +430,8 @@ def main() -> int:
             f", bf16/exact = {tot['bf16'] / tot['exact']:.2f}x, "
             f"packed/exact = {tot['packed'] / tot['exact']:.2f}x, "
             f"int/exact = {tot['int'] / tot['exact']:.2f}x, "
-            f"held/exact = {tot['held'] / tot['exact']:.2f}x"
+            f"held/exact = {tot['held'] / tot['exact']:.2f}x, "
+            f"tiles/exact = {tot['tiles'] / tot['exact']:.2f}x"
             if args.exact_bf16
             else ""
         )
