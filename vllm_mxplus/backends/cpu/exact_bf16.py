@@ -425,14 +425,17 @@ def linear(
 ) -> torch.Tensor:
     """Q_act(x) @ W_hat^T (+ bias) by the exact-bf16 path; amx: oneDNN's bf16 math mode on
     (False: the same fp32 GEMM without it, for hosts without native bf16 and for tests)."""
+    if w.int8 is not None and w.packed is not None:  # the whole linear in one op, any shape
+        rw = w.rw if w.rw is not None else _EMPTY
+        return cpu_kernels.amx_int8_linear(x, w.int8, *w.packed, rw, bias, out_dtype)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, w.k)
     m = x2d.shape[0]
-    out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     if m == 0:
-        return out.to(out_dtype).reshape(*lead, w.n)
+        return torch.empty(*lead, w.n, dtype=out_dtype, device=x.device)
     if w.on_tiles:
         return _tiled(x2d, w, bias, out_dtype).reshape(*lead, w.n)
+    out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     a, fa, ga = act_operand(x2d, w.activation, w.macro_block, w.chunk, w.chunks)
     with bf16_math() if amx else _nothing():
         for n0 in range(0, w.n, ROW_TILE):
@@ -518,9 +521,6 @@ def _tiled(
     `cpu_amx_packed_gemm` for a packed E8M0 weight, its B tiles decoded per task)."""
     ops = torch.ops.vllm_mxplus
     m, act = x2d.shape[0], w.activation
-    if w.int8 is not None and w.packed is not None:  # the whole linear in one op
-        rw = w.rw if w.rw is not None else _EMPTY
-        return cpu_kernels.amx_int8_linear(x2d, w.int8, *w.packed, rw, bias, out_dtype)
     mp, kp = ceil_div(m, TILE_PAD) * TILE_PAD, w.kp_tiles
     ga = None
     if act.has_global_scale:  # NVFP4 (never chunked): codes and E4M3 bytes, then expanded
