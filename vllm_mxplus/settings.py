@@ -94,8 +94,9 @@ CPU_LM_HEAD_FP32 = Setting(
 CPU_EXACT_BF16 = Setting(
     "VLLM_MXPLUS_CPU_EXACT_BF16",
     "auto",
-    "The CPU backend's large-M path on AMX-BF16 tiles (calls of 32+ rows; docs/cpu_kernels.md): "
-    "`auto` on CPUs with AMX-BF16, `0` never (the integer kernels serve every M: slower prefill; "
+    "The CPU backend's AMX path (docs/cpu_kernels.md): calls of 32+ rows on AMX-BF16 tiles, and "
+    "on CPUs with AMX-INT8 too E8M0 weights from 12 rows on int8 tiles: `auto` on CPUs with "
+    "AMX-BF16, `0` never (the integer kernels serve every M: slower prefill and batched decode; "
     "NVFP4 and MX+ weights without the path's bf16 copy, 2 bytes per weight less memory; E8M0 "
     "weights have none either way).",
 )

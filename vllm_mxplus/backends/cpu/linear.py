@@ -178,15 +178,15 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             logger,
             ("exact-bf16", self.spec.scheme.name),
             logging.INFO,
-            "mxplus: cpu-packed runs %s calls of >= %d rows as exact bf16 GEMMs (%s, "
-            "docs/cpu_kernels.md; %s: VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
+            "mxplus: cpu-packed runs %s calls of >= %d rows %s (docs/cpu_kernels.md; %s: "
+            "VLLM_MXPLUS_CPU_EXACT_BF16=0 turns it off)",
             self.spec.scheme,
             w.min_m,
-            "on AMX-INT8 tiles, the block scales folded into the int8 codes"
+            "on AMX-INT8 tiles, the block scales folded into the int8 codes where exact"
             if w.int8 is not None
-            else "on AMX-BF16 tiles"
+            else "as exact bf16 GEMMs on AMX-BF16 tiles"
             if tiles
-            else f"through oneDNN: {tiles_why}",
+            else f"as exact bf16 GEMMs through oneDNN ({tiles_why})",
             "weights decoded from their packed codes per call, no more memory"
             if w.packed is not None
             else "a bf16 copy of each weight, 2 bytes per weight more memory",

@@ -68,9 +68,10 @@ constexpr int kDummyExp = 129;       // the exponent of an all-zero block: its s
 // t = fl(1/Fa) fl(1/Fw) > 1/4
 constexpr int kLowWindow = 256 - 124;
 constexpr int kHighWindow = 256 + 107;  // EA + EW <= this: |J| 2^(EA + EW - 256) < 2^127
-// MACs per thread before a call is split over threads (~5 us of tile work on the AMX Xeon of
-// docs/cpu_kernels.md): below it one thread runs the call
-constexpr int64_t kInt8ParallelMacs = int64_t{1} << 22;
+// MACs per thread's share before a call is split over threads (a few microseconds of tile
+// work on the AMX Xeon of docs/cpu_kernels.md; there, at 16 rows on two threads, 2^20 ran
+// SmolLM2's layer faster than 2^18 or 2^22, in one run): below it one thread runs the call
+constexpr int64_t kInt8ParallelMacs = int64_t{1} << 20;
 
 // (EA - 129) << 23: added to EW << 23 it gives the fp32 bits of 2^(EA + EW - 256)
 inline int32_t exp_bits(int e) {
