@@ -89,7 +89,7 @@ def _weight(wf: str, scheme, w: torch.Tensor, int8: bool = True):
 @int8
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 @pytest.mark.parametrize("plant", PLANTS)
-@pytest.mark.parametrize(("m", "k"), [(1, 296), (16, 576), (19, 1100), (40, 1536)])
+@pytest.mark.parametrize(("m", "k"), [(1, 296), (16, 576), (19, 1100), (40, 1536), (300, 576)])
 def test_int8_linear_within_the_bound(ck, pair, plant, m, k):
     wf, af = pair
     scheme = _scheme(wf, af)

@@ -62,6 +62,9 @@ constexpr int64_t kStepK = 64;       // K per tdpbssd
 constexpr int kPackedPerStep = 4;    // 16-element packed groups per step
 constexpr int kColTiles = 4;         // 16-column tiles per column block (64 outputs)
 constexpr int64_t kSpanSteps = 8;    // steps whose B tiles are decoded at once (32 KiB)
+// row tiles per task (256 rows: their fp32 accumulators 64 KiB, or 128 with MBS, stay in L2;
+// a task decodes its column block's B tiles once for them)
+constexpr int64_t kTaskRowTiles = 16;
 constexpr int kMaxSpread = 3;        // 12 * 2^3 = 96 <= 127
 constexpr int kDummyExp = 129;       // the exponent of an all-zero block: its scale bits are 0
 // EA + EW >= this: 2^(EA + EW - 256) is normal, and so is its product with an MBS factor
@@ -457,7 +460,8 @@ struct Worker {
   const Call& c;
   const Rows& r;
   const WeightTiles& w;
-  int64_t mt, bps, cols, span, span_alloc;
+  int64_t rt0 = 0, rt1 = 0;  // the task's row tiles
+  int64_t bps, cols, span, span_alloc;
   bool scaled;
   std::unique_ptr<int8_t[]> bbuf;      // [kColTiles, span_alloc, 1024] the span's B tiles
   std::unique_ptr<StepMeta[]> meta;    // [kColTiles, span_alloc]
@@ -473,16 +477,18 @@ struct Worker {
   int64_t s0 = 0, tile0 = 0;  // the span's first step, the column block's first tile
 
   explicit Worker(const Call& call)
-      : c(call), r(*call.rows), w(*call.w), mt(r.mp / kAmxRows), bps(r.bps),
+      : c(call), r(*call.rows), w(*call.w), bps(r.bps),
         cols(kColTiles * 16),
         span(std::max<int64_t>(1, kSpanSteps / call.chunk_steps) * call.chunk_steps),
         span_alloc(std::min(span, r.steps)), scaled(call.rw != nullptr),
         bbuf(new int8_t[kColTiles * span_alloc * 1024]),
-        meta(new StepMeta[kColTiles * span_alloc]), sacc(r.mp * cols),
-        yacc(scaled ? r.mp * cols : 0), S(sacc.data()), Y(scaled ? yacc.data() : S) {}
+        meta(new StepMeta[kColTiles * span_alloc]), sacc(std::min(r.mp, kTaskRowTiles * kAmxRows) * cols),
+        yacc(scaled ? sacc.size() : 0), S(sacc.data()), Y(scaled ? yacc.data() : S) {}
 
   int8_t* B(int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; }
-  float* srow(int64_t row0) { return S + row0 * cols; }
+  // a row's accumulators: S (and Y) hold the task's rows only
+  float* srow(int64_t row0) { return S + (row0 - rt0 * kAmxRows) * cols; }
+  float* yrow(int64_t row0) { return Y + (row0 - rt0 * kAmxRows) * cols; }
 
   // The epilogue of one step or unit (row tile rt, from step s; g its index in the span):
   // a unit's J, every row and column folded with the unit's exponents, into y directly where
@@ -505,7 +511,7 @@ struct Worker {
           const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
           add_scaled_terms(p.j + j * 256, ub, r.units, ew, r.ra.data() + row0 * c.chunks + ch,
                            c.chunks, _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0),
-                           Y + row0 * cols + j * 16, cols);
+                           yrow(row0) + j * 16, cols);
         } else {
           add_terms(p.j + j * 256, ub, r.units, ew, srow(row0) + j * 16, cols);
         }
@@ -551,7 +557,7 @@ struct Worker {
       const __m512 rw = _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0);
       for (int i = 0; i < kAmxRows; ++i) {
         float* so = srow(row0) + i * cols + j * 16;
-        float* yo = Y + (row0 + i) * cols + j * 16;
+        float* yo = yrow(row0 + i) + j * 16;
         const __m512 t = _mm512_mul_ps(_mm512_set1_ps(r.ra[(row0 + i) * c.chunks + ch]), rw);
         _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_loadu_ps(so), t, _mm512_loadu_ps(yo)));
         _mm512_storeu_ps(so, _mm512_setzero_ps());
@@ -609,18 +615,22 @@ struct Worker {
     }
   }
 
-  // One column block: per span, its B tiles, then every row tile unit by unit (one product
+  // One task, a column block and row tiles [first, end): per span, its B tiles, then every
+  // row tile unit by unit (one product
   // per step into the same tiles where the rows and columns fold over the unit, else step by
   // step); last the outputs, plus the bias, in the output dtype.
-  MXPLUS_AMX_INT8_TARGET void column_block(int64_t cb) {
+  MXPLUS_AMX_INT8_TARGET void column_block(int64_t cb, int64_t first, int64_t end) {
     tile0 = cb * kColTiles;
-    std::fill(sacc.begin(), sacc.end(), 0.0f);
-    std::fill(yacc.begin(), yacc.end(), 0.0f);
+    rt0 = first;
+    rt1 = end;
+    const int64_t live = (rt1 - rt0) * kAmxRows * cols;  // the task's accumulators
+    std::fill(sacc.begin(), sacc.begin() + live, 0.0f);
+    if (scaled) std::fill(yacc.begin(), yacc.begin() + live, 0.0f);
     for (s0 = 0; s0 < r.steps; s0 += span) {
       const int64_t s1 = std::min(r.steps, s0 + span);
       decode_span(s1);
       prev = Pending{};
-      for (int64_t rt = 0; rt < mt; ++rt) {
+      for (int64_t rt = rt0; rt < rt1; ++rt) {
         for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
           const int64_t u1 = std::min(s1, u0 + c.unit);
           bool unit = u1 - u0 > 1 && r.unit_fold[rt * r.units + u0 / c.unit] != 0;
@@ -641,13 +651,13 @@ struct Worker {
       }
       if (prev.rt >= 0) epilogue(prev);
     }
-    for (int64_t row = 0; row < r.m; ++row) {
+    for (int64_t row = rt0 * kAmxRows; row < std::min(r.m, rt1 * kAmxRows); ++row) {
       for (int j = 0; j < kColTiles; ++j) {
         const int64_t n0 = (tile0 + j) * 16;
         if (n0 >= c.n) break;
         const int64_t live = std::min<int64_t>(16, c.n - n0);
         const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
-        __m512 v = _mm512_loadu_ps(Y + row * cols + j * 16);
+        __m512 v = _mm512_loadu_ps(yrow(row) + j * 16);
         if (c.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c.bias + n0));
         store_outputs(v, c.dtype, c.out, row * c.n + n0, mask);
       }
@@ -655,13 +665,18 @@ struct Worker {
   }
 };
 
-// Column blocks [c0, c1) of the call on this thread: the tile configuration, the blocks, the
-// release, and the check of what the decodes met (`fits`).
-MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t c0, int64_t c1) {
+// Tasks [t0, t1) of the call on this thread (task t: column block t / row groups, row group
+// t % row groups of kTaskRowTiles row tiles): the tile configuration, the tasks, the release,
+// and the check of what the decodes met (`fits`).
+MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t t0, int64_t t1) {
   configure_tiles();
   Worker wk(c);
   wk.seen = WeightSeen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
-  for (int64_t cb = c0; cb < c1; ++cb) wk.column_block(cb);
+  const int64_t mt = c.rows->mp / kAmxRows, groups = cdiv(mt, kTaskRowTiles);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t g = t % groups;
+    wk.column_block(t / groups, g * kTaskRowTiles, std::min(mt, (g + 1) * kTaskRowTiles));
+  }
   _tile_release();
   if (!fits(wk.seen, c.rows->lo, c.rows->hi)) c.refused->store(true);
 }
@@ -729,9 +744,11 @@ at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, boo
                  chunked ? rw.data_ptr<float>() : nullptr, chunked ? rw.size(1) : 0,
                  b32.empty() ? nullptr : b32.data(), out.data_ptr(), out_dtype, &refused};
     const int64_t ncb = cdiv(w.nt, kColTiles);
+    const int64_t rows_per_task = std::min(rows.mp, kTaskRowTiles * kAmxRows);
+    const int64_t tasks = ncb * cdiv(rows.mp / kAmxRows, kTaskRowTiles);
     const int64_t grain = std::max<int64_t>(
-        1, kInt8ParallelMacs / std::max<int64_t>(1, kColTiles * 16 * rows.kp * rows.mp));
-    at::parallel_for(0, ncb, grain, [&](int64_t c0, int64_t c1) { run_blocks(c, c0, c1); });
+        1, kInt8ParallelMacs / std::max<int64_t>(1, kColTiles * 16 * rows.kp * rows_per_task));
+    at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) { run_blocks(c, t0, t1); });
   }
   if (!refused) return out;
 #endif
