@@ -1,4 +1,4 @@
-// The E8M0 linear on AMX-INT8 tiles (docs/cpu_kernels.md, "Small M on AMX hosts"): the
+// The E8M0 linear on AMX-INT8 tiles (docs/cpu_kernels.md, "E8M0 on AMX-INT8 tiles"): the
 // integer kernels' sum (mx_gemm_cpu.cpp) with a 64-element step of K on one `tdpbssd` (16 x 16
 // outputs, 16,384 int8 products) instead of one 16-element block per `vpdpbusd` group.
 //
@@ -12,23 +12,27 @@
 //   T = J * 2^(EA + EW - 256)      = the sum of the step's block terms I_b 2^(ea_b + ew_b - 256)
 //
 // exactly (|J| <= 64 * 96 * 96 < 2^20, and the power of two is a normal fp32 where the call
-// is taken: below). A row or column whose spread is larger keeps its codes unshifted
-// (EA = ea_b per block), and any 16 x 16 tile with such a row or column in the step runs the
-// step once per block instead, the other blocks' activation codes masked to zero: the same
-// T, per block. The T of a macro chunk are added in fp32 in step order (fused multiply-adds
-// of exact products: one rounding each), and with MBS the chunk's sum S_c is scaled into the
-// output as on the bf16 tiles (mx_amx_cpu.cpp): y += S_c * fl(fl(1/Fa) * fl(1/Fw)), one fused
-// multiply-add per chunk; without MBS the row is one chunk and y = S. Then the bias (one
-// addition) and the output dtype. Rounding count per product: at most L / 64 additions in the
-// chunk (L - 1 on bf16 tiles), 3 for the factor and n_c for the chunks: within the exact-bf16
-// path's bound on AMX tiles (exact_bf16.py, `roundings`).
+// is taken: below). Where rows and columns fold over two steps (a unit: 128 elements, one MBS
+// chunk) the tiles accumulate both before one store. An activation row whose spread is 4..7
+// takes two folds (blocks with e >= e_hi - 3 on that base, the others on e_lo: a second
+// product against a second operand, zero in the other rows); a larger spread, or a weight
+// column past one fold, runs its 16 x 16 tile once per block, the other blocks' activation
+// codes masked to zero: the same T, per block. The T of a macro chunk are added in fp32 in
+// order (fused multiply-adds of exact products: one rounding each), and with MBS the chunk's
+// sum S_c is scaled into the output as on the bf16 tiles (mx_amx_cpu.cpp): y += S_c *
+// fl(fl(1/Fa) * fl(1/Fw)), one fused multiply-add per chunk (a unit that is the chunk: y += J *
+// (2^(EA + EW - 256) * t), the product exact, the same one rounding); without MBS the row is
+// one chunk and y = S. Then the bias (one addition) and the output dtype. Rounding count per
+// product: at most L / 64 additions in the chunk (L - 1 on bf16 tiles), 3 for the factor and
+// n_c for the chunks: within the exact-bf16 path's bound on AMX tiles (exact_bf16.py,
+// `roundings`).
 //
 // Where the fold cannot be exact the whole call runs on the integer kernels instead
 // (tile_linear, the same result as cpu_mx_linear): a NaN block or one whose values overflow
 // (E8M0 255, or 253 / 254 with a large code) on either side, a nonzero block with scale code 0
 // (values below 2^-125), or exponents whose power of two 2^(EA + EW - 256) would leave
-// [2^-126, 2^107] (|T| < 2^127: finite). A block of scale code 0 whose codes are zero (an
-// all-zero block) takes any shift: it adds nothing.
+// [2^-124, 2^107] (normal also times t > 1/4; |T| < 2^127: finite). A block of scale code 0
+// whose codes are zero (an all-zero block) takes any shift: it adds nothing.
 //
 // Layouts. The weight is the integer kernels' packed tiles (cpu_pack_weight: mx_tiles.h
 // WeightTiles), decoded per call into `tdpbssd` B tiles: per 16 columns and step, B row r
