@@ -75,6 +75,8 @@ HEADERS = tuple(
     for h in (
         "mx_cpu_common.h",
         "mx_amx_decode.h",
+        "mx_amx_int8_decode.h",
+        "mx_amx_int8_rows.h",
         "mx_tiles.h",
         "mx_tile_avx512.h",
         "mx_tile_avx512_panel.h",

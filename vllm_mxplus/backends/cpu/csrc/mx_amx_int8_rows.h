@@ -1,0 +1,181 @@
+// The activation operand of the E8M0 linear on AMX-INT8 tiles (mx_amx_int8_cpu.cpp states
+// what it computes): x's rows quantized by quant_row (bit-exact with formats) and laid out as
+// int8 codes with each step's block scales folded into them where exact, the folds' exponent
+// bits, the rows' MBS reciprocals, and whether the call can be taken at all.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "mx_amx_decode.h"
+#include "mx_cpu_common.h"
+
+namespace mxplus_cpu {
+namespace int8_detail {
+
+#ifdef MXPLUS_AMX
+constexpr int64_t kStepK = 64;       // K per tdpbssd
+constexpr int kMaxSpread = 3;        // 12 * 2^3 = 96 <= 127
+constexpr int kDummyExp = 129;       // the exponent of an all-zero block: its scale bits are 0
+constexpr int kPerBlock = 3;         // Rows::levels of a tile that runs one product per block
+
+// (EA - 129) << 23: added to EW << 23 it gives the fp32 bits of 2^(EA + EW - 256)
+inline int32_t exp_bits(int e) {
+  return static_cast<int32_t>(static_cast<uint32_t>(e - kDummyExp) << 23);
+}
+
+// max |code| of one block (2 * value: at most 12)
+inline int block_max(const int8_t* c, int64_t len) {
+  int big = 0;
+  for (int64_t i = 0; i < len; ++i) big = std::max(big, std::abs(static_cast<int>(c[i])));
+  return big;
+}
+
+// out = c * 2^shift for one block of 16 or 32 codes (|c| <= 12, shift <= 3: exact in int8),
+// 16 at a time: a 16-bit shift, each byte's bits from its neighbour masked off.
+inline void shift_codes(const int8_t* c, int64_t len, int shift, int8_t* out) {
+  const __m128i keep = _mm_set1_epi8(static_cast<char>((0xFF << shift) & 0xFF));
+  for (int64_t i = 0; i < len; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_and_si128(_mm_sll_epi16(v, _mm_cvtsi32_si128(shift)), keep));
+  }
+}
+
+// The activation operand of one call. Per row and step, the exponents e of its nonzero blocks
+// (lo .. hi) give its levels: one where hi - lo <= 3 (every block shifted by e - lo), two where
+// hi - lo <= 7 (blocks with e >= hi - 3 shifted by e - (hi - 3) in `a`, the others by e - lo
+// in `a1`), else none (codes unshifted, each block on its own). A 16-row tile runs a step as
+// its rows' largest count says: one product, two (the second with `a1`), or one per block.
+struct Rows {
+  int64_t m, mp, kp, steps, nb, bps;  // bps: blocks per step
+  std::vector<int8_t> a, a1;          // [mp, kp] codes: the first level (or all), the second
+  std::vector<int32_t> bits0, bits1;  // [mp, steps] exp_bits of each level's base
+  std::vector<int32_t> block_bits;    // [mp, steps * bps] exp_bits of each block's level base
+  std::vector<uint8_t> levels;        // [mp / 16, steps] 1, 2, or 3: one product per block
+  std::vector<uint8_t> unit_fold;     // [mp / 16, units] every row folds over the unit
+  std::vector<int32_t> ubits;         // [mp, units] exp_bits of the unit's base where it folds
+  int64_t units;
+  std::vector<float> ra;              // [mp, chunks] fl(1 / Fa), 1 without activation MBS
+  int lo = 255, hi = 0;               // the nonzero blocks' exponents
+  bool exact_only = false;            // a block the fold cannot take: the integer kernels run
+};
+// Row `row` of x (fp32, bf16 or fp16, contiguous [M, k]) as fp32: x's own memory, or buf.
+inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* buf) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return x.data_ptr<float>() + row * k;
+    case at::kBFloat16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + row * k;
+      for (int64_t i = 0; i < k; ++i) buf[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
+      return buf;
+    }
+    default: {
+      const at::Half* p = x.data_ptr<at::Half>() + row * k;
+      for (int64_t i = 0; i < k; ++i) buf[i] = static_cast<float>(p[i]);
+      return buf;
+    }
+  }
+}
+
+// Quantize x's rows (quant_row; x contiguous [M, k] fp32, bf16 or fp16) and lay the operand
+// out. `chunks` 0: no factors.
+inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs, int64_t macro,
+              int64_t chunks, int64_t unit) {
+  Rows r;
+  r.m = x.size(0);
+  r.mp = cdiv(r.m, kAmxRows) * kAmxRows;
+  r.nb = cdiv(k, block);
+  r.steps = cdiv(r.nb * block, kStepK);
+  r.kp = r.steps * kStepK;
+  r.bps = kStepK / block;
+  r.a.assign(r.mp * r.kp, 0);
+  r.a1.assign(r.mp * r.kp, 0);
+  r.bits0.assign(r.mp * r.steps, exp_bits(kDummyExp));
+  r.bits1.assign(r.mp * r.steps, exp_bits(kDummyExp));
+  r.block_bits.assign(r.mp * r.steps * r.bps, exp_bits(kDummyExp));
+  r.levels.assign(r.mp / kAmxRows * r.steps, 1);
+  r.units = cdiv(r.steps, unit);
+  r.unit_fold.assign(r.mp / kAmxRows * r.units, unit > 1 ? 1 : 0);
+  r.ubits.assign(r.mp * r.units, exp_bits(kDummyExp));
+  r.ra.assign(r.mp * chunks, 1.0f);
+  const int64_t nm = mbs ? cdiv(k, macro) : 0;
+  std::atomic<int> lo{255}, hi{0};
+  std::atomic<bool> exact_only{false};
+  at::parallel_for(0, r.m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> ybuf(std::max(macro, block)), xbuf(k);
+    std::vector<int8_t> codes(r.nb * block);
+    std::vector<uint8_t> sc(r.nb), mb(std::max<int64_t>(nm, 1));
+    std::vector<int> slo(r.steps), shi(r.steps);
+    int tlo = 255, thi = 0;
+    bool bad = false;
+    for (int64_t row = r0; row < r1; ++row) {
+      quant_row(row_f32(x, row, k, xbuf.data()), k, block, rule, mbs, macro, codes.data(),
+                sc.data(), mb.data(), nullptr, ybuf.data());
+      for (int64_t c = 0; mbs && c < chunks; ++c) r.ra[row * chunks + c] = 1.0f / mbs_factor(mb[c]);
+      for (int64_t s = 0; s < r.steps; ++s) {  // each step's nonzero exponents
+        const int64_t b0 = s * r.bps, b1 = std::min(r.nb, b0 + r.bps);
+        slo[s] = 255;
+        shi[s] = 0;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int e = sc[b];
+          const int8_t* cb = codes.data() + b * block;
+          if (e == kE8m0Nan || (e >= 253 && overflows(e, block_max(cb, block))) ||
+              (e == 0 && block_max(cb, block) != 0))
+            bad = true;
+          if (e == 0) continue;  // an all-zero block: any shift
+          slo[s] = std::min(slo[s], e);
+          shi[s] = std::max(shi[s], e);
+        }
+      }
+      for (int64_t u = 0; u < r.units; ++u) {
+        const int64_t u0 = u * unit, u1 = std::min(r.steps, u0 + unit);
+        int ulo = 255, uhi = 0;
+        for (int64_t s = u0; s < u1; ++s) {
+          ulo = std::min(ulo, slo[s]);
+          uhi = std::max(uhi, shi[s]);
+        }
+        const bool unit_fold = ulo > uhi || uhi - ulo <= kMaxSpread;
+        if (!unit_fold) r.unit_fold[row / kAmxRows * r.units + u] = 0;
+        if (unit_fold && ulo <= uhi) r.ubits[row * r.units + u] = exp_bits(ulo);
+        for (int64_t s = u0; s < u1; ++s) {
+          const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
+          if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
+          tlo = std::min(tlo, elo);
+          thi = std::max(thi, ehi);
+          const int spread = ehi - elo;
+          const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
+          const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
+          r.bits0[row * r.steps + s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
+          if (lv == 2) r.bits1[row * r.steps + s] = exp_bits(elo);
+          uint8_t& tl = r.levels[row / kAmxRows * r.steps + s];
+          tl = std::max<uint8_t>(tl, static_cast<uint8_t>(lv));
+          int32_t* bits = r.block_bits.data() + (row * r.steps + s) * r.bps;
+          for (int64_t b = s * r.bps; b < std::min(r.nb, (s + 1) * r.bps); ++b) {
+            const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
+            const bool low = lv == 2 && e < base0;  // the second level
+            const int base = lv == kPerBlock ? e : low ? elo : base0;
+            bits[b - s * r.bps] = exp_bits(base);
+            int8_t* out = (low ? r.a1 : r.a).data() + row * r.kp + b * block;
+            shift_codes(codes.data() + b * block, block, e - base, out);
+          }
+        }
+      }
+    }
+    // the call's extremes (rare contention: once per thread)
+    for (int v = lo.load(); tlo < v && !lo.compare_exchange_weak(v, tlo);) {}
+    for (int v = hi.load(); thi > v && !hi.compare_exchange_weak(v, thi);) {}
+    if (bad) exact_only = true;
+  });
+  r.lo = lo;
+  r.hi = hi;
+  r.exact_only = exact_only;
+  return r;
+}
+#endif
+
+}  // namespace int8_detail
+}  // namespace mxplus_cpu
