@@ -167,6 +167,29 @@ def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case):
 
 
 @int8
+@pytest.mark.parametrize("plant", ["two folds", "rows per block"])
+def test_threads_do_not_change_a_bit(ck, plant):
+    """Two threads give one thread's output bit for bit, with rows that need two folds or a
+    product per block in row tiles that an even split of 26 or 300 rows would cut in two (a
+    tile's way is its rows' maximum, written by the one thread that quantizes the tile)."""
+    scheme = get_scheme("mxfp4-mbs-s")
+    threads = torch.get_num_threads()
+    for m in (26, 300):
+        wsrc, x = _planted(plant, 70, 576, m, seed=m)
+        x[m // 2] *= 2.0**4  # a row past one fold in the middle tile, every step
+        x[m // 2, ::64] *= 2.0**5
+        _, w = _weight(scheme.weight_format, scheme, wsrc)
+        try:
+            torch.set_num_threads(1)
+            one = exact_bf16.linear(x, w, None, torch.float32)
+            torch.set_num_threads(2)
+            two = exact_bf16.linear(x, w, None, torch.float32)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one.view(torch.int32), two.view(torch.int32))
+
+
+@int8
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("odt", [torch.bfloat16, torch.float16])
 def test_int8_dtypes(ck, xdt, odt):
