@@ -246,7 +246,7 @@ def test_backend_serves_e8m0_on_int8_tiles(ck, monkeypatch, name):
     backend, layer = _backend(name, 24, 320)
     backend.process_weights_after_loading(layer, q)
     w = backend.exact
-    assert w is not None and w.int8 is not None and backend.exact_min_m == exact_bf16.INT8_MIN_M
+    assert w is not None and w.int8 is not None and w.min_m == exact_bf16.INT8_MIN_M
     assert w.packed[0] is layer.mxplus_cpu_codes and w.packed[2] is layer.mxplus_cpu_mbs
     calls: list = []
     real = cpu_kernels.amx_int8_linear

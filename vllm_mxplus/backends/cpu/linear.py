@@ -127,10 +127,9 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
     name = "cpu-packed"
     kernel = True  # self-tested against `formats` at first use (a few ms per scheme and dtype)
     _args: tuple  # the kernel's resolved arguments, set by process_weights_after_loading
-    # the exact-bf16 path for calls of at least exact_min_m rows (AMX hosts, every scheme;
+    # the exact-bf16 path for calls of at least exact.min_m rows (AMX hosts, every scheme;
     # exact_bf16.py), None where the integer kernels serve every M
     exact: exact_bf16.ExactBf16Weight | None = None
-    exact_min_m: int = exact_bf16.MIN_M
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         spec = self.spec
@@ -145,8 +144,6 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         if self._args[0] == E8M0_GEMM:
             shared = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
         self.exact = self._exact_weight(qweight, shared)
-        if self.exact is not None:
-            self.exact_min_m = self.exact.min_m
 
     def _exact_weight(
         self, qweight: QuantizedTensor, packed: tuple[Tensor, Tensor, Tensor] | None
@@ -195,7 +192,7 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
 
     @property
     def branches_on_m(self) -> bool:
-        return self.exact is not None  # the exact-bf16 path from exact_min_m rows
+        return self.exact is not None  # the exact-bf16 path from exact.min_m rows
 
     def apply(
         self, layer: Layer, x: Tensor, bias: Tensor | None, act_global_scale: Tensor | None = None
@@ -205,7 +202,7 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         if (
             self.exact is not None
             and act_global_scale is None
-            and x.numel() >= self.exact_min_m * self.exact.k
+            and x.numel() >= self.exact.min_m * self.exact.k
         ):
             return exact_bf16.linear(x, self.exact, bias, self.spec.out_dtype)
         weight = (layer.mxplus_cpu_codes, layer.mxplus_cpu_scales, layer.mxplus_cpu_mbs)
