@@ -14,7 +14,8 @@ so also valid in a graph loaded from vLLM's compile cache). The key travels as a
 an opaque value that torch.compile lifts to a graph input: a plain string would be a constant
 of each layer's graph, so vLLM's piecewise compile would see 32-80 different graphs and
 compile each, where with the key an input every layer's graph is the same one, compiled once.
-The registry holds the layer weakly.
+The registry holds the layer weakly. In eager mode (nothing being traced) `LinearDispatch.apply`
+runs the op's body directly: the op boundary only matters to a trace.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from vllm_mxplus.backends.base import Layer, LinearBackend, LinearSpec
-from vllm_mxplus.backends.library import op_name
+from vllm_mxplus.backends.library import define_op
 from vllm_mxplus.backends.selection import pick
 
 
@@ -78,6 +79,16 @@ class LinearDispatch:
         assert isinstance(backend, LinearBackend)
         return backend
 
+    def run(
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_global_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The candidate serving x's row count M applied: the op's body, run on every call."""
+        return self.pick(x.numel() // max(x.shape[-1], 1)).apply(layer, x, bias, act_global_scale)
+
     def apply(
         self,
         layer: Layer,
@@ -91,6 +102,8 @@ class LinearDispatch:
             return self.candidates[0].apply(layer, x, bias, act_global_scale)
         if self.key is None:
             raise RuntimeError("LinearDispatch.apply before process_weights_after_loading")
+        if not torch.compiler.is_compiling():  # eager: the op's body without the op's boundary
+            return self.run(layer, x, bias, act_global_scale)
         spec = self.spec
         return torch.ops.vllm_mxplus.linear_dispatch(
             x, bias, act_global_scale, spec.n, spec.out_dtype, self.key
@@ -142,8 +155,7 @@ def lookup(key: str) -> tuple[torch.nn.Module, LinearDispatch]:
     return layer, entry[1]
 
 
-@torch.library.custom_op(op_name("linear_dispatch"), mutates_args=())
-def linear_dispatch(
+def _linear_dispatch(
     x: torch.Tensor,
     bias: torch.Tensor | None,
     act_global_scale: torch.Tensor | None,
@@ -157,10 +169,12 @@ def linear_dispatch(
     implementation needs no look-up of the key (a graph input, whose value a trace cannot
     read); layers of one shape pass the same values."""
     layer, dispatch = lookup(key.value)
-    backend = dispatch.pick(x.numel() // max(x.shape[-1], 1))
-    return backend.apply(layer, x, bias, act_global_scale)
+    return dispatch.run(layer, x, bias, act_global_scale)
 
 
-@linear_dispatch.register_fake
-def _(x, bias, act_global_scale, n, out_dtype, key):  # noqa: ANN001, ANN202 (the op's)
+def _linear_dispatch_fake(x, bias, act_global_scale, n, out_dtype, key):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+
+# registered directly (define_op): it runs once per quantized linear per step
+linear_dispatch = define_op("linear_dispatch", _linear_dispatch, _linear_dispatch_fake)
