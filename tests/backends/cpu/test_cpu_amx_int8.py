@@ -167,6 +167,45 @@ def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case):
 
 
 @int8
+@pytest.mark.parametrize("side", ["activation", "weight"])
+def test_small_unit_bases_run_step_by_step(ck, side):
+    """A unit's scale is fl(A * W) with A = fl(1/Fa) 2^(EA - 127), W = fl(1/Fw) 2^(EW - 129),
+    both normal only from EA >= 2 and EW >= 4: blocks of E8M0 codes 1-2 (their products
+    inside the window through a larger partner) run step by step, on the tiles (not the
+    integer kernels: other bits), within the bound. The bound's absolute term (2^-124 times
+    the partner's sum) would hide these rows, so they are also held to the integer kernels'
+    result relatively: every value here is a normal fp32 number, and both results are within
+    a few hundred roundings (gamma_n < 2^-16) of the float64 sum."""
+    scheme = get_scheme("mxfp4-mbs-s")
+    g = torch.Generator().manual_seed(11)
+    wsrc, x = _planted("plain", 48, 576, 32, seed=11)
+
+    def small(shape: tuple[int, int]) -> torch.Tensor:  # |v| in [1, 6) times 2^-126: codes 1-2
+        v = 1.0 + 5.0 * torch.rand(shape, generator=g)  # off the FP4 grid: MBS factors above 1
+        return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v) * 2.0**-126
+
+    if side == "activation":
+        x[::3] = small(x[::3].shape)
+        wsrc *= 2.0**12
+    else:
+        wsrc[::2] = small(wsrc[::2].shape)
+        x *= 2.0**12
+    q, w = _weight(scheme.weight_format, scheme, wsrc)
+    xq = quantize(x, scheme.activation_format, macro_block=scheme.macro_block)
+    low = xq.scales if side == "activation" else q.scales
+    assert ((low >= 1) & (low <= 2)).any() and not (low == 0).any()
+    y = exact_bf16.linear(x, w, None, torch.float32)
+    assert _check(y, x, q, scheme, None, w).all()
+    codes, scales, mbs = w.packed
+    exact = torch.ops.vllm_mxplus.cpu_mx_linear(
+        x, *w.int8[:4], codes, scales, mbs, *w.int8[4:], None, torch.float32
+    )
+    assert not torch.equal(y, exact)
+    s = xq.dequantize().double().abs() @ q.dequantize().double().abs().T
+    assert ((y.double() - exact.double()).abs() <= 2.0**-16 * s).all()
+
+
+@int8
 @pytest.mark.parametrize("plant", ["two folds", "rows per block"])
 def test_threads_do_not_change_a_bit(ck, plant):
     """Two threads give one thread's output bit for bit, with rows that need two folds or a

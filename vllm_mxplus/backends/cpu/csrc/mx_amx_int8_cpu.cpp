@@ -90,21 +90,25 @@ MXPLUS_AMX_INT8_TARGET inline void add_terms(const int32_t* j, const int32_t* ro
   }
 }
 
-// Y[r][0..15] += J[r] * (2^(EA_r + EW - 256) * fl(ra_r * rw)) for the 16 rows of a tile: a
-// chunk's one fold (its sum exact) scaled into y, one rounding, as y += P_c * t on the bf16
-// tiles (the power of two times t is exact: normal in the window).
-MXPLUS_AMX_INT8_TARGET inline void add_scaled_terms(const int32_t* j, const int32_t* row_bits,
-                                                    int64_t stride, __m512i ew, const float* ra,
-                                                    int64_t ra_stride, __m512 rw, float* y,
+// Y[r][0..15] += J[r] * fl(A_r * W) for the 16 rows of a tile: a chunk's one fold (its sum
+// exact) scaled into y, one rounding, as y += P_c * t on the bf16 tiles. A_r = fl(1/Fa) *
+// 2^(EA_r - 127) and W = fl(1/Fw) * 2^(EW - 129) are exact (unit_row_scale), so fl(A_r * W)
+// is t = fl(fl(1/Fa) * fl(1/Fw)) times the power of two 2^(EA + EW - 256), exactly.
+MXPLUS_AMX_INT8_TARGET inline void add_scaled_terms(const int32_t* j, const float* a,
+                                                    int64_t a_stride, __m512 w, float* y,
                                                     int64_t y_stride) {
   for (int r = 0; r < kAmxRows; ++r) {
-    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ra[r * ra_stride]), rw);
-    const __m512 scale = _mm512_mul_ps(
-        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(row_bits[r * stride]), ew)), t);
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(a[r * a_stride]), w);
     const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(j + r * 16));
     float* o = y + r * y_stride;
-    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, scale, _mm512_loadu_ps(o)));
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, t, _mm512_loadu_ps(o)));
   }
+}
+
+// W of 16 columns: fl(1/Fw) (rw) times 2^(EW - 129), from the columns' EW << 23 (ew).
+MXPLUS_AMX_INT8_TARGET inline __m512 unit_column_scale(const float* rw, __m512i ew) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_loadu_ps(rw)),
+                                              _mm512_sub_epi32(ew, _mm512_set1_epi32(129 << 23))));
 }
 
 struct Call {
@@ -196,8 +200,8 @@ struct Worker {
         const __m512i ew = _mm512_load_si512(meta[j * span_alloc + g].ew_bits);
         if (direct) {
           const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
-          add_scaled_terms(p.j + j * 256, ub, r.units, ew, r.ra.data() + row0 * c.chunks + ch,
-                           c.chunks, _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0),
+          add_scaled_terms(p.j + j * 256, r.ua.data() + row0 * r.units + p.s / c.unit, r.units,
+                           unit_column_scale(c.rw + ch * c.rw_stride + n0, ew),
                            yrow(row0) + j * 16, cols);
         } else {
           add_terms(p.j + j * 256, ub, r.units, ew, srow(row0) + j * 16, cols);

@@ -110,7 +110,9 @@ MXPLUS_AMX_INT8_TARGET inline void decode_step(const WeightTiles& w, int64_t blo
   _mm_store_si128(reinterpret_cast<__m128i*>(meta->lo), lo);
   meta->fold_lanes = fold;
   meta->folded = fold == 0xFFFF;
-  meta->unit_folded = ufold == 0xFFFF;
+  // and every lane's unit base at least kMinUnitWeightExp (W normal: unit_row_scale)
+  meta->unit_folded =
+      ufold == 0xFFFF && !_mm_mask_cmplt_epu8_mask(any, lo, _mm_set1_epi8(kMinUnitWeightExp));
   __m128i sc[4];
   for (int64_t b = b0; b < std::min(w.nb, b0 + bps); ++b)
     sc[b - b0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (t * w.nb + b) * 16));

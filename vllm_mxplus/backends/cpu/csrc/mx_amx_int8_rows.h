@@ -27,6 +27,19 @@ inline int32_t exp_bits(int e) {
   return static_cast<int32_t>(static_cast<uint32_t>(e - kDummyExp) << 23);
 }
 
+// The least base exponent of a unit that folds (and of a weight column's, kMinUnitWeightExp):
+// A = fl(1 / Fa) * 2^(EA - 127) and W = fl(1 / Fw) * 2^(EW - 129) are then normal fp32
+// values, so fl(A * W) = fl(fl(1 / Fa) * fl(1 / Fw)) * 2^(EA + EW - 256) exactly (the product
+// is normal in the window). A unit below it runs step by step.
+constexpr int kMinUnitExp = 2;
+constexpr int kMinUnitWeightExp = 4;
+
+// A of a unit's row: fl(1 / Fa) in (0.5, 1] times 2^(EA - 127), by its exponent bits (exact:
+// EA >= kMinUnitExp or the dummy exponent of an all-zero unit, at most 254).
+inline float unit_row_scale(float ra, int32_t ubits) {
+  return u2f(f2u(ra) + static_cast<uint32_t>(ubits) + (2u << 23));
+}
+
 // max |code| of one block (2 * value: at most 12)
 inline int block_max(const int8_t* c, int64_t len) {
   int big = 0;
@@ -60,6 +73,9 @@ struct Rows {
   std::vector<int32_t> ubits;         // [mp, units] exp_bits of the unit's base where it folds
   int64_t units;
   std::vector<float> ra;              // [mp, chunks] fl(1 / Fa), 1 without activation MBS
+  // [mp, units] with factors: A = fl(1 / Fa) * 2^(EA - 127) of the unit's chunk and base EA
+  // (unit_row_scale), where the unit folds
+  std::vector<float> ua;
   int lo = 255, hi = 0;               // the nonzero blocks' exponents
   bool exact_only = false;            // a block the fold cannot take: the integer kernels run
 };
@@ -102,6 +118,7 @@ inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bo
   r.unit_fold.assign(r.mp / kAmxRows * r.units, unit > 1 ? 1 : 0);
   r.ubits.assign(r.mp * r.units, exp_bits(kDummyExp));
   r.ra.assign(r.mp * chunks, 1.0f);
+  r.ua.assign(chunks ? r.mp * r.units : 0, 1.0f);
   const int64_t nm = mbs ? cdiv(k, macro) : 0;
   std::atomic<int> lo{255}, hi{0};
   std::atomic<bool> exact_only{false};
@@ -141,9 +158,12 @@ inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bo
           ulo = std::min(ulo, slo[s]);
           uhi = std::max(uhi, shi[s]);
         }
-        const bool unit_fold = ulo > uhi || uhi - ulo <= kMaxSpread;
+        const bool unit_fold = ulo > uhi || (uhi - ulo <= kMaxSpread && ulo >= kMinUnitExp);
         if (!unit_fold) r.unit_fold[row / kAmxRows * r.units + u] = 0;
         if (unit_fold && ulo <= uhi) r.ubits[row * r.units + u] = exp_bits(ulo);
+        if (chunks)
+          r.ua[row * r.units + u] = unit_row_scale(r.ra[row * chunks + u0 * kStepK / macro],
+                                                   r.ubits[row * r.units + u]);
         for (int64_t s = u0; s < u1; ++s) {
           const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
           if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
