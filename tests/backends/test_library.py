@@ -1,6 +1,6 @@
 """`library.define_op`: an op registered to the dispatcher directly (no `custom_op` wrapper)
-computes its Python body on a real tensor, its fake on FakeTensors, and traces into a
-torch.compile graph as one call; and `linear_dispatch` is such an op."""
+computes its Python body on a real tensor, its fake on FakeTensors and meta tensors, and
+traces into a torch.compile graph as one call; and `linear_dispatch` is such an op."""
 
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def test_fake_gives_shape_without_running_the_body():
         y = op(mode.from_tensor(torch.zeros(5, 8)), 3)
     assert y.shape == (5, 3)
     assert calls == []
+
+
+def test_meta_tensors_take_the_fake():
+    def body(x: torch.Tensor, n: int) -> torch.Tensor:
+        raise AssertionError("the body ran on meta tensors")
+
+    def fake(x, n):  # noqa: ANN001, ANN202
+        return x.new_empty((*x.shape[:-1], n))
+
+    op = _define(body, fake)
+    y = op(torch.empty(3, 4, device="meta"), 5)
+    assert y.shape == (3, 5) and y.device.type == "meta"
 
 
 def test_traced_as_one_call_and_equal_to_eager():
