@@ -295,7 +295,7 @@ struct Worker {
       for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
         __m128i ulo = _mm_setzero_si128(), uhi;
         __mmask16 ufold = 0;
-        if (c.unit > 1) {
+        if (c.unit > 1 && tile0 + j < w.nt) {  // past the weight: zero tiles (decode_step)
           scale_range(w, tile0 + j, u0 * bps, (u0 + c.unit) * bps, &ulo, &uhi);
           ufold = fold_lanes(ulo, uhi);
         }
