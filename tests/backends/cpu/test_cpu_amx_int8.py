@@ -81,20 +81,24 @@ def _spreads(scales: torch.Tensor, span: int, block: int) -> torch.Tensor:
     )
 
 
-def _weight(wf: str, scheme, w: torch.Tensor, int8: bool = True):
+def _weight(wf: str, scheme, w: torch.Tensor, int8: bool = True, held: bool = False):
+    """q and its weight on the tiles: the int8 tiles decoded per call, or held from load."""
     q = quantize(w, wf, macro_block=scheme.macro_block)
-    return q, exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=int8)
+    out = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=int8, held=held)
+    assert (out.held is not None) == (int8 and held)
+    return q, out
 
 
 @int8
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 @pytest.mark.parametrize("plant", PLANTS)
 @pytest.mark.parametrize(("m", "k"), [(1, 296), (16, 576), (19, 1100), (40, 1536), (300, 576)])
-def test_int8_linear_within_the_bound(ck, pair, plant, m, k):
+@pytest.mark.parametrize("held", [False, True], ids=["decoded", "held"])
+def test_int8_linear_within_the_bound(ck, pair, plant, m, k, held):
     wf, af = pair
     scheme = _scheme(wf, af)
     wsrc, x = _planted(plant, 70, k, m, seed=m + k)
-    q, w = _weight(wf, scheme, wsrc)
+    q, w = _weight(wf, scheme, wsrc, held=held)
     assert w.int8 is not None and w.min_m == exact_bf16.INT8_MIN_M
     bias = torch.randn(70, generator=torch.Generator().manual_seed(k))
     y = exact_bf16.linear(x, w, bias, torch.float32)
@@ -139,8 +143,10 @@ def test_int8_linear_is_exact_where_fp32_is(ck, name):
         "tiny products",
     ],
 )
-def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case):
-    """The op's way out: the integer kernels' result, bit for bit (NaN where NaN)."""
+@pytest.mark.parametrize("held", [False, True], ids=["decoded", "held"])
+def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case, held):
+    """The op's way out: the integer kernels' result, bit for bit (NaN where NaN); with held
+    tiles the weight side's check is the one made at load."""
     scheme = get_scheme("mxfp4-mbs-s")
     wsrc, x = _planted("plain", 40, 320, 18, seed=3)
     if case == "nan row":
@@ -157,7 +163,7 @@ def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case):
     else:  # below the normal range
         x *= 2.0**-80
         wsrc *= 2.0**-60
-    q, w = _weight(scheme.weight_format, scheme, wsrc)
+    q, w = _weight(scheme.weight_format, scheme, wsrc, held=held)
     y = exact_bf16.linear(x, w, None, torch.float32)
     codes, scales, mbs = w.packed
     want = torch.ops.vllm_mxplus.cpu_mx_linear(
@@ -203,6 +209,34 @@ def test_small_unit_bases_run_step_by_step(ck, side):
     assert not torch.equal(y, exact)
     s = xq.dequantize().double().abs() @ q.dequantize().double().abs().T
     assert ((y.double() - exact.double()).abs() <= 2.0**-16 * s).all()
+
+
+@int8
+@pytest.mark.parametrize("name", ["mxfp4-mbs-s", "mxfp4-mbs", "mxfp4-ocp", "mxfp4-16-oas"])
+@pytest.mark.parametrize("plant", PLANTS)
+def test_held_tiles_give_the_decoded_calls_bits(ck, name, plant):
+    """Tiles decoded at load (`amx_int8_hold`) are the per-call decode's bytes: the same
+    output bit for bit, N not a multiple of 64 (a padded column block), two spans of steps."""
+    scheme = get_scheme(name)
+    wsrc, x = _planted(plant, 70, 1100, 40, seed=5)
+    _, per_call = _weight(scheme.weight_format, scheme, wsrc)
+    _, held = _weight(scheme.weight_format, scheme, wsrc, held=True)
+    tiles, meta = held.held
+    assert tiles.dtype == torch.int8 and tiles.numel() == 8 * 18 * 1024  # 8 column tiles, 18 steps
+    a = exact_bf16.linear(x, per_call, None, torch.float32)
+    b = exact_bf16.linear(x, held, None, torch.float32)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@int8
+def test_held_tiles_follow_the_setting(ck, monkeypatch):
+    scheme = get_scheme("mxfp4-mbs-s")
+    q = quantize(torch.randn(24, 320) * 0.05, scheme.weight_format)
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=True)
+    assert w.held is not None  # the default
+    monkeypatch.setenv("VLLM_MXPLUS_CPU_INT8_HELD", "0")
+    w = exact_bf16.ExactBf16Weight.from_quantized(q, scheme, tiles=True, int8=True)
+    assert w.held is None
 
 
 @int8
@@ -260,6 +294,45 @@ def test_int8_refuses_bad_arguments(ck):
         )
 
     assert call().shape == (3, 40)
+    tiles, meta = ops.cpu_amx_int8_hold(codes, scales, mbs, n, k, a_block, macro, a_mbs)
+    with pytest.raises(RuntimeError, match="packed weight codes"):
+        ops.cpu_amx_int8_hold(codes, scales, mbs, n, 512, a_block, macro, a_mbs)
+    with pytest.raises(RuntimeError, match="come together"):
+        ops.cpu_amx_int8_linear(
+            x,
+            a_block,
+            a_rule,
+            a_mbs,
+            macro,
+            codes,
+            scales,
+            mbs,
+            w.rw,
+            n,
+            k,
+            None,
+            torch.float32,
+            tiles,
+            None,
+        )
+    with pytest.raises(RuntimeError, match="held_tiles must be"):
+        ops.cpu_amx_int8_linear(
+            x,
+            a_block,
+            a_rule,
+            a_mbs,
+            macro,
+            codes,
+            scales,
+            mbs,
+            w.rw,
+            n,
+            k,
+            None,
+            torch.float32,
+            tiles[:-1],
+            meta,
+        )
     with pytest.raises(RuntimeError, match="rw must be contiguous fp32"):
         call(rw=w.rw[:, :16])
     with pytest.raises(RuntimeError, match="multiple of 64"):

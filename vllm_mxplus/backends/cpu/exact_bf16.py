@@ -47,7 +47,8 @@ the int8 operands where that is exact (a spread of at most 3 in E8M0 codes acros
 two folds or one product per block where it is larger), and each macro chunk's exact sum
 scaled into y as below; its roundings are at most the tile GEMM's (`roundings` holds for
 both), and what the fold cannot take exactly (NaN, tiny or extreme scales) runs on the
-integer kernels inside the op.
+integer kernels inside the op. Its int8 B tiles are decoded from the packed weight once at
+load by default (`held`, VLLM_MXPLUS_CPU_INT8_HELD), else per call: the same bytes.
 
 Where the CPU has AMX-BF16 (`amx_tiles`: what serves), the GEMM is the plugin's tile kernel
 (csrc/mx_amx_cpu.cpp: the weight as `tdpbf16ps` B tiles, decoded per task from the packed
@@ -248,6 +249,9 @@ class ExactBf16Weight:
     # E8M0 weights on AMX-INT8 hosts (`int8_tiles`): the `linear_args` of cpu_amx_int8_linear,
     # which runs the packed weight on int8 tiles instead of the bf16 tile GEMM; else None
     int8: tuple | None = None
+    # with `int8`: the int8 B tiles and their fold data decoded at load (`amx_int8_hold`,
+    # VLLM_MXPLUS_CPU_INT8_HELD=1), or None: decoded from `packed` per call
+    held: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_quantized(
@@ -257,6 +261,7 @@ class ExactBf16Weight:
         tiles: bool = False,
         packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         int8: bool | None = None,
+        held: bool | None = None,
     ) -> ExactBf16Weight:
         """The operand of weight q for the scheme's activations (and macro block): the pair
         of q's own format and the scheme's activation format must be one the path `takes`.
@@ -294,6 +299,8 @@ class ExactBf16Weight:
                 int8 = int8_tiles(dataclasses.replace(scheme, weight_format=w.name))[0]
             if int8:
                 out.int8 = cpu_kernels.linear_args(w, a, n, k, scheme.macro_block)
+                if held if held is not None else settings.cpu_int8_held():
+                    out.held = cpu_kernels.amx_int8_hold(out.int8, *packed)
         else:
             operand = torch.zeros(n, chunks * chunk, dtype=torch.bfloat16, device=q.codes.device)
             for n0 in range(0, n, ROW_TILE):  # decoded in row tiles: no whole fp32 copy at once
@@ -427,7 +434,7 @@ def linear(
     (False: the same fp32 GEMM without it, for hosts without native bf16 and for tests)."""
     if w.int8 is not None and w.packed is not None:  # the whole linear in one op, any shape
         rw = w.rw if w.rw is not None else _EMPTY
-        return cpu_kernels.amx_int8_linear(x, w.int8, *w.packed, rw, bias, out_dtype)
+        return cpu_kernels.amx_int8_linear(x, w.int8, *w.packed, rw, bias, out_dtype, w.held)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, w.k)
     m = x2d.shape[0]

@@ -277,14 +277,43 @@ def amx_int8_linear(
     rw: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    held: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`cpu_amx_int8_linear`: `linear_packed`'s linear on AMX-INT8 tiles (AMX hosts; rw the
     reciprocals 1/Fw [chunks, >= N rounded up to 16] with MBS on either side, else empty);
     where its scale fold cannot be exact the op runs `cpu_mx_linear`'s kernels itself."""
     a_block, a_rule, a_mbs, macro, n, k, _ = args
+    held_tiles, held_meta = held if held is not None else (None, None)
     return torch.ops.vllm_mxplus.cpu_amx_int8_linear(
-        x, a_block, a_rule, a_mbs, macro, wcodes, wscales, wmbs, rw, n, k, bias, out_dtype
+        x,
+        a_block,
+        a_rule,
+        a_mbs,
+        macro,
+        wcodes,
+        wscales,
+        wmbs,
+        rw,
+        n,
+        k,
+        bias,
+        out_dtype,
+        held_tiles,
+        held_meta,
     )
+
+
+def amx_int8_hold(
+    args: tuple, wcodes: torch.Tensor, wscales: torch.Tensor, wmbs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cpu_amx_int8_hold`: the int8 B tiles and their fold data that `amx_int8_linear`
+    decodes from the packed weight per call, decoded once (the same bytes); ~1.1 bytes per
+    weight. `held` of amx_int8_linear."""
+    _, _, a_mbs, macro, n, k, w_block = args
+    tiles, meta = torch.ops.vllm_mxplus.cpu_amx_int8_hold(
+        wcodes, wscales, wmbs, n, k, w_block, macro, a_mbs
+    )
+    return tiles, meta
 
 
 def act_fake_quant(x: torch.Tensor, fmt: Format, macro_block: int) -> torch.Tensor:

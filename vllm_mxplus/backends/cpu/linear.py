@@ -151,8 +151,9 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
         """The exact-bf16 path's weight where this host and scheme take it (AMX-BF16 and the
         tile permission, a scheme whose operands the path builds: E8M0, NVFP4 and MX+ alike,
         the path's first-use self-test for the scheme passed), else None. On AMX tiles an
-        E8M0 weight is read from `packed` (no more memory); NVFP4 and MX+, and torch's GEMM
-        elsewhere, keep a bf16 operand (2 more bytes per weight)."""
+        E8M0 weight is read from `packed` (no more memory; on int8 tiles its decoded tiles are
+        kept, ~1.1 bytes per weight, unless VLLM_MXPLUS_CPU_INT8_HELD=0); NVFP4 and MX+, and
+        torch's GEMM elsewhere, keep a bf16 operand (2 more bytes per weight)."""
         ok, why = exact_bf16.takes(self.spec.scheme)
         if ok:
             ok, why = exact_bf16.host_choice()
@@ -184,7 +185,10 @@ class CpuPackedBackend(CpuKernels, LinearBackend):
             else "as exact bf16 GEMMs on AMX-BF16 tiles"
             if tiles
             else f"as exact bf16 GEMMs through oneDNN ({tiles_why})",
-            "weights decoded from their packed codes per call, no more memory"
+            "int8 tiles decoded at load, about 1.1 bytes per weight more memory "
+            "(VLLM_MXPLUS_CPU_INT8_HELD=0: decoded per call instead)"
+            if w.held is not None
+            else "weights decoded from their packed codes per call, no more memory"
             if w.packed is not None
             else "a bf16 copy of each weight, 2 bytes per weight more memory",
         )

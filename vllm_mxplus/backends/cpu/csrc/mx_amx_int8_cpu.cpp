@@ -35,7 +35,8 @@
 // whose codes are zero (an all-zero block) takes any shift: it adds nothing.
 //
 // Layouts. The weight is the integer kernels' packed tiles (cpu_pack_weight: mx_tiles.h
-// WeightTiles), decoded per call into `tdpbssd` B tiles: per 16 columns and step, B row r
+// WeightTiles), decoded into `tdpbssd` B tiles (per call, or once by cpu_amx_int8_hold and
+// passed as held_tiles / held_meta: the same decode_step): per 16 columns and step, B row r
 // holds the 16 columns' codes k = 4 r .. 4 r + 3 (the packed group's nibbles are already in
 // that order); a 64-entry byte table maps (shift << 4 | nibble) to 2 value * 2^shift. The
 // activation operand is int8 [Mp, Kp] (rows padded to 16, K to 64), quantized here by
@@ -51,6 +52,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "mx_amx_decode.h"
@@ -122,6 +124,11 @@ struct Call {
   void* out;                              // [m, n] of dtype
   at::ScalarType dtype;
   std::atomic<bool>* refused;
+  // the weight's B tiles and their StepMeta decoded at load (cpu_amx_int8_hold), or null:
+  // decoded per call
+  const int8_t* held_b;
+  const StepMeta* held_m;
+  const WeightSeen* held_seen;
 };
 
 // One step's (or unit's) pending epilogue: the 4 tiles' J (stored) of row tile rt, from
@@ -176,7 +183,15 @@ struct Worker {
         meta(new StepMeta[kColTiles * span_alloc]), sacc(std::min(r.mp, kTaskRowTiles * kAmxRows) * cols),
         yacc(scaled ? sacc.size() : 0), S(sacc.data()), Y(scaled ? yacc.data() : S) {}
 
-  int8_t* B(int j, int64_t s) { return bbuf.get() + (j * span_alloc + s) * 1024; }
+  // the B tile and StepMeta of column tile j, step s0 + g: the span's decode, or the held ones
+  const int8_t* B(int j, int64_t g) {
+    if (c.held_b) return c.held_b + ((tile0 + j) * r.steps + s0 + g) * 1024;
+    return bbuf.get() + (j * span_alloc + g) * 1024;
+  }
+  const StepMeta& M(int j, int64_t g) {
+    if (c.held_m) return c.held_m[(tile0 + j) * r.steps + s0 + g];
+    return meta[j * span_alloc + g];
+  }
   // a row's accumulators: S (and Y) hold the task's rows only
   float* srow(int64_t row0) { return S + (row0 - rt0 * kAmxRows) * cols; }
   float* yrow(int64_t row0) { return Y + (row0 - rt0 * kAmxRows) * cols; }
@@ -197,7 +212,7 @@ struct Worker {
       const bool direct = scaled && c.chunk_steps == c.unit;  // the unit is the chunk
       const int32_t* ub = r.ubits.data() + row0 * r.units + p.s / c.unit;
       for (int j = 0; j < kColTiles; ++j) {
-        const __m512i ew = _mm512_load_si512(meta[j * span_alloc + g].ew_bits);
+        const __m512i ew = _mm512_load_si512(M(j, g).ew_bits);
         if (direct) {
           const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
           add_scaled_terms(p.j + j * 256, r.ua.data() + row0 * r.units + p.s / c.unit, r.units,
@@ -211,7 +226,7 @@ struct Worker {
     } else {
       const int lv = r.levels[p.rt * r.steps + p.s];
       for (int j = 0; j < kColTiles; ++j) {
-        const StepMeta& m = meta[j * span_alloc + g];
+        const StepMeta& m = M(j, g);
         const __m512i ew = _mm512_load_si512(m.ew_bits);
         if (lv != kPerBlock && m.folded) {
           add_terms(p.j + j * 256, r.bits0.data() + row0 * r.steps + p.s, r.steps, ew,
@@ -291,6 +306,7 @@ struct Worker {
 
   // The span's B tiles of the column block, each unit's folding columns on the unit's base.
   MXPLUS_AMX_INT8_TARGET void decode_span(int64_t s1) {
+    if (c.held_b) return;
     for (int j = 0; j < kColTiles; ++j) {
       for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
         __m128i ulo = _mm_setzero_si128(), uhi;
@@ -300,7 +316,8 @@ struct Worker {
           ufold = fold_lanes(ulo, uhi);
         }
         for (int64_t s = u0; s < std::min(s1, u0 + c.unit); ++s)
-          decode_step(w, c.block, tile0 + j, s, ulo, ufold, B(j, s - s0),
+          decode_step(w, c.block, tile0 + j, s, ulo, ufold,
+                      bbuf.get() + (j * span_alloc + (s - s0)) * 1024,
                       &meta[j * span_alloc + (s - s0)], &seen);
       }
     }
@@ -326,7 +343,7 @@ struct Worker {
           const int64_t u1 = std::min(s1, u0 + c.unit);
           bool unit = u1 - u0 > 1 && r.unit_fold[rt * r.units + u0 / c.unit] != 0;
           for (int j = 0; unit && j < kColTiles; ++j)
-            unit = meta[j * span_alloc + (u0 - s0)].unit_folded;
+            unit = M(j, u0 - s0).unit_folded;
           if (unit) {
             zero_tiles();
             for (int64_t s = u0; s < u1; ++s) step_products(rt, s);
@@ -362,7 +379,7 @@ struct Worker {
 MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t t0, int64_t t1) {
   configure_tiles();
   Worker wk(c);
-  wk.seen = WeightSeen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
+  wk.seen = c.held_seen ? *c.held_seen : WeightSeen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
   const int64_t mt = c.rows->mp / kAmxRows, groups = cdiv(mt, kTaskRowTiles);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t g = t % groups;
@@ -370,6 +387,72 @@ MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t t0, int64_t t1) {
   }
   _tile_release();
   if (!fits(wk.seen, c.rows->lo, c.rows->hi)) c.refused->store(true);
+}
+
+// Column tiles [t0, t1) of cpu_amx_int8_hold, unit by unit as Worker::decode_span decodes them;
+// what they met merged into *all.
+MXPLUS_AMX_INT8_TARGET void hold_tiles(const WeightTiles& w, int64_t block, int64_t unit,
+                                       int64_t steps, int64_t t0, int64_t t1, int8_t* tb,
+                                       StepMeta* mb, std::mutex* mu, WeightSeen* all) {
+  WeightSeen seen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
+  const int64_t bps = kStepK / block;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t u0 = 0; u0 < steps; u0 += unit) {
+      __m128i ulo = _mm_setzero_si128(), uhi;
+      __mmask16 ufold = 0;
+      if (unit > 1 && t < w.nt) {
+        scale_range(w, t, u0 * bps, (u0 + unit) * bps, &ulo, &uhi);
+        ufold = fold_lanes(ulo, uhi);
+      }
+      for (int64_t s = u0; s < std::min(steps, u0 + unit); ++s)
+        decode_step(w, block, t, s, ulo, ufold, tb + (t * steps + s) * 1024, mb + t * steps + s,
+                    &seen);
+    }
+  }
+  std::lock_guard<std::mutex> lock(*mu);
+  all->lo = _mm_min_epu8(all->lo, seen.lo);
+  all->hi = _mm_max_epu8(all->hi, seen.hi);
+  all->tiny = all->tiny || seen.tiny;
+}
+
+// Steps per unit of the call: 2 where they stay inside a chunk (without MBS the row is one
+// chunk), else 1.
+inline int64_t unit_steps(bool chunked, int64_t macro) {
+  return !chunked || (macro / kStepK) % 2 == 0 ? 2 : 1;
+}
+#endif
+
+// The held form's layout: `meta` holds the WeightSeen of every decode at byte 0 and the
+// StepMeta of column tile t, step s at kHeldMetaOffset + (t * steps + s) * sizeof(StepMeta);
+// `tiles` the B tile of (t, s) at (t * steps + s) * 1024, column tiles padded to whole blocks.
+constexpr int64_t kHeldMetaOffset = 64;
+
+#ifdef MXPLUS_AMX
+// cpu_amx_int8_hold: the B tiles and StepMeta that cpu_amx_int8_linear decodes per call,
+// decoded once (the same decode_step, so the same bytes), for a layer that keeps them.
+std::vector<at::Tensor> amx_int8_hold(const at::Tensor& wcodes, const at::Tensor& wscales,
+                                      const at::Tensor& wmbs, int64_t n, int64_t k, int64_t block,
+                                      int64_t macro, bool act_mbs) {
+  const char* op = "vllm_mxplus::cpu_amx_int8_hold";
+  TORCH_CHECK(amx_int8_usable(), op, ": this CPU has no AMX-INT8 or Linux refused the AMX tile "
+              "permission");
+  TORCH_CHECK(k > 0 && n > 0, op, ": N and K must be positive");
+  const WeightTiles w =
+      gemm_detail::e8m0_weight_tiles(op, wcodes, wscales, wmbs, n, k, block, macro);
+  const bool chunked = act_mbs || w.mbs != nullptr;
+  const int64_t unit = unit_steps(chunked, macro);
+  const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
+  const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
+  at::Tensor tiles = at::empty({ntp * steps * 1024}, wcodes.options().dtype(at::kChar));
+  at::Tensor meta = at::empty({kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta))},
+                              wcodes.options().dtype(at::kByte));
+  int8_t* tb = tiles.data_ptr<int8_t>();
+  StepMeta* mb = reinterpret_cast<StepMeta*>(meta.data_ptr<uint8_t>() + kHeldMetaOffset);
+  std::mutex mu;
+  WeightSeen all{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
+  at::parallel_for(0, ntp, 1, [&](int64_t t0, int64_t t1) { hold_tiles(w, block, unit, steps, t0, t1, tb, mb, &mu, &all); });
+  std::memcpy(meta.data_ptr<uint8_t>(), &all, sizeof(WeightSeen));
+  return {tiles, meta};
 }
 #endif
 
@@ -384,7 +467,9 @@ int64_t amx_int8_available() {
 at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, bool act_mbs,
                            int64_t macro, const at::Tensor& wcodes, const at::Tensor& wscales,
                            const at::Tensor& wmbs, const at::Tensor& rw, int64_t n, int64_t k,
-                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                           const c10::optional<at::Tensor>& held_tiles,
+                           const c10::optional<at::Tensor>& held_meta) {
   const char* op = "vllm_mxplus::cpu_amx_int8_linear";
   check_rule(block, rule, act_mbs, macro);
   TORCH_CHECK(rule != kRuleMxplus, op, ": MX+ is not an E8M0 pair for this path");
@@ -426,14 +511,44 @@ at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, boo
     b32.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + n);
   }
   // units of two steps where they stay inside a chunk (without MBS the row is one chunk)
-  const int64_t unit = !chunked || (macro / kStepK) % 2 == 0 ? 2 : 1;
+  const int64_t unit = unit_steps(chunked, macro);
+  const bool held = held_tiles.has_value() && held_tiles->defined();
+  TORCH_CHECK(held == (held_meta.has_value() && held_meta->defined()), op,
+              ": held_tiles and held_meta come together (cpu_amx_int8_hold)");
+  if (held) {
+    const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
+    const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
+    TORCH_CHECK(held_tiles->scalar_type() == at::kChar && held_tiles->is_contiguous() &&
+                    held_tiles->numel() == ntp * steps * 1024,
+                op, ": held_tiles must be cpu_amx_int8_hold's int8 [", ntp * steps * 1024,
+                "] for this weight, got ", held_tiles->sizes(), " ", held_tiles->scalar_type());
+    TORCH_CHECK(held_meta->scalar_type() == at::kByte && held_meta->is_contiguous() &&
+                    held_meta->numel() ==
+                        kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta)),
+                op, ": held_meta must be cpu_amx_int8_hold's uint8 meta for this weight, got ",
+                held_meta->sizes());
+  }
   const Rows rows = act_rows(x2, k, block, static_cast<int>(rule), act_mbs, macro, chunks, unit);
   std::atomic<bool> refused{rows.exact_only};
   if (!refused) {
     const int64_t chunk_steps = chunked ? macro / kStepK : rows.steps;
-    const Call c{&rows,  &w, block, n, chunk_steps, chunks, unit,
-                 chunked ? rw.data_ptr<float>() : nullptr, chunked ? rw.size(1) : 0,
-                 b32.empty() ? nullptr : b32.data(), out.data_ptr(), out_dtype, &refused};
+    const uint8_t* hm = held ? held_meta->data_ptr<uint8_t>() : nullptr;
+    const Call c{&rows,
+                 &w,
+                 block,
+                 n,
+                 chunk_steps,
+                 chunks,
+                 unit,
+                 chunked ? rw.data_ptr<float>() : nullptr,
+                 chunked ? rw.size(1) : 0,
+                 b32.empty() ? nullptr : b32.data(),
+                 out.data_ptr(),
+                 out_dtype,
+                 &refused,
+                 held ? held_tiles->data_ptr<int8_t>() : nullptr,
+                 held ? reinterpret_cast<const StepMeta*>(hm + kHeldMetaOffset) : nullptr,
+                 held ? reinterpret_cast<const WeightSeen*>(hm) : nullptr};
     const int64_t ncb = cdiv(w.nt, kColTiles);
     const int64_t rows_per_task = std::min(rows.mp, kTaskRowTiles * kAmxRows);
     const int64_t tasks = ncb * cdiv(rows.mp / kAmxRows, kTaskRowTiles);
@@ -454,8 +569,13 @@ TORCH_LIBRARY_FRAGMENT(vllm_mxplus, m) {
   m.def("cpu_amx_int8_available() -> int", &amx_int8_available);
   m.def("cpu_amx_int8_linear(Tensor x, int block, int rule, bool act_mbs, int macro, "
         "Tensor wcodes, Tensor wscales, Tensor wmbs, Tensor rw, int n, int k, Tensor? bias, "
-        "ScalarType out_dtype) -> Tensor",
+        "ScalarType out_dtype, Tensor? held_tiles=None, Tensor? held_meta=None) -> Tensor",
         cpu_kernel(&amx_int8_linear));
+#ifdef MXPLUS_AMX
+  m.def("cpu_amx_int8_hold(Tensor wcodes, Tensor wscales, Tensor wmbs, int n, int k, int block, "
+        "int macro, bool act_mbs) -> Tensor[]",
+        cpu_kernel(&amx_int8_hold));
+#endif
 }
 
 }  // namespace mxplus_cpu
