@@ -26,7 +26,9 @@ time of:
             `held`, the bf16 tile GEMM on B tiles held as a bf16 copy (2 bytes per weight)
             instead of decoded per call from the packed codes, and `tiles`, the bf16 tile
             GEMM on the packed codes (where E8M0 weights run on AMX-INT8 tiles, `exact` is
-            that int8 linear: tiles/exact >= 1 says it is faster)
+            that int8 linear: tiles/exact >= 1 says it is faster), and `decoded`, that int8
+            linear with its tiles decoded per call instead of held from load
+            (VLLM_MXPLUS_CPU_INT8_HELD=0; decoded/exact >= 1: holding them is faster)
 and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
@@ -276,13 +278,25 @@ def main() -> int:
         + (
             f" {'exact us':>9s} {'bf16/exact':>10s} {'packed/exact':>12s} {'int us':>9s} "
             f"{'int/exact':>9s} {'held us':>9s} {'held/exact':>10s} {'tiles us':>9s} "
-            f"{'tiles/exact':>11s}"
+            f"{'tiles/exact':>11s} {'decoded us':>10s} {'decoded/exact':>13s}"
             if args.exact_bf16
             else ""
         )
     )
     g = torch.Generator().manual_seed(0)
-    kinds = ["bf16", "vllm", "fp32", "packed", "p128", "ref", "exact", "int", "held", "tiles"]
+    kinds = [
+        "bf16",
+        "vllm",
+        "fp32",
+        "packed",
+        "p128",
+        "ref",
+        "exact",
+        "int",
+        "held",
+        "tiles",
+        "decoded",
+    ]
     tot = dict.fromkeys(kinds, 0.0)
     for model in models:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
@@ -378,6 +392,14 @@ def main() -> int:
                         9 / 16,
                         lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
                     )
+                if probe.held is not None:  # the int8 linear decoding its tiles per call
+                    makers["decoded"] = (
+                        lambda: exact_bf16.ExactBf16Weight.from_quantized(
+                            q, spec.scheme, tiles=True, int8=True, held=False
+                        ),
+                        9 / 16,
+                        lambda ew, x, xf: exact_bf16.linear(x, ew, None, torch.bfloat16),
+                    )
             copies: dict = {}
             for kind, (make, per_weight, _) in makers.items():
                 reps = _copies(int(per_weight * n * k)) if args.stream else 1
@@ -410,7 +432,8 @@ def main() -> int:
                         f" {t['exact']:9.1f} {t['bf16'] / t['exact']:10.2f} "
                         f"{t_p / t['exact']:12.2f} {t['int']:9.1f} {t['int'] / t['exact']:9.2f} "
                         f"{t['held']:9.1f} {t['held'] / t['exact']:10.2f} "
-                        f"{t['tiles']:9.1f} {t['tiles'] / t['exact']:11.2f}"
+                        f"{t['tiles']:9.1f} {t['tiles'] / t['exact']:11.2f} "
+                        f"{t['decoded']:10.1f} {t['decoded'] / t['exact']:13.2f}"
                         if args.exact_bf16
                         else ""
                     ),
@@ -431,7 +454,8 @@ def main() -> int:
             f"packed/exact = {tot['packed'] / tot['exact']:.2f}x, "
             f"int/exact = {tot['int'] / tot['exact']:.2f}x, "
             f"held/exact = {tot['held'] / tot['exact']:.2f}x, "
-            f"tiles/exact = {tot['tiles'] / tot['exact']:.2f}x"
+            f"tiles/exact = {tot['tiles'] / tot['exact']:.2f}x, "
+            f"decoded/exact = {tot['decoded'] / tot['exact']:.2f}x"
             if args.exact_bf16
             else ""
         )
