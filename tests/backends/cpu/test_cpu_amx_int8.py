@@ -288,51 +288,20 @@ def test_int8_refuses_bad_arguments(ck):
     a_block, a_rule, a_mbs, macro, n, k, _ = w.int8
     x = torch.randn(3, 256)
 
-    def call(x=x, rule=a_rule, macro=macro, rw=w.rw, k=k, out=torch.float32, mbs=mbs):
+    def call(x=x, rule=a_rule, macro=macro, rw=w.rw, k=k, out=torch.float32, mbs=mbs, held=()):
         return ops.cpu_amx_int8_linear(
-            x, a_block, rule, a_mbs, macro, codes, scales, mbs, rw, n, k, None, out
+            x, a_block, rule, a_mbs, macro, codes, scales, mbs, rw, n, k, None, out, *held
         )
 
     assert call().shape == (3, 40)
     tiles, meta = ops.cpu_amx_int8_hold(codes, scales, mbs, n, k, a_block, macro, a_mbs)
+    assert call(held=(tiles, meta)).shape == (3, 40)
     with pytest.raises(RuntimeError, match="packed weight codes"):
         ops.cpu_amx_int8_hold(codes, scales, mbs, n, 512, a_block, macro, a_mbs)
     with pytest.raises(RuntimeError, match="come together"):
-        ops.cpu_amx_int8_linear(
-            x,
-            a_block,
-            a_rule,
-            a_mbs,
-            macro,
-            codes,
-            scales,
-            mbs,
-            w.rw,
-            n,
-            k,
-            None,
-            torch.float32,
-            tiles,
-            None,
-        )
+        call(held=(tiles, None))
     with pytest.raises(RuntimeError, match="held_tiles must be"):
-        ops.cpu_amx_int8_linear(
-            x,
-            a_block,
-            a_rule,
-            a_mbs,
-            macro,
-            codes,
-            scales,
-            mbs,
-            w.rw,
-            n,
-            k,
-            None,
-            torch.float32,
-            tiles[:-1],
-            meta,
-        )
+        call(held=(tiles[:-1], meta))
     with pytest.raises(RuntimeError, match="rw must be contiguous fp32"):
         call(rw=w.rw[:, :16])
     with pytest.raises(RuntimeError, match="multiple of 64"):

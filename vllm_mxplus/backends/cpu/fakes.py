@@ -95,23 +95,7 @@ def register_fakes(tile_n: int) -> None:
         return a.new_empty((m, n), dtype=out_dtype)
 
     @torch.library.register_fake(op_name("cpu_amx_int8_linear"))
-    def _(
-        x,
-        block,
-        rule,
-        act_mbs,
-        macro,
-        wcodes,
-        wscales,
-        wmbs,
-        rw,
-        n,
-        k,
-        bias,
-        out_dtype,
-        held_tiles=None,
-        held_meta=None,
-    ):
+    def _(x, block, rule, act_mbs, macro, wcodes, wscales, wmbs, rw, n, k, bias, out_dtype, *held):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
     @torch.library.register_fake(op_name("cpu_amx_unpack"))

@@ -283,23 +283,10 @@ def amx_int8_linear(
     reciprocals 1/Fw [chunks, >= N rounded up to 16] with MBS on either side, else empty);
     where its scale fold cannot be exact the op runs `cpu_mx_linear`'s kernels itself."""
     a_block, a_rule, a_mbs, macro, n, k, _ = args
-    held_tiles, held_meta = held if held is not None else (None, None)
+    weight = (wcodes, wscales, wmbs, rw, n, k)
+    held_args = held if held is not None else (None, None)
     return torch.ops.vllm_mxplus.cpu_amx_int8_linear(
-        x,
-        a_block,
-        a_rule,
-        a_mbs,
-        macro,
-        wcodes,
-        wscales,
-        wmbs,
-        rw,
-        n,
-        k,
-        bias,
-        out_dtype,
-        held_tiles,
-        held_meta,
+        x, a_block, a_rule, a_mbs, macro, *weight, bias, out_dtype, *held_args
     )
 
 
