@@ -307,20 +307,11 @@ struct Worker {
   // The span's B tiles of the column block, each unit's folding columns on the unit's base.
   MXPLUS_AMX_INT8_TARGET void decode_span(int64_t s1) {
     if (c.held_b) return;
-    for (int j = 0; j < kColTiles; ++j) {
-      for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
-        __m128i ulo = _mm_setzero_si128(), uhi;
-        __mmask16 ufold = 0;
-        if (c.unit > 1 && tile0 + j < w.nt) {  // past the weight: zero tiles (decode_step)
-          scale_range(w, tile0 + j, u0 * bps, (u0 + c.unit) * bps, &ulo, &uhi);
-          ufold = fold_lanes(ulo, uhi);
-        }
-        for (int64_t s = u0; s < std::min(s1, u0 + c.unit); ++s)
-          decode_step(w, c.block, tile0 + j, s, ulo, ufold,
-                      bbuf.get() + (j * span_alloc + (s - s0)) * 1024,
-                      &meta[j * span_alloc + (s - s0)], &seen);
-      }
-    }
+    for (int j = 0; j < kColTiles; ++j)
+      for (int64_t u0 = s0; u0 < s1; u0 += c.unit)
+        decode_unit(w, c.block, c.unit, s1, tile0 + j, u0,
+                    bbuf.get() + (j * span_alloc + (u0 - s0)) * 1024,
+                    &meta[j * span_alloc + (u0 - s0)], &seen);
   }
 
   // One task, a column block and row tiles [first, end): per span, its B tiles, then every
@@ -395,20 +386,10 @@ MXPLUS_AMX_INT8_TARGET void hold_tiles(const WeightTiles& w, int64_t block, int6
                                        int64_t steps, int64_t t0, int64_t t1, int8_t* tb,
                                        StepMeta* mb, std::mutex* mu, WeightSeen* all) {
   WeightSeen seen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
-  const int64_t bps = kStepK / block;
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t u0 = 0; u0 < steps; u0 += unit) {
-      __m128i ulo = _mm_setzero_si128(), uhi;
-      __mmask16 ufold = 0;
-      if (unit > 1 && t < w.nt) {
-        scale_range(w, t, u0 * bps, (u0 + unit) * bps, &ulo, &uhi);
-        ufold = fold_lanes(ulo, uhi);
-      }
-      for (int64_t s = u0; s < std::min(steps, u0 + unit); ++s)
-        decode_step(w, block, t, s, ulo, ufold, tb + (t * steps + s) * 1024, mb + t * steps + s,
-                    &seen);
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t u0 = 0; u0 < steps; u0 += unit)
+      decode_unit(w, block, unit, steps, t, u0, tb + (t * steps + u0) * 1024, mb + t * steps + u0,
+                  &seen);
   std::lock_guard<std::mutex> lock(*mu);
   all->lo = _mm_min_epu8(all->lo, seen.lo);
   all->hi = _mm_max_epu8(all->hi, seen.hi);
@@ -428,6 +409,19 @@ inline int64_t unit_steps(bool chunked, int64_t macro) {
 constexpr int64_t kHeldMetaOffset = 64;
 
 #ifdef MXPLUS_AMX
+// The held form's sizes for a weight of w.nt column tiles and K = k: int8 tile bytes and meta
+// bytes.
+struct HeldSizes {
+  int64_t steps, tile_bytes, meta_bytes;
+};
+inline HeldSizes held_sizes(const WeightTiles& w, int64_t k, int64_t block) {
+  const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
+  const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
+  return {steps, ntp * steps * 1024, kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta))};
+}
+#endif
+
+#ifdef MXPLUS_AMX
 // cpu_amx_int8_hold: the B tiles and StepMeta that cpu_amx_int8_linear decodes per call,
 // decoded once (the same decode_step, so the same bytes), for a layer that keeps them.
 std::vector<at::Tensor> amx_int8_hold(const at::Tensor& wcodes, const at::Tensor& wscales,
@@ -441,11 +435,10 @@ std::vector<at::Tensor> amx_int8_hold(const at::Tensor& wcodes, const at::Tensor
       gemm_detail::e8m0_weight_tiles(op, wcodes, wscales, wmbs, n, k, block, macro);
   const bool chunked = act_mbs || w.mbs != nullptr;
   const int64_t unit = unit_steps(chunked, macro);
-  const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
-  const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
-  at::Tensor tiles = at::empty({ntp * steps * 1024}, wcodes.options().dtype(at::kChar));
-  at::Tensor meta = at::empty({kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta))},
-                              wcodes.options().dtype(at::kByte));
+  const HeldSizes hs = held_sizes(w, k, block);
+  const int64_t steps = hs.steps, ntp = hs.tile_bytes / (steps * 1024);
+  at::Tensor tiles = at::empty({hs.tile_bytes}, wcodes.options().dtype(at::kChar));
+  at::Tensor meta = at::empty({hs.meta_bytes}, wcodes.options().dtype(at::kByte));
   int8_t* tb = tiles.data_ptr<int8_t>();
   StepMeta* mb = reinterpret_cast<StepMeta*>(meta.data_ptr<uint8_t>() + kHeldMetaOffset);
   std::mutex mu;
@@ -516,15 +509,13 @@ at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, boo
   TORCH_CHECK(held == (held_meta.has_value() && held_meta->defined()), op,
               ": held_tiles and held_meta come together (cpu_amx_int8_hold)");
   if (held) {
-    const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
-    const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
+    const HeldSizes hs = held_sizes(w, k, block);
     TORCH_CHECK(held_tiles->scalar_type() == at::kChar && held_tiles->is_contiguous() &&
-                    held_tiles->numel() == ntp * steps * 1024,
-                op, ": held_tiles must be cpu_amx_int8_hold's int8 [", ntp * steps * 1024,
+                    held_tiles->numel() == hs.tile_bytes,
+                op, ": held_tiles must be cpu_amx_int8_hold's int8 [", hs.tile_bytes,
                 "] for this weight, got ", held_tiles->sizes(), " ", held_tiles->scalar_type());
     TORCH_CHECK(held_meta->scalar_type() == at::kByte && held_meta->is_contiguous() &&
-                    held_meta->numel() ==
-                        kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta)),
+                    held_meta->numel() == hs.meta_bytes,
                 op, ": held_meta must be cpu_amx_int8_hold's uint8 meta for this weight, got ",
                 held_meta->sizes());
   }

@@ -149,6 +149,23 @@ MXPLUS_AMX_INT8_TARGET inline void decode_step(const WeightTiles& w, int64_t blo
   }
 }
 
+// Steps [u0, u0 + unit) of column tile t (clipped to `steps`), as a call decodes them: the
+// lanes that fold over the whole unit take its lowest code as base in each of its steps. The
+// step at index i goes to out + i * 1024 and meta[i].
+MXPLUS_AMX_INT8_TARGET inline void decode_unit(const WeightTiles& w, int64_t block, int64_t unit,
+                                               int64_t steps, int64_t t, int64_t u0, int8_t* out,
+                                               StepMeta* meta, WeightSeen* seen) {
+  const int64_t bps = kStepK / block;
+  __m128i ulo = _mm_setzero_si128(), uhi;
+  __mmask16 ufold = 0;
+  if (unit > 1 && t < w.nt) {  // past the weight: zero tiles (decode_step)
+    scale_range(w, t, u0 * bps, (u0 + unit) * bps, &ulo, &uhi);
+    ufold = fold_lanes(ulo, uhi);
+  }
+  for (int64_t s = u0; s < std::min(steps, u0 + unit); ++s)
+    decode_step(w, block, t, s, ulo, ufold, out + (s - u0) * 1024, meta + (s - u0), seen);
+}
+
 // Whether the fold was exact for a thread's weights `seen` and the rows' exponents [alo, ahi]:
 // no NaN block, no tiny block, every scale 2^(EA + EW - 256) in the window.
 MXPLUS_AMX_INT8_TARGET inline bool fits(const WeightSeen& seen, int alo, int ahi) {
