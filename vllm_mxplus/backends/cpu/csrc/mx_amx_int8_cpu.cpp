@@ -364,17 +364,19 @@ struct Worker {
   }
 };
 
-// Tasks [t0, t1) of the call on this thread (task t: column block t / row groups, row group
-// t % row groups of kTaskRowTiles row tiles): the tile configuration, the tasks, the release,
+// Tasks [t0, t1) of the call on this thread (task t: row group t / column blocks, of
+// kTaskRowTiles row tiles, and column block t % column blocks: a row group's activation codes
+// stay in L2 while the column blocks' B tiles stream past them, where the other order read
+// the whole activation once per column block), the tile configuration, the tasks, the release,
 // and the check of what the decodes met (`fits`).
 MXPLUS_AMX_INT8_TARGET void run_blocks(const Call& c, int64_t t0, int64_t t1) {
   configure_tiles();
   Worker wk(c);
   wk.seen = c.held_seen ? *c.held_seen : WeightSeen{_mm_set1_epi8(char(255)), _mm_setzero_si128()};
-  const int64_t mt = c.rows->mp / kAmxRows, groups = cdiv(mt, kTaskRowTiles);
+  const int64_t mt = c.rows->mp / kAmxRows, ncb = cdiv(c.w->nt, kColTiles);
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t g = t % groups;
-    wk.column_block(t / groups, g * kTaskRowTiles, std::min(mt, (g + 1) * kTaskRowTiles));
+    const int64_t g = t / ncb;
+    wk.column_block(t % ncb, g * kTaskRowTiles, std::min(mt, (g + 1) * kTaskRowTiles));
   }
   _tile_release();
   if (!fits(wk.seen, c.rows->lo, c.rows->hi)) c.refused->store(true);

@@ -118,6 +118,46 @@ inline __m512i scale_codes(__m512 a, int rule) {
   return _mm512_mask_mov_epi32(code, static_cast<__mmask16>(~finite), _mm512_set1_epi32(kE8m0Nan));
 }
 
+// Lanes [0, 8) the max of a's two halves, [8, 16) b's (the lanes of one result as
+// pairs: kHalves picks each lane's two sources).
+struct Halves {
+  alignas(64) int32_t lo[4][16], hi[4][16];
+  constexpr Halves() : lo(), hi() {
+    // level l merges vectors whose blocks hold 16 >> l lanes each into blocks of 8 >> l
+    for (int l = 0; l < 4; ++l) {
+      const int w = 8 >> l;  // lanes per block in the result
+      for (int o = 0; o < 16; ++o) {
+        const int src = o < 8 ? 0 : 16, j = o % 8, blk = j / w, lane = j % w;
+        lo[l][o] = src + blk * 2 * w + lane;
+        hi[l][o] = src + blk * 2 * w + w + lane;
+      }
+    }
+  }
+};
+constexpr Halves kHalves{};
+
+// nan_absmax of gn <= 16 whole blocks of 16 or 32 values at y, as one vector (lane b: block
+// b; 0 past gn). |y| is compared as integer bits: NaN's bits exceed Inf's and every finite
+// value's, so a block with a NaN gets a NaN (scale_codes: the NaN code) as nan_absmax gives.
+inline __m512 group_absmax(const float* y, int64_t block, int64_t gn) {
+  const __m512i absbits = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i v[16];
+  for (int b = static_cast<int>(gn); b < 16; ++b) v[b] = _mm512_setzero_si512();
+  for (int b = 0; b < gn; ++b) {
+    __m512i a = _mm512_and_si512(_mm512_loadu_si512(y + b * block), absbits);
+    for (int64_t j = 16; j < block; j += 16)
+      a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_loadu_si512(y + b * block + j), absbits));
+    v[b] = a;
+  }
+  for (int l = 0, n = 16; l < 4; ++l, n /= 2) {
+    const __m512i lo = _mm512_load_si512(kHalves.lo[l]), hi = _mm512_load_si512(kHalves.hi[l]);
+    for (int i = 0; i < n / 2; ++i)
+      v[i] = _mm512_max_epu32(_mm512_permutex2var_epi32(v[2 * i], lo, v[2 * i + 1]),
+                              _mm512_permutex2var_epi32(v[2 * i], hi, v[2 * i + 1]));
+  }
+  return _mm512_castsi512_ps(v[0]);
+}
+
 // quant_block for every block of y[0, len) (rules other than MX+), the blocks' scale codes 16
 // at a time: the same codes, scales and sums.
 void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* out,
@@ -126,12 +166,18 @@ void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* 
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t g0 = 0; g0 < nb; g0 += 16) {
     const int64_t gn = std::min<int64_t>(16, nb - g0);
-    alignas(64) float am[16] = {};
-    for (int64_t i = 0; i < gn; ++i) {
-      const int64_t b0 = (g0 + i) * block;
-      am[i] = nan_absmax(y + b0, std::min(block, len - b0));
+    __m512 amv;
+    if ((g0 + gn) * block <= len && block % 16 == 0) {  // whole blocks
+      amv = group_absmax(y + g0 * block, block, gn);
+    } else {
+      alignas(64) float am[16] = {};
+      for (int64_t i = 0; i < gn; ++i) {
+        const int64_t b0 = (g0 + i) * block;
+        am[i] = nan_absmax(y + b0, std::min(block, len - b0));
+      }
+      amv = _mm512_load_ps(am);
     }
-    const __m512i code = scale_codes(_mm512_load_ps(am), rule);
+    const __m512i code = scale_codes(amv, rule);
     // 2^(127 - code): normal down to code 253, 2^-127 (subnormal) for 254
     __m512i rb = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), code), 23);
     rb = _mm512_mask_mov_epi32(rb, _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(254)),
