@@ -256,15 +256,16 @@ struct Worker {
     const int64_t last = p.unit ? std::min(r.steps, p.s + c.unit) - 1 : p.s;
     const bool chunk_end = (last + 1) % c.chunk_steps == 0 || last + 1 == r.steps;
     if (!scaled || !chunk_end) return;
-    const int64_t ch = last / c.chunk_steps;
+    const int64_t ch = last / c.chunk_steps, ncols = cols, nch = c.chunks;
+    const float* const ra = r.ra.data() + row0 * nch + ch;  // locals: the stores alias all
     for (int j = 0; j < kColTiles; ++j) {
       const int64_t n0 = (tile0 + j) * 16;
       if (n0 >= c.n) break;
       const __m512 rw = _mm512_loadu_ps(c.rw + ch * c.rw_stride + n0);
-      for (int i = 0; i < kAmxRows; ++i) {
-        float* so = srow(row0) + i * cols + j * 16;
-        float* yo = yrow(row0 + i) + j * 16;
-        const __m512 t = _mm512_mul_ps(_mm512_set1_ps(r.ra[(row0 + i) * c.chunks + ch]), rw);
+      float* so = srow(row0) + j * 16;
+      float* yo = yrow(row0) + j * 16;
+      for (int i = 0; i < kAmxRows; ++i, so += ncols, yo += ncols) {
+        const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ra[i * nch]), rw);
         _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_loadu_ps(so), t, _mm512_loadu_ps(yo)));
         _mm512_storeu_ps(so, _mm512_setzero_ps());
       }
@@ -322,9 +323,10 @@ struct Worker {
     tile0 = cb * kColTiles;
     rt0 = first;
     rt1 = end;
-    const int64_t live = (rt1 - rt0) * kAmxRows * cols;  // the task's accumulators
-    std::fill(sacc.begin(), sacc.begin() + live, 0.0f);
-    if (scaled) std::fill(yacc.begin(), yacc.begin() + live, 0.0f);
+    // the task's accumulators: y zeroed; with factors S is zero already (zero when made, and
+    // every chunk's end stores zeros over it; the columns past N sum zero tiles)
+    const int64_t live = (rt1 - rt0) * kAmxRows * cols;
+    std::fill(Y, Y + live, 0.0f);
     for (s0 = 0; s0 < r.steps; s0 += span) {
       const int64_t s1 = std::min(r.steps, s0 + span);
       decode_span(s1);

@@ -97,6 +97,79 @@ inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* 
   }
 }
 
+// Row `row` of the operand from its codes and E8M0 codes (quant_row's): its steps' and units'
+// folds, levels and exponent bits, the shifted codes; the extremes it met into *tlo / *thi,
+// *bad where a block cannot be folded exactly. The Rows fields are read into locals first:
+// the int8 stores would otherwise make the compiler reload them after each one.
+inline void lay_row(Rows& r, int64_t row, int64_t block, int64_t macro, int64_t chunks,
+                    int64_t unit, const int8_t* codes, const uint8_t* sc, int* slo, int* shi,
+                    int* tlo, int* thi, bool* bad) {
+  const int64_t steps = r.steps, bps = r.bps, nb = r.nb, kp = r.kp, units = r.units;
+  int8_t* const a = r.a.data() + row * kp;
+  int8_t* const a1 = r.a1.data() + row * kp;
+  int32_t* const bits0 = r.bits0.data() + row * steps;
+  int32_t* const bits1 = r.bits1.data() + row * steps;
+  int32_t* const block_bits = r.block_bits.data() + row * steps * bps;
+  uint8_t* const levels = r.levels.data() + row / kAmxRows * steps;
+  uint8_t* const unit_fold_of = r.unit_fold.data() + row / kAmxRows * units;
+  int32_t* const ubits = r.ubits.data() + row * units;
+  float* const ua = chunks ? r.ua.data() + row * units : nullptr;
+  const float* const ra = chunks ? r.ra.data() + row * chunks : nullptr;
+  int lo_seen = *tlo, hi_seen = *thi;
+  bool bad_seen = *bad;
+  for (int64_t s = 0; s < steps; ++s) {  // each step's nonzero exponents
+    const int64_t b0 = s * bps, b1 = std::min(nb, b0 + bps);
+    int lo = 255, hi = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int e = sc[b];
+      const int8_t* cb = codes + b * block;
+      if (e == kE8m0Nan || (e >= 253 && overflows(e, block_max(cb, block))) ||
+          (e == 0 && block_max(cb, block) != 0))
+        bad_seen = true;
+      if (e == 0) continue;  // an all-zero block: any shift
+      lo = std::min(lo, e);
+      hi = std::max(hi, e);
+    }
+    slo[s] = lo;
+    shi[s] = hi;
+  }
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t u0 = u * unit, u1 = std::min(steps, u0 + unit);
+    int ulo = 255, uhi = 0;
+    for (int64_t s = u0; s < u1; ++s) {
+      ulo = std::min(ulo, slo[s]);
+      uhi = std::max(uhi, shi[s]);
+    }
+    const bool unit_fold = ulo > uhi || (uhi - ulo <= kMaxSpread && ulo >= kMinUnitExp);
+    if (!unit_fold) unit_fold_of[u] = 0;
+    if (unit_fold && ulo <= uhi) ubits[u] = exp_bits(ulo);
+    if (chunks) ua[u] = unit_row_scale(ra[u0 * kStepK / macro], ubits[u]);
+    for (int64_t s = u0; s < u1; ++s) {
+      const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
+      if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
+      lo_seen = std::min(lo_seen, elo);
+      hi_seen = std::max(hi_seen, ehi);
+      const int spread = ehi - elo;
+      const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
+      const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
+      bits0[s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
+      if (lv == 2) bits1[s] = exp_bits(elo);
+      levels[s] = std::max<uint8_t>(levels[s], static_cast<uint8_t>(lv));
+      int32_t* bits = block_bits + s * bps;
+      for (int64_t b = s * bps; b < std::min(nb, (s + 1) * bps); ++b) {
+        const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
+        const bool low = lv == 2 && e < base0;  // the second level
+        const int base = lv == kPerBlock ? e : low ? elo : base0;
+        bits[b - s * bps] = exp_bits(base);
+        shift_codes(codes + b * block, block, e - base, (low ? a1 : a) + b * block);
+      }
+    }
+  }
+  *tlo = lo_seen;
+  *thi = hi_seen;
+  *bad = bad_seen;
+}
+
 // Quantize x's rows (quant_row; x contiguous [M, k] fp32, bf16 or fp16) and lay the operand
 // out. `chunks` 0: no factors.
 inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bool mbs, int64_t macro,
@@ -136,57 +209,8 @@ inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bo
       quant_row(row_f32(x, row, k, xbuf.data()), k, block, rule, mbs, macro, codes.data(),
                 sc.data(), mb.data(), nullptr, ybuf.data());
       for (int64_t c = 0; mbs && c < chunks; ++c) r.ra[row * chunks + c] = 1.0f / mbs_factor(mb[c]);
-      for (int64_t s = 0; s < r.steps; ++s) {  // each step's nonzero exponents
-        const int64_t b0 = s * r.bps, b1 = std::min(r.nb, b0 + r.bps);
-        slo[s] = 255;
-        shi[s] = 0;
-        for (int64_t b = b0; b < b1; ++b) {
-          const int e = sc[b];
-          const int8_t* cb = codes.data() + b * block;
-          if (e == kE8m0Nan || (e >= 253 && overflows(e, block_max(cb, block))) ||
-              (e == 0 && block_max(cb, block) != 0))
-            bad = true;
-          if (e == 0) continue;  // an all-zero block: any shift
-          slo[s] = std::min(slo[s], e);
-          shi[s] = std::max(shi[s], e);
-        }
-      }
-      for (int64_t u = 0; u < r.units; ++u) {
-        const int64_t u0 = u * unit, u1 = std::min(r.steps, u0 + unit);
-        int ulo = 255, uhi = 0;
-        for (int64_t s = u0; s < u1; ++s) {
-          ulo = std::min(ulo, slo[s]);
-          uhi = std::max(uhi, shi[s]);
-        }
-        const bool unit_fold = ulo > uhi || (uhi - ulo <= kMaxSpread && ulo >= kMinUnitExp);
-        if (!unit_fold) r.unit_fold[row / kAmxRows * r.units + u] = 0;
-        if (unit_fold && ulo <= uhi) r.ubits[row * r.units + u] = exp_bits(ulo);
-        if (chunks)
-          r.ua[row * r.units + u] = unit_row_scale(r.ra[row * chunks + u0 * kStepK / macro],
-                                                   r.ubits[row * r.units + u]);
-        for (int64_t s = u0; s < u1; ++s) {
-          const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
-          if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
-          tlo = std::min(tlo, elo);
-          thi = std::max(thi, ehi);
-          const int spread = ehi - elo;
-          const int lv = spread <= kMaxSpread ? 1 : spread <= 2 * kMaxSpread + 1 ? 2 : kPerBlock;
-          const int base0 = lv == 1 ? elo : lv == 2 ? ehi - kMaxSpread : 0;
-          r.bits0[row * r.steps + s] = exp_bits(lv == kPerBlock ? kDummyExp : base0);
-          if (lv == 2) r.bits1[row * r.steps + s] = exp_bits(elo);
-          uint8_t& tl = r.levels[row / kAmxRows * r.steps + s];
-          tl = std::max<uint8_t>(tl, static_cast<uint8_t>(lv));
-          int32_t* bits = r.block_bits.data() + (row * r.steps + s) * r.bps;
-          for (int64_t b = s * r.bps; b < std::min(r.nb, (s + 1) * r.bps); ++b) {
-            const int e = sc[b] == 0 ? (lv == kPerBlock ? elo : base0) : sc[b];
-            const bool low = lv == 2 && e < base0;  // the second level
-            const int base = lv == kPerBlock ? e : low ? elo : base0;
-            bits[b - s * r.bps] = exp_bits(base);
-            int8_t* out = (low ? r.a1 : r.a).data() + row * r.kp + b * block;
-            shift_codes(codes.data() + b * block, block, e - base, out);
-          }
-        }
-      }
+      lay_row(r, row, block, macro, chunks, unit, codes.data(), sc.data(), slo.data(), shi.data(),
+              &tlo, &thi, &bad);
     }
     // the call's extremes (rare contention: once per thread)
     for (int v = lo.load(); tlo < v && !lo.compare_exchange_weak(v, tlo);) {}
