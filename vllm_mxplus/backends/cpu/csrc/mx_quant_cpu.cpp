@@ -158,6 +158,33 @@ inline __m512 group_absmax(const float* y, int64_t block, int64_t gn) {
   return _mm512_castsi512_ps(v[0]);
 }
 
+// The codes of 16 whole blocks at y (block 16 or 32), rc[b] block b's 2^(127 - code): as
+// quant_block's loop, four 16-value vectors to one 64-byte store; with sums, each block's sum
+// of codes (sums[0..16)).
+inline void group_codes(const float* y, int64_t block, const float* rc, int8_t* out,
+                        int32_t* sums) {
+  if (sums) std::memset(sums, 0, 16 * sizeof(int32_t));
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const int64_t vpb = block / 16;  // vectors per block
+  for (int64_t w0 = 0; w0 < 16 * vpb; w0 += 4) {
+    __m128i part[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m512 yv = _mm512_loadu_ps(y + (w0 + q) * 16);
+      const __m512 recip = _mm512_set1_ps(rc[(w0 + q) / vpb]);
+      __m512i d = e2m1_doubled(_mm512_mul_ps(_mm512_and_ps(yv, absmask), recip));
+      const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
+      d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+      if (sums) sums[(w0 + q) / vpb] += _mm512_reduce_add_epi32(d);
+      part[q] = _mm512_cvtepi32_epi8(d);
+    }
+    __m512i v = _mm512_castsi128_si512(part[0]);
+    v = _mm512_inserti32x4(v, part[1], 1);
+    v = _mm512_inserti32x4(v, part[2], 2);
+    v = _mm512_inserti32x4(v, part[3], 3);
+    _mm512_storeu_si512(out + w0 * 16, v);
+  }
+}
+
 // quant_block for every block of y[0, len) (rules other than MX+), the blocks' scale codes 16
 // at a time: the same codes, scales and sums.
 void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* out,
@@ -186,6 +213,18 @@ void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* 
     alignas(64) float rc[16];
     _mm512_store_si512(cd, code);
     _mm512_store_si512(rc, rb);
+    if (gn == 16 && (g0 + 16) * block <= len) {  // 16 whole blocks
+      group_codes(y + g0 * block, block, rc, out + g0 * block, sums ? sums + g0 : nullptr);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + g0), _mm512_cvtepi32_epi8(code));
+      // a NaN block's codes are zero, and so is their sum (its recip above is not a scale)
+      for (__mmask16 nan = _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(kE8m0Nan)); nan;
+           nan &= static_cast<__mmask16>(nan - 1)) {
+        const int b = __builtin_ctz(nan);
+        std::memset(out + (g0 + b) * block, 0, block);
+        if (sums) sums[g0 + b] = 0;
+      }
+      continue;
+    }
     for (int64_t i = 0; i < gn; ++i) {
       const int64_t b = g0 + i, b0 = b * block, blen = std::min(block, len - b0);
       scales[b] = static_cast<uint8_t>(cd[i]);
@@ -215,30 +254,32 @@ void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* 
 
 void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
                int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf) {
-  const int64_t unit = mbs_on ? macro : K;  // blocks of one MBS factor (all without MBS)
-  for (int64_t u0 = 0; u0 < K; u0 += unit) {
-    const int64_t ulen = std::min(unit, K - u0);
-    const float* y = x + u0;
-    if (mbs_on) {
+  // y = fp32(x * F) per macro block into ybuf first (the macro blocks' factors are independent
+  // of one another), then the whole row's blocks: a block never crosses a macro block
+  // (macro % block == 0), so each block's codes are those of its own macro block's y.
+  const float* y = x;
+  if (mbs_on) {
+    for (int64_t u0 = 0; u0 < K; u0 += macro) {
+      const int64_t ulen = std::min(macro, K - u0);
       const int m = mbs_static_byte(nan_absmax(x + u0, ulen));
       mbs[u0 / macro] = static_cast<uint8_t>(m);
       const float F = mbs_factor(m);
-      for (int64_t i = 0; i < ulen; ++i) ybuf[i] = x[u0 + i] * F;  // y = fp32(x * F)
-      y = ybuf;
+      for (int64_t i = 0; i < ulen; ++i) ybuf[u0 + i] = x[u0 + i] * F;
     }
+    y = ybuf;
+  }
 #ifdef MXPLUS_AVX512
-    if (rule != kRuleMxplus) {
-      quant_blocks(y, ulen, block, rule, codes + u0, scales + u0 / block,
-                   sums ? sums + u0 / block : nullptr);
-      continue;
-    }
+  if (rule != kRuleMxplus) {
+    quant_blocks(y, K, block, rule, codes, scales, sums);
+  } else
 #endif
-    for (int64_t b0 = 0; b0 < ulen; b0 += block) {
-      const int64_t blen = std::min(block, ulen - b0);
+  {
+    for (int64_t b0 = 0; b0 < K; b0 += block) {
+      const int64_t blen = std::min(block, K - b0);
       int32_t sum;
-      scales[(u0 + b0) / block] = static_cast<uint8_t>(
-          quant_block(y + b0, blen, rule, codes + u0 + b0, sums ? &sum : nullptr));
-      if (sums) sums[(u0 + b0) / block] = sum;
+      scales[b0 / block] = static_cast<uint8_t>(
+          quant_block(y + b0, blen, rule, codes + b0, sums ? &sum : nullptr));
+      if (sums) sums[b0 / block] = sum;
     }
   }
   const int64_t kp = cdiv(K, block) * block;
@@ -279,7 +320,7 @@ at::Tensor act_fake_quant(const at::Tensor& x, int64_t block, int64_t rule, bool
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(std::max(macro, block));
+    std::vector<float> ybuf(K);
     std::vector<int8_t> codes(cdiv(K, block) * block);
     std::vector<uint8_t> scales(cdiv(K, block)), mbytes(cdiv(K, macro));
     for (int64_t r = r0; r < r1; ++r)
@@ -304,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> act_quant(const at::Tensor& x, in
   at::Tensor scales = at::empty({M, nb}, xf.options().dtype(at::kByte));
   at::Tensor mbytes = at::zeros({M, mbs ? cdiv(K, macro) : 0}, xf.options().dtype(at::kByte));
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(std::max(macro, block));
+    std::vector<float> ybuf(K);
     for (int64_t r = r0; r < r1; ++r)
       quant_row(xf.data_ptr<float>() + r * K, K, block, static_cast<int>(rule), mbs, macro,
                 codes.data_ptr<int8_t>() + r * kp, scales.data_ptr<uint8_t>() + r * nb,
