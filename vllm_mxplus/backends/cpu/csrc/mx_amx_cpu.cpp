@@ -511,7 +511,7 @@ std::tuple<at::Tensor, at::Tensor> amx_act_quant(const at::Tensor& x, int64_t bl
   uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
   float* rp = ra.data_ptr<float>();
   at::parallel_for(0, mp, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(k);
+    std::vector<float> ybuf(mbs ? k : 0);
     std::vector<int8_t> codes(nb * block);
     std::vector<uint8_t> scales(nb), mbytes(mbs ? cdiv(k, macro) : 0);
     for (int64_t r = r0; r < r1; ++r) {

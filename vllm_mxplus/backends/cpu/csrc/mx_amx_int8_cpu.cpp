@@ -413,15 +413,15 @@ inline int64_t unit_steps(bool chunked, int64_t macro) {
 constexpr int64_t kHeldMetaOffset = 64;
 
 #ifdef MXPLUS_AMX
-// The held form's sizes for a weight of w.nt column tiles and K = k: int8 tile bytes and meta
-// bytes.
+// The held form's sizes for a weight of w.nt column tiles and K = k: steps per column tile,
+// column tiles padded to whole blocks, int8 tile bytes and meta bytes.
 struct HeldSizes {
-  int64_t steps, tile_bytes, meta_bytes;
+  int64_t steps, ntp, tile_bytes, meta_bytes;
 };
 inline HeldSizes held_sizes(const WeightTiles& w, int64_t k, int64_t block) {
   const int64_t steps = cdiv(cdiv(k, block) * block, kStepK);
   const int64_t ntp = cdiv(w.nt, kColTiles) * kColTiles;
-  return {steps, ntp * steps * 1024, kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta))};
+  return {steps, ntp, ntp * steps * 1024, kHeldMetaOffset + ntp * steps * int64_t(sizeof(StepMeta))};
 }
 #endif
 
@@ -440,7 +440,7 @@ std::vector<at::Tensor> amx_int8_hold(const at::Tensor& wcodes, const at::Tensor
   const bool chunked = act_mbs || w.mbs != nullptr;
   const int64_t unit = unit_steps(chunked, macro);
   const HeldSizes hs = held_sizes(w, k, block);
-  const int64_t steps = hs.steps, ntp = hs.tile_bytes / (steps * 1024);
+  const int64_t steps = hs.steps, ntp = hs.ntp;
   at::Tensor tiles = at::empty({hs.tile_bytes}, wcodes.options().dtype(at::kChar));
   at::Tensor meta = at::empty({hs.meta_bytes}, wcodes.options().dtype(at::kByte));
   int8_t* tb = tiles.data_ptr<int8_t>();

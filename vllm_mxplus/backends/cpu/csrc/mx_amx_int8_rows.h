@@ -199,7 +199,7 @@ inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bo
   // conjunction, written by one thread (rows of one tile on two threads raced on them)
   at::parallel_for(0, r.mp / kAmxRows, 1, [&](int64_t t0, int64_t t1) {
     const int64_t r0 = t0 * kAmxRows, r1 = std::min(r.m, t1 * kAmxRows);
-    std::vector<float> ybuf(k), xbuf(k);
+    std::vector<float> ybuf(mbs ? k : 0), xbuf(k);
     std::vector<int8_t> codes(r.nb * block);
     std::vector<uint8_t> sc(r.nb), mb(std::max<int64_t>(nm, 1));
     std::vector<int> slo(r.steps), shi(r.steps);

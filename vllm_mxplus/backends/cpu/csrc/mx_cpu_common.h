@@ -142,8 +142,8 @@ torch::CppFunction cpu_kernel(Fn* fn) {
 // "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get
 // 2 * value(code) (zero past K and in NaN blocks), `scales` [cdiv(K, block)] the E8M0 codes,
 // `mbs` [cdiv(K, macro)] the MBS-S bytes (only when `mbs_on`), `sums` (if not null) the sum
-// of each block's codes. Bit-exact with formats.quantize(x, fmt); `ybuf` holds K floats of
-// scratch (used with MBS).
+// of each block's codes. Bit-exact with formats.quantize(x, fmt); with `mbs_on`, `ybuf`
+// holds K floats of scratch (without, it is not read and may be null).
 void quant_row(const float* x, int64_t K, int64_t block, int rule, bool mbs_on, int64_t macro,
                int8_t* codes, uint8_t* scales, uint8_t* mbs, int32_t* sums, float* ybuf);
 

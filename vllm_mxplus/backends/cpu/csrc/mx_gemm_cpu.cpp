@@ -344,7 +344,7 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
   const float* const xf = call.xf.data_ptr<float>();
   float* const fap = act_mbs ? fa.data_ptr<float>() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(k);
+    std::vector<float> ybuf(act_mbs ? k : 0);
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* cr = codes + r * kp;

@@ -36,6 +36,33 @@ inline void mxplus_block_max(const float* y, int64_t len, int code, int8_t* out,
   out[im] = c;
 }
 
+#ifdef MXPLUS_AVX512
+// The E2M1 rounding of e2m1_mag, 16 lanes: v >= 0 finite rounded to the nearest of 0, 0.5,
+// 1, 1.5, 2, 3, 4, 6, ties to the even code (e2m1_mag's thresholds: > at 0.25, 1.25, 2.5, 5;
+// >= at 0.75, 1.75, 3.5), returned doubled (the int8 code 2 * value). On the grid's spacing s
+// (0.5 below 2, 1 below 4, 2 above) adding and subtracting 1.5 * 2^23 * s rounds to a
+// multiple of s ties to even, which is the even code: the two are the same function of v.
+inline __m512i e2m1_doubled(__m512 v) {
+  __m512 c = _mm512_set1_ps(6291456.0f);  // 1.5 * 2^22: spacing 0.5
+  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(v, _mm512_set1_ps(2.0f), _CMP_GE_OQ),
+                         _mm512_set1_ps(12582912.0f));  // 1.5 * 2^23: spacing 1
+  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(v, _mm512_set1_ps(4.0f), _CMP_GE_OQ),
+                         _mm512_set1_ps(25165824.0f));  // 1.5 * 2^24: spacing 2
+  const __m512 r = _mm512_min_ps(_mm512_sub_ps(_mm512_add_ps(v, c), c), _mm512_set1_ps(6.0f));
+  return _mm512_cvttps_epi32(_mm512_add_ps(r, r));
+}
+
+// A vector of 16 values y, times recip (their block's 2^(127 - code)): the signed doubled
+// E2M1 codes as int32 lanes (quant_block's rounding, the sign from y's sign bit).
+inline __m512i signed_codes(__m512 yv, __m512 recip) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i d = e2m1_doubled(_mm512_mul_ps(_mm512_and_ps(yv, absmask), recip));
+  const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
+  return _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+}
+
+#endif
+
 // Quantize one block of len <= 32 values y to doubled E2M1 codes (MX+: the block max as
 // above); returns the E8M0 code and sets *sum (where not null) to the sum of the codes.
 inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32_t* sum) {
@@ -47,25 +74,9 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32
   }
   const float recip = pow2f(kE8m0Bias - code);  // exact power of two, as formats does
 #ifdef MXPLUS_AVX512
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i table = _mm512_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i one = _mm512_set1_epi32(1);
   for (int64_t i = 0; i < len; i += 16) {
     const __mmask16 lm = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
-    const __m512 yv = _mm512_maskz_loadu_ps(lm, y + i);
-    const __m512 v = _mm512_mul_ps(_mm512_and_ps(yv, absmask), _mm512_set1_ps(recip));
-    __m512i mag = _mm512_setzero_si512();
-    // The thresholds of e2m1_mag: > at the ties that round down, >= at those that round up.
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(0.25f), _CMP_GT_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(0.75f), _CMP_GE_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.25f), _CMP_GT_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.75f), _CMP_GE_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(2.5f), _CMP_GT_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(3.5f), _CMP_GE_OQ), mag, one);
-    mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(v, _mm512_set1_ps(5.0f), _CMP_GT_OQ), mag, one);
-    __m512i d = _mm512_permutexvar_epi32(mag, table);
-    const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
-    d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+    const __m512i d = signed_codes(_mm512_maskz_loadu_ps(lm, y + i), _mm512_set1_ps(recip));
     if (sum) *sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
     _mm512_mask_cvtepi32_storeu_epi8(out + i, lm, d);
   }
@@ -81,21 +92,6 @@ inline int quant_block(const float* y, int64_t len, int rule, int8_t* out, int32
 }
 
 #ifdef MXPLUS_AVX512
-// The E2M1 rounding of quant_block, 16 lanes: v >= 0 finite rounded to the nearest of 0, 0.5,
-// 1, 1.5, 2, 3, 4, 6, ties to the even code (e2m1_mag's thresholds: > at 0.25, 1.25, 2.5, 5;
-// >= at 0.75, 1.75, 3.5), returned doubled (the int8 code 2 * value). On the grid's spacing s
-// (0.5 below 2, 1 below 4, 2 above) adding and subtracting 1.5 * 2^23 * s rounds to a
-// multiple of s ties to even, which is the even code: the two are the same function of v.
-inline __m512i e2m1_doubled(__m512 v) {
-  __m512 c = _mm512_set1_ps(6291456.0f);  // 1.5 * 2^22: spacing 0.5
-  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(v, _mm512_set1_ps(2.0f), _CMP_GE_OQ),
-                         _mm512_set1_ps(12582912.0f));  // 1.5 * 2^23: spacing 1
-  c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(v, _mm512_set1_ps(4.0f), _CMP_GE_OQ),
-                         _mm512_set1_ps(25165824.0f));  // 1.5 * 2^24: spacing 2
-  const __m512 r = _mm512_min_ps(_mm512_sub_ps(_mm512_add_ps(v, c), c), _mm512_set1_ps(6.0f));
-  return _mm512_cvttps_epi32(_mm512_add_ps(r, r));
-}
-
 // scale_code of 16 block maxima (NaN where a block holds a NaN) at once.
 inline __m512i scale_codes(__m512 a, int rule) {
   const __mmask16 finite = _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.40282347e+38f), _CMP_LE_OQ);
@@ -164,16 +160,12 @@ inline __m512 group_absmax(const float* y, int64_t block, int64_t gn) {
 inline void group_codes(const float* y, int64_t block, const float* rc, int8_t* out,
                         int32_t* sums) {
   if (sums) std::memset(sums, 0, 16 * sizeof(int32_t));
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   const int64_t vpb = block / 16;  // vectors per block
   for (int64_t w0 = 0; w0 < 16 * vpb; w0 += 4) {
     __m128i part[4];
     for (int q = 0; q < 4; ++q) {
-      const __m512 yv = _mm512_loadu_ps(y + (w0 + q) * 16);
-      const __m512 recip = _mm512_set1_ps(rc[(w0 + q) / vpb]);
-      __m512i d = e2m1_doubled(_mm512_mul_ps(_mm512_and_ps(yv, absmask), recip));
-      const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
-      d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+      const __m512i d = signed_codes(_mm512_loadu_ps(y + (w0 + q) * 16),
+                                     _mm512_set1_ps(rc[(w0 + q) / vpb]));
       if (sums) sums[(w0 + q) / vpb] += _mm512_reduce_add_epi32(d);
       part[q] = _mm512_cvtepi32_epi8(d);
     }
@@ -190,11 +182,10 @@ inline void group_codes(const float* y, int64_t block, const float* rc, int8_t* 
 void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* out,
                   uint8_t* scales, int32_t* sums) {
   const int64_t nb = cdiv(len, block);
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t g0 = 0; g0 < nb; g0 += 16) {
     const int64_t gn = std::min<int64_t>(16, nb - g0);
     __m512 amv;
-    if ((g0 + gn) * block <= len && block % 16 == 0) {  // whole blocks
+    if ((g0 + gn) * block <= len) {  // whole blocks (check_rule: 16 or 32 values)
       amv = group_absmax(y + g0 * block, block, gn);
     } else {
       alignas(64) float am[16] = {};
@@ -236,10 +227,7 @@ void quant_blocks(const float* y, int64_t len, int64_t block, int rule, int8_t* 
         for (int64_t j = 0; j < blen; j += 16) {
           const __mmask16 lm =
               blen - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (blen - j)) - 1);
-          const __m512 yv = _mm512_maskz_loadu_ps(lm, y + b0 + j);
-          __m512i d = e2m1_doubled(_mm512_mul_ps(_mm512_and_ps(yv, absmask), recip));
-          const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(yv));  // the sign bit
-          d = _mm512_mask_sub_epi32(d, neg, _mm512_setzero_si512(), d);
+          const __m512i d = signed_codes(_mm512_maskz_loadu_ps(lm, y + b0 + j), recip);
           if (sums) sum += _mm512_reduce_add_epi32(d);  // masked-off lanes are 0
           _mm512_mask_cvtepi32_storeu_epi8(out + b0 + j, lm, d);
         }
@@ -320,7 +308,7 @@ at::Tensor act_fake_quant(const at::Tensor& x, int64_t block, int64_t rule, bool
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(K);
+    std::vector<float> ybuf(mbs ? K : 0);
     std::vector<int8_t> codes(cdiv(K, block) * block);
     std::vector<uint8_t> scales(cdiv(K, block)), mbytes(cdiv(K, macro));
     for (int64_t r = r0; r < r1; ++r)
@@ -345,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> act_quant(const at::Tensor& x, in
   at::Tensor scales = at::empty({M, nb}, xf.options().dtype(at::kByte));
   at::Tensor mbytes = at::zeros({M, mbs ? cdiv(K, macro) : 0}, xf.options().dtype(at::kByte));
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(K);
+    std::vector<float> ybuf(mbs ? K : 0);
     for (int64_t r = r0; r < r1; ++r)
       quant_row(xf.data_ptr<float>() + r * K, K, block, static_cast<int>(rule), mbs, macro,
                 codes.data_ptr<int8_t>() + r * kp, scales.data_ptr<uint8_t>() + r * nb,
