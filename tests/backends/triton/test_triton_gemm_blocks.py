@@ -5,9 +5,10 @@ position of a word (-0.0 included: compared as fp32 bits), with E8M0 scales from
 subnormal 2^-127 to 2^127 and NaN; the MBS factor and its reciprocal (`quant_blocks.
 mbs_factor`, `gemm_blocks.mbs_sigma`) on every MBS byte against `formats` and an IEEE
 division. On the GPU two of them run inline PTX (a lop3 select, a Newton-refined
-reciprocal), which the interpreter cannot run: their definitions are checked here on the
-CPU by emulation (the lop3 truth table; the Newton step's rounding, exactly, for every byte
-and every starting reciprocal within 4 ulps).
+reciprocal, the lifted pair decode's rotations and selects), which the interpreter cannot
+run: their definitions are checked here on the CPU by emulation (the lop3 truth table, the
+funnel shift; the Newton step's rounding, exactly, for every byte and every starting
+reciprocal within 4 ulps).
 
 Runs on CPU under TRITON_INTERPRET=1 (tests/backends/conftest.py) or on CUDA when compiled.
 """
@@ -22,11 +23,18 @@ import pytest
 import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    E2M1_PAIR_BITS,
     E2M1_PAIR_MAGNITUDES,
     RCP_NEWTON,
+    ROTL_LIFT,
+    ROTR_PAIR2,
+    ROTR_PAIR3,
     SELECT_BY_MASK,
+    SELECT_HIGH_MAGS,
+    SELECT_LOW_MAGS,
     e2m1_pair_values,
     e2m1_value,
+    e2m1_word_pair_bits,
     e2m1_word_values,
     e8m0_word_scales,
     mbs_sigma,
@@ -218,3 +226,108 @@ def test_select_by_mask_is_the_interpreters_select():
         assert _lop3(a, b, mask, lut) == (a & mask) | (b & ~mask & 0xFFFFFFFF)
     # the check can fail: another table (c ? b : a) gives other bits
     assert _lop3(0xFFFFFFFF, 0, mask, 0xD8) != mask
+
+
+def _pair_bits_reference(words: np.ndarray, p: int) -> np.ndarray:
+    """uint32 bf16x2 bits of nibbles p (low half) and p + 4 (high half) of each word: the
+    magnitude (code & 7) on bits 6..8 of its half, the sign (code & 8) on bit 15, as
+    `e2m1_value` lays a code into a float's fields (times 2^-126)."""
+    out = np.zeros_like(words)
+    for h in range(2):
+        n = (words >> np.uint32(4 * (p + 4 * h))) & np.uint32(15)
+        half = ((n & np.uint32(7)) << np.uint32(6)) | ((n & np.uint32(8)) << np.uint32(12))
+        out |= half << np.uint32(16 * h)
+    return out
+
+
+def _pair_words(n: int, seed: int) -> np.ndarray:
+    """Random uint32 words, the first 4096 holding every pair of codes in every nibble pair."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    c = np.arange(256, dtype=np.uint32)
+    for p in range(4):  # codes (c & 15, c >> 4) in nibbles (p, p + 4) of words 256p..
+        w = words[256 * p : 256 * (p + 1)] & ~np.uint32((15 << 4 * p) | (15 << 4 * (p + 4)))
+        words[256 * p : 256 * (p + 1)] = (
+            w
+            | ((c & np.uint32(15)) << np.uint32(4 * p))
+            | ((c >> np.uint32(4)) << np.uint32(4 * (p + 4)))
+        )
+    return words
+
+
+@triton.jit
+def _pair_bits_kernel(q_ptr, out_ptr, N: tl.constexpr, LIFT: tl.constexpr):
+    i = tl.arange(0, N)
+    q = tl.load(q_ptr + i)
+    for p in tl.static_range(4):
+        tl.store(out_ptr + p * N + i, e2m1_word_pair_bits(q, p, False, LIFT))
+
+
+@pytest.mark.parametrize("lift", [False, True], ids=["signs-apart", "signs-lifted"])
+def test_pair_bits_both_constructions_in_every_nibble(triton_device, lift):
+    """`e2m1_word_pair_bits`, signs apart and signs lifted (the interpreter's plain integer
+    operations; on the GPU the compiler's), give every pair of nibbles' bf16 fields and
+    nothing else, with random bits in the other nibbles."""
+    n = 8192
+    words = _pair_words(n, 1)
+    out = torch.empty(4 * n, dtype=torch.int32, device=triton_device)
+    q = torch.from_numpy(words.view(np.int32)).to(triton_device)
+    _pair_bits_kernel[(1,)](q, out, N=n, LIFT=lift)
+    got = out.cpu().numpy().view(np.uint32).reshape(4, n)
+    for p in range(4):
+        want = _pair_bits_reference(words, p)
+        assert np.array_equal(got[p], want), f"pair {p}: {int((got[p] != want).sum())} words differ"
+    # the check can fail: pairs 0 and 1 of these words differ, and so do their signs
+    assert not np.array_equal(_pair_bits_reference(words, 0), _pair_bits_reference(words, 1))
+
+
+def _shf_wrap(a: int, n: int, left: bool) -> int:
+    """PTX shf.{l,r}.wrap.b32 d, a, a, n: a rotated by n mod 32."""
+    n %= 32
+    if not left:
+        n = (32 - n) % 32
+    return ((a << n) | (a >> (32 - n))) & 0xFFFFFFFF if n else a
+
+
+def _asm_lop3(text: str) -> tuple[int, int]:
+    mt = re.fullmatch(r"lop3\.b32 \$0, \$1, \$2, (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", text)
+    assert mt, text
+    return int(mt.group(1), 16), int(mt.group(2), 16)
+
+
+def _asm_shf(text: str) -> tuple[bool, int]:
+    mt = re.fullmatch(r"shf\.([lr])\.wrap\.b32 \$0, \$1, \$1, (\d+);", text)
+    assert mt, text
+    return mt.group(1) == "l", int(mt.group(2))
+
+
+def _lifted_on_gpu(q: int, p: int) -> int:
+    """`e2m1_lifted_pair_bits`' ASM branch, instruction by instruction, on one word."""
+    left, n = _asm_shf(ROTL_LIFT.value)
+    q6 = _shf_wrap(q, n, left)
+    mask, lut = _asm_lop3((SELECT_LOW_MAGS if p < 2 else SELECT_HIGH_MAGS).value)
+    u = _lop3(q, q6, mask, lut)
+    if p < 2:
+        r = (u << (6 - 4 * p)) & 0xFFFFFFFF
+    else:
+        left, n = _asm_shf((ROTR_PAIR2 if p == 2 else ROTR_PAIR3).value)
+        r = _shf_wrap(u, n, left)
+    return r & (E2M1_PAIR_BITS.value & 0xFFFFFFFF)
+
+
+def test_lifted_pair_bits_gpu_instructions_by_emulation():
+    """The PTX of the lifted construction (a funnel-shift rotation, two lop3 selects, the
+    pair rotations), emulated from its strings, gives the reference bits on words holding
+    every pair of codes in every nibble pair (random bits elsewhere)."""
+    assert _asm_shf(ROTL_LIFT.value) == (True, 6)
+    words = _pair_words(4096 + 512, 2).tolist()
+    for p in range(4):
+        want = _pair_bits_reference(np.array(words, dtype=np.uint32), p).tolist()
+        got = [_lifted_on_gpu(q, p) for q in words]
+        assert got == want, f"pair {p}"
+    # the check can fail: without the wrap, pair 3's high sign (from bit 5) is lost
+    q = 1 << 31  # nibble 7's sign
+    assert _lifted_on_gpu(q, 3) == 1 << 31
+    assert (_lop3(q, _shf_wrap(q, 6, True), *_asm_lop3(SELECT_HIGH_MAGS.value)) >> 6) & (
+        1 << 31
+    ) == 0

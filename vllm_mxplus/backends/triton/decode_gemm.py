@@ -63,6 +63,12 @@ the cheaper pair decode (`gemm_blocks.e2m1_word_pair_bits`), the Newton-refined 
 loads the compiler may vectorize (K slices start on whole steps), sm_90 counts 671 -> 533
 warp-instructions per 16384 weights at 16 rows (0.164 -> 0.130 per weight), 866 -> 626 at
 32 rows, with 161 registers (3 programs per SM, as before).
+
+Signs lifted (LIFT: the folded word path, but for the grouped experts, whose tile then spilled,
+and MX+ with the weight as B, which counted more): each word's sign bits moved once by a
+rotation and two selects (`gemm_blocks.e2m1_lifted_pair_bits`), then 2 instructions per pair
+of values where 3 were spent: sm_90 counts 545 -> 505 per 16384 weights at 16 rows (0.1233
+per weight), sm_100 562 -> 542 (kernels/README.md, "The signs lifted once per word").
 """
 
 from __future__ import annotations
@@ -319,7 +325,7 @@ def _decode_gemm_kernel(
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
                 xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
                 BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
-                NVFP4, SCALE_ONE, W_A,
+                NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS),
             )  # fmt: skip
             if PLUS:
                 acc_w = _block_max_terms(
@@ -416,7 +422,7 @@ def _word_step(
     block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
-    NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr,
+    NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr, LIFT: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
@@ -435,7 +441,8 @@ def _word_step(
     since the product is the same representable value. EVEN (whole tiles: N and K multiples
     of BLOCK_N and BLOCK_K, no K slice ends inside a step): the weight's loads are unmasked.
     X_HAT: x's values come ready from `act_quant_hat` (`x_hat`: dot p's operand is one
-    contiguous load at xh_ptrs + 32p), so no program dequantizes x."""
+    contiguous load at xh_ptrs + 32p), so no program dequantizes x. LIFT: the folded weight
+    values from `gemm_blocks.e2m1_lifted_pair_bits` (the module docstring says where)."""
     WPB: tl.constexpr = BS // 8  # words per scale block
     if not X_HAT:
         xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
@@ -463,7 +470,7 @@ def _word_step(
             # the select as one LOP3 where it helps: whole 16-row tiles with the weight as A
             # (elsewhere ptxas then needed more registers, and spilled some tiles)
             wp = e2m1_folded_word_values(
-                wq, ws, p, WPB, DOT_DTYPE, W_A and EVEN and BLOCK_M <= LOP3_MAX_ROWS
+                wq, ws, p, WPB, DOT_DTYPE, W_A and EVEN and BLOCK_M <= LOP3_MAX_ROWS, LIFT
             )
         else:
             wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv

@@ -16,6 +16,13 @@ from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 E4M3_SUB_STEP = tl.constexpr(2.0**-9)  # the E4M3 subnormal step
 E2M1_REBIAS = tl.constexpr(2.0**126)  # E2M1 bits in fp32's fields -> the E2M1 value (exact)
 E2M1_PAIR_MAGNITUDES = tl.constexpr(0x01C001C0)  # bits 6..8 and 22..24 of a bf16x2 word
+# `e2m1_lifted_pair_bits`: the sign and magnitude bits of a bf16x2 pair of E2M1 values (bits
+# 6..8, 15, 22..24, 31), the magnitude bits of nibbles 0, 1, 4, 5 and of 2, 3, 6, 7, and the
+# rotation that lifts each nibble's sign bit 6 places
+E2M1_PAIR_BITS = tl.constexpr(-0x7E3F7E40)  # 0x81C081C0 as int32
+E2M1_LOW_MAGS = tl.constexpr(0x00770077)
+E2M1_HIGH_MAGS = tl.constexpr(0x77007700)
+E2M1_SIGN_LIFT = tl.constexpr(6)
 # the sign bits of the even nibbles (bits 3, 11, 19, 27) and of the odd ones (7, 15, 23, 31)
 E2M1_EVEN_SIGNS = tl.constexpr(0x08080808)
 E2M1_ODD_SIGNS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
@@ -31,6 +38,13 @@ RCP_NEWTON = tl.constexpr(
 # $1 where E2M1_PAIR_MAGNITUDES has a bit, else $2: lop3's table for c ? a : b (a = 0xF0,
 # b = 0xCC, c = 0xAA) is 0xE4 (`e2m1_word_pair_bits`)
 SELECT_BY_MASK = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_PAIR_MAGNITUDES.value:#010x}, 0xE4;")
+# `e2m1_lifted_pair_bits` on the GPU: q rotated left by E2M1_SIGN_LIFT; $1 at the magnitude
+# bits of nibbles 0, 1, 4, 5 (2, 3, 6, 7), else $2; rotations right by 2 and 6 (P = 2, 3)
+ROTL_LIFT = tl.constexpr(f"shf.l.wrap.b32 $0, $1, $1, {E2M1_SIGN_LIFT.value};")
+SELECT_LOW_MAGS = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_LOW_MAGS.value:#010x}, 0xE4;")
+SELECT_HIGH_MAGS = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_HIGH_MAGS.value:#010x}, 0xE4;")
+ROTR_PAIR2 = tl.constexpr("shf.r.wrap.b32 $0, $1, $1, 2;")
+ROTR_PAIR3 = tl.constexpr("shf.r.wrap.b32 $0, $1, $1, 6;")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 SUM_PIECE = tl.constexpr(512)  # outputs per piece of `reduce_split_tile`'s sum (its docstring)
@@ -89,23 +103,29 @@ def word_halves(wd, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def e2m1_word_pair_bits(q, P: tl.constexpr, ASM: tl.constexpr):
+def e2m1_word_pair_bits(q, P: tl.constexpr, ASM: tl.constexpr, LIFT: tl.constexpr = False):
     """int32 words whose halves are the bf16 bits of nibbles P and P + 4 of words q, the
-    E2M1 values times 2^-126 (`e2m1_word_values` before its multiply).
+    E2M1 values times 2^-126 (`e2m1_word_values` before its multiply): nibble P's magnitude
+    bits on bits 6..8 (nibble P + 4's on 22..24, E2M1_PAIR_MAGNITUDES), its sign on bit 15
+    (P + 4's on 31). Two constructions of the same bits:
 
-    One shift of q moves nibble P's magnitude bits to bits 6..8 (nibble P + 4's to 22..24,
-    E2M1_PAIR_MAGNITUDES); the sign bits come from q masked to the sign bits of the nibbles
-    of P's parity (the mask is the same for P and P + 2, so the compiler computes it once per
-    word), shifted so that nibble P's lands on bit 15 and nibble P + 4's on bit 31. The
-    shifted signs of the other nibbles of that parity land on bits 7 and 23, inside the
-    magnitude field, or past bit 31, so one select by the magnitude mask (a single LOP3)
-    merges the two: 3 instructions per pair of values (2 for P = 3, whose signs need no
-    shift) and 2 per word, where masking each shift apart took 4 per pair. Arithmetic right
-    shifts (P >= 2) bring their copies of bit 31 in above bit 25, outside the magnitude
-    field. ASM (the GPU only): the select written as the LOP3 itself (`SELECT_BY_MASK`); left
-    to the compiler, the masks were folded back into the shifted word and two LOP3s issued
-    (`e2m1_folded_word_values` asks for it; `e2m1_word_values`, whose halves are split and
-    multiplied apart, counts fewer instructions without)."""
+    - Signs apart (LIFT False): one shift of q moves the magnitudes; the sign bits come from
+      q masked to the sign bits of the nibbles of P's parity (one mask per parity and word),
+      shifted so that nibble P's lands on bit 15 and nibble P + 4's on bit 31. The shifted
+      signs of the other nibbles of that parity land on bits 7 and 23, inside the magnitude
+      field, or past bit 31, so one select by the magnitude mask merges the two: 3
+      instructions per pair of values (2 for P = 3, whose signs need no shift) and 2 per
+      word. Arithmetic right shifts (P >= 2) bring their copies of bit 31 in above bit 25,
+      outside the magnitude field.
+    - Signs lifted (LIFT True, `e2m1_lifted_pair_bits`): 2 instructions per pair and 3 per
+      word (15 per word with the 4 multiplies, where the other takes 17).
+
+    ASM (the GPU only): the selects and rotations written as the LOP3 / SHF.W themselves;
+    left to the compiler, the masks were folded back into the shifted word and two LOP3s
+    issued (`e2m1_folded_word_values` asks for it where it helps; `e2m1_word_values`, whose
+    halves are split and multiplied apart, counts fewer instructions without)."""
+    if LIFT:
+        return e2m1_lifted_pair_bits(q, P, ASM)
     if P < 2:
         mag = q << (6 - 4 * P)
     else:
@@ -119,6 +139,48 @@ def e2m1_word_pair_bits(q, P: tl.constexpr, ASM: tl.constexpr):
             SELECT_BY_MASK, "=r,r,r", [mag, sgn], dtype=tl.int32, is_pure=True, pack=1
         )
     return (mag & E2M1_PAIR_MAGNITUDES) | (sgn & ~E2M1_PAIR_MAGNITUDES)
+
+
+@triton.jit
+def _rotate_left(q, N: tl.constexpr):
+    """int32 words q rotated left by N bits (0 < N < 32), in plain integer operations."""
+    u = q.to(tl.uint32, bitcast=True)
+    return ((u << N) | (u >> (32 - N))).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e2m1_lifted_pair_bits(q, P: tl.constexpr, ASM: tl.constexpr):
+    """`e2m1_word_pair_bits` with the signs lifted once per word. A sign must end 7 bits above
+    its nibble's magnitude top bit, where the code has it 1 above; so each word q is merged
+    with itself rotated left by 6 (q6: every nibble's sign bit 6 places up). A word u takes
+    the magnitude bits of the nibbles of P's quarter pair (nibbles 0, 1, 4, 5 for P < 2, else
+    2, 3, 6, 7: E2M1_LOW_MAGS / E2M1_HIGH_MAGS) from q and every other bit from q6, which
+    there holds each of those nibbles' sign 7 above its magnitude's top bit (q6's bits at
+    the other nibbles' magnitude positions are not needed from u). Then one shift of u
+    (P < 2: left by 6 - 4P) or rotation (P >= 2: right by 4P - 6; nibble P + 4's sign wraps
+    past bit 31 to bit 4P - 7, where q6 holds it) puts both nibbles' fields in place, and
+    one mask (E2M1_PAIR_BITS) clears the rest."""
+    if ASM:
+        q6 = tl.inline_asm_elementwise(ROTL_LIFT, "=r,r", [q], dtype=tl.int32, is_pure=True,
+                                       pack=1)  # fmt: skip
+        if P < 2:
+            u = tl.inline_asm_elementwise(SELECT_LOW_MAGS, "=r,r,r", [q, q6], dtype=tl.int32,
+                                          is_pure=True, pack=1)  # fmt: skip
+            r = u << (6 - 4 * P)
+        else:
+            u = tl.inline_asm_elementwise(SELECT_HIGH_MAGS, "=r,r,r", [q, q6], dtype=tl.int32,
+                                          is_pure=True, pack=1)  # fmt: skip
+            r = tl.inline_asm_elementwise(ROTR_PAIR2 if P == 2 else ROTR_PAIR3, "=r,r", [u],
+                                          dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    else:
+        q6 = _rotate_left(q, E2M1_SIGN_LIFT)
+        if P < 2:
+            u = (q & E2M1_LOW_MAGS) | (q6 & ~E2M1_LOW_MAGS)
+            r = u << (6 - 4 * P)
+        else:
+            u = (q & E2M1_HIGH_MAGS) | (q6 & ~E2M1_HIGH_MAGS)
+            r = _rotate_left(u, 32 - (4 * P - 6))  # right by 4P - 6
+    return r & E2M1_PAIR_BITS
 
 
 @triton.jit
@@ -166,7 +228,8 @@ def block_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
 
 @triton.jit
 def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, ASM: tl.constexpr = False):  # fmt: skip
+                            DOT_DTYPE: tl.constexpr, ASM: tl.constexpr = False,
+                            LIFT: tl.constexpr = False):  # fmt: skip
     """`e2m1_word_values` of int32 words q [R, W] times their blocks' E8M0 scales, the codes
     s (int32) [R, W / WORDS_PER_BLOCK] all <= 128 (`decode_gemm.small_weight_scales`): one
     multiply per two values, by 2^126 * scale = 2^(s - 1), exact (the product is the same
@@ -176,7 +239,7 @@ def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr
     packed pair of the scale ((s + 126) << 7 in both halves): the pairing of halves is the
     word's, so no register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
     were paired across words and their halves swapped back, one PRMT per pair)."""
-    bits = e2m1_word_pair_bits(q, P, ASM and tl.bfloat16 == DOT_DTYPE)
+    bits = e2m1_word_pair_bits(q, P, ASM and tl.bfloat16 == DOT_DTYPE, LIFT)
     if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
         sc = _word_columns_i32(((s + 126) << 7) * 0x10001, WORDS_PER_BLOCK)
         prod = tl.inline_asm_elementwise(
