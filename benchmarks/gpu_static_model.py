@@ -175,6 +175,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
             x, w = _gemm_operand(rows, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
             # the serving path: `act_quant_hat`'s x_hat, weight scales checked at load
             x_hat = _meta((rows, hat_cols(k)), bf16)
+            # with MBS, `act_quant_hat`'s sigmas too
+            sigma = _meta((rows, k // 128), torch.float32) if x[2] is not None else None
             decode_gemm(
                 *x,
                 *w,
@@ -185,6 +187,7 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                 macro_block=128,
                 w_small_scales=True,
                 x_hat=x_hat,
+                x_sigma=sigma,
             )
 
         return go

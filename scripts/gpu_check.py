@@ -770,11 +770,11 @@ def decode_sweep_case(shape: tuple[str, int, int], m: int) -> dict:
     small = small_weight_scales(ws)
     nbytes = wc.numel() + ws.numel() + (0 if wm is None else wm.numel())
     x = _randn(m, k, seed=m, dtype=torch.bfloat16)
-    xc, xs, xm, _, xh = act_quant_hat_op(x, s.activation_format, macro_block=128)
+    xc, xs, xm, _, xh, xg = act_quant_hat_op(x, s.activation_format, macro_block=128)
 
     def gemm(t, **kw):
         return decode_gemm(xc, xs, xm, wc, ws, wm, k, None, torch.bfloat16, 16, xh,
-                           macro_block=128, w_small_scales=small, **kw)  # fmt: skip
+                           x_sigma=xg, macro_block=128, w_small_scales=small, **kw)  # fmt: skip
 
     res: dict[str, Any] = {
         "weight_bytes": nbytes,
@@ -925,7 +925,7 @@ def expert_gemm_vs_bf16() -> dict:
     small = small_weight_scales(scales)
 
     def ours(t):
-        _, _, x_mbs, _, x_hat = act_quant_hat_op(t, s.activation_format, macro_block=128)
+        _, _, x_mbs, _, x_hat, _ = act_quant_hat_op(t, s.activation_format, macro_block=128)
         return moe_decode_gemm(
             x_hat, x_mbs, (codes, scales, mbs), pairs, tile_expert, experts=1, n=n, k=k,
             num_pairs=tokens, topk=1, out_dtype=torch.bfloat16, block_size=16,

@@ -190,6 +190,8 @@ def _drive_decode_gemm(quick: bool) -> None:
                     out_dtype,
                     block_size=bs,
                     x_hat=_meta((rows, hat_cols(k)), torch.bfloat16) if x_hat else None,
+                    # served with x_hat: `act_quant_hat`'s sigmas beside x's MBS bytes
+                    x_sigma=(_meta(xm.shape, torch.float32) if x_hat and xm is not None else None),
                     macro_block=macro,
                     split_k=split,
                     w_small_scales=x_hat,

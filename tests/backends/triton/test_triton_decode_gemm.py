@@ -268,7 +268,7 @@ def test_gpu_cuda_graph_capture(serving, cuda_device):
     def step(t):
         x_hat = None
         if serving:  # the decode layer's path: x_hat, weight scales checked at load
-            codes, scales, mbs, _, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+            codes, scales, mbs, _, x_hat, _ = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
         else:
             codes, scales, mbs, _ = act_quant_op(t, "mxfp4-mbs-s", macro_block=128)
         return decode_gemm_op(
@@ -324,7 +324,8 @@ def test_mbs_partials_are_scaled_by_sigma_never_divided():
 
     src = inspect.getsource(dg._decode_gemm_kernel.fn) + inspect.getsource(dg._word_step.fn)
     # every path (the word step; macro block >= and < the K step) scales by the two sigmas
-    assert src.count("mbs_sigma(fx, X_MBS, ") == src.count("mbs_sigma(fw, W_MBS, ") == 3
+    # (the word step's x sigmas read ready where given: `act_quant_hat`'s IEEE division)
+    assert src.count("mbs_sigma(fx, X_MBS") == src.count("mbs_sigma(fw, W_MBS, ") == 3
     assert "part / " not in src and "pj / " not in src
 
 
@@ -597,6 +598,45 @@ def test_capture_without_a_capability_asks_no_gpu(monkeypatch):
     assert launch.target_capability(torch.device("cpu")) is None
 
 
+@pytest.mark.parametrize("m", [1, 24])
+def test_x_sigma_same_bits_as_the_mbs_bytes(m, triton_device, monkeypatch):
+    """x_sigma (`act_quant_hat`'s fp32 sigmas, read by the word path instead of each sigma
+    computed from its MBS byte): the same output bits as without it, and the launch reads
+    them (X_SIGMA). Bad sigmas are named in a ValueError."""
+    from vllm_mxplus.backends.triton import decode_gemm as dg
+    from vllm_mxplus.backends.triton.act_quant import act_quant_hat
+
+    launched = []
+    real = dg.launch
+    monkeypatch.setattr(dg, "launch", lambda *a, **kw: (launched.append(kw), real(*a, **kw)))
+    k, n = 512, 256
+    gen = torch.Generator().manual_seed(m + 3)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(triton_device)
+    qw = quantize((torch.randn(n, k, generator=gen) * 0.02).to(triton_device), "mxfp4-mbs-s")
+    codes, scales, mbs, _, x_hat, sigma = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    assert sigma is not None
+    w = (qw.codes, qw.scales, qw.mbs, k, None, torch.float32)
+
+    def run_with(sg):
+        return decode_gemm(codes, scales, mbs, *w, x_hat=x_hat, x_sigma=sg, macro_block=128,
+                           w_small_scales=True)  # fmt: skip
+
+    y_bytes, y_sigma = run_with(None), run_with(sigma)
+    flags = [kw["X_SIGMA"] for kw in launched if "X_SIGMA" in kw]
+    assert flags == [False, True]
+    assert torch.equal(y_sigma, y_bytes)
+    # the check can fail: the kernel reads the sigmas given (one row's first one doubled)
+    bad = sigma.clone()
+    bad[0, 0] *= 2
+    assert not torch.equal(run_with(bad), y_bytes)
+    with pytest.raises(ValueError, match="x_sigma must be float32"):
+        run_with(sigma.to(torch.float64))
+    with pytest.raises(ValueError, match="x_sigma must be float32"):
+        run_with(sigma[:, :-1])
+    with pytest.raises(ValueError, match="x_sigma comes with"):
+        decode_gemm(codes, scales, mbs, *w, x_sigma=sigma, macro_block=128)
+
+
 @pytest.mark.parametrize("weight_a", [True, False], ids=["weight-A", "weight-B"])
 @pytest.mark.parametrize("m", [1, 24])
 def test_serving_path_either_operand_within_bound(weight_a, m, triton_device, monkeypatch):
@@ -614,7 +654,7 @@ def test_serving_path_either_operand_within_bound(weight_a, m, triton_device, mo
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(triton_device)
     qw = quantize((torch.randn(n, k, generator=gen) * 0.02).to(triton_device), "mxfp4-mbs-s")
-    codes, scales, mbs, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    codes, scales, mbs, _, x_hat, _ = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
     y = decode_gemm(
         codes, scales, mbs, qw.codes, qw.scales, qw.mbs, k, None, torch.float32, x_hat=x_hat,
         macro_block=128, w_small_scales=True, weight_a=weight_a,

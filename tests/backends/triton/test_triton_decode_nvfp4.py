@@ -92,7 +92,7 @@ def test_x_hat_path_same_bits_as_codes(m, k, triton_device):
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(triton_device)
     _, qw = operands(1, k, 128, triton_device, seed=1)
-    codes, scales, mbs, gs, x_hat = act_quant_hat(x, "nvfp4", macro_block=128)
+    codes, scales, mbs, gs, x_hat, _ = act_quant_hat(x, "nvfp4", macro_block=128)
     qx = quantize(x, "nvfp4", per_row=True)
     assert mbs is None and torch.equal(codes, qx.codes) and torch.equal(gs, qx.global_scale)
     kw = {"out_dtype": torch.float32}

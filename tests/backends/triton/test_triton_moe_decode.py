@@ -69,7 +69,7 @@ def test_grouped_decode_within_bound(triton_device, scheme, macro, m):
     block_m = moe_block_m(p, experts, wide=True)
     assert block_m == {5: 16, 40: 32, 160: 64}[m]
     pairs, tile_expert = moe_align(ti, emap, experts, block_m)
-    _, _, x_mbs, _, x_hat = act_quant_hat_op(x, s.activation_format, macro_block=macro)
+    _, _, x_mbs, _, x_hat, _ = act_quant_hat_op(x, s.activation_format, macro_block=macro)
     _, bs = operand_format(s.weight_format)
     rows = 2 * INTER
     if emap is not None:  # the local experts' rows only, as the layer holds them
@@ -172,7 +172,7 @@ def test_bad_arguments_name_the_fault(triton_device):
     ti = torch.tensor([[0, 1]], device=triton_device)
     pairs, tile_expert = moe_align(ti, None, E, 16)
     x = torch.randn(1, 128, device=triton_device, dtype=torch.bfloat16)
-    _, _, x_mbs, _, x_hat = act_quant_hat_op(x, s.activation_format, macro_block=128)
+    _, _, x_mbs, _, x_hat, _ = act_quant_hat_op(x, s.activation_format, macro_block=128)
     kw = dict(experts=E, n=16, k=128, num_pairs=2, topk=TOPK, out_dtype=torch.bfloat16,
               block_size=16, macro_block=128, block_m=16)  # fmt: skip
     with pytest.raises(ValueError, match="x_hat must be"):
@@ -191,7 +191,7 @@ def test_custom_op_passes_opcheck(triton_device):
     ti = torch.tensor([[0, 2], [1, 2]], device=triton_device)
     pairs, tile_expert = moe_align(ti, None, E, 16)
     x = torch.randn(2, 128, device=triton_device, dtype=torch.bfloat16)
-    _, _, x_mbs, _, x_hat = act_quant_hat_op(x, s.activation_format, macro_block=128)
+    _, _, x_mbs, _, x_hat, _ = act_quant_hat_op(x, s.activation_format, macro_block=128)
     torch.library.opcheck(
         torch.ops.vllm_mxplus.triton_moe_decode_gemm.default,
         (x_hat, x_mbs, list(w.operands[:3]), pairs, tile_expert, E, 16, 128),

@@ -20,6 +20,7 @@ from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, hat_cols, to_hat_order
 from vllm_mxplus.formats import get_format, quantize
 from vllm_mxplus.formats.e2m1 import e2m1_decode, unpack_fp4
 from vllm_mxplus.formats.e8m0 import e8m0_to_float
+from vllm_mxplus.formats.mx import mbs_factor as formats_mbs_factor
 
 FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4")
 
@@ -62,7 +63,7 @@ def test_word_order_by_formula():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_act_quant_hat_bit_exact(fmt, m, k, triton_device):
     x = activations(m, k, torch.bfloat16, triton_device, seed=m + k)
-    codes, scales, mbs, gs, x_hat = act_quant_hat(x, fmt, macro_block=128)
+    codes, scales, mbs, gs, x_hat, sigma = act_quant_hat(x, fmt, macro_block=128)
     want = act_quant(x, fmt, macro_block=128)
     assert_same_bits("codes", codes, want[0])
     assert_same_bits("scales", scales.view(torch.uint8), want[1].view(torch.uint8))
@@ -76,6 +77,12 @@ def test_act_quant_hat_bit_exact(fmt, m, k, triton_device):
         assert_same_bits("global scales vs formats", gs.reshape(-1), ref.global_scale.reshape(-1))
     assert_same_bits("codes vs formats", codes, ref.codes)
     assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, k, fmt))
+    # the decode GEMM's sigma = fp32(1 / F) of each MBS byte (an IEEE division, as torch's)
+    assert (sigma is None) == (mbs is None)
+    if sigma is not None:
+        f = formats_mbs_factor(ref.mbs.cpu())
+        assert_same_bits("sigma", sigma.cpu(), torch.ones_like(f) / f)
+        assert (ref.mbs != 0).any()  # the check can fail: some sigma is not 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -91,7 +98,7 @@ def test_act_quant_hat_special_rows(dtype, triton_device):
     if dtype == torch.float32:
         x[5] = x[5] * 2.0**-125
     x = x.to(dtype).to(triton_device)
-    codes, scales, _, _, x_hat = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
+    codes, scales, _, _, x_hat, _ = act_quant_hat(x, "mxfp4-mbs-s", macro_block=128)
     ref = quantize(x, "mxfp4-mbs-s", macro_block=128)
     assert_same_bits("codes", codes, ref.codes)
     assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, 640, "mxfp4-mbs-s"))
@@ -113,7 +120,7 @@ def _hat_operands(m, k, n, pair, device, seed):
     qx, qw = operands(m, k, n, pair, device, seed=seed)
     _, xf = PAIRS[pair]
     x = qx.dequantize().to(torch.float32)  # quantizes to the same fields
-    codes, scales, mbs, _, x_hat = act_quant_hat(x, xf, macro_block=128)
+    codes, scales, mbs, _, x_hat, _ = act_quant_hat(x, xf, macro_block=128)
     return qx, qw, x_hat
 
 
@@ -151,7 +158,7 @@ def test_decode_x_hat_tiny_rows(triton_device):
     x[1:3] *= 2.0**-125
     qx = quantize(x, "mxfp4-16-oas")
     assert (qx.scales[1].cpu() < 4).any()
-    _, _, _, _, x_hat = act_quant_hat(x, "mxfp4-16-oas", macro_block=128)
+    _, _, _, _, x_hat, _ = act_quant_hat(x, "mxfp4-16-oas", macro_block=128)
     kw = {"out_dtype": torch.float32}
     assert torch.equal(run(qx, qw, 1024, x_hat=x_hat, **kw), run(qx, qw, 1024, **kw))
 
@@ -198,10 +205,10 @@ def test_hat_op_matches_and_traces(triton_device):
         torch.library.opcheck(torch.ops.vllm_mxplus.triton_act_quant_hat.default, (x, fmt, 128))
 
     def layer(t):
-        codes, scales, mbs, _, x_hat = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
+        codes, scales, mbs, _, x_hat, sigma = act_quant_hat_op(t, "mxfp4-mbs-s", macro_block=128)
         return decode_gemm_op(codes, scales, mbs, qw.codes, qw.scales, qw.mbs, 1024,
-                              out_dtype=torch.float32, x_hat=x_hat, macro_block=128,
-                              w_small_scales=True)  # fmt: skip
+                              out_dtype=torch.float32, x_hat=x_hat, x_sigma=sigma,
+                              macro_block=128, w_small_scales=True)  # fmt: skip
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
@@ -223,7 +230,7 @@ def test_gpu_x_hat_and_folded_scales(pair, m, cuda_device):
     x[-1] *= 2.0**-125
     xf = PAIRS[pair][1]
     qx = quantize(x, xf)
-    codes, scales, _, _, x_hat = act_quant_hat(x, xf, macro_block=128)
+    codes, scales, _, _, x_hat, _ = act_quant_hat(x, xf, macro_block=128)
     assert_same_bits("codes", codes, qx.codes)
     assert_same_hat(x_hat, hat_reference(qx.codes, qx.scales, k, xf))
     kw = {"out_dtype": torch.float32}

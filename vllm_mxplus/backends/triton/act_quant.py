@@ -77,8 +77,8 @@ GPU_MAX_ROWS = 8
 # ----------------------------------------------------------------------------- E8M0 kernel
 @triton.jit
 def _mx_act_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, mbs_ptr, hat_ptr,
-    M, K, stride_xm, stride_cm, stride_sm, stride_mm, stride_hm,
+    x_ptr, codes_ptr, scales_ptr, mbs_ptr, hat_ptr, sigma_ptr,
+    M, K, stride_xm, stride_cm, stride_sm, stride_mm, stride_hm, stride_gm,
     BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, MACRO: tl.constexpr,
     HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -97,6 +97,11 @@ def _mx_act_quant_kernel(
         store_row_tile(
             mbs_ptr, m.to(tl.uint8), offs_m, mask_m, stride_mm, pid_k, tl.cdiv(K, MACRO), NM
         )
+        if HAT:  # the decode GEMM's sigma = fp32(1 / F) per macro block (IEEE division)
+            sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
+            store_row_tile(
+                sigma_ptr, sigma, offs_m, mask_m, stride_gm, pid_k, tl.cdiv(K, MACRO), NM
+            )
     else:
         ay = tl.abs(x)
 
@@ -267,30 +272,33 @@ def act_quant(
     [..., 1] (nvfp4, per row) or None) -- the fields of `formats.quantize(x, fmt,
     per_row=True)`, bit for bit.
     """
-    codes, scales, mbs, gs, _ = _act_quant(x, fmt, macro_block, hat=False)
+    codes, scales, mbs, gs, _, _ = _act_quant(x, fmt, macro_block, hat=False)
     return codes, scales, mbs, gs
 
 
 def act_quant_hat(
     x: torch.Tensor, fmt: str, *, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+           torch.Tensor | None]:  # fmt: skip
     """`act_quant` that also writes x_hat for the decode GEMM: (codes, scales, mbs or None,
-    global_scale or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order), all from the
-    same kernel. Rows x [M, K] (2-D). E8M0 formats: x_hat = value * 2^(e - 127) (the MBS
-    factor left to the GEMM); NVFP4: x_hat = value * s, the E4M3 scale without the row's
-    global scale (the GEMM multiplies its sums by g_x * g_w); exact in bf16 alike. MX+ has
-    its own (`act_quant_plus.act_quant_mxplus_hat`; `ops.act_quant_hat_op` takes both)."""
+    global_scale or None, x_hat bf16 [M, hat_cols(K)] in `x_hat`'s word order, sigma or None),
+    all from the same kernel. Rows x [M, K] (2-D). E8M0 formats: x_hat = value * 2^(e - 127)
+    (the MBS factor left to the GEMM, which scales its partial sums by sigma = fp32(1 / F),
+    fp32 [M, ceil(K/macro_block)], given here with MBS); NVFP4: x_hat = value * s, the E4M3
+    scale without the row's global scale (the GEMM multiplies its sums by g_x * g_w); exact
+    in bf16 alike. MX+ has its own (`act_quant_plus.act_quant_mxplus_hat`;
+    `ops.act_quant_hat_op` takes both)."""
     if x.dim() != 2:
         raise ValueError(f"act_quant_hat: x must be [M, K], got shape {tuple(x.shape)}")
-    codes, scales, mbs, gs, hat = _act_quant(x, fmt, macro_block, hat=True)
+    codes, scales, mbs, gs, hat, sigma = _act_quant(x, fmt, macro_block, hat=True)
     assert hat is not None
-    return codes, scales, mbs, gs, hat
+    return codes, scales, mbs, gs, hat, sigma
 
 
 def _act_quant(
     x: torch.Tensor, fmt: str, macro_block: int, hat: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-           torch.Tensor | None]:  # fmt: skip
+           torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     spec = check_act_input(x, fmt, takes, "act_quant")
     if spec.mbs:
         check_tileable_macro_block(macro_block, "act_quant")
@@ -302,7 +310,7 @@ def _act_quant(
     m = x2.shape[0]
     codes = torch.empty((m, ceil_div(k, 2)), dtype=torch.uint8, device=x.device)
     nb = ceil_div(k, spec.block_size)
-    mbs = gs = x_hat = None
+    mbs = gs = x_hat = sigma = None
     if hat:
         x_hat = torch.empty((m, hat_cols(k)), dtype=HAT_DTYPE, device=x.device)
 
@@ -337,13 +345,16 @@ def _act_quant(
         unit = spec.group_size(macro_block)
         if spec.mbs:
             mbs = torch.empty((m, ceil_div(k, macro_block)), dtype=torch.uint8, device=x.device)
+            if hat:
+                sigma = torch.empty(mbs.shape, dtype=torch.float32, device=x.device)
         mbs_arg = mbs if mbs is not None else scales  # never touched when HAS_MBS is False
         hat_arg = x_hat if x_hat is not None else scales  # never touched when HAT is False
+        sigma_arg = sigma if sigma is not None else scales  # touched with HAT and HAS_MBS only
         launch_row_tiles(
             _mx_act_quant_kernel,
             rows,
             max(unit, HAT_CHUNK if hat else 32),  # x_hat: tiles of whole chunks
-            (codes, scales, mbs_arg, hat_arg),
+            (codes, scales, mbs_arg, hat_arg, sigma_arg),
             BLOCK=spec.block_size,
             MANT_THRESHOLD=MANTISSA_THRESHOLD[spec.scale_rule],
             HAS_MBS=bool(spec.mbs),
@@ -358,4 +369,5 @@ def _act_quant(
         mbs,
         gs,
         x_hat,
+        sigma,
     )

@@ -69,6 +69,12 @@ and MX+ with the weight as B, which counted more): each word's sign bits moved o
 rotation and two selects (`gemm_blocks.e2m1_lifted_pair_bits`), then 2 instructions per pair
 of values where 3 were spent: sm_90 counts 545 -> 505 per 16384 weights at 16 rows (0.1233
 per weight), sm_100 562 -> 542 (kernels/README.md, "The signs lifted once per word").
+
+x's sigmas ready (X_SIGMA: `decode_gemm`'s x_sigma, the word path on x_hat): `act_quant_hat`
+writes sigma_x = fp32(1 / F) per row and macro block beside x_hat (an IEEE division, the
+value `mbs_sigma` gives), so no program computes it from the byte per step (each thread held
+4 of the tile's x rows in wgmma's layout, each a byte load and 6 instructions): sm_90 505 ->
+480 per 16384 weights at 16 rows (0.1172 per weight), 594 -> 537 at 32 rows.
 """
 
 from __future__ import annotations
@@ -191,6 +197,7 @@ def _decode_gemm_kernel(
     MACRO: tl.constexpr,
     X_MBS: tl.constexpr,
     W_MBS: tl.constexpr,
+    X_SIGMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -324,8 +331,8 @@ def _decode_gemm_kernel(
                 ww_base + kw0 + ww_off, ws_base + sb0 + ws_off2,
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
                 xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
-                BS, X_MBS, W_MBS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN, X_HAT,
-                NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS),
+                BS, X_MBS, W_MBS, X_SIGMA, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN,
+                X_HAT, NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS),
             )  # fmt: skip
             if PLUS:
                 acc_w = _block_max_terms(
@@ -420,7 +427,7 @@ def _decode_gemm_kernel(
 def _word_step(
     xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, word_ok,
     block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_SIGMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
     NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr, LIFT: tl.constexpr,
 ):  # fmt: skip
@@ -479,9 +486,13 @@ def _word_step(
         else:
             part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
     if X_MBS or W_MBS:
-        fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS, W_MBS)
+        # X_SIGMA: x's sigmas come ready (fp32, `act_quant_hat`) where its MBS bytes would be
+        fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS and not X_SIGMA,
+                             W_MBS)  # fmt: skip
         newton: tl.constexpr = tl.bfloat16 == DOT_DTYPE  # the GPU (`mbs_sigma`)
-        sx, sw = mbs_sigma(fx, X_MBS, newton), mbs_sigma(fw, W_MBS, newton)
+        sx, sw = mbs_sigma(fx, X_MBS and not X_SIGMA, newton), mbs_sigma(fw, W_MBS, newton)
+        if X_SIGMA:
+            sx = tl.load(xm_ptrs, mask=mask_m, other=1.0)
         if W_A:
             part = part * sx[None, :] * sw[:, None]
         else:
@@ -699,6 +710,22 @@ def _check_globals(
     return out[0], out[1]
 
 
+def _check_x_sigma(x_sigma: torch.Tensor, x_mbs: torch.Tensor | None,
+                   x_hat: torch.Tensor | None, m: int, k: int, macro_block: int) -> None:  # fmt: skip
+    """`decode_gemm`'s x_sigma: fp32 [M, ceil(K/macro_block)] beside x's MBS bytes and x_hat
+    (`act_quant_hat` writes all three), else a ValueError naming it."""
+    shape = (m, ceil_div(k, macro_block))
+    if x_mbs is None or x_hat is None:
+        raise ValueError(
+            "decode_gemm: x_sigma comes with x's MBS bytes and x_hat (`act_quant_hat`)"
+        )
+    if x_sigma.dtype != torch.float32 or tuple(x_sigma.shape) != shape:
+        raise ValueError(
+            f"decode_gemm: x_sigma must be float32 {list(shape)} (fp32(1 / F) per row and macro "
+            f"block, `act_quant_hat`), got {x_sigma.dtype} {list(x_sigma.shape)}"
+        )
+
+
 def _check_block_max(
     bm: torch.Tensor, bs: int, has_mbs: bool, x_hat: torch.Tensor | None, n: int, k: int
 ) -> None:
@@ -756,6 +783,7 @@ def decode_gemm(
     x_global: torch.Tensor | None = None,  # (a custom op's tensors cannot be keyword-only)
     w_global: torch.Tensor | None = None,
     w_block_max: torch.Tensor | None = None,
+    x_sigma: torch.Tensor | None = None,
     *,
     macro_block: int,
     block_n: int | None = None,
@@ -783,7 +811,10 @@ def decode_gemm(
     instead of two; the same values). x_hat: the same activation's `act_quant_hat` output
     [M, hat_cols(K)] bf16, which the kernel reads instead of dequantizing x's codes where it
     takes the word path (`word_path`; ignored elsewhere). `ops.decode_gemm_op` is this
-    function as a custom op.
+    function as a custom op. x_sigma: with x_hat and x_mbs, the same call's fp32 sigma =
+    fp32(1 / F) of x's MBS bytes [M, ceil(K/macro_block)] (`act_quant_hat`), which the word
+    path reads instead of computing each from its byte per program and step (the bytes
+    serve elsewhere).
 
     NVFP4 (weight scales float8_e4m3fn): block 16, both operands' scales E4M3, no MBS bytes,
     and the fp32 global scales of the activation rows x_global [M] (or [M, 1]) and of the
@@ -823,6 +854,8 @@ def decode_gemm(
         )
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"decode_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if x_sigma is not None:
+        _check_x_sigma(x_sigma, x_mbs, x_hat, m, K, macro_block)
     options = _launch_overrides(num_warps, num_stages)
     check_available(w_codes)
     x_codes, x_scales, w_codes, w_scales = (
@@ -831,7 +864,7 @@ def decode_gemm(
         _row_major(w_codes),
         _row_major(w_scales),
     )
-    x_mbs, w_mbs = (None if t is None else _row_major(t) for t in (x_mbs, w_mbs))
+    x_mbs, w_mbs, x_sigma = (None if t is None else _row_major(t) for t in (x_mbs, w_mbs, x_sigma))
     bias = None if bias is None else _row_major(bias)
 
     interp = interpreting()
@@ -848,6 +881,7 @@ def decode_gemm(
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
+    x_sigma = None if x_sigma is None else _tile_addressable(x_sigma, block_m)
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if w_block_max is not None:
         w_block_max = _tile_addressable(w_block_max, block_n)
@@ -897,9 +931,12 @@ def decode_gemm(
             "does not take (`reads_x_hat`: whole words, 4-byte pitches); use mx_gemm"
         )
     grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
+    # x's sigmas stand in for its MBS bytes where the word path reads x_hat (`_word_step`)
+    sigma = use_hat and words and x_sigma is not None
     launch_decode(
-        grid, (x_codes, x_scales, x_mbs), (w_codes, w_scales, w_block_max if plus else w_mbs),
-        sk, x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block,
+        grid, (x_codes, x_scales, x_sigma if sigma else x_mbs),
+        (w_codes, w_scales, w_block_max if plus else w_mbs),
+        sk, x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block, x_sigma=sigma,
         tile=(block_m, block_n, block_k), words=words,
         w_fold=words and w_small_scales and not nvfp4,
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
@@ -957,6 +994,7 @@ def launch_decode(
     plus: bool = False,
     options: dict[str, int] | None = None,
     weight_a: bool | None = None,
+    x_sigma: bool = False,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n], and sk.y
@@ -969,7 +1007,8 @@ def launch_decode(
     global scales (of x's rows [m], of w's rows [n]), the scales then E4M3 bytes; None for
     E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes). options: Triton
     launch options over `gpu_launch_options`' (the GPU only). weight_a: `weight_is_a`'s
-    choice overridden (the word path only)."""
+    choice overridden (the word path only). x_sigma: x's third tensor holds its fp32 sigmas
+    (`decode_gemm`'s x_sigma; the word path with x_hat only), not MBS bytes."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
@@ -1014,6 +1053,7 @@ def launch_decode(
         MACRO=macro_block,
         X_MBS=x_mbs is not None,
         W_MBS=w_mbs is not None and not plus,
+        X_SIGMA=x_sigma,
         HAS_BIAS=sk.bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

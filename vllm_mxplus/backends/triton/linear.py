@@ -210,9 +210,9 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)
 
-        x_hat = None
+        x_hat = x_sigma = None
         if hat:
-            a_codes, a_scales, a_mbs, a_global, x_hat = act_quant_hat_op(
+            a_codes, a_scales, a_mbs, a_global, x_hat, x_sigma = act_quant_hat_op(
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
         else:
@@ -238,6 +238,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
             x_global=a_global,
             w_global=getattr(layer, GLOBAL_ATTR, None),
             w_block_max=extra if plus else None,
+            x_sigma=x_sigma,
         )
         return y.reshape(*x.shape[:-1], spec.n)
 

@@ -274,7 +274,7 @@ def moe_experts_triton(
         kw = dict(num_pairs=p, topk=rows_per, out_dtype=dtype)
         if hat:
             assert quantize_hat is not None
-            _, _, x_mbs, _, x_hat = quantize_hat(rows)
+            _, _, x_mbs, _, x_hat, _ = quantize_hat(rows)
             y = torch.ops.vllm_mxplus.triton_moe_decode_gemm(
                 x_hat, x_mbs, [w.codes, w.scales, w.extra], pairs, tile_expert, w.experts,
                 w.n, w.k, **kw, block_size=block_size, macro_block=macro_block,

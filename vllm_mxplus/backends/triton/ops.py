@@ -2,7 +2,7 @@
 
   torch.ops.vllm_mxplus.triton_act_quant(x, fmt, macro_block) -> (codes, scales, mbs, global_scale)
   torch.ops.vllm_mxplus.triton_act_quant_hat(x, fmt, macro_block)
-      -> (codes, scales, mbs or MX+ block-max indices, global_scale, x_hat)
+      -> (codes, scales, mbs or MX+ block-max indices, global_scale, x_hat, sigma)
   torch.ops.vllm_mxplus.triton_decode_gemm(x_codes, x_scales, x_mbs, w_codes, w_scales, w_mbs,
                                            K, bias=None, out_dtype=bf16, block_size=None,
                                            macro_block=128, *, block_n=None, split_k=None) -> y
@@ -61,30 +61,37 @@ def _act_quant_fake(x: torch.Tensor, fmt: str, macro_block: int):
 
 
 def _act_quant_hat_shapes(x: torch.Tensor, fmt: str, macro_block: int):
-    """`_act_quant_shapes` with x_hat's; the extra bytes are MX+'s block-max indices for MX+."""
+    """`_act_quant_shapes` with x_hat's and the sigmas' (the MBS bytes' shape in fp32); the
+    extra bytes are MX+'s block-max indices for MX+."""
     codes, scales, mbs, gs = _act_quant_shapes(x, fmt, macro_block)
+    sigma = (mbs[0], torch.float32)
     if get_format(fmt).block_max_mantissa:
         mbs = ((x.shape[0], ceil_div(x.shape[-1], MX_BLOCK)), torch.uint8)
-    return codes, scales, mbs, gs, ((x.shape[0], hat_cols(x.shape[-1])), HAT_DTYPE)
+    return codes, scales, mbs, gs, ((x.shape[0], hat_cols(x.shape[-1])), HAT_DTYPE), sigma
 
 
 @torch.library.custom_op(op_name("triton_act_quant_hat"), mutates_args=())
 def _act_quant_hat_op(
     x: torch.Tensor, fmt: str, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     extra: torch.Tensor | None
     gs: torch.Tensor | None
+    sigma: torch.Tensor | None
     if get_format(fmt).block_max_mantissa:  # MX+: its own quantizer; extra = block-max indices
         codes, scales, extra, x_hat = act_quant_mxplus_hat(x)
-        gs = None
+        gs = sigma = None
     else:
-        codes, scales, extra, gs, x_hat = act_quant_hat(x, fmt, macro_block=macro_block)
-    (_, _, (extra_shape, _), (gs_shape, _), _) = _act_quant_hat_shapes(x, fmt, macro_block)
+        codes, scales, extra, gs, x_hat, sigma = act_quant_hat(x, fmt, macro_block=macro_block)
+    (_, _, (extra_shape, _), (gs_shape, _), _, (sigma_shape, _)) = _act_quant_hat_shapes(
+        x, fmt, macro_block
+    )
     if extra is None:
         extra = torch.empty(extra_shape, dtype=torch.uint8, device=x.device)
     if gs is None:
         gs = torch.empty(gs_shape, dtype=torch.float32, device=x.device)
-    return codes, scales, extra, gs, x_hat
+    if sigma is None:
+        sigma = torch.empty(sigma_shape, dtype=torch.float32, device=x.device)
+    return codes, scales, extra, gs, x_hat, sigma
 
 
 @_act_quant_hat_op.register_fake
@@ -120,11 +127,12 @@ def act_quant_op(
 
 def act_quant_hat_op(
     x: torch.Tensor, fmt: str, *, macro_block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+           torch.Tensor | None]:  # fmt: skip
     """`act_quant.act_quant_hat` through the custom op (traceable); same return values. MX+
     too (`act_quant_plus.act_quant_mxplus_hat`: its block-max indices in the third place)."""
     spec = get_format(fmt)
-    codes, scales, extra, gs, x_hat = torch.ops.vllm_mxplus.triton_act_quant_hat(
+    codes, scales, extra, gs, x_hat, sigma = torch.ops.vllm_mxplus.triton_act_quant_hat(
         x, fmt, macro_block
     )
     return (
@@ -133,4 +141,5 @@ def act_quant_hat_op(
         extra if spec.mbs or spec.block_max_mantissa else None,
         gs if spec.has_global_scale else None,
         x_hat,
+        sigma if spec.mbs else None,
     )

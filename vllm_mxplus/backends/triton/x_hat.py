@@ -11,7 +11,9 @@ so each dot's x operand is one contiguous load:
     within each HAT_CHUNK (128) elements of a row, element 8j + 4h + p (j < 16, h < 2, p < 4)
     is stored at position 32p + 2j + h
 
-Rows are padded with zeros to whole chunks (`hat_cols`). `to_hat_order` is the same
+Rows are padded with zeros to whole chunks (`hat_cols`). With MBS, `act_quant_hat` also
+writes sigma_x = fp32(1 / F) per row and macro block (fp32, the MBS bytes' shape), which the
+GEMM reads instead of computing it from the byte in every program. `to_hat_order` is the same
 permutation in torch, the reference the tests compare the kernel's bytes with.
 """
 
