@@ -647,8 +647,8 @@ def replay_floor() -> dict:
 SWEEP_SHAPES = (("qkv", 6144, 4096), ("down", 4096, 14336))
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
 SWEEP_BLOCK_NS = (128, 64, 32)
-SWEEP_WARPS = (4, 8)
-SWEEP_STAGES = (3, 2, 4)
+SWEEP_WARPS = (2, 4, 8)  # 2: the slim tile (`decode_gemm.slim_tile`)
+SWEEP_STAGES = (3, 2)
 
 
 def step_sweep(st: Step) -> None:

@@ -548,15 +548,19 @@ def test_programs_per_sm_setting_sets_the_split(monkeypatch):
 
 def test_weight_operand_follows_the_gpu():
     """The word path's weight is the dots' A operand (W_A) on sm_80 / sm_90 for E8M0 row
-    tiles of <= 32 rows, the B operand on sm_100 (tcgen05 reads A from shared memory), for
-    NVFP4 and for 64-row tiles (captured launches at each capability, meta tensors);
-    `weight_a` overrides the choice (`gpu_check`'s sweep)."""
+    tiles of <= 32 rows; at <= 16 rows on every GPU the slim tile (`slim_tile`: 64 weight
+    rows, 2 warps, the weight as A, sm_100 included); the B operand on sm_100's 32-row tile
+    (four warps: tcgen05 reads A from shared memory), for NVFP4 and for 64-row tiles
+    (captured launches at each capability, meta tensors); `weight_a`, `block_n` and
+    `num_warps` override the choices (`gpu_check`'s sweep). The slim tile's split-K plan
+    launches twice the programs of the four-warp one, so as many warps per SM."""
+    from vllm_mxplus.backends.triton.decode_gemm import SLIM_BLOCK_N, SLIM_NUM_WARPS
     from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
 
-    k, n = 4096, 256
+    k = 4096
     meta = {"dtype": torch.uint8, "device": "meta"}
 
-    def w_a(m: int, capability: int | None, **kw) -> bool:
+    def launch_of(m: int, capability: int | None, n: int = 256, **kw):
         ops = (torch.empty(m, k // 2, **meta), torch.empty(m, k // 16, **meta), None,
                torch.empty(n, k // 2, **meta), torch.empty(n, k // 16, **meta), None, k)  # fmt: skip
         hat = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
@@ -564,12 +568,28 @@ def test_weight_operand_follows_the_gpu():
             decode_gemm(*ops, macro_block=128, x_hat=hat, w_small_scales=True, **kw)
         gemm = last_gemm(launches)
         assert gemm.kwargs["WORDS"] and gemm.kwargs["X_HAT"]
-        return gemm.kwargs["W_A"]
+        return gemm
+
+    def w_a(m: int, capability: int | None, **kw) -> bool:
+        return launch_of(m, capability, **kw).kwargs["W_A"]
+
+    def tile(m: int, capability: int | None, **kw) -> tuple:
+        g = launch_of(m, capability, **kw)
+        return g.kwargs["W_A"], g.kwargs["BLOCK_N"], g.kwargs.get("num_warps")
 
     assert w_a(1, 90) and w_a(1, 80) and w_a(32, 90) and w_a(1, None)
     assert not w_a(33, 90)  # a 64-row tile
-    assert not w_a(1, 100) and not w_a(16, 103)
-    assert not w_a(1, 90, weight_a=False) and w_a(1, 100, weight_a=True)
+    for cap in (80, 90, 100, 103):
+        assert tile(1, cap) == tile(16, cap) == (True, SLIM_BLOCK_N, SLIM_NUM_WARPS), cap
+    assert tile(32, 90)[1:] == (128, 4)
+    assert not w_a(32, 100) and not w_a(17, 103)
+    assert not w_a(1, 90, weight_a=False) and w_a(32, 100, weight_a=True)
+    assert tile(1, 90, block_n=128, num_warps=4) == (True, 128, 4)
+    # twice the programs for the slim tile (n = 4096: 64 vs 32 column tiles, K split alike)
+    slim = launch_of(1, 90, n=4096)
+    wide = launch_of(1, 90, n=4096, block_n=128, num_warps=4)
+    programs = [g.grid[0] * g.grid[1] * g.grid[2] for g in (slim, wide)]
+    assert programs[0] == 2 * programs[1], programs
     from vllm_mxplus.backends.triton.decode_gemm import weight_is_a
 
     with capture_launches(90):

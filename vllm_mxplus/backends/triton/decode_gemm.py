@@ -70,6 +70,12 @@ rotation and two selects (`gemm_blocks.e2m1_lifted_pair_bits`), then 2 instructi
 of values where 3 were spent: sm_90 counts 545 -> 505 per 16384 weights at 16 rows (0.1233
 per weight), sm_100 562 -> 542 (kernels/README.md, "The signs lifted once per word").
 
+The slim tile (`slim_tile`: the served decode, 16 rows on x_hat with folded E8M0 scales): 64
+weight rows by 2 warps with the weight as A, so every GPU issues mma.sync with the decoded
+weight in registers (four warps made sm_90 issue wgmma and sm_100 tcgen05, whose A comes from
+shared memory): sm_90 0.1172 -> 0.1086 warp-instructions per weight, sm_100 0.1279 -> 0.1045;
+the split-K plan launches twice the programs per SM for it.
+
 x's sigmas ready (X_SIGMA: `decode_gemm`'s x_sigma, the word path on x_hat): `act_quant_hat`
 writes sigma_x = fp32(1 / F) per row and macro block beside x_hat (an IEEE division, the
 value `mbs_sigma` gives), so no program computes it from the byte per step (each thread held
@@ -83,6 +89,7 @@ from typing import overload
 
 import torch
 
+from vllm_mxplus import settings
 from vllm_mxplus.backends.triton.gemm_blocks import (
     bf16_values,
     block_scale_values,
@@ -140,6 +147,9 @@ GPU_BLOCK_K_NARROW_MACRO = 64  # the step for macro blocks of 16 / 32 / 64 (regi
 # per-byte masks and loads spill the wide tile, so they get this one (<= 96 registers)
 UNALIGNED_BLOCK_N = 32
 UNALIGNED_BLOCK_K = 64
+# the served decode's tile (`slim_tile`): 64 weight rows by 2 warps, the weight as A
+SLIM_BLOCK_N = 64
+SLIM_NUM_WARPS = 2
 GPU_NUM_WARPS = 4  # see the module docstring: registers per configuration in kernels/README.md
 # software-pipeline stages of row tiles above GPU_BLOCK_M (Triton's default, 3, below): each
 # stage carries the x_hat tile beside the weight tile, so two hold as many bytes in flight as
@@ -582,6 +592,19 @@ def gpu_launch_options(block_m: int) -> dict[str, int]:
     return {"num_warps": GPU_NUM_WARPS, **wide}
 
 
+def slim_tile(block_m: int, hat: bool, folded: bool) -> bool:
+    """Whether a GPU launch takes the slim tile: SLIM_BLOCK_N weight rows by SLIM_NUM_WARPS
+    warps, the weight the dots' A operand, where the served decode runs (16-row tiles on the
+    x_hat word path, E8M0 weights with folded scales). Two warps issue mma.sync on every GPU
+    (the weight straight from registers), where four made sm_90 issue wgmma and sm_100
+    tcgen05 (its A from shared memory, so the weight stayed B there, its x operand rebuilt
+    around every MMA): per 8192 weights the same code as sm_80's four warps of 128 rows.
+    Counted (`benchmarks/gpu_static_model.py`, warp-instructions per weight, 16 rows, MBS-128):
+    sm_90 0.1172 -> 0.1086, sm_100 0.1279 -> 0.1045, sm_80 0.1079 -> 0.1082. The split-K
+    plan launches twice the programs per SM, so as many warps as before run on each."""
+    return block_m == GPU_BLOCK_M and hat and folded
+
+
 def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
     """K elements per step of the wide GPU tile: GPU_BLOCK_K, or GPU_BLOCK_K_NARROW_MACRO
     where macro blocks narrower than GPU_BLOCK_K would need one dot each per step (with 8 of
@@ -869,7 +892,6 @@ def decode_gemm(
 
     interp = interpreting()
     auto_n, block_k = step_tile(K, x_codes, w_codes, macro_block, has_mbs)
-    block_n = block_n or auto_n
     if interp:  # (`step_tile`)
         block_m = max(16, min(128, triton.next_power_of_2(m)))
     else:
@@ -878,6 +900,16 @@ def decode_gemm(
                and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k))  # fmt: skip
         # (the device is asked only where a wide tile is possible)
         block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device))
+        if slim_tile(block_m, hat, w_small_scales and not nvfp4):  # defaults, not overrides
+            auto_n = SLIM_BLOCK_N
+            options = {"num_warps": SLIM_NUM_WARPS, **options}
+            weight_a = True if weight_a is None else weight_a
+    block_n = block_n or auto_n
+    # programs of fewer warps (the slim tile's, or asked for): more per SM, as many warps
+    warps = options.get("num_warps", GPU_NUM_WARPS)
+    per_sm = (
+        settings.gpu_programs_per_sm() * GPU_NUM_WARPS // warps if warps < GPU_NUM_WARPS else None
+    )
     x_codes, x_scales = _tile_addressable(x_codes, block_m), _tile_addressable(x_scales, block_m)
     w_codes, w_scales = _tile_addressable(w_codes, block_n), _tile_addressable(w_scales, block_n)
     x_mbs = None if x_mbs is None else _tile_addressable(x_mbs, block_m)
@@ -922,7 +954,7 @@ def decode_gemm(
     n_tiles = triton.cdiv(n, block_n)
     out_tiles = n_tiles * triton.cdiv(m, block_m)
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device,
-                      in_launch=True)  # fmt: skip
+                      in_launch=True, per_sm=per_sm)  # fmt: skip
 
     use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     if plus and not use_hat:

@@ -140,6 +140,7 @@ def plan_split_k(
     out_dtype: torch.dtype,
     device: torch.device,
     in_launch: bool = False,
+    per_sm: int | None = None,
 ) -> SplitK:
     """Split K in split_k slices when given (at most one per K step), else `split_k_for`;
     no slice is empty. Partials are summed in slice order, so deterministically (unlike
@@ -147,9 +148,10 @@ def plan_split_k(
     last program of each output tile, where `split_counters` has counters (SplitK.y,
     SplitK.counters set), else by `finish_output`'s second launch. Under the interpreter y
     stays fp32 (its fp32 -> bf16 cast does not round to nearest even: `split_k_result`
-    casts) and the bias is read as fp32 (its bf16 / fp16 conversions are not exact)."""
+    casts) and the bias is read as fp32 (its bf16 / fp16 conversions are not exact).
+    per_sm: `split_k_for`'s (a launch of smaller programs asks for more per SM)."""
     k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(split_k or split_k_for(out_tiles, k_tiles, device), k_tiles))
+    split = max(1, min(split_k or split_k_for(out_tiles, k_tiles, device, per_sm), k_tiles))
     k_per_split = ceil_div(k_tiles, split) * block_k
     split = ceil_div(k, k_per_split)
     interp = interpreting()
