@@ -550,7 +550,8 @@ def test_weight_operand_follows_the_gpu():
     """The word path's weight is the dots' A operand (W_A) on sm_80 / sm_90 for E8M0 row
     tiles of <= 32 rows; at <= 16 rows on every GPU the slim tile (`slim_tile`: 64 weight
     rows, 2 warps, the weight as A, sm_100 included); the B operand on sm_100's 32-row tile
-    (four warps: tcgen05 reads A from shared memory), for NVFP4 and for 64-row tiles
+    with four warps (tcgen05 reads A from shared memory; the slim tile takes 32 rows there),
+    for NVFP4 and for 64-row tiles
     (captured launches at each capability, meta tensors); `weight_a`, `block_n` and
     `num_warps` override the choices (`gpu_check`'s sweep). The slim tile's split-K plan
     launches twice the programs of the four-warp one, so as many warps per SM."""
@@ -581,9 +582,11 @@ def test_weight_operand_follows_the_gpu():
     assert not w_a(33, 90)  # a 64-row tile
     for cap in (80, 90, 100, 103):
         assert tile(1, cap) == tile(16, cap) == (True, SLIM_BLOCK_N, SLIM_NUM_WARPS), cap
-    assert tile(32, 90)[1:] == (128, 4)
-    assert not w_a(32, 100) and not w_a(17, 103)
-    assert not w_a(1, 90, weight_a=False) and w_a(32, 100, weight_a=True)
+    assert tile(32, 90) == tile(32, 80) == (True, 128, 4)
+    for cap in (100, 103):  # 32 rows: the slim tile where four warps would run tcgen05
+        assert tile(32, cap) == tile(17, cap) == (True, SLIM_BLOCK_N, SLIM_NUM_WARPS), cap
+        assert not w_a(32, cap, block_n=128, num_warps=4, weight_a=None)
+    assert not w_a(1, 90, weight_a=False) and w_a(32, 90, weight_a=True)
     assert tile(1, 90, block_n=128, num_warps=4) == (True, 128, 4)
     # twice the programs for the slim tile (n = 4096: 64 vs 32 column tiles, K split alike)
     slim = launch_of(1, 90, n=4096)

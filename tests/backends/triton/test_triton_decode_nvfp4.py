@@ -104,6 +104,26 @@ def test_x_hat_path_same_bits_as_codes(m, k, triton_device):
     assert_within_bound(served, *reference(qx, qw), torch.float32)
 
 
+@pytest.mark.parametrize("weight_a", [True, False], ids=["weight-A", "weight-B"])
+def test_x_hat_path_either_operand_within_bound(weight_a, triton_device):
+    """NVFP4 on the x_hat word path with the weight as either operand of the dots: within
+    the bound. The GPUs' 16-row launch (`decode_gemm.slim_tile`: two warps, the weight as A,
+    on every GPU) is the first; the override the second."""
+    m, k = 5, 1024
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(triton_device)
+    _, qw = operands(1, k, 192, triton_device, seed=4)
+    _, _, _, _, x_hat, _ = act_quant_hat(x, "nvfp4", macro_block=128)
+    qx = quantize(x, "nvfp4", per_row=True)
+    for cap in (80, 90, 100):
+        with capture_launches(cap) as launches:  # recorded with that GPU's tiles, not run
+            run(qx, qw, k, x_hat=x_hat)
+        gemm = last_gemm(launches)
+        assert gemm.kwargs["W_A"] and gemm.kwargs["NVFP4"] and gemm.kwargs["num_warps"] == 2
+    y = run(qx, qw, k, x_hat=x_hat, weight_a=weight_a, out_dtype=torch.float32)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+
+
 def test_nan_inf_and_zero_rows(triton_device):
     """A NaN or Inf block gets the NaN scale (0x7F): its output row is NaN, as the spec's
     x_hat makes it; a zero row (global scale 0) gives exactly the bias."""

@@ -70,11 +70,12 @@ rotation and two selects (`gemm_blocks.e2m1_lifted_pair_bits`), then 2 instructi
 of values where 3 were spent: sm_90 counts 545 -> 505 per 16384 weights at 16 rows (0.1233
 per weight), sm_100 562 -> 542 (kernels/README.md, "The signs lifted once per word").
 
-The slim tile (`slim_tile`: the served decode, 16 rows on x_hat with folded E8M0 scales): 64
+The slim tile (`slim_tile`: the served decode's 16-row tiles on x_hat, E8M0 with folded scales
+and NVFP4 on every GPU, MX+ and E8M0's 32-row tiles where four warps would run tcgen05): 64
 weight rows by 2 warps with the weight as A, so every GPU issues mma.sync with the decoded
 weight in registers (four warps made sm_90 issue wgmma and sm_100 tcgen05, whose A comes from
-shared memory): sm_90 0.1172 -> 0.1086 warp-instructions per weight, sm_100 0.1279 -> 0.1045;
-the split-K plan launches twice the programs per SM for it.
+shared memory): MBS-128 sm_90 0.1172 -> 0.1086 warp-instructions per weight, sm_100 0.1279 ->
+0.1045, NVFP4 0.1914 -> 0.1746; the split-K plan launches twice the programs per SM for it.
 
 x's sigmas ready (X_SIGMA: `decode_gemm`'s x_sigma, the word path on x_hat): `act_quant_hat`
 writes sigma_x = fp32(1 / F) per row and macro block beside x_hat (an IEEE division, the
@@ -592,17 +593,28 @@ def gpu_launch_options(block_m: int) -> dict[str, int]:
     return {"num_warps": GPU_NUM_WARPS, **wide}
 
 
-def slim_tile(block_m: int, hat: bool, folded: bool) -> bool:
+def slim_tile(block_m: int, hat: bool, folded: bool, nvfp4: bool, plus: bool,
+              device: torch.device) -> bool:  # fmt: skip
     """Whether a GPU launch takes the slim tile: SLIM_BLOCK_N weight rows by SLIM_NUM_WARPS
-    warps, the weight the dots' A operand, where the served decode runs (16-row tiles on the
-    x_hat word path, E8M0 weights with folded scales). Two warps issue mma.sync on every GPU
-    (the weight straight from registers), where four made sm_90 issue wgmma and sm_100
-    tcgen05 (its A from shared memory, so the weight stayed B there, its x operand rebuilt
-    around every MMA): per 8192 weights the same code as sm_80's four warps of 128 rows.
-    Counted (`benchmarks/gpu_static_model.py`, warp-instructions per weight, 16 rows, MBS-128):
-    sm_90 0.1172 -> 0.1086, sm_100 0.1279 -> 0.1045, sm_80 0.1079 -> 0.1082. The split-K
-    plan launches twice the programs per SM, so as many warps as before run on each."""
-    return block_m == GPU_BLOCK_M and hat and folded
+    warps, the weight the dots' A operand, on the x_hat word path (`hat`) where two warps
+    count fewer instructions than four. Two warps issue mma.sync on every GPU (the weight
+    straight from registers), where four made sm_90 issue wgmma and sm_100 tcgen05 (its A from
+    shared memory, so the weight stayed B there, its x operand rebuilt around every MMA): per
+    8192 weights the same code as sm_80's four warps of 128 rows. Counted
+    (`benchmarks/gpu_static_model.py`, warp-instructions per weight): 16 rows, E8M0 with
+    folded scales (MBS-128) sm_90 0.1172 -> 0.1086, sm_100 0.1279 -> 0.1045, sm_80 0.1079 ->
+    0.1082; NVFP4 0.1914 -> 0.1746 on both; MX+ on sm_100 0.1858 -> 0.1709 (sm_90's wgmma
+    keeps it: 0.1604 against 0.1702); 32 rows on sm_100 0.1616 -> 0.1260 (sm_90's wgmma keeps
+    them: 0.1311 against 0.1338). E8M0 weights with unfolded scales (codes above 128) keep
+    the four-warp tile. The split-K plan launches twice the programs per SM, so as many warps
+    as before run on each."""
+    if not hat or not (folded or nvfp4 or plus):
+        return False
+    cap = target_capability(device)
+    tcgen05 = cap is not None and cap // 10 in TCGEN05_MAJORS
+    if block_m == GPU_BLOCK_M:
+        return tcgen05 or not plus
+    return block_m == WIDE_BLOCK_MS[0] and tcgen05 and folded
 
 
 def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
@@ -900,7 +912,10 @@ def decode_gemm(
                and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k))  # fmt: skip
         # (the device is asked only where a wide tile is possible)
         block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device))
-        if slim_tile(block_m, hat, w_small_scales and not nvfp4):  # defaults, not overrides
+        # the slim tile where neither its width nor its warps were asked for
+        if (block_n is None and num_warps is None
+                and slim_tile(block_m, hat or (plus and x_hat is not None),
+                              w_small_scales and not nvfp4, nvfp4, plus, w_codes.device)):  # fmt: skip
             auto_n = SLIM_BLOCK_N
             options = {"num_warps": SLIM_NUM_WARPS, **options}
             weight_a = True if weight_a is None else weight_a
