@@ -91,7 +91,9 @@ def test_aot_enumerates_configs_from_the_launchers():
         slim = cx["BLOCK_N"] == dg.SLIM_BLOCK_N and cx["BLOCK_K"] == dg.GPU_BLOCK_K
         assert warps == (dg.SLIM_NUM_WARPS if slim else dg.GPU_NUM_WARPS), cx
         assert not slim or (
-            cx["W_A"] and cx["X_HAT"] and (cx["W_FOLD"] or cx["NVFP4"] or cx["PLUS"])
+            cx["W_A"]
+            and cx["X_HAT"]
+            and (cx["W_FOLD"] or cx["NVFP4"] or cx["PLUS"])
             and cx["BLOCK_M"] <= 32
         )
     # --quick holds the decode shapes that once spilled: every divisibility class of the
