@@ -29,7 +29,12 @@ from typing import Any
 
 import torch
 
-from vllm_mxplus.backends.triton.gemm_blocks import e2m1_value, e4m3_value, e8m0_value
+from vllm_mxplus.backends.triton.gemm_blocks import (
+    e2m1_value,
+    e4m3_value,
+    e8m0_value,
+    mbs_sigma,
+)
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
@@ -98,7 +103,7 @@ def _mx_act_quant_kernel(
             mbs_ptr, m.to(tl.uint8), offs_m, mask_m, stride_mm, pid_k, tl.cdiv(K, MACRO), NM
         )
         if HAT:  # the decode GEMM's sigma = fp32(1 / F) per macro block (IEEE division)
-            sigma = tl.math.div_rn(tl.full(f.shape, 1.0, tl.float32), f)
+            sigma = mbs_sigma(f, True, False)
             store_row_tile(
                 sigma_ptr, sigma, offs_m, mask_m, stride_gm, pid_k, tl.cdiv(K, MACRO), NM
             )
