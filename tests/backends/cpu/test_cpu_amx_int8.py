@@ -43,7 +43,22 @@ int8 = pytest.mark.skipif(
     f"the tile permission: {_int8()[1]}",
 )
 
-PLANTS = ["plain", "two folds", "rows per block", "columns per block", "zero blocks"]
+PLANTS = [
+    "plain",
+    "two folds",
+    "two folds across a unit",
+    "two folds in a lone step",
+    "rows per block",
+    "columns per block",
+    "zero blocks",
+]
+
+
+def _lone_step(k: int, block: int) -> int | None:
+    """The first column of the step that ends K alone (an odd step count: it runs by itself,
+    not in a unit of two), or None."""
+    steps = -(-(-(-k // block) * block) // 64)
+    return (steps - 1) * 64 if steps % 2 else None
 
 
 def _planted(plant: str, n: int, k: int, m: int, seed: int):
@@ -54,6 +69,12 @@ def _planted(plant: str, n: int, k: int, m: int, seed: int):
     if plant == "two folds":  # scales 5 apart inside a step, in every third row
         x[::3, 16:32] *= 2.0**5
         x[1::5, 100 % k : 100 % k + 16] *= 2.0**-5
+    elif plant == "two folds across a unit":  # a step 5 above the other step of its unit
+        x[::3, 128 : 128 + 64] *= 2.0**5
+    elif plant == "two folds in a lone step":  # 5 apart inside the last step, where it is alone
+        last = _lone_step(k, 16)
+        if last is not None:
+            x[::3, last : last + 16] *= 2.0**5
     elif plant == "rows per block":  # 9 apart: one product per block for those row tiles
         x[::17, 16:32] *= 2.0**9
     elif plant == "columns per block":  # 6 apart in one column of the first tile
@@ -106,8 +127,15 @@ def test_int8_linear_within_the_bound(ck, pair, plant, m, k, held):
     assert checked.float().mean() > 0.9
     xq = quantize(x, scheme.activation_format, macro_block=scheme.macro_block)
     rows = _spreads(xq.scales, 64, xq.spec.block_size)  # the data reach the way tested
+    two = (rows > MAX_SPREAD) & (rows <= 2 * MAX_SPREAD + 1)
     if plant == "two folds":
-        assert ((rows > MAX_SPREAD) & (rows <= 2 * MAX_SPREAD + 1)).any()
+        assert two.any()
+    if plant == "two folds across a unit":  # steps of one fold, a unit of two
+        units = _spreads(xq.scales, 128, xq.spec.block_size)
+        assert ((units > MAX_SPREAD) & (units <= 2 * MAX_SPREAD + 1)).any()
+        assert not two.any()
+    if plant == "two folds in a lone step" and _lone_step(k, xq.spec.block_size) is not None:
+        assert two[:, -1].any()
     if plant == "rows per block":
         assert (rows > 2 * MAX_SPREAD + 1).any()
     if plant == "columns per block":

@@ -617,7 +617,9 @@ def bound(
 
 def self_test(scheme: Scheme, amx: bool = True, tiles: bool = False) -> tuple[bool, str]:
     """The path on a small problem (M = MIN_M + 3, K with a partial block and a partial chunk,
-    blocks whose scales spread past one int8 fold in some rows and one column tile) against
+    blocks whose scales spread past one int8 fold in some rows and one column tile, rows whose
+    two 64-element steps of one 128-element unit lie one fold apart; the other column block's
+    tiles fold, so the int8 tiles' unit path runs too) against
     `vllm_mxplus.formats` within the bound; cached per (scheme, macro block, amx, tiles);
     tiles: the GEMM on AMX tiles (`amx_tiles`; E8M0 on int8 tiles where `int8_tiles` says).
     (True, "") or (False, the first output out of bound)."""
@@ -625,13 +627,14 @@ def self_test(scheme: Scheme, amx: bool = True, tiles: bool = False) -> tuple[bo
     if key in _VERDICT:
         return _VERDICT[key]
     g = torch.Generator().manual_seed(0)
-    n, k, m = 40, 2 * scheme.macro_block + 40, MIN_M + 3
+    n, k, m = 80, 2 * scheme.macro_block + 40, MIN_M + 3
     wsrc = torch.randn(n, k, generator=g) * 0.05
     wsrc[3, 16:32] *= 2.0**6  # block scales 6 apart: one 16-column tile past any fold
     wq = quantize(wsrc, scheme.weight_format, macro_block=scheme.macro_block)
     x = torch.randn(m, k, generator=g)
     x[::5, 16:32] *= 2.0**5  # rows whose scales need two folds of the int8 tiles
     x[(3, 9), 48:64] *= 2.0**9  # and two rows (one 16-row tile) a product per block
+    x[1::7, 128:192] *= 2.0**5  # a step two folds above the other of its unit
     x = x.to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     w = ExactBf16Weight.from_quantized(wq, scheme, tiles=tiles)
