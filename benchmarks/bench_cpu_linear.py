@@ -29,7 +29,11 @@ time of:
             that int8 linear: tiles/exact >= 1 says it is faster), and `decoded`, that int8
             linear with its tiles decoded per call instead of held from load
             (VLLM_MXPLUS_CPU_INT8_HELD=0; decoded/exact >= 1: holding them is faster)
-and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). With --macro-block N (an MBS
+and the ratios bf16/packed, vllm/packed and fp32/packed (>= 1: packed is faster). The data are
+random (weights N(0, 0.02^2), rows N(0, 1)) unless --real-layer L: then SmolLM2's own layer L,
+its weights (q|k|v and gate|up stacked as vLLM stacks them) and the rows each linear reads on
+the first 1,024 tokens of the embedded calibration text (`mxplus prepare`; the first M rows
+per M), where outlier channels spread block scales as random rows do not. With --macro-block N (an MBS
 scheme; `mxplus quantize --macro-block`) packed uses macro blocks of N and the packed kernel
 at 128 is timed next to it (column `packed128`, ratio `N/128` = its time over 128's: the cost
 of the smaller macro blocks). The caches: by default they are evicted before each timed call;
@@ -167,6 +171,51 @@ def machine_line(*extra: str) -> str:
     return " ".join(fields + list(extra))
 
 
+REAL_ROWS = 1024  # --real-layer: tokens of the calibration text run through SmolLM2
+
+
+def _real_operands(layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """SHAPE_NAMES -> (fp32 weight [N, K], fp32 rows [REAL_ROWS, K]) of the embedded SmolLM2's
+    decoder layer `layer`: the rows each of its linears reads (forward pre-hooks) on one window
+    of the calibration text."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_mxplus.assets import prepare_smollm2
+    from vllm_mxplus.calibration.data import calibration_tokens
+
+    path = prepare_smollm2()
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.bfloat16)
+    layers = model.model.layers
+    if not 0 <= layer < len(layers):
+        raise SystemExit(f"--real-layer {layer}: SmolLM2 has layers 0..{len(layers) - 1}")
+    blk = layers[layer]
+    lin = {"q": blk.self_attn.q_proj, "k": blk.self_attn.k_proj, "v": blk.self_attn.v_proj,
+           "o": blk.self_attn.o_proj, "gate": blk.mlp.gate_proj, "up": blk.mlp.up_proj,
+           "down": blk.mlp.down_proj}  # fmt: skip
+    rows: dict[str, torch.Tensor] = {}
+    hooks = [
+        mod.register_forward_pre_hook(
+            lambda _m, a, name=name: rows.__setitem__(name, a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for name, mod in lin.items()
+    ]
+    ids = calibration_tokens(path, nsamples=1, seqlen=REAL_ROWS)
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+
+    def w(*names: str) -> torch.Tensor:
+        return torch.cat([lin[n].weight.detach().float() for n in names])
+
+    return {
+        "qkv": (w("q", "k", "v"), rows["q"].float()),
+        "o": (w("o"), rows["o"].float()),
+        "gate_up": (w("gate", "up"), rows["gate"].float()),
+        "down": (w("down"), rows["down"].float()),
+    }
+
+
 def _linear_spec(spec_cls: type, scheme: str, n: int, k: int, macro_block: int):
     """A LinearSpec for one bf16-output linear, whether the spec carries the macro block itself
     or inside its Scheme (`get_scheme(name, macro_block=...)`)."""
@@ -231,6 +280,14 @@ def main() -> int:
         metavar="N",
         help="MBS macro block of the packed layer (default 128; else 128 is timed too)",
     )
+    ap.add_argument(
+        "--real-layer",
+        type=int,
+        default=None,
+        metavar="L",
+        help="SmolLM2's own weights and activations of decoder layer L instead of random data "
+        f"(--model smollm2, M <= {REAL_ROWS}; needs `mxplus prepare`)",
+    )
     for flag, what in (
         ("--exact-bf16", "the exact-bf16 path (the large-M path of AMX hosts) on this CPU"),
         ("--reference", "the reference backend (fp32 weight copy; slow at large M)"),
@@ -270,6 +327,13 @@ def main() -> int:
     print(f"clock   : {'thread CPU time' if args.clock == 'cpu' else 'wall time'}")
     models = list(SHAPES) if args.model == "all" else [args.model]
     ms = [int(v) for v in args.m.split(",")]
+    real = None
+    if args.real_layer is not None:
+        if models != ["smollm2"] or max(ms) > REAL_ROWS:
+            raise SystemExit(f"--real-layer needs --model smollm2 and --m <= {REAL_ROWS}")
+        real = _real_operands(args.real_layer)
+        print(f"data    : SmolLM2 layer {args.real_layer}, its weights and its rows on the "
+              "calibration text")  # fmt: skip
     print(
         f"{'model':8s} {'N':>6s} {'K':>6s} {'M':>4s} {'bf16 us':>9s} {'vllm us':>9s} "
         f"{'fp32 us':>9s} {'ref us':>9s} {'packed us':>9s} {'bf16/packed':>11s} "
@@ -302,7 +366,7 @@ def main() -> int:
         for name, (n, k) in zip(SHAPE_NAMES, SHAPES[model]):
             if name not in args.shapes.split(","):
                 continue
-            w = torch.randn(n, k, generator=g) * 0.02
+            w = torch.randn(n, k, generator=g) * 0.02 if real is None else real[name][0]
             spec = _linear_spec(LinearSpec, args.scheme, n, k, args.macro_block)
             q = quantize(w, spec.weight_format, macro_block=args.macro_block)
             packed = CpuPackedBackend(spec)
@@ -407,7 +471,8 @@ def main() -> int:
                 if copies[kind][0] is None:  # no vLLM here
                     del copies[kind]
             for m in ms:
-                x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+                rows = torch.randn(m, k, generator=g) if real is None else real[name][1][:m]
+                x = rows.to(torch.bfloat16)
                 xf = x.float()
                 timed = [kind for kind in kinds if kind in copies]
                 fns = [
@@ -481,6 +546,7 @@ def main() -> int:
         + (" --exact-bf16" if args.exact_bf16 else "")
         + (" --warm" if args.warm else "")
         + (" --stream" if args.stream else "")
+        + (f" --real-layer {args.real_layer}" if args.real_layer is not None else "")
     )
     return 0
 

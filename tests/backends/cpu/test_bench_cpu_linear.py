@@ -65,3 +65,27 @@ def test_stream_run_prints_every_column(monkeypatch, capsys):
         assert bf16 > 0 and vllm > 0 and packed > 0  # timed, not nan
         assert float(r[10]) == pytest.approx(vllm / packed, rel=0.02)
     assert "vllm/packed = " in out and "--stream" in out.splitlines()[-1]
+
+
+def test_real_layer_reads_smollm2s_own_operands():
+    """--real-layer L: SmolLM2's layer-L weights, stacked as vLLM stacks them (q|k|v,
+    gate|up), and the rows its linears read, in the benchmark's shapes."""
+    pytest.importorskip("transformers")
+    from vllm_mxplus.assets import prepare_smollm2
+
+    real = bench._real_operands(2)
+    assert list(real) == list(bench.SHAPE_NAMES)
+    for name, (n, k) in zip(bench.SHAPE_NAMES, bench.SHAPES["smollm2"]):
+        w, x = real[name]
+        assert w.shape == (n, k) and x.shape == (bench.REAL_ROWS, k), name
+        assert w.dtype == x.dtype == torch.float32 and torch.isfinite(x).all(), name
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(prepare_smollm2()), torch_dtype=torch.bfloat16)
+    attn, mlp = model.model.layers[2].self_attn, model.model.layers[2].mlp
+    assert torch.equal(real["qkv"][0][576:768], attn.k_proj.weight.float())
+    assert torch.equal(real["gate_up"][0][1536:], mlp.up_proj.weight.float())
+    # the MLP's rows are the attention's plus its output, normalized: not the same rows
+    assert not torch.equal(real["qkv"][1], real["gate_up"][1])
+    with pytest.raises(SystemExit, match="--real-layer 99"):
+        bench._real_operands(99)

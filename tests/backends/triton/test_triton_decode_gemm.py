@@ -598,6 +598,21 @@ def test_weight_operand_follows_the_gpu():
     with capture_launches(90):
         assert weight_is_a(torch.device("meta"), False, 16)
         assert not weight_is_a(torch.device("meta"), True, 16)  # NVFP4
+    from vllm_mxplus.backends.triton.decode_gemm import slim_tile, weight_kind
+
+    dev = torch.device("meta")
+    assert weight_kind(True, False, True) == "nvfp4" and weight_kind(False, True, True) == "mx+"
+    assert weight_kind(False, False, True) == "e8m0-folded"
+    assert weight_kind(False, False, False) == "e8m0"
+    for cap in (90, 100):
+        with capture_launches(cap):
+            assert not slim_tile(16, True, "e8m0", dev)  # unfolded scales: four warps
+            assert not slim_tile(16, False, "nvfp4", dev)  # not on x_hat's word path
+            assert slim_tile(16, True, "nvfp4", dev) and slim_tile(16, True, "e8m0-folded", dev)
+            # MX+ and 32 rows where four warps would run tcgen05 (sm_90's wgmma keeps them)
+            assert slim_tile(16, True, "mx+", dev) == (cap == 100)
+            assert slim_tile(32, True, "e8m0-folded", dev) == (cap == 100)
+            assert not slim_tile(32, True, "nvfp4", dev) and not slim_tile(64, True, "e8m0", dev)
 
 
 def test_capture_without_a_capability_asks_no_gpu(monkeypatch):

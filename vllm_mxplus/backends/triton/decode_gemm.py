@@ -593,11 +593,21 @@ def gpu_launch_options(block_m: int) -> dict[str, int]:
     return {"num_warps": GPU_NUM_WARPS, **wide}
 
 
-def slim_tile(block_m: int, hat: bool, folded: bool, nvfp4: bool, plus: bool,
-              device: torch.device) -> bool:  # fmt: skip
+def weight_kind(nvfp4: bool, plus: bool, small_scales: bool) -> str:
+    """The decode weight as the tile choices tell it apart: "nvfp4", "mx+", "e8m0-folded" (E8M0
+    scales that fold into the word path's exponent bits: `small_weight_scales`) or "e8m0"."""
+    if nvfp4:
+        return "nvfp4"
+    if plus:
+        return "mx+"
+    return "e8m0-folded" if small_scales else "e8m0"
+
+
+def slim_tile(block_m: int, hat: bool, kind: str, device: torch.device) -> bool:
     """Whether a GPU launch takes the slim tile: SLIM_BLOCK_N weight rows by SLIM_NUM_WARPS
     warps, the weight the dots' A operand, on the x_hat word path (`hat`) where two warps
-    count fewer instructions than four. Two warps issue mma.sync on every GPU (the weight
+    count fewer instructions than four (`kind`: `weight_kind`'s). Two warps issue mma.sync on
+    every GPU (the weight
     straight from registers), where four made sm_90 issue wgmma and sm_100 tcgen05 (its A from
     shared memory, so the weight stayed B there, its x operand rebuilt around every MMA): per
     8192 weights the same code as sm_80's four warps of 128 rows. Counted
@@ -608,13 +618,13 @@ def slim_tile(block_m: int, hat: bool, folded: bool, nvfp4: bool, plus: bool,
     them: 0.1311 against 0.1338). E8M0 weights with unfolded scales (codes above 128) keep
     the four-warp tile. The split-K plan launches twice the programs per SM, so as many warps
     as before run on each."""
-    if not hat or not (folded or nvfp4 or plus):
+    if not hat or kind == "e8m0":
         return False
     cap = target_capability(device)
     tcgen05 = cap is not None and cap // 10 in TCGEN05_MAJORS
     if block_m == GPU_BLOCK_M:
-        return tcgen05 or not plus
-    return block_m == WIDE_BLOCK_MS[0] and tcgen05 and folded
+        return tcgen05 or kind != "mx+"
+    return block_m == WIDE_BLOCK_MS[0] and tcgen05 and kind == "e8m0-folded"
 
 
 def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
@@ -913,13 +923,14 @@ def decode_gemm(
         # (the device is asked only where a wide tile is possible)
         block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device))
         # the slim tile where neither its width nor its warps were asked for
+        kind = weight_kind(nvfp4, plus, w_small_scales)
         if (block_n is None and num_warps is None
-                and slim_tile(block_m, hat or (plus and x_hat is not None),
-                              w_small_scales and not nvfp4, nvfp4, plus, w_codes.device)):  # fmt: skip
+                and slim_tile(block_m, hat or (plus and x_hat is not None), kind,
+                              w_codes.device)):  # fmt: skip
             auto_n = SLIM_BLOCK_N
             options = {"num_warps": SLIM_NUM_WARPS, **options}
             weight_a = True if weight_a is None else weight_a
-    block_n = block_n or auto_n
+    asked_n, block_n = block_n, block_n or auto_n
     # programs of fewer warps (the slim tile's, or asked for): more per SM, as many warps
     warps = options.get("num_warps", GPU_NUM_WARPS)
     per_sm = (
@@ -951,7 +962,7 @@ def decode_gemm(
                 xr[2],
                 *w,
                 macro_block=macro_block,
-                block_n=block_n,
+                block_n=asked_n,  # each chunk picks its tile (and warps) as this call did
                 split_k=split_k,
                 w_small_scales=w_small_scales,
                 num_warps=num_warps,

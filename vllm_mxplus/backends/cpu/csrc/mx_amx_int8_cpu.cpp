@@ -15,9 +15,10 @@
 // is taken: below). An activation row whose spread is 4..7 takes two folds (blocks with
 // e >= e_hi - 3 on that base, the others on e_lo: a second product against a second operand,
 // zero in the other rows). Where rows and columns fold over two steps (a unit: 128 elements,
-// one MBS chunk; a row's one or two folds then taken on the unit's e_lo .. e_hi) the tiles
-// accumulate a fold over both steps before one store (|J| < 2^21), the second fold in a second
-// product of the unit (a row with one fold has zero codes there); a larger spread, or a weight
+// one MBS chunk; a row's one or two folds then taken on the unit's e_lo .. e_hi; the step that
+// ends K alone is a unit of one) the tiles accumulate a fold over both steps before one store
+// (|J| < 2^21), the second fold in a second product of the unit (a row with one fold has zero
+// codes there); a larger spread, or a weight
 // column past one fold, runs its 16 x 16 tile once per block, the other blocks' activation
 // codes masked to zero: the same T, per block. The T of a macro chunk are added in fp32 in
 // order (fused multiply-adds of exact products: one rounding each), and with MBS the chunk's
@@ -378,7 +379,10 @@ struct Worker {
       for (int64_t rt = rt0; rt < rt1; ++rt) {
         for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
           const int64_t u1 = std::min(s1, u0 + c.unit);
-          const int folds = u1 - u0 > 1 ? r.unit_fold[rt * r.units + u0 / c.unit] : 0;
+          // a unit of two steps, or the step that ends K alone where units are on (with MBS
+          // it is its whole chunk: its fold goes to y directly, as a unit's)
+          const bool whole = u1 - u0 > 1 || (c.unit > 1 && u1 == r.steps);
+          const int folds = whole ? r.unit_fold[rt * r.units + u0 / c.unit] : 0;
           bool unit = folds != 0;
           for (int j = 0; unit && j < kColTiles; ++j)
             unit = M(j, u0 - s0).unit_folded;
