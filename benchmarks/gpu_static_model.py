@@ -36,7 +36,10 @@ weight's where it is re-encoded per call).
 
 Each path also pays LAUNCH_S (an assumption: `gpu_check`'s replay floor measures it) per
 kernel launch, counted from the code's structure (`launches`: quantizer, GEMM, split-K sum;
-bf16 one per linear). What the model leaves out: latency at low occupancy (the decode grid
+bf16 one per linear), but for the decode GEMM on sm_90 and later, which launches with
+programmatic dependent launch (`launch.pdl_launch`, VLLM_MXPLUS_GPU_PDL): its programs start
+while the quantizer runs, and the model counts that launch as hidden (an assumption too:
+`gpu_check`'s decode step times it with and without). What the model leaves out: latency at low occupancy (the decode grid
 holds about 2 programs of 4 warps per SM, 2 warps per scheduler, and the issue bound assumes
 each scheduler issues every cycle).
 
@@ -434,7 +437,8 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     GEMM sums inside its own launch, `gemm_blocks.reduce_split_tile`); the FP8
     pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held or read packed
     (`gemm.packed_serves`; the packed-weight GEMM sums split K in its own launch too).
-    bf16: one each."""
+    bf16: one each. The decode GEMM's own launch is not counted where it is a programmatic
+    dependent one (sm_90+, VLLM_MXPLUS_GPU_PDL: started while the quantizer runs)."""
     from vllm_mxplus import settings
     from vllm_mxplus.backends.cutlass.gemm import packed_serves
     from vllm_mxplus.backends.triton.gemm_launch import (
@@ -442,6 +446,7 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
         split_k_count,
         sums_in_launch,
     )
+    from vllm_mxplus.backends.triton.launch import PDL_MIN_CAPABILITY
 
     if kernel == "bf16":
         return len(LLAMA_8B)
@@ -469,7 +474,8 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
         split = split_k_count(tiles, -(-k // block_k), NOMINAL_SMS, settings.gpu_programs_per_sm())
         # the decode GEMM sums its slices in its own launch up to SPLIT_COUNTERS tiles
         in_launch = kernel == "decode" and sums_in_launch(tiles, split)
-        total += 2 + (split > 1 and not in_launch)
+        hidden = kernel == "decode" and capability >= PDL_MIN_CAPABILITY and settings.gpu_pdl()
+        total += 2 - hidden + (split > 1 and not in_launch)
     return total
 
 

@@ -662,6 +662,8 @@ def step_sweep(st: Step) -> None:
         return
     st.check("replay floor: one tiny kernel (graph replay)", replay_floor)
     st.check("decode layer per VLLM_MXPLUS_GPU_PROGRAMS_PER_SM (mxfp4-mbs, M 1 / 16)", layer_per_sm)
+    st.check("decode layer with / without programmatic dependent launch (VLLM_MXPLUS_GPU_PDL)",
+             layer_pdl)  # fmt: skip
     for shape in SWEEP_SHAPES:
         for m in (1, 16):
             st.check(f"decode sweep {shape[0]} M={m} (mxfp4-mbs)",
@@ -729,6 +731,26 @@ def layer_per_sm() -> dict:
                     total += _graph_replay_ms(lin, x)
                 res[f"per_sm{per_sm} M{m}_us"] = 1e3 * total
     print(f"[gpu_check] decode layer per programs per SM: {res}", flush=True)
+    return res
+
+
+def layer_pdl() -> dict:
+    """Llama-3-8B's four linears as served (mxfp4-mbs, M 1 and 16) with the decode GEMM a
+    programmatic dependent launch (VLLM_MXPLUS_GPU_PDL=1, the default: sm_90+) and a plain one
+    (=0), each graph captured under its setting: what the overlap saves per layer, against the
+    LAUNCH_S per GEMM that the static model takes as hidden."""
+    torch = _torch()
+    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"pdl.{name}") for name, n, k in SHAPES]
+    res: dict[str, Any] = {}
+    for pdl in ("1", "0"):
+        with _env("VLLM_MXPLUS_GPU_PDL", pdl):
+            for m in (1, 16):
+                total = 0.0
+                for lin in lins:
+                    x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
+                    total += _graph_replay_ms(lin, x)
+                res[f"pdl{pdl} M{m}_us"] = 1e3 * total
+    print(f"[gpu_check] decode layer with / without PDL: {res}", flush=True)
     return res
 
 

@@ -83,6 +83,14 @@ GPU_PROGRAMS_PER_SM = Setting(
     "(decode): more hide more memory latency, each K slice adds an fp32 M x N partial. "
     "`scripts/gpu_check.sh`'s sweep step times the choices on a GPU.",
 )
+GPU_PDL = Setting(
+    "VLLM_MXPLUS_GPU_PDL",
+    "1",
+    "On sm_90 and later, launch the decode GEMM with programmatic dependent launch: its "
+    "programs start while the activation quantizer before it runs and wait for it at their "
+    "first instruction, so the launch gap between the two kernels is hidden. `0`: plain "
+    "launches. `scripts/gpu_check.sh` times both.",
+)
 CPU_LM_HEAD_FP32 = Setting(
     "VLLM_MXPLUS_CPU_LM_HEAD_FP32",
     "auto",
@@ -124,6 +132,7 @@ ALL: tuple[Setting, ...] = (
     PREFILL_MIN_M,
     FP8_WEIGHT_HELD,
     GPU_PROGRAMS_PER_SM,
+    GPU_PDL,
     CPU_LM_HEAD_FP32,
     CPU_EXACT_BF16,
     CPU_INT8_HELD,
@@ -222,6 +231,10 @@ def cpu_int8_held() -> bool:
 
 def gpu_programs_per_sm() -> int:
     return _int_at_least(GPU_PROGRAMS_PER_SM, 1)
+
+
+def gpu_pdl() -> bool:
+    return _flag(GPU_PDL)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_cutlass_sm100_mbs_pays_a_read_modify_write_per_chunk():
         assert per_chunk["estimate_ms"] > one["estimate_ms"]
 
 
-def test_launches_follow_the_code_structure():
+def test_launches_follow_the_code_structure(monkeypatch):
     """Per layer (four linears): bf16 one launch each; the FP8 pipeline its activation
     encoder (the FP8 layout and the fallback's packed fields), the GEMM and the fallback
     GEMM, + the weight's encoder above PACKED_WEIGHT_MAX_M unless held; below it the
@@ -65,22 +65,28 @@ def test_launches_follow_the_code_structure():
     448, 64 tiles: all but gate_up) and sums the slices in its own launch
     (`gemm_blocks.reduce_split_tile`); the decode at M = 1 quantizer and GEMM for each:
     every 8B linear's 128-column tiles (48, 32, 224, 32) are fewer than two per SM of an
-    H200 (264), so it splits K, summed in its own launch too; a prefill at M = 4096 with
-    64-row tiles has thousands of tiles and no split."""
+    H200 (264), so it splits K, summed in its own launch too, and on sm_90+ the GEMM's launch
+    is a programmatic dependent one, started while the quantizer runs (not counted; counted
+    on sm_80 and with VLLM_MXPLUS_GPU_PDL=0); a prefill at M = 4096 with 64-row tiles has
+    thousands of tiles and no split."""
     assert gsm.launches("bf16", 1) == 4
     assert gsm.launches("fp8", 4096) == 16 and gsm.launches("fp8", 4096, held=True) == 12
     assert gsm.launches("fp8", 256) == 12
-    assert gsm.launches("decode", 1) == 8
+    assert gsm.launches("decode", 1) == gsm.launches("decode", 1, capability=100) == 4
+    assert gsm.launches("decode", 1, capability=80) == 8
     assert gsm.launches("prefill", 4096, block_m=64) == 8
+    monkeypatch.setenv("VLLM_MXPLUS_GPU_PDL", "0")
+    assert gsm.launches("decode", 1) == 8
 
 
 def test_launch_time_is_added_per_launch(monkeypatch):
     """The per-format decode estimate pays LAUNCH_S per launch on top of max(issue, memory):
-    32 layers x 8 launches for ours, 32 x 4 for bf16."""
+    32 layers x 4 launches for ours (the quantizers; the GEMMs' programmatic dependent
+    launches hidden), 32 x 4 for bf16."""
     monkeypatch.setattr(gsm, "LAUNCH_S", 0.0)
     free = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
     monkeypatch.setattr(gsm, "LAUNCH_S", 1e-6)
     paid = gsm.decode_formats_vs_bf16(_counts(0.0), "H200")
     for f, p in zip(free, paid, strict=True):
-        assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 8 * 1e-3)
+        assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)
         assert p["bf16_estimate_ms"] - f["bf16_estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)

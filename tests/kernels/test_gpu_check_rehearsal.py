@@ -94,6 +94,9 @@ def test_speed_helpers_run_on_toy_shapes(monkeypatch):
     per_sm = mod.layer_per_sm()
     assert set(per_sm) == {f"per_sm{p} M{m}_us" for p in (2, 4) for m in (1, 16)}
     assert "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM" not in os.environ
+    pdl = mod.layer_pdl()
+    assert set(pdl) == {f"pdl{p} M{m}_us" for p in (1, 0) for m in (1, 16)}
+    assert all(v > 0 for v in pdl.values()) and "VLLM_MXPLUS_GPU_PDL" not in os.environ
     monkeypatch.setattr(mod, "BORDER_MS", (8, 24))
     monkeypatch.setenv("VLLM_MXPLUS_BACKEND", mod.TRITON_ONLY)
     border = mod.border_case()

@@ -52,7 +52,7 @@ _DTYPE = {
     torch.bool: "i1",
     torch.float8_e4m3fn: "fp8e4nv",
 }
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl")
 
 
 @dataclass(frozen=True)
@@ -266,14 +266,20 @@ def compile_kernel(config: KernelConfig, target: int) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from vllm_mxplus.backends.triton.launch import PDL_CONSTEXPRS, PDL_MIN_CAPABILITY
+
     kernel = getattr(importlib.import_module(config.module), config.kernel)
     constexprs = {
         k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
         for k, v in config.constexprs
     }
+    options = dict(config.options)
+    if target < PDL_MIN_CAPABILITY:  # as the launchers launch it there: no griddepcontrol
+        constexprs.update({k: False for k in PDL_CONSTEXPRS if k in constexprs})
+        options.pop("launch_pdl", None)
     attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
     src = ASTSource(kernel, dict(config.signature), constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", target, 32), options=dict(config.options))
+    return triton.compile(src, target=GPUTarget("cuda", target, 32), options=options)
 
 
 def compile_config(config: KernelConfig, target: int) -> CompileResult:

@@ -33,9 +33,17 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     e2m1_value,
     e4m3_value,
     e8m0_value,
+    launch_dependents,
     mbs_sigma,
 )
-from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.launch import (
+    check_available,
+    interpreting,
+    launch,
+    pdl_launch,
+    tl,
+    triton,
+)
 from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     NVFP4_BLOCK,
@@ -86,7 +94,10 @@ def _mx_act_quant_kernel(
     M, K, stride_xm, stride_cm, stride_sm, stride_mm, stride_hm, stride_gm,
     BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, MACRO: tl.constexpr,
     HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # the decode GEMM after it may start its programs (`launch.pdl_launch`)
+        launch_dependents()
     pid_k = tl.program_id(1)
     # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
     offs_m, _, mask_m, x = load_row_tile(x_ptr, M, K, stride_xm, BF16_BITS, BLOCK_M, BLOCK_K)
@@ -365,6 +376,7 @@ def _act_quant(
             HAS_MBS=bool(spec.mbs),
             MACRO=macro_block,
             HAT=hat,
+            TRIGGER=hat and pdl_launch(x.device),
         )
         if mbs is not None:
             mbs = mbs.reshape(*lead, mbs.shape[-1])

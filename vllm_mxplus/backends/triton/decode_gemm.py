@@ -107,6 +107,7 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     pair_dot,
     reduce_split_tile,
     store_out_tile,
+    wait_prior_grid,
 )
 from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
@@ -123,6 +124,7 @@ from vllm_mxplus.backends.triton.launch import (
     check_available,
     interpreting,
     launch,
+    pdl_launch,
     target_capability,
     tl,
     triton,
@@ -223,7 +225,10 @@ def _decode_gemm_kernel(
     PLUS: tl.constexpr,
     W_A: tl.constexpr,
     REDUCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (`pdl_launch`): nothing is read before the kernel before it ends
+        wait_prior_grid()
     NB: tl.constexpr = BLOCK_K // BS  # scale blocks per K step
     # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
     SCALE_ONE: tl.constexpr = 0x38 if NVFP4 else 127
@@ -1066,12 +1071,16 @@ def launch_decode(
     E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes). options: Triton
     launch options over `gpu_launch_options`' (the GPU only). weight_a: `weight_is_a`'s
     choice overridden (the word path only). x_sigma: x's third tensor holds its fp32 sigmas
-    (`decode_gemm`'s x_sigma; the word path with x_hat only), not MBS bytes."""
+    (`decode_gemm`'s x_sigma; the word path with x_hat only), not MBS bytes. On sm_90 and
+    later the launch is a programmatic dependent one (`launch.pdl_launch`): the programs start
+    while the kernel before it (the activation quantizer) runs and wait for it before any
+    read (`gemm_blocks.wait_prior_grid`), so the gap between the two launches is hidden."""
     block_m, block_n, block_k = tile
     x_codes, x_scales, x_mbs = x
     w_codes, w_scales, w_mbs = w
     m, n = sk.out.shape[-2:]
     dummy = w_scales  # stands in for absent optional pointers; never dereferenced
+    pdl = pdl_launch(w_codes.device)
     pairs, tile_expert, n_experts, topk = moe if moe is not None else (dummy, dummy, 0, 1)
     launch(
         _decode_gemm_kernel,
@@ -1131,5 +1140,14 @@ def launch_decode(
             else weight_a
         ),  # fmt: skip
         REDUCE=sk.counters is not None,
-        **({} if interpreting() else {**gpu_launch_options(block_m), **(options or {})}),
+        PDL=pdl,
+        **(
+            {}
+            if interpreting()
+            else {
+                **gpu_launch_options(block_m),
+                **(options or {}),
+                **({"launch_pdl": True} if pdl else {}),
+            }
+        ),
     )

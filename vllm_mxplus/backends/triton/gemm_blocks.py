@@ -48,6 +48,24 @@ ROTR_PAIR3 = tl.constexpr("shf.r.wrap.b32 $0, $1, $1, 6;")
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 SUM_PIECE = tl.constexpr(512)  # outputs per piece of `reduce_split_tile`'s sum (its docstring)
+# programmatic dependent launch (PTX griddepcontrol, sm_90+; `launch.pdl_launch`): wait until
+# the grid launched before this one in the stream has finished and its writes are visible;
+# let the grid launched after this one start its programs (they wait at their own GRID_WAIT).
+# Both are no-ops in a launch that did not ask for it. ($0: an unused output register.)
+GRID_WAIT = tl.constexpr("griddepcontrol.wait; // $0")
+LAUNCH_DEPENDENTS = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@triton.jit
+def wait_prior_grid():
+    """GRID_WAIT: before any global access of a kernel launched with `launch_pdl`."""
+    tl.inline_asm_elementwise(GRID_WAIT, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents():
+    """LAUNCH_DEPENDENTS: the next kernel's programs may start (each waits in GRID_WAIT)."""
+    tl.inline_asm_elementwise(LAUNCH_DEPENDENTS, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

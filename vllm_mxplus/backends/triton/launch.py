@@ -121,6 +121,35 @@ def last_gemm(launches: list[Launch]) -> Launch:
     return [lc for lc in launches if not is_split_k_sum(lc)][-1]
 
 
+PDL_MIN_CAPABILITY = 90  # griddepcontrol: sm_90 and later
+# the kernels' constexprs that turn on their griddepcontrol instructions where `pdl_launch`
+# says so (the decode GEMM's wait, the activation quantizer's trigger)
+PDL_CONSTEXPRS = ("PDL", "TRIGGER")
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a GEMM on `device` launches with programmatic dependent launch
+    (VLLM_MXPLUS_GPU_PDL, sm_90+, a Triton whose launcher has `launch_pdl`; never under the
+    interpreter): its programs start while the kernel before it runs and wait for it first
+    (`gemm_blocks.wait_prior_grid`)."""
+    from vllm_mxplus import settings
+
+    cap = target_capability(device)
+    return (
+        cap is not None and cap >= PDL_MIN_CAPABILITY and settings.gpu_pdl() and _triton_has_pdl()
+    )
+
+
+def _triton_has_pdl() -> bool:
+    if not HAS_TRITON:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a Triton without the CUDA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def capturing() -> bool:
     return _CAPTURE is not None
 
