@@ -715,41 +715,39 @@ def border_case() -> dict:
     return res
 
 
-def layer_per_sm() -> dict:
+def _layer_per_setting(variable: str, values: tuple[str, ...], tag: str) -> dict:
     """Llama-3-8B's four linears (mxfp4-mbs, the layer as served: act-quant, decode GEMM,
-    split-K sum) at M 1 and 16 with the split-K heuristic aiming at each of SWEEP_PER_SM
-    programs per SM (read when each graph is captured)."""
+    split-K sum) at M 1 and 16, summed CUDA-graph replays, with `variable` at each of
+    `values` (read when each graph is captured): {f"{tag}{value} M{m}_us": us}."""
     torch = _torch()
-    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"per_sm.{name}") for name, n, k in SHAPES]
+    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"{tag}.{name}") for name, n, k in SHAPES]
     res: dict[str, Any] = {}
-    for per_sm in SWEEP_PER_SM:
-        with _env("VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", str(per_sm)):
+    for value in values:
+        with _env(variable, value):
             for m in (1, 16):
                 total = 0.0
                 for lin in lins:
                     x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
                     total += _graph_replay_ms(lin, x)
-                res[f"per_sm{per_sm} M{m}_us"] = 1e3 * total
+                res[f"{tag}{value} M{m}_us"] = 1e3 * total
+    return res
+
+
+def layer_per_sm() -> dict:
+    """The decode layer with the split-K heuristic aiming at each of SWEEP_PER_SM programs
+    per SM."""
+    res = _layer_per_setting(
+        "VLLM_MXPLUS_GPU_PROGRAMS_PER_SM", tuple(map(str, SWEEP_PER_SM)), "per_sm"
+    )
     print(f"[gpu_check] decode layer per programs per SM: {res}", flush=True)
     return res
 
 
 def layer_pdl() -> dict:
-    """Llama-3-8B's four linears as served (mxfp4-mbs, M 1 and 16) with the decode GEMM a
-    programmatic dependent launch (VLLM_MXPLUS_GPU_PDL=1, the default: sm_90+) and a plain one
-    (=0), each graph captured under its setting: what the overlap saves per layer, against the
+    """The decode layer with its GEMM a programmatic dependent launch (VLLM_MXPLUS_GPU_PDL=1,
+    the default: sm_90+) and a plain one (=0): what the overlap saves per layer, against the
     LAUNCH_S per GEMM that the static model takes as hidden."""
-    torch = _torch()
-    lins = [QLinear("mxfp4-mbs", n, k, seed=n, prefix=f"pdl.{name}") for name, n, k in SHAPES]
-    res: dict[str, Any] = {}
-    for pdl in ("1", "0"):
-        with _env("VLLM_MXPLUS_GPU_PDL", pdl):
-            for m in (1, 16):
-                total = 0.0
-                for lin in lins:
-                    x = _randn(m, lin.spec.k, seed=m, dtype=torch.bfloat16)
-                    total += _graph_replay_ms(lin, x)
-                res[f"pdl{pdl} M{m}_us"] = 1e3 * total
+    res = _layer_per_setting("VLLM_MXPLUS_GPU_PDL", ("1", "0"), "pdl")
     print(f"[gpu_check] decode layer with / without PDL: {res}", flush=True)
     return res
 
