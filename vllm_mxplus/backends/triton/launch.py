@@ -14,6 +14,7 @@ configurations to machine code for sm_80/90/100.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -140,7 +141,8 @@ def pdl_launch(device: torch.device) -> bool:
     )
 
 
-def _triton_has_pdl() -> bool:
+@functools.cache
+def _triton_has_pdl() -> bool:  # once per process: asked at every decode launch
     if not HAS_TRITON:
         return False
     try:
