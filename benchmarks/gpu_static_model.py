@@ -446,7 +446,7 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
         split_k_count,
         sums_in_launch,
     )
-    from vllm_mxplus.backends.triton.launch import PDL_MIN_CAPABILITY
+    from vllm_mxplus.backends.triton.launch import capture_launches, pdl_launch
 
     if kernel == "bf16":
         return len(LLAMA_8B)
@@ -468,13 +468,15 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
             split = _packed_split(tiles, k, gpu)
             total += split > 1 and not sums_in_launch(tiles, split)
         return total
+    with capture_launches(capability):  # the launcher's own rule on sm_<capability>
+        pdl = pdl_launch(torch.device("meta"))
     total = 0
     for _, n, k in LLAMA_8B:
         tiles = -(-n // block_n) * -(-m // block_m)
         split = split_k_count(tiles, -(-k // block_k), NOMINAL_SMS, settings.gpu_programs_per_sm())
         # the decode GEMM sums its slices in its own launch up to SPLIT_COUNTERS tiles
         in_launch = kernel == "decode" and sums_in_launch(tiles, split)
-        hidden = kernel == "decode" and capability >= PDL_MIN_CAPABILITY and settings.gpu_pdl()
+        hidden = kernel == "decode" and pdl
         total += 2 - hidden + (split > 1 and not in_launch)
     return total
 
