@@ -266,7 +266,7 @@ def compile_kernel(config: KernelConfig, target: int) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_mxplus.backends.triton.launch import PDL_CONSTEXPRS, PDL_MIN_CAPABILITY
+    from vllm_mxplus.backends.triton.launch import ARCH_CONSTEXPRS, PDL_MIN_CAPABILITY
 
     kernel = getattr(importlib.import_module(config.module), config.kernel)
     constexprs = {
@@ -274,8 +274,11 @@ def compile_kernel(config: KernelConfig, target: int) -> Any:
         for k, v in config.constexprs
     }
     options = dict(config.options)
-    if target < PDL_MIN_CAPABILITY:  # as the launchers launch it there: no griddepcontrol
-        constexprs.update({k: False for k in PDL_CONSTEXPRS if k in constexprs})
+    # as the launchers launch it there: no griddepcontrol below sm_90, no E2M1 conversion
+    # below sm_100
+    constexprs.update({k: False for k, cap in ARCH_CONSTEXPRS.items()
+                       if k in constexprs and target < cap})  # fmt: skip
+    if target < PDL_MIN_CAPABILITY:
         options.pop("launch_pdl", None)
     attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
     src = ASTSource(kernel, dict(config.signature), constexprs, attrs)

@@ -15,7 +15,9 @@ import torch
 from graph_helpers import replay_with
 
 from vllm_mxplus.backends.cutlass.act_fp8 import act_quant_fp8_chunks
+from vllm_mxplus.backends.triton import act_quant as aq
 from vllm_mxplus.backends.triton.act_quant import act_quant
+from vllm_mxplus.backends.triton.launch import capture_launches
 from vllm_mxplus.formats import quantize
 
 FORMATS = ("mxfp4-mbs-s", "mxfp4-16-oas", "mxfp4-ocp", "nvfp4")
@@ -347,3 +349,40 @@ def test_row_offsets_are_64_bit(triton_device):
     assert_same_bits("codes", codes, ref.codes)
     assert_same_bits("scales", scales, ref.scales)
     assert_same_bits("mbs", mbs, ref.mbs)
+
+
+# ----------------------------------------------------------------------------- the GPU's E2M1
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "nvfp4"])
+def test_e2m1_conversion_path_bit_exact(fmt, triton_device, monkeypatch):
+    """The path that rounds with the GPU's E2M1 conversion (`quant_blocks.e8m0_block_scaled`
+    and `e2m1_packed_hw`: signed scaled values, a NaN block's zeros, codes packed two per
+    byte), the conversion itself done by `e2m1_magnitude_code` (the interpreter runs no PTX;
+    the GPU's is checked against `formats` by the first-use self-test): bit-exact with
+    `formats.quantize` on the special rows, extreme magnitudes, odd K and random rows, and
+    small macro blocks for MBS."""
+    monkeypatch.setattr(aq, "e2m1_rounding", lambda device, hat: aq.HW_E2M1_EMULATED)
+    with capture_launches() as launches:  # recorded, not run: the path the runs below take
+        act_quant(activations(2, 576, torch.bfloat16, triton_device), fmt, macro_block=128)
+    assert launches[-1].kwargs["HW_E2M1"] == aq.HW_E2M1_EMULATED
+    test_special_rows(fmt, "bf16", triton_device)
+    test_extreme_magnitudes_bf16(fmt, triton_device)
+    test_odd_and_tiny_k(fmt, 33, triton_device)
+    check_bit_exact(activations(33, 1536, torch.float16, triton_device, seed=5), fmt)
+    if fmt == "mxfp4-mbs-s":
+        test_small_macro_blocks_special_rows(32, "bf16", triton_device)
+
+
+@pytest.mark.parametrize(
+    "cap,hat,want",
+    [(90, False, 0), (100, False, aq.HW_E2M1_GPU), (120, False, aq.HW_E2M1_GPU), (100, True, 0)],
+)
+def test_e2m1_conversion_where_the_gpu_has_it(cap, hat, want):
+    """The E8M0 quantizer rounds with the GPU's E2M1 conversion on sm_100 and later (PTX
+    cvt...e2m1x2 needs sm_100a), its own rounding below and where it writes x_hat (whose
+    values it builds from the codes); under the interpreter never."""
+    x = torch.empty((4, 512), dtype=torch.bfloat16, device="meta")
+    with capture_launches(cap) as launches:
+        (aq.act_quant_hat if hat else act_quant)(x, "mxfp4-mbs-s", macro_block=128)
+    assert launches[-1].kwargs["HW_E2M1"] == want
+    assert aq.e2m1_rounding(torch.device("cpu"), False) == 0

@@ -611,6 +611,7 @@ def test_weight_operand_follows_the_gpu():
             assert slim_tile(16, True, "nvfp4", dev) and slim_tile(16, True, "e8m0-folded", dev)
             # MX+ and 32 rows where four warps would run tcgen05 (sm_90's wgmma keeps them)
             assert slim_tile(16, True, "mx+", dev) == (cap == 100)
+            assert slim_tile(16, True, "mx+", dev, one_row=True)  # its block maxima apart
             assert slim_tile(32, True, "e8m0-folded", dev) == (cap == 100)
             assert not slim_tile(32, True, "nvfp4", dev) and not slim_tile(64, True, "e8m0", dev)
 

@@ -71,20 +71,28 @@ def test_matches_float64_reference(m, k, n, triton_device):
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_bias_split_k_and_output_dtype(out_dtype, split_k, triton_device):
-    x, qx, qw = operands(4, 1280, 96, triton_device, seed=split_k)
+def test_bias_split_k_and_output_dtype(out_dtype, split_k, m, triton_device):
+    x, qx, qw = operands(m, 1280, 96, triton_device, seed=split_k)
     bias = (torch.randn(96) * 0.5).to(out_dtype).to(triton_device)
     y = run(x, qw, 1280, bias=bias, out_dtype=out_dtype, split_k=split_k)
     assert y.dtype == out_dtype
     assert_within_bound(y, *reference(qx, qw, bias), out_dtype)
 
 
-def test_block_max_terms_matter(triton_device):
+@pytest.mark.parametrize("m", [1, 3])
+def test_block_max_terms_matter(m, triton_device):
     """Without the weight's block maxima (every index 255) the same call leaves the bound:
-    the correction is what makes the result the spec's."""
-    x, qx, qw = operands(3, 1024, 64, triton_device, seed=9)
+    the correction is what makes the result the spec's, summed per step into the
+    accumulator's rows (M = 3) or apart across the K loop (M = 1: the kernel's ONE_ROW)."""
+    x, qx, qw = operands(m, 1024, 64, triton_device, seed=9)
+    with capture_launches() as launches:  # recorded, not run: the path the call below takes
+        run(x, qw, 1024, out_dtype=torch.float32)
+    assert last_gemm(launches).kwargs["ONE_ROW"] is (m == 1)
+    assert_within_bound(run(x, qw, 1024, out_dtype=torch.float32), *reference(qx, qw),
+                        torch.float32)  # fmt: skip
     none = torch.full_like(qw.block_max_index, NO_BLOCK_MAX)
     codes, scales, _, x_hat = act_quant_mxplus_hat(x)
     y = decode_gemm(codes, scales, None, qw.codes, qw.scales, None, 1024, x_hat=x_hat,

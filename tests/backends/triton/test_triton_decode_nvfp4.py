@@ -124,6 +124,40 @@ def test_x_hat_path_either_operand_within_bound(weight_a, triton_device):
     assert_within_bound(y, *reference(qx, qw), torch.float32)
 
 
+@pytest.mark.parametrize("hat", [False, True], ids=["codes", "x_hat"])
+def test_every_weight_scale_byte_folds(hat, triton_device):
+    """The word path folds every E4M3 weight scale into the weight's values, built from the
+    scale's bits (`gemm_blocks.e4m3_fold_scales`): each of the 254 finite bytes (zero, the
+    seven subnormals, every normal up to 448, the negative ones) lies on some block and the
+    output is within the bound of the float64 reference; a NaN byte (0x7F, 0xFF) makes its
+    weight row's output column NaN and no other."""
+    m, k, n = 3, 512, 64
+    qx, qw = operands(m, k, n, triton_device, seed=9)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    blocks = qw.scales.numel()
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(2))
+    scales = finite[order % finite.numel()].reshape(qw.scales.shape)
+    qw.scales.view(torch.uint8).copy_(scales.to(triton_device))
+    x_hat = None
+    if hat:
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+        codes, xs, _, gs, x_hat, _ = act_quant_hat(x.to(triton_device), "nvfp4", macro_block=128)
+        qx = quantize(x.to(triton_device), "nvfp4", per_row=True)
+    with capture_launches() as launches:  # recorded, not run: the path the run below takes
+        run(qx, qw, k, x_hat=x_hat, out_dtype=torch.float32)
+    assert last_gemm(launches).kwargs["W_FOLD"] and last_gemm(launches).kwargs["NVFP4"]
+    assert last_gemm(launches).kwargs["X_HAT"] is hat
+    y = run(qx, qw, k, x_hat=x_hat, out_dtype=torch.float32)
+    assert not y.isnan().any()
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+    qw.scales.view(torch.uint8)[5, 3] = 0x7F
+    qw.scales.view(torch.uint8)[9, 0] = 0xFF
+    y = run(qx, qw, k, x_hat=x_hat, out_dtype=torch.float32).cpu()
+    assert y[:, [5, 9]].isnan().all()
+    keep = [c for c in range(n) if c not in (5, 9)]
+    assert not y[:, keep].isnan().any()
+
+
 def test_nan_inf_and_zero_rows(triton_device):
     """A NaN or Inf block gets the NaN scale (0x7F): its output row is NaN, as the spec's
     x_hat makes it; a zero row (global scale 0) gives exactly the bias."""
@@ -184,5 +218,5 @@ def test_nvfp4_layer_runs_the_decode_gemm(m, given, want, triton_device):
     gemm = last_gemm(launches)
     assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
     if want[1]:
-        assert gemm.kwargs["NVFP4"] and gemm.kwargs["X_HAT"] and not gemm.kwargs["W_FOLD"]
+        assert gemm.kwargs["NVFP4"] and gemm.kwargs["X_HAT"] and gemm.kwargs["W_FOLD"]
     assert_within_bound(y, *reference(qx, qw), torch.bfloat16)

@@ -38,6 +38,7 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
 )
 from vllm_mxplus.backends.triton.launch import (
     check_available,
+    hw_e2m1,
     interpreting,
     launch,
     pdl_launch,
@@ -48,7 +49,9 @@ from vllm_mxplus.backends.triton.quant_blocks import (
     MANTISSA_THRESHOLD,
     NVFP4_BLOCK,
     NVFP4_GLOBAL_DIV,
+    e2m1_packed_hw,
     e8m0_block_quant_abs,
+    e8m0_block_scaled,
     load_f32,
     load_row_tile,
     mbs_static_scale,
@@ -82,9 +85,20 @@ SUPPORTED_FORMATS = tuple(name for name, spec in FORMATS.items() if takes(spec))
 #: holds more macro blocks (a 4 x 512 tile: 64 of 32), each with its own absmax and one IEEE
 #: division 6 / a (docs/numerics.md, "Macro Block Scaling").
 SUPPORTED_MACRO_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-GPU_TILE_ELEMS = 4096  # elements per program on the GPU (~32 per thread: per-program costs spread)
+# elements per program on the GPU (~64 per thread: per-program costs spread; counted on
+# sm_100 with the E2M1 conversion, MBS-S: 4096 (8 rows) 0.80 warp-instructions per element,
+# 8192 (16 rows) 0.72; sm_90 1.12 -> 1.04); NVFP4's kernel, which holds its row tile across
+# two sweeps, 4096 (16 rows spilled on sm_100)
+GPU_TILE_ELEMS = 8192
+NVFP4_TILE_ELEMS = 4096
 GPU_BLOCK_K = 512
-GPU_MAX_ROWS = 8
+# the E8M0 kernel's HW_E2M1: 0, its own rounding (`e2m1_magnitude_code`); HW_E2M1_GPU, the
+# GPU's E2M1 conversion (`launch.hw_e2m1`: sm_100 and later, the codes only, not x_hat);
+# HW_E2M1_EMULATED, that path with the conversion done by the same rounding (the
+# interpreter's tests of the path, which runs no PTX)
+HW_E2M1_GPU = 1
+HW_E2M1_EMULATED = 2
+_HW_E2M1_GPU = tl.constexpr(HW_E2M1_GPU)  # read inside the kernel
 
 
 # ----------------------------------------------------------------------------- E8M0 kernel
@@ -94,7 +108,7 @@ def _mx_act_quant_kernel(
     M, K, stride_xm, stride_cm, stride_sm, stride_mm, stride_hm, stride_gm,
     BLOCK: tl.constexpr, MANT_THRESHOLD: tl.constexpr, HAS_MBS: tl.constexpr, MACRO: tl.constexpr,
     HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, HW_E2M1: tl.constexpr,
 ):  # fmt: skip
     if TRIGGER:  # the decode GEMM after it may start its programs (`launch.pdl_launch`)
         launch_dependents()
@@ -122,9 +136,15 @@ def _mx_act_quant_kernel(
         ay = tl.abs(x)
 
     NB: tl.constexpr = BLOCK_K // BLOCK
-    code, mag, neg = e8m0_block_quant_abs(x, ay, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+    if HW_E2M1:  # the GPU's E2M1 conversion rounds (`e2m1_packed_hw`; HW_E2M1_GPU)
+        tl.static_assert(not HAT, "x_hat is built from the codes (`e8m0_block_quant_abs`)")
+        code, v = e8m0_block_scaled(x, ay, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+        codes = e2m1_packed_hw(v, BLOCK_M, BLOCK_K, HW_E2M1 == _HW_E2M1_GPU)
+    else:
+        code, mag, neg = e8m0_block_quant_abs(x, ay, MANT_THRESHOLD, BLOCK_M, NB, BLOCK)
+        codes = mag | (neg << 3)
     store_codes_and_scales(
-        codes_ptr, scales_ptr, mag | (neg << 3), code, offs_m, mask_m, stride_cm, stride_sm,
+        codes_ptr, scales_ptr, codes, code, offs_m, mask_m, stride_cm, stride_sm,
         pid_k, K, BLOCK, BLOCK_M, BLOCK_K,
     )  # fmt: skip
     if HAT:  # x_hat in the decode GEMM's word order (`x_hat`): BLOCK_K whole chunks
@@ -185,16 +205,16 @@ def _nvfp4_act_quant_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def tile_sizes(m: int, k: int, unit: int) -> tuple[int, int]:
+def tile_sizes(m: int, k: int, unit: int, elems: int = GPU_TILE_ELEMS) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): BLOCK_K a power of two >= unit (a macro block never crosses
     programs). The interpreter pays per program, so it gets large tiles; the GPU gets
-    ~GPU_TILE_ELEMS elements per program (memory-bound): up to 8 rows x 512 columns, and
+    ~`elems` elements per program (memory-bound): up to `elems` / 512 rows x 512 columns, and
     fewer rows when the unit (a macro block up to 2048) is wider."""
     kp2 = max(unit, triton.next_power_of_2(k))
     if interpreting():
         return min(64, triton.next_power_of_2(m)), max(unit, min(kp2, 4096))
     block_k = max(unit, min(kp2, GPU_BLOCK_K))
-    return min(GPU_MAX_ROWS, triton.next_power_of_2(m), max(1, GPU_TILE_ELEMS // block_k)), block_k
+    return min(triton.next_power_of_2(m), max(1, elems // block_k)), block_k
 
 
 def check_act_input(
@@ -268,6 +288,12 @@ def launch_row_tiles(
     )
 
 
+def e2m1_rounding(device: torch.device, hat: bool) -> int:
+    """The E8M0 kernel's HW_E2M1 for a launch on `device`: HW_E2M1_GPU where the GPU has the
+    E2M1 conversion (`launch.hw_e2m1`) and the launch writes no x_hat, else 0."""
+    return HW_E2M1_GPU if not hat and hw_e2m1(device) else 0
+
+
 def check_tileable_macro_block(macro_block: int, who: str) -> None:
     """Raise a ValueError naming `who` when the kernels cannot tile this macro block."""
     if macro_block not in SUPPORTED_MACRO_BLOCKS:
@@ -335,7 +361,9 @@ def _act_quant(
         gs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
             # x_hat: K tiles of whole chunks
-            block_m, block_k = tile_sizes(m, k, HAT_CHUNK if hat else spec.block_size)
+            block_m, block_k = tile_sizes(
+                m, k, HAT_CHUNK if hat else spec.block_size, NVFP4_TILE_ELEMS
+            )
             launch(
                 _nvfp4_act_quant_kernel,
                 (triton.cdiv(m, block_m),),
@@ -377,6 +405,7 @@ def _act_quant(
             MACRO=macro_block,
             HAT=hat,
             TRIGGER=hat and pdl_launch(x.device),
+            HW_E2M1=e2m1_rounding(x.device, hat),
         )
         if mbs is not None:
             mbs = mbs.reshape(*lead, mbs.shape[-1])

@@ -82,6 +82,19 @@ writes sigma_x = fp32(1 / F) per row and macro block beside x_hat (an IEEE divis
 value `mbs_sigma` gives), so no program computes it from the byte per step (each thread held
 4 of the tile's x rows in wgmma's layout, each a byte load and 6 instructions): sm_90 505 ->
 480 per 16384 weights at 16 rows (0.1172 per weight), 594 -> 537 at 32 rows.
+
+NVFP4's scales folded (W_FOLD with NVFP4, `gemm_blocks.e4m3_fold_scales`): the E4M3 scale as
+a packed bf16 pair of 2^126 * scale * 2^-8 built from its bits, one multiply per two weights
+as E8M0's folded scales have, the sums times 2^8 after the K loop; and without MBS the word
+step's dots accumulate into the accumulator itself (no FADD per accumulator and step):
+NVFP4 at 16 rows sm_90 0.1746 -> 0.1184 warp-instructions per weight, sm_100 0.1746 ->
+0.1182; MXFP4-16-OAS 0.0933 -> 0.0894.
+
+MX+ at one row (ONE_ROW: a launch with M = 1): the block maxima's rest (`_block_max_deltas`)
+summed into a vector of the tile's weight rows across the K loop and added once after it,
+where each step added it row by row into the accumulator (a loop inside the K loop, which
+kept the loads out of the software pipeline, and a layout change per step): sm_100 0.1707 ->
+0.1458, sm_90 (the slim tile then: `slim_tile`) 0.1604 -> 0.1462.
 """
 
 from __future__ import annotations
@@ -92,6 +105,7 @@ import torch
 
 from vllm_mxplus import settings
 from vllm_mxplus.backends.triton.gemm_blocks import (
+    E4M3_FOLD_UNDO,
     bf16_values,
     block_scale_values,
     block_word_scales,
@@ -100,6 +114,8 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     e2m1_pair_values,
     e2m1_value,
     e2m1_word_values,
+    e4m3_fold_scales,
+    e8m0_fold_scales,
     e8m0_value,
     macro_block_dot,
     mbs_factors,
@@ -226,6 +242,7 @@ def _decode_gemm_kernel(
     W_A: tl.constexpr,
     REDUCE: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     if PDL:  # launched early (`pdl_launch`): nothing is read before the kernel before it ends
         wait_prior_grid()
@@ -319,6 +336,7 @@ def _decode_gemm_kernel(
         tl.static_assert(X_HAT and WORDS and not MOE, "MX+ reads x_hat on the word path")
         wc_rows = i_n * stride_wcn
         wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
+        bm1 = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         # slices start on whole steps (`plan_split_k`): said, the weight's codes and scales
         # load in 16- and 8-byte pieces (E8M0; NVFP4's E4M3 scales count fewer instructions
@@ -342,15 +360,22 @@ def _decode_gemm_kernel(
                 block_ok = i_b[None, :] * BS < left
                 # x_hat's chunks inside its rows (whole chunks, `hat_cols`): the same per dot
                 hat_ok = ((i_t // 32) * 128 < tl.cdiv(K, 128) * 128 - k0)[None, :]
-            acc_w += _word_step(
-                xw_base + kw0 + xw_off, xs_base + sb0 + xs_off2,
+            acc_w = _word_step(
+                acc_w, xw_base + kw0 + xw_off, xs_base + sb0 + xs_off2,
                 ww_base + kw0 + ww_off, ws_base + sb0 + ws_off2,
                 xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
                 xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
                 BS, X_MBS, W_MBS, X_SIGMA, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN,
-                X_HAT, NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS),
+                X_HAT, NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS), (NVFP4 and W_A) or ONE_ROW,
             )  # fmt: skip
-            if PLUS:
+            if PLUS and ONE_ROW:
+                delta, hp, has = _block_max_deltas(
+                    wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off, ws_base + sb0 + ws_off2,
+                    mask_n, block_ok, BS, BLOCK_K,
+                )  # fmt: skip
+                xg = tl.load(xh_base + k0 + hp, mask=has, other=0.0).to(tl.float32)
+                bm1 += tl.sum(xg * delta, axis=1)
+            elif PLUS:
                 acc_w = _block_max_terms(
                     acc_w, xh_base + k0, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
                     ws_base + sb0 + ws_off2, tl.minimum(BLOCK_M, M - m0), stride_xhm, mask_n,
@@ -416,6 +441,11 @@ def _decode_gemm_kernel(
                     sx, sw = mbs_sigma(fx, X_MBS, False), mbs_sigma(fw, W_MBS, False)
                     part = part * sx[:, None] * sw[None, :]
             acc += part
+    if PLUS and ONE_ROW:
+        if W_A:
+            acc_w = tl.where((i_m == 0)[None, :], acc_w + bm1[:, None], acc_w)
+        else:
+            acc_w = tl.where((i_m == 0)[:, None], acc_w + bm1[None, :], acc_w)
     if WORDS:
         if W_A:
             acc = tl.trans(acc_w)
@@ -423,6 +453,8 @@ def _decode_gemm_kernel(
             acc = acc_w
 
     if NVFP4:  # the global scales, factored out of the sum (as `mx_gemm` applies them)
+        if W_FOLD:  # the folded weight values' 2^-8 (`e4m3_fold_scales`), exactly
+            acc = acc * E4M3_FOLD_UNDO
         gx = tl.load(xg_ptr + m0 + i_m, mask=mask_m, other=0.0)
         gw = tl.load(wg_ptr + n0 + i_n, mask=mask_n, other=0.0)
         acc = (acc * gx[:, None]) * gw[None, :]
@@ -441,16 +473,21 @@ def _decode_gemm_kernel(
 
 @triton.jit
 def _word_step(
-    xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, word_ok,
+    acc, xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, word_ok,
     block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
     X_SIGMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
     NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr, LIFT: tl.constexpr,
+    INTO_ACC: tl.constexpr,
 ):  # fmt: skip
     """One K step of BLOCK_K elements read as int32 words of 8 codes (x [BLOCK_M, BLOCK_K/8]
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
     at xs_ptrs / ws_ptrs; the step inside one macro block, whose MBS bytes are at xm_ptrs /
-    wm_ptrs): the step's partial product [BLOCK_M, BLOCK_N], scaled by sigma_x * sigma_w.
+    wm_ptrs): acc ([BLOCK_M, BLOCK_N], transposed where W_A) plus the step's partial product,
+    scaled by sigma_x * sigma_w. Without MBS, where INTO_ACC, the dots accumulate into acc
+    itself (the same fp32 additions in the dots' order, where the step's partial added to
+    acc spent an FADD per accumulator: NVFP4 sm_90 499 -> 485 per 16384 weights; not for
+    MX+, whose block-max terms then follow each step's dots into acc and counted more).
 
     A dot sums over K in any order, so the step runs four dots of BLOCK_K / 4, dot p over
     the elements 8j + p and 8j + p + 4 of every word j (`e2m1_word_values`), the same
@@ -461,7 +498,10 @@ def _word_step(
 
     W_FOLD (every weight scale code <= 128, `small_weight_scales`): the weight's two
     multiplies are one, by 2^126 * scale = 2^(code - 1) (`e2m1_folded_word_values`), exact
-    since the product is the same representable value. EVEN (whole tiles: N and K multiples
+    since the product is the same representable value; NVFP4 weights fold always, their
+    E4M3 scales as 2^126 * scale * 2^-E4M3_FOLD_LOG2 (`e4m3_fold_scales`: every E4M3 scale
+    folds), the kernel's sums multiplied back by 2^E4M3_FOLD_LOG2 after the K loop (a power of
+    two on fp32 sums far from fp32's subnormals: the same sums). EVEN (whole tiles: N and K multiples
     of BLOCK_N and BLOCK_K, no K slice ends inside a step): the weight's loads are unmasked.
     X_HAT: x's values come ready from `act_quant_hat` (`x_hat`: dot p's operand is one
     contiguous load at xh_ptrs + 32p), so no program dequantizes x. LIFT: the folded weight
@@ -479,10 +519,14 @@ def _word_step(
         ws = tl.load(ws_ptrs, mask=mask_n[:, None] & block_ok, other=SCALE_ONE).to(tl.int32)
     if not W_FOLD:
         wsv = block_word_scales(ws, WPB, DOT_DTYPE, NVFP4)
-    if W_A:
-        part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    elif NVFP4:  # the sums carry 2^-E4M3_FOLD_LOG2, taken out after the K loop
+        wsc = e4m3_fold_scales(ws, WPB, DOT_DTYPE)
     else:
-        part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        wsc = e8m0_fold_scales(ws, WPB, DOT_DTYPE)
+    if X_MBS or W_MBS or not INTO_ACC:  # the step's partial, apart from acc
+        part = tl.zeros(acc.shape, tl.float32)
+    else:
+        part = acc
     for p in tl.static_range(4):
         if X_HAT:
             xh = tl.load(xh_ptrs + 32 * p, mask=mask_m[:, None] & hat_ok, other=0.0)
@@ -493,7 +537,7 @@ def _word_step(
             # the select as one LOP3 where it helps: whole 16-row tiles with the weight as A
             # (elsewhere ptxas then needed more registers, and spilled some tiles)
             wp = e2m1_folded_word_values(
-                wq, ws, p, WPB, DOT_DTYPE, W_A and EVEN and BLOCK_M <= LOP3_MAX_ROWS, LIFT
+                wq, wsc, p, DOT_DTYPE, W_A and EVEN and BLOCK_M <= LOP3_MAX_ROWS, LIFT
             )
         else:
             wp = e2m1_word_values(wq, p, DOT_DTYPE) * wsv
@@ -510,9 +554,11 @@ def _word_step(
         if X_SIGMA:
             sx = tl.load(xm_ptrs, mask=mask_m, other=1.0)
         if W_A:
-            part = part * sx[None, :] * sw[:, None]
+            part = acc + part * sx[None, :] * sw[:, None]
         else:
-            part = part * sx[:, None] * sw[None, :]
+            part = acc + part * sx[:, None] * sw[None, :]
+    elif not INTO_ACC:
+        part = acc + part
     return part
 
 
@@ -540,22 +586,19 @@ def weight_is_a(device: torch.device, nvfp4: bool, block_m: int) -> bool:
 
 
 @triton.jit
-def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm, mask_n,
-                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_A: tl.constexpr):  # fmt: skip
-    """acc ([BLOCK_M, BLOCK_N], or transposed where W_A) plus the MX+ weights' block-max rest of one K step. The step's dots decoded every
-    weight code as plain E2M1, so the block-max element of each block (index wbm_ptrs
-    [BLOCK_N, NB], 255: none) entered as +-E2M1(j) * X where the spec's value is
-    +-(8 + j) / 2 * X (docs/numerics.md, "MX+"). This adds x_hat[m, k] * delta[n, b] with
-    delta = +-((8 + j) / 2 - E2M1(j)) * X: the code from its byte (weight rows at wc_rows), X
-    from the block's scale code (ws_ptrs), the activation's value gathered from x_hat (the
-    step's chunks in word order at xh_base, row pitch stride_xhm) for each of the tile's
-    `rows` live rows in turn (a decode step has one: rows past M cost nothing). delta has the
-    plain value's sign (both magnitudes are positive), so |x w| splits into |x plain| +
-    |x delta| and the products stay exact: the bound's S is unchanged."""
+def _block_max_deltas(wc_rows, wbm_ptrs, ws_ptrs, mask_n, block_ok, BS: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """The MX+ weights' block-max rest of one K step: (delta [BLOCK_N, NB], the position of
+    each block max element in the step's x_hat chunks [BLOCK_N, NB], whether the block has
+    one). The step's dots decoded every weight code as plain E2M1, so the block-max element
+    of each block (index wbm_ptrs [BLOCK_N, NB], 255: none) entered as +-E2M1(j) * X where
+    the spec's value is +-(8 + j) / 2 * X (docs/numerics.md, "MX+"); the rest is x_hat[m, k]
+    * delta[n, b] with delta = +-((8 + j) / 2 - E2M1(j)) * X: the code from its byte
+    (weight rows at wc_rows), X from the block's scale code (ws_ptrs). delta has the plain
+    value's sign (both magnitudes are positive), so |x w| splits into |x plain| + |x delta|
+    and the products stay exact: the bound's S is unchanged."""
     NB: tl.constexpr = BLOCK_K // BS
     i_b = tl.arange(0, NB)
-    i_m = tl.arange(0, BLOCK_M)
     live = mask_n[:, None] & block_ok
     idx = tl.load(wbm_ptrs, mask=live, other=255).to(tl.int32)
     has = live & (idx != 255)
@@ -569,6 +612,20 @@ def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm,
     # x_hat's position of element pos: chunk pos // 128, then 32p + 2j + h (`x_hat`)
     e = pos % HAT_STEP
     hp = (pos // HAT_STEP) * HAT_STEP + (e % 4) * 32 + (e // 8) * 2 + (e // 4) % 2
+    return delta, hp, has
+
+
+@triton.jit
+def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm, mask_n,
+                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_A: tl.constexpr):  # fmt: skip
+    """acc ([BLOCK_M, BLOCK_N], or transposed where W_A) plus the block-max rest of one K
+    step (`_block_max_deltas`) for each of the tile's `rows` live rows in turn, the
+    activation's values gathered from x_hat (the step's chunks in word order at xh_base, row
+    pitch stride_xhm; a decode step has one row: rows past M cost nothing). One row (the
+    kernel's ONE_ROW) sums the rest apart from acc instead, across the K loop."""
+    i_m = tl.arange(0, BLOCK_M)
+    delta, hp, has = _block_max_deltas(wc_rows, wbm_ptrs, ws_ptrs, mask_n, block_ok, BS, BLOCK_K)
     for r in range(0, rows):
         xg = tl.load(xh_base + r * stride_xhm + hp, mask=has, other=0.0).to(tl.float32)
         term = tl.sum(xg * delta, axis=1)  # [BLOCK_N]
@@ -608,7 +665,8 @@ def weight_kind(nvfp4: bool, plus: bool, small_scales: bool) -> str:
     return "e8m0-folded" if small_scales else "e8m0"
 
 
-def slim_tile(block_m: int, hat: bool, kind: str, device: torch.device) -> bool:
+def slim_tile(block_m: int, hat: bool, kind: str, device: torch.device,
+              one_row: bool = False) -> bool:  # fmt: skip
     """Whether a GPU launch takes the slim tile: SLIM_BLOCK_N weight rows by SLIM_NUM_WARPS
     warps, the weight the dots' A operand, on the x_hat word path (`hat`) where two warps
     count fewer instructions than four (`kind`: `weight_kind`'s). Two warps issue mma.sync on
@@ -620,15 +678,16 @@ def slim_tile(block_m: int, hat: bool, kind: str, device: torch.device) -> bool:
     folded scales (MBS-128) sm_90 0.1172 -> 0.1086, sm_100 0.1279 -> 0.1045, sm_80 0.1079 ->
     0.1082; NVFP4 0.1914 -> 0.1746 on both; MX+ on sm_100 0.1858 -> 0.1709 (sm_90's wgmma
     keeps it: 0.1604 against 0.1702); 32 rows on sm_100 0.1616 -> 0.1260 (sm_90's wgmma keeps
-    them: 0.1311 against 0.1338). E8M0 weights with unfolded scales (codes above 128) keep
-    the four-warp tile. The split-K plan launches twice the programs per SM, so as many warps
+    them: 0.1311 against 0.1338); MX+ at one row (`one_row`: its block maxima summed apart
+    from the dots across the K loop, the kernel's ONE_ROW) on every GPU, sm_90 0.1650 ->
+    0.1462. E8M0 weights with unfolded scales (codes above 128) keep the four-warp tile. The split-K plan launches twice the programs per SM, so as many warps
     as before run on each."""
     if not hat or kind == "e8m0":
         return False
     cap = target_capability(device)
     tcgen05 = cap is not None and cap // 10 in TCGEN05_MAJORS
     if block_m == GPU_BLOCK_M:
-        return tcgen05 or kind != "mx+"
+        return tcgen05 or kind != "mx+" or one_row
     return block_m == WIDE_BLOCK_MS[0] and tcgen05 and kind == "e8m0-folded"
 
 
@@ -931,7 +990,7 @@ def decode_gemm(
         kind = weight_kind(nvfp4, plus, w_small_scales)
         if (block_n is None and num_warps is None
                 and slim_tile(block_m, hat or (plus and x_hat is not None), kind,
-                              w_codes.device)):  # fmt: skip
+                              w_codes.device, plus and m == 1)):  # fmt: skip
             auto_n = SLIM_BLOCK_N
             options = {"num_warps": SLIM_NUM_WARPS, **options}
             weight_a = True if weight_a is None else weight_a
@@ -1001,7 +1060,7 @@ def decode_gemm(
         (w_codes, w_scales, w_block_max if plus else w_mbs),
         sk, x_hat if use_hat else None, None, K=K, bs=bs, macro_block=macro_block, x_sigma=sigma,
         tile=(block_m, block_n, block_k), words=words,
-        w_fold=words and w_small_scales and not nvfp4,
+        w_fold=words and (nvfp4 or w_small_scales),
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
         options=options, weight_a=weight_a,
     )  # fmt: skip
@@ -1141,6 +1200,7 @@ def launch_decode(
         ),  # fmt: skip
         REDUCE=sk.counters is not None,
         PDL=pdl,
+        ONE_ROW=plus and m == 1,
         **(
             {}
             if interpreting()

@@ -45,6 +45,17 @@ SELECT_LOW_MAGS = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_LOW_MAGS.value:#010x
 SELECT_HIGH_MAGS = tl.constexpr(f"lop3.b32 $0, $1, $2, {E2M1_HIGH_MAGS.value:#010x}, 0xE4;")
 ROTR_PAIR2 = tl.constexpr("shf.r.wrap.b32 $0, $1, $1, 2;")
 ROTR_PAIR3 = tl.constexpr("shf.r.wrap.b32 $0, $1, $1, 6;")
+# NVFP4's folded weight scales (`e4m3_fold_scales`): 2^126 * scale * 2^-E4M3_FOLD_LOG2, from
+# the bf16 of scale * 2^-120 by two exact multiplies (2^127 * 2^111 = 2^(120 + 126 - 8))
+E4M3_FOLD_LOG2 = 8
+E4M3_FOLD_UNDO = tl.constexpr(2.0**E4M3_FOLD_LOG2)  # what the folded sums are multiplied by
+E4M3_FOLD_STEP_1 = tl.constexpr(2.0**127)
+E4M3_FOLD_STEP_2 = tl.constexpr(2.0**111)
+E4M3_FOLD_MUL = tl.constexpr(
+    "{ .reg .b32 z, a, b, t; mov.b32 z, 0x80008000; mov.b32 a, 0x7F007F00;"
+    " mov.b32 b, 0x77007700; fma.rn.bf16x2 t, $1, a, z; fma.rn.bf16x2 $0, t, b, z; }"
+)
+BF16_NAN_BITS = tl.constexpr(0x7FC0)
 LOW_HALF = tl.constexpr(0xFFFF)
 HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as int32
 SUM_PIECE = tl.constexpr(512)  # outputs per piece of `reduce_split_tile`'s sum (its docstring)
@@ -245,28 +256,70 @@ def block_word_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def e2m1_folded_word_values(q, s, P: tl.constexpr, WORDS_PER_BLOCK: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, ASM: tl.constexpr = False,
-                            LIFT: tl.constexpr = False):  # fmt: skip
-    """`e2m1_word_values` of int32 words q [R, W] times their blocks' E8M0 scales, the codes
-    s (int32) [R, W / WORDS_PER_BLOCK] all <= 128 (`decode_gemm.small_weight_scales`): one
-    multiply per two values, by 2^126 * scale = 2^(s - 1), exact (the product is the same
-    representable value; above code 128, 2^(s - 1) is not a finite bf16).
-
-    On the GPU the multiply is one bf16x2 instruction (`BF16X2_MUL`) on the packed word and a
-    packed pair of the scale ((s + 126) << 7 in both halves): the pairing of halves is the
-    word's, so no register shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values
-    were paired across words and their halves swapped back, one PRMT per pair)."""
-    bits = e2m1_word_pair_bits(q, P, ASM and tl.bfloat16 == DOT_DTYPE, LIFT)
+def e8m0_fold_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """E8M0 scale codes s (int32) [R, NB], all <= 128 (`decode_gemm.small_weight_scales`), as
+    `e2m1_folded_word_values`' multipliers of each block's words [R, NB * WORDS_PER_BLOCK]:
+    2^126 * scale = 2^(s - 1). On the GPU (bf16) a packed bf16 pair, (s + 126) << 7 in both
+    halves; under the interpreter (fp32) the fp32 value."""
     if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
         sc = _word_columns_i32(((s + 126) << 7) * 0x10001, WORDS_PER_BLOCK)
+    else:
+        sc = _word_columns_i32(((s + 126) << 23), WORDS_PER_BLOCK).to(tl.float32, bitcast=True)
+    return sc
+
+
+@triton.jit
+def e4m3_fold_scales(s, WORDS_PER_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """NVFP4's E4M3 scale bytes s (int32 0..255) [R, NB] as `e2m1_folded_word_values`'
+    multipliers of each block's words: 2^126 * scale * 2^-E4M3_FOLD_LOG2, so that the folded
+    weight values are value * scale * 2^-E4M3_FOLD_LOG2 (the caller multiplies its sums by
+    2^E4M3_FOLD_LOG2, exactly). Every E4M3 value times 2^(126 - 8) is a normal bf16 (2^109
+    to 448 * 2^118 < 2^127), and the products value * scale have at most 6 significant bits
+    and lie in [2^-18, 10.5]: exact in bf16.
+
+    Built from the bits: the byte's magnitude shifted into bf16's fields (E4M3's exponent
+    and mantissa on bf16's lowest exponent and top mantissa bits) is the bf16 of
+    scale * 2^-120, subnormals included (E4M3's subnormal m * 2^-9 becomes bf16's subnormal
+    m * 2^-129), its sign bit moved to bit 15, NaN (0x7F / 0xFF) the bf16 NaN; then two
+    exact multiplies by 2^127 and 2^111 (E4M3_FOLD_STEPS: a subnormal operand times a power
+    of two, kept by PTX's bf16x2 FMA). On the GPU a packed bf16 pair per block; under the
+    interpreter (fp32) the same bits as the top half of an fp32, multiplied in fp32."""
+    mag = s & 0x7F
+    raw = (mag << 4) | ((s & 0x80) << 8)
+    raw = tl.where(mag == 0x7F, BF16_NAN_BITS, raw)
+    if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
+        pair = tl.inline_asm_elementwise(
+            E4M3_FOLD_MUL, "=r,r", [raw * 0x10001], dtype=tl.int32, is_pure=True, pack=1
+        )
+        sc = _word_columns_i32(pair, WORDS_PER_BLOCK)
+    else:
+        v = (raw << 16).to(tl.float32, bitcast=True) * E4M3_FOLD_STEP_1 * E4M3_FOLD_STEP_2
+        sc = _word_columns_i32(v.to(tl.int32, bitcast=True), WORDS_PER_BLOCK).to(
+            tl.float32, bitcast=True
+        )
+    return sc
+
+
+@triton.jit
+def e2m1_folded_word_values(q, sc, P: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            ASM: tl.constexpr = False, LIFT: tl.constexpr = False):  # fmt: skip
+    """`e2m1_word_values` of int32 words q [R, W] times their blocks' scales, with the
+    E2M1 rebias folded into the scale: sc [R, W] from `e8m0_fold_scales` (2^126 * scale,
+    E8M0 codes <= 128) or `e4m3_fold_scales` (NVFP4, 2^126 * scale * 2^-E4M3_FOLD_LOG2). One
+    multiply per two values, exact (the product is the same representable value).
+
+    On the GPU the multiply is one bf16x2 instruction (`BF16X2_MUL`) on the packed word and
+    the packed pair of its scale: the pairing of halves is the word's, so no register
+    shuffles (left to the compiler, the bf16 multiplies of `word_halves`' values were paired
+    across words and their halves swapped back, one PRMT per pair)."""
+    bits = e2m1_word_pair_bits(q, P, ASM and tl.bfloat16 == DOT_DTYPE, LIFT)
+    if DOT_DTYPE == tl.bfloat16:  # noqa: SIM300 (DOT_DTYPE is a parameter, not a constant)
         prod = tl.inline_asm_elementwise(
             BF16X2_MUL, "=r,r,r", [bits, sc], dtype=tl.int32, is_pure=True, pack=1
         )
         v = word_halves(prod, DOT_DTYPE)
     else:
-        sv = ((s + 126) << 23).to(tl.float32, bitcast=True)
-        v = word_halves(bits, DOT_DTYPE) * _word_columns(sv, WORDS_PER_BLOCK)
+        v = word_halves(bits, DOT_DTYPE) * _word_columns_f32(sc)
     return v
 
 
@@ -275,6 +328,13 @@ def _word_columns_i32(v, WORDS_PER_BLOCK: tl.constexpr):
     """Per-block int32 values v [R, NB] repeated over each block's WORDS_PER_BLOCK words."""
     v = tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], WORDS_PER_BLOCK))
     return tl.reshape(v, (v.shape[0], v.shape[1] * WORDS_PER_BLOCK))
+
+
+@triton.jit
+def _word_columns_f32(v):
+    """Per-word values v [R, W] repeated over each word's two columns (`word_halves`')."""
+    v = tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], 2))
+    return tl.reshape(v, (v.shape[0], v.shape[1] * 2))
 
 
 @triton.jit

@@ -123,9 +123,15 @@ def last_gemm(launches: list[Launch]) -> Launch:
 
 
 PDL_MIN_CAPABILITY = 90  # griddepcontrol: sm_90 and later
-# the kernels' constexprs that turn on their griddepcontrol instructions where `pdl_launch`
-# says so (the decode GEMM's wait, the activation quantizer's trigger)
-PDL_CONSTEXPRS = ("PDL", "TRIGGER")
+# the GPU's E2M1 conversion (PTX cvt.rn.satfinite.e2m1x2.f32: sm_100a and later), which the
+# activation quantizer rounds with where it is (`hw_e2m1`)
+HW_E2M1_MIN_CAPABILITY = 100
+# constexprs that switch on instructions of later GPUs, with the capability each needs: the
+# griddepcontrol instructions where `pdl_launch` says so (the decode GEMM's wait, the activation
+# quantizer's trigger), the E2M1 conversion where `hw_e2m1` does (`mxplus kernels --aot`
+# compiles a configuration with them off below it, as the launchers launch it)
+ARCH_CONSTEXPRS = {"PDL": PDL_MIN_CAPABILITY, "TRIGGER": PDL_MIN_CAPABILITY,
+                   "HW_E2M1": HW_E2M1_MIN_CAPABILITY}  # fmt: skip
 
 
 def pdl_launch(device: torch.device) -> bool:
@@ -139,6 +145,13 @@ def pdl_launch(device: torch.device) -> bool:
     return (
         cap is not None and cap >= PDL_MIN_CAPABILITY and settings.gpu_pdl() and _triton_has_pdl()
     )
+
+
+def hw_e2m1(device: torch.device) -> bool:
+    """Whether a launch on `device` rounds to E2M1 with the GPU's own conversion
+    (HW_E2M1_MIN_CAPABILITY; never under the interpreter, which runs no PTX)."""
+    cap = target_capability(device)
+    return cap is not None and cap >= HW_E2M1_MIN_CAPABILITY
 
 
 @functools.cache

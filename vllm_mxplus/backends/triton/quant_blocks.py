@@ -28,6 +28,12 @@ E2M1_RND_HALF = tl.constexpr(2.0**22)  # x + 2^22 rounds x < 2^22 to a multiple 
 E2M1_RND_ONE = tl.constexpr(2.0**23)
 E2M1_RND_TWO = tl.constexpr(2.0**24)
 E2M1_TO_CODE = tl.constexpr(2.0**-126)  # E2M1 value -> fp32 bits code << 22
+# two fp32 values rounded to E2M1 (RNE, saturated at +-6, signs kept) in one byte: $1's code in
+# the high nibble, $2's in the low one (PTX ISA, cvt: "a" upper, "b" lower); sm_100a and later
+E2M1X2_CVT = tl.constexpr(
+    "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $1, $2; cvt.u32.u8 $0, t; }"
+)
+SIGN_BIT = tl.constexpr(-0x80000000)  # 0x80000000 as int32
 
 #: d = 1 above these fp32 mantissa bits, per E8M0 scale rule (docs/numerics.md, "E8M0 block
 #: scales"); shared with the fused sm_90a encoder (triton_act_fp8).
@@ -182,6 +188,48 @@ def e8m0_block_quant_abs(
 
 
 @triton.jit
+def e8m0_block_scaled(sgn, ay, MANT_THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      NB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """`e8m0_block_quant_abs` up to the rounding: (scale codes int32 [BM, NB], the scaled
+    values |y| * 2^(127 - code) with y's signs (sgn's) fp32 [BM, NB * BLOCK]), +0 in a NaN
+    block, for `e2m1_packed_hw` to round."""
+    ay = tl.reshape(ay, (BLOCK_M, NB, BLOCK))
+    code = e8m0_code(nan_max(ay, 2), MANT_THRESHOLD)
+    v = ay * e8m0_reciprocal(code)[:, :, None]
+    sb = tl.reshape(sgn.to(tl.int32, bitcast=True), (BLOCK_M, NB, BLOCK)) & SIGN_BIT
+    v = (v.to(tl.int32, bitcast=True) | sb).to(tl.float32, bitcast=True)
+    # a NaN block's elements: magnitude and sign 0 (its x may hold -NaN, -Inf or -0)
+    v = tl.where((code == E8M0_NAN)[:, :, None], 0.0, v)
+    return code, tl.reshape(v, (BLOCK_M, NB * BLOCK))
+
+
+@triton.jit
+def e2m1_packed_hw(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Signed scaled fp32 values v [BLOCK_M, BLOCK_K] rounded to E2M1 by the GPU's conversion
+    (ASM: E2M1X2_CVT, one per two values; sm_100a and later), packed two per byte as
+    `pack_nibbles` packs (element 2i in the low nibble): uint8 [BLOCK_M, BLOCK_K // 2].
+    The conversion rounds to nearest even and saturates at 6, keeping the sign: the
+    rounding of `e2m1_magnitude_code` (its ties are ties to even in each binade, and it
+    saturates at 6), with the sign bit of v (a negative value that rounds to 0 is -0, code
+    8, as the reference's sign bit gives). Without ASM (the interpreter, which runs no PTX)
+    that rounding stands in for the conversion, so the tests run the rest of the path."""
+    lo, hi = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_K // 2, 2)))
+    if ASM:
+        b = tl.inline_asm_elementwise(E2M1X2_CVT, "=r,r,r", [hi, lo], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    else:
+        b = _e2m1_signed_code(lo) | (_e2m1_signed_code(hi) << 4)
+    return b.to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_signed_code(v):
+    """Signed E2M1 codes (int32) of scaled fp32 values v (no NaN): E2M1X2_CVT's result."""
+    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+    return e2m1_magnitude_code(tl.abs(v), True) | (sign << 3)
+
+
+@triton.jit
 def e4m3_round(s):
     """Round fp32 s in [0, 448] or NaN to float8_e4m3fn (RNE): (byte int32, value fp32)."""
     is_nan = s != s
@@ -270,8 +318,12 @@ def store_codes_and_scales(
     BLOCK_K: tl.constexpr,
 ):
     """Store K tile `tile` of rows offs_m: signed E2M1 codes c [BLOCK_M, NB, BLOCK] packed two
-    per byte (`pack_nibbles`), and the scale bytes s [BLOCK_M, NB] (int32 codes)."""
-    packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
+    per byte (`pack_nibbles`), or already packed (uint8 [BLOCK_M, BLOCK_K // 2]), and the
+    scale bytes s [BLOCK_M, NB] (int32 codes)."""
+    if c.dtype == tl.uint8:
+        packed = c
+    else:
+        packed = pack_nibbles(tl.reshape(c, (BLOCK_M, BLOCK_K)), BLOCK_M, BLOCK_K)
     store_row_tile(codes_ptr, packed, offs_m, mask_m, stride_cm, tile, tl.cdiv(K, 2), BLOCK_K // 2)
     sb = s.to(tl.uint8)
     store_row_tile(
