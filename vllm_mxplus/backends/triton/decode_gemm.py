@@ -85,10 +85,11 @@ value `mbs_sigma` gives), so no program computes it from the byte per step (each
 
 NVFP4's scales folded (W_FOLD with NVFP4, `gemm_blocks.e4m3_fold_scales`): the E4M3 scale as
 a packed bf16 pair of 2^126 * scale * 2^-8 built from its bits, one multiply per two weights
-as E8M0's folded scales have, the sums times 2^8 after the K loop; and without MBS the word
-step's dots accumulate into the accumulator itself (no FADD per accumulator and step):
-NVFP4 at 16 rows sm_90 0.1746 -> 0.1184 warp-instructions per weight, sm_100 0.1746 ->
-0.1182; MXFP4-16-OAS 0.0933 -> 0.0894.
+as E8M0's folded scales have, the sums times 2^8 after the K loop; and where the weight is
+the A operand the word step's dots accumulate into the accumulator itself (no FADD per
+accumulator and step; `_word_step`'s INTO_ACC): NVFP4 at 16 rows sm_90 0.1746 -> 0.1184
+warp-instructions per weight, sm_100 0.1746 -> 0.1182. (E8M0 without MBS in place too
+counted 0.0894 for MXFP4-16-OAS but spilled BS 32's slim tile on sm_100: left out.)
 
 MX+ at one row (ONE_ROW: a launch with M = 1): the block maxima's rest (`_block_max_deltas`)
 summed into a vector of the tile's weight rows across the K loop and added once after it,
@@ -484,10 +485,12 @@ def _word_step(
     at xw_ptrs, W [BLOCK_N, BLOCK_K/8] at ww_ptrs; their block scale codes [rows, BLOCK_K/BS]
     at xs_ptrs / ws_ptrs; the step inside one macro block, whose MBS bytes are at xm_ptrs /
     wm_ptrs): acc ([BLOCK_M, BLOCK_N], transposed where W_A) plus the step's partial product,
-    scaled by sigma_x * sigma_w. Without MBS, where INTO_ACC, the dots accumulate into acc
-    itself (the same fp32 additions in the dots' order, where the step's partial added to
-    acc spent an FADD per accumulator: NVFP4 sm_90 499 -> 485 per 16384 weights; not for
-    MX+, whose block-max terms then follow each step's dots into acc and counted more).
+    scaled by sigma_x * sigma_w. Without MBS, where INTO_ACC (the caller's rule: NVFP4 with
+    the weight as A, and MX+ at one row), the dots accumulate into acc itself (the same fp32
+    additions in the dots' order, where the step's partial added to acc spent an FADD per
+    accumulator: NVFP4 sm_90 499 -> 485 per 16384 weights); elsewhere they did not pay (MX+
+    with its block-max terms added into acc per step counted more; NVFP4's 32-row tile on
+    sm_90 and E8M0 block 32's slim tile on sm_100 spilled).
 
     A dot sums over K in any order, so the step runs four dots of BLOCK_K / 4, dot p over
     the elements 8j + p and 8j + p + 4 of every word j (`e2m1_word_values`), the same
