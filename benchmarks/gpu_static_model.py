@@ -125,6 +125,13 @@ class Count:
     spill_bytes: int
     shared_bytes: int
     block_m: int  # rows per tile: M is padded to whole row tiles
+    fp32_cycles: int = 0  # FP32-lane cycles per warp per iteration (`sass.FP32_PIPE`)
+
+    @property
+    def cycles_per_unit(self) -> float:
+        """Issue-slot cycles per unit of work: the loop's instructions, or its FP32-lane
+        cycles where its packed FP32 arithmetic (sm_100's FFMA2 / FMUL2) takes longer."""
+        return max(self.per_unit, self.fp32_cycles * self.warps / self.work_per_iteration)
 
 
 def gpu_of(capability: int) -> str | None:
@@ -336,18 +343,19 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
             )
         ]
         instr = sum(lp.count for lp in loops) if loops else code.count()
+        fp32 = sum(lp.fp32_cycles for lp in loops) if loops else code.fp32_cycles
         kinds = code.kinds()
         work = cx["BLOCK_M"] * cx["BLOCK_K"]
     else:
         hot = code.hot_loop()
         if hot is None:
             raise RuntimeError(f"{name}: no loop in the machine code")
-        instr, kinds = hot.count, hot.kinds()
+        instr, fp32, kinds = hot.count, hot.fp32_cycles, hot.kinds()
         work = cx["BLOCK_N"] * cx["BLOCK_K"] * (1 if role == "decode" else cx["BLOCK_M"])
     with tempfile.TemporaryDirectory() as d:
         regs, spill = _ptxas_stats(ck.asm["ptx"], arch, d)
     return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
-                 spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]))  # fmt: skip
+                 spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]), fp32)  # fmt: skip
 
 
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
@@ -374,14 +382,14 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
         tiles = padded // g.block_m * -(-n // g.block_m)
         split = _packed_split(tiles, k, gpu) if packed else 1
         fill = min(1.0, tiles * split / GPUS[gpu][1])
-        issue += g.per_unit * padded * n * k * LAYERS / rate / fill
+        issue += g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
         w_bytes = BYTES_PER_WEIGHT if packed else FP8_BYTES
         memory += LAYERS * (n * k * w_bytes + (split > 1) * 8 * split * m * n) / bw
         tensor += padded * n * k * LAYERS / (fp8_flops / 2)
         if not held and not packed:  # the weight's FP8 copy, per call
             w = n * k * LAYERS
-            enc_w += max(ew.per_unit * w / rate, w * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
-    enc_a = max(ea.per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
+            enc_w += max(ew.cycles_per_unit * w / rate, w * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
+    enc_a = max(ea.cycles_per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
     return (issue, tensor, memory), enc_w + enc_a
 
 
@@ -405,11 +413,11 @@ def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool 
         padded = _whole_tiles(m, bm)
         tiles = padded // bm * -(-n // bn)
         fill = min(1.0, tiles * split / sms)
-        issue += g.per_unit * padded * n * k * LAYERS / rate / fill
+        issue += g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
         tensor += padded * n * k * LAYERS / (FP4_FLOPS[gpu] / 2)
         # the weight, and split K's fp32 partials written and read again by the sum
         memory += LAYERS * (n * k * FP4_MMA_BYTES[mbs] + (split > 1) * 8 * split * m * n) / bw
-    act = max(aq.per_unit * m * act_k / rate, m * act_k * (ACT_BYTES + REL_SCALE_BYTES) / bw)
+    act = max(aq.cycles_per_unit * m * act_k / rate, m * act_k * (ACT_BYTES + REL_SCALE_BYTES) / bw)
     return (issue, tensor, memory), act
 
 
@@ -505,21 +513,21 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
     rows = []
     for m in MS:
         memory = (weights * BYTES_PER_WEIGHT + m * act_k * ACT_BYTES) / bw
-        act = max(aq.per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
+        act = max(aq.cycles_per_unit * m * act_k / issue_rate, m * act_k * ACT_BYTES / bw)
         if m <= DECODE_MAX_M:
-            issue = dec.per_unit * weights / issue_rate
+            issue = dec.cycles_per_unit * weights / issue_rate
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
             kernel, bounds, fp8 = "decode", (issue, tensor, memory), None
         else:
             padded = _whole_tiles(m, pre.block_m)
-            packed_bounds = (pre.per_unit * padded * weights / issue_rate,
+            packed_bounds = (pre.cycles_per_unit * padded * weights / issue_rate,
                              padded * weights / mac_rate, memory)  # fmt: skip
             kernel, bounds = "prefill", packed_bounds
             # the batched decode: 32- or 64-row tiles, each a pass over the weight
             tile = gpu_block_m(m, hat=True)
             wide = counts[f"decode mxfp4-mbs {tile} rows"]
             passes = -(-m // tile)
-            wide_bounds = (wide.per_unit * weights * passes / issue_rate,
+            wide_bounds = (wide.cycles_per_unit * weights * passes / issue_rate,
                            passes * tile * weights / mac_rate,
                            (passes * weights * BYTES_PER_WEIGHT + m * act_k * HAT_BYTES) / bw)  # fmt: skip
             fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, act_k, held)
@@ -579,7 +587,7 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
     ex = counts[case]
     weights = 2 * 14336 * 4096
     rows = _whole_tiles(tokens, ex.block_m)
-    ours = max(ex.per_unit * rows * weights / _issue_rate(gpu),
+    ours = max(ex.cycles_per_unit * rows * weights / _issue_rate(gpu),
                rows * weights / (bf16_flops / 2), weights * BYTES_PER_WEIGHT / bw)  # fmt: skip
     bf16 = max(weights * 2 / bw, tokens * weights / (bf16_flops / 2))
     return {"gpu": gpu, "case": case, "tokens": tokens, "estimate_us": ours * 1e6,
@@ -607,7 +615,7 @@ def decode_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
     rows = []
     for fmt, (case, nbytes) in DECODE_FORMATS.items():
         c = counts[case]
-        issue, memory = c.per_unit * weights / _issue_rate(gpu), weights * nbytes / bw
+        issue, memory = c.cycles_per_unit * weights / _issue_rate(gpu), weights * nbytes / bw
         ours = max(issue, memory) + launch
         rows.append({"gpu": gpu, "format": fmt, "case": case, "per_weight": c.per_unit,
                      "issue_ms": issue * 1e3, "memory_ms": memory * 1e3,
@@ -632,7 +640,7 @@ def cutlass_sm100(counts: dict[str, Count], gpu: str, m: int, mbs: bool) -> dict
         per_launch = max(m * n * kc / fp4,
                          ((n + m) * kc * FP4_BYTES + (m * n * OUT_RMW_BYTES if mbs else 0)) / bw)  # fmt: skip
         cast = m * n * (4 + 2) / bw + LAUNCH_S if mbs else 0.0
-        act = max(aq.per_unit * m * k / _issue_rate(gpu), m * k * ACT_BYTES / bw) + LAUNCH_S
+        act = max(aq.cycles_per_unit * m * k / _issue_rate(gpu), m * k * ACT_BYTES / bw) + LAUNCH_S
         total += LAYERS * (chunks * (per_launch + LAUNCH_S) + cast + act)
         bf16 += LAYERS * max(n * k * 2 / bw, m * n * k / (bf16_flops / 2))
     return {"gpu": gpu, "M": m, "mbs": mbs, "estimate_ms": total * 1e3,
@@ -644,7 +652,7 @@ def act_quant_vs_copy(counts: dict[str, Count], gpu: str) -> dict:
     against a bf16 copy of the same activation (2 bytes read, 2 written) at the bandwidth."""
     bw = GPUS[gpu][3]
     aq = counts["act-quant mxfp4-mbs-s"]
-    ours = max(aq.per_unit / _issue_rate(gpu), ACT_BYTES / bw)
+    ours = max(aq.cycles_per_unit / _issue_rate(gpu), ACT_BYTES / bw)
     copy = 4.0 / bw
     return {"gpu": gpu, "act_quant_ps_per_element": ours * 1e12,
             "bf16_copy_ps_per_element": copy * 1e12, "time_vs_copy": ours / copy}  # fmt: skip
@@ -672,6 +680,32 @@ def fp4_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
                      "no_mbs_vs_bf16": bf16 / per[False],
                      "mbs_overhead": per[True] / per[False] - 1})  # fmt: skip
     return rows
+
+
+# MBS's promotion per output element and 128-K chunk: the factors' product and the
+# accumulation, acc += part * (fa * fb) (`fp4_scaled_gemm`, `fp8_chunk_gemm`); two FP32
+# operations however they are packed (fa and fb vary per row and per column, and per chunk)
+MBS_PROMOTION_FP32_OPS = 2
+FP32_LANES_PER_SM = 128  # FP32 FMAs per SM and clock (H200, B200)
+
+
+def mbs_promotion_ceiling(gpu: str) -> dict:
+    """The most a per-chunk MBS promotion in fp32 lets a block-scaled MMA do, whatever its
+    code: per output element and 128-K chunk the tensor cores do CHUNK MACs and the FP32
+    lanes MBS_PROMOTION_FP32_OPS operations. With the two overlapped perfectly (warp
+    specialization) and nothing else in the loop, MBS takes max(MMA, promotion); without MBS
+    the MMA alone. On the GPU's lowest-precision MMA that has block scales: FP4 on sm_100,
+    FP8 (the E4M3 re-encoding) on sm_90."""
+    from vllm_mxplus.formats.constants import MACRO_BLOCK
+
+    _, sms, ghz, _, bf16_flops, fp8_flops = GPUS[gpu]
+    kind, flops = ("FP4", FP4_FLOPS[gpu]) if gpu in FP4_FLOPS else ("FP8", fp8_flops)
+    mma = MACRO_BLOCK / (flops / 2)  # seconds per output element and chunk, the whole GPU
+    promotion = MBS_PROMOTION_FP32_OPS / (sms * FP32_LANES_PER_SM * ghz * 1e9)
+    bf16 = MACRO_BLOCK / (bf16_flops / 2)
+    return {"gpu": gpu, "mma": kind, "promotion_over_mma": promotion / mma,
+            "min_mbs_overhead": max(0.0, promotion / mma - 1),
+            "max_mbs_vs_bf16": bf16 / max(mma, promotion), "max_no_mbs_vs_bf16": bf16 / mma}  # fmt: skip
 
 
 def _commit() -> str:
@@ -715,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     act = {g: act_quant_vs_copy(counts[GPUS[g][0]], g) for g in gpus}
     formats = {g: decode_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
     fp4_formats = {g: fp4_formats_vs_bf16(counts[GPUS[g][0]], g) for g in gpus}
+    ceilings = [mbs_promotion_ceiling(g) for g in gpus]
     sm100 = [
         cutlass_sm100(counts[GPUS[g][0]], g, m, mbs)
         for g in gpus
@@ -741,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimates_fp8_weight_held": held,
         "decode_per_format_m1": formats,
         "fp4_mma_prefill_per_format": fp4_formats,
+        "mbs_promotion_ceiling": ceilings,
         "cutlass_sm100_bound_model": sm100,
         "act_quant_vs_bf16_copy": act,
         "expert_gemm_vs_bf16": list(moe.values()),
@@ -797,6 +833,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['M']:>5}{r['mbs_ms']:>9.3f}{r['mbs_vs_bf16']:>6.2f}x{r['no_mbs_ms']:>9.3f}"
                   f"{r['no_mbs_vs_bf16']:>6.2f}x{r['bf16_estimate_ms']:>9.3f}"
                   f"{r['mbs_overhead']:>+16.0%}")  # fmt: skip
+    print("\n## MBS's per-chunk promotion (2 FP32 operations per output element and 128-K "
+          "chunk, 128 FP32 lanes per SM) against the MMA's 128 MACs: the CEILING of any MBS "
+          "prefill kernel, STATIC ESTIMATE")  # fmt: skip
+    for c in ceilings:
+        print(f"{c['gpu']:<6}{c['mma']} MMA: promotion {c['promotion_over_mma']:.2f}x the MMA's "
+              f"time; MBS at least {c['min_mbs_overhead']:+.0%} over no MBS; at most "
+              f"{c['max_mbs_vs_bf16']:.2f}x bf16 (no MBS {c['max_no_mbs_vs_bf16']:.2f}x)")  # fmt: skip
     if sm100:
         print("\n## CUTLASS sm_100a FP4 GEMM, Llama-3-8B linears: BOUND MODEL (tensor, memory, "
               "launches; its machine code not counted), STATIC ESTIMATE (ms)")  # fmt: skip

@@ -78,6 +78,27 @@ def test_out_of_line_wait_is_no_loop():
     assert hot is not None and (hot.start, hot.end) == (0x00, 0x30) and hot.count == 4
 
 
+PACKED = """
+.L_x_3:
+        /*0000*/                   LDTM.x64 R4, tmem[UR8] ;
+        /*0010*/                   FMUL2 R70, R70.F32x2.HI_LO, R235.F32 ;
+        /*0020*/                   FFMA2 R152, R70.F32x2.HI_LO, R22.F32x2.HI_LO, R152.F32x2.HI_LO ;
+        /*0030*/                   FFMA R8, R9, R10, R8 ;
+        /*0040*/                   FADD R8, R8, R11 ;
+        /*0050*/                   IMAD R12, R12, 0x200, R5 ;
+        /*0060*/                   HFMA2 R13, R14, R15, R13 ;
+        /*0070*/                   BRA.U UP0, `(.L_x_3) ;
+"""
+
+
+def test_fp32_lane_cycles_count_packed_work_twice():
+    """FMUL2 and FFMA2 take one issue slot and two FP32-lane cycles each, FFMA and FADD one;
+    IMAD, HFMA2 (the half-precision pipe) and the rest none."""
+    (lp,) = sass.parse(PACKED).loops()
+    assert lp.count == 8
+    assert lp.fp32_cycles == 2 + 2 + 1 + 1
+
+
 def test_opcode_strips_predicate_and_modifiers():
     ins = sass.Instr(0, "@!P1 LDG.E.128 R4, desc[UR4][R2.64]")
     assert ins.opcode == "LDG" and not ins.tensor_core

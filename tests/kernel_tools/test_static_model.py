@@ -90,3 +90,31 @@ def test_launch_time_is_added_per_launch(monkeypatch):
     for f, p in zip(free, paid, strict=True):
         assert p["estimate_ms"] - f["estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)
         assert p["bf16_estimate_ms"] - f["bf16_estimate_ms"] == pytest.approx(gsm.LAYERS * 4 * 1e-3)
+
+
+def test_packed_fp32_arithmetic_bounds_before_the_issue_slots():
+    """A loop of 100 instructions per warp whose FP32 work takes 160 lane cycles (e.g. 80
+    FFMA2) is held by the FP32 lanes: 160 cycles per iteration, not 100; without packed
+    work the issue slots count."""
+    c = gsm.Count("k", "prefill", "MAC", 100, 100, 8, 1 << 21, 100 * 8 / (1 << 21), {}, 0, 0, 0,
+                  128, fp32_cycles=160)  # fmt: skip
+    assert c.cycles_per_unit == pytest.approx(160 * 8 / (1 << 21))
+    c.fp32_cycles = 64
+    assert c.cycles_per_unit == c.per_unit
+
+
+def test_mbs_promotion_ceiling_by_hand():
+    """B200: per output element and 128-K chunk the FP4 MMA takes 128 / 4.5e15 s, the
+    promotion's 2 FP32 operations 2 / (148 x 128 x 1.965e9) s: 1.889x the MMA, so MBS costs
+    at least +89% over the MMA without it and reaches at most 2.12x bf16's peak (no MBS: 4x,
+    FP4's peak over bf16's). H200: the FP8 MMA takes 128 / 0.9895e15 s, the promotion
+    0.462x that: hidden when overlapped, both at FP8's 2.0x."""
+    b = gsm.mbs_promotion_ceiling("B200")
+    assert b["mma"] == "FP4"
+    assert b["promotion_over_mma"] == pytest.approx(1.8889, abs=1e-4)
+    assert b["min_mbs_overhead"] == pytest.approx(0.8889, abs=1e-4)
+    assert b["max_mbs_vs_bf16"] == pytest.approx(2.1177, abs=1e-4)
+    assert b["max_no_mbs_vs_bf16"] == pytest.approx(4.0)
+    h = gsm.mbs_promotion_ceiling("H200")
+    assert h["mma"] == "FP8" and h["promotion_over_mma"] == pytest.approx(0.4622, abs=1e-4)
+    assert h["min_mbs_overhead"] == 0.0 and h["max_mbs_vs_bf16"] == pytest.approx(2.0010, abs=1e-4)

@@ -7,7 +7,9 @@ disassembled with the `nvdisasm` that Triton's wheel ships, and parsed: every in
 with its address, every label, and the loops, which in SASS are the backward branches (a
 `BRA` to a label at or before it). The hot loop is the loop holding the most tensor-core
 instructions (the most instructions when there is none); its instruction count (NOPs
-excluded) is what one warp issues per iteration. Tensor-core kinds: HMMA (mma.sync, any
+excluded) is what one warp issues per iteration; its FP32-pipe cycles (`FP32_PIPE`) what
+it asks of the FP32 lanes, which bound a loop of packed FP32 arithmetic before its issue
+slots do. Tensor-core kinds: HMMA (mma.sync, any
 generation), HGMMA / QGMMA (Hopper wgmma), UTC*MMA (Blackwell tcgen05), IMMA (integer).
 """
 
@@ -22,6 +24,11 @@ from dataclasses import dataclass, field
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
 _TARGET = re.compile(r"`\((\.L_[\w]+)\)")
+# cycles of one SM sub-partition's 32 FP32 lanes per warp-instruction: sm_100's packed
+# FFMA2 / FMUL2 / FADD2 take one issue slot but do two lanes' work (Blackwell's FP32 peak is
+# 128 FMAs per SM and clock, as Hopper's: B200's published ~75-80 TFLOPS over 148 SMs at
+# 1.965 GHz); other instructions on that pipe (IMAD's share of it) are not counted
+FP32_PIPE = {"FFMA": 1, "FMUL": 1, "FADD": 1, "FFMA2": 2, "FMUL2": 2, "FADD2": 2}
 TENSOR_CORE = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA", "UTCMMA", "IMMA")
 
 
@@ -51,6 +58,11 @@ class Loop:
     def count(self) -> int:
         """Instructions one warp issues per iteration (NOPs excluded)."""
         return sum(1 for i in self.body if i.opcode != "NOP")
+
+    @property
+    def fp32_cycles(self) -> int:
+        """Cycles of the FP32 lanes one warp takes per iteration (`FP32_PIPE`)."""
+        return sum(FP32_PIPE.get(i.opcode, 0) for i in self.body)
 
     def kinds(self) -> dict[str, int]:
         """Tensor-core instructions in the body by opcode."""
@@ -99,6 +111,10 @@ class Sass:
 
     def count(self) -> int:
         return sum(1 for i in self.instrs if i.opcode != "NOP")
+
+    @property
+    def fp32_cycles(self) -> int:
+        return Loop(0, 0, self.instrs).fp32_cycles
 
     def kinds(self) -> dict[str, int]:
         return Loop(0, 0, self.instrs).kinds()
