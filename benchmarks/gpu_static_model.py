@@ -241,12 +241,12 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
 
         decode_gemm(u8(1, k // 2), u8(1, k // 32), None, u8(n, k // 2), u8(n, k // 32), None,
                     k, None, bf16, block_size=32, macro_block=128, split_k=1,
-                    x_hat=_meta((1, hat_cols(k)), bf16), w_block_max=u8(n, k // 32),
+                    x_hat=_meta((1, hat_cols(k)), bf16), w_block_max=_meta((n, k // 32), torch.int16),
                     w_small_scales=True)  # fmt: skip
 
     def decode_mx(fmt: str, bs: int) -> Callable[[], None]:
         def go() -> None:  # mx_gemm's decode tile: NVFP4 rows with given g, MX+ off x_hat
-            mx_gemm(_mx_operand(1, k, fmt, bs, None), _mx_operand(n, k, fmt, bs, None), k,
+            mx_gemm(_mx_operand(1, k, fmt, bs, None), _mx_operand(n, k, fmt, bs, None, True), k,
                     None, bf16, fmt=fmt, block_size=bs, macro_block=128, split_k=1)  # fmt: skip
 
         return go
@@ -595,12 +595,12 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
 
 
 # the decode cases per weight format at M = 1, and their bytes per weight (4 bits + the
-# scale byte per block + MBS byte per 128 / MX+ index byte per 32)
+# scale byte per block + MBS byte per 128 / MX+'s 16-bit block-max word per 32, `plus_words`)
 DECODE_FORMATS = {
     "mxfp4-mbs": ("decode mxfp4-mbs", BYTES_PER_WEIGHT),
     "mxfp4-16-oas": ("decode mxfp4-16-oas", 0.5625),
     "nvfp4": ("decode nvfp4", 0.5625),
-    "mxplus": ("decode mxplus", 0.5625),
+    "mxplus": ("decode mxplus", 0.5 + 1 / 32 + 2 / 32),
 }
 
 

@@ -221,7 +221,8 @@ def _drive_decode_gemm_mxplus(shapes: tuple, out_dtypes: tuple, quick: bool) -> 
             decode_gemm(
                 u8(rows, k // 2), u8(rows, nb), None, u8(n, k // 2), u8(n, nb), None, k,
                 _meta((n,), out_dtype) if bias else None, out_dtype, block_size=32,
-                x_hat=_meta((rows, hat_cols(k)), torch.bfloat16), w_block_max=u8(n, nb),
+                x_hat=_meta((rows, hat_cols(k)), torch.bfloat16),
+                w_block_max=_meta((n, nb), torch.int16),
                 macro_block=128, split_k=split, w_small_scales=fold,
             )  # fmt: skip
 
@@ -257,14 +258,17 @@ def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> N
                 )  # fmt: skip
 
 
-def _mx_operand(rows: int, k: int, fmt: str, bs: int, macro: int | None) -> tuple:
+def _mx_operand(
+    rows: int, k: int, fmt: str, bs: int, macro: int | None, words: bool = False
+) -> tuple:
     """(codes, scales, extra, global) of `rows` rows of an `mx_gemm` operand of kind fmt
-    ('e8m0' with MBS bytes when macro is given, 'nvfp4', 'mxplus') at block size bs."""
+    ('e8m0' with MBS bytes when macro is given, 'nvfp4', 'mxplus') at block size bs; words:
+    MX+'s block maxima as a linear's weight holds them (`plus_words`), else indices."""
     from vllm_mxplus.formats.constants import ceil_div
 
     extra = None
     if fmt == "mxplus":
-        extra = _meta((rows, ceil_div(k, 32)), torch.uint8)
+        extra = _meta((rows, ceil_div(k, 32)), torch.int16 if words else torch.uint8)
     elif macro is not None:
         extra = _meta((rows, ceil_div(k, macro)), torch.uint8)
     g = _meta((rows,), torch.float32) if fmt == "nvfp4" else None
@@ -315,7 +319,7 @@ def _drive_mx_gemm(quick: bool) -> None:
         for split in (1, 4) if m == 16 else (1,):
             mx_gemm(
                 _mx_operand(m, k, fmt, bs, macro),
-                _mx_operand(n, k, fmt, bs, macro),
+                _mx_operand(n, k, fmt, bs, macro, words=True),
                 k,
                 _meta((n,), out_dtype) if bias else None,
                 out_dtype,

@@ -19,6 +19,7 @@ from test_triton_decode_nvfp4 import decode_layer
 from vllm_mxplus.backends.triton.act_quant_plus import act_quant_mxplus_hat
 from vllm_mxplus.backends.triton.decode_gemm import decode_gemm
 from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
+from vllm_mxplus.backends.triton.plus_words import block_max_words
 from vllm_mxplus.backends.triton.x_hat import to_hat_order
 from vllm_mxplus.formats import quantize
 from vllm_mxplus.formats.constants import NO_BLOCK_MAX
@@ -38,11 +39,15 @@ def operands(m: int, k: int, n: int, device, seed: int = 0):
     return x, qx, qw
 
 
+def words(qw):
+    return block_max_words(qw.codes, qw.scales, qw.block_max_index)
+
+
 def run(x, qw, k, **kw):
     kw.setdefault("macro_block", 128)
     codes, scales, bm, x_hat = act_quant_mxplus_hat(x)
     return decode_gemm(codes, scales, None, qw.codes, qw.scales, None, k, x_hat=x_hat,
-                       w_block_max=qw.block_max_index, **kw)  # fmt: skip
+                       w_block_max=words(qw), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("m,k", [(1, 1024), (5, 320), (33, 4096)])
@@ -84,7 +89,7 @@ def test_bias_split_k_and_output_dtype(out_dtype, split_k, m, triton_device):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_block_max_terms_matter(m, triton_device):
-    """Without the weight's block maxima (every index 255) the same call leaves the bound:
+    """Without the weight's block maxima (every word 0) the same call leaves the bound:
     the correction is what makes the result the spec's, summed per step into the
     accumulator's rows (M = 3) or apart across the K loop (M = 1: the kernel's ONE_ROW)."""
     x, qx, qw = operands(m, 1024, 64, triton_device, seed=9)
@@ -93,7 +98,7 @@ def test_block_max_terms_matter(m, triton_device):
     assert last_gemm(launches).kwargs["ONE_ROW"] is (m == 1)
     assert_within_bound(run(x, qw, 1024, out_dtype=torch.float32), *reference(qx, qw),
                         torch.float32)  # fmt: skip
-    none = torch.full_like(qw.block_max_index, NO_BLOCK_MAX)
+    none = torch.zeros_like(words(qw))
     codes, scales, _, x_hat = act_quant_mxplus_hat(x)
     y = decode_gemm(codes, scales, None, qw.codes, qw.scales, None, 1024, x_hat=x_hat,
                     w_block_max=none, out_dtype=torch.float32, macro_block=128)  # fmt: skip
@@ -123,13 +128,15 @@ def test_bad_arguments_name_the_operand(triton_device):
     codes, scales, _, x_hat = act_quant_mxplus_hat(x)
     args = (codes, scales, None, qw.codes, qw.scales, None, 256)
     with pytest.raises(ValueError, match="needs x_hat"):
-        decode_gemm(*args, macro_block=128, w_block_max=qw.block_max_index)
-    with pytest.raises(ValueError, match="w_block_max must be uint8"):
-        decode_gemm(*args, macro_block=128, x_hat=x_hat, w_block_max=qw.block_max_index[:, :3])
+        decode_gemm(*args, macro_block=128, w_block_max=words(qw))
+    with pytest.raises(ValueError, match="w_block_max must be the block-max words int16"):
+        decode_gemm(*args, macro_block=128, x_hat=x_hat, w_block_max=words(qw)[:, :3])
+    with pytest.raises(ValueError, match="block_max_words"):  # the indices, not the words
+        decode_gemm(*args, macro_block=128, x_hat=x_hat, w_block_max=qw.block_max_index)
     with pytest.raises(ValueError, match="block 32 without MBS"):
         e8 = quantize(torch.randn(32, 256).to(triton_device), "mxfp4-16-oas")
         decode_gemm(codes, e8.scales[:2], None, e8.codes, e8.scales, None, 256, block_size=16,
-                    macro_block=128, x_hat=x_hat, w_block_max=qw.block_max_index)  # fmt: skip
+                    macro_block=128, x_hat=x_hat, w_block_max=words(qw))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,10 @@ MX+ at one row (ONE_ROW: a launch with M = 1): the block maxima's rest (`_block_
 summed into a vector of the tile's weight rows across the K loop and added once after it,
 where each step added it row by row into the accumulator (a loop inside the K loop, which
 kept the loads out of the software pipeline, and a layout change per step): sm_100 0.1707 ->
-0.1458, sm_90 (the slim tile then: `slim_tile`) 0.1604 -> 0.1462.
+0.1458, sm_90 (the slim tile then: `slim_tile`) 0.1604 -> 0.1462. The rest read from one
+16-bit word per block built at load (`plus_words`: delta's bf16 bits over the position),
+where each step gathered the block max's code byte and read the index and the scale: 0.1462
+-> 0.1060 (sm_90 and sm_100).
 """
 
 from __future__ import annotations
@@ -113,11 +116,9 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     dot_f32,
     e2m1_folded_word_values,
     e2m1_pair_values,
-    e2m1_value,
     e2m1_word_values,
     e4m3_fold_scales,
     e8m0_fold_scales,
-    e8m0_value,
     macro_block_dot,
     mbs_factors,
     mbs_sigma,
@@ -146,6 +147,7 @@ from vllm_mxplus.backends.triton.launch import (
     tl,
     triton,
 )
+from vllm_mxplus.backends.triton.plus_words import DELTA_MASK, POS_MASK
 from vllm_mxplus.backends.triton.x_hat import HAT_CHUNK, HAT_DTYPE, hat_cols
 from vllm_mxplus.formats.constants import ceil_div
 
@@ -333,9 +335,8 @@ def _decode_gemm_kernel(
     else:
         xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
         xh_off = i_m[:, None] * stride_xhm + xh_col
-    if PLUS:  # MX+ (`_word_step`): x_hat rows, weight code bytes and block-max index columns
+    if PLUS:  # MX+ (`_word_step`): x_hat rows and the weight's block-max word columns
         tl.static_assert(X_HAT and WORDS and not MOE, "MX+ reads x_hat on the word path")
-        wc_rows = i_n * stride_wcn
         wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
         bm1 = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -371,16 +372,14 @@ def _decode_gemm_kernel(
             )  # fmt: skip
             if PLUS and ONE_ROW:
                 delta, hp, has = _block_max_deltas(
-                    wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off, ws_base + sb0 + ws_off2,
-                    mask_n, block_ok, BS, BLOCK_K,
+                    wm_base + sb0 + wbm_off, mask_n, block_ok, BS, BLOCK_K
                 )  # fmt: skip
                 xg = tl.load(xh_base + k0 + hp, mask=has, other=0.0).to(tl.float32)
                 bm1 += tl.sum(xg * delta, axis=1)
             elif PLUS:
                 acc_w = _block_max_terms(
-                    acc_w, xh_base + k0, wc_base + kb0 + wc_rows, wm_base + sb0 + wbm_off,
-                    ws_base + sb0 + ws_off2, tl.minimum(BLOCK_M, M - m0), stride_xhm, mask_n,
-                    block_ok, BS, BLOCK_M, BLOCK_K, W_A,
+                    acc_w, xh_base + k0, wm_base + sb0 + wbm_off, tl.minimum(BLOCK_M, M - m0),
+                    stride_xhm, mask_n, block_ok, BS, BLOCK_M, BLOCK_K, W_A,
                 )  # fmt: skip
         else:
             # bytes past the row's KB; for odd K the last high nibble is code 0 (pack_fp4's padding)
@@ -589,29 +588,24 @@ def weight_is_a(device: torch.device, nvfp4: bool, block_m: int) -> bool:
 
 
 @triton.jit
-def _block_max_deltas(wc_rows, wbm_ptrs, ws_ptrs, mask_n, block_ok, BS: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
+def _block_max_deltas(wbm_ptrs, mask_n, block_ok, BS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The MX+ weights' block-max rest of one K step: (delta [BLOCK_N, NB], the position of
     each block max element in the step's x_hat chunks [BLOCK_N, NB], whether the block has
-    one). The step's dots decoded every weight code as plain E2M1, so the block-max element
-    of each block (index wbm_ptrs [BLOCK_N, NB], 255: none) entered as +-E2M1(j) * X where
-    the spec's value is +-(8 + j) / 2 * X (docs/numerics.md, "MX+"); the rest is x_hat[m, k]
-    * delta[n, b] with delta = +-((8 + j) / 2 - E2M1(j)) * X: the code from its byte
-    (weight rows at wc_rows), X from the block's scale code (ws_ptrs). delta has the plain
-    value's sign (both magnitudes are positive), so |x w| splits into |x plain| + |x delta|
-    and the products stay exact: the bound's S is unchanged."""
+    one), from the weight's block-max words at wbm_ptrs (`plus_words`: delta's bf16 bits
+    above the block max's position, 0 for none). The step's dots decoded every weight code
+    as plain E2M1, so the block-max element of each block entered as +-E2M1(j) * X where
+    the spec's value is +-(8 + j) / 2 * X (docs/numerics.md, "MX+"); the rest is
+    x_hat[m, k] * delta[n, b] with delta = +-((8 + j) / 2 - E2M1(j)) * X. delta has the
+    plain value's sign (both magnitudes are positive), so |x w| splits into |x plain| +
+    |x delta| and the products stay exact: the bound's S is unchanged."""
     NB: tl.constexpr = BLOCK_K // BS
     i_b = tl.arange(0, NB)
     live = mask_n[:, None] & block_ok
-    idx = tl.load(wbm_ptrs, mask=live, other=255).to(tl.int32)
-    has = live & (idx != 255)
-    pos = i_b[None, :] * BS + tl.where(has, idx, 0)  # the element within the step
-    byte = tl.load(wc_rows[:, None] + pos // 2, mask=has, other=0).to(tl.int32)
-    code = (byte >> ((pos & 1) * 4)) & 15
-    j = code & 7
-    ws = tl.load(ws_ptrs, mask=has, other=127).to(tl.int32)
-    delta = ((8 + j).to(tl.float32) * 0.5 - e2m1_value(j)) * e8m0_value(ws)
-    delta = tl.where(has, tl.where((code & 8) != 0, -delta, delta), 0.0)
+    word = tl.load(wbm_ptrs, mask=live, other=0).to(tl.int32)
+    bits = word & DELTA_MASK
+    has = bits != 0
+    delta = (bits << 16).to(tl.float32, bitcast=True)
+    pos = i_b[None, :] * BS + (word & POS_MASK)  # the element within the step
     # x_hat's position of element pos: chunk pos // 128, then 32p + 2j + h (`x_hat`)
     e = pos % HAT_STEP
     hp = (pos // HAT_STEP) * HAT_STEP + (e % 4) * 32 + (e // 8) * 2 + (e // 4) % 2
@@ -619,8 +613,8 @@ def _block_max_deltas(wc_rows, wbm_ptrs, ws_ptrs, mask_n, block_ok, BS: tl.const
 
 
 @triton.jit
-def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm, mask_n,
-                     block_ok, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _block_max_terms(acc, xh_base, wbm_ptrs, rows, stride_xhm, mask_n, block_ok,
+                     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_A: tl.constexpr):  # fmt: skip
     """acc ([BLOCK_M, BLOCK_N], or transposed where W_A) plus the block-max rest of one K
     step (`_block_max_deltas`) for each of the tile's `rows` live rows in turn, the
@@ -628,7 +622,7 @@ def _block_max_terms(acc, xh_base, wc_rows, wbm_ptrs, ws_ptrs, rows, stride_xhm,
     pitch stride_xhm; a decode step has one row: rows past M cost nothing). One row (the
     kernel's ONE_ROW) sums the rest apart from acc instead, across the K loop."""
     i_m = tl.arange(0, BLOCK_M)
-    delta, hp, has = _block_max_deltas(wc_rows, wbm_ptrs, ws_ptrs, mask_n, block_ok, BS, BLOCK_K)
+    delta, hp, has = _block_max_deltas(wbm_ptrs, mask_n, block_ok, BS, BLOCK_K)
     for r in range(0, rows):
         xg = tl.load(xh_base + r * stride_xhm + hp, mask=has, other=0.0).to(tl.float32)
         term = tl.sum(xg * delta, axis=1)  # [BLOCK_N]
@@ -842,14 +836,15 @@ def _check_block_max(
     bm: torch.Tensor, bs: int, has_mbs: bool, x_hat: torch.Tensor | None, n: int, k: int
 ) -> None:
     """A ValueError naming what MX+ on the decode GEMM lacks: block 32, no MBS bytes, the
-    activation's x_hat, block-max indices uint8 [N, ceil(K/32)]."""
+    activation's x_hat, block-max words int16 [N, ceil(K/32)] (`plus_words`)."""
     if bs != 32 or has_mbs:
         raise ValueError(f"decode_gemm: MX+ is block 32 without MBS bytes, got block {bs}")
     if x_hat is None:
         raise ValueError("decode_gemm: MX+ needs x_hat (`act_quant_mxplus_hat`)")
-    if bm.dtype != torch.uint8 or tuple(bm.shape) != (n, ceil_div(k, 32)):
+    if bm.dtype != torch.int16 or tuple(bm.shape) != (n, ceil_div(k, 32)):
         raise ValueError(
-            f"decode_gemm: w_block_max must be uint8 [{n}, {ceil_div(k, 32)}], got "
+            f"decode_gemm: w_block_max must be the block-max words int16 [{n}, "
+            f"{ceil_div(k, 32)}] (`plus_words.block_max_words`), got "
             f"{bm.dtype} {tuple(bm.shape)}"
         )
 
@@ -934,8 +929,8 @@ def decode_gemm(
     (`act_quant_hat` of nvfp4). The kernel multiplies its sums by g_x[m] * g_w[n] as
     `mx_gemm` does, and the bound of its docstring holds.
 
-    MX+ (w_block_max given: the weight's block-max indices uint8 [N, ceil(K/32)], 255 for
-    none): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat
+    MX+ (w_block_max given: the weight's block-max words int16 [N, ceil(K/32)],
+    `plus_words.block_max_words`): block 32 E8M0 scales, no MBS bytes, and the activation only as x_hat
     (`act_quant_mxplus_hat`: the block maxima's values included), on the word path (`reads_x_hat`);
     the weight's block maxima are added per block (`_block_max_terms`). The bound holds with
     K/32 more additions. An x_hat of +-Inf against a weight block max of 4 * X would give NaN,

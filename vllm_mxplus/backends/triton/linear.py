@@ -44,6 +44,7 @@ from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
 from vllm_mxplus.backends.triton.mx_gemm import operand_format
 from vllm_mxplus.backends.triton.ops import act_quant_hat_op, act_quant_op, decode_gemm_op
+from vllm_mxplus.backends.triton.plus_words import block_max_words
 from vllm_mxplus.formats import QuantizedTensor, get_format, quantize
 
 DECODE_MAX_M = 16  # the decode GEMM's 16-row tile: every E8M0 layer up to here
@@ -57,7 +58,7 @@ DECODE_MAX_M = 16  # the decode GEMM's 16-row tile: every E8M0 layer up to here
 BATCHED_DECODE_MAX_M = 128
 HELD_DECODE_MAX_M = 64
 # codes, scales (E8M0 bytes, or float8_e4m3fn for NVFP4), and the MBS bytes or MX+ block-max
-# indices (None otherwise)
+# words (`plus_words`; None otherwise)
 ATTRS = ("mxplus_w_codes", "mxplus_w_scales", "mxplus_w_mbs")
 GLOBAL_ATTR = "mxplus_w_global"  # NVFP4: fp32 global scale of each weight row [N]
 SMALL_SCALES_ATTR = "mxplus_w_small_scales"  # `decode_gemm.small_weight_scales` of the weight
@@ -177,6 +178,9 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
 
     def process_weights_after_loading(self, layer: Layer, qweight: QuantizedTensor) -> None:
         codes, scales, extra, g = weight_operands(qweight)
+        if extra is not None and qweight.spec.block_max_mantissa:
+            # MX+: the block maxima as the words the decode GEMM reads (mx_gemm takes them too)
+            extra = block_max_words(codes, scales, extra)
         set_packed_buffers(layer, (*ATTRS, GLOBAL_ATTR), (codes, scales, extra, g))
         # checked once here (a host sync), read by every decode call
         setattr(
@@ -220,7 +224,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
                 x2, spec.activation_format, macro_block=spec.macro_block
             )
         plus = get_format(spec.weight_format).block_max_mantissa
-        extra = layer.mxplus_w_mbs  # MBS bytes, or MX+'s block-max indices (`weight_operands`)
+        extra = layer.mxplus_w_mbs  # MBS bytes, or MX+'s block-max words (`plus_words`)
         y = decode_gemm_op(
             a_codes,
             a_scales,

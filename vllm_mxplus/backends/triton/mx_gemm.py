@@ -67,6 +67,7 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     plan_split_k,
 )
 from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.plus_words import DELTA_MASK, POS_MASK
 from vllm_mxplus.formats import get_format
 from vllm_mxplus.formats.constants import ceil_div
 
@@ -165,11 +166,12 @@ def dequant_rows(
     else:
         lo, hi = e2m1_pair_values(cb)
     if FMT == 2:  # MX+: the block-max element (index within the block of 32 = BS)
-        bm = tl.load(
-            e_ptr + rows_e[:, None, None] + (k0 // BS + i_b[None, :, None]),
-            mask=sm,
-            other=255,
-        ).to(tl.int32)
+        e_at = e_ptr + rows_e[:, None, None] + (k0 // BS + i_b[None, :, None])
+        if e_ptr.dtype.element_ty == tl.int16:  # a weight's words (`plus_words`): 0 for none
+            word = tl.load(e_at, mask=sm, other=0).to(tl.int32)
+            bm = tl.where((word & DELTA_MASK) != 0, word & POS_MASK, NO_BLOCK_MAX)
+        else:
+            bm = tl.load(e_at, mask=sm, other=NO_BLOCK_MAX).to(tl.int32)
         el = 2 * i_h[None, None, :]
         lo = tl.where(bm == el, mxplus_max_value(lo_c), lo)
         hi = tl.where(bm == el + 1, mxplus_max_value(hi_c), hi)
@@ -346,8 +348,10 @@ def _check_operand(name: str, t: tuple, k: int, fmt: str, bs: int, macro: int) -
         "codes": (codes, torch.uint8, ceil_div(k, 2)),
         "scales": (scales, torch.uint8, ceil_div(k, bs)),
     }
-    if FMT_CODES[fmt] == FMT_MXPLUS:
-        want["block_max_index"] = (extra, torch.uint8, ceil_div(k, MXPLUS_BLOCK))
+    if FMT_CODES[fmt] == FMT_MXPLUS:  # indices, or a weight's words (`plus_words`)
+        words = extra is not None and extra.dtype == torch.int16
+        want["block_max_index"] = (extra, torch.int16 if words else torch.uint8,
+                                   ceil_div(k, MXPLUS_BLOCK))  # fmt: skip
     elif extra is not None:
         want["mbs"] = (extra, torch.uint8, ceil_div(k, macro))
     for field, (tt, dtype, cols) in want.items():
