@@ -82,6 +82,7 @@ LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("
 LAYERS = 32
 MS = (1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
+SMALL_MACRO_BLOCKS = (16, 32, 64)  # MBS macro blocks besides the paper's 128 (decode per format)
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
 ACT_BYTES = 2.6  # act-quant per element: bf16 read, codes + E8M0 + MBS bytes written
 HAT_BYTES = 2  # the decode path's x_hat per element: written by act-quant, read by the GEMM
@@ -180,21 +181,23 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     n, k = 4096, 4096
     bf16 = torch.bfloat16
 
-    def decode(af: str, wf: str, rows: int = 1) -> Callable[[], None]:
+    def decode(
+        af: str, wf: str, rows: int = 1, bs: int = 16, macro: int = 128
+    ) -> Callable[[], None]:
         def go() -> None:  # rows > 16: the batched decode's 32- / 64-row tiles
-            x, w = _gemm_operand(rows, k, af, 16, 128), _gemm_operand(n, k, wf, 16, 128)
+            x, w = _gemm_operand(rows, k, af, bs, macro), _gemm_operand(n, k, wf, bs, macro)
             # the serving path: `act_quant_hat`'s x_hat, weight scales checked at load
             x_hat = _meta((rows, hat_cols(k)), bf16)
             # with MBS, `act_quant_hat`'s sigmas too
-            sigma = _meta((rows, k // 128), torch.float32) if x[2] is not None else None
+            sigma = _meta((rows, k // macro), torch.float32) if x[2] is not None else None
             decode_gemm(
                 *x,
                 *w,
                 k,
                 None,
                 bf16,
-                block_size=16,
-                macro_block=128,
+                block_size=bs,
+                macro_block=macro,
                 w_small_scales=True,
                 x_hat=x_hat,
                 x_sigma=sigma,
@@ -295,6 +298,15 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
     return {
         "decode mxfp4-mbs": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d")),
         "decode mxfp4-16-oas": ("decode", "weight", decode("mxfp4-16-oas", "mxfp4-16-oas")),
+        "decode mxfp4-ocp": ("decode", "weight", decode("mxfp4-ocp", "mxfp4-ocp", bs=32)),
+        **{
+            f"decode mxfp4-mbs macro {mb}": (
+                "decode",
+                "weight",
+                decode("mxfp4-mbs-s", "mxfp4-mbs-d", macro=mb),
+            )
+            for mb in SMALL_MACRO_BLOCKS
+        },
         "decode mxfp4-mbs 32 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 32)),
         "decode mxfp4-mbs 64 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 64)),
         "decode nvfp4": ("decode", "weight", decode_nvfp4),
@@ -595,10 +607,16 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
 
 
 # the decode cases per weight format at M = 1, and their bytes per weight (4 bits + the
-# scale byte per block + MBS byte per 128 / MX+'s 16-bit block-max word per 32, `plus_words`)
+# scale byte per block + MBS byte per macro block / MX+'s 16-bit block-max word per 32,
+# `plus_words`)
 DECODE_FORMATS = {
     "mxfp4-mbs": ("decode mxfp4-mbs", BYTES_PER_WEIGHT),
+    **{
+        f"mxfp4-mbs/{mb}": (f"decode mxfp4-mbs macro {mb}", 0.5 + 1 / 16 + 1 / mb)
+        for mb in SMALL_MACRO_BLOCKS
+    },
     "mxfp4-16-oas": ("decode mxfp4-16-oas", 0.5625),
+    "mxfp4-ocp": ("decode mxfp4-ocp", 0.5 + 1 / 32),
     "nvfp4": ("decode nvfp4", 0.5625),
     "mxplus": ("decode mxplus", 0.5 + 1 / 32 + 2 / 32),
 }
