@@ -12,7 +12,7 @@ import pytest
 
 from vllm_mxplus.backends.triton.launch import HAS_TRITON
 from vllm_mxplus.cli import main
-from vllm_mxplus.kernel_tools import aot_drivers
+from vllm_mxplus.kernel_tools import aot, aot_drivers
 
 REPO = Path(__file__).resolve().parents[2]
 # every Triton kernel the launchers launch (what --aot must enumerate and compile)
@@ -342,3 +342,20 @@ def test_aot_grouped_decode_configs():
     assert {dict(c.constexprs)["W_FOLD"] for c in full} == {True, False}
     assert {dict(c.constexprs)["MACRO"] for c in full if dict(c.constexprs)["X_MBS"]} == {128, 256}
     assert len(quick) < len(full)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_a_configuration_compiles_once_per_target_as_launched():
+    """A configuration with the E2M1 conversion on (a B200 launch) is, below sm_100, the one
+    without it (`aot.as_launched`), so it is compiled there once; on sm_100 both are (the
+    launcher can take either); every pair kept is one the launchers make."""
+    configs = aot.enumerate_configs(quick=True, launchers=["act_quant"])["act_quant"]
+    hw = [c for c in configs if dict(c.constexprs).get("HW_E2M1") == 1]
+    assert hw, "no configuration with the E2M1 conversion to check"
+    work = aot.distinct_work(configs, [80, 90, 100])
+    per_target = {t: [c for c, tt in work if tt == t] for t in (80, 90, 100)}
+    assert len(per_target[100]) == len(configs)
+    for t in (80, 90):
+        assert len(per_target[t]) == len(configs) - len(hw)
+        launched = [aot.as_launched(c, t)[0] for c in per_target[t]]
+        assert all(not cx.get("HW_E2M1") for cx in launched)

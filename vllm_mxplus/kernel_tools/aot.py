@@ -257,6 +257,41 @@ def _ptxas_stats(ptx: str, target: int, workdir: str) -> tuple[int, int]:
     return max(map(int, regs)), max(spills, default=0)
 
 
+def as_launched(config: KernelConfig, target: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(constexprs, options) of a configuration as the launchers launch it on sm_<target>:
+    no griddepcontrol below sm_90, no E2M1 conversion below sm_100."""
+    from vllm_mxplus.backends.triton.launch import ARCH_CONSTEXPRS, PDL_MIN_CAPABILITY
+
+    constexprs = dict(config.constexprs)
+    options = dict(config.options)
+    constexprs.update({k: False for k, cap in ARCH_CONSTEXPRS.items()
+                       if k in constexprs and target < cap})  # fmt: skip
+    if target < PDL_MIN_CAPABILITY:
+        options.pop("launch_pdl", None)
+    return constexprs, options
+
+
+def distinct_work(
+    configs: list[KernelConfig], targets: list[int]
+) -> list[tuple[KernelConfig, int]]:
+    """(config, target) pairs to compile: each target the configuration's kernel runs on
+    (`min_target`), and a configuration once per target as launched there (`as_launched`):
+    one with PDL or the E2M1 conversion on is the one without it below their generation."""
+    seen: set[tuple] = set()
+    work = []
+    for t in targets:
+        for c in configs:
+            if t < min_target(c):
+                continue
+            cx, opts = as_launched(c, t)
+            key = (t, c.module, c.kernel, c.signature, c.divisible,
+                   tuple(sorted(cx.items(), key=lambda kv: kv[0])), tuple(sorted(opts.items())))  # fmt: skip
+            if key not in seen:
+                seen.add(key)
+                work.append((c, t))
+    return work
+
+
 def compile_kernel(config: KernelConfig, target: int) -> Any:
     """Triton's compiled kernel (PTX, cubin, metadata) of one configuration for sm_<target>."""
     import importlib
@@ -266,20 +301,12 @@ def compile_kernel(config: KernelConfig, target: int) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_mxplus.backends.triton.launch import ARCH_CONSTEXPRS, PDL_MIN_CAPABILITY
-
     kernel = getattr(importlib.import_module(config.module), config.kernel)
+    launched, options = as_launched(config, target)
     constexprs = {
         k: tl.dtype(v[1]) if isinstance(v, tuple) and v[:1] == ("tl.dtype",) else v
-        for k, v in config.constexprs
+        for k, v in launched.items()
     }
-    options = dict(config.options)
-    # as the launchers launch it there: no griddepcontrol below sm_90, no E2M1 conversion
-    # below sm_100
-    constexprs.update({k: False for k, cap in ARCH_CONSTEXPRS.items()
-                       if k in constexprs and target < cap})  # fmt: skip
-    if target < PDL_MIN_CAPABILITY:
-        options.pop("launch_pdl", None)
     attrs = {(i,): [["tt.divisibility", 16]] for i in config.divisible}
     src = ASTSource(kernel, dict(config.signature), constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", target, 32), options=options)
@@ -315,7 +342,7 @@ def compile_all(
     """Compile configs x targets in `jobs` spawned workers with a private Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="mxplus-aot-triton-")
     env_interp = os.environ.pop("TRITON_INTERPRET", None)  # spawned workers inherit os.environ
-    work = [(c, t) for t in targets for c in configs if t >= min_target(c)]
+    work = distinct_work(configs, targets)
     results: list[CompileResult] = []
     try:
         ctx = multiprocessing.get_context("spawn")
