@@ -25,7 +25,7 @@ import torch
 
 from vllm_mxplus.backends.triton.launch import tl
 from vllm_mxplus.formats.constants import MX_BLOCK, NO_BLOCK_MAX
-from vllm_mxplus.formats.e2m1 import E2M1_VALUES
+from vllm_mxplus.formats.e2m1 import e2m1_decode
 from vllm_mxplus.formats.e8m0 import e8m0_to_float
 
 WORD_POS_BITS = 5  # the block max's position in its block of 32
@@ -52,8 +52,7 @@ def block_max_words(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tens
     byte = codes.long().gather(1, (elem // 2).clamp(max=codes.shape[1] - 1))
     code = (byte >> ((elem & 1) * 4)) & 15
     j = code & 7
-    plain = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=index.device)[j]
-    delta = ((8 + j).to(torch.float32) * 0.5 - plain) * e8m0_to_float(scales)
+    delta = ((8 + j).to(torch.float32) * 0.5 - e2m1_decode(j)) * e8m0_to_float(scales)
     delta = torch.where((code & 8) != 0, -delta, delta)
     bits = delta.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     bits = torch.where(delta.isnan(), BF16_NAN, bits)  # one NaN, whatever its payload
