@@ -82,7 +82,6 @@ def test_aot_enumerates_configs_from_the_launchers():
     assert {(d["BLOCK_N"], d["BLOCK_K"]) for d in dec} == {
         wide,
         (dg.SLIM_BLOCK_N, dg.GPU_BLOCK_K),  # the served decode's tile (`slim_tile`)
-        (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K_NARROW_MACRO),  # macro block 32 of --quick
         (dg.UNALIGNED_BLOCK_N, dg.UNALIGNED_BLOCK_K),
     }
     # four warps, but two for the slim tile (and only there)
@@ -126,8 +125,8 @@ def test_aot_kernel_filter(capsys):
 
 
 def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
-    """--quick compiles macro block 32 (the decode GEMM's per-macro-block dots inside its
-    64-element K step, the act-quant's 16 macro blocks per 512-column tile) and the full set
+    """--quick compiles macro block 32 (the decode GEMM's operand rows per macro block in its
+    128-element K step, the act-quant's 16 macro blocks per 512-column tile) and the full set
     every Triton macro block; `--macro-block` keeps those MBS configurations only."""
     from vllm_mxplus.backends.triton import act_quant as aq
     from vllm_mxplus.backends.triton import decode_gemm as dg
@@ -136,14 +135,16 @@ def test_aot_small_macro_blocks_in_quick_and_filter(capsys):
     quick, full = aot.enumerate_configs(quick=True), aot.enumerate_configs(quick=False)
     dec_full = [dict(c.constexprs) for c in full["decode_gemm"]]
     assert {d["MACRO"] for d in dec_full if d["X_MBS"]} == {16, 32, 64, 128, 256, 2048}
-    # macro blocks narrower than the wide K step get the narrow one, never a part of a step
-    narrow_k = {dg.GPU_BLOCK_K_NARROW_MACRO, dg.UNALIGNED_BLOCK_K}
-    assert all(
-        d["BLOCK_K"] in narrow_k if d["X_MBS"] and d["MACRO"] < dg.GPU_BLOCK_K
-        else d["BLOCK_K"] in {dg.GPU_BLOCK_K, dg.UNALIGNED_BLOCK_K}
-        for d in dec_full
-    )  # fmt: skip
-    assert {d["BLOCK_K"] for d in dec_full} == {dg.GPU_BLOCK_K} | narrow_k
+    # macro blocks narrower than the wide K step: an operand row per macro block of the step
+    # on the word path (`sub_blocks`), one dot per macro block on the byte path
+    assert {d["BLOCK_K"] for d in dec_full} == {dg.GPU_BLOCK_K, dg.UNALIGNED_BLOCK_K}
+    for d in dec_full:
+        narrow = d["X_MBS"] and d["MACRO"] < d["BLOCK_K"]
+        assert d["SUB"] == (d["BLOCK_K"] // d["MACRO"] if narrow and d["WORDS"] else 1), d
+    assert {d["SUB"] for d in dec_full} == {1, 2, 4, 8}
+    assert any(d["SUB"] > 1 and d["X_HAT"] for d in dec_full)
+    assert any(d["SUB"] > 1 and not d["X_HAT"] for d in dec_full)
+    assert any(d["X_MBS"] and d["MACRO"] < d["BLOCK_K"] and not d["WORDS"] for d in dec_full)
     assert aot.parse_macro_blocks("16, 32") == [16, 32] and aot.parse_macro_blocks("") is None
     with pytest.raises(ValueError, match="--macro-block"):
         aot.parse_macro_blocks("32x")

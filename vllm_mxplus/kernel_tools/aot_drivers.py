@@ -154,8 +154,9 @@ def _drive_decode_gemm(quick: bool) -> None:
     # (N, K): 16-divisible strides (vectorized loads), 16-divisible codes with MBS strides
     # that are not, and nothing 16-divisible. The quick subset keeps every shape (their
     # register counts differ most) and the bias variants of one pair.
-    # MBS macro blocks: under the 64-element K step (16, 32: one dot and division per macro
-    # block in the step), equal to it, the default, and wider; --quick adds 32 on one shape.
+    # MBS macro blocks: under the 128-element K step (16, 32, 64: an operand row per macro
+    # block of the step on the word path, one dot each on the byte path), the default, and
+    # wider; --quick adds 32 on one shape.
     shapes = ((4096, 4096), (576, 1536), (100, 72))
     for (wf, af), out_dtype, (n, k), bias, split, macro in itertools.product(
         sorted(E8M0_PAIRS), out_dtypes, shapes, (False, True), (1, 4), (16, 32, 64, 128, 256, 2048)
@@ -171,10 +172,10 @@ def _drive_decode_gemm(quick: bool) -> None:
 
         wc, ws, wm = _gemm_operand(n, k, wf, bs, macro)
         # the serving path (x_hat, folded weight scales) where the layer takes it, and the
-        # codes-only path (any caller) on the default macro block; the batched decode's 32-
+        # codes-only path (any caller; --quick: on the default macro block); the batched decode's 32-
         # and 64-row tiles (x_hat only) on the shapes that take it, without split-K or bias
-        serving = takes_x_hat(k, macro, mbs)
-        for x_hat in (True, False) if serving and macro == 128 else (serving,):
+        serving = takes_x_hat(k)
+        for x_hat in (True, False) if serving and (macro == 128 or not quick) else (serving,):
             wide = x_hat and split == 1 and not bias and (not quick or (n, k) == (4096, 4096))
             for rows in (16, 32, 64) if wide else (16,):
                 xc, xs, xm = _gemm_operand(rows, k, af, bs, macro)
@@ -214,7 +215,7 @@ def _drive_decode_gemm_mxplus(shapes: tuple, out_dtypes: tuple, quick: bool) -> 
     for out_dtype, (n, k), bias, split, fold in itertools.product(
         out_dtypes, shapes, (False, True), (1, 4), (True, False)
     ):
-        if not takes_x_hat(k, 128, False) or (quick and (bias or out_dtype != torch.bfloat16)):
+        if not takes_x_hat(k) or (quick and (bias or out_dtype != torch.bfloat16)):
             continue
         nb = ceil_div(k, 32)
         for rows in (1, 16):
@@ -245,7 +246,7 @@ def _drive_decode_gemm_nvfp4(shapes: tuple, out_dtypes: tuple, quick: bool) -> N
     ):
         if quick and (bias or out_dtype != torch.bfloat16):
             continue
-        serving = takes_x_hat(k, 128, False)
+        serving = takes_x_hat(k)
         for x_hat in (True, False) if serving else (False,):
             wide = x_hat and split == 1 and not bias
             for rows in (16, 32, 64) if wide else (16,):

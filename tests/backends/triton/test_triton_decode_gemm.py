@@ -366,10 +366,11 @@ def small_macro_operands(m: int, k: int, n: int, pair: str, macro_block: int, de
 @pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("pair", ["mbs-s", "mbs-h"])
 def test_small_macro_blocks_within_bound(pair, m, macro_block, triton_device):
-    """Macro blocks of 16-64 (a 64-element K step holds 1-4 of them, each divided by its own
-    Fx * Fw): within the 2^-16 bound for MBS-S x MBS-S and MBS-D weights x MBS-S
-    activations; K = 1201 is odd and a multiple of none of 16, 32, 64 (partial last block
-    and macro block); N = 80 leaves a partial N tile."""
+    """Macro blocks of 16-64 on the byte path (code rows that do not vectorize: a 64-element
+    K step holds 1-4 of them, one dot each, each scaled by its own sigmas): within the 2^-16
+    bound for MBS-S x MBS-S and MBS-D weights x MBS-S activations; K = 1201 is odd and a
+    multiple of none of 16, 32, 64 (partial last block and macro block); N = 80 leaves a
+    partial N tile."""
     k, n = 1201, 80
     qx, qw = small_macro_operands(m, k, n, pair, macro_block, triton_device, seed=m + macro_block)
     y = run(qx, qw, k, out_dtype=torch.float32, macro_block=macro_block)
@@ -388,6 +389,87 @@ def test_small_macro_blocks_split_k_bias_bf16(macro_block, triton_device):
             qx, qw, k, bias=bias, out_dtype=torch.bfloat16, split_k=split, macro_block=macro_block
         )
         assert_within_bound(y, *reference(qx, qw, bias), torch.bfloat16)
+
+
+def serving_activation(qx, fmt: str, macro_block: int):
+    """The activation of qx's values as a served layer gets it: `act_quant_hat`'s codes,
+    scales, MBS bytes (checked bit for bit against `formats`), x_hat and fp32 sigmas; returns
+    (the formats' QuantizedTensor, x_hat, sigma)."""
+    from vllm_mxplus.backends.triton.act_quant import act_quant_hat
+
+    x = qx.dequantize().to(torch.float32)
+    ref = quantize(x, fmt, macro_block=macro_block)
+    codes, scales, mbs, _, x_hat, sigma = act_quant_hat(x, fmt, macro_block=macro_block)
+    for name, got, want in (("codes", codes, ref.codes), ("scales", scales, ref.scales),
+                            ("mbs", mbs, ref.mbs)):  # fmt: skip
+        assert torch.equal(got.cpu(), want.cpu()), f"act_quant_hat's {name} differ"
+    return ref, x_hat, sigma
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+@pytest.mark.parametrize("m", [1, 3, 17], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("pair", ["mbs-s", "mbs-h"])
+def test_small_macro_blocks_operand_rows(pair, m, macro_block, triton_device):
+    """Code rows that vectorize take the word path at the 128-element step with an operand
+    row per macro block of the step (`sub_blocks`: 8 / 4 / 2), on the codes and on x_hat
+    with x's sigmas: within the 2^-16 bound, and the two the same bits (same values, same
+    order). K = 352 ends inside a step (the last step's macro blocks past K read no MBS byte
+    or sigma); N = 80 leaves a partial N tile; M = 17 at macro block 16 spans two row tiles
+    (16 activation rows per 128 operand rows here)."""
+    from vllm_mxplus.backends.triton.launch import capture_launches
+
+    k, n = 352, 80
+    qx, qw = small_macro_operands(m, k, n, pair, macro_block, triton_device, seed=m + macro_block)
+    qx, x_hat, sigma = serving_activation(qx, PAIRS[pair][1], macro_block)
+    kw = {"out_dtype": torch.float32, "macro_block": macro_block}
+    for hat in ({}, {"x_hat": x_hat, "x_sigma": sigma}):
+        with capture_launches() as launches:
+            run(qx, qw, k, **kw, **hat)
+        cx = launches[-1].kwargs
+        assert cx["WORDS"] and cx["SUB"] == 128 // macro_block and cx["BLOCK_K"] == 128
+        assert cx["X_HAT"] == bool(hat)
+    y = run(qx, qw, k, **kw)
+    assert y.shape == (m, n)
+    assert_within_bound(y, *reference(qx, qw), torch.float32)
+    assert torch.equal(run(qx, qw, k, x_hat=x_hat, x_sigma=sigma, **kw), y)
+
+
+@pytest.mark.parametrize("macro_block", SMALL_MACROS, ids=lambda b: f"macro{b}")
+def test_small_macro_operand_rows_split_k_bias_bf16(macro_block, triton_device):
+    """The operand rows per macro block with split-K slices (whole steps), bias and a bf16
+    output, on x_hat; 16 rows (two row tiles at macro block 16 on the interpreter's
+    128 operand rows: 8 x 16 = 128, one)."""
+    k, n = 1024, 96
+    qx, qw = small_macro_operands(16, k, n, "mbs-h", macro_block, triton_device, seed=11)
+    qx, x_hat, sigma = serving_activation(qx, PAIRS["mbs-h"][1], macro_block)
+    bias = (torch.randn(n) * 0.5).to(torch.bfloat16).to(triton_device)
+    for split in (None, 3):
+        y = run(qx, qw, k, bias=bias, out_dtype=torch.bfloat16, split_k=split,
+                macro_block=macro_block, x_hat=x_hat, x_sigma=sigma)  # fmt: skip
+        assert_within_bound(y, *reference(qx, qw, bias), torch.bfloat16)
+
+
+@pytest.mark.parametrize("macro_block", [16, 64], ids=lambda b: f"macro{b}")
+def test_small_macro_operand_rows_special_rows(macro_block, triton_device):
+    """A NaN block and an Inf element (a NaN block by the spec) make their own rows NaN and no
+    other row of the tile (each operand row reads its own macro block of its own activation
+    row), a zero row gives exactly bias: K = 320 on the word path, codes and x_hat alike."""
+    gen = torch.Generator().manual_seed(macro_block)
+    x = torch.randn(5, 320, generator=gen)
+    x[1] = 0.0
+    x[2, 40] = float("nan")
+    x[3, 200] = float("inf")
+    w = torch.randn(48, 320, generator=gen) * 0.1
+    qx = quantize(x.to(triton_device), "mxfp4-mbs-s", macro_block=macro_block)
+    qw = quantize(w.to(triton_device), "mxfp4-mbs-d", macro_block=macro_block)
+    qx, x_hat, sigma = serving_activation(qx, "mxfp4-mbs-s", macro_block)
+    bias = torch.randn(48).to(triton_device)
+    kw = {"bias": bias, "out_dtype": torch.float32, "macro_block": macro_block}
+    y = run(qx, qw, 320, x_hat=x_hat, x_sigma=sigma, **kw)
+    assert y[[2, 3]].isnan().all() and not y[[0, 1, 4]].isnan().any()
+    assert torch.equal(y[1].cpu(), bias.cpu())
+    assert_within_bound(y, *reference(qx, qw, bias), torch.float32)
+    torch.testing.assert_close(run(qx, qw, 320, **kw), y, rtol=0, atol=0, equal_nan=True)
 
 
 def test_small_macro_block_wrong_factor_is_caught(triton_device):
@@ -454,11 +536,13 @@ def test_split_k_heuristic_counts_row_tiles():
         split = launches[0].grid[1]  # K slices > 1: summed in the same launch
         assert len(launches) == 1 and launches[0].kwargs["MACRO"] == macro_block
         assert launches[0].kwargs["REDUCE"] == (split > 1)
-        assert launches[0].kwargs["BLOCK_K"] == 64  # the GPU's K step, any macro block
+        assert launches[0].kwargs["BLOCK_K"] == 128  # the GPU's K step, any macro block
+        # 16 operand rows, 4 per activation row at macro block 32 (`sub_blocks`)
+        assert launches[0].kwargs["SUB"] == 128 // macro_block
         return launches[0].grid
 
     assert grid_of(1, 32)[1] > 1
-    assert grid_of(4096, 32)[1] == 1 and grid_of(4096, 32)[2] == 4096 // 16
+    assert grid_of(4096, 32)[1] == 1 and grid_of(4096, 32)[2] == 4096 // (16 // 4)
 
 
 @pytest.mark.gpu
@@ -474,7 +558,7 @@ def test_gpu_small_macro_blocks(macro_block, m, cuda_device):
 def test_gpu_tile_is_wide_only_where_code_rows_vectorize():
     """The wide 16 x 128 x 128 tile only where every code row's byte count, pitch and base
     address are multiples of 16 (per-byte masked loads spill it: `mxplus kernels --aot`);
-    elsewhere the unaligned tile; narrow macro blocks get the narrow K step (meta tensors)."""
+    elsewhere the unaligned tile (meta tensors), whatever the macro block."""
     from vllm_mxplus.backends.triton import decode_gemm as dg
 
     def codes(rows: int, k: int, pitch: int | None = None, offset: int = 0) -> torch.Tensor:
@@ -484,15 +568,15 @@ def test_gpu_tile_is_wide_only_where_code_rows_vectorize():
 
     wide = (dg.GPU_BLOCK_N, dg.GPU_BLOCK_K)
     unaligned = (dg.UNALIGNED_BLOCK_N, dg.UNALIGNED_BLOCK_K)
-    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 128, True) == wide
-    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 32, True) == (
-        dg.GPU_BLOCK_N,
-        dg.GPU_BLOCK_K_NARROW_MACRO,
-    )
-    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096), 32, False) == wide
-    assert dg.gpu_tile(100, codes(1, 100), codes(64, 100), 128, True) == unaligned  # 50 B rows
-    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096, pitch=2056), 128, True) == unaligned
-    assert dg.gpu_tile(4096, codes(2, 4096, offset=8), codes(64, 4096), 128, True) == unaligned
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096)) == wide
+    assert dg.gpu_tile(100, codes(1, 100), codes(64, 100)) == unaligned  # 50 B rows
+    assert dg.gpu_tile(4096, codes(1, 4096), codes(64, 4096, pitch=2056)) == unaligned
+    assert dg.gpu_tile(4096, codes(2, 4096, offset=8), codes(64, 4096)) == unaligned
+    # macro blocks narrower than the step: operand rows per macro block (`sub_blocks`)
+    assert [dg.sub_blocks(mb, True, dg.GPU_BLOCK_K) for mb in (16, 32, 64, 128, 256)] == [
+        8, 4, 2, 1, 1
+    ]  # fmt: skip
+    assert dg.sub_blocks(16, False, dg.GPU_BLOCK_K) == 1  # no MBS: no macro block
 
 
 def test_launch_option_overrides():

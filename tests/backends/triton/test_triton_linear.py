@@ -62,15 +62,18 @@ def test_decode_range_follows_the_settings(monkeypatch):
         (128, 256, 40, ("_decode_gemm_kernel", 64)),  # x_hat path: 64-row tiles
         (128, 256, 20, ("_decode_gemm_kernel", 32)),
         (128, 256, 8, ("_decode_gemm_kernel", 16)),
-        (64, 256, 40, ("_mx_gemm_kernel", None)),  # steps of 64: no x_hat, mx_gemm above 16
+        # macro blocks under the step: an operand row per macro block (`sub_blocks`), so
+        # batched rows stay on mx_gemm above 16
+        (64, 256, 40, ("_mx_gemm_kernel", None)),
         (64, 256, 8, ("_decode_gemm_kernel", 16)),
+        (16, 256, 2, ("_decode_gemm_kernel", 16)),
         (128, 200, 40, ("_mx_gemm_kernel", None)),  # code rows that do not vectorize
     ],
 )
 def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
     """What `triton-decode` launches above 16 rows (the GPU's tiles, `capture_launches`):
-    the decode GEMM on x_hat with 32- / 64-row tiles where the layer takes x_hat, else
-    `mx_gemm` as `triton-gemm` would."""
+    the decode GEMM on x_hat with 32- / 64-row tiles where the layer takes x_hat and a K step
+    is one macro block, else `mx_gemm` as `triton-gemm` would."""
     from vllm_mxplus.backends.triton.launch import capture_launches, last_gemm
 
     spec = LinearSpec(get_scheme("mxfp4-mbs", macro_block), 64, k, torch.bfloat16)
@@ -83,7 +86,8 @@ def test_batched_decode_takes_the_fast_path_or_mx_gemm(macro_block, k, m, want):
     gemm = last_gemm(launches)
     assert (gemm.kernel.__name__, gemm.kwargs.get("BLOCK_M") if want[1] else None) == want
     if gemm.kernel.__name__ == "_decode_gemm_kernel":
-        assert gemm.kwargs["X_HAT"] == (macro_block == 128 and k % 32 == 0)
+        assert gemm.kwargs["X_HAT"] == (k % 32 == 0)
+        assert gemm.kwargs["SUB"] == max(1, 128 // macro_block)
         assert gemm.kwargs["W_FOLD"] == gemm.kwargs["WORDS"]  # trained-size weights fold
 
 

@@ -156,7 +156,7 @@ def test_formats_and_shapes_off_the_path_keep_mx_gemm():
     s, w = packed("mxfp4-mbs", 128, 128)
     assert moe_takes_hat(w, w, 128, s.has_mbs)
     s, w = packed("mxfp4-mbs", 32, 128)
-    assert not moe_takes_hat(w, w, 32, s.has_mbs)  # 64-element steps: no whole x_hat chunk
+    assert not moe_takes_hat(w, w, 32, s.has_mbs)  # 4 macro blocks per step: pairs, not SUB rows
     s, w = packed("mxfp4-16-oas", 128, 48)
     assert not moe_takes_hat(w, w, 128, s.has_mbs)  # 24-byte rows do not vectorize
 

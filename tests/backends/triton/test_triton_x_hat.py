@@ -139,7 +139,7 @@ def test_decode_reads_x_hat(pair, m, k, n, split, triton_device):
     kw = {"out_dtype": torch.float32, "split_k": split}
     with capture_launches() as launches:
         run(qx, qw, k, x_hat=x_hat, **kw)
-    assert launches[0].kwargs["X_HAT"] == takes_x_hat(k, 128, qx.mbs is not None) is True
+    assert launches[0].kwargs["X_HAT"] == takes_x_hat(k) is True
     # past the rows' whole chunks (the interpreter's K steps reach 512) nothing is read:
     # NaN in the memory after x_hat would show in the output
     x_hat = torch.cat([x_hat, torch.full_like(x_hat, float("nan"))], 1)[:, : x_hat.shape[1]]
@@ -182,10 +182,8 @@ def test_x_hat_checked(triton_device):
 
 
 def test_takes_x_hat():
-    assert takes_x_hat(4096, 128, True) and takes_x_hat(4096, 2048, True)
-    assert takes_x_hat(4096, 16, False)  # no MBS: macro blocks play no part
-    assert not takes_x_hat(4096, 64, True)  # steps of 64: not whole chunks
-    assert not takes_x_hat(1000, 128, True)  # code rows do not vectorize
+    assert takes_x_hat(4096) and takes_x_hat(320)  # every macro block (`sub_blocks`)
+    assert not takes_x_hat(1000)  # code rows do not vectorize
 
 
 def test_hat_op_matches_and_traces(triton_device):

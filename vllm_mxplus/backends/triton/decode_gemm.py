@@ -19,10 +19,13 @@ Why the numbers are (nearly) those of the reference x_hat @ W_hat^T:
   (on the GPU the reciprocal is an approximate one refined by a Newton step, the same
   correctly rounded value: `gemm_blocks.mbs_sigma`).
   MACRO >= BLOCK_K: a K step lies inside one macro block, one scaling per step. MACRO <
-  BLOCK_K (16, 32 with the GPU's 64-element step for such macro blocks): the step keeps its
-  loads and its weight dequantization, and runs one dot per macro block on x with the other
-  macro blocks' columns zeroed (x is the small operand), so each macro block's partial is
-  scaled by its own sigmas and the BLOCK_K / MACRO products are summed in the step.
+  BLOCK_K (16 / 32 / 64 in the GPU's 128-element step): on the word path x's operand rows
+  are one per (row, macro block of the step) (`sub_blocks`), each holding its row's columns
+  of that macro block only, so the step's dots give every macro block's partial in its own
+  accumulator row, scaled there by its own sigmas; the rows of each activation row are
+  summed after the K loop. On the byte path (code rows that do not vectorize, 64-element
+  steps) the step runs one dot per macro block on x with the other macro blocks' columns
+  zeroed (x is the small operand), each partial scaled by its own sigmas, summed in the step.
 The only differences left are fp32 rounding order; the tests bound them against float64
 (docs/numerics.md, "Kernel numerics and error bounds").
 Row offsets (row * stride) are 64-bit: N*K/2 or M*K/2 bytes reach 2^31 on large layers. Only
@@ -30,8 +33,8 @@ the tile's first row is offset in 64 bits; offsets inside a tile are 32-bit (the
 checks that they fit), so no 64-bit pointer tile is kept live across the K loop.
 
 Tile (`mxplus kernels --aot`, `benchmarks/gpu_static_model.py`, kernels/README.md): 4 warps,
-a 16 x 128 output tile and 128 K elements per step (64 for macro blocks of 16 / 32 / 64,
-whose per-macro-block dots would otherwise spill): the x tile (tl.dot's A operand, which
+a 16 x 128 output tile and 128 K elements per step (every macro block: the narrower ones
+by operand rows per macro block, `sub_blocks`): the x tile (tl.dot's A operand, which
 every warp dequantizes for itself) and the per-step costs are paid once per 16384 weights,
 at up to ~250 registers (2 blocks per SM), where a 16 x 32 x 64 tile takes <= 96 (5
 blocks) but issued ~2.6x the instructions per weight. The weight tile is loaded and
@@ -99,6 +102,16 @@ kept the loads out of the software pipeline, and a layout change per step): sm_1
 16-bit word per block built at load (`plus_words`: delta's bf16 bits over the position),
 where each step gathered the block max's code byte and read the index and the scale: 0.1462
 -> 0.1060 (sm_90 and sm_100).
+
+Macro blocks narrower than the step (SUB: `sub_blocks`), where one dot per macro block on
+zeroed x columns in 64-element steps counted 0.9619 / 0.6333 / 0.1880 warp-instructions per
+weight at one row (macro blocks 16 / 32 / 64, sm_90): the operand rows per macro block
+(macro-block-major, so an MMA thread's neighbouring accumulator columns share a macro
+block), the weight's sigmas computed once per (weight row, macro block) as [BLOCK_N, SUB]
+and broadcast over the rows in registers, the step's SUB MBS bytes of a row in one load:
+0.1201 / 0.1145 / 0.1096 (sm_90), 0.1165 / 0.1104 / 0.1057 (sm_100), no spill; at 16 rows
+(two 64-operand-row tiles at 16 and 32, each a pass over the weight; one 32-row tile at 64)
+2 x 0.1694, 2 x 0.1572, 0.1321 against 0.96 / 0.6519 / 0.1836 (sm_90).
 """
 
 from __future__ import annotations
@@ -164,7 +177,6 @@ WIDE_BLOCK_MS = (32, 64)
 WIDE_MIN_CAPABILITY = 9
 GPU_BLOCK_N = 128
 GPU_BLOCK_K = 128  # K elements per step on the GPU: 64 bytes per weight row
-GPU_BLOCK_K_NARROW_MACRO = 64  # the step for macro blocks of 16 / 32 / 64 (registers)
 # code rows whose byte count or pitch is not a multiple of 16 cannot vectorize their loads:
 # per-byte masks and loads spill the wide tile, so they get this one (<= 96 registers)
 UNALIGNED_BLOCK_N = 32
@@ -246,6 +258,7 @@ def _decode_gemm_kernel(
     REDUCE: tl.constexpr,
     PDL: tl.constexpr,
     ONE_ROW: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     if PDL:  # launched early (`pdl_launch`): nothing is read before the kernel before it ends
         wait_prior_grid()
@@ -253,12 +266,25 @@ def _decode_gemm_kernel(
     # the scale byte of value 1 (masked-off blocks): E4M3 0x38, E8M0 127
     SCALE_ONE: tl.constexpr = 0x38 if NVFP4 else 127
     HB: tl.constexpr = BS // 2  # bytes per scale block
+    # SUB > 1 (`sub_blocks`): the step holds SUB macro blocks; x's operand row i holds the
+    # activation row i % RM restricted to the step's macro block i // RM, so the tile serves
+    # RM activation rows and each macro block's partial lands in its own row
+    RM: tl.constexpr = BLOCK_M // SUB
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
     pid_m = tl.program_id(2)
-    m0 = pid_m * BLOCK_M
+    m0 = pid_m * RM
     n0 = pid_n * BLOCK_N
     i_m = tl.arange(0, BLOCK_M)
+    if SUB > 1:
+        tl.static_assert(WORDS and not MOE and not NVFP4 and not PLUS,
+                         "rows per macro block: the E8M0 word path of the linears")  # fmt: skip
+        # macro-block-major: neighbouring operand rows (an MMA thread's accumulator
+        # columns) share a macro block, and so the weight's sigma
+        x_r = i_m % RM  # the operand row's activation row in the tile
+        t_m = i_m // RM  # its macro block in the step
+    else:
+        x_r = i_m
     i_n = tl.arange(0, BLOCK_N)
     i_b = tl.arange(0, NB)
     i_h = tl.arange(0, HB)
@@ -277,7 +303,7 @@ def _decode_gemm_kernel(
         out_row = pair.to(tl.int64)
         w_row0 = (expert * N + n0).to(tl.int64)  # the expert's weight rows: a packed [E*N, .]
     else:
-        mask_m = (m0 + i_m) < M
+        mask_m = (m0 + x_r) < M
         out_row = (m0 + i_m).to(tl.int64)
         w_row0 = n0.to(tl.int64)
     if EVEN:  # whole tiles: no column past N (a constant mask, which the compiler drops)
@@ -296,8 +322,15 @@ def _decode_gemm_kernel(
         xm_off = x_row * stride_xmm
     else:
         xm_base = xmbs_ptr + m0.to(tl.int64) * stride_xmm
-        xm_off = i_m * stride_xmm
+        xm_off = x_r * stride_xmm
     wm_off = i_n * stride_wmn
+    if SUB > 1:  # each operand row's own macro block: x's sigmas, and W's bytes per (n, t)
+        xm_off += t_m
+        i_sub = tl.arange(0, SUB)
+        if W_A:
+            wm_off = wm_off[:, None] + i_sub[None, :]
+        else:
+            wm_off = i_sub[:, None] + wm_off[None, :]
     # x tile [BLOCK_M, NB, HB] and its scales [BLOCK_M, NB, 1]
     jx = i_b[None, :, None] * HB + i_h[None, None, :]
     x_off = i_m[:, None, None] * stride_xcm + jx
@@ -321,9 +354,9 @@ def _decode_gemm_kernel(
     i_w = tl.arange(0, WPS)
     xw_base = xc_base.to(tl.pointer_type(tl.int32), bitcast=True)
     ww_base = wc_base.to(tl.pointer_type(tl.int32), bitcast=True)
-    xw_off = i_m[:, None] * (stride_xcm // 4) + i_w[None, :]
+    xw_off = x_r[:, None] * (stride_xcm // 4) + i_w[None, :]
     ww_off = i_n[:, None] * (stride_wcn // 4) + i_w[None, :]
-    xs_off2 = i_m[:, None] * stride_xsm + i_b[None, :]
+    xs_off2 = x_r[:, None] * stride_xsm + i_b[None, :]
     ws_off2 = i_n[:, None] * stride_wsn + i_b[None, :]
     # X_HAT: dot p's x operand [BLOCK_M, BLOCK_K / 4] of the prepared activation, columns
     # 32p.. of each 128-element chunk of the step (`x_hat`'s word order)
@@ -334,7 +367,15 @@ def _decode_gemm_kernel(
         xh_off = x_row[:, None] * stride_xhm + xh_col
     else:
         xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
-        xh_off = i_m[:, None] * stride_xhm + xh_col
+        xh_off = x_r[:, None] * stride_xhm + xh_col
+    if SUB > 1:  # operand row i reads the words and x_hat columns of macro block i % SUB only
+        x_word_sel = (i_w // (MACRO // 8))[None, :] == t_m[:, None]
+        # x_hat column 2j + h of each dot's 32 per chunk holds an element of word j of the
+        # chunk (`x_hat`): macro block (32 c + 2j + h) // (MACRO / 4) of the step
+        x_hat_sel = (i_t // (MACRO // 4))[None, :] == t_m[:, None]
+    else:
+        x_word_sel = tl.full((1, WPS), 1, tl.int1)
+        x_hat_sel = tl.full((1, BLOCK_K // 4), 1, tl.int1)
     if PLUS:  # MX+ (`_word_step`): x_hat rows and the weight's block-max word columns
         tl.static_assert(X_HAT and WORDS and not MOE, "MX+ reads x_hat on the word path")
         wbm_off = i_n[:, None] * stride_wmn + i_b[None, :]
@@ -362,11 +403,30 @@ def _decode_gemm_kernel(
                 block_ok = i_b[None, :] * BS < left
                 # x_hat's chunks inside its rows (whole chunks, `hat_cols`): the same per dot
                 hat_ok = ((i_t // 32) * 128 < tl.cdiv(K, 128) * 128 - k0)[None, :]
+            # the step's first macro block: SUB-aligned (the weight's SUB bytes load as one)
+            mb0 = tl.multiple_of(k0 // MACRO, SUB)
+            if SUB > 1 and not EVEN:  # a macro block past K has no MBS byte or sigma to read
+                mask_mb = mask_m & (k0 + t_m * MACRO < K)
+                if W_A:
+                    wm_mask = mask_n[:, None] & (k0 + i_sub * MACRO < K)[None, :]
+                else:
+                    wm_mask = (k0 + i_sub * MACRO < K)[:, None] & mask_n[None, :]
+            elif SUB > 1:  # whole steps: every macro block of the step lies inside K
+                mask_mb = mask_m
+                if W_A:
+                    wm_mask = mask_n[:, None] & tl.full((1, SUB), 1, tl.int1)
+                else:
+                    wm_mask = tl.full((SUB, 1), 1, tl.int1) & mask_n[None, :]
+            else:
+                mask_mb = mask_m
+                wm_mask = mask_n
             acc_w = _word_step(
                 acc_w, xw_base + kw0 + xw_off, xs_base + sb0 + xs_off2,
                 ww_base + kw0 + ww_off, ws_base + sb0 + ws_off2,
-                xm_base + k0 // MACRO + xm_off, wm_base + k0 // MACRO + wm_off,
-                xh_base + k0 + xh_off, mask_m, mask_n, word_ok, block_ok, hat_ok,
+                xm_base + mb0 + xm_off, wm_base + mb0 + wm_off,
+                xh_base + k0 + xh_off, mask_mb, mask_n, wm_mask,
+                mask_m[:, None] & word_ok[None, :] & x_word_sel,
+                mask_m[:, None] & hat_ok & x_hat_sel, word_ok, block_ok,
                 BS, X_MBS, W_MBS, X_SIGMA, BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, W_FOLD, EVEN,
                 X_HAT, NVFP4, SCALE_ONE, W_A, not MOE and (W_A or not PLUS), (NVFP4 and W_A) or ONE_ROW,
             )  # fmt: skip
@@ -451,6 +511,11 @@ def _decode_gemm_kernel(
             acc = tl.trans(acc_w)
         else:
             acc = acc_w
+    if SUB > 1:  # the macro blocks' rows of each activation row summed: [RM, BLOCK_N]
+        acc = tl.sum(tl.reshape(acc, (SUB, RM, BLOCK_N)), axis=0)
+        i_o = tl.arange(0, RM)
+        mask_m = (m0 + i_o) < M
+        out_row = (m0 + i_o).to(tl.int64)
 
     if NVFP4:  # the global scales, factored out of the sum (as `mx_gemm` applies them)
         if W_FOLD:  # the folded weight values' 2^-8 (`e4m3_fold_scales`), exactly
@@ -462,7 +527,7 @@ def _decode_gemm_kernel(
         tl.static_assert(not MOE, "the grouped experts do not split K")
         reduce_split_tile(
             out_ptr, acc, bias_ptr, y_ptr, cnt_ptr, m0, n0, M, N, pid_s, stride_os, stride_om,
-            stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_PLANES,
+            stride_ym, HAS_BIAS, RM, BLOCK_N, SPLIT_PLANES,
         )  # fmt: skip
     else:
         store_out_tile(
@@ -473,8 +538,8 @@ def _decode_gemm_kernel(
 
 @triton.jit
 def _word_step(
-    acc, xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, word_ok,
-    block_ok, hat_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
+    acc, xw_ptrs, xs_ptrs, ww_ptrs, ws_ptrs, xm_ptrs, wm_ptrs, xh_ptrs, mask_m, mask_n, wm_mask,
+    xw_ok, xh_ok, word_ok, block_ok, BS: tl.constexpr, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
     X_SIGMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, W_FOLD: tl.constexpr, EVEN: tl.constexpr, X_HAT: tl.constexpr,
     NVFP4: tl.constexpr, SCALE_ONE: tl.constexpr, W_A: tl.constexpr, LIFT: tl.constexpr,
@@ -510,7 +575,7 @@ def _word_step(
     values from `gemm_blocks.e2m1_lifted_pair_bits` (the module docstring says where)."""
     WPB: tl.constexpr = BS // 8  # words per scale block
     if not X_HAT:
-        xq = tl.load(xw_ptrs, mask=mask_m[:, None] & word_ok[None, :], other=0)
+        xq = tl.load(xw_ptrs, mask=xw_ok, other=0)
         xs = tl.load(xs_ptrs, mask=mask_m[:, None] & block_ok, other=SCALE_ONE).to(tl.int32)
         xsv = block_word_scales(xs, WPB, DOT_DTYPE, NVFP4)
     if EVEN:
@@ -531,7 +596,7 @@ def _word_step(
         part = acc
     for p in tl.static_range(4):
         if X_HAT:
-            xh = tl.load(xh_ptrs + 32 * p, mask=mask_m[:, None] & hat_ok, other=0.0)
+            xh = tl.load(xh_ptrs + 32 * p, mask=xh_ok, other=0.0)
             xp = bf16_values(xh, DOT_DTYPE)
         else:
             xp = e2m1_word_values(xq, p, DOT_DTYPE) * xsv
@@ -549,19 +614,43 @@ def _word_step(
             part = dot_f32(xp, tl.trans(wp), part, DOT_DTYPE)
     if X_MBS or W_MBS:
         # X_SIGMA: x's sigmas come ready (fp32, `act_quant_hat`) where its MBS bytes would be
-        fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, mask_n, X_MBS and not X_SIGMA,
+        fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, wm_mask, X_MBS and not X_SIGMA,
                              W_MBS)  # fmt: skip
         newton: tl.constexpr = tl.bfloat16 == DOT_DTYPE  # the GPU (`mbs_sigma`)
         sx, sw = mbs_sigma(fx, X_MBS and not X_SIGMA, newton), mbs_sigma(fw, W_MBS, newton)
         if X_SIGMA:
             sx = tl.load(xm_ptrs, mask=mask_m, other=1.0)
-        if W_A:
-            part = acc + part * sx[None, :] * sw[:, None]
+        if len(sw.shape) == 2:  # [BLOCK_N, SUB] (W_A) or [SUB, BLOCK_N]: the caller's SUB
+            sw2 = _over_operand_rows(sw, part, W_A)
+        elif W_A:
+            sw2 = sw[:, None]
         else:
-            part = acc + part * sx[:, None] * sw[None, :]
+            sw2 = sw[None, :]
+        if W_A:
+            part = acc + part * sx[None, :] * sw2
+        else:
+            part = acc + part * sx[:, None] * sw2
     elif not INTO_ACC:
         part = acc + part
     return part
+
+
+@triton.jit
+def _over_operand_rows(sw, part, W_A: tl.constexpr):
+    """The weight's sigmas per (weight row, macro block of the step), sw [BLOCK_N, SUB] (or
+    [SUB, BLOCK_N] where the weight is B), over the accumulator `part` [BLOCK_N, BLOCK_M] (or
+    transposed) whose operand row i is macro block i // (BLOCK_M // SUB) (`sub_blocks`,
+    macro-block-major): each sigma repeated over its macro block's BLOCK_M // SUB rows, in
+    registers (computed once per (weight row, macro block), not once per accumulator)."""
+    if W_A:
+        rows = tl.broadcast_to(
+            sw[:, :, None], (sw.shape[0], sw.shape[1], part.shape[1] // sw.shape[1])
+        )  # fmt: skip
+    else:
+        rows = tl.broadcast_to(
+            sw[:, None, :], (sw.shape[0], part.shape[0] // sw.shape[0], sw.shape[1])
+        )  # fmt: skip
+    return tl.reshape(rows, part.shape)
 
 
 def sm90_or_later(device: torch.device) -> bool:
@@ -688,39 +777,40 @@ def slim_tile(block_m: int, hat: bool, kind: str, device: torch.device,
     return block_m == WIDE_BLOCK_MS[0] and tcgen05 and kind == "e8m0-folded"
 
 
-def gpu_block_k(macro_block: int, has_mbs: bool) -> int:
-    """K elements per step of the wide GPU tile: GPU_BLOCK_K, or GPU_BLOCK_K_NARROW_MACRO
-    where macro blocks narrower than GPU_BLOCK_K would need one dot each per step (with 8 of
-    them at macro block 16 the 128 x 128 step spills registers; 64 keeps it spill-free)."""
-    return GPU_BLOCK_K_NARROW_MACRO if has_mbs and macro_block < GPU_BLOCK_K else GPU_BLOCK_K
-
-
-def gpu_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
-             has_mbs: bool) -> tuple[int, int]:  # fmt: skip
+def gpu_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) on the GPU: the wide tile where the code rows vectorize
     (`gemm_launch.codes_aligned`; `mxplus kernels --aot` compiles both classes without a
     spill), else UNALIGNED_BLOCK_N x UNALIGNED_BLOCK_K."""
     if codes_aligned(k, x_codes, w_codes):
-        return GPU_BLOCK_N, gpu_block_k(macro_block, has_mbs)
+        return GPU_BLOCK_N, GPU_BLOCK_K
     return UNALIGNED_BLOCK_N, UNALIGNED_BLOCK_K
 
 
-def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
-              has_mbs: bool, block_k: int) -> bool:  # fmt: skip
+def sub_blocks(macro_block: int, has_mbs: bool, block_k: int) -> int:
+    """Macro blocks per K step of the word path: block_k // macro_block where MBS macro blocks
+    are narrower than the step (16 / 32 / 64 in the GPU's 128-element step), else 1. The
+    kernel's SUB: x's operand row i holds activation row i // SUB restricted to the step's
+    macro block i % SUB (its other columns zero), so one set of dots gives every macro
+    block's partial in its own accumulator row, each scaled by its own sigma_x * sigma_w and
+    the rows of an activation row summed after the K loop. A row tile of BLOCK_M operand rows
+    serves BLOCK_M // SUB activation rows; the weight tile is loaded and dequantized once per
+    step as at macro block 128 (the byte path instead ran one dot per macro block on x with
+    the other macro blocks' columns zeroed: 0.9619 / 0.6333 / 0.1880 warp-instructions per
+    weight at 16 / 32 / 64 on sm_90, kernels/README.md)."""
+    return block_k // macro_block if has_mbs and macro_block < block_k else 1
+
+
+def word_path(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor) -> bool:
     """Whether the kernel reads the codes as int32 words (`_word_step`): code rows that
-    vectorize (`gemm_launch.codes_aligned`: whole words, 4-byte pitches and bases) and K
-    steps inside one macro block. Steps holding several macro blocks (MBS at 16 / 32 / 64)
-    keep the byte path's per-macro-block dots."""
-    return codes_aligned(k, x_codes, w_codes) and not (has_mbs and macro_block < block_k)
+    vectorize (`gemm_launch.codes_aligned`: whole words, 4-byte pitches and bases). Steps
+    holding several macro blocks take `sub_blocks`' operand rows per macro block."""
+    return codes_aligned(k, x_codes, w_codes)
 
 
-def reads_x_hat(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
-                has_mbs: bool, block_k: int) -> bool:  # fmt: skip
+def reads_x_hat(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, block_k: int) -> bool:
     """Whether a launch with K steps of block_k reads an `act_quant_hat` activation: the word
     path (`word_path`) in steps of whole HAT_CHUNKs."""
-    return word_path(k, x_codes, w_codes, macro_block, has_mbs, block_k) and (
-        block_k % HAT_CHUNK == 0
-    )
+    return word_path(k, x_codes, w_codes) and block_k % HAT_CHUNK == 0
 
 
 def check_block_size(who: str, bs: int) -> None:
@@ -729,12 +819,12 @@ def check_block_size(who: str, bs: int) -> None:
         raise ValueError(f"{who}: block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {bs}")
 
 
-def takes_x_hat(k: int, macro_block: int, has_mbs: bool) -> bool:
+def takes_x_hat(k: int) -> bool:
     """Whether the GPU kernel reads an `act_quant_hat` activation of a K-wide layer (the word
-    path in steps of whole HAT_CHUNKs) where the code rows vectorize (`codes_aligned`: rows
-    of a multiple of 16 bytes, contiguous as the quantizers write them, and aligned weight
-    rows): the caller asks for x_hat only then."""
-    return ceil_div(k, 2) % 16 == 0 and gpu_block_k(macro_block, has_mbs) % HAT_CHUNK == 0
+    path in steps of whole HAT_CHUNKs, every macro block) where the code rows vectorize
+    (`codes_aligned`: rows of a multiple of 16 bytes, contiguous as the quantizers write
+    them, and aligned weight rows): the caller asks for x_hat only then."""
+    return ceil_div(k, 2) % 16 == 0 and GPU_BLOCK_K % HAT_CHUNK == 0
 
 
 def small_weight_scales(w_scales: torch.Tensor) -> bool:
@@ -976,14 +1066,17 @@ def decode_gemm(
 
     interp = interpreting()
     auto_n, block_k = step_tile(K, x_codes, w_codes, macro_block, has_mbs)
+    words = word_path(K, x_codes, w_codes)
+    sub = sub_blocks(macro_block, has_mbs, block_k) if words else 1
     if interp:  # (`step_tile`)
-        block_m = max(16, min(128, triton.next_power_of_2(m)))
+        block_m = max(16, min(128, triton.next_power_of_2(m * sub)))
     else:
         # MX+ keeps 16-row tiles: its block-max gather [rows, BLOCK_N, NB] spills wider ones
-        hat = (not plus and x_hat is not None
-               and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k))  # fmt: skip
+        hat = not plus and x_hat is not None and reads_x_hat(K, x_codes, w_codes, block_k)
         # (the device is asked only where a wide tile is possible)
-        block_m = gpu_block_m(m, hat, m <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device))
+        block_m = gpu_block_m(
+            m * sub, hat, m * sub <= WIDE_BLOCK_MS[0] or sm90_or_later(w_codes.device)
+        )
         # the slim tile where neither its width nor its warps were asked for
         kind = weight_kind(nvfp4, plus, w_small_scales)
         if (block_n is None and num_warps is None
@@ -992,6 +1085,7 @@ def decode_gemm(
             auto_n = SLIM_BLOCK_N
             options = {"num_warps": SLIM_NUM_WARPS, **options}
             weight_a = True if weight_a is None else weight_a
+    rows_per_tile = block_m // sub  # activation rows per row tile (`sub_blocks`)
     asked_n, block_n = block_n, block_n or auto_n
     # programs of fewer warps (the slim tile's, or asked for): more per SM, as many warps
     warps = options.get("num_warps", GPU_NUM_WARPS)
@@ -1005,7 +1099,7 @@ def decode_gemm(
     w_mbs = None if w_mbs is None else _tile_addressable(w_mbs, block_n)
     if w_block_max is not None:
         w_block_max = _tile_addressable(w_block_max, block_n)
-    if triton.cdiv(m, block_m) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
+    if triton.cdiv(m, rows_per_tile) > MAX_GRID_M_TILES:  # > 1M rows: consecutive launches
         w_sc = w_scales.view(torch.float8_e4m3fn) if nvfp4 else w_scales
         x_sc = x_scales.view(torch.float8_e4m3fn) if nvfp4 else x_scales
         w = (w_codes, w_sc, w_mbs, K, bias, out_dtype, bs)
@@ -1017,7 +1111,7 @@ def decode_gemm(
                 None if globals_ is None else globals_[0],
                 x_hat if plus else None,
             ),  # fmt: skip
-            MAX_GRID_M_TILES * block_m,
+            MAX_GRID_M_TILES * rows_per_tile,
             lambda xr: decode_gemm(
                 xr[0],
                 xr[1],
@@ -1038,19 +1132,18 @@ def decode_gemm(
         )
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=w_codes.device)
-    words = word_path(K, x_codes, w_codes, macro_block, has_mbs, block_k)
     n_tiles = triton.cdiv(n, block_n)
-    out_tiles = n_tiles * triton.cdiv(m, block_m)
+    out_tiles = n_tiles * triton.cdiv(m, rows_per_tile)
     sk = plan_split_k(m, n, K, block_k, out_tiles, split_k, bias, out_dtype, w_codes.device,
                       in_launch=True, per_sm=per_sm)  # fmt: skip
 
-    use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, macro_block, has_mbs, block_k)
+    use_hat = x_hat is not None and reads_x_hat(K, x_codes, w_codes, block_k)
     if plus and not use_hat:
         raise ValueError(
             f"decode_gemm: MX+ reads x_hat on the word path, which K = {K} with these rows "
             "does not take (`reads_x_hat`: whole words, 4-byte pitches); use mx_gemm"
         )
-    grid = (n_tiles, sk.split, triton.cdiv(m, block_m))
+    grid = (n_tiles, sk.split, triton.cdiv(m, rows_per_tile))
     # x's sigmas stand in for its MBS bytes where the word path reads x_hat (`_word_step`)
     sigma = use_hat and words and x_sigma is not None
     launch_decode(
@@ -1060,7 +1153,7 @@ def decode_gemm(
         tile=(block_m, block_n, block_k), words=words,
         w_fold=words and (nvfp4 or w_small_scales),
         even=words and n % block_n == 0 and K % block_k == 0, globals_=globals_, plus=plus,
-        options=options, weight_a=weight_a,
+        options=options, weight_a=weight_a, sub=sub,
     )  # fmt: skip
     return split_k_result(sk, bias, out_dtype)
 
@@ -1083,15 +1176,17 @@ def _launch_overrides(num_warps: int | None, num_stages: int | None) -> dict[str
 def step_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor, macro_block: int,
               has_mbs: bool) -> tuple[int, int]:  # fmt: skip
     """(BLOCK_N, BLOCK_K) of a launch: on the GPU `gpu_tile`'s (a K step inside one macro
-    block, or whole macro blocks of 16 / 32). The interpreter pays per program and per step,
-    not per element, so it gets the largest tiles that keep numpy's temporaries small;
-    macro blocks under GPU_BLOCK_K get the GPU's K step, so the tests run the GPU's
-    per-macro-block dots."""
+    block, or whole macro blocks of 16 / 32 / 64: `sub_blocks`). The interpreter pays per
+    program and per step, not per element, so it gets the largest tiles that keep numpy's
+    temporaries small; macro blocks under GPU_BLOCK_K get the GPU's K step (its code rows'
+    step, as the GPU's: UNALIGNED_BLOCK_K on the byte path), so the tests run the GPU's
+    operand rows per macro block and per-macro-block dots."""
     if not interpreting():
-        return gpu_tile(k, x_codes, w_codes, macro_block, has_mbs)
-    gpu_k = gpu_block_k(macro_block, has_mbs)
+        return gpu_tile(k, x_codes, w_codes)
+    if has_mbs and macro_block < GPU_BLOCK_K:
+        return 256, gpu_tile(k, x_codes, w_codes)[1]
     if has_mbs:
-        return 256, min(macro_block, 512) if macro_block >= gpu_k else gpu_k
+        return 256, min(macro_block, 512)
     return 256, 512
 
 
@@ -1115,6 +1210,7 @@ def launch_decode(
     options: dict[str, int] | None = None,
     weight_a: bool | None = None,
     x_sigma: bool = False,
+    sub: int = 1,
 ) -> None:
     """One launch of _decode_gemm_kernel (shared by `decode_gemm` and
     `moe_decode.moe_decode_gemm`) writing sk.out [m, n] (or partials [split, m, n], and sk.y
@@ -1192,13 +1288,19 @@ def launch_decode(
         PLUS=plus,
         W_A=words
         and (
-            weight_is_a(w_codes.device, globals_ is not None, block_m)
+            # operand rows per macro block built from x's codes keep x as A (with the weight
+            # as A sm_80 spilled one configuration: 12 B at 128 registers)
+            (
+                weight_is_a(w_codes.device, globals_ is not None, block_m)
+                and (sub == 1 or x_hat is not None)
+            )
             if weight_a is None
             else weight_a
         ),  # fmt: skip
         REDUCE=sk.counters is not None,
         PDL=pdl,
         ONE_ROW=plus and m == 1,
+        SUB=sub,
         **(
             {}
             if interpreting()

@@ -36,8 +36,10 @@ from vllm_mxplus.backends.base import (
 from vllm_mxplus.backends.triton import launch
 from vllm_mxplus.backends.triton.act_quant import SUPPORTED_MACRO_BLOCKS
 from vllm_mxplus.backends.triton.decode_gemm import (
+    GPU_BLOCK_K,
     sm90_or_later,
     small_weight_scales,
+    sub_blocks,
     takes_x_hat,
 )
 from vllm_mxplus.backends.triton.gemm_launch import supports_macro_block
@@ -201,7 +203,11 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
     ) -> Tensor:
         spec = self.spec
         x2 = x.reshape(-1, x.shape[-1])
-        hat = takes_x_hat(spec.k, spec.macro_block, bool(get_format(spec.activation_format).mbs))
+        hat = takes_x_hat(spec.k)
+        # batched decode where a K step is one macro block: narrower ones take an operand
+        # row per macro block (`decode_gemm.sub_blocks`), a weight pass per few rows
+        has_mbs = bool(get_format(spec.weight_format).mbs or get_format(spec.activation_format).mbs)
+        batched = hat and sub_blocks(spec.macro_block, has_mbs, GPU_BLOCK_K) == 1
         # NVFP4 rows with given global scales (a row-parallel shard: the whole row's) keep
         # mx_gemm, whose quantizer takes them
         if (
@@ -209,7 +215,7 @@ class TritonDecodeBackend(TritonKernels, LinearBackend):
                 spec.weight_format, spec.activation_format, hat, x2.shape[0], x2.device
             )
             or act_global_scale is not None
-            or (x2.shape[0] > DECODE_MAX_M and not hat)
+            or (x2.shape[0] > DECODE_MAX_M and not batched)
         ):  # mx_gemm's decode or prefill tiles (it picks them by M)
             y = self._apply_mx_gemm(layer, x2, bias, act_global_scale)
             return y.reshape(*x.shape[:-1], spec.n)

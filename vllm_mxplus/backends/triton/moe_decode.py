@@ -26,11 +26,13 @@ import torch
 
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton.decode_gemm import (
+    GPU_BLOCK_K,
     MAX_TILE_OFFSET,
     check_block_size,
     launch_decode,
     reads_x_hat,
     step_tile,
+    sub_blocks,
     takes_x_hat,
 )
 from vllm_mxplus.backends.triton.expert_weights import PackedExpertWeights
@@ -48,13 +50,13 @@ def rows_addressable(rows: int, k: int) -> bool:
 def moe_takes_hat(w13: PackedExpertWeights, w2: PackedExpertWeights, macro_block: int,
                   has_mbs: bool, pairs: int = 0) -> bool:  # fmt: skip
     """Whether both stems of E8M0 experts (the caller checks the format) run on the decode
-    kernel for `pairs` (token, slot) pairs: K steps of whole x_hat chunks (`takes_x_hat`) on
-    weight code rows that vectorize (`codes_aligned`; the activation rows the quantizers
-    write always do), and x_hat rows addressable in 32 bits (`rows_addressable`)."""
-    return all(
-        takes_x_hat(w.k, macro_block, has_mbs)
-        and codes_aligned(w.k, w.codes)
-        and rows_addressable(pairs, w.k)
+    kernel for `pairs` (token, slot) pairs: K steps of whole x_hat chunks (`takes_x_hat`),
+    each inside one macro block (no operand rows per macro block, `decode_gemm.sub_blocks`:
+    the grouped rows are pairs), on weight code rows that vectorize (`codes_aligned`; the
+    activation rows the quantizers write always do), and x_hat rows addressable in 32 bits
+    (`rows_addressable`)."""
+    return sub_blocks(macro_block, has_mbs, GPU_BLOCK_K) == 1 and all(
+        takes_x_hat(w.k) and codes_aligned(w.k, w.codes) and rows_addressable(pairs, w.k)
         for w in (w13, w2)
     )
 
@@ -108,7 +110,7 @@ def moe_decode_gemm(
     if num_pairs == 0 or n == 0:
         return out.to(out_dtype)
     block_n, block_k = step_tile(k, codes, codes, macro_block, has_mbs)
-    if not reads_x_hat(k, codes, codes, macro_block, has_mbs, block_k):
+    if not reads_x_hat(k, codes, codes, block_k) or sub_blocks(macro_block, has_mbs, block_k) > 1:
         raise ValueError(
             f"moe_decode_gemm: K = {k} with macro block {macro_block} does not take the x_hat "
             "word path (`moe_takes_hat`); use moe_gemm"
