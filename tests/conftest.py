@@ -26,6 +26,17 @@ except ImportError:  # pragma: no cover - torch is a core dependency
     pass
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files holding a slow or vLLM-engine test (`slow`, `vllm` markers) run first, each file
+    whole and in collection order otherwise: with `scripts/test.sh`'s parallel workers
+    (pytest-xdist, whole files per worker) the long files start early and the short ones
+    fill in after them, where one long file left to the end ran alone on one worker."""
+    heavy = {
+        it.path for it in items if it.get_closest_marker("slow") or it.get_closest_marker("vllm")
+    }
+    items.sort(key=lambda it: it.path not in heavy)  # a stable sort: files stay whole
+
+
 @pytest.fixture(scope="session")
 def subprocess_env() -> dict[str, str]:
     """os.environ plus the vLLM CPU settings, for tests that start vLLM processes."""

@@ -103,6 +103,7 @@ def _peak(src: Path, dst: Path, method: str) -> dict[str, int]:
 @pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs"
 )
+@pytest.mark.slow  # quantizes checkpoints of two depths in subprocesses: ~1-2 min each
 @pytest.mark.parametrize("method", ["rtn", "rtn-aware"])
 def test_peak_rss_does_not_grow_with_depth(
     sources: dict[int, Path], tmp_path: Path, method: str

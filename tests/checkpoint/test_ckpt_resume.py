@@ -140,6 +140,7 @@ def _cli(src: Path, dst: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # a calibrated quantization killed and resumed: ~1 min
 def test_sigkill_mid_calibration_then_resume(deep_llama: Path, tmp_path: Path) -> None:
     """A real process killed outright (SIGKILL) after 2 finished layers; `--resume` finishes
     the job to the bytes of an uninterrupted run of the same command."""

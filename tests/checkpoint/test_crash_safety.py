@@ -215,6 +215,7 @@ def _rerun_and_check(src: Path, dst: Path, refs: dict, stale: list[Path], tmp: P
     assert _digest(dst) == refs[NEW_SCHEME]["digest"]
 
 
+@pytest.mark.slow  # many killed and resumed runs: ~1.5 min
 def test_sigkill_at_random_times(src: Path, references: dict, tmp_path: Path) -> None:
     src_before = _digest(src)
     rng = random.Random(0)

@@ -67,6 +67,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # Triton compiles for sm_90 and sm_100: ~1-2 min
 def test_packed_weight_gemm_compiles_to_word_runs(tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

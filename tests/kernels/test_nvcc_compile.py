@@ -72,6 +72,7 @@ def compiled(build, tmp_path_factory):
     return results
 
 
+@pytest.mark.slow  # nvcc compiles the CUTLASS kernels (the fixture): ~2 min
 @pytest.mark.parametrize("arch", ["90a", "100a"])
 def test_nvcc_compiles_kernel(compiled, arch):
     rc, stderr, obj = compiled[arch]

@@ -88,6 +88,7 @@ def _cpu_flags() -> set[str]:
     return cpu_flags(read_cpuinfo()) or set()
 
 
+@pytest.mark.slow  # one kernel build per instruction set: ~100 s each on 2 cores
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_instruction_set(target):
     if platform.machine() not in ("x86_64", "AMD64"):
