@@ -63,7 +63,10 @@ def test_stream_run_prints_every_column(monkeypatch, capsys):
     for r in rows:
         bf16, vllm, packed = float(r[4]), float(r[5]), float(r[8])
         assert bf16 > 0 and vllm > 0 and packed > 0  # timed, not nan
-        assert float(r[10]) == pytest.approx(vllm / packed, rel=0.02)
+        # the ratio printed to 2 decimals from the times printed to 1 (us): within what those
+        # roundings allow (a loaded box's one-iteration times can make it 0.01, not ~1)
+        lo, hi = (vllm - 0.05) / (packed + 0.05), (vllm + 0.05) / max(packed - 0.05, 1e-9)
+        assert lo - 0.0051 <= float(r[10]) <= hi + 0.0051, (r, lo, hi)
     assert "vllm/packed = " in out and "--stream" in out.splitlines()[-1]
 
 
