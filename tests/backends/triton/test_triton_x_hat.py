@@ -85,6 +85,24 @@ def test_act_quant_hat_bit_exact(fmt, m, k, triton_device):
         assert (ref.mbs != 0).any()  # the check can fail: some sigma is not 1
 
 
+@pytest.mark.parametrize("macro_block", [16, 32, 64])
+def test_act_quant_hat_small_macro_blocks(macro_block, triton_device):
+    """The decode GEMM's operand rows per macro block (`decode_gemm.sub_blocks`) read x_hat
+    and one sigma per row and macro block at macro blocks under the K step: both bit for bit
+    (K = 352 ends inside a chunk and inside a macro block at 64)."""
+    x = activations(3, 352, torch.float32, "cpu", seed=macro_block)  # macro blocks differ:
+    x = x * torch.exp2(torch.randint(-3, 3, x.shape, generator=torch.Generator().manual_seed(1)))
+    x = x.to(torch.bfloat16).to(triton_device)
+    codes, scales, mbs, _, x_hat, sigma = act_quant_hat(x, "mxfp4-mbs-s", macro_block=macro_block)
+    ref = quantize(x, "mxfp4-mbs-s", macro_block=macro_block)
+    assert_same_bits("codes", codes, ref.codes)
+    assert_same_bits("mbs", mbs, ref.mbs)
+    assert mbs.shape[-1] == -(-352 // macro_block) and (ref.mbs != 0).any()
+    assert_same_hat(x_hat, hat_reference(ref.codes, ref.scales, 352, "mxfp4-mbs-s"))
+    f = formats_mbs_factor(ref.mbs.cpu())
+    assert_same_bits("sigma", sigma.cpu(), torch.ones_like(f) / f)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_act_quant_hat_special_rows(dtype, triton_device):
     """Zero and NaN rows, a NaN block, Inf, -0.0 and tiny values (scale codes near 0, whose
