@@ -1224,7 +1224,9 @@ def launch_decode(
     E8M0. plus: MX+, w's third tensor its block-max indices (not MBS bytes). options: Triton
     launch options over `gpu_launch_options`' (the GPU only). weight_a: `weight_is_a`'s
     choice overridden (the word path only). x_sigma: x's third tensor holds its fp32 sigmas
-    (`decode_gemm`'s x_sigma; the word path with x_hat only), not MBS bytes. On sm_90 and
+    (`decode_gemm`'s x_sigma; the word path with x_hat only), not MBS bytes. sub: the word
+    path's operand rows per activation row (`sub_blocks`; the grid's row tiles then hold
+    BLOCK_M // sub activation rows). On sm_90 and
     later the launch is a programmatic dependent one (`launch.pdl_launch`): the programs start
     while the kernel before it (the activation quantizer) runs and wait for it before any
     read (`gemm_blocks.wait_prior_grid`), so the gap between the two launches is hidden."""
