@@ -368,7 +368,7 @@ def _decode_gemm_kernel(
     else:
         xh_base = xh_ptr + m0.to(tl.int64) * stride_xhm
         xh_off = x_r[:, None] * stride_xhm + xh_col
-    if SUB > 1:  # operand row i reads the words and x_hat columns of macro block i % SUB only
+    if SUB > 1:  # operand row i reads the words and x_hat columns of macro block i // RM only
         x_word_sel = (i_w // (MACRO // 8))[None, :] == t_m[:, None]
         # x_hat column 2j + h of each dot's 32 per chunk holds an element of word j of the
         # chunk (`x_hat`): macro block (32 c + 2j + h) // (MACRO / 4) of the step
@@ -789,8 +789,8 @@ def gpu_tile(k: int, x_codes: torch.Tensor, w_codes: torch.Tensor) -> tuple[int,
 def sub_blocks(macro_block: int, has_mbs: bool, block_k: int) -> int:
     """Macro blocks per K step of the word path: block_k // macro_block where MBS macro blocks
     are narrower than the step (16 / 32 / 64 in the GPU's 128-element step), else 1. The
-    kernel's SUB: x's operand row i holds activation row i // SUB restricted to the step's
-    macro block i % SUB (its other columns zero), so one set of dots gives every macro
+    kernel's SUB: x's operand row i holds activation row i % (BLOCK_M // SUB) restricted to
+    the step's macro block i // (BLOCK_M // SUB) (its other columns zero), so one set of dots gives every macro
     block's partial in its own accumulator row, each scaled by its own sigma_x * sigma_w and
     the rows of an activation row summed after the K loop. A row tile of BLOCK_M operand rows
     serves BLOCK_M // SUB activation rows; the weight tile is loaded and dequantized once per
