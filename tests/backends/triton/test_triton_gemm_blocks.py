@@ -131,20 +131,22 @@ def test_word_decoders_match_formats_in_every_nibble(triton_device, bs):
 
 
 @triton.jit
-def _sigma_kernel(m_ptr, f_ptr, s_ptr, N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _sigma_kernel(m_ptr, f_ptr, s_ptr, N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  FMA: tl.constexpr):  # fmt: skip
     i = tl.arange(0, N)
-    f = mbs_factor(tl.load(m_ptr + i))
+    f = mbs_factor(tl.load(m_ptr + i), FMA)
     tl.store(f_ptr + i, f)
     tl.store(s_ptr + i, mbs_sigma(f, True, tl.bfloat16 == DOT_DTYPE))  # the GPU: Newton
 
 
-def test_mbs_factor_and_sigma_on_every_byte(triton_device):
-    """F = 1 + m/256 from the bits equals `formats`' F, and sigma the IEEE fp32(1 / F), for
-    all 256 MBS bytes (on the GPU: the Newton-refined reciprocal)."""
+@pytest.mark.parametrize("fma", [False, True], ids=["add-mul", "fma"])
+def test_mbs_factor_and_sigma_on_every_byte(fma, triton_device):
+    """F = 1 + m/256 in either of `mbs_factor`'s forms equals `formats`' F, and sigma the IEEE
+    fp32(1 / F), for all 256 MBS bytes (on the GPU: the Newton-refined reciprocal)."""
     m = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     f = torch.empty(256, dtype=torch.float32, device=triton_device)
     sigma = torch.empty_like(f)
-    _sigma_kernel[(1,)](m.to(triton_device), f, sigma, N=256, DOT_DTYPE=dot_dtype())
+    _sigma_kernel[(1,)](m.to(triton_device), f, sigma, N=256, DOT_DTYPE=dot_dtype(), FMA=fma)
     want_f = formats_mbs_factor(m)
     want_sigma = torch.from_numpy(np.float32(1.0) / want_f.numpy())  # IEEE on the CPU
     assert torch.equal(_bits(f.cpu()), _bits(want_f))

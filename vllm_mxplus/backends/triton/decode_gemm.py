@@ -615,7 +615,7 @@ def _word_step(
     if X_MBS or W_MBS:
         # X_SIGMA: x's sigmas come ready (fp32, `act_quant_hat`) where its MBS bytes would be
         fx, fw = mbs_factors(xm_ptrs, wm_ptrs, True, mask_m, wm_mask, X_MBS and not X_SIGMA,
-                             W_MBS)  # fmt: skip
+                             W_MBS, True)  # fmt: skip
         newton: tl.constexpr = tl.bfloat16 == DOT_DTYPE  # the GPU (`mbs_sigma`)
         sx, sw = mbs_sigma(fx, X_MBS and not X_SIGMA, newton), mbs_sigma(fw, W_MBS, newton)
         if X_SIGMA:

@@ -366,16 +366,18 @@ def e4m3_value(b):
 
 
 @triton.jit
-def mbs_factors(x_ptrs, w_ptrs, valid, mask_m, mask_n, X_MBS: tl.constexpr, W_MBS: tl.constexpr):
+def mbs_factors(x_ptrs, w_ptrs, valid, mask_m, mask_n, X_MBS: tl.constexpr, W_MBS: tl.constexpr,
+                W_FMA: tl.constexpr = False):  # fmt: skip
     """(Fx [BLOCK_M], Fw [BLOCK_N]): the MBS factors F = 1 + m/256 of one macro block of the
     tile's x and weight rows, their bytes at x_ptrs / w_ptrs; 1 for an operand without MBS
-    (nothing read), and 1 where `valid` is False (a macro block past K: nothing to read)."""
+    (nothing read), and 1 where `valid` is False (a macro block past K: nothing to read).
+    W_FMA: the weight's in `mbs_factor`'s FMA form (the caller's choice, by count)."""
     fx = tl.full(mask_m.shape, 1.0, tl.float32)
     fw = tl.full(mask_n.shape, 1.0, tl.float32)
     if X_MBS:
         fx = mbs_factor(tl.load(x_ptrs, mask=mask_m & valid, other=0))
     if W_MBS:
-        fw = mbs_factor(tl.load(w_ptrs, mask=mask_n & valid, other=0))
+        fw = mbs_factor(tl.load(w_ptrs, mask=mask_n & valid, other=0), W_FMA)
     return fx, fw
 
 

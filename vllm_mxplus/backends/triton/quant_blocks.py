@@ -132,8 +132,15 @@ def load_row_tile(
 
 
 @triton.jit
-def mbs_factor(m):
-    """F = 1 + m/256 in fp32 (exact) of MBS bytes m."""
+def mbs_factor(m, FMA: tl.constexpr = False):
+    """F = 1 + m/256 in fp32 (exact) of MBS bytes m: as m * 2^-8 + 1 where FMA (one FFMA after
+    the convert), else as (m + 256) * 2^-8 (an add and a multiply), the same exact value.
+    Which form is a register-allocation choice made by count (`benchmarks/gpu_static_model.py`,
+    `mxplus kernels --aot`): the FMA form saves 7 of 492 instructions per warp and step in the
+    decode GEMM's word path at macro block 16 on sm_90 (its weight factors), but made ptxas
+    spill where it computed x's factors there, and `mx_gemm`'s macro-16 tiles, on sm_100."""
+    if FMA:
+        return m.to(tl.float32) * MBS_INV_DENOM + 1.0
     return (m.to(tl.float32) + MBS_DENOM) * MBS_INV_DENOM
 
 
