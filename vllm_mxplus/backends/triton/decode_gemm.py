@@ -109,9 +109,10 @@ weight at one row (macro blocks 16 / 32 / 64, sm_90): the operand rows per macro
 (macro-block-major, so an MMA thread's neighbouring accumulator columns share a macro
 block), the weight's sigmas computed once per (weight row, macro block) as [BLOCK_N, SUB]
 and broadcast over the rows in registers, the step's SUB MBS bytes of a row in one load:
-0.1201 / 0.1145 / 0.1096 (sm_90), 0.1165 / 0.1104 / 0.1057 (sm_100), no spill; at 16 rows
-(two 64-operand-row tiles at 16 and 32, each a pass over the weight; one 32-row tile at 64)
-2 x 0.1694, 2 x 0.1572, 0.1321 against 0.96 / 0.6519 / 0.1836 (sm_90).
+0.1184 / 0.1138 / 0.1094 (sm_90), 0.1150 / 0.1096 / 0.1055 (sm_100; the weight's factors in
+`mbs_factor`'s FMA form), no spill; at 16 rows (two 64-operand-row tiles at 16 and 32, each a
+pass over the weight; one 32-row tile at 64) 2 x 0.1677, 2 x 0.1565, 0.1318 against 0.96 /
+0.6519 / 0.1836 (sm_90).
 """
 
 from __future__ import annotations
