@@ -791,9 +791,9 @@ def sub_blocks(macro_block: int, has_mbs: bool, block_k: int) -> int:
     """Macro blocks per K step of the word path: block_k // macro_block where MBS macro blocks
     are narrower than the step (16 / 32 / 64 in the GPU's 128-element step), else 1. The
     kernel's SUB: x's operand row i holds activation row i % (BLOCK_M // SUB) restricted to
-    the step's macro block i // (BLOCK_M // SUB) (its other columns zero), so one set of dots gives every macro
-    block's partial in its own accumulator row, each scaled by its own sigma_x * sigma_w and
-    the rows of an activation row summed after the K loop. A row tile of BLOCK_M operand rows
+    the step's macro block i // (BLOCK_M // SUB) (its other columns zero), so one set of dots
+    gives every macro block's partial in its own accumulator row, each scaled by its own
+    sigma_x * sigma_w and the rows of an activation row summed after the K loop. A row tile of BLOCK_M operand rows
     serves BLOCK_M // SUB activation rows; the weight tile is loaded and dequantized once per
     step as at macro block 128 (the byte path instead ran one dot per macro block on x with
     the other macro blocks' columns zeroed: 0.9619 / 0.6333 / 0.1880 warp-instructions per
