@@ -24,7 +24,7 @@ allocated on or copied from the CPU (tests/backends/test_graph_guard_fake_cuda.p
 under a fake CUDA device and fails on any of those). The sm_90a exact fallback is part of that,
 and no row ever comes out NaN or wrong for want of room: activation rows with an inexact FP8
 chunk (a chunk whose block exponents span more than 14 binades, a NaN block, a scale under
-2^-125) are listed on the device (`nonzero_static` at capacity M, no host sync) and the
+2^-125) are listed on the device (`row_list.list_rows`: one launch, no host sync) and the
 Triton FP4 GEMM recomputes exactly those rows from the packed operands (`mx_gemm_rows`: the
 activations' codes from the fused encoder's same launch, or the Triton act-quant, the packed
 weight the decode backend holds;
@@ -275,8 +275,9 @@ def _sm90_gemm(
     w_ops = (w.codes, w.scales, w.mbs, None)
     b = None if b32 is None else b32[:n]
     y = mx_gemm_rows(
-        y, ~xl.exact_rows, x_ops, w_ops, xl.k, b, fmt="e8m0", block_size=BLOCK, macro_block=CHUNK
-    )
+        y, xl.exact_rows, x_ops, w_ops, xl.k, b,
+        fmt="e8m0", block_size=BLOCK, macro_block=CHUNK, when=False,
+    )  # fmt: skip
     if fallback_idx.numel():  # static (known at load): no sync
         idx = fallback_idx
         w_rows = tuple(None if t is None else t[idx] for t in w_ops)

@@ -55,6 +55,7 @@ from vllm_mxplus.backends.triton.gemm_blocks import (
     mbs_sigma,
     pair_dot,
     store_out_tile,
+    wait_prior_grid,
 )
 from vllm_mxplus.backends.triton.gemm_launch import (
     MAX_GRID_M_TILES,
@@ -66,8 +67,16 @@ from vllm_mxplus.backends.triton.gemm_launch import (
     finish_output,
     plan_split_k,
 )
-from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.launch import (
+    check_available,
+    interpreting,
+    launch,
+    pdl_launch,
+    tl,
+    triton,
+)
 from vllm_mxplus.backends.triton.plus_words import DELTA_MASK, POS_MASK
+from vllm_mxplus.backends.triton.row_list import list_rows
 from vllm_mxplus.formats import get_format
 from vllm_mxplus.formats.constants import ceil_div
 
@@ -220,7 +229,10 @@ def _mx_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (`launch.pdl_launch`): nothing is read before the prior kernel ends
+        wait_prior_grid()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)  # split-K slice
     pid_m = tl.program_id(2)
@@ -383,13 +395,15 @@ def launch_mx_gemm(
     tiles: tuple[int, int, int, int],
     grid_m: int,
     moe: tuple | None = None,
+    pdl: bool = False,
 ) -> None:
     """One launch of _mx_gemm_kernel (shared by `mx_gemm` and `moe_gemm.moe_gemm`) writing
     sk.out [m, n] (or partials [split, m, n]) for operands of kind fmt at block size bs.
 
     x, w: (codes, scales, extra, global scales) as uint8 row-major views (extra: MBS bytes or
     MX+ block-max indices; global: fp32 per row, NVFP4 only). moe: (sorted pairs, expert per
-    row tile, local experts, top_k) or None."""
+    row tile, local experts, top_k) or None. pdl: a programmatic dependent launch (its
+    programs wait for the kernel before it; `launch.pdl_launch` says where it may be one)."""
     bm, bn, bk, warps = tiles
     out, bias = sk.out, sk.bias
     m, n = out.shape[-2:]
@@ -441,7 +455,8 @@ def launch_mx_gemm(
         BLOCK_N=bn,
         BLOCK_K=bk,
         DOT_DTYPE=dot_dtype(),
-        **({} if interp else {"num_warps": warps}),
+        PDL=pdl,
+        **({} if interp else {"num_warps": warps, **({"launch_pdl": True} if pdl else {})}),
     )
 
 
@@ -529,20 +544,25 @@ def mx_gemm_rows(
     fmt: str,
     block_size: int,
     macro_block: int,
+    when: bool = True,
 ) -> torch.Tensor:
-    """y with the rows where `rows` (bool [M], on the device) is True replaced by
-    x_hat @ W_hat^T (+ bias) of those rows, in y's dtype; the other rows are untouched.
+    """y with the rows where `rows` (bool, int8 or uint8 [M], on the device) is `when`
+    replaced by x_hat @ W_hat^T (+ bias) of those rows, in y's dtype; the other rows are
+    untouched.
 
-    Any number of rows, found on the device (`nonzero_static` at capacity M: no host sync,
-    fixed shapes, capturable): the listed rows are gathered in row tiles through the
-    kernel's MOE row list (one expert: the whole weight), a row tile past the last listed
-    row returns at once, so the work follows the number of listed rows. On the GPU the
+    Any number of rows, listed on the device (`row_list.list_rows`, one launch at capacity M:
+    no host sync, fixed shapes, capturable): the listed rows are gathered in row tiles through
+    the kernel's MOE row list (one expert: the whole weight), a row tile past the last listed
+    row returns at once, so the work follows the number of listed rows. On sm_90 and later
+    the list and the GEMM are programmatic dependent launches (`launch.pdl_launch`). On the GPU the
     kernel writes the rows into y in place (fp32 accumulation, bias, one rounding to y's
     dtype, as `mx_gemm`); under the interpreter, whose fp32 -> bf16 cast is not RNE, the
     rows are computed in fp32 and cast by torch. x, w: as `mx_gemm`'s (x [M, ...] rows)."""
-    if y.dim() != 2 or rows.shape != (y.shape[0],) or rows.dtype != torch.bool:
+    flag_dtypes = (torch.bool, torch.int8, torch.uint8)
+    if y.dim() != 2 or rows.shape != (y.shape[0],) or rows.dtype not in flag_dtypes:
         raise ValueError(
-            f"mx_gemm_rows: rows must be bool [{y.shape[0]}] for y {tuple(y.shape)}, got "
+            f"mx_gemm_rows: rows must be bool, int8 or uint8 [{y.shape[0]}] for y "
+            f"{tuple(y.shape)}, got "
             f"{rows.dtype} {tuple(rows.shape)}"
         )
     if not y.is_contiguous():
@@ -564,17 +584,16 @@ def mx_gemm_rows(
     grid_m = triton.cdiv(m, bm)
     if grid_m > MAX_GRID_M_TILES:
         raise ValueError(f"mx_gemm_rows: {m} rows exceed one grid ({MAX_GRID_M_TILES * bm})")
-    listed = torch.nonzero_static(rows, size=grid_m * bm, fill_value=m)[:, 0].to(torch.int32)
-    # expert 0 (the whole weight) for a tile whose first entry is a listed row; 1 (past the
-    # last expert: the program returns) for the tiles of padding
-    tile_expert = (listed.view(grid_m, bm)[:, 0] >= m).to(torch.int32)
+    # the listed rows, padded with m; per row tile expert 0 (the whole weight) or 1 (padding
+    # only: past the last expert, the program returns)
+    listed, tile_expert = list_rows(rows, grid_m, bm, when)
     interp = interpreting()
     out = torch.empty((m, n), dtype=torch.float32, device=y.device) if interp else y
     b = bias.to(torch.float32) if interp and bias is not None else bias
     sk = SplitK(1, triton.cdiv(K, bk) * bk, out, b)
-    launch_mx_gemm(
-        x, w, sk, K, fmt, block_size, macro_block, tiles, grid_m, (listed, tile_expert, 1, 1)
-    )
+    moe = (listed, tile_expert, 1, 1)
+    pdl = pdl_launch(y.device)
+    launch_mx_gemm(x, w, sk, K, fmt, block_size, macro_block, tiles, grid_m, moe, pdl)
     if interp:
-        return torch.where(rows[:, None], out.to(y.dtype), y)
+        return torch.where(((rows != 0) == when)[:, None], out.to(y.dtype), y)
     return y
