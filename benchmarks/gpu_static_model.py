@@ -80,6 +80,7 @@ GPUS = {
 }
 LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LAYERS = 32
+SCHEME = "mxfp4-mbs"  # the scheme every estimate is for (MBS-H at macro block 128)
 MS = (1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 SMALL_MACRO_BLOCKS = (16, 32, 64)  # MBS macro blocks besides the paper's 128 (decode per format)
@@ -91,11 +92,6 @@ FP8_BYTES = 1 + 4 / 128  # the FP8-chunk layout per element: a byte + an fp32 sc
 ACT_FP8_BYTES = 2 + FP8_BYTES + 6 / 128 + 0.5 + 1 / 16
 FP4_FLOPS = {"B200": 9000e12}  # dense block-scaled FP4 (published); sm_90 has none
 LAUNCH_S = 2e-6  # one kernel launch in a CUDA-graph replay, about (an assumption, not measured)
-# launches per linear besides the GEMM: the activation quantizer (decode, packed prefill);
-# the FP8 pipeline's activation encoder, fallback-rows GEMM and (unless held) weight encoder
-# act_fp8 (the FP8 layout and the packed fields the exact fallback reads), the FP8 GEMM,
-# mx_gemm_rows (+ weight_fp8 per call)
-FP8_PIPELINE_LAUNCHES = 3
 FP4_BYTES = 0.5 + 1 / 16  # sm_100a operands: E2M1 + a UE8M0 scale per 16
 OUT_RMW_BYTES = 8  # the per-chunk MBS launch reads and writes each fp32 output once
 # sm_100's Triton FP4 MMA (`triton-fp4-prefill`), its cases counted on sm_100 only
@@ -107,8 +103,6 @@ FP4_CASES = tuple(c + t for c in (FP4_MBS, FP4_NO_MBS) for t in ("", SPLIT))
 FP4_MMA_BYTES = {True: 0.5 + 1 / 16 + 4 / 128, False: 0.5 + 1 / 16}
 # the relative scales of the activations per call: E8M0 + MBS bytes read, UE4M3 + factors written
 REL_SCALE_BYTES = 1 / 16 + 1 / 128 + 1 / 16 + 4 / 128
-# launches per linear: act-quant, relative scales, the GEMM, the fallback rows' GEMM
-FP4_PIPELINE_LAUNCHES = 4
 
 
 @dataclass
@@ -449,45 +443,93 @@ def _packed_split(tiles: int, k: int, gpu: str) -> int:
     return split_k_count(tiles, -(-k // 128), GPUS[gpu][1], settings.gpu_programs_per_sm())
 
 
+def _fp4_pipeline(m: int, n: int, k: int):
+    """(fn, make_args) of one `triton-fp4-prefill` call (mxfp4-mbs, no bias, no inexact
+    weight rows) on fake CUDA tensors."""
+    from vllm_mxplus.backends.graph_guard import cuda_empty
+    from vllm_mxplus.backends.triton.fp4_prefill import fp4_prefill_impl
+    from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows
+    from vllm_mxplus.formats import get_scheme
+
+    sch = get_scheme(SCHEME)
+
+    def make_args() -> tuple:
+        u8, dev = torch.uint8, torch.device("cuda")
+        w = (cuda_empty((n, k // 2), u8), cuda_empty((n, k // 16), u8),
+             cuda_empty((n, k // 128), u8), None)  # fmt: skip
+        fp4 = (aligned_rows(n, k // 16, u8, dev), aligned_rows(k // 128, n, torch.float32, dev),
+               cuda_empty((0,), torch.int64))  # fmt: skip
+        return (cuda_empty((m, k), torch.bfloat16), sch.activation_format, sch.weight_format,
+                128, *w, *fp4, None, None, torch.bfloat16)  # fmt: skip
+
+    return fp4_prefill_impl, make_args
+
+
+def _fp8_pipeline(m: int, n: int, k: int, held: bool):
+    """(fn, make_args) of one `triton-fp8-prefill` call (mxfp4-mbs, no bias, no inexact
+    weight rows; the weight's FP8 form held from load or not) on fake CUDA tensors: the
+    fused activation encoder, then the prefill op's body."""
+    import dataclasses
+
+    from benchmarks.count_prefill_ops import sm90_weight
+    from vllm_mxplus.backends.cutlass import gemm as cutlass_gemm
+    from vllm_mxplus.backends.graph_guard import cuda_empty
+    from vllm_mxplus.formats import get_scheme
+
+    fmt = get_scheme(SCHEME).activation_format
+
+    def make_args() -> tuple:
+        rows, kp = -(-n // 8) * 8, -(-k // 128) * 128
+        fp8 = (cuda_empty((rows, kp), torch.float8_e4m3fn), cuda_empty((kp // 128, rows)))
+        w = dataclasses.replace(sm90_weight(n, k, 0), engine="triton",
+                                held_fp8=fp8 if held else None)  # fmt: skip
+        return cuda_empty((m, k), torch.bfloat16), w
+
+    def call(x: torch.Tensor, w) -> None:  # noqa: ANN001 (PreparedWeight)
+        fields = torch.ops.vllm_mxplus.triton_act_fp8_chunks_packed(x, fmt, 128)
+        cutlass_gemm.prefill_sm90_fused_impl(
+            x, fmt, *fields, *w.sm90_operands(), None, n, torch.bfloat16, w.engine
+        )
+
+    return call, make_args
+
+
+def pipeline_kernels(kernel: str, m: int, n: int, k: int, capability: int, held: bool = False):
+    """The kernels one linear [n, k] at m rows launches on the `fp4` or `fp8` prefill
+    pipeline on sm_<capability>, traced from its code (`kernel_tools.launch_trace`)."""
+    from vllm_mxplus.kernel_tools.launch_trace import trace
+
+    fn, make_args = _fp4_pipeline(m, n, k) if kernel == "fp4" else _fp8_pipeline(m, n, k, held)
+    return trace(fn, make_args, capability)
+
+
 def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
              block_n: int = 128, block_k: int = 128, capability: int = 90) -> int:  # fmt: skip
-    """Kernel launches of Llama-3-8B's four linears at m rows on a path, from the code's
-    structure: decode / packed prefill = the activation quantizer, the GEMM, and the split-K
-    sum where the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs; the decode
-    GEMM sums inside its own launch, `gemm_blocks.reduce_split_tile`); the FP8
-    pipeline FP8_PIPELINE_LAUNCHES, + 1 for the weight's encoder unless held or read packed
-    (`gemm.packed_serves`; the packed-weight GEMM sums split K in its own launch too).
-    bf16: one each. The decode GEMM's own launch is not counted where it is a programmatic
-    dependent one (sm_90+, VLLM_MXPLUS_GPU_PDL: started while the quantizer runs)."""
+    """Kernel launches of Llama-3-8B's four linears at m rows on a path, each a launch gap:
+    decode / packed prefill = the activation quantizer, the GEMM, and the split-K sum where
+    the grid splits K (`gemm_launch.split_k_count` on an H200's 132 SMs; the decode GEMM sums
+    inside its own launch, `gemm_blocks.reduce_split_tile`), from the code's structure; the
+    FP8 and FP4 pipelines traced from their code on sm_<capability> (`pipeline_kernels`:
+    encoders, GEMM, split-K sum, the exact fallback's row list and GEMM, every glue op that
+    launches a kernel). bf16: one each. A programmatic dependent launch right after a kernel
+    that triggers it is not counted (sm_90+, VLLM_MXPLUS_GPU_PDL: its programs start while
+    the kernel before it runs): the decode GEMM after its quantizer, the pipelines' launches
+    after their GEMM (`kernel_tools.launch_trace`)."""
     from vllm_mxplus import settings
-    from vllm_mxplus.backends.cutlass.gemm import packed_serves
     from vllm_mxplus.backends.triton.gemm_launch import (
         NOMINAL_SMS,
         split_k_count,
         sums_in_launch,
     )
     from vllm_mxplus.backends.triton.launch import capture_launches, pdl_launch
+    from vllm_mxplus.kernel_tools.launch_trace import counted
 
     if kernel == "bf16":
         return len(LLAMA_8B)
-    if kernel == "fp4":  # + split K's sum (`finish_output`) where the grid splits K
-        return len(LLAMA_8B) * FP4_PIPELINE_LAUNCHES + sum(
-            fp4_split(m, n, k, True)[0] > 1 for _, n, k in LLAMA_8B
+    if kernel in ("fp4", "fp8"):  # traced from the pipeline's code, glue ops included
+        return sum(
+            counted(pipeline_kernels(kernel, m, n, k, capability, held)) for _, n, k in LLAMA_8B
         )
-    if kernel == "fp8":
-        gpu = next(g for g, spec in GPUS.items() if spec[0] == capability)
-        total = len(LLAMA_8B) * FP8_PIPELINE_LAUNCHES
-        for _, n, k in LLAMA_8B:
-            if held:
-                continue
-            if not packed_serves(m, k, "triton", capability):
-                total += 1  # the weight's encoder
-                continue
-            # split K is summed in the GEMM's own launch up to SPLIT_COUNTERS tiles
-            tiles = -(-m // 128) * -(-n // 128)
-            split = _packed_split(tiles, k, gpu)
-            total += split > 1 and not sums_in_launch(tiles, split)
-        return total
     with capture_launches(capability):  # the launcher's own rule on sm_<capability>
         pdl = pdl_launch(torch.device("meta"))
     total = 0
@@ -683,7 +725,7 @@ def fp4_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
     rows = []
     weights = LAYERS * sum(n * k for _, n, k in LLAMA_8B)
     act_k = LAYERS * sum(k for _, _, k in LLAMA_8B)
-    _, _, _, bw, bf16_flops, _ = GPUS[gpu]
+    cap, _, _, bw, bf16_flops, _ = GPUS[gpu]
     for m in (256, 512, 4096):
         bf16 = max(weights * 2 / bw, m * weights / (bf16_flops / 2))
         bf16 += LAYERS * launches("bf16", m) * LAUNCH_S
@@ -692,7 +734,7 @@ def fp4_formats_vs_bf16(counts: dict[str, Count], gpu: str) -> list[dict]:
             r = fp4_mma_s(counts, gpu, m, act_k, mbs)
             if r is None:
                 return []
-            per[mbs] = max(r[0]) + r[1] + LAYERS * launches("fp4", m) * LAUNCH_S
+            per[mbs] = max(r[0]) + r[1] + LAYERS * launches("fp4", m, capability=cap) * LAUNCH_S
         rows.append({"gpu": gpu, "M": m, "mbs_ms": per[True] * 1e3, "no_mbs_ms": per[False] * 1e3,
                      "bf16_estimate_ms": bf16 * 1e3, "mbs_vs_bf16": bf16 / per[True],
                      "no_mbs_vs_bf16": bf16 / per[False],

@@ -154,7 +154,7 @@ def _fused_sm90(x, spec, w, bias, *engine):
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
 def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     """CutlassPrefillBackend.apply on sm_90a, then the prefill op's body (the exact-row
-    fallback: nonzero_static, the Triton act-quant and the row-list GEMM; the weight's
+    fallback: the row list, the Triton act-quant and the row-list GEMM; the weight's
     inexact columns) on the fused encoder's fake outputs."""
     from vllm_mxplus.backends.cutlass.linear import CutlassPrefillBackend
 
@@ -167,14 +167,13 @@ def test_cutlass_sm90_prefill(scheme, inexact_w, m):
     assert guard.count("vllm_mxplus.cutlass_prefill_sm90_fused") == 1
     y, guard, launches = _fused_sm90(x, spec, w, cuda_empty((N,), torch.bfloat16))
     _assert_cuda_out(y, m)
-    assert guard.count("aten.nonzero_static") == 1  # the fallback ran, not skipped
+    assert guard.count("aten.nonzero_static") == 0  # the rows are listed by one kernel
     kernels = _kernels(launches)
     # the weight's FP8 form for this call (none is held; on words: the rows vectorize), the
-    # row-list GEMM (the activations' packed fields come from the fused encoder's launch),
-    # and the columns of the weight's inexact rows
-    assert kernels == ["_weight_fp8_words_kernel", "_mx_gemm_kernel"] + ["_mx_gemm_kernel"] * bool(
-        inexact_w
-    ), kernels
+    # row list and its GEMM (the activations' packed fields come from the fused encoder's
+    # launch), and the columns of the weight's inexact rows
+    want = ["_weight_fp8_words_kernel", "_list_rows_kernel", "_mx_gemm_kernel"]
+    assert kernels == want + ["_mx_gemm_kernel"] * bool(inexact_w), kernels
 
 
 @pytest.mark.parametrize("k", [K, 512], ids=["K576", "K512"])
@@ -212,7 +211,7 @@ def test_triton_fp8_prefill(held, m, k):
         assert not any(is_split_k_sum(lc) for lc in launches)
     else:
         gemm = ["_weight_fp8_words_kernel", "_fp8_chunk_gemm_kernel"]
-    assert _kernels(launches) == [*gemm, "_mx_gemm_kernel"]
+    assert _kernels(launches) == [*gemm, "_list_rows_kernel", "_mx_gemm_kernel"]
 
 
 def test_cutlass_sm90_every_row_inexact_at_m512():
@@ -220,7 +219,7 @@ def test_cutlass_sm90_every_row_inexact_at_m512():
     of tests/backends/cutlass/test_cutlass_gemm.py's test at M = 512, where the numbers are
     checked): the fallback's shapes do not depend on the data, so here, on fake CUDA
     tensors, the guard sees no host sync, and the row-list GEMM has room for all 512 rows
-    (nonzero_static at capacity >= M; its row tiles cover every row)."""
+    (the row list at capacity >= M; its row tiles cover every row)."""
     m, spec, w = 512, _spec("mxfp4-mbs"), _sm90_weight(0)
     x = cuda_empty((m, K), torch.bfloat16)
     y, guard, launches = _fused_sm90(x, spec, w, None)
@@ -230,6 +229,8 @@ def test_cutlass_sm90_every_row_inexact_at_m512():
     assert rows_gemm.kwargs["MOE"]  # the row list
     listed = rows_gemm.args[10]  # pairs_ptr: the listed rows, padded with M
     assert listed.shape[0] >= m and rows_gemm.grid[2] * rows_gemm.kwargs["BLOCK_M"] >= m
+    (lister,) = [launch for launch in launches if launch.kernel.__name__ == "_list_rows_kernel"]
+    assert lister.args[1] is listed and lister.args[4] == listed.shape[0]  # its capacity
 
 
 @pytest.mark.parametrize("m", CAPTURE_MS, ids=lambda m: f"M{m}")
@@ -253,7 +254,8 @@ def test_cutlass_sm90_prefill_from_codes(m):
             torch.float16,
         )
     _assert_cuda_out(y, m, torch.float16)
-    assert _kernels(launches) == ["_weight_fp8_words_kernel"] + ["_mx_gemm_kernel"] * 2
+    want = ["_weight_fp8_words_kernel", "_list_rows_kernel", "_mx_gemm_kernel", "_mx_gemm_kernel"]
+    assert _kernels(launches) == want
 
 
 @pytest.mark.parametrize("use_mbs", [True, False], ids=["mbs", "no-mbs"])
@@ -335,9 +337,9 @@ def test_triton_fp4_prefill(scheme, inexact_w, m):
         )  # fmt: skip
     _assert_cuda_out(y, m)
     assert not guard.violations
-    assert guard.count("aten.nonzero_static") == 1  # the fallback rows, listed on the device
+    assert guard.count("aten.nonzero_static") == 0  # the rows are listed by one kernel
     want = ([] if nvfp4 else ["_rel_scales_kernel"]) + ["_fp4_scaled_gemm_kernel"]
-    want += ["_mx_gemm_kernel"] * (1 + bool(inexact_w))
+    want += ["_list_rows_kernel"] + ["_mx_gemm_kernel"] * (1 + bool(inexact_w))
     assert _kernels(launches) == want
 
 

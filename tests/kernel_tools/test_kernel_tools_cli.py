@@ -26,6 +26,7 @@ LAUNCHED_KERNELS = {
     "_nvfp4_given_act_quant_kernel",
     "_fp8_chunk_gemm_kernel",
     "_weight_fp8_words_kernel",
+    "_list_rows_kernel",
 }
 
 

@@ -58,12 +58,16 @@ def test_cutlass_sm100_mbs_pays_a_read_modify_write_per_chunk():
 
 
 def test_launches_follow_the_code_structure(monkeypatch):
-    """Per layer (four linears): bf16 one launch each; the FP8 pipeline its activation
-    encoder (the FP8 layout and the fallback's packed fields), the GEMM and the fallback
-    GEMM, + the weight's encoder above PACKED_WEIGHT_MAX_M unless held; below it the
-    packed-weight GEMM splits K where its tiles are fewer than two per SM (M = 256: 96, 64,
-    448, 64 tiles: all but gate_up) and sums the slices in its own launch
-    (`gemm_blocks.reduce_split_tile`); the decode at M = 1 quantizer and GEMM for each:
+    """Per layer (four linears): bf16 one launch each; the FP8 pipeline (traced) its
+    activation encoder (the FP8 layout and the fallback's packed fields), the exact-rows
+    reduction and the GEMM, + the weight's encoder above PACKED_WEIGHT_MAX_M unless held (the
+    fallback's row list and GEMM start early: programmatic dependent launches after the
+    GEMM's trigger); below it the packed-weight GEMM splits K where its tiles are fewer than
+    two per SM (M = 256: 96, 64, 448, 64 tiles: all but gate_up) and sums the slices in its
+    own launch (`gemm_blocks.reduce_split_tile`); sm_100's FP4 pipeline (traced) only its
+    activation quantizer, every launch after it a dependent one (relative scales, GEMM,
+    split-K sum, row list, rows GEMM), all of them paid with PDL off; the decode at M = 1
+    quantizer and GEMM for each:
     every 8B linear's 128-column tiles (48, 32, 224, 32) are fewer than two per SM of an
     H200 (264), so it splits K, summed in its own launch too, and on sm_90+ the GEMM's launch
     is a programmatic dependent one, started while the quantizer runs (not counted; counted
@@ -72,11 +76,18 @@ def test_launches_follow_the_code_structure(monkeypatch):
     assert gsm.launches("bf16", 1) == 4
     assert gsm.launches("fp8", 4096) == 16 and gsm.launches("fp8", 4096, held=True) == 12
     assert gsm.launches("fp8", 256) == 12
+    assert (
+        gsm.launches("fp4", 256, capability=100) == gsm.launches("fp4", 4096, capability=100) == 4
+    )
     assert gsm.launches("decode", 1) == gsm.launches("decode", 1, capability=100) == 4
     assert gsm.launches("decode", 1, capability=80) == 8
     assert gsm.launches("prefill", 4096, block_m=64) == 8
     monkeypatch.setenv("VLLM_MXPLUS_GPU_PDL", "0")
     assert gsm.launches("decode", 1) == 8
+    # act-quant, relative scales, GEMM, row list, rows GEMM (K not split at M = 4096); the
+    # FP8 pipeline's encoder, exact-rows reduction, GEMM, row list, rows GEMM
+    assert gsm.launches("fp4", 4096, capability=100) == 4 * 5
+    assert gsm.launches("fp8", 256) == 4 * 5
 
 
 def test_launch_time_is_added_per_launch(monkeypatch):

@@ -331,6 +331,27 @@ def _drive_mx_gemm(quick: bool) -> None:
             )
 
 
+def _drive_mx_gemm_rows(quick: bool) -> None:
+    """The prefill pipelines' exact fallback (`mx_gemm_rows`): the row list
+    (`row_list.list_rows`) and the gathered-row GEMM over the whole weight, for the operand
+    kinds the sm_90 FP8 and sm_100 FP4 pipelines take (E8M0 block 16 / 32 with MBS-128 or
+    none, NVFP4), launched as those pipelines launch them (programmatic dependent launches
+    on sm_90 and later)."""
+    from vllm_mxplus.backends.triton.mx_gemm import mx_gemm_rows
+
+    kinds = (("e8m0", 16, 128),) if quick else (
+        ("e8m0", 16, 128), ("e8m0", 16, None), ("e8m0", 32, None), ("nvfp4", 16, None))  # fmt: skip
+    outs = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    m, n, k = 4096, 4096, 4096
+    for (fmt, bs, macro), out_dtype, bias in itertools.product(kinds, outs, (False, True)):
+        mx_gemm_rows(
+            _meta((m, n), out_dtype), _meta((m,), torch.bool),
+            _mx_operand(m, k, fmt, bs, macro), _mx_operand(n, k, fmt, bs, macro), k,
+            _meta((n,), torch.float32) if bias else None,
+            fmt=fmt, block_size=bs, macro_block=macro or 128,
+        )  # fmt: skip
+
+
 def _moe_layout(pairs: int, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta stand-ins for `moe_align`'s (sorted pairs, expert per row tile) of `pairs` pairs
     over `experts` experts in row tiles of block_m (their shapes' bound)."""
@@ -458,13 +479,20 @@ DRIVERS: dict[str, Callable[[bool], None]] = {
     "fp4_rel_scales": _drive_fp4_rel_scales,
     "decode_gemm": _drive_decode_gemm,
     "mx_gemm": _drive_mx_gemm,
+    "mx_gemm_rows": _drive_mx_gemm_rows,
     "moe_gemm": _drive_moe_gemm,
     "moe_decode_gemm": _drive_moe_decode_gemm,
     "act_quant_plus": _drive_act_quant_plus,
 }
 
+# the prefill pipelines' exact fallback (`mx_gemm_rows`: the row list and the GEMM launched
+# after it, the one `_mx_gemm_kernel` launch with PDL on) serves the FP8 (sm_89+) and FP4
+# (sm_100) pipelines only
+FALLBACK_ROWS_TARGET = 89
+
 #: Kernels that need a newer target than sm_80 (FP8 E4M3 tensor cores and conversions: sm_89
-#: and later; they serve only the sm_90 / sm_100 FP8-chunk pipeline); older targets are
+#: and later; they serve only the sm_90 / sm_100 FP8-chunk pipeline), or serve only the
+#: pipelines that do (the exact fallback's row list, FALLBACK_ROWS_TARGET); older targets are
 #: skipped for them, not failed.
 MIN_TARGET: dict[str, int] = {
     "_fp8_chunk_gemm_kernel": 89,
@@ -472,6 +500,7 @@ MIN_TARGET: dict[str, int] = {
     "_weight_fp8_words_kernel": 89,
     "_weight_fp8_chunks_kernel": 89,
     "_act_fp8_chunks_kernel": 89,
+    "_list_rows_kernel": FALLBACK_ROWS_TARGET,
 }
 
 
@@ -479,14 +508,17 @@ FP4_MMA_TARGET = 100  # `fp4_scaled_gemm`'s MMA: sm_100 only (older targets emul
 
 
 def min_target(config) -> int:  # noqa: ANN001 (aot.KernelConfig; aot imports this module)
-    """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, and for
-    the decode kernel's 64-row tile (linear or grouped) and its MX+ mode
-    `decode_gemm.WIDE_MIN_CAPABILITY` (the launchers never pick them on older GPUs)."""
+    """The oldest target a configuration is compiled for: MIN_TARGET of its kernel, the
+    fallback rows' GEMM FALLBACK_ROWS_TARGET, and for the decode kernel's 64-row tile (linear
+    or grouped) and its MX+ mode `decode_gemm.WIDE_MIN_CAPABILITY` (the launchers never pick
+    them on older GPUs)."""
     from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS, WIDE_MIN_CAPABILITY
 
     c = dict(config.constexprs)
     if config.kernel == "_fp4_scaled_gemm_kernel":
         return FP4_MMA_TARGET  # tcgen05's block-scaled FP4 MMA
+    if config.kernel == "_mx_gemm_kernel" and c.get("PDL"):
+        return FALLBACK_ROWS_TARGET
     if config.kernel == "_decode_gemm_kernel" and (
         c["BLOCK_M"] >= WIDE_BLOCK_MS[-1] or c.get("PLUS")
     ):

@@ -258,6 +258,9 @@ def _sm90_gemm(
     rows = ceil_to(n, 8)
     b32 = bias_f32(bias, rows)
     fallback_idx = w.fallback_idx
+    # the rows with an inexact chunk, reduced before the GEMM: the fallback's row list then
+    # follows the GEMM directly and starts early (`row_list`, programmatic dependent launch)
+    exact_rows = xl.exact_rows
     cap = target_capability(xl.fp8.device)
     if w.fp8 is None and packed_serves(xl.fp8.shape[0], xl.k, engine, cap):
         y = fp8_packed_gemm(xl.fp8, xl.scale, w.codes, w.scales, w.mbs, xl.k, b32, out_dtype)
@@ -275,7 +278,7 @@ def _sm90_gemm(
     w_ops = (w.codes, w.scales, w.mbs, None)
     b = None if b32 is None else b32[:n]
     y = mx_gemm_rows(
-        y, xl.exact_rows, x_ops, w_ops, xl.k, b,
+        y, exact_rows, x_ops, w_ops, xl.k, b,
         fmt="e8m0", block_size=BLOCK, macro_block=CHUNK, when=False,
     )  # fmt: skip
     if fallback_idx.numel():  # static (known at load): no sync

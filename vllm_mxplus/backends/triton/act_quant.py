@@ -110,7 +110,9 @@ def _mx_act_quant_kernel(
     HAT: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     TRIGGER: tl.constexpr, HW_E2M1: tl.constexpr,
 ):  # fmt: skip
-    if TRIGGER:  # the decode GEMM after it may start its programs (`launch.pdl_launch`)
+    # the kernel after it (the decode GEMM, the FP4 pipeline's relative scales) may start its
+    # programs, which wait for this one (`launch.pdl_launch`); a no-op before any other kernel
+    if TRIGGER:
         launch_dependents()
     pid_k = tl.program_id(1)
     # pack_fp4 pads with code 0 too, so the zeros past K are invisible.
@@ -404,7 +406,7 @@ def _act_quant(
             HAS_MBS=bool(spec.mbs),
             MACRO=macro_block,
             HAT=hat,
-            TRIGGER=hat and pdl_launch(x.device),
+            TRIGGER=pdl_launch(x.device),
             HW_E2M1=e2m1_rounding(x.device, hat),
         )
         if mbs is not None:

@@ -24,8 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mxplus.backends.triton.gemm_blocks import mbs_sigma
-from vllm_mxplus.backends.triton.launch import check_available, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, mbs_sigma, wait_prior_grid
+from vllm_mxplus.backends.triton.launch import (
+    check_available,
+    interpreting,
+    launch,
+    pdl_launch,
+    tl,
+    triton,
+)
 from vllm_mxplus.backends.triton.quant_blocks import mbs_factor
 from vllm_mxplus.formats.constants import MACRO_BLOCK, MBS_DENOM, SMALL_BLOCK, ceil_div
 
@@ -63,8 +70,12 @@ def _rel_scales_kernel(
     R, NB, NC,
     stride_s, stride_m, stride_u, stride_f,
     SUB: tl.constexpr, HAS_MBS: tl.constexpr, PER_CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, NEWTON: tl.constexpr,
+    BLOCK_R: tl.constexpr, NEWTON: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched early (`launch.pdl_launch`): nothing is read before the quantizer ends
+        wait_prior_grid()
+    if TRIGGER:  # the FP4 GEMM after it may start its programs (they wait for this one)
+        launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live_r = rows < R
     r64 = rows.to(tl.int64)
@@ -142,6 +153,7 @@ def rel_scales(
         return u, f, bad.bool()
     scales = scales.contiguous()
     mbs = mbs.contiguous() if mbs is not None else None
+    pdl = pdl_launch(dev)
     launch(
         _rel_scales_kernel,
         (triton.cdiv(r, BLOCK_R),),
@@ -162,7 +174,10 @@ def rel_scales(
         PER_CHUNK=per_chunk,
         BLOCK_R=BLOCK_R,
         NEWTON=not interpreting(),
+        PDL=pdl,
+        TRIGGER=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return u, f, bad.view(torch.bool)
 

@@ -42,7 +42,11 @@ from vllm_mxplus.backends.triton.fp4_rel_scales import (
     aligned_rows,
 )
 from vllm_mxplus.backends.triton.fp8_chunk_gemm import grouped_tile_ids
-from vllm_mxplus.backends.triton.gemm_blocks import e2m1_pair_values
+from vllm_mxplus.backends.triton.gemm_blocks import (
+    e2m1_pair_values,
+    launch_dependents,
+    wait_prior_grid,
+)
 from vllm_mxplus.backends.triton.gemm_launch import (
     NOMINAL_SMS,
     plan_split_k,
@@ -54,6 +58,7 @@ from vllm_mxplus.backends.triton.launch import (
     check_available,
     interpreting,
     launch,
+    pdl_launch,
     target_capability,
     tl,
     triton,
@@ -146,7 +151,12 @@ def _fp4_scaled_gemm_kernel(
     PER_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched early (`launch.pdl_launch`): nothing is read before the prior kernel ends
+        wait_prior_grid()
+    if TRIGGER:  # the fallback's row list after it may start (it waits for this one)
+        launch_dependents()
     pid_m, pid_n = grouped_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,6 +301,7 @@ def fp4_scaled_gemm(
     # output is fp32 under the interpreter (its fp32 -> bf16 / fp16 cast is not RNE), cast
     # by torch
     sk = plan_split_k(m, n, k, CHUNK, tiles, split_k, bias, out_dtype, dev)
+    pdl = pdl_launch(dev)
     launch(
         _fp4_scaled_gemm_kernel,
         (tiles, sk.split),
@@ -310,7 +321,10 @@ def fp4_scaled_gemm(
         NUM_STAGES=stages,
         EMULATE=emulate,
         SPLIT=sk.split > 1,
+        PDL=pdl,
+        TRIGGER=pdl,
         num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return split_k_result(sk, bias, out_dtype) if sk.split > 1 else sk.out.to(out_dtype)
 

@@ -13,7 +13,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from vllm_mxplus import settings
-from vllm_mxplus.backends.triton.launch import capturing, ceil_div, interpreting, launch, tl, triton
+from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, wait_prior_grid
+from vllm_mxplus.backends.triton.launch import (
+    capturing,
+    ceil_div,
+    interpreting,
+    launch,
+    pdl_launch,
+    tl,
+    triton,
+)
 
 MAX_SPLIT_K = 16
 SPLIT_PLANES = tl.constexpr(MAX_SPLIT_K)  # planes `gemm_blocks.reduce_split_tile` unrolls
@@ -199,10 +208,17 @@ FINISH_BLOCK = 1024  # outputs per program of the split-K finish
 
 @triton.jit
 def _finish_kernel(part_ptr, bias_ptr, y_ptr, split, mn, n,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr, TRIGGER: tl.constexpr):  # fmt: skip
     """y[i] = (((p[0, i] + p[1, i]) + ...) + p[split-1, i]) (+ bias[i % n]) over the fp32
     partials p [split, mn], cast to y's dtype in the store: the K slices in order, so the same
-    bits every run. The slice step is added to a 64-bit pointer (split * mn may pass 2^31)."""
+    bits every run. The slice step is added to a 64-bit pointer (split * mn may pass 2^31).
+    PDL / TRIGGER: a programmatic dependent launch (`launch.pdl_launch`): it waits for the GEMM
+    before it, and lets the kernel after it start its programs (which wait for this one)."""
+    if PDL:
+        wait_prior_grid()
+    if TRIGGER:
+        launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < mn
     ptrs = part_ptr + offs
@@ -232,6 +248,8 @@ def finish_output(
     y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=out.device)
     b = None if bias is None else (bias.to(torch.float32) if interp else bias)
     grid = (ceil_div(m * n, FINISH_BLOCK),)
+    pdl = pdl_launch(out.device)
     launch(_finish_kernel, grid, out, b if b is not None else y, y, split, m * n, n,
-           HAS_BIAS=b is not None, BLOCK=FINISH_BLOCK)  # fmt: skip
+           HAS_BIAS=b is not None, BLOCK=FINISH_BLOCK, PDL=pdl, TRIGGER=pdl,
+           **({"launch_pdl": True} if pdl and not interp else {}))  # fmt: skip
     return y.to(out_dtype)
