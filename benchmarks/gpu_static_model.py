@@ -81,7 +81,7 @@ GPUS = {
 LLAMA_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LAYERS = 32
 SCHEME = "mxfp4-mbs"  # the scheme every estimate is for (MBS-H at macro block 128)
-MS = (1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096)
+MS = (1, 16, 17, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)
 DECODE_MAX_M = 16  # the decode kernel's row tile: M <= 16 in one pass over the weight
 SMALL_MACRO_BLOCKS = (16, 32, 64)  # MBS macro blocks besides the paper's 128 (decode per format)
 BYTES_PER_WEIGHT = 0.5703  # mxfp4-mbs: 4 bits + E8M0 per 16 + MBS byte per 128
@@ -601,10 +601,11 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
             fp4 = fp4_mma_s(counts, gpu, m, act_k)
             if fp4 is not None:
                 paths["fp4"] = max(fp4[0]) + fp4[1] + launch_s("fp4", 128)
-            if m <= wide_max_m:
-                kernel, bounds, act = "decode", wide_bounds, act_hat
-            elif fp4 is not None and m >= FP4_PREFILL_MIN_M:  # `triton-fp4-prefill`
+            # the selector's order: `triton-fp4-prefill` (sm_100) ahead of the decode GEMM
+            if fp4 is not None and m >= FP4_PREFILL_MIN_M:
                 kernel, (bounds, act) = "fp4", fp4
+            elif m <= wide_max_m:
+                kernel, bounds, act = "decode", wide_bounds, act_hat
             elif m >= fp8_min_m:
                 kernel, bounds, act = "fp8", fp8_bounds, enc
             fp8 = min(v for p_, v in paths.items() if p_ != kernel)

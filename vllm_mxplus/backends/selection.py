@@ -76,17 +76,19 @@ Registry = dict[str, list[Entry]]  # platform -> backends in priority order
 _REGISTRY: dict[LayerKind, Registry] = {
     "linear": {
         "cuda": [
-            # M <= 16
-            LazyBackend("triton-decode", "vllm_mxplus.backends.triton.linear:TritonDecodeBackend"),
-            # larger M, where the extension is built
+            # (a backend serves the M its range holds that no backend before it serves)
+            # M >= VLLM_MXPLUS_PREFILL_MIN_M, where the extension is built
             LazyBackend(
                 "cutlass_prefill", "vllm_mxplus.backends.cutlass.linear:CutlassPrefillBackend"
             ),
-            # large M on sm_100 without the extension: the block-scaled FP4 MMA (tcgen05)
+            # sm_100 from the decode GEMM's 64-row tile on (below the extension's range where
+            # it is built): the block-scaled FP4 MMA (tcgen05)
             LazyBackend(
                 "triton-fp4-prefill",
                 "vllm_mxplus.backends.triton.fp4_prefill:TritonFp4PrefillBackend",
             ),
+            # decode and batched decode: M up to 128 (`triton.linear.decode_max_m`)
+            LazyBackend("triton-decode", "vllm_mxplus.backends.triton.linear:TritonDecodeBackend"),
             # large M where the extension is not built: the FP8-chunk pipeline on Triton
             LazyBackend(
                 "triton-fp8-prefill",

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from vllm_mxplus.backends import LinearSpec
-from vllm_mxplus.backends.triton.fp4_prefill import TritonFp4PrefillBackend, fp4_operand
+from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS
+from vllm_mxplus.backends.triton.fp4_prefill import (
+    FP4_PREFILL_MIN_M,
+    TritonFp4PrefillBackend,
+    fp4_operand,
+)
 from vllm_mxplus.backends.triton.fp4_rel_scales import (
     REF_MAX,
     REF_MIN,
@@ -207,7 +212,33 @@ def test_dispatch_order_and_reasons():
         op = (torch.zeros(4, 100, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.uint8),
               torch.ones(1, 4))  # fmt: skip
         fp4_scaled_gemm(op, op, 200, None, torch.float32, per_chunk=False)
-    assert TritonFp4PrefillBackend.m_range() == (129, None)
+    assert TritonFp4PrefillBackend.m_range() == (FP4_PREFILL_MIN_M, None)
+    assert FP4_PREFILL_MIN_M == WIDE_BLOCK_MS[0] + 1
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "nvfp4"])
+def test_sm100_takes_m_from_the_64_row_tile_on(scheme, triton_device, monkeypatch):
+    """The selector on sm_100 (the CUTLASS extension not built): the FP4 MMA pipeline from
+    FP4_PREFILL_MIN_M rows, the decode GEMM below; a layer the FP4 MMA does not take (K not
+    whole 128-K chunks, MX+) keeps the decode GEMM up to 128 rows; sm_90 as before."""
+    from vllm_mxplus.backends import selection
+    from vllm_mxplus.backends.linear_op import LinearDispatch
+
+    monkeypatch.setenv("VLLM_MXPLUS_SELFTEST", "0")
+    monkeypatch.setattr(selection, "_LOGGED", set())
+    spec = LinearSpec(scheme, 64, 256, torch.bfloat16, device_type="cuda")
+    d = LinearDispatch(spec, selection.select(spec, "cuda", 100))
+    names = [b.name for b in d.candidates]
+    assert names[:2] == ["triton-fp4-prefill", "triton-decode"], names
+    assert d.pick(FP4_PREFILL_MIN_M - 1).name == "triton-decode"
+    for m in (FP4_PREFILL_MIN_M, 64, 65, 128, 129, 4096):
+        assert d.pick(m).name == "triton-fp4-prefill", m
+    for other in (LinearSpec(scheme, 64, 576, torch.bfloat16, device_type="cuda"),
+                  LinearSpec("mxplus", 64, 256, torch.bfloat16, device_type="cuda")):  # fmt: skip
+        d = LinearDispatch(other, selection.select(other, "cuda", 100))
+        assert d.pick(128).name == "triton-decode"
+    d = LinearDispatch(spec, selection.select(spec, "cuda", 90))
+    assert d.pick(128).name == "triton-decode" and d.pick(64).name == "triton-decode"
 
 
 @pytest.mark.gpu

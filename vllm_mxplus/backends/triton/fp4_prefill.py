@@ -33,18 +33,19 @@ from vllm_mxplus.backends.triton.fp4_scaled_gemm import (
     scale_bits_per_chunk,
 )
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
-from vllm_mxplus.backends.triton.linear import (
-    ATTRS,
-    BATCHED_DECODE_MAX_M,
-    GLOBAL_ATTR,
-    TritonDecodeBackend,
-)
+from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS
+from vllm_mxplus.backends.triton.linear import ATTRS, GLOBAL_ATTR, TritonDecodeBackend
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows, operand_format
 from vllm_mxplus.formats import QuantizedTensor, get_format
 
 # the weight's operand for the FP4 MMA: codes are the packed ones (ATTRS[0])
 FP4_ATTRS = ("mxplus_fp4_w_scales", "mxplus_fp4_w_factors", "mxplus_fp4_w_inexact")
-FP4_PREFILL_MIN_M = BATCHED_DECODE_MAX_M + 1  # the decode GEMM's tiles serve below
+# From the M where the decode GEMM takes its 64-row tile: one 128-row pass of the FP4 MMA
+# (issue-bound by the MBS promotion) is estimated ahead of it there, behind the 32-row tile
+# below (`benchmarks/gpu_static_model.py`, B200, Llama-3-8B's linears at M = 33-64 and
+# 65-128: about 1.1 ms against 1.2 and 2.1 ms; docs/benchmarks.md); the decode GEMM serves
+# below, and every M of layers this backend does not take.
+FP4_PREFILL_MIN_M = WIDE_BLOCK_MS[0] + 1
 
 
 def fp4_operand(
@@ -126,9 +127,10 @@ def _fp4_prefill_fake(x, af, wf, macro, wc, *rest):
 
 class TritonFp4PrefillBackend(TritonDecodeBackend):
     """M >= FP4_PREFILL_MIN_M on sm_100 (tcgen05's block-scaled FP4 MMA). Registered after
-    `cutlass_prefill` (which takes the layer where it is built) and before the FP8-chunk
-    pipeline (`triton-fp8-prefill`); it shares the decode backend's packed buffers, which
-    its exact fallback reads."""
+    `cutlass_prefill` (which takes M >= VLLM_MXPLUS_PREFILL_MIN_M where it is built and
+    serves the layer) and before the decode backend (which serves the M below) and the
+    FP8-chunk pipeline (`triton-fp8-prefill`); it shares the decode backend's packed buffers,
+    which its exact fallback reads."""
 
     name = "triton-fp4-prefill"
     min_m: int = FP4_PREFILL_MIN_M

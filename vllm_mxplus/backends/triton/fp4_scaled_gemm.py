@@ -119,24 +119,26 @@ def scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def _chunk_step(
     acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
-    stride_fa, stride_fb, live_m, live_n,
+    stride_fa, stride_fb,
     PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """One 128-K chunk c: (acc, part) after it (the kernel's docstring)."""
+    """One 128-K chunk c: (acc, part) after it (the kernel's docstring). The rows m64 / n64
+    are clamped into the operands (no masks: rows past M or N repeat the last one, their
+    outputs never stored)."""
     k = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the chunk's code bytes
     js = c * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)  # its 16-blocks' scales
-    a = tl.load(a_rows + k[None, :], mask=live_m[:, None], other=0)
-    b = tl.load(b_cols + k[:, None], mask=live_n[None, :], other=0)
-    ua = tl.load(ua_rows + js[None, :], mask=live_m[:, None], other=0)
-    ub = tl.load(ub_rows + js[None, :], mask=live_n[:, None], other=0)
+    a = tl.load(a_rows + k[None, :])
+    b = tl.load(b_cols + k[:, None])
+    ua = tl.load(ua_rows + js[None, :])
+    ub = tl.load(ub_rows + js[None, :])
     if PER_CHUNK:
         # a fresh accumulator per chunk, written as a select on the step (Triton 3.7's
         # accumulator-init pass fails on a zero constant here with the scaled MMA; the select
         # compiles to one store of zeros into tensor memory per step, STTM.x64)
         part = scaled_dot(a, ua, b, ub, tl.where(c < 0, part, 0.0), BLOCK_M, BLOCK_N, EMULATE)
-        fa = tl.load(fa_ptr + c * stride_fa + m64, mask=live_m, other=0.0)
-        fb = tl.load(fb_ptr + c * stride_fb + n64, mask=live_n, other=0.0)
+        fa = tl.load(fa_ptr + c * stride_fa + m64)
+        fb = tl.load(fb_ptr + c * stride_fb + n64)
         acc += part * (fa[:, None] * fb[None, :])
     else:
         acc = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE)
@@ -162,8 +164,9 @@ def _fp4_scaled_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = offs_m < M
     live_n = offs_n < N
-    m64 = offs_m.to(tl.int64)
-    n64 = offs_n.to(tl.int64)
+    # the operand rows, clamped (`_chunk_step`: unmasked loads in the loop)
+    m64 = tl.minimum(offs_m, M - 1).to(tl.int64)
+    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
     a_rows = a_ptr + m64[:, None] * stride_a
     b_cols = b_ptr + n64[None, :] * stride_b
     ua_rows = ua_ptr + m64[:, None] * stride_ua
@@ -179,7 +182,7 @@ def _fp4_scaled_gemm_kernel(
     for c in tl.range(c0, c1, num_stages=NUM_STAGES):
         acc, part = _chunk_step(
             acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
-            stride_fa, stride_fb, live_m, live_n, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+            stride_fa, stride_fb, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
         )  # fmt: skip
     if not PER_CHUNK:
         fa = tl.load(fa_ptr + m64, mask=live_m, other=0.0)
@@ -189,7 +192,7 @@ def _fp4_scaled_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0)[None, :]
     # split K: slice pid_s's fp32 partial in its plane (`gemm_launch.finish_output` sums them)
-    out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + m64[:, None] * stride_om
+    out_rows = out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
     tl.store(
         out_rows + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
