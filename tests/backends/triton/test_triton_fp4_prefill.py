@@ -213,7 +213,7 @@ def test_dispatch_order_and_reasons():
               torch.ones(1, 4))  # fmt: skip
         fp4_scaled_gemm(op, op, 200, None, torch.float32, per_chunk=False)
     assert TritonFp4PrefillBackend.m_range() == (FP4_PREFILL_MIN_M, None)
-    assert FP4_PREFILL_MIN_M == WIDE_BLOCK_MS[0] + 1
+    assert WIDE_BLOCK_MS[0] + 1 == FP4_PREFILL_MIN_M
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas", "nvfp4"])

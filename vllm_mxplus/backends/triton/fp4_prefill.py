@@ -26,6 +26,7 @@ from torch import Tensor
 from vllm_mxplus.backends.base import Layer, LinearSpec, set_packed_buffers
 from vllm_mxplus.backends.library import op_name
 from vllm_mxplus.backends.triton import launch
+from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS
 from vllm_mxplus.backends.triton.fp4_rel_scales import CHUNK, rel_scales, rel_scales_torch
 from vllm_mxplus.backends.triton.fp4_scaled_gemm import (
     CAPABILITY_MAJOR,
@@ -33,7 +34,6 @@ from vllm_mxplus.backends.triton.fp4_scaled_gemm import (
     scale_bits_per_chunk,
 )
 from vllm_mxplus.backends.triton.gemm_ops import act_operands
-from vllm_mxplus.backends.triton.decode_gemm import WIDE_BLOCK_MS
 from vllm_mxplus.backends.triton.linear import ATTRS, GLOBAL_ATTR, TritonDecodeBackend
 from vllm_mxplus.backends.triton.mx_gemm import mx_gemm, mx_gemm_rows, operand_format
 from vllm_mxplus.formats import QuantizedTensor, get_format
