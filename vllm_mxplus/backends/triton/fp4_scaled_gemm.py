@@ -70,7 +70,8 @@ from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
 # chunk's partial in registers (4 warps, or 128 x 256, spill); without it the accumulator stays
 # in tensor memory until the epilogue, and 128 x 256 halves the per-MAC overhead of a step
 # except with a bias (its epilogue then spills). Counted by `benchmarks/gpu_static_model.py`
-# on sm_100: 0.00093 (MBS) and 0.00028 warp-instructions per MAC.
+# on sm_100: 224 and 125 instructions per warp and step, 0.00085 (MBS) and 0.00024
+# warp-instructions per MAC.
 TILES = {
     (True, False): (128, 128, 8),
     (True, True): (128, 128, 8),
@@ -80,7 +81,7 @@ TILES = {
 NUM_STAGES = 3
 BLOCK_N_SPLIT = 128  # the tile width where K is split (the in-launch sum's registers)
 PROGRAMS_PER_SM = 1  # one tile per SM (its registers): a grid below the SM count splits K
-MIN_SPLIT = 3  # a grid filling under a third of the SMs splits K (`gpu_split`)
+MIN_SPLIT = 2  # a grid filling under half the SMs splits K (`gpu_split`)
 B200_SMS = 148  # the SMs launches captured for sm_100 are planned for
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
 EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
@@ -167,21 +168,24 @@ def _fp4_scaled_gemm_kernel(
     # the operand rows, clamped (`_chunk_step`: unmasked loads in the loop)
     m64 = tl.minimum(offs_m, M - 1).to(tl.int64)
     n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
-    a_rows = a_ptr + m64[:, None] * stride_a
-    b_cols = b_ptr + n64[None, :] * stride_b
-    ua_rows = ua_ptr + m64[:, None] * stride_ua
-    ub_rows = ub_ptr + n64[:, None] * stride_ub
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K slice pid_s: chunks [pid_s * CPS, min(NC, (pid_s + 1) * CPS)); unsplit all of them
-    # from 0 (the loop's bounds as constants of the launch: a runtime start cost the MBS loop
-    # 65 instructions per step on sm_100)
+    # K slice pid_s: chunks [pid_s * CPS, min(NC, (pid_s + 1) * CPS)); unsplit all of them.
+    # The operand pointers start at the slice's first chunk, so that the loop counts from 0
+    # in both forms (a loop from a runtime start kept the MBS step's fresh accumulator as 64
+    # selects per step on sm_100: 293 instructions instead of 224)
     pid_s = tl.program_id(1)
     c0 = pid_s * CPS if SPLIT else 0
-    c1 = tl.minimum(NC, c0 + CPS) if SPLIT else NC
-    for c in tl.range(c0, c1, num_stages=NUM_STAGES):
+    steps = tl.minimum(NC - c0, CPS) if SPLIT else NC
+    a_rows = a_ptr + m64[:, None] * stride_a + c0 * (BLOCK_K // 2)
+    b_cols = b_ptr + n64[None, :] * stride_b + c0 * (BLOCK_K // 2)
+    ua_rows = ua_ptr + m64[:, None] * stride_ua + c0 * (BLOCK_K // 16)
+    ub_rows = ub_ptr + n64[:, None] * stride_ub + c0 * (BLOCK_K // 16)
+    fa_from = fa_ptr + c0 * stride_fa  # int32: below the factors' element count
+    fb_from = fb_ptr + c0 * stride_fb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in tl.range(0, steps, num_stages=NUM_STAGES):
         acc, part = _chunk_step(
-            acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
+            acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_from, fb_from, m64, n64,
             stride_fa, stride_fb, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
         )  # fmt: skip
     if not PER_CHUNK:
@@ -204,10 +208,13 @@ def gpu_split(
     m: int, n: int, k: int, per_chunk: bool, has_bias: bool, sms: int
 ) -> tuple[int, int, int]:
     """(K slices, BLOCK_M, BLOCK_N) of a GPU launch on `sms` SMs: the tile of `TILES`; where
-    that grid fills under a third of the SMs, K split to fill them (one tile per SM), the
-    tile then BLOCK_N_SPLIT wide. A split of 2 does not pay: the split variant's loop starts
-    at a runtime chunk, 309 instead of 244 instructions per MBS step on sm_100
-    (`benchmarks/gpu_static_model.py`), and its fp32 partials are written and summed again."""
+    that grid fills under half the SMs (MIN_SPLIT), K split to fill them (one tile per SM),
+    the tile then BLOCK_N_SPLIT wide. The split variant's loop counts as the whole-K one
+    (226 against 224 instructions per MBS step on sm_100, `benchmarks/gpu_static_model.py`);
+    its fp32 partials are written and summed again (a programmatic dependent launch), which
+    the idle SMs of an unsplit grid cost more than from a split of 2 on (Llama-3-8B's
+    linears at M = 256 / 512 on B200: 1.18x / 1.10x bf16 estimated, against 1.13x / 1.05x
+    with splits of 3 and more only)."""
     bm, bn, _ = TILES[per_chunk, has_bias]
     split = split_k_count(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // CHUNK, sms, PROGRAMS_PER_SM)
     if split < MIN_SPLIT:
