@@ -161,8 +161,12 @@ def _fp8_packed_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = offs_m < M
     live_n = offs_n < N
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    w_rows = offs_n.to(tl.int64)[:, None]
+    # the operand rows clamped into the operands: the loop's loads need no masks (rows past
+    # M or N repeat the last one; their outputs are never stored)
+    m_ld = tl.minimum(offs_m, M - 1)
+    n_ld = tl.minimum(offs_n, N - 1).to(tl.int64)
+    a_rows = a_ptr + m_ld.to(tl.int64)[:, None] * stride_am
+    w_rows = n_ld[:, None]
     offs_k = tl.arange(0, BLOCK_K)  # one chunk
     offs_b = tl.arange(0, BLOCK_K // 2)  # its code bytes
     offs_s = tl.arange(0, BLOCK_K // 16)  # its 16-blocks
@@ -172,18 +176,16 @@ def _fp8_packed_gemm_kernel(
     c0 = pid_s * CPS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(c0, tl.minimum(NC, c0 + CPS), num_stages=NUM_STAGES):
-        a = tl.load(a_rows + (c * BLOCK_K + offs_k)[None, :], mask=live_m[:, None], other=0.0)
+        a = tl.load(a_rows + (c * BLOCK_K + offs_k)[None, :])
         kb = c * (BLOCK_K // 2) + offs_b
-        cb = tl.load(wc_ptr + w_rows * stride_wc + kb[None, :], mask=live_n[:, None], other=0)
+        cb = tl.load(wc_ptr + w_rows * stride_wc + kb[None, :])
         sb = c * (BLOCK_K // 16) + offs_s
-        s = tl.load(ws_ptr + w_rows * stride_ws + sb[None, :], mask=live_n[:, None],
-                    other=0).to(tl.int32)  # fmt: skip
+        s = tl.load(ws_ptr + w_rows * stride_ws + sb[None, :]).to(tl.int32)
         w, ref = packed_chunk_fp8(cb, s, BLOCK_N, ASM)
         part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
-        sa = tl.load(as_ptr + c * stride_asc + offs_m, mask=live_m, other=0.0)
+        sa = tl.load(as_ptr + c * stride_asc + m_ld)
         if HAS_MBS:
-            f = mbs_factor(tl.load(wm_ptr + offs_n.to(tl.int64) * stride_wm + c,
-                                   mask=live_n, other=0))  # fmt: skip
+            f = mbs_factor(tl.load(wm_ptr + n_ld * stride_wm + c))
         else:
             f = tl.full((BLOCK_N,), 1.0, tl.float32)
         # 2^(ref - 127) from the bits (normal on every row the kernel serves: ref >= 2)

@@ -84,18 +84,22 @@ def _fp8_chunk_gemm_kernel(
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     live_m = offs_m < M
     live_n = offs_n < N
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+    # the operand rows clamped into the operands: the loop's loads need no masks (rows past
+    # M or N repeat the last one; their outputs are never stored)
+    m_ld = tl.minimum(offs_m, M - 1)
+    n_ld = tl.minimum(offs_n, N - 1)
+    a_rows = a_ptr + m_ld.to(tl.int64)[:, None] * stride_am
+    b_rows = b_ptr + n_ld.to(tl.int64)[:, None] * stride_bn
     offs_k = tl.arange(0, BLOCK_K)  # one chunk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(0, NC, num_stages=NUM_STAGES):
         k = c * BLOCK_K + offs_k
-        a = tl.load(a_rows + k[None, :], mask=live_m[:, None], other=0.0)
-        b = tl.load(b_rows + k[None, :], mask=live_n[:, None], other=0.0)
+        a = tl.load(a_rows + k[None, :])
+        b = tl.load(b_rows + k[None, :])
         part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-        sa = tl.load(as_ptr + c * stride_asc + offs_m, mask=live_m, other=0.0)
-        sb = tl.load(bs_ptr + c * stride_bsc + offs_n, mask=live_n, other=0.0)
+        sa = tl.load(as_ptr + c * stride_asc + m_ld)
+        sb = tl.load(bs_ptr + c * stride_bsc + n_ld)
         acc += part * (sa[:, None] * sb[None, :])
 
     if HAS_BIAS:
