@@ -1,4 +1,5 @@
-"""Programmatic dependent launch of the decode step (`launch.pdl_launch`): on sm_90 and later
+"""Programmatic dependent launch (`launch.pdl_launch`) of the decode step and of the prefill
+pipelines after their GEMM-side kernels. The decode step: on sm_90 and later
 the decode GEMM launches with `launch_pdl` and waits for the kernel before it at its first
 instruction (PDL: `gemm_blocks.wait_prior_grid`, PTX griddepcontrol.wait), and the activation
 quantizer that writes x_hat lets it start (TRIGGER: griddepcontrol.launch_dependents); not on
@@ -90,3 +91,102 @@ def test_compiled_kernels_carry_the_grid_dependency_control(tmp_path):
     assert out["80"] == {"wait": 0, "gemm_pdl": False, "trigger": 0, "quant_wait": 0}
     for arch in ("90", "100"):  # one wait at the GEMM's start, one trigger in the quantizer
         assert out[arch] == {"wait": 1, "gemm_pdl": True, "trigger": 1, "quant_wait": 0}, arch
+
+
+def _prefill_chain(capability: int) -> dict:
+    """{kernel name: its launch} of sm_100's FP4 pipeline after its quantizer (relative
+    scales, the FP4 GEMM with K split, its sum, the fallback's row list and rows GEMM) and
+    of the FP8 GEMM before that row list, on meta tensors."""
+    from vllm_mxplus.backends.triton.fp4_rel_scales import aligned_rows, rel_scales
+    from vllm_mxplus.backends.triton.fp4_scaled_gemm import fp4_scaled_gemm
+    from vllm_mxplus.backends.triton.fp8_chunk_gemm import fp8_chunk_gemm
+    from vllm_mxplus.backends.triton.launch import capture_launches
+    from vllm_mxplus.backends.triton.mx_gemm import mx_gemm_rows
+
+    m, meta = 256, torch.device("meta")
+
+    def fp4_op(rows: int):
+        return (_meta(rows, K // 2), aligned_rows(rows, K // 16, torch.uint8, meta),
+                aligned_rows(K // 128, rows, torch.float32, meta))  # fmt: skip
+
+    def packed(rows: int):
+        return _meta(rows, K // 2), _meta(rows, K // 16), _meta(rows, K // 128), None
+
+    with capture_launches(capability) as launches:
+        if capability >= 100:
+            rel_scales(_meta(m, K // 16), _meta(m, K // 128), K, 16, per_chunk=True)
+            fp4_scaled_gemm(fp4_op(m), fp4_op(N), K, None, torch.bfloat16, True, split_k=2)
+        fp8 = _meta(m, K, dtype=torch.float8_e4m3fn)
+        fp8_chunk_gemm(fp8, _meta(K // 128, m, dtype=torch.float32),
+                       _meta(N, K, dtype=torch.float8_e4m3fn),
+                       _meta(K // 128, N, dtype=torch.float32), None, torch.bfloat16)  # fmt: skip
+        mx_gemm_rows(_meta(m, N, dtype=torch.bfloat16), _meta(m, dtype=torch.bool), packed(m),
+                     packed(N), K, fmt="e8m0", block_size=16, macro_block=128)  # fmt: skip
+    return {lc.kernel.__name__: lc for lc in launches}
+
+
+# kernel -> (griddepcontrol.wait, griddepcontrol.launch_dependents) in its sm_90+ PTX: each
+# dependent launch waits first; each kernel a dependent launch follows lets it start
+CHAIN = {
+    "_rel_scales_kernel": (1, 1),
+    "_fp4_scaled_gemm_kernel": (1, 1),
+    "_finish_kernel": (1, 1),
+    "_fp8_chunk_gemm_kernel": (0, 1),
+    "_list_rows_kernel": (1, 1),
+    "_mx_gemm_kernel": (1, 0),
+}
+
+COMPILE_CHAIN = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from test_pdl_launch import _prefill_chain
+from vllm_mxplus.kernel_tools.aot import compile_kernel, config_of
+
+out = {}
+for arch in (90, 100):
+    for name, lc in _prefill_chain(arch).items():
+        ptx = compile_kernel(config_of(lc), arch).asm["ptx"]
+        out[f"{arch}:{name}"] = [ptx.count("griddepcontrol.wait"),
+                                 ptx.count("griddepcontrol.launch_dependents"),
+                                 bool(lc.kwargs.get("launch_pdl"))]
+print(json.dumps(out))
+"""
+
+
+def test_prefill_pipelines_chain_their_launches(monkeypatch):
+    """The captured launches: every kernel after the FP4 pipeline's quantizer is a dependent
+    launch (PDL, `launch_pdl`) that lets the next one start (TRIGGER), the row list and the
+    rows GEMM after the FP8 GEMM too (which triggers); none of it on sm_80 or with
+    VLLM_MXPLUS_GPU_PDL=0."""
+    pytest.importorskip("triton")
+    for cap in (90, 100):
+        chain = _prefill_chain(cap)
+        assert set(chain) == set(CHAIN) if cap == 100 else set(chain) < set(CHAIN)
+        for name, lc in chain.items():
+            wait, trigger = CHAIN[name]
+            assert bool(lc.kwargs.get("PDL")) == bool(wait) == bool(lc.kwargs.get("launch_pdl"))
+            assert bool(lc.kwargs.get("TRIGGER")) == bool(trigger), name
+    for chain in (_prefill_chain(80), None):
+        if chain is None:
+            monkeypatch.setenv("VLLM_MXPLUS_GPU_PDL", "0")
+            chain = _prefill_chain(100)
+        for lc in chain.values():
+            assert not lc.kwargs.get("PDL") and not lc.kwargs.get("TRIGGER")
+            assert "launch_pdl" not in lc.kwargs
+
+
+def test_prefill_chain_ptx_carries_the_grid_dependency_control(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHAIN, str(ROOT), str(Path(__file__).parent)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out) == len(CHAIN) + 3  # sm_90: no FP4 MMA, the FP8 GEMM and the fallback
+    for key, (wait, trigger, pdl) in out.items():
+        want = CHAIN[key.split(":", 1)[1]]
+        assert (wait, trigger) == want and pdl == bool(want[0]), key

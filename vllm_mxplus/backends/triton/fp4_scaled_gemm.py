@@ -70,7 +70,7 @@ from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
 # chunk's partial in registers (4 warps, or 128 x 256, spill); without it the accumulator stays
 # in tensor memory until the epilogue, and 128 x 256 halves the per-MAC overhead of a step
 # except with a bias (its epilogue then spills). Counted by `benchmarks/gpu_static_model.py`
-# on sm_100: 224 and 125 instructions per warp and step, 0.00085 (MBS) and 0.00024
+# on sm_100: 222 and 124 instructions per warp and step, 0.00085 (MBS) and 0.00024
 # warp-instructions per MAC.
 TILES = {
     (True, False): (128, 128, 8),
@@ -210,7 +210,7 @@ def gpu_split(
     """(K slices, BLOCK_M, BLOCK_N) of a GPU launch on `sms` SMs: the tile of `TILES`; where
     that grid fills under half the SMs (MIN_SPLIT), K split to fill them (one tile per SM),
     the tile then BLOCK_N_SPLIT wide. The split variant's loop counts as the whole-K one
-    (226 against 224 instructions per MBS step on sm_100, `benchmarks/gpu_static_model.py`);
+    (224 against 222 instructions per MBS step on sm_100, `benchmarks/gpu_static_model.py`);
     its fp32 partials are written and summed again (a programmatic dependent launch), which
     the idle SMs of an unsplit grid cost more than from a split of 2 on (Llama-3-8B's
     linears at M = 256 / 512 on B200: 1.18x / 1.10x bf16 estimated, against 1.13x / 1.05x
