@@ -78,16 +78,21 @@ print(json.dumps(out))
 """
 
 
-def test_compiled_kernels_carry_the_grid_dependency_control(tmp_path):
+def _compiled(script: str, tmp_path: Path) -> dict:
+    """The JSON a compile script prints, run without the interpreter (Triton's compiler)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(ROOT), str(Path(__file__).parent)],
+        [sys.executable, "-c", script, str(ROOT), str(Path(__file__).parent)],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_kernels_carry_the_grid_dependency_control(tmp_path):
+    out = _compiled(COMPILE, tmp_path)
     assert out["80"] == {"wait": 0, "gemm_pdl": False, "trigger": 0, "quant_wait": 0}
     for arch in ("90", "100"):  # one wait at the GEMM's start, one trigger in the quantizer
         assert out[arch] == {"wait": 1, "gemm_pdl": True, "trigger": 1, "quant_wait": 0}, arch
@@ -177,15 +182,7 @@ def test_prefill_pipelines_chain_their_launches(monkeypatch):
 
 
 def test_prefill_chain_ptx_carries_the_grid_dependency_control(tmp_path):
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE_CHAIN, str(ROOT), str(Path(__file__).parent)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _compiled(COMPILE_CHAIN, tmp_path)
     assert len(out) == len(CHAIN) + 3  # sm_90: no FP4 MMA, the FP8 GEMM and the fallback
     for key, (wait, trigger, pdl) in out.items():
         want = CHAIN[key.split(":", 1)[1]]
