@@ -16,12 +16,13 @@ def test_registered_first_for_cuda_only():
     from vllm_mxplus.backends.triton.fp4_prefill import TritonFp4PrefillBackend
     from vllm_mxplus.backends.triton.linear import TritonGemmBackend
 
-    # decode first, then CUTLASS where built, then sm_100's FP4 MMA, then the FP8-chunk
-    # pipeline on Triton (large M), then the packed Triton GEMM: the order decides
+    # CUTLASS where built (from VLLM_MXPLUS_PREFILL_MIN_M), then sm_100's FP4 MMA (from the
+    # decode GEMM's 64-row tile on), then the decode GEMM (the M they leave), then the
+    # FP8-chunk pipeline on Triton (large M), then the packed Triton GEMM: the order decides
     assert registered_backends("cuda") == [
-        TritonDecodeBackend,
         CutlassPrefillBackend,
         TritonFp4PrefillBackend,
+        TritonDecodeBackend,
         TritonFp8PrefillBackend,
         TritonGemmBackend,
     ]
@@ -208,11 +209,12 @@ def test_macro_block_128_prefill_is_cutlass_where_built_else_triton(
     monkeypatch, triton_device, cutlass
 ):
     """N = 128: decode Triton (batched up to 128 rows); prefill CUTLASS where built (first in
-    the priority order), else the FP8-chunk pipeline on Triton's FP8 GEMM from
-    FP8_PREFILL_MIN_M rows; the packed Triton GEMM is then covered, never the reference."""
+    the priority order, its M range from VLLM_MXPLUS_PREFILL_MIN_M), else the FP8-chunk
+    pipeline on Triton's FP8 GEMM from FP8_PREFILL_MIN_M rows; the packed Triton GEMM is
+    then covered, never the reference."""
     chosen = _cuda_selection(monkeypatch, 128, cutlass)
     without = ["triton-decode", "triton-fp8-prefill"]
-    assert chosen == (["triton-decode", "cutlass_prefill"] if cutlass else without)
+    assert chosen == (["cutlass_prefill", "triton-decode"] if cutlass else without)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
