@@ -26,10 +26,10 @@ import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, mbs_sigma, wait_prior_grid
 from vllm_mxplus.backends.triton.launch import (
+    chained,
     check_available,
     interpreting,
     launch,
-    pdl_launch,
     tl,
     triton,
 )
@@ -153,7 +153,6 @@ def rel_scales(
         return u, f, bad.bool()
     scales = scales.contiguous()
     mbs = mbs.contiguous() if mbs is not None else None
-    pdl = pdl_launch(dev)
     launch(
         _rel_scales_kernel,
         (triton.cdiv(r, BLOCK_R),),
@@ -174,10 +173,8 @@ def rel_scales(
         PER_CHUNK=per_chunk,
         BLOCK_R=BLOCK_R,
         NEWTON=not interpreting(),
-        PDL=pdl,
-        TRIGGER=pdl,
         num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        **chained(dev),
     )
     return u, f, bad.view(torch.bool)
 

@@ -55,10 +55,10 @@ from vllm_mxplus.backends.triton.gemm_launch import (
 )
 from vllm_mxplus.backends.triton.launch import (
     capturing,
+    chained,
     check_available,
     interpreting,
     launch,
-    pdl_launch,
     target_capability,
     tl,
     triton,
@@ -311,7 +311,6 @@ def fp4_scaled_gemm(
     # output is fp32 under the interpreter (its fp32 -> bf16 / fp16 cast is not RNE), cast
     # by torch
     sk = plan_split_k(m, n, k, CHUNK, tiles, split_k, bias, out_dtype, dev)
-    pdl = pdl_launch(dev)
     launch(
         _fp4_scaled_gemm_kernel,
         (tiles, sk.split),
@@ -331,10 +330,8 @@ def fp4_scaled_gemm(
         NUM_STAGES=stages,
         EMULATE=emulate,
         SPLIT=sk.split > 1,
-        PDL=pdl,
-        TRIGGER=pdl,
         num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **chained(dev),
     )  # fmt: skip
     return split_k_result(sk, bias, out_dtype) if sk.split > 1 else sk.out.to(out_dtype)
 

@@ -17,9 +17,9 @@ from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, wait_prio
 from vllm_mxplus.backends.triton.launch import (
     capturing,
     ceil_div,
+    chained,
     interpreting,
     launch,
-    pdl_launch,
     tl,
     triton,
 )
@@ -248,8 +248,6 @@ def finish_output(
     y = torch.empty((m, n), dtype=torch.float32 if interp else out_dtype, device=out.device)
     b = None if bias is None else (bias.to(torch.float32) if interp else bias)
     grid = (ceil_div(m * n, FINISH_BLOCK),)
-    pdl = pdl_launch(out.device)
     launch(_finish_kernel, grid, out, b if b is not None else y, y, split, m * n, n,
-           HAS_BIAS=b is not None, BLOCK=FINISH_BLOCK, PDL=pdl, TRIGGER=pdl,
-           **({"launch_pdl": True} if pdl and not interp else {}))  # fmt: skip
+           HAS_BIAS=b is not None, BLOCK=FINISH_BLOCK, **chained(out.device))  # fmt: skip
     return y.to(out_dtype)

@@ -147,6 +147,15 @@ def pdl_launch(device: torch.device) -> bool:
     )
 
 
+def chained(device: torch.device) -> dict[str, Any]:
+    """Launch keywords of a kernel inside a chain of programmatic dependent launches on
+    `device`: PDL (it waits for the kernel before it, `gemm_blocks.wait_prior_grid`), TRIGGER
+    (the kernel after it may start, `gemm_blocks.launch_dependents`) and Triton's
+    `launch_pdl`; all off where `pdl_launch` is."""
+    pdl = pdl_launch(device)
+    return {"PDL": pdl, "TRIGGER": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
 def hw_e2m1(device: torch.device) -> bool:
     """Whether a launch on `device` rounds to E2M1 with the GPU's own conversion
     (HW_E2M1_MIN_CAPABILITY; never under the interpreter, which runs no PTX)."""
@@ -216,6 +225,7 @@ __all__ = [
     "target_capability",
     "capturing",
     "ceil_div",
+    "chained",
     "check_available",
     "interpreting",
     "is_available",

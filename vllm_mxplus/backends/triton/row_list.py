@@ -24,10 +24,10 @@ import torch
 
 from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, wait_prior_grid
 from vllm_mxplus.backends.triton.launch import (
+    chained,
     check_available,
     interpreting,
     launch,
-    pdl_launch,
     tl,
     triton,
 )
@@ -85,7 +85,6 @@ def list_rows(flags: torch.Tensor, tiles: int, tile_m: int, when: bool = True
     tile_expert = torch.empty((tiles,), dtype=torch.int32, device=flags.device)
     if capacity == 0:
         return listed, tile_expert
-    pdl = pdl_launch(flags.device)
     launch(
         _list_rows_kernel,
         (1,),
@@ -98,8 +97,7 @@ def list_rows(flags: torch.Tensor, tiles: int, tile_m: int, when: bool = True
         WHEN=int(when),
         TILE_M=tile_m,
         BLOCK=BLOCK,
-        PDL=pdl,
-        TRIGGER=pdl,
-        **({} if interpreting() else {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}),
+        **chained(flags.device),
+        **({} if interpreting() else {"num_warps": 4}),
     )
     return listed, tile_expert
