@@ -13,10 +13,13 @@ BLOCK_M x BLOCK_N x BLOCK_K), per element (act-quant: every K loop over BLOCK_M 
 
 Then a STATIC ESTIMATE of a Llama-3-8B forward's linears (32 layers of qkv 6144x4096, o
 4096x4096, gate_up 28672x4096, down 4096x14336) at M = 1, 16, 17, 64, 65, 128, 256, 512, 1024, 4096 (M
-padded to the prefill kernel's whole row tiles above 16 rows) as the max of three
+padded to the prefill kernel's whole row tiles above 16 rows) as the max of four
 bounds: instruction issue (warp-instructions / the GPU's issue rate), tensor cores (MACs / the
-dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic) and
-memory (bytes / bandwidth), next to the same estimate for bf16 (2 bytes per weight, the bf16
+dense peak of the instruction's kind: mma.sync counted at the bf16 peak, optimistic),
+memory (bytes / bandwidth) and, for a loop that waits for its own asynchronous MMA every step
+(`kernel_tools/mma_wait.py`, read from the TTGIR: column "MMA waited"), the serial bound
+(issue + tensor) / the programs resident per SM (column "progs/SM", from registers, shared
+memory and warps), next to the same estimate for bf16 (2 bytes per weight, the bf16
 tensor peak) and the ratio. Published peak figures used (dense, boost clock):
 
     H200 SXM: 132 SMs x 4 schedulers x 1.98 GHz; HBM3e 4.8 TB/s; bf16 989, FP8 1979 TFLOPS
@@ -121,12 +124,22 @@ class Count:
     shared_bytes: int
     block_m: int  # rows per tile: M is padded to whole row tiles
     fp32_cycles: int = 0  # FP32-lane cycles per warp per iteration (`sass.FP32_PIPE`)
+    waits_own_mma: bool = False  # each step waits for its own MMA (`mma_wait.waits_own_mma`)
+    programs_per_sm: int = 1  # resident at once (`mma_wait.programs_per_sm`)
 
     @property
     def cycles_per_unit(self) -> float:
         """Issue-slot cycles per unit of work: the loop's instructions, or its FP32-lane
         cycles where its packed FP32 arithmetic (sm_100's FFMA2 / FMUL2) takes longer."""
         return max(self.per_unit, self.fp32_cycles * self.warps / self.work_per_iteration)
+
+
+def serial_s(g: Count, issue: float, tensor: float) -> float:
+    """The bound of a loop that waits for its own MMA each step (`Count.waits_own_mma`): a
+    program's step takes its instruction issue plus the MMA, overlapped only across the
+    programs resident on an SM, so (issue + tensor) / programs; 0 where the loop keeps its
+    MMA in flight (the issue and tensor bounds then overlap)."""
+    return (issue + tensor) / g.programs_per_sm if g.waits_own_mma else 0.0
 
 
 def gpu_of(capability: int) -> str | None:
@@ -335,6 +348,7 @@ def _compile(launch, arch: int):
 def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int) -> Count:
     from vllm_mxplus.kernel_tools import sass
     from vllm_mxplus.kernel_tools.aot import _ptxas_stats
+    from vllm_mxplus.kernel_tools.mma_wait import programs_per_sm, waits_own_mma
 
     ck, cfg = _compile(_capture(drive, arch), arch)
     code = sass.parse(sass.disassemble(ck.asm["cubin"]))
@@ -360,13 +374,15 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
         work = cx["BLOCK_N"] * cx["BLOCK_K"] * (1 if role == "decode" else cx["BLOCK_M"])
     with tempfile.TemporaryDirectory() as d:
         regs, spill = _ptxas_stats(ck.asm["ptx"], arch, d)
+    shared = int(getattr(ck.metadata, "shared", 0))
     return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
-                 spill, int(getattr(ck.metadata, "shared", 0)), int(cx["BLOCK_M"]), fp32)  # fmt: skip
+                 spill, shared, int(cx["BLOCK_M"]), fp32, waits_own_mma(ck.asm["ttgir"]),
+                 programs_per_sm(regs, warps, shared))  # fmt: skip
 
 
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
                    held: bool = False):  # fmt: skip
-    """(issue, tensor, memory) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
+    """(issue, tensor, memory, serial) seconds of the FP8-chunk pipeline's GEMM at m rows, and the
     seconds of its encoders (the weight's per call unless `held` or `packed_serves`; the
     activations' FP8 form and, in the same launch, their packed form for the exact fallback),
     each kernel max(issue, memory). Up to PACKED_WEIGHT_MAX_M rows (not held)
@@ -377,7 +393,7 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
     rate = _issue_rate(gpu)
     cap = GPUS[gpu][0]
     ew, ea = counts["encode weight-fp8"], counts["encode act-fp8 mbs-s"]
-    issue = tensor = enc_w = 0.0
+    issue = tensor = serial = enc_w = 0.0
     memory = m * act_k * FP8_BYTES / bw
     for _, n, k in LLAMA_8B:  # each linear by its own K (`packed_serves`)
         packed = not held and packed_serves(m, k, "triton", cap)
@@ -388,19 +404,22 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
         tiles = padded // g.block_m * -(-n // g.block_m)
         split = _packed_split(tiles, k, gpu) if packed else 1
         fill = min(1.0, tiles * split / GPUS[gpu][1])
-        issue += g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
+        step_issue = g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
+        step_tensor = padded * n * k * LAYERS / (fp8_flops / 2)
+        issue += step_issue
+        tensor += step_tensor
+        serial += serial_s(g, step_issue, step_tensor / fill)
         w_bytes = BYTES_PER_WEIGHT if packed else FP8_BYTES
         memory += LAYERS * (n * k * w_bytes + (split > 1) * 8 * split * m * n) / bw
-        tensor += padded * n * k * LAYERS / (fp8_flops / 2)
         if not held and not packed:  # the weight's FP8 copy, per call
             w = n * k * LAYERS
             enc_w += max(ew.cycles_per_unit * w / rate, w * (BYTES_PER_WEIGHT + FP8_BYTES) / bw)
     enc_a = max(ea.cycles_per_unit * m * act_k / rate, m * act_k * ACT_FP8_BYTES / bw)
-    return (issue, tensor, memory), enc_w + enc_a
+    return (issue, tensor, memory, serial), enc_w + enc_a
 
 
 def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool = True):
-    """(issue, tensor, memory) seconds of sm_100's FP4 MMA GEMM (`fp4_scaled_gemm`) over
+    """(issue, tensor, memory, serial) seconds of sm_100's FP4 MMA GEMM (`fp4_scaled_gemm`) over
     Llama-3-8B's linears at m rows, and the seconds of its activation side (the quantizer and
     the relative scales, each max(issue, memory)); None where the GPU has no FP4 MMA or the
     case was not counted. One tile per SM (its registers), a grid of fewer tiles than SMs
@@ -411,7 +430,7 @@ def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool 
     aq = counts["act-quant mxfp4-mbs-s"]
     _, sms, _, bw, _, _ = GPUS[gpu]
     rate = _issue_rate(gpu)
-    issue = tensor = 0.0
+    issue = tensor = serial = 0.0
     memory = m * act_k * FP4_MMA_BYTES[mbs] / bw
     for _, n, k in LLAMA_8B:
         split, bm, bn = fp4_split(m, n, k, mbs)
@@ -419,12 +438,15 @@ def fp4_mma_s(counts: dict[str, Count], gpu: str, m: int, act_k: int, mbs: bool 
         padded = _whole_tiles(m, bm)
         tiles = padded // bm * -(-n // bn)
         fill = min(1.0, tiles * split / sms)
-        issue += g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
-        tensor += padded * n * k * LAYERS / (FP4_FLOPS[gpu] / 2)
+        step_issue = g.cycles_per_unit * padded * n * k * LAYERS / rate / fill
+        step_tensor = padded * n * k * LAYERS / (FP4_FLOPS[gpu] / 2)
+        issue += step_issue
+        tensor += step_tensor
+        serial += serial_s(g, step_issue, step_tensor / fill)
         # the weight, and split K's fp32 partials written and read again by the sum
         memory += LAYERS * (n * k * FP4_MMA_BYTES[mbs] + (split > 1) * 8 * split * m * n) / bw
     act = max(aq.cycles_per_unit * m * act_k / rate, m * act_k * (ACT_BYTES + REL_SCALE_BYTES) / bw)
-    return (issue, tensor, memory), act
+    return (issue, tensor, memory, serial), act
 
 
 def fp4_split(m: int, n: int, k: int, mbs: bool) -> tuple[int, int, int]:
@@ -543,6 +565,9 @@ def launches(kernel: str, m: int, held: bool = False, block_m: int = 16,
     return total
 
 
+BOUNDS = ("issue", "tensor", "memory", "serial")  # the bounds of a kernel, `estimate`'s order
+
+
 def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dict]:
     """Llama-3-8B linears at each M: our kernels (decode <= 16 rows; above, the packed
     prefill GEMM or the FP8-chunk pipeline, as the backends pick by M; the activation
@@ -571,19 +596,22 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
         if m <= DECODE_MAX_M:
             issue = dec.cycles_per_unit * weights / issue_rate
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
-            kernel, bounds, fp8 = "decode", (issue, tensor, memory), None
+            kernel, bounds, fp8 = "decode", (issue, tensor, memory, serial_s(dec, issue, tensor)), None
         else:
             padded = _whole_tiles(m, pre.block_m)
-            packed_bounds = (pre.cycles_per_unit * padded * weights / issue_rate,
-                             padded * weights / mac_rate, memory)  # fmt: skip
+            pre_issue = pre.cycles_per_unit * padded * weights / issue_rate
+            pre_tensor = padded * weights / mac_rate
+            packed_bounds = (pre_issue, pre_tensor, memory, serial_s(pre, pre_issue, pre_tensor))
             kernel, bounds = "prefill", packed_bounds
             # the batched decode: 32- or 64-row tiles, each a pass over the weight
             tile = gpu_block_m(m, hat=True)
             wide = counts[f"decode mxfp4-mbs {tile} rows"]
             passes = -(-m // tile)
-            wide_bounds = (wide.cycles_per_unit * weights * passes / issue_rate,
-                           passes * tile * weights / mac_rate,
-                           (passes * weights * BYTES_PER_WEIGHT + m * act_k * HAT_BYTES) / bw)  # fmt: skip
+            wide_issue = wide.cycles_per_unit * weights * passes / issue_rate
+            wide_tensor = passes * tile * weights / mac_rate
+            wide_bounds = (wide_issue, wide_tensor,
+                           (passes * weights * BYTES_PER_WEIGHT + m * act_k * HAT_BYTES) / bw,
+                           serial_s(wide, wide_issue, wide_tensor))  # fmt: skip
             fp8_bounds, enc = _fp8_prefill_s(counts, gpu, m, act_k, held)
             # the quantizer also writes x_hat for the decode GEMM (2 bytes per element)
             act_hat = max(act, m * act_k * (ACT_BYTES + HAT_BYTES) / bw)
@@ -620,12 +648,13 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
         rows.append({
             "gpu": gpu, "M": m, "kernel": kernel,
             "issue_ms": bounds[0] * 1e3, "tensor_ms": bounds[1] * 1e3,
-            "memory_ms": bounds[2] * 1e3, "act_quant_ms": act * 1e3,
+            "memory_ms": bounds[2] * 1e3, "serial_ms": bounds[3] * 1e3,
+            "act_quant_ms": act * 1e3,
             "launches_per_layer": n_launch, "launch_ms": launch * 1e3,
             "estimate_ms": ours * 1e3, "bf16_estimate_ms": bf16 * 1e3,
             "speedup_vs_bf16": bf16 / ours,
             "other_path_ms": None if other is None else other * 1e3,
-            "bound": max(zip(bounds, ("issue", "tensor", "memory")))[1],
+            "bound": max(zip(bounds, BOUNDS))[1],
         })  # fmt: skip
     return rows
 
@@ -642,8 +671,9 @@ def experts_vs_bf16(counts: dict[str, Count], gpu: str, tokens: int = 64,
     ex = counts[case]
     weights = 2 * 14336 * 4096
     rows = _whole_tiles(tokens, ex.block_m)
-    ours = max(ex.cycles_per_unit * rows * weights / _issue_rate(gpu),
-               rows * weights / (bf16_flops / 2), weights * BYTES_PER_WEIGHT / bw)  # fmt: skip
+    issue = ex.cycles_per_unit * rows * weights / _issue_rate(gpu)
+    tensor = rows * weights / (bf16_flops / 2)
+    ours = max(issue, tensor, weights * BYTES_PER_WEIGHT / bw, serial_s(ex, issue, tensor))
     bf16 = max(weights * 2 / bw, tokens * weights / (bf16_flops / 2))
     return {"gpu": gpu, "case": case, "tokens": tokens, "estimate_us": ours * 1e6,
             "bf16_estimate_us": bf16 * 1e6, "speedup_vs_bf16": bf16 / ours}  # fmt: skip
@@ -850,20 +880,23 @@ def main(argv: list[str] | None = None) -> int:
     for arch, cs in counts.items():
         print(f"\n## sm_{arch}: hot loops")
         print(f"{'kernel':<28}{'instr/warp/iter':>16}{'warps':>6}{'work/iter':>10}"
-              f"{'per unit':>10} {'unit':<8}{'tensor core':<14}{'regs':>5}{'spill':>6}")  # fmt: skip
+              f"{'per unit':>10} {'unit':<8}{'tensor core':<14}{'regs':>5}{'spill':>6}"
+              f"{'MMA waited':>11}{'progs/SM':>9}")  # fmt: skip
         for c in cs.values():
             tc = ",".join(f"{k}x{v}" for k, v in c.tensor_core.items()) or "-"
             print(f"{c.kernel:<28}{c.loop_instructions:>16}{c.warps:>6}{c.work_per_iteration:>10}"
-                  f"{c.per_unit:>10.4f} {c.unit:<8}{tc:<14}{c.registers:>5}{c.spill_bytes:>6}")  # fmt: skip
+                  f"{c.per_unit:>10.4f} {c.unit:<8}{tc:<14}{c.registers:>5}{c.spill_bytes:>6}"
+                  f"{'yes' if c.waits_own_mma else '-':>11}{c.programs_per_sm:>9}")  # fmt: skip
     for gpu, rows in est.items():
         print(f"\n## {gpu}: Llama-3-8B linears, one forward, STATIC ESTIMATE (ms)")
-        print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'quant':>8}"
+        print(f"{'M':>5} {'kernel':<8}{'issue':>9}{'tensor':>9}{'memory':>9}{'serial':>9}{'quant':>8}"
               f"{'launch':>8}{'ours':>9}{'bf16':>9}{'ratio':>7}  {'bound':<7}"
               f"{'other path':>11}")  # fmt: skip
         for r in rows:
             other = "" if r["other_path_ms"] is None else f"{r['other_path_ms']:>11.3f}"
             print(f"{r['M']:>5} {r['kernel']:<8}{r['issue_ms']:>9.3f}{r['tensor_ms']:>9.3f}"
-                  f"{r['memory_ms']:>9.3f}{r['act_quant_ms']:>8.3f}{r['launch_ms']:>8.3f}"
+                  f"{r['memory_ms']:>9.3f}{r['serial_ms']:>9.3f}{r['act_quant_ms']:>8.3f}"
+                  f"{r['launch_ms']:>8.3f}"
                   f"{r['estimate_ms']:>9.3f}"
                   f"{r['bf16_estimate_ms']:>9.3f}{r['speedup_vs_bf16']:>6.2f}x  {r['bound']:<7}"
                   f"{other}")  # fmt: skip
