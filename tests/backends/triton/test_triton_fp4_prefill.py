@@ -97,10 +97,10 @@ def _operands(scheme: str, m: int, n: int, k: int, g: torch.Generator):
     return sch, x, w, qx, qw
 
 
-def _gemm_operands(scheme: str, k: int, g: torch.Generator, dev):
-    """(qx [40, k], qw [36, k], the GEMM's x operand and inexact rows, the w one) of Gaussian
+def _gemm_operands(scheme: str, k: int, g: torch.Generator, dev, m: int = 40, n: int = 36):
+    """(qx [m, k], qw [n, k], the GEMM's x operand and inexact rows, the w one) of Gaussian
     data in `scheme`."""
-    sch, _, _, qx, qw = _operands(scheme, 40, 36, k, g)
+    sch, _, _, qx, qw = _operands(scheme, m, n, k, g)
     a = fp4_operand(qx.codes.to(dev), qx.scales.to(dev), _dev(qx.mbs, dev), None,
                     sch.activation_format, k)  # fmt: skip
     b = fp4_operand(qw.codes.to(dev), qw.scales.to(dev), _dev(qw.mbs, dev), None,
@@ -136,6 +136,35 @@ def test_gemm_within_the_bound(scheme, k, fp4_device):
     f_bad[-1, 7] *= 1 + 2.0**-10
     y_bad = fp4_scaled_gemm((a[0], a[1], f_bad), b, k, bias.to(dev), torch.float32, per_chunk)
     assert not ((y_bad.cpu().double() - y64).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
+def test_each_scale_reaches_its_row_and_block(scheme, fp4_device):
+    """The scales reach the MMA in tcgen05's order of 128-row groups (`scale_rows`, undone
+    by `scale_tile`): over 2 row groups and 3 column tiles (M = 200, N = 260, the last tiles
+    partial) within the bound, and one scale doubled (its UE4M3 exponent + 1) moves exactly
+    its own output row (activation row 131, block 5) or column (weight row 257, block 9): a
+    scale read for the wrong row or block moves another, or none."""
+    g = torch.Generator().manual_seed(5)
+    k, m, n = 256, 200, 260
+    qx, qw, (a, _), (b, _) = _gemm_operands(scheme, k, g, fp4_device, m, n)
+    per_chunk = qw.mbs is not None
+    y = fp4_scaled_gemm(a, b, k, None, torch.float32, per_chunk).cpu()
+    y64, tol = _bound(qx.dequantize().double(), qw.dequantize().double(), k)
+    assert ((y.double() - y64).abs() <= tol).all()
+    for side, (row, block) in (("a", (131, 5)), ("b", (257, 9))):
+        op = a if side == "a" else b
+        u = op[1].clone()
+        assert u[row, block] != 0  # a block the scales hold, its exponent + 1 stays finite
+        u[row, block] += 8  # UE4M3: 3 mantissa bits below the exponent
+        ops = ((op[0], u, op[2]), b) if side == "a" else (a, (op[0], u, op[2]))
+        moved = fp4_scaled_gemm(*ops, k, None, torch.float32, per_chunk).cpu() != y
+        want = torch.zeros_like(moved)
+        if side == "a":
+            want[row] = moved[row]
+        else:
+            want[:, row] = moved[:, row]
+        assert moved.any() and torch.equal(moved, want)
 
 
 def _dev(t, dev):

@@ -8,10 +8,12 @@ step, reading the packed codes (0.5 bytes per element) straight from shared memo
 chunks (the loop has no K masks). Operands:
 codes uint8 [R, K/2] (formats' packing: element 2i in the low nibble, as the MMA wants),
 scales uint8 [R, K/16] (UE4M3 bits), factors fp32 [groups, R] (chunk-major: a chunk's
-factors are one vector).
+factors are one vector). Each step's scales reach tensor memory by an asynchronous copy
+(`scale_rows` / `scale_tile`), so that the MMA stays in flight across steps.
 
 - PER_CHUNK (MBS): one group per 128-K chunk. Each step's product starts from a fresh
-  accumulator in tensor memory, is read into registers and added as acc += part * (fa * fb):
+  accumulator in tensor memory, is read into registers and added as acc += part * (fa * fb)
+  while the next chunk's MMA runs:
   the MBS factors applied per chunk inside the launch (the paper's Appendix E), the promotion
   into fp32 once per chunk. The E8M0 scales arrive relative to the chunk's largest code
   (`fp4_rel_scales`): fa = 2^(ref - 135) sigma.
@@ -65,18 +67,25 @@ from vllm_mxplus.backends.triton.launch import (
 )
 from vllm_mxplus.formats.constants import SMALL_BLOCK, ceil_div
 
+# tcgen05's order of a 128-row group's scales over one chunk (PTX ISA, "tcgen05 Matrix
+# Descriptors", scale factor layout; Triton's block-scaled tutorial): 2 x 32 x 4 x 4, element
+# (k0, r32, r4, k4) the scale k0 * 4 + k4 of the group's row r4 * 32 + r32 (`scale_rows`)
+SCALE_GROUP_ROWS = 128
+SCALE_GROUP = tl.constexpr(SCALE_GROUP_ROWS)  # rows per group
+SCALE_GROUP_BYTES = tl.constexpr(SCALE_GROUP_ROWS * BLOCKS_PER_CHUNK)
+SCALES_PER_CHUNK = tl.constexpr(BLOCKS_PER_CHUNK)  # UE4M3 bytes per row and chunk
 # the GPU tiles ((PER_CHUNK, HAS_BIAS) -> BLOCK_M, BLOCK_N, warps), a 128-K chunk per step
-# (one UTCOMMA.4X). With MBS 128 x 128 on 8 warps, which hold the fp32 accumulator and the
-# chunk's partial in registers (4 warps, or 128 x 256, spill); without it the accumulator stays
-# in tensor memory until the epilogue, and 128 x 256 halves the per-MAC overhead of a step
-# except with a bias (its epilogue then spills). Counted by `benchmarks/gpu_static_model.py`
-# on sm_100: 222 and 124 instructions per warp and step, 0.00085 (MBS) and 0.00024
-# warp-instructions per MAC.
+# (one UTCOMMA.4X), 128 rows wide on both sides (a 256-row operand's scales do not take the
+# copy into tensor memory, and every step then waits for its MMA). With MBS 8 warps, which
+# hold the fp32 accumulator and the chunk's partial in registers (4 warps spill); without it
+# the accumulator stays in tensor memory until the epilogue. Counted by
+# `benchmarks/gpu_static_model.py` on sm_100: 220 and 126 instructions per warp and step,
+# 0.00085 (MBS) and 0.00024 warp-instructions per MAC, the MMA in flight across steps.
 TILES = {
     (True, False): (128, 128, 8),
     (True, True): (128, 128, 8),
-    (False, False): (128, 256, 8),
-    (False, True): (128, 128, 8),
+    (False, False): (128, 128, 4),
+    (False, True): (128, 128, 4),
 }
 NUM_STAGES = 3
 BLOCK_N_SPLIT = 128  # the tile width where K is split (the in-launch sum's registers)
@@ -84,7 +93,7 @@ PROGRAMS_PER_SM = 1  # one tile per SM (its registers): a grid below the SM coun
 MIN_SPLIT = 2  # a grid filling under half the SMs splits K (`gpu_split`)
 B200_SMS = 148  # the SMs launches captured for sm_100 are planned for
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
-EMULATE_BLOCK = 32  # emulated tiles: fp32 values of 32 x 128 per operand
+EMULATE_BLOCK = SCALE_GROUP_ROWS  # emulated tiles: fp32 values of 128 x 128 per operand
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CAPABILITY_MAJOR = 10  # sm_100 / sm_103: tcgen05's block-scaled MMA
 
@@ -109,41 +118,72 @@ def emulated_scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 @triton.jit
 def scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               EMULATE: tl.constexpr):  # fmt: skip
+               EMULATE: tl.constexpr, FRESH: tl.constexpr = False):  # fmt: skip
+    """acc + the block-scaled product of one chunk; FRESH: the product alone (acc unused),
+    which the MMA computes into a fresh accumulator in tensor memory."""
     if EMULATE:
+        if FRESH:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         return emulated_scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N)
     sa = ua.to(tl.float8e4nv, bitcast=True)
     sb = ub.to(tl.float8e4nv, bitcast=True)
+    if FRESH:
+        return tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1")
     return tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc=acc)
+
+
+
+@triton.jit
+def scale_rows(u_ptr, first, rows, stride, c0, ROWS: tl.constexpr):
+    """Pointers [ROWS / 128, 1024] to the UE4M3 scale bytes of operand rows first .. first +
+    ROWS (clamped into the operand's rows) at chunk c0, each group's in tcgen05's order
+    (SCALE_GROUP_BYTES). Loaded and put back in row order by `scale_tile`, a pattern Triton
+    turns into an asynchronous copy into tensor memory (`tcgen05.cp`), so that the MMA stays
+    in flight across steps; loaded as [ROWS, 8] the scales pass through registers and each
+    step waits for its MMA (`kernel_tools/mma_wait.py`)."""
+    i = tl.arange(0, SCALE_GROUP_BYTES)
+    row = ((i // 4) % 4) * 32 + (i // 16) % 32
+    col = (i // 512) * 4 + i % 4
+    g = tl.arange(0, ROWS // SCALE_GROUP)
+    r = tl.minimum(first + g[:, None] * SCALE_GROUP + row[None, :], rows - 1).to(tl.int64)
+    # typed at the pointer: a bitcast between the load and the reshape hides the pattern
+    u_ptr = u_ptr.to(tl.pointer_type(tl.float8e4nv))
+    return u_ptr + r * stride + (c0 * SCALES_PER_CHUNK + col)[None, :]
+
+
+@triton.jit
+def scale_tile(rows_ptr, c, ROWS: tl.constexpr):
+    """The UE4M3 scales [ROWS, 8] (float8e4nv) of chunk c in row order (`scale_rows`)."""
+    u = tl.load(rows_ptr + c * SCALES_PER_CHUNK)
+    u = tl.reshape(u, (ROWS // SCALE_GROUP, 2, 32, 4, 4))
+    return tl.reshape(tl.permute(u, (0, 3, 2, 1, 4)), (ROWS, SCALES_PER_CHUNK))
 
 
 @triton.jit
 def _chunk_step(
-    acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
+    acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
     stride_fa, stride_fb,
     PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """One 128-K chunk c: (acc, part) after it (the kernel's docstring). The rows m64 / n64
+    """One 128-K chunk c: acc after it (the kernel's docstring). The rows m64 / n64
     are clamped into the operands (no masks: rows past M or N repeat the last one, their
     outputs never stored)."""
     k = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the chunk's code bytes
-    js = c * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)  # its 16-blocks' scales
     a = tl.load(a_rows + k[None, :])
     b = tl.load(b_cols + k[:, None])
-    ua = tl.load(ua_rows + js[None, :])
-    ub = tl.load(ub_rows + js[None, :])
+    ua = scale_tile(ua_rows, c, BLOCK_M)
+    ub = scale_tile(ub_rows, c, BLOCK_N)
     if PER_CHUNK:
-        # a fresh accumulator per chunk, written as a select on the step (Triton 3.7's
-        # accumulator-init pass fails on a zero constant here with the scaled MMA; the select
-        # compiles to one store of zeros into tensor memory per step, STTM.x64)
-        part = scaled_dot(a, ua, b, ub, tl.where(c < 0, part, 0.0), BLOCK_M, BLOCK_N, EMULATE)
+        # the chunk's product into a fresh accumulator (the MMA's own zeroing), in flight
+        # while the step promotes the chunk before it
+        part = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE, FRESH=True)
         fa = tl.load(fa_ptr + c * stride_fa + m64)
         fb = tl.load(fb_ptr + c * stride_fb + n64)
         acc += part * (fa[:, None] * fb[None, :])
     else:
         acc = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE)
-    return acc, part
+    return acc
 
 
 @triton.jit(do_not_specialize=["NC", "CPS"])
@@ -170,22 +210,20 @@ def _fp4_scaled_gemm_kernel(
     n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
     # K slice pid_s: chunks [pid_s * CPS, min(NC, (pid_s + 1) * CPS)); unsplit all of them.
     # The operand pointers start at the slice's first chunk, so that the loop counts from 0
-    # in both forms (a loop from a runtime start kept the MBS step's fresh accumulator as 64
-    # selects per step on sm_100: 293 instructions instead of 224)
+    # in both forms
     pid_s = tl.program_id(1)
     c0 = pid_s * CPS if SPLIT else 0
     steps = tl.minimum(NC - c0, CPS) if SPLIT else NC
     a_rows = a_ptr + m64[:, None] * stride_a + c0 * (BLOCK_K // 2)
     b_cols = b_ptr + n64[None, :] * stride_b + c0 * (BLOCK_K // 2)
-    ua_rows = ua_ptr + m64[:, None] * stride_ua + c0 * (BLOCK_K // 16)
-    ub_rows = ub_ptr + n64[:, None] * stride_ub + c0 * (BLOCK_K // 16)
+    ua_rows = scale_rows(ua_ptr, pid_m * BLOCK_M, M, stride_ua, c0, BLOCK_M)
+    ub_rows = scale_rows(ub_ptr, pid_n * BLOCK_N, N, stride_ub, c0, BLOCK_N)
     fa_from = fa_ptr + c0 * stride_fa  # int32: below the factors' element count
     fb_from = fb_ptr + c0 * stride_fb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(0, steps, num_stages=NUM_STAGES):
-        acc, part = _chunk_step(
-            acc, part, c, a_rows, b_cols, ua_rows, ub_rows, fa_from, fb_from, m64, n64,
+        acc = _chunk_step(
+            acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_from, fb_from, m64, n64,
             stride_fa, stride_fb, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
         )  # fmt: skip
     if not PER_CHUNK:
@@ -210,11 +248,10 @@ def gpu_split(
     """(K slices, BLOCK_M, BLOCK_N) of a GPU launch on `sms` SMs: the tile of `TILES`; where
     that grid fills under half the SMs (MIN_SPLIT), K split to fill them (one tile per SM),
     the tile then BLOCK_N_SPLIT wide. The split variant's loop counts as the whole-K one
-    (224 against 222 instructions per MBS step on sm_100, `benchmarks/gpu_static_model.py`);
+    (220 instructions per MBS step on sm_100 in both, `benchmarks/gpu_static_model.py`);
     its fp32 partials are written and summed again (a programmatic dependent launch), which
     the idle SMs of an unsplit grid cost more than from a split of 2 on (Llama-3-8B's
-    linears at M = 256 / 512 on B200: 1.18x / 1.10x bf16 estimated, against 1.13x / 1.05x
-    with splits of 3 and more only)."""
+    linears at M = 256 / 512 on B200, by the static model at 9ede586)."""
     bm, bn, _ = TILES[per_chunk, has_bias]
     split = split_k_count(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // CHUNK, sms, PROGRAMS_PER_SM)
     if split < MIN_SPLIT:
