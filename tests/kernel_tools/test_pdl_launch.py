@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compile_script import compiled
 
 ROOT = Path(__file__).resolve().parents[2]
 K, N = 4096, 4096
@@ -80,15 +81,7 @@ print(json.dumps(out))
 
 def _compiled(script: str, tmp_path: Path) -> dict:
     """The JSON a compile script prints, run without the interpreter (Triton's compiler)."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT), str(Path(__file__).parent)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compiled(script, tmp_path, [str(ROOT), str(Path(__file__).parent)])
 
 
 def test_compiled_kernels_carry_the_grid_dependency_control(tmp_path):

@@ -129,3 +129,16 @@ def test_mbs_promotion_ceiling_by_hand():
     h = gsm.mbs_promotion_ceiling("H200")
     assert h["mma"] == "FP8" and h["promotion_over_mma"] == pytest.approx(0.4622, abs=1e-4)
     assert h["min_mbs_overhead"] == 0.0 and h["max_mbs_vs_bf16"] == pytest.approx(2.0010, abs=1e-4)
+
+
+def test_serial_bound_of_a_loop_that_waits_for_its_own_mma():
+    """A loop that waits for its own MMA pays issue + tensor per step, shared only by the
+    programs resident on an SM; one that keeps the MMA in flight adds no bound."""
+    c = gsm.Count("k", "prefill", "MAC", 100, 100, 8, 1 << 21, 1e-4, {}, 200, 0, 0, 128,
+                  waits_own_mma=True, programs_per_sm=1)  # fmt: skip
+    assert gsm.serial_s(c, 3.0, 2.0) == 5.0
+    c2 = gsm.Count("k", "prefill", "MAC", 100, 100, 8, 1 << 21, 1e-4, {}, 200, 0, 0, 128,
+                   waits_own_mma=True, programs_per_sm=2)  # fmt: skip
+    assert gsm.serial_s(c2, 3.0, 2.0) == 2.5
+    c3 = gsm.Count("k", "prefill", "MAC", 100, 100, 8, 1 << 21, 1e-4, {}, 200, 0, 0, 128)
+    assert gsm.serial_s(c3, 3.0, 2.0) == 0.0
