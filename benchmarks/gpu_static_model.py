@@ -596,7 +596,11 @@ def estimate(counts: dict[str, Count], gpu: str, held: bool = False) -> list[dic
         if m <= DECODE_MAX_M:
             issue = dec.cycles_per_unit * weights / issue_rate
             tensor = DECODE_MAX_M * weights / mac_rate  # the row tile is 16 rows
-            kernel, bounds, fp8 = "decode", (issue, tensor, memory, serial_s(dec, issue, tensor)), None
+            kernel, bounds, fp8 = (
+                "decode",
+                (issue, tensor, memory, serial_s(dec, issue, tensor)),
+                None,
+            )
         else:
             padded = _whole_tiles(m, pre.block_m)
             pre_issue = pre.cycles_per_unit * padded * weights / issue_rate

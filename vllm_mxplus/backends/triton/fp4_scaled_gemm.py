@@ -132,7 +132,6 @@ def scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc=acc)
 
 
-
 @triton.jit
 def scale_rows(u_ptr, first, rows, stride, c0, ROWS: tl.constexpr):
     """Pointers [ROWS / 128, 1024] to the UE4M3 scale bytes of operand rows first .. first +
