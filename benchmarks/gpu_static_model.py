@@ -126,6 +126,7 @@ class Count:
     fp32_cycles: int = 0  # FP32-lane cycles per warp per iteration (`sass.FP32_PIPE`)
     waits_own_mma: bool = False  # each step waits for its own MMA (`mma_wait.waits_own_mma`)
     programs_per_sm: int = 1  # resident at once (`mma_wait.programs_per_sm`)
+    block_n: int = 0  # columns per tile
 
     @property
     def cycles_per_unit(self) -> float:
@@ -377,7 +378,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
     shared = int(getattr(ck.metadata, "shared", 0))
     return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
                  spill, shared, int(cx["BLOCK_M"]), fp32, waits_own_mma(ck.asm["ttgir"]),
-                 programs_per_sm(regs, warps, shared))  # fmt: skip
+                 programs_per_sm(regs, warps, shared), int(cx.get("BLOCK_N", 0)))  # fmt: skip
 
 
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
@@ -401,7 +402,7 @@ def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,
         padded = _whole_tiles(m, g.block_m)
         # a grid of fewer programs than SMs leaves the others idle; the packed-weight GEMM
         # splits K to fill them (`split_k_for`), its fp32 partials written and read once more
-        tiles = padded // g.block_m * -(-n // g.block_m)
+        tiles = padded // g.block_m * -(-n // g.block_n)
         split = _packed_split(tiles, k, gpu) if packed else 1
         fill = min(1.0, tiles * split / GPUS[gpu][1])
         step_issue = g.cycles_per_unit * padded * n * k * LAYERS / rate / fill

@@ -42,6 +42,7 @@ from vllm_mxplus.backends.cutlass.fp8_chunks import CHUNK, TOP_SHIFT
 from vllm_mxplus.backends.triton.fp8_chunk_gemm import (
     INTERPRET_BLOCK,
     OUT_DTYPES,
+    gpu_tile,
     grouped_tile_ids,
 )
 from vllm_mxplus.backends.triton.gemm_blocks import launch_dependents, mbs_sigma, reduce_split_tile
@@ -262,7 +263,8 @@ def fp8_packed_gemm(
         bm = bn = INTERPRET_BLOCK
         warps, stages = 4, 1
     else:
-        bm, bn, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        bm, bn, warps = gpu_tile(a_fp8.device)
+        stages = NUM_STAGES
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split_k is None:
         split_k = 1 if interpreting() else split_k_for(tiles, nc, a_fp8.device)

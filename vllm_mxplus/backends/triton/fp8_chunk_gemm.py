@@ -31,18 +31,26 @@ from vllm_mxplus.backends.triton.launch import (
     interpreting,
     launch,
     pdl_launch,
+    target_capability,
     tl,
     triton,
 )
 from vllm_mxplus.formats.constants import MACRO_BLOCK
 
 CHUNK = MACRO_BLOCK  # 128: one scale per (row, chunk), one K step
-# the GPU tile: 128 x 128 outputs on 8 warps (two warpgroups: wgmma m64 each), a 128-K
-# chunk per step; 3 stages of 32 KiB of FP8 operands in shared memory
+# the GPU tile, a 128-K chunk per step, 3 stages of FP8 operands in shared memory: 128 x 128
+# outputs on 8 warps (two warpgroups: wgmma m64 each), but on sm_90 (`GPU_TILES`)
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
+# by compute capability major, also `fp8_packed_gemm`'s: on sm_90 every step waits for its
+# wgmma (the promotion reads each chunk's product; `kernel_tools/mma_wait.py`), so 128 x 64 on
+# one warpgroup, whose 199 registers leave room for two programs per SM: one's wgmma runs
+# while the other promotes (128 x 128 on 8 warps: 172 registers, one program, nothing to
+# overlap; 64 x 128 re-encodes the packed weight's tile per 64 rows: 1.27x its instructions
+# per MAC). sm_100's tcgen05 MMA stays in flight across steps: the default tile.
+GPU_TILES = {9: (128, 64, 4)}
 GROUP_M = 8  # row tiles per group of the launch order: neighbours share B tiles in L2
 INTERPRET_BLOCK = 32  # the interpreter pays per program: small tiles waste less on padding
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,6 +144,14 @@ def _check(a_fp8, a_scale, b_fp8, b_scale, bias, out_dtype) -> int:
     return nc
 
 
+def gpu_tile(device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of a GPU launch on `device` (`GPU_TILES`; sm_90's under
+    the interpreter or a capture without a capability, as the other launchers)."""
+    cap = target_capability(device)
+    major = 9 if cap is None else cap // 10
+    return GPU_TILES.get(major, (BLOCK_M, BLOCK_N, NUM_WARPS))
+
+
 def fp8_chunk_gemm(
     a_fp8: torch.Tensor,
     a_scale: torch.Tensor,
@@ -157,7 +173,8 @@ def fp8_chunk_gemm(
         bm = bn = INTERPRET_BLOCK
         warps, stages = 4, 1
     else:
-        bm, bn, warps, stages = BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        bm, bn, warps = gpu_tile(a_fp8.device)
+        stages = NUM_STAGES
     launch(
         _fp8_chunk_gemm_kernel,
         (triton.cdiv(m, bm) * triton.cdiv(n, bn),),
