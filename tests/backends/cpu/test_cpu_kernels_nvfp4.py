@@ -126,11 +126,16 @@ def test_given_row_global_scales_and_per_row_weight_scales(ck):
 
 
 def test_bound_catches_a_wrong_scale(ck):
+    """One block scale one E4M3 step up: outside the bound. Seeded, and a block below the
+    largest scale (448 = 0x7E: one step up is NaN, which the check reports as a NaN pattern)."""
     k = 256
-    q = quantize(torch.randn(24, k) * 0.05, "nvfp4")
-    x = torch.randn(6, k)
+    g = torch.Generator().manual_seed(3)
+    q = quantize(torch.randn(24, k, generator=g) * 0.05, "nvfp4")
+    x = torch.randn(6, k, generator=g)
     bad = dataclasses.replace(q, scales=q.scales.clone())
-    bad.scales.view(torch.uint8)[3, 5] += 1  # the next E4M3 value
+    bits = bad.scales.view(torch.uint8)
+    assert 0 < bits[3, 5] < 0x7E
+    bits[3, 5] += 1  # the next E4M3 value
     y = ck.nvfp4_linear_packed(x, 24, k, *ck.pack_nvfp4(bad), None, torch.float32)
     with pytest.raises(AssertionError, match="out of bound"):
         _check(y, x, q, None)
