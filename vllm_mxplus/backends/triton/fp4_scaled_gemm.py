@@ -140,6 +140,7 @@ def scale_rows(u_ptr, first, rows, stride, c0, ROWS: tl.constexpr):
     turns into an asynchronous copy into tensor memory (`tcgen05.cp`), so that the MMA stays
     in flight across steps; loaded as [ROWS, 8] the scales pass through registers and each
     step waits for its MMA (`kernel_tools/mma_wait.py`)."""
+    tl.static_assert(ROWS % SCALE_GROUP == 0, "scale_rows: whole 128-row groups")
     i = tl.arange(0, SCALE_GROUP_BYTES)
     row = ((i // 4) % 4) * 32 + (i // 16) % 32
     col = (i // 512) * 4 + i % 4
