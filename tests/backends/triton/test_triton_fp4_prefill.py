@@ -167,6 +167,16 @@ def test_each_scale_reaches_its_row_and_block(scheme, fp4_device):
         assert moved.any() and torch.equal(moved, want)
 
 
+def test_every_tile_is_whole_scale_groups():
+    """`scale_rows` reads whole 128-row groups: every GPU tile, the split tile and the
+    emulated one are multiples of it."""
+    from vllm_mxplus.backends.triton import fp4_scaled_gemm as fg
+
+    sizes = [d for bm, bn, _ in fg.TILES.values() for d in (bm, bn)]
+    sizes += [fg.BLOCK_N_SPLIT, fg.EMULATE_BLOCK]
+    assert all(d % fg.SCALE_GROUP_ROWS == 0 for d in sizes), sizes
+
+
 def _dev(t, dev):
     return None if t is None else t.to(dev)
 

@@ -135,12 +135,11 @@ def scaled_dot(a, ua, b, ub, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def scale_rows(u_ptr, first, rows, stride, c0, ROWS: tl.constexpr):
     """Pointers [ROWS / 128, 1024] to the UE4M3 scale bytes of operand rows first .. first +
-    ROWS (clamped into the operand's rows) at chunk c0, each group's in tcgen05's order
+    ROWS (clamped into the operand's rows; ROWS whole groups: every tile, `TILES`) at chunk c0, each group's in tcgen05's order
     (SCALE_GROUP_BYTES). Loaded and put back in row order by `scale_tile`, a pattern Triton
     turns into an asynchronous copy into tensor memory (`tcgen05.cp`), so that the MMA stays
     in flight across steps; loaded as [ROWS, 8] the scales pass through registers and each
     step waits for its MMA (`kernel_tools/mma_wait.py`)."""
-    tl.static_assert(ROWS % SCALE_GROUP == 0, "scale_rows: whole 128-row groups")
     i = tl.arange(0, SCALE_GROUP_BYTES)
     row = ((i // 4) % 4) * 32 + (i // 16) % 32
     col = (i // 512) * 4 + i % 4
