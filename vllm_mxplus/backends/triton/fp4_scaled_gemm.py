@@ -78,14 +78,15 @@ SCALES_PER_CHUNK = tl.constexpr(BLOCKS_PER_CHUNK)  # UE4M3 bytes per row and chu
 # (one UTCOMMA.4X), 128 rows wide on both sides (a 256-row operand's scales do not take the
 # copy into tensor memory, and every step then waits for its MMA). With MBS 8 warps, which
 # hold the fp32 accumulator and the chunk's partial in registers (4 warps spill); without it
-# the accumulator stays in tensor memory until the epilogue. Counted by
+# the accumulator stays in tensor memory until the epilogue, on 4 warps but with a bias (whose
+# epilogue spills 384 bytes there: `mxplus kernels --aot`). Counted by
 # `benchmarks/gpu_static_model.py` on sm_100: 220 and 126 instructions per warp and step,
 # 0.00085 (MBS) and 0.00024 warp-instructions per MAC, the MMA in flight across steps.
 TILES = {
     (True, False): (128, 128, 8),
     (True, True): (128, 128, 8),
     (False, False): (128, 128, 4),
-    (False, True): (128, 128, 4),
+    (False, True): (128, 128, 8),
 }
 NUM_STAGES = 3
 BLOCK_N_SPLIT = 128  # the tile width where K is split (the in-launch sum's registers)
