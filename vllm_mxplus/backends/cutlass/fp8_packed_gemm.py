@@ -95,10 +95,7 @@ E2M1_FP8_WORD = tl.constexpr(
 # rows of whole 16 bytes (K % 256 == 0), which vectorize; with narrower scale rows ptxas
 # spilled 8-56 B at 255 registers on sm_100 (K = 128, 384, 640)
 K_MULTIPLE = 256
-# the GPU tile: 128 x 128 outputs on 8 warps, one 128-K chunk per step (as fp8_chunk_gemm)
-BLOCK_M = 128
-BLOCK_N = 128
-NUM_WARPS = 8
+# the GPU tile: `fp8_chunk_gemm.gpu_tile`'s, one 128-K chunk per step
 NUM_STAGES = 3
 GROUP_M = 8
 
