@@ -378,7 +378,7 @@ def count(name: str, role: str, unit: str, drive: Callable[[], None], arch: int)
     shared = int(getattr(ck.metadata, "shared", 0))
     return Count(name, role, unit, arch, instr, warps, work, instr * warps / work, kinds, regs,
                  spill, shared, int(cx["BLOCK_M"]), fp32, waits_own_mma(ck.asm["ttgir"]),
-                 programs_per_sm(regs, warps, shared), int(cx.get("BLOCK_N", 0)))  # fmt: skip
+                 programs_per_sm(regs, warps, shared, arch), int(cx.get("BLOCK_N", 0)))  # fmt: skip
 
 
 def _fp8_prefill_s(counts: dict[str, Count], gpu: str, m: int, act_k: int,

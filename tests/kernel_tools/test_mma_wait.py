@@ -72,15 +72,15 @@ def test_a_wait_after_the_loop_is_not_the_steps():
 
 def test_programs_per_sm_by_registers_shared_memory_and_warps():
     # 194 registers -> 200 per thread x 256 threads: one program of 8 warps
-    assert programs_per_sm(194, 8, 40_000) == 1
+    assert programs_per_sm(194, 8, 40_000, 100) == 1
     # 178 -> 184 x 128 threads: two of 4 warps by registers
-    assert programs_per_sm(178, 4, 55_000) == 2
+    assert programs_per_sm(178, 4, 55_000, 100) == 2
     # shared memory decides: 3 x (75 KB + 1 KB) fits 228 KB, 4 do not
-    assert programs_per_sm(32, 4, 75 * 1024) == 3
+    assert programs_per_sm(32, 4, 75 * 1024, 90) == 3
     # warp slots decide: 64 warps per SM
-    assert programs_per_sm(16, 16, 0) == 4
+    assert programs_per_sm(16, 16, 0, 90) == 4
     # never 0: a kernel that launches has one
-    assert programs_per_sm(255, 32, 300_000) == 1
+    assert programs_per_sm(255, 32, 300_000, 90) == 1
 
 
 # compiles cases of the static model and prints, per case, whether tcgen05.cp carries the

@@ -51,19 +51,21 @@ def waits_own_mma(ttgir: str) -> bool:
     return False
 
 
-# per SM on H100 / H200 / B200: registers, shared memory (bytes, with 1 KB reserved per
-# program), resident warps
+# per SM on sm_80 / sm_90 / sm_100: registers, resident warps; its shared memory is a
+# program's most (`aot.SMEM_LIMIT`) plus the 1 KB reserved per program
 SM_REGISTERS = 65536
-SM_SHARED_BYTES = 228 * 1024
 SHARED_RESERVED_PER_PROGRAM = 1024
 SM_MAX_WARPS = 64
 REGISTER_GRANULE = 8  # registers per thread are allocated in multiples of 8
 
 
-def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
-    """Programs of a kernel resident on one SM at once (at least 1): by its registers per
-    thread, its shared memory and the SM's warp slots."""
+def programs_per_sm(registers: int, warps: int, shared_bytes: int, target: int) -> int:
+    """Programs of a kernel resident on one sm_<target> SM at once (at least 1): by its
+    registers per thread, its shared memory and the SM's warp slots."""
+    from vllm_mxplus.kernel_tools.aot import SMEM_LIMIT
+
     regs = -(-max(registers, 1) // REGISTER_GRANULE) * REGISTER_GRANULE
     by_regs = SM_REGISTERS // (regs * 32 * warps)
-    by_smem = SM_SHARED_BYTES // (shared_bytes + SHARED_RESERVED_PER_PROGRAM)
+    sm_shared = SMEM_LIMIT[target] + SHARED_RESERVED_PER_PROGRAM
+    by_smem = sm_shared // (shared_bytes + SHARED_RESERVED_PER_PROGRAM)
     return max(1, min(by_regs, by_smem, SM_MAX_WARPS // warps))
