@@ -167,6 +167,30 @@ def test_each_scale_reaches_its_row_and_block(scheme, fp4_device):
         assert moved.any() and torch.equal(moved, want)
 
 
+def test_each_mbs_factor_reaches_its_row(fp4_device):
+    """The MBS factors [chunks, rows] reach their own output row and column (the columns'
+    read masked at the partial last tile, the rows' clamped): over 2 row groups and 3 column
+    tiles (M = 200, N = 260), one factor scaled by 1 + 2^-10 moves exactly its own activation
+    row (131, chunk 1) or weight column (257, chunk 0), and no other. (A factor of the wrong
+    chunk fails `test_gemm_within_the_bound`.)"""
+    g = torch.Generator().manual_seed(6)
+    k, m, n = 256, 200, 260
+    qx, qw, (a, _), (b, _) = _gemm_operands("mxfp4-mbs", k, g, fp4_device, m, n)
+    y = fp4_scaled_gemm(a, b, k, None, torch.float32, True).cpu()
+    for side, (row, chunk) in (("a", (131, 1)), ("b", (257, 0))):
+        op = a if side == "a" else b
+        f = op[2].clone()
+        f[chunk, row] *= 1 + 2.0**-10
+        ops = ((op[0], op[1], f), b) if side == "a" else (a, (op[0], op[1], f))
+        moved = fp4_scaled_gemm(*ops, k, None, torch.float32, True).cpu() != y
+        want = torch.zeros_like(moved)
+        if side == "a":
+            want[row] = moved[row]
+        else:
+            want[:, row] = moved[:, row]
+        assert moved.any() and torch.equal(moved, want)
+
+
 def test_every_tile_is_whole_scale_groups():
     """`scale_rows` reads whole 128-row groups: every GPU tile, the split tile and the
     emulated one are multiples of it."""

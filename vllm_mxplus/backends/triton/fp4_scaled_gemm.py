@@ -80,7 +80,7 @@ SCALES_PER_CHUNK = tl.constexpr(BLOCKS_PER_CHUNK)  # UE4M3 bytes per row and chu
 # hold the fp32 accumulator and the chunk's partial in registers (4 warps spill); without it
 # the accumulator stays in tensor memory until the epilogue, on 4 warps but with a bias (whose
 # epilogue spills 384 bytes there: `mxplus kernels --aot`). Counted by
-# `benchmarks/gpu_static_model.py` on sm_100: 220 and 126 instructions per warp and step,
+# `benchmarks/gpu_static_model.py` on sm_100: 224 and 126 instructions per warp and step,
 # 0.00085 (MBS) and 0.00024 warp-instructions per MAC, the MMA in flight across steps.
 TILES = {
     (True, False): (128, 128, 8),
@@ -161,14 +161,17 @@ def scale_tile(rows_ptr, c, ROWS: tl.constexpr):
 
 @triton.jit
 def _chunk_step(
-    acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, n64,
+    acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_ptr, fb_ptr, m64, offs_n, live_n,
     stride_fa, stride_fb,
     PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """One 128-K chunk c: acc after it (the kernel's docstring). The rows m64 / n64
-    are clamped into the operands (no masks: rows past M or N repeat the last one, their
-    outputs never stored)."""
+    """One 128-K chunk c: acc after it (the kernel's docstring). The operand rows are
+    clamped into the operands (no masks: rows past M or N repeat the last one, their outputs
+    never stored), but for the columns' MBS factors, read at offs_n under live_n: a clamped
+    offset hides their contiguity, and Triton 3.6 then copied the 64 factors a thread holds
+    one by one (942 instructions per step and 808 spilled bytes on sm_100, 343 and none so;
+    Triton 3.7 220 -> 224)."""
     k = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # the chunk's code bytes
     a = tl.load(a_rows + k[None, :])
     b = tl.load(b_cols + k[:, None])
@@ -179,7 +182,7 @@ def _chunk_step(
         # while the step promotes the chunk before it
         part = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE, FRESH=True)
         fa = tl.load(fa_ptr + c * stride_fa + m64)
-        fb = tl.load(fb_ptr + c * stride_fb + n64)
+        fb = tl.load(fb_ptr + c * stride_fb + offs_n, mask=live_n, other=0.0)
         acc += part * (fa[:, None] * fb[None, :])
     else:
         acc = scaled_dot(a, ua, b, ub, acc, BLOCK_M, BLOCK_N, EMULATE)
@@ -223,7 +226,7 @@ def _fp4_scaled_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(0, steps, num_stages=NUM_STAGES):
         acc = _chunk_step(
-            acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_from, fb_from, m64, n64,
+            acc, c, a_rows, b_cols, ua_rows, ub_rows, fa_from, fb_from, m64, offs_n, live_n,
             stride_fa, stride_fb, PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
         )  # fmt: skip
     if not PER_CHUNK:
@@ -248,7 +251,7 @@ def gpu_split(
     """(K slices, BLOCK_M, BLOCK_N) of a GPU launch on `sms` SMs: the tile of `TILES`; where
     that grid fills under half the SMs (MIN_SPLIT), K split to fill them (one tile per SM),
     the tile then BLOCK_N_SPLIT wide. The split variant's loop counts as the whole-K one
-    (220 instructions per MBS step on sm_100 in both, `benchmarks/gpu_static_model.py`);
+    (224 instructions per MBS step on sm_100 in both, `benchmarks/gpu_static_model.py`);
     its fp32 partials are written and summed again (a programmatic dependent launch), which
     the idle SMs of an unsplit grid cost more than from a split of 2 on (Llama-3-8B's
     linears at M = 256 / 512 on B200, by the static model at 9ede586)."""
