@@ -361,3 +361,38 @@ def test_a_configuration_compiles_once_per_target_as_launched():
         assert len(per_target[t]) == len(configs) - len(hw)
         launched = [aot.as_launched(c, t)[0] for c in per_target[t]]
         assert all(not cx.get("HW_E2M1") for cx in launched)
+
+
+def test_capture_for_maps_each_target_to_its_generation():
+    """sm_80 and sm_90 compile sm_90's tile choices, sm_100 and later sm_100's."""
+    assert [aot.capture_for(t) for t in (80, 86, 89, 90, 100, 103)] == [90, 90, 90, 90, 100, 100]
+
+
+def _as_compiled(c, t) -> tuple:
+    """What `aot.distinct_work` compiles once: the configuration as launched on sm_<t>."""
+    return t, c.kernel, c.signature, c.divisible, repr(sorted(aot.as_launched(c, t)[0].items()))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_each_target_compiles_the_tiles_its_generation_launches():
+    """With the captures (`aot.enumerate_captures`) a configuration is compiled only for the
+    targets whose generation launched it: the FP8-chunk GEMM's sm_90 tile (two programs per
+    SM) for sm_90 only; fewer compiles than the union; and no (configuration, target) pair
+    of a generation's launches left out."""
+    from vllm_mxplus.backends.triton.fp8_chunk_gemm import GPU_TILES
+
+    for name in ("fp8_chunk_gemm", "decode_gemm"):
+        captured = aot.enumerate_captures(quick=True, launchers=[name])[name]
+        work = aot.distinct_work(list(captured), [80, 90, 100], captured)
+        assert all(aot.capture_for(t) in captured[c] for c, t in work)
+        compiled = {_as_compiled(c, t) for c, t in work}
+        for c, got in captured.items():
+            for t in (80, 90, 100):
+                if aot.capture_for(t) in got and t >= aot_drivers.min_target(c):
+                    assert _as_compiled(c, t) in compiled, (c.label(), t)
+        assert len(work) < len(aot.distinct_work(list(captured), [80, 90, 100]))
+        if name == "fp8_chunk_gemm":
+            sm90 = [c for c in captured if (dict(c.constexprs)["BLOCK_M"],
+                                            dict(c.constexprs)["BLOCK_N"]) == GPU_TILES[9][:2]]  # fmt: skip
+            assert sm90 and all(captured[c] == {90} for c in sm90)
+            assert {t for c, t in work if c in sm90} == {90}

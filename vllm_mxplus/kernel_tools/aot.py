@@ -5,9 +5,10 @@ without a GPU, and check it: `mxplus kernels --aot [--targets 80,90,100] [--quic
 The configurations are not a hand list. The launchers (`aot_drivers.DRIVERS`: `act_quant`,
 `act_quant_fp8_chunks`, `weight_fp8_chunks`, `decode_gemm`, ...) are driven over their input
 domain (formats x dtypes x row counts x K x macro blocks x bias x split-K) on meta tensors inside `triton_utils.capture_launches()`, which
-records each launch with the GPU's tile choices instead of running it. Each distinct
-(kernel, argument types, constexprs, divisibility) is then compiled by Triton's own compiler
-for a `GPUTarget("cuda", cc, 32)`, and the bundled `ptxas -v` reports registers and spills of
+records each launch with the GPU's tile choices instead of running it (sm_90's and sm_100's,
+`CAPTURE_CAPABILITIES`). Each distinct (kernel, argument types, constexprs, divisibility) is
+then compiled by Triton's own compiler for a `GPUTarget("cuda", cc, 32)` of every target whose
+generation launches it (`capture_for`: sm_80 and sm_90 sm_90's choices, sm_100 its own), and the bundled `ptxas -v` reports registers and spills of
 its PTX; Triton's metadata gives the shared memory. A compile failure, any spill, shared
 memory over the target's per-block limit, or inline assembly packing elements that the
 compiled layout does not keep consecutive (`asm_packs`) is a failure (exit code 1).
@@ -170,38 +171,57 @@ SPLIT_K_SUM_KEY = "split_k_sum"  # enumerate_configs' key of the split-K sum's c
 
 
 # the GPUs whose tile choices are enumerated: sm_90's (every tile) and sm_100's (the decode
-# GEMM's weight as the B operand, `decode_gemm.weight_is_a`); each is compiled for every target
+# GEMM's weight as the B operand, `decode_gemm.weight_is_a`, tcgen05's tiles). A target
+# compiles the choices of its generation's capture (`capture_for`)
 CAPTURE_CAPABILITIES = (90, 100)
+
+
+def capture_for(target: int) -> int:
+    """The capture capability whose tile choices sm_<target> launches: the newest of
+    CAPTURE_CAPABILITIES at or below it; an older target (sm_80) sm_90's, which hold every
+    tile it can pick (`min_target` drops the ones it never launches)."""
+    return max((c for c in CAPTURE_CAPABILITIES if c <= target), default=CAPTURE_CAPABILITIES[0])
+
+
+Captures = dict[KernelConfig, frozenset[int]]  # configuration -> the capabilities that launched it
+
+
+def enumerate_captures(
+    quick: bool = False, launchers: list[str] | None = None
+) -> dict[str, Captures]:
+    """{launcher: {distinct configuration: the CAPTURE_CAPABILITIES whose launches used it}},
+    from driving each launcher (all, or `launchers`) in capture mode, in launch order. The
+    split-K sum that a split GEMM launches after itself goes under its own key,
+    SPLIT_K_SUM_KEY (one entry for every launcher that split)."""
+    from vllm_mxplus.backends.triton.launch import HAS_TRITON, capture_launches, is_split_k_sum
+
+    if not HAS_TRITON:
+        raise RuntimeError("mxplus kernels --aot needs triton installed")
+    out: dict[str, Captures] = {}
+    for name, drive in DRIVERS.items():
+        if launchers is not None and name not in launchers:
+            continue
+        launches = []
+        for capability in CAPTURE_CAPABILITIES:
+            with capture_launches(capability) as got:
+                drive(quick)
+            launches += [(capability, la) for la in got]
+        if not launches:
+            raise RuntimeError(f"aot: driving {name} recorded no launch")
+        for cap, la in launches:
+            key = SPLIT_K_SUM_KEY if is_split_k_sum(la) else name
+            caps = out.setdefault(key, {})
+            cfg = config_of(la)
+            caps[cfg] = caps.get(cfg, frozenset()) | {cap}
+    return out
 
 
 def enumerate_configs(
     quick: bool = False, launchers: list[str] | None = None
 ) -> dict[str, list[KernelConfig]]:
-    """{launcher: distinct configurations} from driving each launcher (all, or `launchers`)
-    in capture mode. The split-K sum that a split GEMM launches after itself goes under its
-    own key, SPLIT_K_SUM_KEY (one list for every launcher that split)."""
-    from vllm_mxplus.backends.triton.launch import HAS_TRITON, capture_launches, is_split_k_sum
-
-    if not HAS_TRITON:
-        raise RuntimeError("mxplus kernels --aot needs triton installed")
-    out: dict[str, list[KernelConfig]] = {}
-    for name, drive in DRIVERS.items():
-        if launchers is not None and name not in launchers:
-            continue
-        launches = []
-        for capability in CAPTURE_CAPABILITIES:  # the union of their tile choices
-            with capture_launches(capability) as got:
-                drive(quick)
-            launches += got
-        if not launches:
-            raise RuntimeError(f"aot: driving {name} recorded no launch")
-        own = [la for la in launches if not is_split_k_sum(la)]
-        sums = [la for la in launches if is_split_k_sum(la)]
-        out[name] = list(dict.fromkeys(config_of(la) for la in own))
-        if sums:
-            prev = out.get(SPLIT_K_SUM_KEY, [])
-            out[SPLIT_K_SUM_KEY] = list(dict.fromkeys(prev + [config_of(la) for la in sums]))
-    return out
+    """{launcher: distinct configurations}, the union over CAPTURE_CAPABILITIES
+    (`enumerate_captures`)."""
+    return {name: list(caps) for name, caps in enumerate_captures(quick, launchers).items()}
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -272,16 +292,17 @@ def as_launched(config: KernelConfig, target: int) -> tuple[dict[str, Any], dict
 
 
 def distinct_work(
-    configs: list[KernelConfig], targets: list[int]
+    configs: list[KernelConfig], targets: list[int], captured: Captures | None = None
 ) -> list[tuple[KernelConfig, int]]:
     """(config, target) pairs to compile: each target the configuration's kernel runs on
-    (`min_target`), and a configuration once per target as launched there (`as_launched`):
-    one with PDL or the E2M1 conversion on is the one without it below their generation."""
+    (`min_target`) and, with `captured` (`enumerate_captures`), whose generation launches it
+    (`capture_for`); a configuration once per target as launched there (`as_launched`): one
+    with PDL or the E2M1 conversion on is the one without it below their generation."""
     seen: set[tuple] = set()
     work = []
     for t in targets:
         for c in configs:
-            if t < min_target(c):
+            if t < min_target(c) or (captured is not None and capture_for(t) not in captured[c]):
                 continue
             cx, opts = as_launched(c, t)
             key = (t, c.module, c.kernel, c.signature, c.divisible,
@@ -337,12 +358,17 @@ def _init_worker(cache_dir: str) -> None:
 
 
 def compile_all(
-    configs: list[KernelConfig], targets: list[int], jobs: int, progress: bool = True
+    configs: list[KernelConfig],
+    targets: list[int],
+    jobs: int,
+    progress: bool = True,
+    captured: Captures | None = None,
 ) -> list[CompileResult]:
-    """Compile configs x targets in `jobs` spawned workers with a private Triton cache."""
+    """Compile configs x targets (`distinct_work`) in `jobs` spawned workers with a private
+    Triton cache."""
     cache_dir = tempfile.mkdtemp(prefix="mxplus-aot-triton-")
     env_interp = os.environ.pop("TRITON_INTERPRET", None)  # spawned workers inherit os.environ
-    work = distinct_work(configs, targets)
+    work = distinct_work(configs, targets, captured)
     results: list[CompileResult] = []
     try:
         ctx = multiprocessing.get_context("spawn")
@@ -444,7 +470,12 @@ def run_aot(
     configurations of `macro_blocks` when given, each then printed on its own line),
     compile, print the table; 0 when everything passes."""
     t0 = time.time()
-    per_launcher = enumerate_configs(quick, launchers)
+    captures = enumerate_captures(quick, launchers)
+    per_launcher = {name: list(caps) for name, caps in captures.items()}
+    captured: Captures = {}
+    for caps in captures.values():
+        for cfg, got in caps.items():
+            captured[cfg] = captured.get(cfg, frozenset()) | got
     if macro_blocks:
         per_launcher = select_macro_blocks(per_launcher, macro_blocks)
         if not per_launcher:
@@ -452,10 +483,10 @@ def run_aot(
     configs = [c for cs in per_launcher.values() for c in cs]
     counts = ", ".join(f"{k}: {len(v)}" for k, v in per_launcher.items())
     print_fn(
-        f"aot: {len(configs)} configurations ({counts}) x targets {targets}"
-        f"{' (quick subset)' if quick else ''}, {jobs} jobs"
+        f"aot: {len(configs)} configurations ({counts}) x targets {targets}, each for the "
+        f"targets whose generation launches it{' (quick subset)' if quick else ''}, {jobs} jobs"
     )
-    results = compile_all(configs, targets, jobs, progress)
+    results = compile_all(configs, targets, jobs, progress, captured)
     if macro_blocks:
         for line in per_config(results):
             print_fn(line)
