@@ -246,14 +246,19 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
                     x_global=_meta((1,), torch.float32),
                     w_global=_meta((n,), torch.float32))  # fmt: skip
 
-    def decode_mxplus() -> None:  # MX+ on the decode GEMM: x_hat, block maxima added per block
-        def u8(rows: int, cols: int) -> torch.Tensor:
-            return _meta((rows, cols), torch.uint8)
+    def decode_mxplus(rows: int = 1) -> Callable[[], None]:
+        # MX+ on the decode GEMM: x_hat, block maxima added per block (rows > 1: one pass
+        # per live row, all of them counted at 16)
+        def u8(r: int, cols: int) -> torch.Tensor:
+            return _meta((r, cols), torch.uint8)
 
-        decode_gemm(u8(1, k // 2), u8(1, k // 32), None, u8(n, k // 2), u8(n, k // 32), None,
-                    k, None, bf16, block_size=32, macro_block=128, split_k=1,
-                    x_hat=_meta((1, hat_cols(k)), bf16), w_block_max=_meta((n, k // 32), torch.int16),
-                    w_small_scales=True)  # fmt: skip
+        def go() -> None:
+            decode_gemm(u8(rows, k // 2), u8(rows, k // 32), None, u8(n, k // 2), u8(n, k // 32),
+                        None, k, None, bf16, block_size=32, macro_block=128, split_k=1,
+                        x_hat=_meta((rows, hat_cols(k)), bf16),
+                        w_block_max=_meta((n, k // 32), torch.int16), w_small_scales=True)  # fmt: skip
+
+        return go
 
     def decode_mx(fmt: str, bs: int) -> Callable[[], None]:
         def go() -> None:  # mx_gemm's decode tile: NVFP4 rows with given g, MX+ off x_hat
@@ -319,7 +324,8 @@ def _cases() -> dict[str, tuple[str, str, Callable[[], None]]]:
         "decode mxfp4-mbs 64 rows": ("decode", "weight", decode("mxfp4-mbs-s", "mxfp4-mbs-d", 64)),
         "decode nvfp4": ("decode", "weight", decode_nvfp4),
         "decode nvfp4 mx_gemm": ("decode", "weight", decode_mx("nvfp4", 16)),
-        "decode mxplus": ("decode", "weight", decode_mxplus),
+        "decode mxplus": ("decode", "weight", decode_mxplus()),
+        "decode mxplus 16 rows": ("decode", "weight", decode_mxplus(16)),
         "decode mxplus mx_gemm": ("decode", "weight", decode_mx("mxplus", 32)),
         "prefill e8m0+MBS-128": ("prefill", "MAC", prefill("e8m0", 16, 128)),
         "prefill e8m0 (no MBS)": ("prefill", "MAC", prefill("e8m0", 16, None)),

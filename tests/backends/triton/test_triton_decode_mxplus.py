@@ -90,8 +90,8 @@ def test_bias_split_k_and_output_dtype(out_dtype, split_k, m, triton_device):
 @pytest.mark.parametrize("m", [1, 3])
 def test_block_max_terms_matter(m, triton_device):
     """Without the weight's block maxima (every word 0) the same call leaves the bound:
-    the correction is what makes the result the spec's, summed per step into the
-    accumulator's rows (M = 3) or apart across the K loop (M = 1: the kernel's ONE_ROW)."""
+    the correction is what makes the result the spec's, summed apart across the K loop per
+    row (M = 3: `_block_max_rows`) or into one vector (M = 1: the kernel's ONE_ROW)."""
     x, qx, qw = operands(m, 1024, 64, triton_device, seed=9)
     with capture_launches() as launches:  # recorded, not run: the path the call below takes
         run(x, qw, 1024, out_dtype=torch.float32)
