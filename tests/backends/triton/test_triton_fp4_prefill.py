@@ -138,6 +138,25 @@ def test_gemm_within_the_bound(scheme, k, fp4_device):
     assert not ((y_bad.cpu().double() - y64).abs() <= tol).all()
 
 
+def _gemm_with(a, b, side: str, part: int, t: torch.Tensor, k: int, per_chunk: bool):
+    """The fp32 GEMM (on the CPU) with part `part` (0 codes, 1 scales, 2 factors) of operand
+    `side` ("a" or "b") replaced by t."""
+    op = tuple(t if i == part else x for i, x in enumerate(a if side == "a" else b))
+    ops = (op, b) if side == "a" else (a, op)
+    return fp4_scaled_gemm(*ops, k, None, torch.float32, per_chunk).cpu()
+
+
+def _assert_moves_only_its_own(moved: torch.Tensor, side: str, row: int) -> None:
+    """Some outputs moved, all in activation row `row` (side "a") or weight row `row`'s
+    output column (side "b")."""
+    want = torch.zeros_like(moved)
+    if side == "a":
+        want[row] = moved[row]
+    else:
+        want[:, row] = moved[:, row]
+    assert moved.any() and torch.equal(moved, want)
+
+
 @pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-16-oas"])
 def test_each_scale_reaches_its_row_and_block(scheme, fp4_device):
     """The scales reach the MMA in tcgen05's order of 128-row groups (`scale_rows`, undone
@@ -153,18 +172,10 @@ def test_each_scale_reaches_its_row_and_block(scheme, fp4_device):
     y64, tol = _bound(qx.dequantize().double(), qw.dequantize().double(), k)
     assert ((y.double() - y64).abs() <= tol).all()
     for side, (row, block) in (("a", (131, 5)), ("b", (257, 9))):
-        op = a if side == "a" else b
-        u = op[1].clone()
+        u = (a if side == "a" else b)[1].clone()
         assert u[row, block] != 0  # a block the scales hold, its exponent + 1 stays finite
         u[row, block] += 8  # UE4M3: 3 mantissa bits below the exponent
-        ops = ((op[0], u, op[2]), b) if side == "a" else (a, (op[0], u, op[2]))
-        moved = fp4_scaled_gemm(*ops, k, None, torch.float32, per_chunk).cpu() != y
-        want = torch.zeros_like(moved)
-        if side == "a":
-            want[row] = moved[row]
-        else:
-            want[:, row] = moved[:, row]
-        assert moved.any() and torch.equal(moved, want)
+        _assert_moves_only_its_own(_gemm_with(a, b, side, 1, u, k, per_chunk) != y, side, row)
 
 
 def test_each_mbs_factor_reaches_its_row(fp4_device):
@@ -178,17 +189,9 @@ def test_each_mbs_factor_reaches_its_row(fp4_device):
     qx, qw, (a, _), (b, _) = _gemm_operands("mxfp4-mbs", k, g, fp4_device, m, n)
     y = fp4_scaled_gemm(a, b, k, None, torch.float32, True).cpu()
     for side, (row, chunk) in (("a", (131, 1)), ("b", (257, 0))):
-        op = a if side == "a" else b
-        f = op[2].clone()
+        f = (a if side == "a" else b)[2].clone()
         f[chunk, row] *= 1 + 2.0**-10
-        ops = ((op[0], op[1], f), b) if side == "a" else (a, (op[0], op[1], f))
-        moved = fp4_scaled_gemm(*ops, k, None, torch.float32, True).cpu() != y
-        want = torch.zeros_like(moved)
-        if side == "a":
-            want[row] = moved[row]
-        else:
-            want[:, row] = moved[:, row]
-        assert moved.any() and torch.equal(moved, want)
+        _assert_moves_only_its_own(_gemm_with(a, b, side, 2, f, k, True) != y, side, row)
 
 
 def test_every_tile_is_whole_scale_groups():
