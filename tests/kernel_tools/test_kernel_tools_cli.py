@@ -351,7 +351,8 @@ def test_a_configuration_compiles_once_per_target_as_launched():
     """A configuration with the E2M1 conversion on (a B200 launch) is, below sm_100, the one
     without it (`aot.as_launched`), so it is compiled there once; on sm_100 both are (the
     launcher can take either); every pair kept is one the launchers make."""
-    configs = aot.enumerate_configs(quick=True, launchers=["act_quant"])["act_quant"]
+    captured = aot.enumerate_captures(quick=True, launchers=["act_quant"])["act_quant"]
+    configs = [c for c, got in captured.items() if got & {90, 100}]  # sm_90's and sm_100's
     hw = [c for c in configs if dict(c.constexprs).get("HW_E2M1") == 1]
     assert hw, "no configuration with the E2M1 conversion to check"
     work = aot.distinct_work(configs, [80, 90, 100])
@@ -364,8 +365,9 @@ def test_a_configuration_compiles_once_per_target_as_launched():
 
 
 def test_capture_for_maps_each_target_to_its_generation():
-    """sm_80 and sm_90 compile sm_90's tile choices, sm_100 and later sm_100's."""
-    assert [aot.capture_for(t) for t in (80, 86, 89, 90, 100, 103)] == [90, 90, 90, 90, 100, 100]
+    """sm_80 (and sm_86 / sm_89) compile sm_80's tile choices, sm_90 its own, sm_100 and
+    later sm_100's."""
+    assert [aot.capture_for(t) for t in (80, 86, 89, 90, 100, 103)] == [80, 80, 80, 90, 100, 100]
 
 
 def _as_compiled(c, t) -> tuple:
@@ -377,8 +379,9 @@ def _as_compiled(c, t) -> tuple:
 def test_each_target_compiles_the_tiles_its_generation_launches():
     """With the captures (`aot.enumerate_captures`) a configuration is compiled only for the
     targets whose generation launched it: the FP8-chunk GEMM's sm_90 tile (two programs per
-    SM) for sm_90 only; fewer compiles than the union; and no (configuration, target) pair
-    of a generation's launches left out."""
+    SM) for sm_90 only, the decode GEMM's tiles only sm_80 launches (the union of sm_90's
+    and sm_100's choices missed them) for sm_80; fewer compiles than the union; and no
+    (configuration, target) pair of a generation's launches left out."""
     from vllm_mxplus.backends.triton.fp8_chunk_gemm import GPU_TILES
 
     for name in ("fp8_chunk_gemm", "decode_gemm"):
@@ -391,6 +394,10 @@ def test_each_target_compiles_the_tiles_its_generation_launches():
                 if aot.capture_for(t) in got and t >= aot_drivers.min_target(c):
                     assert _as_compiled(c, t) in compiled, (c.label(), t)
         assert len(work) < len(aot.distinct_work(list(captured), [80, 90, 100]))
+        if name == "decode_gemm":  # sm_80's own: the 32-row tile of macro block 32 (SUB 4)
+            sm80 = [c for c, got in captured.items() if got == {80}]
+            assert any(dict(c.constexprs)["SUB"] == 4 for c in sm80)
+            assert {t for c, t in work if c in sm80} == {80}
         if name == "fp8_chunk_gemm":
             sm90 = [c for c in captured if (dict(c.constexprs)["BLOCK_M"],
                                             dict(c.constexprs)["BLOCK_N"]) == GPU_TILES[9][:2]]  # fmt: skip

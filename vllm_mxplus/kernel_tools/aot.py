@@ -5,10 +5,10 @@ without a GPU, and check it: `mxplus kernels --aot [--targets 80,90,100] [--quic
 The configurations are not a hand list. The launchers (`aot_drivers.DRIVERS`: `act_quant`,
 `act_quant_fp8_chunks`, `weight_fp8_chunks`, `decode_gemm`, ...) are driven over their input
 domain (formats x dtypes x row counts x K x macro blocks x bias x split-K) on meta tensors inside `triton_utils.capture_launches()`, which
-records each launch with the GPU's tile choices instead of running it (sm_90's and sm_100's,
-`CAPTURE_CAPABILITIES`). Each distinct (kernel, argument types, constexprs, divisibility) is
-then compiled by Triton's own compiler for a `GPUTarget("cuda", cc, 32)` of every target whose
-generation launches it (`capture_for`: sm_80 and sm_90 sm_90's choices, sm_100 its own), and the bundled `ptxas -v` reports registers and spills of
+records each launch with the GPU's tile choices instead of running it (sm_80's, sm_90's and
+sm_100's, `CAPTURE_CAPABILITIES`). Each distinct (kernel, argument types, constexprs,
+divisibility) is then compiled by Triton's own compiler for a `GPUTarget("cuda", cc, 32)` of
+every target whose generation launches it (`capture_for`), and the bundled `ptxas -v` reports registers and spills of
 its PTX; Triton's metadata gives the shared memory. A compile failure, any spill, shared
 memory over the target's per-block limit, or inline assembly packing elements that the
 compiled layout does not keep consecutive (`asm_packs`) is a failure (exit code 1).
@@ -170,16 +170,16 @@ def select_macro_blocks(
 SPLIT_K_SUM_KEY = "split_k_sum"  # enumerate_configs' key of the split-K sum's configurations
 
 
-# the GPUs whose tile choices are enumerated: sm_90's (every tile) and sm_100's (the decode
-# GEMM's weight as the B operand, `decode_gemm.weight_is_a`, tcgen05's tiles). A target
-# compiles the choices of its generation's capture (`capture_for`)
-CAPTURE_CAPABILITIES = (90, 100)
+# the GPUs whose tile choices are enumerated: sm_80's (mma.sync only: 32-row decode tiles at
+# most, no FP8 or FP4 pipeline), sm_90's and sm_100's (the decode GEMM's weight as the B
+# operand, `decode_gemm.weight_is_a`, tcgen05's tiles). A target compiles the choices of its
+# generation's capture (`capture_for`)
+CAPTURE_CAPABILITIES = (80, 90, 100)
 
 
 def capture_for(target: int) -> int:
     """The capture capability whose tile choices sm_<target> launches: the newest of
-    CAPTURE_CAPABILITIES at or below it; an older target (sm_80) sm_90's, which hold every
-    tile it can pick (`min_target` drops the ones it never launches)."""
+    CAPTURE_CAPABILITIES at or below it (sm_86 / sm_89: sm_80's)."""
     return max((c for c in CAPTURE_CAPABILITIES if c <= target), default=CAPTURE_CAPABILITIES[0])
 
 

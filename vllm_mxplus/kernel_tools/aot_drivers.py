@@ -337,7 +337,12 @@ def _drive_mx_gemm_rows(quick: bool) -> None:
     kinds the sm_90 FP8 and sm_100 FP4 pipelines take (E8M0 block 16 / 32 with MBS-128 or
     none, NVFP4), launched as those pipelines launch them (programmatic dependent launches
     on sm_90 and later)."""
+    from vllm_mxplus.backends.triton.launch import target_capability
     from vllm_mxplus.backends.triton.mx_gemm import mx_gemm_rows
+
+    cap = target_capability(torch.device("cuda"))
+    if cap is not None and cap < FALLBACK_ROWS_TARGET:
+        return  # no pipeline there has the fallback (sm_80: no FP8, no block-scaled FP4)
 
     kinds = (("e8m0", 16, 128),) if quick else (
         ("e8m0", 16, 128), ("e8m0", 16, None), ("e8m0", 32, None), ("nvfp4", 16, None))  # fmt: skip
