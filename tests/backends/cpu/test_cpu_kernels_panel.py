@@ -131,10 +131,11 @@ def test_plain_weights_take_the_fast_terms(ck, m):
     """Weights and rows whose block exponents all stay in fp32's normal range (the common
     case: the exponent-bit path of the AVX-512 kernels) at M = 257 (the panel kernel) and
     M = 4, 31 (the register tiles, whole 4-row tiles and a remainder), block 16 with MBS and
-    block 32; K = 4100 makes the panel kernel take the rows in several passes (about 2^19
-    bytes of codes each: 124 rows), N = 70 an odd last weight tile."""
+    block 32; K = 16400 makes the panel kernel take the rows in several passes (about 2^21
+    bytes of codes each: 124 rows), N = 70 an odd last weight tile, whose codes the pass
+    before it fetches ahead (PanelPrefetch)."""
     g = torch.Generator().manual_seed(5)
-    k = 4100
+    k = 16400
     for wf, af in (("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-ocp", "mxfp4-ocp")):
         q = quantize(torch.randn(70, k, generator=g) * 0.02, wf)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)

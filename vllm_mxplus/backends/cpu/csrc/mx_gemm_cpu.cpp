@@ -184,7 +184,8 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 #ifdef MXPLUS_AVX512
 // Several activation rows on AVX-512 (mx_tile_avx512_panel.h): threads over N; each thread
 // takes the rows in chunks of about kPanelActBytes of codes, and for each chunk decodes its
-// weight tiles kPanelTiles at a time into panels that all the chunk's rows then run against.
+// weight tiles kPanelTiles at a time into panels that all the chunk's rows then run against,
+// the next panels' packed codes fetched into L2 meanwhile (PanelPrefetch).
 template <bool MBS>
 void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
                  const float* bias) {
@@ -203,12 +204,15 @@ void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
         for (int j = 0; j < ntp; ++j)
           pn[j] = decode_panel(w, tp + j, ops.data_ptr<uint8_t>() + j * w.groups * kPanelGroupBytes,
                                eb.data_ptr<int32_t>() + j * w.nb * kTileN);
+        const int64_t tn = std::min(tp + kPanelTiles, t1);
+        PanelPrefetch pf{w.codes + tn * w.groups * kGroupBytes,
+                         w.codes + std::min(tn + kPanelTiles, t1) * w.groups * kGroupBytes};
         for (int64_t m0 = r0; m0 < r1; m0 += kPanelRows) {
           const int64_t mt = std::min<int64_t>(kPanelRows, r1 - m0);
           if (ntp == kPanelTiles)
-            panel_rows<kPanelRows, kPanelTiles, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias);
+            panel_rows<kPanelRows, kPanelTiles, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias, &pf);
           else
-            panel_rows<kPanelRows, 1, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias);
+            panel_rows<kPanelRows, 1, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias, &pf);
         }
       }
     }

@@ -27,7 +27,10 @@ namespace gemm_detail {
 constexpr int kPanelTiles = 2;                       // weight tiles per register tile
 constexpr int kPanelRows = 4;                        // activation rows per register tile
 constexpr int64_t kPanelMinRows = 32;                // M from which the panel kernel runs
-constexpr int64_t kPanelActBytes = int64_t{1} << 19;  // activation codes per pass (L2 / 4)
+// Activation codes per pass. Each pass decodes every weight tile of its thread again, from
+// memory where the weight outgrows the caches: fewer, longer passes (their rows read from L3
+// rather than L2) measured faster than passes of L2 / 4 (docs/cpu_kernels.md, "Panel passes").
+constexpr int64_t kPanelActBytes = int64_t{1} << 21;
 constexpr int64_t kPanelGroupBytes = 4 * 64;         // decoded operands of one group
 
 // One weight tile decoded for a pass (see the top of this file).
@@ -35,6 +38,14 @@ struct Panel {
   const uint8_t* ops;    // [groups][4][64] unsigned operands, in vpdpbusd order
   const int32_t* ebits;  // [nb][16] E8M0 code << 23 per tile row
   int lo, hi;            // smallest / largest E8M0 code in the tile (255: a NaN block)
+};
+
+// The packed codes of the panels a pass decodes next, asked into L2 while the rows run against
+// the current ones (two cache lines per 16-element group of a block, so 8 rows cover them):
+// without it each decode waited for its codes from memory.
+struct PanelPrefetch {
+  const uint8_t* next;
+  const uint8_t* end;
 };
 
 inline Panel decode_panel(const WeightTiles& w, int64_t t, uint8_t* ops, int32_t* ebits) {
@@ -66,12 +77,15 @@ inline Panel decode_panel(const WeightTiles& w, int64_t t, uint8_t* ops, int32_t
 // GPB = 16-element groups per block; FAST: every block term's power of two is a normal fp32.
 template <int MT, int NTP, int GPB, bool MBS, bool FAST>
 void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const PanelRows& pr,
-                  const Shape& s, int64_t t0, int64_t m0, float* y, const float* bias) {
+                  const Shape& s, int64_t t0, int64_t m0, float* y, const float* bias,
+                  PanelPrefetch* pf) {
   const RowPtrs<MT> r = row_ptrs<MT>(a, pr.start, m0);
   const int32_t* eb[MT];
   for (int m = 0; m < MT; ++m) eb[m] = pr.ebits + (m0 + m) * a.nb;
   // Block b's terms, from the panels (the register tile's rounding: see the top of the file).
   auto block = [&](int64_t b, __m512 (&acc)[NTP][MT]) MXPLUS_FORCE_INLINE {
+    for (int l = 0; l < 2 * GPB && pf->next < pf->end; ++l, pf->next += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf->next), _MM_HINT_T1);
     __m512i iacc[NTP][MT];
     _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
       const __m512i c0 = _mm512_set1_epi32(r.c[m][b]);
@@ -123,17 +137,18 @@ inline bool panel_fast(const Panel* pn, int ntp, const PanelRows& pr, int64_t m0
 // rows m0 .. m0+mt (mt <= MT) against NTP panels.
 template <int MT, int NTP, bool MBS>
 void panel_rows(const Panel* pn, const WeightTiles& w, const ActRows& a, const PanelRows& pr,
-                const Shape& s, int64_t t0, int64_t m0, int64_t mt, float* y, const float* bias) {
+                const Shape& s, int64_t t0, int64_t m0, int64_t mt, float* y, const float* bias,
+                PanelPrefetch* pf) {
   if constexpr (MT > 1) {
-    if (mt < MT) return panel_rows<MT - 1, NTP, MBS>(pn, w, a, pr, s, t0, m0, mt, y, bias);
+    if (mt < MT) return panel_rows<MT - 1, NTP, MBS>(pn, w, a, pr, s, t0, m0, mt, y, bias, pf);
   }
   const bool fast = panel_fast(pn, NTP, pr, m0, MT);
   if (s.gpb == 1) {
-    if (fast) panel_avx512<MT, NTP, 1, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias);
-    else panel_avx512<MT, NTP, 1, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias);
+    if (fast) panel_avx512<MT, NTP, 1, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias, pf);
+    else panel_avx512<MT, NTP, 1, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias, pf);
   } else {
-    if (fast) panel_avx512<MT, NTP, 2, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias);
-    else panel_avx512<MT, NTP, 2, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias);
+    if (fast) panel_avx512<MT, NTP, 2, MBS, true>(pn, w, a, pr, s, t0, m0, y, bias, pf);
+    else panel_avx512<MT, NTP, 2, MBS, false>(pn, w, a, pr, s, t0, m0, y, bias, pf);
   }
 }
 #endif
