@@ -29,7 +29,8 @@ constexpr int kPanelRows = 4;                        // activation rows per regi
 constexpr int64_t kPanelMinRows = 32;                // M from which the panel kernel runs
 // Activation codes per pass. Each pass decodes every weight tile of its thread again, from
 // memory where the weight outgrows the caches: fewer, longer passes (their rows read from L3
-// rather than L2) measured faster than passes of L2 / 4 (docs/cpu_kernels.md, "Panel passes").
+// rather than L2) measured faster than passes of 2^19 bytes (docs/cpu_kernels.md, "Panel
+// passes"; the same within the spread for weights that stay in the caches).
 constexpr int64_t kPanelActBytes = int64_t{1} << 21;
 constexpr int64_t kPanelGroupBytes = 4 * 64;         // decoded operands of one group
 
@@ -41,8 +42,8 @@ struct Panel {
 };
 
 // The packed codes of the panels a pass decodes next, asked into L2 while the rows run against
-// the current ones (two cache lines per 16-element group of a block, so 8 rows cover them):
-// without it each decode waited for its codes from memory.
+// the current ones, two cache lines per 16-element group a row tile runs (so the first 8 rows
+// cover both next tiles): without it each decode waited for its codes from memory.
 struct PanelPrefetch {
   const uint8_t* next;
   const uint8_t* end;
