@@ -53,10 +53,12 @@ def _block_exponents(doubled: torch.Tensor, scales: torch.Tensor, block: int) ->
     return s.to(torch.float64).masked_fill(nan, float("nan"))
 
 
-def _model(x: torch.Tensor, q, act_fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+def _model(
+    x: torch.Tensor, q, act_fmt: str, bias: torch.Tensor | None, macro: int = MACRO_BLOCK
+) -> torch.Tensor:
     """The kernel's documented operations in fp32, in its order (module docstring)."""
     k = x.shape[-1]
-    qa = quantize(x, act_fmt)
+    qa = quantize(x, act_fmt, macro_block=macro)
     spec_w, spec_a = get_format(q.fmt), get_format(act_fmt)
     block = spec_a.block_size
     xa, xw = _doubled(qa, k), _doubled(q, k)
@@ -64,7 +66,7 @@ def _model(x: torch.Tensor, q, act_fmt: str, bias: torch.Tensor | None) -> torch
     ew = _block_exponents(xw, q.scales, block)  # [N, nb]
     nb = ea.shape[1]
     mbs = spec_w.mbs is not None or spec_a.mbs is not None
-    per_chunk = MACRO_BLOCK // block if mbs else nb
+    per_chunk = macro // block if mbs else nb
     fa = (1 + qa.mbs.to(torch.float32) / 256) if spec_a.mbs else None
     fw = (1 + q.mbs.to(torch.float32) / 256) if spec_w.mbs else None
     m, n = xa.shape[0], xw.shape[0]
@@ -161,6 +163,85 @@ def test_fast_terms_checked_over_every_block(ck, where):
         y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, MACRO_BLOCK)
         _assert_bits(y, _model(x.float(), q, af, None))
         assert torch.isnan(y[:, 33]).all() and not torch.isnan(y[:, :32]).any()
+
+
+def _spread(codes: torch.Tensor, counted: torch.Tensor, per_chunk: int) -> torch.Tensor:
+    """Per row and chunk of `per_chunk` blocks: the span (max - min) of the E8M0 codes of
+    the counted blocks (0 where none), inf where a block's code is 255."""
+    rows, nb = codes.shape
+    c = codes.to(torch.float64)
+    out = []
+    for b0 in range(0, nb, per_chunk):
+        ch, cnt = c[:, b0 : b0 + per_chunk], counted[:, b0 : b0 + per_chunk]
+        hi = ch.masked_fill(~cnt, -1e9).amax(1)
+        lo = ch.masked_fill(~cnt, 1e9).amin(1)
+        s = torch.where(cnt.any(1), hi - lo, torch.zeros_like(hi))
+        out.append(s.masked_fill((ch == E8M0_NAN).any(1), float("inf")))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("pair", [("mxfp4-mbs-d", "mxfp4-mbs-s"), ("mxfp4-mbs-s", "mxfp4-mbs-s")])
+@pytest.mark.parametrize("macro", [64, 128, 256, 512])
+def test_folded_chunks_bits_equal_model(ck, pair, macro):
+    """The panel kernel (M >= 32) sums an MBS chunk in int32 and adds one term where every
+    weight row of its tile pair and every activation row of its 4-row tile fold over the chunk
+    (block codes spanning at most 3; an activation's all-zero blocks not counted), else block
+    by block against the same folded operands (docs/cpu_kernels.md, "Folded chunks"): the same
+    bits as the model either way. Weights and rows are planted so that, as computed here from
+    their scales, every case occurs: both sides fold; the weights fold and a row does not (one
+    block 100x its neighbours); a row folds and a weight tile does not (one block 64x); a row
+    folds only because its zero blocks are not counted; a whole zero chunk. K = 600 ends in a
+    partial chunk; macro 512 (past the 256 elements a folded chunk may have) folds nothing."""
+    wf, af = pair
+    k, n, m = 600, 64, 40
+    g = torch.Generator().manual_seed(macro)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[20, 144:160] *= 64  # tile 1, block 9
+    x = torch.randn(m, k, generator=g) * 2
+    x[5, 272:288] *= 100  # row 5, block 17
+    x[9, 128:160] = 0.0  # row 9, blocks 8 and 9 zero (code 0), block 10 above the rest
+    x[9, 160:176] *= 6
+    x[12, 384:512] = 0.0  # row 12: blocks 24 .. 31
+    # the limit: in the first 64 elements (one chunk at every macro) block maxima of exactly
+    # s and one block f times that: codes spanning 3 (fold, codes up to 96) or 4 (do not)
+    limit = ((x[20], 1.0, 1, 16), (x[24], 1.0, 2, 8), (w[33], 0.02, 2, 16), (w[40], 0.02, 3, 8))
+    for r, s, b, f in limit:
+        r[:64] = torch.randn(64, generator=g).clamp(-1, 1) * s
+        r[0:64:16] = s
+        r[16 * b : 16 * b + 16] *= f
+    q = quantize(w, wf, macro_block=macro)
+    y = ck.mx_linear(x, wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, macro)
+    _assert_bits(y, _model(x.float(), q, af, None, macro=macro))
+    for i in (5, 9, 12, 33):
+        _assert_bits(
+            ck.mx_linear(
+                x[i : i + 1], wf, af, q.codes, q.scales, q.mbs, k, None, torch.float32, macro
+            )[0],
+            y[i],
+        )
+
+    qa = quantize(x.float(), af, macro_block=macro)
+    per_chunk = macro // 16
+    nb = qa.scales.shape[1]
+    codes = torch.nn.functional.pad(_doubled(qa, k), (0, nb * 16 - k))
+    nonzero = (codes != 0).view(m, nb, 16).any(-1)  # [M, nb]
+    rows = _spread(qa.scales, nonzero, per_chunk) <= 3  # [M, nc]
+    all_rows = _spread(qa.scales, torch.ones_like(nonzero), per_chunk) <= 3
+    cols = _spread(q.scales, torch.ones_like(nonzero[:1]).expand(n, -1), per_chunk) <= 3
+    tiles = cols.view(n // 16, 16, -1).all(1)  # [tiles, nc]
+    row_tiles = rows.view(m // 4, 4, -1).all(1)  # [row tiles, nc]
+    pairs = tiles.view(n // 32, 2, -1).all(1)  # [tile pairs, nc]
+    if macro > 256:
+        return
+    both = row_tiles[:, None] & pairs[None]
+    assert both.any(), "no chunk folds on both sides"
+    assert (~row_tiles[:, None] & pairs[None]).any(), "no chunk folds on the weights only"
+    assert (row_tiles[:, None] & ~pairs[None]).any(), "no chunk folds on the rows only"
+    assert (rows & ~all_rows).any(), "no row folds only for its zero blocks"
+    span_x = _spread(qa.scales, nonzero, per_chunk)
+    span_w = _spread(q.scales, torch.ones(n, nb, dtype=torch.bool), per_chunk)
+    assert span_x[20, 0] == 4 and span_x[24, 0] == 3, "the rows at the limit moved"
+    assert span_w[33, 0] == 4 and span_w[40, 0] == 3, "the weight rows at the limit moved"
 
 
 def _rowwise_equal(run, x: torch.Tensor) -> None:

@@ -189,30 +189,32 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 template <bool MBS>
 void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
                  const float* bias) {
-  const FastRows fr(a, M);
-  const PanelRows pr = fr.rows();
+  const FoldRows fr(a, s, M);
   const int64_t mc = std::max<int64_t>(kPanelRows, kPanelActBytes / a.kp / kPanelRows * kPanelRows);
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
     // 64-byte aligned scratch (the CPU allocator's alignment) for kPanelTiles panels
     at::Tensor ops = at::empty({kPanelTiles * w.groups * kPanelGroupBytes}, at::kByte);
     at::Tensor eb = at::empty({kPanelTiles * w.nb * kTileN}, at::kInt);
+    std::vector<uint8_t> folded(kPanelTiles * s.nc);
     for (int64_t r0 = 0; r0 < M; r0 += mc) {
       const int64_t r1 = std::min(M, r0 + mc);
       for (int64_t tp = t0; tp < t1; tp += kPanelTiles) {
         const int ntp = static_cast<int>(std::min<int64_t>(kPanelTiles, t1 - tp));
         Panel pn[kPanelTiles];
         for (int j = 0; j < ntp; ++j)
-          pn[j] = decode_panel(w, tp + j, ops.data_ptr<uint8_t>() + j * w.groups * kPanelGroupBytes,
-                               eb.data_ptr<int32_t>() + j * w.nb * kTileN);
+          pn[j] = decode_panel(w, s, tp + j,
+                               ops.data_ptr<uint8_t>() + j * w.groups * kPanelGroupBytes,
+                               eb.data_ptr<int32_t>() + j * w.nb * kTileN,
+                               folded.data() + j * s.nc);
         const int64_t tn = std::min(tp + kPanelTiles, t1);
         PanelPrefetch pf{w.codes + tn * w.groups * kGroupBytes,
                          w.codes + std::min(tn + kPanelTiles, t1) * w.groups * kGroupBytes};
         for (int64_t m0 = r0; m0 < r1; m0 += kPanelRows) {
           const int64_t mt = std::min<int64_t>(kPanelRows, r1 - m0);
           if (ntp == kPanelTiles)
-            panel_rows<kPanelRows, kPanelTiles, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias, &pf);
+            panel_rows<kPanelRows, kPanelTiles, MBS>(pn, w, a, fr, s, tp, m0, mt, y, bias, &pf);
           else
-            panel_rows<kPanelRows, 1, MBS>(pn, w, a, pr, s, tp, m0, mt, y, bias, &pf);
+            panel_rows<kPanelRows, 1, MBS>(pn, w, a, fr, s, tp, m0, mt, y, bias, &pf);
         }
       }
     }
