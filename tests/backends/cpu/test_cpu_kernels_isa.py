@@ -70,6 +70,8 @@ for pair in t.PAIRS:  # bit for bit with the fp32 model of the kernel's operatio
         tp.test_linear_bits_equal_model(ck, pair, m, 577)
 for m in (4, 257):  # the register tiles and the panel kernel
     tp.test_plain_weights_take_the_fast_terms(ck, m)
+for macro in (128, 256):  # the panel kernel's folded chunks
+    tp.test_folded_chunks_bits_equal_model(ck, ("mxfp4-mbs-d", "mxfp4-mbs-s"), macro)
 print("ISA-OK", ck.cflags()[0])
 """
 
