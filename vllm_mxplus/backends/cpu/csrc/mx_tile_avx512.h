@@ -182,14 +182,19 @@ struct FastRows {
 // Whether every block term of rows m0 .. m0+mt against weight tiles whose E8M0 codes lie in
 // [wlo, whi] (255: a NaN block) has a normal fp32 power of two 2^(ea + ew - 256) with
 // |I| * 2^(ea + ew - 256) < 2^128 (|I| < 2^13): then I times it is exact and finite.
+// terms_within: the same with ea + ew - 256 <= max_exp for the rows' extremes `range`.
 constexpr int kFastMaxExp = 127 - 13;
-inline bool fast_block_terms(int wlo, int whi, const PanelRows& pr, int64_t m0, int64_t mt) {
+inline bool terms_within(int wlo, int whi, const RowExp* range, int64_t m0, int64_t mt,
+                         int max_exp) {
   if (whi == kE8m0Nan) return false;
   for (int64_t m = m0; m < m0 + mt; ++m) {
-    const RowExp& r = pr.range[m];
-    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > kFastMaxExp) return false;
+    const RowExp& r = range[m];
+    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > max_exp) return false;
   }
   return true;
+}
+inline bool fast_block_terms(int wlo, int whi, const PanelRows& pr, int64_t m0, int64_t mt) {
+  return terms_within(wlo, whi, pr.range, m0, mt, kFastMaxExp);
 }
 
 // Per row of a register tile (MT rows from m0): its codes, its block sums' start (ActRows::corr,

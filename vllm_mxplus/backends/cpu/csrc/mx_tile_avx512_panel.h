@@ -312,9 +312,8 @@ void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const
   tile_frame<MT, NTP, MBS>(w, a, s, t0, m0, y, bias, block);
 }
 
-// Whether every block term of rows m0 .. m0+mt against the ntp panels has a normal fp32 power
-// of two 2^(ea + ew - 256) with ea + ew - 256 <= max_exp (fast_block_terms with its
-// kFastMaxExp; kFoldMaxExp for folded chunks).
+// terms_within (mx_tile_avx512.h) for rows m0 .. m0+mt against the ntp panels: kFastMaxExp for
+// the fast block terms, kFoldMaxExp for folded chunks.
 inline bool panel_terms_within(const Panel* pn, int ntp, const FoldRows& fr, int64_t m0,
                                int64_t mt, int max_exp) {
   int wlo = kE8m0Nan, whi = 0;
@@ -322,12 +321,7 @@ inline bool panel_terms_within(const Panel* pn, int ntp, const FoldRows& fr, int
     wlo = std::min(wlo, pn[j].lo);
     whi = std::max(whi, pn[j].hi);
   }
-  if (whi == kE8m0Nan) return false;
-  for (int64_t m = m0; m < m0 + mt; ++m) {
-    const RowExp& r = fr.range[m];
-    if (!r.finite || r.lo + wlo < -126 || r.hi + whi > max_exp) return false;
-  }
-  return true;
+  return terms_within(wlo, whi, fr.range.data(), m0, mt, max_exp);
 }
 
 // panel_avx512 with the terms panel_rows chose (fold only with MBS).
