@@ -54,7 +54,7 @@ namespace {
 using namespace gemm_detail;
 
 #ifdef MXPLUS_AVX512
-using FastArg = const PanelRows*;  // the rows' FastRows for the fast block terms, or nullptr
+using FastArg = const TileRows*;  // the rows' FastRows for the fast block terms, or nullptr
 #else
 using FastArg = std::nullptr_t;  // the fast block terms are AVX-512's
 #endif
@@ -65,7 +65,7 @@ using FastArg = std::nullptr_t;  // the fast block terms are AVX-512's
 // not to hold for these rows and tiles (tile_avx512 tells).
 template <int MT, int NTP, bool MBS, bool BM>
 void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t, int64_t m0,
-               int64_t mt, float* y, const float* bias, const PanelRows* pr, bool fast) {
+               int64_t mt, float* y, const float* bias, const TileRows* pr, bool fast) {
   if constexpr (MT > 1) {
     if (mt < MT) return tile_rows<MT - 1, NTP, MBS, BM>(w, a, s, t, m0, mt, y, bias, pr, fast);
   }
@@ -88,7 +88,7 @@ void tile_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
 // for MX+) a row tile takes the fast block terms where they hold (tile_rows), tried wherever
 // some weight codes could let them: not for a row with a NaN block, nor for rows whose
 // exponents no one weight code brings into range together (fast_block_terms).
-inline bool rows_may_be_fast(const PanelRows& pr, int64_t m0, int64_t mt) {
+inline bool rows_may_be_fast(const TileRows& pr, int64_t m0, int64_t mt) {
   int lo = 0, hi = kE8m0Nan - 1;  // the weight codes that would suit every row
   for (int64_t m = m0; m < m0 + mt; ++m) {
     const RowExp& r = pr.range[m];
@@ -165,8 +165,8 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 #ifdef MXPLUS_AVX512
   // the fast block terms of the AVX-512 register tiles (not MX+'s)
   std::optional<FastRows> fr;
-  if (!BM) fr.emplace(a, M, /*tiles=*/true, w.groups);
-  const PanelRows pr = fr ? fr->rows() : PanelRows{};
+  if (!BM) fr.emplace(a, M, w.groups);
+  const TileRows pr = fr ? fr->rows() : TileRows{};
   const FastArg fast_rows = fr ? &pr : nullptr;
 #else
   const FastArg fast_rows = nullptr;

@@ -34,12 +34,17 @@ inline __m512i nib_lo(__m512i p, __m512i lut) {
 
 inline __m512i nib_hi(__m512i p, __m512i lut) { return nib_lo(_mm512_srli_epi16(p, 4), lut); }
 
-// The E8M0 exponents ew - 0 of one block of the tile's 16 rows as fp32 (NaN for code 255).
-inline __m512 weight_exponents(const uint8_t* p) {
-  const __m512i ewi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// 16 E8M0 codes (one per 32-bit lane) as fp32 exponents ew - 0 (NaN for code 255).
+inline __m512 code_exponents(__m512i ewi) {
   return _mm512_mask_mov_ps(_mm512_cvtepi32_ps(ewi),
                             _mm512_cmpeq_epi32_mask(ewi, _mm512_set1_epi32(kE8m0Nan)),
                             _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// The E8M0 exponents of one block of the tile's 16 rows (code_exponents).
+inline __m512 weight_exponents(const uint8_t* p) {
+  return code_exponents(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Bytes ahead of the current group of a weight tile that the register tiles ask the cache for:
@@ -78,7 +83,7 @@ inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_
   }
 }
 
-// group_dots with the rows' codes side by side (PanelRows::codes_t): xg points at row m0's
+// group_dots with the rows' codes side by side (TileRows::codes_t): xg points at row m0's
 // 16 codes of the group, row m0 + m's at xg + 16 m.
 template <int MT, int NTP>
 inline void group_dots_t(const uint8_t* const* wg, const int8_t* xg, __m512i lut,
@@ -120,62 +125,49 @@ inline __m512 block_sum(__m512i iacc) {
   return _mm512_sub_ps(_mm512_castsi512_ps(iacc), _mm512_set1_ps(12582912.0f));
 }
 
-// The activation side of the fast block terms: per row and block (ea - 256 + 127) << 23, the
-// exponent bits that make 2^(ea + ew - 256) from ew << 23 by one integer add (0 where ea is
-// NaN: those rows never take that path), the block sums' start corr + kMagicBits, and per row
-// its exponent extremes. Built once per call (`FastRows`).
-struct PanelRows {
-  const int32_t* ebits;  // [M, nb]
-  const int32_t* start;  // [M, nb] the block sums' start: corr + kMagicBits
-  const RowExp* range;   // [M]
-  // The register tiles' layout (FastRows built with `tiles`; else nullptr): per block b the
-  // M rows' start and ebits side by side ([nb, M]), per 16-element group g the M rows'
-  // codes side by side ([groups, M, 16]), so a tile reads each from one pointer (with a
-  // pointer per row the row pointers outnumbered the registers and were reloaded per block)
+// The exponent bits (ea - 256 + 127) << 23 of an activation block exponent ea - 256
+// (ActRows::ea), as unsigned (ea may be < -127): 2^(ea + ew - 256) from ew << 23 by one
+// integer add. 0 where ea is NaN (such rows never take the fast block terms).
+inline int32_t exp_bits(float ea) {
+  return std::isnan(ea) ? 0
+                        : static_cast<int32_t>(static_cast<uint32_t>(static_cast<int>(ea) + 127)
+                                               << 23);
+}
+
+// The activation side of the register tiles' fast block terms, built once per call
+// (`FastRows`): per block b the M rows' block sums' start (corr + kMagicBits) and exponent bits
+// (exp_bits) side by side ([nb, M]), per 16-element group g the M rows' codes side by side
+// ([groups, M, 16]), so a tile reads each from one pointer (with a pointer per row the row
+// pointers outnumbered the registers and were reloaded per block); per row its exponent
+// extremes.
+struct TileRows {
   const int32_t* start_t = nullptr;
   const int32_t* ebits_t = nullptr;
   const int8_t* codes_t = nullptr;
+  const RowExp* range = nullptr;  // [M]
   int64_t m = 0;
 };
 
 struct FastRows {
-  std::vector<int32_t> ebits, start, start_t, ebits_t;
+  std::vector<int32_t> start_t, ebits_t;
   std::vector<RowExp> range;
   std::vector<int8_t> codes_t;
   int64_t m;
-  // tiles: also build the register tiles' layout (PanelRows), `groups` 16-element groups
-  FastRows(const ActRows& a, int64_t M, bool tiles = false, int64_t groups = 0)
-      : ebits(M * a.nb), start(M * a.nb), range(M), m(M) {
-    for (int64_t i = 0; i < M * a.nb; ++i) start[i] = a.corr[i] + kMagicBits;
+  FastRows(const ActRows& a, int64_t M, int64_t groups)
+      : start_t(M * a.nb), ebits_t(M * a.nb), range(M), codes_t(groups * M * kGroupK), m(M) {
     for (int64_t r = 0; r < M; ++r) {
       const float* ea = a.ea + r * a.nb;
       range[r] = row_exp_range(ea, a.nb);
-      for (int64_t b = 0; b < a.nb; ++b)  // (ea - 256 + 127) << 23, as unsigned: ea may be < -127
-        ebits[r * a.nb + b] = std::isnan(ea[b]) ? 0 : static_cast<int32_t>(
-            static_cast<uint32_t>(static_cast<int>(ea[b]) + 127) << 23);
-    }
-    if (!tiles) return;
-    start_t.resize(M * a.nb);
-    ebits_t.resize(M * a.nb);
-    codes_t.resize(groups * M * kGroupK);
-    for (int64_t r = 0; r < M; ++r) {
       for (int64_t b = 0; b < a.nb; ++b) {
-        start_t[b * M + r] = start[r * a.nb + b];
-        ebits_t[b * M + r] = ebits[r * a.nb + b];
+        start_t[b * M + r] = a.corr[r * a.nb + b] + kMagicBits;
+        ebits_t[b * M + r] = exp_bits(ea[b]);
       }
       for (int64_t g = 0; g < groups; ++g)
         std::memcpy(&codes_t[(g * M + r) * kGroupK], a.codes + r * a.kp + g * kGroupK, kGroupK);
     }
   }
-  PanelRows rows() const {
-    PanelRows pr{ebits.data(), start.data(), range.data()};
-    if (!codes_t.empty()) {
-      pr.start_t = start_t.data();
-      pr.ebits_t = ebits_t.data();
-      pr.codes_t = codes_t.data();
-      pr.m = m;
-    }
-    return pr;
+  TileRows rows() const {
+    return {start_t.data(), ebits_t.data(), codes_t.data(), range.data(), m};
   }
 };
 
@@ -193,12 +185,12 @@ inline bool terms_within(int wlo, int whi, const RowExp* range, int64_t m0, int6
   }
   return true;
 }
-inline bool fast_block_terms(int wlo, int whi, const PanelRows& pr, int64_t m0, int64_t mt) {
+inline bool fast_block_terms(int wlo, int whi, const TileRows& pr, int64_t m0, int64_t mt) {
   return terms_within(wlo, whi, pr.range, m0, mt, kFastMaxExp);
 }
 
-// Per row of a register tile (MT rows from m0): its codes, its block sums' start (ActRows::corr,
-// or PanelRows::start for the fast block terms) and its block exponents.
+// Per row of a register tile (MT rows from m0), for the general block terms: its codes, its block
+// sums' start (ActRows::corr) and its block exponents.
 template <int MT>
 struct RowPtrs {
   const int8_t* x[MT];
@@ -207,11 +199,11 @@ struct RowPtrs {
 };
 
 template <int MT>
-inline MXPLUS_FORCE_INLINE RowPtrs<MT> row_ptrs(const ActRows& a, const int32_t* start, int64_t m0) {
+inline MXPLUS_FORCE_INLINE RowPtrs<MT> row_ptrs(const ActRows& a, int64_t m0) {
   RowPtrs<MT> r;
   for (int m = 0; m < MT; ++m) {
     r.x[m] = a.codes + (m0 + m) * a.kp;
-    r.c[m] = start + (m0 + m) * a.nb;
+    r.c[m] = a.corr + (m0 + m) * a.nb;
     r.e[m] = a.ea + (m0 + m) * a.nb;
   }
   return r;
@@ -281,12 +273,12 @@ inline MXPLUS_FORCE_INLINE void tile_frame(const WeightTiles& w, const ActRows& 
 // y's entries here are not the sums, and the caller runs the general block terms over them.
 template <int MT, int NTP, int GPB, bool MBS, bool BM, bool FAST = false>
 bool tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t0,
-                 int64_t m0, float* y, const float* bias, const PanelRows* pr = nullptr) {
+                 int64_t m0, float* y, const float* bias, const TileRows* pr = nullptr) {
   static_assert(!(FAST && BM), "the MX+ tile keeps the general block terms");
   const __m512i lut = weight_lut();
   // the general block terms' row pointers; FAST reads the tiles' layout instead (gemm_tiles
   // builds it): one pointer each for the rows' starts, ebits and codes
-  const RowPtrs<MT> r = row_ptrs<MT>(a, a.corr, m0);
+  const RowPtrs<MT> r = row_ptrs<MT>(a, m0);
   if constexpr (FAST) TORCH_CHECK(pr->codes_t != nullptr, "tile_avx512: no tiles' layout");
   // FAST: the smallest and largest E8M0 code byte of the tiles so far
   __m128i code_lo = _mm_set1_epi8(static_cast<char>(0xFF)), code_hi = _mm_setzero_si128();

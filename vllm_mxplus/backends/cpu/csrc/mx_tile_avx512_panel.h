@@ -197,8 +197,7 @@ struct FoldRows {
                                _mm_and_si128(_mm_sll_epi16(_mm_loadu_si128(x + b * pieces + p), cnt), keep));
             const float eb = ok ? elo : ea[b];
             ebase[r * a.nb + b] = eb;
-            ebits[r * a.nb + b] = std::isnan(eb) ? 0 : static_cast<int32_t>(
-                static_cast<uint32_t>(static_cast<int>(eb) + 127) << 23);
+            ebits[r * a.nb + b] = exp_bits(eb);
             // kMagicBits - 96 * (folded code sum) = kMagicBits + 8 * corr * 2^sh
             const int32_t term = (kFoldOffset / kOffset) * corr[b] * (1 << sh);
             start[r * a.nb + b] = kMagicBits + term;
@@ -298,10 +297,7 @@ void panel_avx512(const Panel* pn, const WeightTiles& w, const ActRows& a, const
           acc[j][m] = _mm512_fmadd_ps(block_sum(iacc[j][m]), p2, acc[j][m]);
         }
       } else {  // the base codes as fp32, NaN for a NaN block (never folded)
-        const __m512i ewi = _mm512_srli_epi32(ewb, 23);
-        const __m512 ew = _mm512_mask_mov_ps(
-            _mm512_cvtepi32_ps(ewi), _mm512_cmpeq_epi32_mask(ewi, _mm512_set1_epi32(kE8m0Nan)),
-            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+        const __m512 ew = code_exponents(_mm512_srli_epi32(ewb, 23));
         _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)
           acc[j][m] = _mm512_add_ps(
               acc[j][m], _mm512_scalef_ps(block_sum(iacc[j][m]),
