@@ -112,7 +112,7 @@ void nvfp4_tile(const WeightTiles& w, const float* gw, const Nvfp4Rows& a, int64
     __m512i iacc[1][MT];
     for (int m = 0; m < MT; ++m) iacc[0][m] = _mm512_set1_epi32(a.corr[(m0 + m) * a.nb + b]);
     const uint8_t* wg[1] = {w.codes + (t * w.groups + b) * kGroupBytes};
-    group_dots<MT, 1>(wg, xr, b * kGroupK, lut, iacc);
+    group_dots<MT, 1>(wg, xr, b * kGroupK, lut, iacc, kTilePrefetchAhead);  // one tile a time
     for (int m = 0; m < MT; ++m)  // I * (sa * sw): the product is exact, the FMA rounds once
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[0][m]),
                                _mm512_mul_ps(sw, _mm512_set1_ps(a.sa[(m0 + m) * a.nb + b])),

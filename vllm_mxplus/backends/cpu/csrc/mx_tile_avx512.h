@@ -47,19 +47,31 @@ inline __m512 weight_exponents(const uint8_t* p) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Bytes ahead of the current group of a weight tile that the register tiles ask the cache for:
-// each tile's codes are one sequential stream, read once per call from memory for a model
-// larger than the caches (a prefetch past the end of the weight is a hint only: no fault).
+// Bytes ahead of the current group (block) of a weight tile that the register tiles ask the
+// cache for: each tile's codes, and its scales, are one sequential stream, read once per call
+// from memory for a model larger than the caches (a prefetch past the end of the weight is a
+// hint only: no fault).
 constexpr int64_t kTilePrefetchAhead = 16 * kGroupBytes;
+constexpr int64_t kScalePrefetchAhead = 16 * kTileN;
+
+// The offset from position `at` of a tile's stream (`len` bytes per tile) to the byte the
+// walk reads `ahead` bytes on: past the tile's end that is in the tile `ntp` on, not the next
+// one, since the register tiles walk the weight ntp tiles at a time side by side (the tile
+// after this one is read now, by its neighbour). So the next tiles' first groups are in cache
+// when they start, where otherwise each new tile pair began on cold lines.
+inline int64_t stream_ahead(int64_t at, int64_t len, int64_t ahead, int ntp) {
+  return ahead + (at + ahead >= len ? (ntp - 1) * len : 0);
+}
 
 // iacc[j][m] += group g (elements koff .. koff+15) of rows m against NTP weight tiles.
 // The unsigned weight bytes of one group of NTP tiles (wv[j][q]: the 4 elements of every row
-// lane that the activation's int32 q of the group meets), prefetching their streams ahead.
+// lane that the activation's int32 q of the group meets), prefetching each tile's stream `pf`
+// bytes on (stream_ahead).
 template <int NTP>
-inline void group_weights(const uint8_t* const* wg, __m512i lut, __m512i (*wv)[4]) {
+inline void group_weights(const uint8_t* const* wg, __m512i lut, __m512i (*wv)[4], int64_t pf) {
   _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
-    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + kTilePrefetchAhead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + pf), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg[j] + pf + 64), _MM_HINT_T0);
     const __m512i p0 = _mm512_loadu_si512(wg[j]), p1 = _mm512_loadu_si512(wg[j] + 64);
     wv[j][0] = nib_lo(p0, lut);
     wv[j][1] = nib_hi(p0, lut);
@@ -70,9 +82,9 @@ inline void group_weights(const uint8_t* const* wg, __m512i lut, __m512i (*wv)[4
 
 template <int MT, int NTP>
 inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_t koff,
-                       __m512i lut, __m512i (*iacc)[MT]) {
+                       __m512i lut, __m512i (*iacc)[MT], int64_t pf) {
   __m512i wv[NTP][4];
-  group_weights<NTP>(wg, lut, wv);
+  group_weights<NTP>(wg, lut, wv, pf);
   _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
     const int32_t* x4 = reinterpret_cast<const int32_t*>(xr[m] + koff);
     _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
@@ -87,9 +99,9 @@ inline void group_dots(const uint8_t* const* wg, const int8_t* const* xr, int64_
 // 16 codes of the group, row m0 + m's at xg + 16 m.
 template <int MT, int NTP>
 inline void group_dots_t(const uint8_t* const* wg, const int8_t* xg, __m512i lut,
-                         __m512i (*iacc)[MT]) {
+                         __m512i (*iacc)[MT], int64_t pf) {
   __m512i wv[NTP][4];
-  group_weights<NTP>(wg, lut, wv);
+  group_weights<NTP>(wg, lut, wv, pf);
   const int32_t* x4 = reinterpret_cast<const int32_t*>(xg);
   _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
     _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
@@ -289,6 +301,9 @@ bool tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     __m512i iacc[NTP][MT];
     _Pragma("GCC unroll 2") for (int j = 0; j < NTP; ++j) {
       const uint8_t* sc = w.scales + ((t0 + j) * w.nb + b) * kTileN;
+      _mm_prefetch(reinterpret_cast<const char*>(
+                       sc + stream_ahead(b * kTileN, w.nb * kTileN, kScalePrefetchAhead, NTP)),
+                   _MM_HINT_T0);
       if constexpr (FAST) {
         const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
         code_lo = _mm_min_epu8(code_lo, codes);
@@ -304,10 +319,12 @@ bool tile_avx512(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
       const int64_t g = b * GPB + gg;
       const uint8_t* wg[NTP];
       for (int j = 0; j < NTP; ++j) wg[j] = w.codes + ((t0 + j) * w.groups + g) * kGroupBytes;
+      const int64_t pf =
+          stream_ahead(g * kGroupBytes, w.groups * kGroupBytes, kTilePrefetchAhead, NTP);
       if constexpr (FAST)
-        group_dots_t<MT, NTP>(wg, pr->codes_t + (g * pr->m + m0) * kGroupK, lut, iacc);
+        group_dots_t<MT, NTP>(wg, pr->codes_t + (g * pr->m + m0) * kGroupK, lut, iacc, pf);
       else
-        group_dots<MT, NTP>(wg, r.x, g * kGroupK, lut, iacc);
+        group_dots<MT, NTP>(wg, r.x, g * kGroupK, lut, iacc, pf);
     }
     if constexpr (BM) {
       __m512i sel[NTP], w16[NTP];
