@@ -298,6 +298,59 @@ def test_linear_dtypes_no_bias_leading_dims(ck, out_dtype, m):
     )
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "nvfp4", "mxplus"])
+@pytest.mark.parametrize("m", [3, 40], ids=lambda m: f"M{m}")
+def test_linear_reads_x_in_its_own_dtype_and_layout(ck, scheme, m):
+    """The integer linears quantize x's rows from its own dtype (bf16 and fp16 rows widened to
+    fp32 one at a time, exactly; other dtypes converted first) and any layout: the same values
+    give the same output bits whatever the dtype or strides, NaN rows included."""
+    k, n = 160, 24
+    x32 = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 4).to(torch.float16)
+    x32 = x32.to(torch.float32)  # values exact in fp16, bf16 only where they round the same
+    x32[1, 7] = float("nan")
+    if scheme == "nvfp4":
+        q = quantize(torch.randn(n, k) * 0.1, "nvfp4")
+        wc, ws, wg = ck.pack_nvfp4(q)
+
+        def run(x):
+            return ck.nvfp4_linear_packed(x, n, k, wc, ws, wg, None, torch.float32)
+    elif scheme == "mxplus":
+        q = quantize(torch.randn(n, k) * 0.1, "mxplus")
+        wc, ws, wbm = ck.pack_mxplus(q)
+
+        def run(x):
+            return ck.mxplus_linear_packed(x, n, k, wc, ws, wbm, None, torch.float32)
+    else:
+        q = quantize(torch.randn(n, k) * 0.1, "mxfp4-mbs-d")
+
+        def run(x):
+            return ck.mx_linear(
+                x,
+                "mxfp4-mbs-d",
+                "mxfp4-mbs-s",
+                q.codes,
+                q.scales,
+                q.mbs,
+                k,
+                None,
+                torch.float32,
+                MACRO_BLOCK,
+            )
+
+    want = run(x32)
+    assert torch.isnan(want[1]).all() and torch.isfinite(want[0]).all()
+    xb = x32.to(torch.bfloat16)
+    for x, ref in [
+        (x32.to(torch.float16), want),
+        (x32.to(torch.float64), want),
+        (x32.t().contiguous().t(), want),  # column-major
+        (torch.stack([x32, x32], 1)[:, 1], want),  # a row stride of 2k
+        (x32.reshape(1, m, k), want.reshape(1, m, n)),
+        (xb, run(xb.to(torch.float32))),
+    ]:
+        assert _bits_equal(run(x), ref), (x.dtype, x.stride())
+
+
 @pytest.mark.parametrize("m", [3, 40], ids=lambda m: f"M{m}")
 def test_linear_nan_row_and_special_weights(ck, m):
     """A NaN / Inf token poisons only its own row; a NaN weight block only its own column."""

@@ -65,6 +65,8 @@ for k in (33, 577):
     for m in (1, 3, 9, 12):
         y = ck.mxplus_linear_packed(x[:m], 21, k, *ck.pack_mxplus(q), None, torch.float32)
         tm.assert_within_bound(y, tm.reference(x[:m], q, None), k)
+for scheme in ("mxfp4-mbs", "nvfp4", "mxplus"):  # x read in its own dtype (F16C or scalar)
+    t.test_linear_reads_x_in_its_own_dtype_and_layout(ck, scheme, 40)
 for pair in t.PAIRS:  # bit for bit with the fp32 model of the kernel's operations
     for m in (1, 5, 35, 66):
         tp.test_linear_bits_equal_model(ck, pair, m, 577)

@@ -496,10 +496,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, int64_t block, int64_t rule, boo
 #ifdef MXPLUS_AMX
   TORCH_CHECK(amx_int8_usable(), op, ": this CPU has no AMX-INT8 or Linux refused the AMX tile "
               "permission (cpu_amx_int8_available() says so before a call)");
-  at::Tensor x2 = x.reshape({-1, k});
-  const at::ScalarType xt = x2.scalar_type();
-  if (xt != at::kFloat && xt != at::kBFloat16 && xt != at::kHalf) x2 = x2.to(at::kFloat);
-  x2 = x2.contiguous();
+  const at::Tensor x2 = rows_operand(x, k);
   std::vector<float> b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",

@@ -79,24 +79,6 @@ struct Rows {
   int lo = 255, hi = 0;               // the nonzero blocks' exponents
   bool exact_only = false;            // a block the fold cannot take: the integer kernels run
 };
-// Row `row` of x (fp32, bf16 or fp16, contiguous [M, k]) as fp32: x's own memory, or buf.
-inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* buf) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return x.data_ptr<float>() + row * k;
-    case at::kBFloat16: {
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + row * k;
-      for (int64_t i = 0; i < k; ++i) buf[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
-      return buf;
-    }
-    default: {
-      const at::Half* p = x.data_ptr<at::Half>() + row * k;
-      for (int64_t i = 0; i < k; ++i) buf[i] = static_cast<float>(p[i]);
-      return buf;
-    }
-  }
-}
-
 // Row `row` of the operand from its codes and E8M0 codes (quant_row's): its steps' and units'
 // folds, levels and exponent bits, the shifted codes; the extremes it met into *tlo / *thi,
 // *bad where a block cannot be folded exactly. The Rows fields are read into locals first:

@@ -14,8 +14,10 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define MXPLUS_AVX512 1
 #endif
 
@@ -137,6 +139,40 @@ torch::CppFunction cpu_kernel(Fn* fn) {
 }
 
 // ---- shared between the quantization and the GEMM translation units ----------------------
+
+// x [..., k] as contiguous rows [M, k] in its own dtype where that is fp32, bf16 or fp16 (each
+// row read as fp32 by row_f32, exactly: no fp32 copy of x), as fp32 otherwise.
+inline at::Tensor rows_operand(const at::Tensor& x, int64_t k) {
+  at::Tensor x2 = x.reshape({-1, k});
+  const at::ScalarType xt = x2.scalar_type();
+  if (xt != at::kFloat && xt != at::kBFloat16 && xt != at::kHalf) x2 = x2.to(at::kFloat);
+  return x2.contiguous();
+}
+
+// Row `row` of x (fp32, bf16 or fp16, contiguous [M, k]) as fp32: x's own memory, or buf.
+inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* buf) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return x.data_ptr<float>() + row * k;
+    case at::kBFloat16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + row * k;
+      for (int64_t i = 0; i < k; ++i) buf[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
+      return buf;
+    }
+    default: {
+      const at::Half* p = x.data_ptr<at::Half>() + row * k;
+      int64_t i = 0;
+#ifdef __F16C__
+      for (; i + 8 <= k; i += 8)  // vcvtph2ps: exact, as the scalar conversion
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(p + i))));
+#endif
+      for (; i < k; ++i) buf[i] = static_cast<float>(p[i]);
+      return buf;
+    }
+  }
+}
+
 
 // Quantize one activation row to what the integer GEMM multiplies (docs/numerics.md,
 // "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get

@@ -310,6 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_detail::pack_tiles(const at:
 gemm_detail::LinearCall gemm_detail::linear_call(const at::Tensor& x, int64_t n, int64_t k,
                                                  int64_t block,
                                                  const c10::optional<at::Tensor>& bias,
+                                                 at::ScalarType out_dtype, int64_t extra,
                                                  const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x has last dim ", x.size(-1),
@@ -318,45 +319,72 @@ gemm_detail::LinearCall gemm_detail::linear_call(const at::Tensor& x, int64_t n,
   c.out_shape.assign(x.sizes().begin(), x.sizes().end());
   c.out_shape.back() = n;
   c.M = x.numel() / k;
+  c.k = k;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, expected N=",
                 n);
     c.bias = bias->to(at::kFloat).contiguous();
   }
-  const int64_t nb = cdiv(k, block);
-  c.xf = x.reshape({c.M, k}).to(at::kFloat).contiguous();
-  const auto o = c.xf.options();
-  c.codes = at::empty({c.M, nb * block}, o.dtype(at::kChar));
-  c.corr = at::empty({c.M, nb}, o.dtype(at::kInt));
-  c.scale = at::empty({c.M, nb}, o);
-  c.y = at::empty({c.M, n}, o);
+  c.x = rows_operand(x, k);
+  const int64_t nb = cdiv(k, block), M = c.M;
+  // the buffers' offsets in the scratch, each 64-byte aligned
+  int64_t at_bytes = 0;
+  auto carve = [&](int64_t bytes) {
+    const int64_t off = at_bytes;
+    at_bytes += (bytes + 63) / 64 * 64;
+    return off;
+  };
+  const int64_t o_codes = carve(M * nb * block), o_corr = carve(M * nb * 4),
+                o_scale = carve(M * nb * 4), o_extra = carve(M * extra * 4);
+  const bool f32_out = out_dtype == at::kFloat;
+  const int64_t o_y = f32_out ? 0 : carve(M * n * 4);
+  // 64-byte aligned (the CPU allocator's alignment)
+  c.scratch = at::empty({std::max<int64_t>(at_bytes, 1)}, x.options().dtype(at::kByte));
+  uint8_t* base = c.scratch.data_ptr<uint8_t>();
+  c.codes = reinterpret_cast<int8_t*>(base + o_codes);
+  c.corr = reinterpret_cast<int32_t*>(base + o_corr);
+  c.scale = reinterpret_cast<float*>(base + o_scale);
+  c.extra = reinterpret_cast<float*>(base + o_extra);
+  if (f32_out) {
+    c.y32 = at::empty({M, n}, x.options().dtype(at::kFloat));
+    c.y = c.y32.data_ptr<float>();
+  } else {
+    c.y = reinterpret_cast<float*>(base + o_y);
+  }
   return c;
+}
+
+at::Tensor gemm_detail::LinearCall::result(at::ScalarType out_dtype) const {
+  if (y32.defined()) return y32.view(out_shape);
+  const int64_t n = out_shape.back();
+  const int64_t off = reinterpret_cast<const uint8_t*>(y) - scratch.data_ptr<uint8_t>();
+  return scratch.narrow(0, off, M * n * 4).view(at::kFloat).view({M, n}).to(out_dtype).view(
+      out_shape);
 }
 
 at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule, bool act_mbs,
                                     int64_t macro, const WeightTiles& w, int64_t k,
                                     const c10::optional<at::Tensor>& bias,
                                     at::ScalarType out_dtype, const char* op) {
-  LinearCall call = linear_call(x, w.n, k, block, bias, op);
-  const int64_t M = call.M, nb = cdiv(k, block), kp = nb * block, nm = cdiv(k, macro);
+  const int64_t nm = cdiv(k, macro);
+  LinearCall call = linear_call(x, w.n, k, block, bias, out_dtype, act_mbs ? nm : 0, op);
+  const int64_t M = call.M, nb = cdiv(k, block), kp = nb * block;
   if (M == 0) return call.result(out_dtype);
 
   // Activation rows, quantized once per call.
-  at::Tensor fa = at::empty({act_mbs ? M : 0, nm}, call.xf.options());
-  // the buffers' pointers once, not per block (each data_ptr call checks the tensor)
-  int8_t* const codes = call.codes.data_ptr<int8_t>();
-  int32_t* const corr = call.corr.data_ptr<int32_t>();
-  float* const scale = call.scale.data_ptr<float>();
-  const float* const xf = call.xf.data_ptr<float>();
-  float* const fap = act_mbs ? fa.data_ptr<float>() : nullptr;
+  int8_t* const codes = call.codes;
+  int32_t* const corr = call.corr;
+  float* const scale = call.scale;
+  float* const fap = act_mbs ? call.extra : nullptr;
+  const bool f32_rows = call.x.scalar_type() == at::kFloat;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(act_mbs ? k : 0);
+    std::vector<float> ybuf(act_mbs ? k : 0), xbuf(f32_rows ? 0 : k);
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* cr = codes + r * kp;
       int32_t* sums = corr + r * nb;
-      quant_row(xf + r * k, k, block, rule, act_mbs, macro, cr, sc.data(), mb.data(), sums,
-                ybuf.data());
+      quant_row(call.row(r, xbuf.data()), k, block, rule, act_mbs, macro, cr, sc.data(),
+                mb.data(), sums, ybuf.data());
       for (int64_t b = 0; b < nb; ++b) {
         int big = 0;
         for (int64_t i = 0; sc[b] >= 253 && i < block; ++i)  // rare: see overflows()
@@ -372,7 +400,7 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
   TORCH_CHECK(!(any_mbs && w.bm), op, ": MX+ weights take no MBS");
   const ActRows a{codes, corr, scale, fap, kp, nb, nm};
   const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
-  float* y = call.y.data_ptr<float>();
+  float* y = call.y;
   const float* bp = call.bias_ptr();
   if (any_mbs) gemm<true, false>(w, a, s, M, y, bp);
   else if (w.bm) gemm<false, true>(w, a, s, M, y, bp);

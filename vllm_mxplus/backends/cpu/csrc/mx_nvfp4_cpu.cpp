@@ -229,7 +229,8 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
                         const c10::optional<at::Tensor>& act_global,
                         const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   const int64_t nb = cdiv(k, 16), kp = nb * 16, nt = cdiv(n, kTileN);
-  LinearCall call = linear_call(x, n, k, 16, bias, "vllm_mxplus::cpu_nvfp4_linear");
+  LinearCall call =
+      linear_call(x, n, k, 16, bias, out_dtype, 1, "vllm_mxplus::cpu_nvfp4_linear");
   check_tiles(wcodes, {nt, nb * kGroupBytes}, at::kByte, "packed weight codes");
   check_tiles(wscales, {nt, nb * kTileN}, at::kByte, "packed weight scales");
   check_tiles(wglobal, {nt * kTileN}, at::kFloat, "weight global scales");
@@ -241,27 +242,28 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
     g_in = act_global->to(at::kFloat).contiguous();
   }
   if (M == 0) return call.result(out_dtype);
-  at::Tensor ga = at::empty({M}, call.xf.options());
+  float* const ga = call.extra;  // each row's global scale
+  const float* const gin = g_in.defined() ? g_in.data_ptr<float>() : nullptr;
+  const bool f32_rows = call.x.scalar_type() == at::kFloat;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> sc(nb);
+    std::vector<float> xbuf(f32_rows ? 0 : k);
     for (int64_t r = r0; r < r1; ++r) {
-      int32_t* sums = call.corr.data_ptr<int32_t>() + r * nb;
-      ga.data_ptr<float>()[r] = nvfp4_quant_row(
-          call.xf.data_ptr<float>() + r * k, k, g_in.defined() ? g_in.data_ptr<float>()[r] : -1.0f,
-          call.codes.data_ptr<int8_t>() + r * kp, sc.data(), sums);
+      int32_t* sums = call.corr + r * nb;
+      ga[r] = nvfp4_quant_row(call.row(r, xbuf.data()), k, gin ? gin[r] : -1.0f,
+                              call.codes + r * kp, sc.data(), sums);
       for (int64_t b = 0; b < nb; ++b) {
         sums[b] *= -kOffset;
-        call.scale.data_ptr<float>()[r * nb + b] = e4m3_value(sc[b]);
+        call.scale[r * nb + b] = e4m3_value(sc[b]);
       }
     }
   });
   const WeightTiles w{wcodes.data_ptr<uint8_t>(), wscales.data_ptr<uint8_t>(), nullptr, nt, nb,
                       nb, 0, n};
-  const Nvfp4Rows a{call.codes.data_ptr<int8_t>(), call.corr.data_ptr<int32_t>(),
-                    call.scale.data_ptr<float>(), ga.data_ptr<float>(), kp, nb};
+  const Nvfp4Rows a{call.codes, call.corr, call.scale, ga, kp, nb};
   const float* bp = call.bias_ptr();
   const float* gw = wglobal.data_ptr<float>();
-  float* yp = call.y.data_ptr<float>();
+  float* yp = call.y;
   at::parallel_for(0, nt, tile_grain(M, kp), [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += kNvfp4TileM)
       for (int64_t t = t0; t < t1; ++t)

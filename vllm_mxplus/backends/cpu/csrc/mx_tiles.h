@@ -112,25 +112,37 @@ WeightTiles e8m0_weight_tiles(const char* op, const at::Tensor& codes, const at:
                               int64_t macro);
 
 // The start every integer GEMM op shares (tile_linear; mx_nvfp4_cpu.cpp): x [..., k] checked
-// (on the CPU, last dim k), its rows as contiguous fp32, the bias as fp32, the fp32 output, and
-// the activation operand's buffers, which the op's row quantizer fills. `op` names the caller
-// in errors. mx_gemm_cpu.cpp.
+// (on the CPU, last dim k), its rows contiguous in x's own dtype (fp32, bf16 or fp16:
+// rows_operand; the quantizer reads each as fp32 with row_f32, no fp32 copy of x), the bias
+// as fp32, and in one allocation the activation operand's buffers, which the op's row
+// quantizer fills, `extra` fp32 values per row for the op, and the fp32 output y (its own
+// tensor, returned as is, when the op's output is fp32). Per call that is two allocations
+// where a tensor per buffer and x's and y's conversions were seven and two copies: at a
+// decode step's few rows they were a good part of the call. `op` names the caller in errors.
+// mx_gemm_cpu.cpp.
 struct LinearCall {
   std::vector<int64_t> out_shape;  // x's shape with the last dim n
   int64_t M;                       // rows of x
-  at::Tensor xf;                   // fp32 [M, k]
+  int64_t k;
+  at::Tensor x;                    // [M, k] contiguous: fp32, bf16 or fp16 (rows_operand)
   at::Tensor bias;                 // fp32 [n], or undefined
-  at::Tensor codes;                // int8 [M, kp]: 2 * value, zero padded
-  at::Tensor corr;                 // int32 [M, nb]: the block code sums, then the correction
-  at::Tensor scale;                // fp32 [M, nb]: each block's scale term (the op's own)
-  at::Tensor y;                    // fp32 [M, n]
+  at::Tensor scratch;              // the buffers below but y, one allocation (and y unless fp32 out)
+  at::Tensor y32;                  // y as the op's fp32 output tensor, else undefined
+  int8_t* codes;                   // [M, kp]: 2 * value, zero padded
+  int32_t* corr;                   // [M, nb]: the block code sums, then the correction
+  float* scale;                    // [M, nb]: each block's scale term (the op's own)
+  float* extra;                    // [M, extra] for the op (MBS factors, NVFP4 global scales)
+  float* y;                        // [M, n]
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  // Row r of x as fp32 (row_f32): x's memory, or buf (k floats).
+  const float* row(int64_t r, float* buf) const { return row_f32(x, r, k, buf); }
   // y in the op's output dtype and x's leading shape.
-  at::Tensor result(at::ScalarType out_dtype) const { return y.to(out_dtype).view(out_shape); }
+  at::Tensor result(at::ScalarType out_dtype) const;
 };
 LinearCall linear_call(const at::Tensor& x, int64_t n, int64_t k, int64_t block,
-                       const c10::optional<at::Tensor>& bias, const char* op);
+                       const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                       int64_t extra, const char* op);
 
 // mx_gemm_cpu.cpp: quantize x's rows once (quant_row with this block, rule, MBS) and run the
 // integer GEMM against the checked weight tiles w; `op` names the caller in errors.
