@@ -173,7 +173,6 @@ inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* 
   }
 }
 
-
 // Quantize one activation row to what the integer GEMM multiplies (docs/numerics.md,
 // "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get
 // 2 * value(code) (zero past K and in NaN blocks), `scales` [cdiv(K, block)] the E8M0 codes,

@@ -376,9 +376,8 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
   int32_t* const corr = call.corr;
   float* const scale = call.scale;
   float* const fap = act_mbs ? call.extra : nullptr;
-  const bool f32_rows = call.x.scalar_type() == at::kFloat;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ybuf(act_mbs ? k : 0), xbuf(f32_rows ? 0 : k);
+    std::vector<float> ybuf(act_mbs ? k : 0), xbuf(call.row_buf());
     std::vector<uint8_t> sc(nb), mb(nm);
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* cr = codes + r * kp;

@@ -244,10 +244,9 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
   if (M == 0) return call.result(out_dtype);
   float* const ga = call.extra;  // each row's global scale
   const float* const gin = g_in.defined() ? g_in.data_ptr<float>() : nullptr;
-  const bool f32_rows = call.x.scalar_type() == at::kFloat;
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> sc(nb);
-    std::vector<float> xbuf(f32_rows ? 0 : k);
+    std::vector<float> xbuf(call.row_buf());
     for (int64_t r = r0; r < r1; ++r) {
       int32_t* sums = call.corr + r * nb;
       ga[r] = nvfp4_quant_row(call.row(r, xbuf.data()), k, gin ? gin[r] : -1.0f,
