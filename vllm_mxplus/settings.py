@@ -115,6 +115,14 @@ CPU_INT8_HELD = Setting(
     "int8 tiles decoded from load (about 1.1 bytes per weight more memory, ~1.7 in all against "
     "bf16's 2; faster at small batches), `0` decodes them from the packed codes per call.",
 )
+CPU_AMX_EMULATE = Setting(
+    "VLLM_MXPLUS_CPU_AMX_EMULATE",
+    "0",
+    "Tests only: `1` builds the CPU kernels with the AMX tile instructions emulated in C++ "
+    "(much slower than the real ones), so that the AMX path runs, and is tested, on CPUs "
+    "without AMX that have AVX-512 (F, BW, VL, DQ, VBMI) and F16C; `0` (default) the real "
+    "instructions, on AMX hosts only.",
+)
 CACHE = Setting(
     "MXPLUS_CACHE",
     "",
@@ -136,6 +144,7 @@ ALL: tuple[Setting, ...] = (
     CPU_LM_HEAD_FP32,
     CPU_EXACT_BF16,
     CPU_INT8_HELD,
+    CPU_AMX_EMULATE,
     CACHE,
 )
 
@@ -227,6 +236,10 @@ def fp8_weight_held() -> bool:
 
 def cpu_int8_held() -> bool:
     return _flag(CPU_INT8_HELD)
+
+
+def cpu_amx_emulate() -> bool:
+    return _flag(CPU_AMX_EMULATE)
 
 
 def gpu_programs_per_sm() -> int:

@@ -149,7 +149,8 @@ def host_choice(
     """Whether this host runs the exact-bf16 path for large M: (True, "") with `amx_bf16` in
     cpuinfo and the AMX tile permission held, else (False, why); decided once per process.
     The arguments replace the real machine (tests; not cached). VLLM_MXPLUS_CPU_EXACT_BF16=0
-    turns the path off on every host (read at each call)."""
+    turns the path off on every host (read at each call); VLLM_MXPLUS_CPU_AMX_EMULATE=1 (tests)
+    takes it on the real machine wherever the emulated tiles run."""
     if not settings.cpu_exact_bf16():
         return False, (
             f"{settings.CPU_EXACT_BF16.name}=0 (slower prefill; NVFP4 and MX+ weights "
@@ -157,7 +158,11 @@ def host_choice(
         )
     if cpuinfo is None and permission is None:
         if not _HOST:
-            _HOST.extend(_host_choice(read_cpuinfo(), request_amx_permission()))
+            _HOST.extend(
+                _emulated_choice(read_cpuinfo())
+                if settings.cpu_amx_emulate()
+                else _host_choice(read_cpuinfo(), request_amx_permission())
+            )
         return _HOST[0], _HOST[1]
     return _host_choice(
         read_cpuinfo() if cpuinfo is None else cpuinfo,
@@ -166,6 +171,21 @@ def host_choice(
 
 
 _HOST: list = []  # this process's (ok, why), once decided
+# /proc/cpuinfo's names of what the AMX code runs besides tiles (MXPLUS_AMX_TARGET,
+# csrc/mx_amx_decode.h): with emulated tiles, what the host must have.
+EMULATE_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "f16c"})
+
+
+def _emulated_choice(cpuinfo: str) -> tuple[bool, str]:
+    """VLLM_MXPLUS_CPU_AMX_EMULATE=1: the kernels' tiles are emulated in C++, so no AMX or
+    tile permission is needed, only the AVX-512 the AMX code is compiled for."""
+    missing = sorted(EMULATE_NEEDS - (cpu_flags(cpuinfo) or set()))
+    if missing:
+        return False, (
+            f"{settings.CPU_AMX_EMULATE.name}=1 needs the AVX-512 the AMX code is built for; "
+            f"the CPU lacks {', '.join(missing)}"
+        )
+    return True, ""
 
 
 def _host_choice(cpuinfo: str, perm: AmxResult) -> tuple[bool, str]:

@@ -75,6 +75,7 @@ HEADERS = tuple(
     for h in (
         "mx_cpu_common.h",
         "mx_amx_decode.h",
+        "mx_amx_emulate.h",
         "mx_amx_int8_decode.h",
         "mx_amx_int8_rows.h",
         "mx_tiles.h",
@@ -96,7 +97,8 @@ _state: dict[str, str | None] = {"error": None, "loaded": None}
 
 
 def cflags() -> list[str]:
-    return [f"-march={settings.cpu_march()}"] + _BASE_CFLAGS
+    emulate = ["-DMXPLUS_AMX_EMULATE"] if settings.cpu_amx_emulate() else []
+    return [f"-march={settings.cpu_march()}"] + _BASE_CFLAGS + emulate
 
 
 def _cpu_signature() -> str:

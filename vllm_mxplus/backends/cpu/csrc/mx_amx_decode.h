@@ -19,10 +19,19 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define MXPLUS_AMX 1
+#ifdef MXPLUS_AMX_EMULATE  // the tile instructions in C++ (mx_amx_emulate.h), for tests
+#include "mx_amx_emulate.h"
+#define MXPLUS_AMX_TILE_TARGET __attribute__((target("avx512f")))
+#define MXPLUS_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
+#define MXPLUS_AMX_INT8_TARGET MXPLUS_AMX_TARGET
+#else
+#define MXPLUS_AMX_TILE_TARGET __attribute__((target("amx-tile")))
 #define MXPLUS_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
 #define MXPLUS_AMX_INT8_TARGET \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")))
+#endif
 #define MXPLUS_AMX_STORE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #endif
 
@@ -43,6 +52,13 @@ struct alignas(64) TileConfig {
 // permission (arch_prctl ARCH_REQ_XCOMP_PERM, the same request platform_amx makes;
 // idempotent). Without both a tile instruction is SIGILL.
 inline bool amx_permitted(unsigned kind_bit) {
+#ifdef MXPLUS_AMX_EMULATE
+  // Emulated tiles: the AVX-512 subset of MXPLUS_AMX_TARGET is what must run.
+  (void)kind_bit;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
+#endif
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   if (!((edx >> 24) & 1u) || !((edx >> kind_bit) & 1u)) return false;
@@ -74,7 +90,7 @@ MXPLUS_AMX_STORE_TARGET inline void store_outputs(__m512 y, at::ScalarType dtype
 // matters: ldtilecfg reads all 64 bytes, but GCC's intrinsic declares a pointer's worth, so
 // the other stores to the configuration can be dropped as dead (seen: colsb left zero, and
 // ldtilecfg faulting).
-__attribute__((target("amx-tile"))) inline void configure_tiles() {
+MXPLUS_AMX_TILE_TARGET inline void configure_tiles() {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
@@ -83,7 +99,11 @@ __attribute__((target("amx-tile"))) inline void configure_tiles() {
     cfg.colsb[t] = 64;
   }
   asm volatile("" : : "r"(&cfg) : "memory");
+#ifdef MXPLUS_AMX_EMULATE
+  amx_emulate::loadconfig(&cfg);
+#else
   _tile_loadconfig(&cfg);
+#endif
 }
 
 inline bool amx_bf16_usable() {  // mx_amx_cpu.cpp
