@@ -205,11 +205,11 @@ def test_what_the_fold_cannot_take_runs_the_integer_kernels(ck, case, held):
 def test_small_unit_bases_run_step_by_step(ck, side):
     """A unit's scale is fl(A * W) with A = fl(1/Fa) 2^(EA - 127), W = fl(1/Fw) 2^(EW - 129),
     both normal only from EA >= 2 and EW >= 4: blocks of E8M0 codes 1-2 (their products
-    inside the window through a larger partner) run step by step, on the tiles (not the
-    integer kernels: other bits), within the bound. The bound's absolute term (2^-124 times
-    the partner's sum) would hide these rows, so they are also held to the integer kernels'
-    result relatively: every value here is a normal fp32 number, and both results are within
-    a few hundred roundings (gamma_n < 2^-16) of the float64 sum."""
+    inside the window through a larger partner) run step by step, within the bound. The
+    bound's absolute term (2^-124 times the partner's sum) would hide these rows, so they are
+    also held to the integer kernels' result: bit for bit (the chunks' sums here are exact
+    on either way, and both scale them alike), which a unit folded on a subnormal A or W
+    would miss by far."""
     scheme = get_scheme("mxfp4-mbs-s")
     g = torch.Generator().manual_seed(11)
     wsrc, x = _planted("plain", 48, 576, 32, seed=11)
@@ -234,9 +234,7 @@ def test_small_unit_bases_run_step_by_step(ck, side):
     exact = torch.ops.vllm_mxplus.cpu_mx_linear(
         x, *w.int8[:4], codes, scales, mbs, *w.int8[4:], None, torch.float32
     )
-    assert not torch.equal(y, exact)
-    s = xq.dequantize().double().abs() @ q.dequantize().double().abs().T
-    assert ((y.double() - exact.double()).abs() <= 2.0**-16 * s).all()
+    assert torch.equal(y.view(torch.int32), exact.view(torch.int32))
 
 
 @int8
@@ -366,6 +364,53 @@ def test_backend_serves_e8m0_on_int8_tiles(ck, monkeypatch, name):
         x = torch.randn(m, 320)
         _check(backend.apply(layer, x, None), x, q, scheme, None, w)
     assert calls == [exact_bf16.INT8_MIN_M, 100]
+
+
+@int8
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("plant", PLANTS)
+def test_int8_rows_have_the_integer_kernels_bits(ck, pair, plant):
+    """Batch invariance: the int8 linear gives every output the bits of `cpu_mx_linear` (the
+    integer kernels, which serve the calls below INT8_MIN_M rows), for every plant and so
+    every way a tile runs (one fold, two, per block; rows and columns): both scale a chunk by
+    y = fma(S, fl(fl(1/Fa) fl(1/Fw)), y), and each way's chunk sum S of these data is exact,
+    as the integer kernels' K-order sum is. With the integer kernels dividing by Fa * Fw
+    instead, about half of the outputs differed in their last bits."""
+    wf, af = pair
+    scheme = _scheme(wf, af)
+    for m, k in [(16, 576), (40, 1536), (300, 576)]:
+        wsrc, x = _planted(plant, 70, k, m, seed=m + k)
+        q, w = _weight(wf, scheme, wsrc)
+        bias = torch.randn(70, generator=torch.Generator().manual_seed(k))
+        y = exact_bf16.linear(x, w, bias, torch.float32)
+        want = cpu_kernels.mx_linear(
+            x, wf, af, q.codes, q.scales, q.mbs, k, bias, torch.float32, scheme.macro_block
+        )
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(y), nan), (m, k)
+        same = y.masked_fill(nan, 0).view(torch.int32) == want.masked_fill(nan, 0).view(torch.int32)
+        assert same.all(), (m, k, int((~same).sum()))
+
+
+@int8
+@pytest.mark.parametrize("name", ["mxfp4-mbs", "mxfp4-mbs-s", "mxfp4-ocp"])
+def test_a_rows_bits_do_not_depend_on_its_batch(ck, name):
+    """Through the backend, as vLLM calls it: each row of a batch served on the int8 tiles
+    (16 and 40 rows, and the same rows regrouped 8 later, so other rows share its tiles) has
+    the bits it has when served alone, on the integer kernels."""
+    scheme = get_scheme(name)
+    g = torch.Generator().manual_seed(3)
+    q = quantize(torch.randn(48, 576, generator=g) * 0.05, scheme.weight_format)
+    backend, layer = _backend(name, 48, 576)
+    backend.process_weights_after_loading(layer, q)
+    x = torch.randn(88, 576, generator=g)
+    x[::5, 64:80] *= 2.0**5  # rows of two folds among them
+    alone = torch.cat([backend.apply(layer, x[i : i + 1], None) for i in range(88)])
+    for m in (16, 40):
+        for start in (0, 8):
+            cuts = [0, start, *range(start + m, 88, m), 88] if start else [0, *range(m, 88, m), 88]
+            y = torch.cat([backend.apply(layer, x[a:b], None) for a, b in zip(cuts, cuts[1:])])
+            assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), (m, start)
 
 
 def test_int8_tiles_says_why_not(ck, monkeypatch):

@@ -9,7 +9,8 @@ Two checks per scheme and M:
   numerics and error bounds"; docs/cpu_kernels.md), built in torch from the codes and scales
   of `vllm_mxplus.formats.quantize`: each block's exact integer sum I_b, the block term
   I_b * 2^(ea + ew - 256) rounded once to fp32, block terms added in fp32 in K order from 0,
-  per MBS chunk one fp32 division by Fw * Fa added to the row sum, then the bias. Equal bits,
+  per MBS chunk the row sum y = fma(S, t, y) with t = fl(fl(1/Fa) * fl(1/Fw)) (one rounding;
+  `fma32`), then the bias. Equal bits,
   NaN where the model is NaN;
 - every row of an M-row call equal, bit for bit, to the same row computed alone (M = 1 runs
   the single-row kernel, M >= 32 the panel kernel on AVX-512): outputs do not depend on how
@@ -80,18 +81,38 @@ def _model(
         acc = acc + term
         if mbs and (b + 1 == nb or (b + 1) % per_chunk == 0):
             c = b // per_chunk
-            f = torch.ones(m, n, dtype=torch.float32)
+            t = torch.ones(m, n, dtype=torch.float32)
             if fw is not None:
-                f = f * fw[None, :, c]
+                t = t * (1 / fw[None, :, c])
             if fa is not None:
-                f = f * fa[:, c, None]
-            y = y + acc / f
+                t = (1 / fa[:, c, None]) * t
+            y = fma32(acc, t, y)
             acc = torch.zeros_like(acc)
     if not mbs:
         y = acc
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c with one rounding to nearest even, as an FMA instruction computes it.
+    a * b is exact in float64 (24-bit significands); the sum is hi + lo exactly (TwoSum), and
+    hi rounds to the fp32 of hi + lo unless hi lies on a midpoint between two fp32 values with
+    lo != 0, where lo decides: hi moves one float64 step toward it first."""
+    p = a.double() * b.double()
+    cd = c.double()
+    hi = p + cd
+    bb = hi - p
+    lo = (p - (hi - bb)) + (cd - bb)
+    r = hi.float()
+    below = torch.where(r.double() <= hi, r, torch.nextafter(r, r.new_tensor(-float("inf"))))
+    above = torch.nextafter(below, below.new_tensor(float("inf")))
+    mid = (below.double() + above.double()) / 2
+    tie = torch.isfinite(hi) & (hi == mid) & (lo != 0)
+    toward = torch.where(lo > 0, float("inf"), -float("inf")).to(hi.dtype)
+    hi = torch.where(tie, torch.nextafter(hi, toward), hi)
+    return hi.float()
 
 
 def _assert_bits(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -285,3 +306,46 @@ def test_model_catches_a_wrong_term(ck):
     with pytest.raises(AssertionError, match="outputs differ"):
         _assert_bits(y, want)
     assert ceil_div(k, 16) > 9
+
+
+def test_fma32_rounds_once():
+    """fma32 against exact rational arithmetic: random operands, products that cancel c, and
+    sums that fall on an fp32 midpoint with a tail (where rounding the float64 sum again would
+    be wrong)."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(4000, generator=g) * torch.exp2(torch.randint(-8, 8, (4000,), generator=g))
+    b = torch.randn(4000, generator=g)
+    c = torch.randn(4000, generator=g)
+    c[:1000] = -(a[:1000].double() * b[:1000].double()).float()  # cancellation
+    a[1000:1010], b[1000:1010], c[1000:1010] = 1 + 2.0**-23, 1 - 2.0**-24, 0.0  # below a tie
+    a[1010], b[1010], c[1010] = 1 + 2.0**-12, 1 + 2.0**-12, 0.0  # 1 + 2^-11 + 2^-24: a tie
+    a[1011], b[1011], c[1011] = 1 + 2.0**-12, 1 + 2.0**-12, 2.0**-60  # the tie and a tail
+    a[1012], b[1012], c[1012] = 1 + 2.0**-12, 1 + 2.0**-12, -(2.0**-60)
+    got = fma32(a, b, c)
+    for i in range(a.numel()):
+        exact = Fraction(a[i].item()) * Fraction(b[i].item()) + Fraction(c[i].item())
+        want = _round_fp32(exact)
+        assert got[i].item() == want, (i, a[i].item(), b[i].item(), c[i].item())
+
+
+def _round_fp32(x) -> float:
+    """The fp32 nearest the rational x (ties to even), for normal results."""
+    from fractions import Fraction
+
+    if x == 0:
+        return 0.0
+    sign = -1 if x < 0 else 1
+    x = abs(x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    while Fraction(2) ** e > x:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= x:
+        e += 1
+    q = x / Fraction(2) ** (e - 23)  # in [2^23, 2^24)
+    n, r = divmod(q.numerator, q.denominator)
+    twice = 2 * r
+    if twice > q.denominator or (twice == q.denominator and n % 2):
+        n += 1
+    return sign * float(Fraction(n) * Fraction(2) ** (e - 23))

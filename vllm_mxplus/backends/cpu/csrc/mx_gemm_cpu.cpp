@@ -1,22 +1,25 @@
 // The CPU W4A4 linear of the E8M0 formats on integer dot products (docs/numerics.md,
 // "Kernel numerics and error bounds"):
 //
-//   y[m, n] = sum over macro chunks c of  S_c / (Fa[m,c] * Fw[n,c])  (+ bias[n])
+//   y[m, n] = sum over macro chunks c of  S_c * t[m,n,c]  (+ bias[n]),
+//   t       = fl(fl(1 / Fa[m,c]) * fl(1 / Fw[n,c]))
 //   S_c     = sum over blocks b in c of   I_b * 2^(ea[m,b] + ew[n,b] - 256)
 //   I_b     = sum over k in b of          (2 va_k) * (2 vw_k)        (exact int32)
 //
 // with va, vw the E2M1 values of the activation and weight codes, ea, ew their E8M0 codes and
 // F = 1 + m/256 the MBS factors (1 for a side without MBS; without MBS on either side the
-// whole row is one chunk and there is no division). The activation rows are quantized once
+// whole row is one chunk and there is no scaling). The activation rows are quantized once
 // per call (quant_row, bit-exact with formats.quantize); the weight stays packed (0.5 byte
 // per element + one E8M0 byte per block + one MBS byte per macro block), re-ordered at load
 // by cpu_pack_weight into 16-row tiles. No fp32 copy of the weight exists at any time.
 //
 // What is computed, exactly: I_b is exact (|I_b| <= 32 * 144). I_b * 2^e is formed by
 // vscalefps (scalar: ldexpf), exact unless it leaves the fp32 normal range (then correctly
-// rounded, to a subnormal, 0 or Inf); S_c adds those terms in fp32 in block order; Fa * Fw
-// is exact (a product of two 9-bit significands); S_c / (Fa * Fw) is one IEEE division; y
-// adds the chunks in fp32 in order, then the bias. A NaN scale code (255) on either side
+// rounded, to a subnormal, 0 or Inf); S_c adds those terms in fp32 in block order; t is two
+// IEEE reciprocals and their product (one of them 1 where a side has no MBS); y = fma(S_c, t,
+// y) chunk by chunk in order (one rounding each), then the bias. The AMX tile paths scale a
+// chunk by the same t and fma (mx_amx_int8_cpu.cpp, mx_amx_cpu.cpp), so a chunk whose sum is
+// exact on both enters y with the same bits. A NaN scale code (255) on either side
 // makes its terms NaN; so does a block holding an element whose spec value overflows fp32
 // (E8M0 code 253 or 254 with a large code: the spec's x_hat or w_hat is +-Inf there, and
 // every output it touches is +-Inf or NaN; here NaN).
@@ -24,17 +27,17 @@
 // Error bound against the spec (u = 2^-24; x_hat, w_hat the spec's fp32 values, e.g.
 // x_hat = fp32((va * Xa) / Fa); y64 = the float64 sum of x_hat * w_hat + b; n_b blocks and
 // n_c chunks in K; no partial sum overflowing fp32):
-//   |y - y64| <= (n_b + n_c + 5) * u * (sum_k |x_hat_k| |w_hat_k| + |b|)
+//   |y - y64| <= (n_b + n_c + 7) * u * (sum_k |x_hat_k| |w_hat_k| + |b|)
 //                + 2^-146 * (sum_k |x_hat_k| + sum_k |w_hat_k| + n_b)
 // The first term: 2u from the two spec divisions by F (x_hat and w_hat are the quotients
 // rounded once each; the integer path divides the exact sum once per chunk instead), at most
-// n_b + n_c + 1 fp32 additions (block terms, chunk quotients, bias), each off by u of a partial
-// sum bounded by the same magnitudes, u for the division per chunk, and u more for the
+// n_b + n_c + 1 fp32 additions (block terms, chunk fmas, bias), each off by u of a partial
+// sum bounded by the same magnitudes, 3u for t per chunk, and u more for the
 // second-order terms while (n_b + n_c) u < 2^-10. Without MBS the spec's values are exact
 // products and the 2u is not needed; the bound keeps it. The second (absolute) term covers
 // roundings below the fp32 normal range (subnormal x_hat, w_hat, block terms or quotients),
 // each at most 2^-150 per element, block or chunk.
-// Compiled with -ffp-contract=off: no multiply-add is fused.
+// Compiled with -ffp-contract=off: no multiply-add is fused but the chunk's explicit fma.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

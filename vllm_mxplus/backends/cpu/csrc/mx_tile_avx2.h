@@ -168,17 +168,20 @@ void tile_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t t
       }
       for (int m = 0; m < MT; ++m) acc[m] = scaled_term(acc[m], iacc[m], bs, a.ea[(m0 + m) * a.nb + b]);
     }
-    if (MBS) {
-      __m256 fw = _mm256_set1_ps(1.0f);
+    if (MBS) {  // ysum = fma(acc, t, ysum), t = fl(fl(1/Fa) * fl(1/Fw)) (mx_tile_avx512.h)
+      __m256 rw = _mm256_set1_ps(1.0f);
       if (w.mbs) {
         const __m256i mw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
             w.mbs + (t * w.nm + c) * kTileN + 8 * h)));
-        fw = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw), _mm256_set1_ps(kMbsDenom)),
-                           _mm256_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        const __m256 fw =
+            _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw), _mm256_set1_ps(kMbsDenom)),
+                          _mm256_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        rw = _mm256_div_ps(_mm256_set1_ps(1.0f), fw);
       }
       for (int m = 0; m < MT; ++m) {
-        const __m256 f = a.fa ? _mm256_mul_ps(fw, _mm256_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
-        _mm256_store_ps(ysum[m], _mm256_add_ps(_mm256_load_ps(ysum[m]), _mm256_div_ps(acc[m], f)));
+        const __m256 tm =
+            a.fa ? _mm256_mul_ps(_mm256_set1_ps(1.0f / a.fa[(m0 + m) * a.nm + c]), rw) : rw;
+        _mm256_store_ps(ysum[m], _mm256_fmadd_ps(acc[m], tm, _mm256_load_ps(ysum[m])));
         acc[m] = _mm256_setzero_ps();
       }
     }
@@ -277,15 +280,17 @@ void tile16_avx2(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
     }
     if (MBS) {
       for (int h = 0; h < 2; ++h) {
-        __m256 f = _mm256_set1_ps(1.0f);
+        __m256 tm = _mm256_set1_ps(1.0f);  // t = fl(fl(1/Fa) * fl(1/Fw)), as above
         if (w.mbs) {
           const __m256i mw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
               reinterpret_cast<const __m128i*>(w.mbs + (t * w.nm + c) * kTileN + 8 * h)));
-          f = _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw), _mm256_set1_ps(kMbsDenom)),
-                            _mm256_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+          tm = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                             _mm256_div_ps(_mm256_add_ps(_mm256_cvtepi32_ps(mw),
+                                                         _mm256_set1_ps(kMbsDenom)),
+                                           _mm256_set1_ps(kMbsDenom)));  // exact: 2^8 divisor
         }
-        if (a.fa) f = _mm256_mul_ps(f, _mm256_set1_ps(a.fa[m * a.nm + c]));
-        ysum[h] = _mm256_add_ps(ysum[h], _mm256_div_ps(acc[h], f));
+        if (a.fa) tm = _mm256_mul_ps(_mm256_set1_ps(1.0f / a.fa[m * a.nm + c]), tm);
+        ysum[h] = _mm256_fmadd_ps(acc[h], tm, ysum[h]);
         acc[h] = _mm256_setzero_ps();
       }
     }

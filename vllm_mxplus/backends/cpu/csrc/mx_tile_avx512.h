@@ -226,7 +226,8 @@ inline MXPLUS_FORCE_INLINE RowPtrs<MT> row_ptrs(const ActRows& a, int64_t m0) {
 // t0 .. t0+NTP]. acc [NTP][MT] gets the current chunk's block terms, block(b, acc) adding
 // block b's for the blocks of each macro chunk in K order; with MBS each chunk then enters
 // the row sums ysum (in memory, updated once per chunk: keeping both in zmm registers spills)
-// as acc / (Fa * Fw), Fa * Fw exact and one IEEE division per lane. Last the sums (+ bias)
+// as ysum = fma(acc, t, ysum), t = fl(fl(1/Fa) * fl(1/Fw)) (the AMX tiles' chunk scaling, so a
+// row's chunk enters y alike on every path; docs/cpu_kernels.md). Last the sums (+ bias)
 // are stored, the rows of a tile past N left out. Always inlined (`block` too: the kernels
 // mark their lambdas so) so acc stays in registers as a local array of the kernel would.
 template <int MT, int NTP, bool MBS, class Block>
@@ -245,18 +246,19 @@ inline MXPLUS_FORCE_INLINE void tile_frame(const WeightTiles& w, const ActRows& 
     for (int64_t b = c * s.bpc; b < b1; ++b) block(b, acc);
     if (!MBS) continue;
     for (int j = 0; j < NTP; ++j) {
-      __m512 fw = _mm512_set1_ps(1.0f);
+      __m512 rw = _mm512_set1_ps(1.0f);  // fl(1 / Fw)
       if (w.mbs) {
         const __m512i mw = _mm512_cvtepu8_epi32(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(w.mbs + ((t0 + j) * w.nm + c) * kTileN)));
-        fw = _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
-                           _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        const __m512 fw =
+            _mm512_div_ps(_mm512_add_ps(_mm512_cvtepi32_ps(mw), _mm512_set1_ps(kMbsDenom)),
+                          _mm512_set1_ps(kMbsDenom));  // exact: a power-of-two divisor
+        rw = _mm512_div_ps(_mm512_set1_ps(1.0f), fw);
       }
       _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {
-        const __m512 f =
-            a.fa ? _mm512_mul_ps(fw, _mm512_set1_ps(a.fa[(m0 + m) * a.nm + c])) : fw;
-        _mm512_store_ps(ysum[j][m], _mm512_add_ps(_mm512_load_ps(ysum[j][m]),
-                                                  _mm512_div_ps(acc[j][m], f)));
+        const __m512 t =
+            a.fa ? _mm512_mul_ps(_mm512_set1_ps(1.0f / a.fa[(m0 + m) * a.nm + c]), rw) : rw;
+        _mm512_store_ps(ysum[j][m], _mm512_fmadd_ps(acc[j][m], t, _mm512_load_ps(ysum[j][m])));
         acc[j][m] = _mm512_setzero_ps();
       }
     }

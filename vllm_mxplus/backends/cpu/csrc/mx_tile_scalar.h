@@ -46,10 +46,12 @@ void tile_scalar(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
           else yacc[m] += term;
         }
       }
-      if (MBS) {
-        const float fw = w.mbs ? mbs_factor(w.mbs[(t * w.nm + c) * kTileN + i]) : 1.0f;
-        for (int m = 0; m < MT; ++m)
-          yacc[m] += cacc[m] / (a.fa ? fw * a.fa[(m0 + m) * a.nm + c] : fw);
+      if (MBS) {  // y = fma(S, t, y), t = fl(fl(1/Fa) * fl(1/Fw)) (mx_tile_avx512.h)
+        const float rw = w.mbs ? 1.0f / mbs_factor(w.mbs[(t * w.nm + c) * kTileN + i]) : 1.0f;
+        for (int m = 0; m < MT; ++m) {
+          const float tm = a.fa ? (1.0f / a.fa[(m0 + m) * a.nm + c]) * rw : rw;
+          yacc[m] = std::fma(cacc[m], tm, yacc[m]);
+        }
       }
     }
     for (int m = 0; m < MT; ++m)
