@@ -185,6 +185,11 @@ def _emulated_choice(cpuinfo: str) -> tuple[bool, str]:
             f"{settings.CPU_AMX_EMULATE.name}=1 needs the AVX-512 the AMX code is built for; "
             f"the CPU lacks {', '.join(missing)}"
         )
+    logger.warning(
+        "mxplus: %s=1: the AMX path runs on tile instructions emulated in C++ (for tests: "
+        "far slower than the integer kernels it replaces)",
+        settings.CPU_AMX_EMULATE.name,
+    )
     return True, ""
 
 

@@ -12,20 +12,24 @@
 //   T = J * 2^(EA + EW - 256)      = the sum of the step's block terms I_b 2^(ea_b + ew_b - 256)
 //
 // exactly (|J| <= 64 * 96 * 96 < 2^20, and the power of two is a normal fp32 where the call
-// is taken: below). Where rows and columns fold over two steps (a unit: 128 elements, one MBS
-// chunk) the tiles accumulate both before one store. An activation row whose spread is 4..7
-// takes two folds (blocks with e >= e_hi - 3 on that base, the others on e_lo: a second
-// product against a second operand, zero in the other rows); a larger spread, or a weight
+// is taken: below). An activation row whose spread is 4..7 takes two folds (blocks with
+// e >= e_hi - 3 on that base, the others on e_lo: a second product against a second operand,
+// zero in the other rows). Where rows and columns fold over two steps (a unit: 128 elements,
+// one MBS chunk; a row's one or two folds then taken on the unit's e_lo .. e_hi; the step that
+// ends K alone is a unit of one) the tiles accumulate a fold over both steps before one store
+// (|J| < 2^21), the second fold in a second product of the unit (a row with one fold has zero
+// codes there); a larger spread, or a weight
 // column past one fold, runs its 16 x 16 tile once per block, the other blocks' activation
 // codes masked to zero: the same T, per block. The T of a macro chunk are added in fp32 in
 // order (fused multiply-adds of exact products: one rounding each), and with MBS the chunk's
 // sum S_c is scaled into the output as on the bf16 tiles (mx_amx_cpu.cpp): y += S_c *
 // fl(fl(1/Fa) * fl(1/Fw)), one fused multiply-add per chunk (a unit that is the chunk: y += J *
-// (2^(EA + EW - 256) * t), the product exact, the same one rounding); without MBS the row is
-// one chunk and y = S. Then the bias (one addition) and the output dtype. Rounding count per
-// product: at most L / 64 additions in the chunk (L - 1 on bf16 tiles), 3 for the factor and
-// n_c for the chunks: within the exact-bf16 path's bound on AMX tiles (exact_bf16.py,
-// `roundings`).
+// (2^(EA + EW - 256) * t), the product exact, the same one rounding; two folds: y +=
+// fl(J 2^(EA - EA1) + J1) * (2^(EA1 + EW - 256) * t), one rounding more, as S would take);
+// without MBS the row is one chunk and y = S. Then the bias (one addition) and the output
+// dtype. Rounding count per product: at most L / 16 additions in the chunk (one per block;
+// L - 1 on bf16 tiles), 3 for the factor and n_c for the chunks: within the exact-bf16 path's
+// bound on AMX tiles (exact_bf16.py, `roundings`).
 //
 // Where the fold cannot be exact the whole call runs on the integer kernels instead
 // (tile_linear, the same result as cpu_mx_linear): a NaN block or one whose values overflow
@@ -107,6 +111,23 @@ MXPLUS_AMX_INT8_TARGET inline void add_scaled_terms(const int32_t* j, const floa
   }
 }
 
+// Y[r][0..15] += fl(J[r] * D_r + J1[r]) * fl(A1_r * W) for the 16 rows of a tile: a chunk's
+// two folds (J on base EA, J1 on EA1), D_r = 2^(EA - EA1) (d), A1_r the second base's A. J *
+// D_r is exact, so their sum rounds once (not at all below 2^24), and y once, as for one fold.
+MXPLUS_AMX_INT8_TARGET inline void add_two_fold_terms(const int32_t* j, const int32_t* j1,
+                                                      const float* d, const float* a1,
+                                                      int64_t a_stride, __m512 w, float* y,
+                                                      int64_t y_stride) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(a1[r * a_stride]), w);
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(j + r * 16)),
+                                     _mm512_set1_ps(d[r * a_stride]),
+                                     _mm512_cvtepi32_ps(_mm512_load_si512(j1 + r * 16)));
+    float* o = y + r * y_stride;
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, t, _mm512_loadu_ps(o)));
+  }
+}
+
 // W of 16 columns: fl(1/Fw) (rw) times 2^(EW - 129), from the columns' EW << 23 (ew).
 MXPLUS_AMX_INT8_TARGET inline __m512 unit_column_scale(const float* rw, __m512i ew) {
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_loadu_ps(rw)),
@@ -136,7 +157,8 @@ struct Call {
 struct Pending {
   int64_t rt = -1, s = 0;
   const int32_t* j = nullptr;
-  bool unit = false;  // J of the unit's steps, one fold
+  bool unit = false;            // J of the unit's steps, per fold
+  const int32_t* j1 = nullptr;  // a unit's second fold's J, or null: one fold
 };
 
 // Tiles (configure_tiles, mx_amx_decode.h): 0-3 the 4 column tiles' J, 4 the activation rows,
@@ -168,6 +190,7 @@ struct Worker {
   float* Y;
   WeightSeen seen;
   alignas(64) int32_t jbuf[2][kColTiles][256];
+  alignas(64) int32_t jbuf1[2][kColTiles][256];  // a unit's second fold
   alignas(64) int32_t jone[256];
   alignas(64) int8_t abuf[1024];
   Pending prev;
@@ -210,16 +233,23 @@ struct Worker {
     if (p.unit) {
       const int64_t ch = p.s / c.chunk_steps;
       const bool direct = scaled && c.chunk_steps == c.unit;  // the unit is the chunk
-      const int32_t* ub = r.ubits.data() + row0 * r.units + p.s / c.unit;
+      const int64_t at = row0 * r.units + p.s / c.unit;  // the tile's rows' unit fields
       for (int j = 0; j < kColTiles; ++j) {
         const __m512i ew = _mm512_load_si512(M(j, g).ew_bits);
         if (direct) {
           const int64_t n0 = std::min((tile0 + j) * 16, c.rw_stride - 16);  // padding: any t
-          add_scaled_terms(p.j + j * 256, r.ua.data() + row0 * r.units + p.s / c.unit, r.units,
-                           unit_column_scale(c.rw + ch * c.rw_stride + n0, ew),
-                           yrow(row0) + j * 16, cols);
+          const __m512 wsc = unit_column_scale(c.rw + ch * c.rw_stride + n0, ew);
+          if (p.j1)
+            add_two_fold_terms(p.j + j * 256, p.j1 + j * 256, r.ud.data() + at,
+                               r.ua1.data() + at, r.units, wsc, yrow(row0) + j * 16, cols);
+          else
+            add_scaled_terms(p.j + j * 256, r.ua.data() + at, r.units, wsc,
+                             yrow(row0) + j * 16, cols);
         } else {
-          add_terms(p.j + j * 256, ub, r.units, ew, srow(row0) + j * 16, cols);
+          add_terms(p.j + j * 256, r.ubits.data() + at, r.units, ew, srow(row0) + j * 16, cols);
+          if (p.j1)
+            add_terms(p.j1 + j * 256, r.ubits1.data() + at, r.units, ew, srow(row0) + j * 16,
+                      cols);
         }
       }
       if (direct) return;
@@ -272,9 +302,10 @@ struct Worker {
     }
   }
 
-  // The products of one step into tiles 0-3 (accumulated: zeroed by the caller).
-  MXPLUS_AMX_INT8_TARGET void step_products(int64_t rt, int64_t s) {
-    _tile_loadd(4, r.a.data() + rt * kAmxRows * r.kp + s * kStepK, r.kp);
+  // The products of one step into tiles 0-3 (accumulated: zeroed by the caller), on the
+  // operand's codes a (Rows::a, or a1 for a unit's second fold).
+  MXPLUS_AMX_INT8_TARGET void step_products(const int8_t* a, int64_t rt, int64_t s) {
+    _tile_loadd(4, a + rt * kAmxRows * r.kp + s * kStepK, r.kp);
     _tile_loadd(5, B(0, s - s0), 64);
     _tile_dpbssd(0, 4, 5);
     _tile_loadd(6, B(1, s - s0), 64);
@@ -285,16 +316,30 @@ struct Worker {
     _tile_dpbssd(3, 4, 6);
   }
 
-  // Store tiles 0-3 (the J of one step or unit), then run the previous item's epilogue from
-  // the other buffer.
-  MXPLUS_AMX_INT8_TARGET void finish_item(int64_t rt, int64_t s, bool unit) {
-    int32_t* jb = jbuf[parity][0];
-    _tile_stored(0, jb, 64);
-    _tile_stored(1, jb + 256, 64);
-    _tile_stored(2, jb + 512, 64);
-    _tile_stored(3, jb + 768, 64);
+  // Tiles 0-3 into j: the J of one step or one fold of a unit.
+  MXPLUS_AMX_INT8_TARGET static void store_tiles(int32_t* j) {
+    _tile_stored(0, j, 64);
+    _tile_stored(1, j + 256, 64);
+    _tile_stored(2, j + 512, 64);
+    _tile_stored(3, j + 768, 64);
+  }
+
+  // The products of row tile rt's step s (or unit from s, over steps [s, s1): every fold, each
+  // summed over the unit's steps), stored in this item's buffers; then the previous item's
+  // epilogue from the other ones.
+  MXPLUS_AMX_INT8_TARGET void run_item(int64_t rt, int64_t s, int64_t s1, bool unit, int folds) {
+    int32_t* const jb = jbuf[parity][0];
+    int32_t* const j1 = folds == 2 ? jbuf1[parity][0] : nullptr;
+    zero_tiles();
+    for (int64_t t = s; t < s1; ++t) step_products(r.a.data(), rt, t);
+    store_tiles(jb);
+    if (j1) {
+      zero_tiles();
+      for (int64_t t = s; t < s1; ++t) step_products(r.a1.data(), rt, t);
+      store_tiles(j1);
+    }
     if (prev.rt >= 0) epilogue(prev);
-    prev = {rt, s, jb, unit};
+    prev = {rt, s, jb, unit, j1};
     parity ^= 1;
   }
 
@@ -334,20 +379,18 @@ struct Worker {
       for (int64_t rt = rt0; rt < rt1; ++rt) {
         for (int64_t u0 = s0; u0 < s1; u0 += c.unit) {
           const int64_t u1 = std::min(s1, u0 + c.unit);
-          bool unit = u1 - u0 > 1 && r.unit_fold[rt * r.units + u0 / c.unit] != 0;
+          // a unit of two steps, or the step that ends K alone where units are on (with MBS
+          // it is its whole chunk: its fold goes to y directly, as a unit's)
+          const bool whole = u1 - u0 > 1 || (c.unit > 1 && u1 == r.steps);
+          const int folds = whole ? r.unit_fold[rt * r.units + u0 / c.unit] : 0;
+          bool unit = folds != 0;
           for (int j = 0; unit && j < kColTiles; ++j)
             unit = M(j, u0 - s0).unit_folded;
           if (unit) {
-            zero_tiles();
-            for (int64_t s = u0; s < u1; ++s) step_products(rt, s);
-            finish_item(rt, u0, true);
+            run_item(rt, u0, u1, true, folds);
             continue;
           }
-          for (int64_t s = u0; s < u1; ++s) {
-            zero_tiles();
-            step_products(rt, s);
-            finish_item(rt, s, false);
-          }
+          for (int64_t s = u0; s < u1; ++s) run_item(rt, s, s + 1, false, 1);
         }
       }
       if (prev.rt >= 0) epilogue(prev);

@@ -63,19 +63,27 @@ inline void shift_codes(const int8_t* c, int64_t len, int shift, int8_t* out) {
 // hi - lo <= 7 (blocks with e >= hi - 3 shifted by e - (hi - 3) in `a`, the others by e - lo
 // in `a1`), else none (codes unshifted, each block on its own). A 16-row tile runs a step as
 // its rows' largest count says: one product, two (the second with `a1`), or one per block.
+// Over a unit of two steps the same rule runs on the unit's exponents (a row's levels then
+// hold for both steps), so a tile whose rows all take at most two folds over the unit runs
+// the unit as one product per fold (`unit_fold`), each summed over both steps.
 struct Rows {
   int64_t m, mp, kp, steps, nb, bps;  // bps: blocks per step
   std::vector<int8_t> a, a1;          // [mp, kp] codes: the first level (or all), the second
   std::vector<int32_t> bits0, bits1;  // [mp, steps] exp_bits of each level's base
   std::vector<int32_t> block_bits;    // [mp, steps * bps] exp_bits of each block's level base
   std::vector<uint8_t> levels;        // [mp / 16, steps] 1, 2, or 3: one product per block
-  std::vector<uint8_t> unit_fold;     // [mp / 16, units] every row folds over the unit
-  std::vector<int32_t> ubits;         // [mp, units] exp_bits of the unit's base where it folds
+  // [mp / 16, units] the folds of the tile over the unit: 1 or 2 (its rows' largest count),
+  // 0 where a row takes none (the unit runs step by step)
+  std::vector<uint8_t> unit_fold;
+  // [mp, units] exp_bits of the unit's fold bases where the row folds: the first (codes in
+  // `a`), the second (codes in `a1`; the first's where the row has one fold: zero codes)
+  std::vector<int32_t> ubits, ubits1;
   int64_t units;
   std::vector<float> ra;              // [mp, chunks] fl(1 / Fa), 1 without activation MBS
-  // [mp, units] with factors: A = fl(1 / Fa) * 2^(EA - 127) of the unit's chunk and base EA
-  // (unit_row_scale), where the unit folds
-  std::vector<float> ua;
+  // [mp, units] with factors: A = fl(1 / Fa) * 2^(EA - 127) of the unit's chunk and each
+  // fold's base EA (unit_row_scale), where the unit folds, and D = 2^(EA - EA1) (ud), the
+  // first fold's base over the second's (1 where the row has one fold)
+  std::vector<float> ua, ua1, ud;
   int lo = 255, hi = 0;               // the nonzero blocks' exponents
   bool exact_only = false;            // a block the fold cannot take: the integer kernels run
 };
@@ -95,7 +103,10 @@ inline void lay_row(Rows& r, int64_t row, int64_t block, int64_t macro, int64_t 
   uint8_t* const levels = r.levels.data() + row / kAmxRows * steps;
   uint8_t* const unit_fold_of = r.unit_fold.data() + row / kAmxRows * units;
   int32_t* const ubits = r.ubits.data() + row * units;
+  int32_t* const ubits1 = r.ubits1.data() + row * units;
   float* const ua = chunks ? r.ua.data() + row * units : nullptr;
+  float* const ua1 = chunks ? r.ua1.data() + row * units : nullptr;
+  float* const ud = chunks ? r.ud.data() + row * units : nullptr;
   const float* const ra = chunks ? r.ra.data() + row * chunks : nullptr;
   int lo_seen = *tlo, hi_seen = *thi;
   bool bad_seen = *bad;
@@ -122,12 +133,26 @@ inline void lay_row(Rows& r, int64_t row, int64_t block, int64_t macro, int64_t 
       ulo = std::min(ulo, slo[s]);
       uhi = std::max(uhi, shi[s]);
     }
-    const bool unit_fold = ulo > uhi || (uhi - ulo <= kMaxSpread && ulo >= kMinUnitExp);
-    if (!unit_fold) unit_fold_of[u] = 0;
-    if (unit_fold && ulo <= uhi) ubits[u] = exp_bits(ulo);
-    if (chunks) ua[u] = unit_row_scale(ra[u0 * kStepK / macro], ubits[u]);
+    // the row's folds over the unit: 1 (all zero, or a spread <= 3), 2 (<= 7), 0 (further
+    // apart, or a base below kMinUnitExp); the tile takes its rows' largest, 0 over all
+    const int folds = ulo > uhi                                  ? 1
+                      : ulo < kMinUnitExp                        ? 0
+                      : uhi - ulo <= kMaxSpread                  ? 1
+                      : uhi - ulo <= 2 * kMaxSpread + 1          ? 2
+                                                                 : 0;
+    if (folds == 0 || (unit_fold_of[u] != 0 && folds > unit_fold_of[u]))
+      unit_fold_of[u] = static_cast<uint8_t>(folds);
+    // the step rule's bases below: ulo for one fold; uhi - 3 for `a` and ulo for `a1` for two
+    if (folds == 1 && ulo <= uhi) ubits[u] = exp_bits(ulo);
+    if (folds == 2) ubits[u] = exp_bits(uhi - kMaxSpread);
+    ubits1[u] = folds == 2 ? exp_bits(ulo) : ubits[u];
+    if (chunks) {
+      ua[u] = unit_row_scale(ra[u0 * kStepK / macro], ubits[u]);
+      ua1[u] = unit_row_scale(ra[u0 * kStepK / macro], ubits1[u]);
+      ud[u] = u2f(static_cast<uint32_t>(ubits[u] - ubits1[u]) + (127u << 23));  // 2^0 .. 2^4
+    }
     for (int64_t s = u0; s < u1; ++s) {
-      const int elo = unit_fold ? ulo : slo[s], ehi = unit_fold ? uhi : shi[s];
+      const int elo = folds ? ulo : slo[s], ehi = folds ? uhi : shi[s];
       if (slo[s] > shi[s]) continue;  // all zero: zero codes, dummy exponents
       lo_seen = std::min(lo_seen, elo);
       hi_seen = std::max(hi_seen, ehi);
@@ -172,8 +197,11 @@ inline Rows act_rows(const at::Tensor& x, int64_t k, int64_t block, int rule, bo
   r.units = cdiv(r.steps, unit);
   r.unit_fold.assign(r.mp / kAmxRows * r.units, unit > 1 ? 1 : 0);
   r.ubits.assign(r.mp * r.units, exp_bits(kDummyExp));
+  r.ubits1.assign(r.mp * r.units, exp_bits(kDummyExp));
   r.ra.assign(r.mp * chunks, 1.0f);
   r.ua.assign(chunks ? r.mp * r.units : 0, 1.0f);
+  r.ua1.assign(chunks ? r.mp * r.units : 0, 1.0f);
+  r.ud.assign(chunks ? r.mp * r.units : 0, 1.0f);
   const int64_t nm = mbs ? cdiv(k, macro) : 0;
   std::atomic<int> lo{255}, hi{0};
   std::atomic<bool> exact_only{false};
