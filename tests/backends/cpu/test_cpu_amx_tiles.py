@@ -360,3 +360,27 @@ def test_packed_gemm_refuses_bad_layouts(ck):
             codes=torch.zeros(2, 640, dtype=torch.uint8),
             scales=torch.zeros(2, 80, dtype=torch.uint8),
         )
+
+
+@amx
+@pytest.mark.parametrize("name", ["nvfp4", "mxplus"])
+def test_a_rows_bits_do_not_depend_on_its_batch(ck, name):
+    """Batch invariance on the bf16 tiles (NVFP4 and MX+ weights, from MIN_M rows): each row of
+    a batch of 32 or 64 rows, and of the same rows regrouped 8 later, has the bits it has when
+    served alone (on the integer kernels). Both paths add exact products and scale each block
+    or chunk alike, so a row whose sums are exact in fp32 (as here) cannot tell them apart."""
+    scheme = get_scheme(name)
+    g = torch.Generator().manual_seed(4)
+    q = quantize(torch.randn(40, 320, generator=g) * 0.05, scheme.weight_format)
+    backend, layer = _backend(name, 40, 320)
+    backend.process_weights_after_loading(layer, q)
+    assert backend.exact is not None and backend.exact.min_m == exact_bf16.MIN_M
+    x = torch.randn(136, 320, generator=g)
+    alone = torch.cat([backend.apply(layer, x[i : i + 1], None) for i in range(136)])
+    for m in (32, 64):
+        for start in (0, 8):
+            cuts = (
+                [0, start, *range(start + m, 136, m), 136] if start else [0, *range(m, 136, m), 136]
+            )
+            y = torch.cat([backend.apply(layer, x[a:b], None) for a, b in zip(cuts, cuts[1:])])
+            assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), (m, start)
