@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python benchmarks/profile_serve_step.py [--scheme mxfp4-mbs-s | bf16]
         [--streams 16] [--prompt-tokens 128] [--tokens 32] [--threads 1] [--rows 25]
-        [--llama8b-shaped]
+        [--llama8b-shaped] [--compile]
 
-One vLLM engine (eager, in-process) on the embedded SmolLM2 (`mxplus prepare`) or, with
+One vLLM engine (eager, or with --compile vLLM's default torch.compile mode; in-process) on the embedded SmolLM2 (`mxplus prepare`) or, with
 --llama8b-shaped, on bench_serve_cpu.py's random 2-layer Llama with Llama-3-8B linear shapes
 (built on the fly; `--streams 4 --prompt-tokens 8 --tokens 64` is its decode case), --streams
 prompts of --prompt-tokens tokens, --tokens greedy tokens each, profiled after a warm-up; it
@@ -38,6 +38,12 @@ def main() -> int:
         "--llama8b-shaped",
         action="store_true",
         help="a random 2-layer Llama with Llama-3-8B linear shapes instead of SmolLM2",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM's default compiled mode (torch.compile) instead of eager: the plugin's "
+        "linears then appear as the op the compiled graph calls",
     )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,7 +82,7 @@ def main() -> int:
         model=model,
         quantization=None if args.scheme == "bf16" else args.scheme,
         dtype="bfloat16",
-        enforce_eager=True,
+        enforce_eager=not args.compile,
         max_model_len=512 if args.llama8b_shaped else 1024,  # the random model: 512 positions
         max_num_seqs=args.streams,
         seed=0,

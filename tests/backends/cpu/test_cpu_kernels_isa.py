@@ -2,7 +2,8 @@
 AVX2 kernel (x86-64-v3), the AVX-512 kernel without VNNI / VBMI (skylake-avx512) and the
 portable C++ (x86-64) give the activation codes of `formats` bit for bit and outputs within
 the same bounds as the native build (tests/backends/cpu/test_cpu_kernels.py, test_cpu_kernels_nvfp4.py,
-test_cpu_kernels_mxplus.py), and the E8M0 schemes' outputs bit for bit with the fp32 model of the
+test_cpu_kernels_mxplus.py), bf16 and fp16 outputs rounded as torch rounds (test_cpu_linear.py),
+and the E8M0 schemes' outputs bit for bit with the fp32 model of the
 kernels' operations (test_cpu_kernels_panel.py): every instruction set gives the same bits. One subprocess per target (one process loads one build of the ops);
 builds are cached per -march like any other. A target this CPU cannot run is skipped with
 the missing feature flags named (an AVX-512 build on an AVX2-only CPU would die of SIGILL).
@@ -74,6 +75,10 @@ for m in (4, 257):  # the register tiles and the panel kernel
     tp.test_plain_weights_take_the_fast_terms(ck, m)
 for macro in (128, 256):  # the panel kernel's folded chunks
     tp.test_folded_chunks_bits_equal_model(ck, ("mxfp4-mbs-d", "mxfp4-mbs-s"), macro)
+import test_cpu_linear as tl
+for scheme in ("mxfp4-mbs", "nvfp4"):  # each task rounds its outputs (AVX-512, F16C or scalar)
+    for odt in (torch.bfloat16, torch.float16):
+        tl.test_bf16_and_fp16_outputs_are_the_fp32_outputs_rounded(scheme, odt, 40)
 print("ISA-OK", ck.cflags()[0])
 """
 

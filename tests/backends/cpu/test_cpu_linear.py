@@ -103,6 +103,40 @@ def test_same_numbers_as_reference_backend(scheme, m):
     assert not torch.equal(y, torch.zeros_like(y))
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4-mbs", "mxfp4-ocp", "nvfp4", "mxplus"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 16, 40, 70], ids=lambda m: f"M{m}")
+def test_bf16_and_fp16_outputs_are_the_fp32_outputs_rounded(scheme, out_dtype, m):
+    """Each GEMM task rounds the outputs it wrote into the output dtype itself: bit for bit the
+    fp32 outputs of the same call rounded to nearest even (torch's conversion), a NaN output a
+    NaN; on two threads (several tasks per call at 40 and 70 rows), N past whole tiles, with
+    a bias and a NaN row."""
+    k, n = 576, 470
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    x[m // 2, 7] = float("nan")
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    ys = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dt in (torch.float32, out_dtype):
+            spec = LinearSpec(scheme=scheme, n=n, k=k, out_dtype=dt)
+            d = LinearDispatch(spec, select(spec, "cpu", None))
+            layer = torch.nn.Module()
+            d.process_weights_after_loading(layer, quantize(w, spec.weight_format))
+            ys[dt] = d.apply(layer, x, bias)
+    finally:
+        torch.set_num_threads(threads)
+    y, want = ys[out_dtype], ys[torch.float32].to(out_dtype)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    nan = want.isnan()
+    assert nan[m // 2].all() and nan.sum() == n  # the NaN row, and only it
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
     """A killed build leaves torch's lock file behind; every later build would wait on it."""
     import os

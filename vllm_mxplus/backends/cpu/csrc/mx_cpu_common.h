@@ -173,6 +173,39 @@ inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* 
   }
 }
 
+// len fp32 outputs y rounded to bf16 (`bf16`) or fp16 at o: round to nearest even, a NaN stays
+// a NaN (bf16: 0x7FC0, as the AMX GEMMs' store_outputs; fp16: the sign and 0x7E00). The
+// integer GEMMs' last step, in the task that wrote y (LinearCall::store).
+inline void round_outputs(const float* y, uint16_t* o, int64_t len, bool bf16) {
+  int64_t i = 0;
+  if (bf16) {
+#ifdef MXPLUS_AVX512
+    for (; i + 16 <= len; i += 16) {
+      const __m512 v = _mm512_loadu_ps(y + i);
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(
+          _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                _mm512_set1_epi32(0x7FC0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; i < len; ++i) {
+      const uint32_t u = f2u(y[i]);
+      o[i] = std::isnan(y[i]) ? uint16_t{0x7FC0}
+                              : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+    return;
+  }
+#ifdef __F16C__
+  for (; i + 8 <= len; i += 8)  // vcvtps2ph: round to nearest even, as at::Half's conversion
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(y + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < len; ++i) o[i] = at::Half(y[i]).x;
+}
+
 // Quantize one activation row to what the integer GEMM multiplies (docs/numerics.md,
 // "E8M0 block scales" and "Macro Block Scaling"): `codes` [cdiv(K, block) * block] get
 // 2 * value(code) (zero past K and in NaN blocks), `scales` [cdiv(K, block)] the E8M0 codes,

@@ -161,10 +161,13 @@ void tiles_rows(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 #endif
 
 // Threads over N (weight tiles); each thread walks its tiles kTilesPerPass at a time, and
-// for each activation row tile runs those weight tiles, so the row tile is read from cache.
+// for each activation row tile runs those weight tiles, so the row tile is read from cache;
+// then rounds the pass's outputs into the op's output dtype (LinearCall::store).
 template <bool MBS, bool BM>
-void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
-                const float* bias) {
+void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, const LinearCall& c) {
+  const int64_t M = c.M;
+  float* const y = c.y;
+  const float* const bias = c.bias_ptr();
 #ifdef MXPLUS_AVX512
   // the fast block terms of the AVX-512 register tiles (not MX+'s)
   std::optional<FastRows> fr;
@@ -180,6 +183,7 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileM)
         tiles_rows<MBS, BM>(w, a, s, tp, tend, m0, std::min<int64_t>(kMaxTileM, M - m0), y,
                             bias, fast_rows);
+      c.store(0, M, tp * kTileN, std::min(tend * kTileN, w.n));
     }
   });
 }
@@ -188,10 +192,13 @@ void gemm_tiles(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t 
 // Several activation rows on AVX-512 (mx_tile_avx512_panel.h): threads over N; each thread
 // takes the rows in chunks of about kPanelActBytes of codes, and for each chunk decodes its
 // weight tiles kPanelTiles at a time into panels that all the chunk's rows then run against,
-// the next panels' packed codes fetched into L2 meanwhile (PanelPrefetch).
+// the next panels' packed codes fetched into L2 meanwhile (PanelPrefetch), and rounds the
+// chunk's outputs of its tiles into the op's output dtype (LinearCall::store).
 template <bool MBS>
-void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
-                 const float* bias) {
+void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, const LinearCall& c) {
+  const int64_t M = c.M;
+  float* const y = c.y;
+  const float* const bias = c.bias_ptr();
   const FoldRows fr(a, s, M);
   const int64_t mc = std::max<int64_t>(kPanelRows, kPanelActBytes / a.kp / kPanelRows * kPanelRows);
   at::parallel_for(0, w.nt, tile_grain(M, a.kp), [&](int64_t t0, int64_t t1) {
@@ -220,6 +227,7 @@ void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
             panel_rows<kPanelRows, 1, MBS>(pn, w, a, fr, s, tp, m0, mt, y, bias, &pf);
         }
       }
+      c.store(r0, r1, t0 * kTileN, std::min(t1 * kTileN, w.n));
     }
   });
 }
@@ -227,12 +235,11 @@ void gemm_panels(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t
 
 // MX+ (BM) and, off AVX-512 or with few rows, the register tiles; else the panels.
 template <bool MBS, bool BM>
-void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, int64_t M, float* y,
-          const float* bias) {
+void gemm(const WeightTiles& w, const ActRows& a, const Shape& s, const LinearCall& c) {
 #ifdef MXPLUS_AVX512
-  if (!BM && M >= kPanelMinRows) return gemm_panels<MBS>(w, a, s, M, y, bias);
+  if (!BM && c.M >= kPanelMinRows) return gemm_panels<MBS>(w, a, s, c);
 #endif
-  gemm_tiles<MBS, BM>(w, a, s, M, y, bias);
+  gemm_tiles<MBS, BM>(w, a, s, c);
 }
 
 }  // namespace
@@ -353,12 +360,15 @@ gemm_detail::LinearCall gemm_detail::linear_call(const at::Tensor& x, int64_t n,
     c.y = c.y32.data_ptr<float>();
   } else {
     c.y = reinterpret_cast<float*>(base + o_y);
+    if (out_dtype == at::kBFloat16 || out_dtype == at::kHalf)
+      c.out = at::empty({M, n}, x.options().dtype(out_dtype));
   }
   return c;
 }
 
 at::Tensor gemm_detail::LinearCall::result(at::ScalarType out_dtype) const {
   if (y32.defined()) return y32.view(out_shape);
+  if (out.defined()) return out.view(out_shape);
   const int64_t n = out_shape.back();
   const int64_t off = reinterpret_cast<const uint8_t*>(y) - scratch.data_ptr<uint8_t>();
   return scratch.narrow(0, off, M * n * 4).view(at::kFloat).view({M, n}).to(out_dtype).view(
@@ -402,11 +412,9 @@ at::Tensor gemm_detail::tile_linear(const at::Tensor& x, int64_t block, int rule
   TORCH_CHECK(!(any_mbs && w.bm), op, ": MX+ weights take no MBS");
   const ActRows a{codes, corr, scale, fap, kp, nb, nm};
   const Shape s{block / kGroupK, any_mbs ? macro / block : nb, any_mbs ? nm : 1, any_mbs};
-  float* y = call.y;
-  const float* bp = call.bias_ptr();
-  if (any_mbs) gemm<true, false>(w, a, s, M, y, bp);
-  else if (w.bm) gemm<false, true>(w, a, s, M, y, bp);
-  else gemm<false, false>(w, a, s, M, y, bp);
+  if (any_mbs) gemm<true, false>(w, a, s, call);
+  else if (w.bm) gemm<false, true>(w, a, s, call);
+  else gemm<false, false>(w, a, s, call);
   return call.result(out_dtype);
 }
 

@@ -268,6 +268,7 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& wcodes, const at:
       for (int64_t t = t0; t < t1; ++t)
         nvfp4_rows<kNvfp4TileM>(w, gw, a, t, m0, std::min<int64_t>(kNvfp4TileM, M - m0), yp,
                                 bp);
+    call.store(0, M, t0 * kTileN, std::min(t1 * kTileN, n));
   });
   return call.result(out_dtype);
 }

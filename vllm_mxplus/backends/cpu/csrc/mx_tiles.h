@@ -128,6 +128,7 @@ struct LinearCall {
   at::Tensor bias;                 // fp32 [n], or undefined
   at::Tensor scratch;              // the buffers below but y, one allocation (and y unless fp32 out)
   at::Tensor y32;                  // y as the op's fp32 output tensor, else undefined
+  at::Tensor out;                  // the op's bf16 or fp16 output [M, n] (store), else undefined
   int8_t* codes;                   // [M, kp]: 2 * value, zero padded
   int32_t* corr;                   // [M, nb]: the block code sums, then the correction
   float* scale;                    // [M, nb]: each block's scale term (the op's own)
@@ -139,7 +140,17 @@ struct LinearCall {
   const float* row(int64_t r, float* buf) const { return row_f32(x, r, k, buf); }
   // The floats a task's buf for row() needs: none where x is fp32 (its rows are read in place).
   int64_t row_buf() const { return x.scalar_type() == at::kFloat ? 0 : k; }
-  // y in the op's output dtype and x's leading shape.
+  // Rows [r0, r1) x columns [c0, c1) of y, final, rounded into `out` (nothing where the
+  // output is y itself): each GEMM task's last step for the outputs it wrote, while they are
+  // in its cache, with no pass of its own over y.
+  void store(int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
+    if (!out.defined() || r0 >= r1 || c0 >= c1) return;
+    const int64_t n = out_shape.back();
+    uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
+    const bool bf16 = out.scalar_type() == at::kBFloat16;
+    for (int64_t r = r0; r < r1; ++r) round_outputs(y + r * n + c0, o + r * n + c0, c1 - c0, bf16);
+  }
+  // The op's output in out_dtype and x's leading shape (after every task's store).
   at::Tensor result(at::ScalarType out_dtype) const;
 };
 LinearCall linear_call(const at::Tensor& x, int64_t n, int64_t k, int64_t block,
