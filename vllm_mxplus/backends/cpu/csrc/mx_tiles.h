@@ -116,7 +116,8 @@ WeightTiles e8m0_weight_tiles(const char* op, const at::Tensor& codes, const at:
 // rows_operand; the quantizer reads each as fp32 with row_f32, no fp32 copy of x), the bias
 // as fp32, and in one allocation the activation operand's buffers, which the op's row
 // quantizer fills, `extra` fp32 values per row for the op, and the fp32 output y (its own
-// tensor, returned as is, when the op's output is fp32). No fp32 copy of x is made (4 bytes per
+// tensor, returned as is, when the op's output is fp32; else the bf16 or fp16 output `out`,
+// which each GEMM task stores its outputs into). No fp32 copy of x is made (4 bytes per
 // activation element at prefill); the call's time at decode sizes is about what it was with a
 // tensor per buffer (measured on a Zen 4). `op` names the caller in errors.
 // mx_gemm_cpu.cpp.
