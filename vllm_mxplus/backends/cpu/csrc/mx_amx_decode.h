@@ -73,13 +73,8 @@ MXPLUS_AMX_STORE_TARGET inline void store_outputs(__m512 y, at::ScalarType dtype
   if (dtype == at::kFloat) {
     _mm512_mask_storeu_ps(static_cast<float*>(out) + at, live, y);
   } else if (dtype == at::kBFloat16) {
-    const __m512i bits = _mm512_castps_si512(y);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + at, live, _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + at, live,
+                             _mm512_cvtepi32_epi16(bf16_bits16(y)));
   } else {  // kHalf
     const __m256i r = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + at, live, r);

@@ -14,7 +14,8 @@
 #include <cstring>
 #include <limits>
 
-#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__F16C__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__F16C__) || \
+    (defined(__x86_64__) && defined(__GNUC__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -173,6 +174,20 @@ inline const float* row_f32(const at::Tensor& x, int64_t row, int64_t k, float* 
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// 16 fp32 outputs rounded to bf16 bits in int32 lanes: to nearest even, a NaN 0x7FC0. Compiled
+// for AVX-512 whatever the build's target (the AMX GEMMs' store_outputs runs in every x86-64
+// build, on AVX-512 hosts only; round_outputs in the AVX-512 build).
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
 // len fp32 outputs y rounded to bf16 (`bf16`) or fp16 at o: round to nearest even, a NaN stays
 // a NaN (bf16: 0x7FC0, as the AMX GEMMs' store_outputs; fp16: the sign and 0x7E00). The
 // integer GEMMs' last step, in the task that wrote y (LinearCall::store).
@@ -180,16 +195,9 @@ inline void round_outputs(const float* y, uint16_t* o, int64_t len, bool bf16) {
   int64_t i = 0;
   if (bf16) {
 #ifdef MXPLUS_AVX512
-    for (; i + 16 <= len; i += 16) {
-      const __m512 v = _mm512_loadu_ps(y + i);
-      const __m512i bits = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                _mm512_set1_epi32(0x7FC0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(r));
-    }
+    for (; i + 16 <= len; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          _mm512_cvtepi32_epi16(bf16_bits16(_mm512_loadu_ps(y + i))));
 #endif
     for (; i < len; ++i) {
       const uint32_t u = f2u(y[i]);
