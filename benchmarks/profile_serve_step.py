@@ -4,7 +4,8 @@
         [--streams 16] [--prompt-tokens 128] [--tokens 32] [--threads 1] [--rows 25]
         [--llama8b-shaped] [--compile]
 
-One vLLM engine (eager, or with --compile vLLM's default torch.compile mode; in-process) on the embedded SmolLM2 (`mxplus prepare`) or, with
+One vLLM engine (in-process; eager, or with --compile vLLM's default torch.compile mode) on
+the embedded SmolLM2 (`mxplus prepare`) or, with
 --llama8b-shaped, on bench_serve_cpu.py's random 2-layer Llama with Llama-3-8B linear shapes
 (built on the fly; `--streams 4 --prompt-tokens 8 --tokens 64` is its decode case), --streams
 prompts of --prompt-tokens tokens, --tokens greedy tokens each, profiled after a warm-up; it

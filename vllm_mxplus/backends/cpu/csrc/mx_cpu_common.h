@@ -189,8 +189,9 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i bf16_bits16(__m512 v)
 #endif
 
 // len fp32 outputs y rounded to bf16 (`bf16`) or fp16 at o: round to nearest even, a NaN stays
-// a NaN (bf16: 0x7FC0, as the AMX GEMMs' store_outputs; fp16: the sign and 0x7E00). The
-// integer GEMMs' last step, in the task that wrote y (LinearCall::store).
+// a NaN (bf16: 0x7FC0, as the AMX GEMMs' store_outputs and at::BFloat16; fp16: the sign and
+// 0x7E00, as at::Half). The integer GEMMs' last step, in the task that wrote y
+// (LinearCall::store).
 inline void round_outputs(const float* y, uint16_t* o, int64_t len, bool bf16) {
   int64_t i = 0;
   if (bf16) {
@@ -199,11 +200,7 @@ inline void round_outputs(const float* y, uint16_t* o, int64_t len, bool bf16) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
                           _mm512_cvtepi32_epi16(bf16_bits16(_mm512_loadu_ps(y + i))));
 #endif
-    for (; i < len; ++i) {
-      const uint32_t u = f2u(y[i]);
-      o[i] = std::isnan(y[i]) ? uint16_t{0x7FC0}
-                              : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (; i < len; ++i) o[i] = at::BFloat16(y[i]).x;  // torch's rounding: the same bits
     return;
   }
 #ifdef __F16C__
